@@ -1,0 +1,109 @@
+// The op interface every backend implements. Model code (vision/, language/, bridge/) is written
+// once against it; the CPU backend is the fp32 oracle, the CUDA backend runs bf16 with fp32
+// accumulation. All tensors are contiguous and row-major; "rows" are all dims but the last.
+//
+// Conventions shared by all ops:
+//  - Float tensors passed to one call share the backend's compute dtype unless a parameter says
+//    otherwise (f32 on the CPU, bf16 on CUDA). Index tensors are i32.
+//  - An optional tensor is passed as a default-constructed Tensor (defined() == false).
+//  - Outputs may alias inputs only where the op's comment says so.
+//  - Ops are asynchronous on devices that have streams; read() synchronises.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace iris {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+  // dtype of weights and activations on this backend.
+  virtual DType compute_dtype() const = 0;
+
+  // Raw device memory, used by Arena (once, up front) and never inside a step loop.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* ptr) = 0;
+
+  // dst.numel() elements from host memory of type src_dtype, converted to dst.dtype.
+  virtual void write(const Tensor& dst, const void* host_src, DType src_dtype) = 0;
+  // src.numel() elements into host memory as dst_dtype (waits for pending work).
+  virtual void read(void* host_dst, DType dst_dtype, const Tensor& src) = 0;
+  // dst = src, same dtype and element count, both on this backend.
+  virtual void copy(const Tensor& dst, const Tensor& src) = 0;
+  virtual void fill_zero(const Tensor& dst) = 0;
+  virtual void synchronize() = 0;
+
+  // y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) (+ y if accumulate). y must not alias x.
+  virtual void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
+                      bool accumulate) = 0;
+
+  // Row-wise LayerNorm over the last dim with weight and bias (stats in f32). y may alias x.
+  virtual void layer_norm(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b,
+                          float eps) = 0;
+  // Row-wise RMSNorm: y = cast(x * rsqrt(mean(x^2) + eps)) * w (stats in f32). y may alias x.
+  virtual void rms_norm(const Tensor& y, const Tensor& x, const Tensor& w, float eps) = 0;
+
+  // Elementwise; y may alias a or b.
+  virtual void add(const Tensor& y, const Tensor& a, const Tensor& b) = 0;
+  // y = gelu(x) with the tanh approximation / with erf. y may alias x.
+  virtual void gelu_tanh(const Tensor& y, const Tensor& x) = 0;
+  virtual void gelu_erf(const Tensor& y, const Tensor& x) = 0;
+  // y[M,I] = silu(gate_up[:, :I]) * gate_up[:, I:]  (gate_up is [M, 2I]).
+  virtual void swiglu(const Tensor& y, const Tensor& gate_up) = 0;
+
+  // In place on a fused projection qkv[T, (n_q + 2*n_kv) * head_dim] laid out as q heads, then k
+  // heads, then v heads: optional per-head RMSNorm of q and k (q_norm/k_norm, weights [head_dim]),
+  // then rotate-half RoPE on q and k with cos/sin [T, head_dim] f32 tables. When
+  // round_tables_to_compute_dtype is set, cos/sin are cast to the compute dtype before use (HF
+  // does this for the text M-RoPE; the vision RoPE runs in f32).
+  virtual void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                             float eps, const Tensor& cos, const Tensor& sin, int n_q_heads,
+                             int n_kv_heads, int head_dim, bool round_tables_to_compute_dtype) = 0;
+
+  // Non-causal attention within segments: out[S, n_heads*head_dim] from qkv[S, 3*n_heads*head_dim]
+  // (q, k, v blocks). cu_seqlens (i32 [n_segments+1]) splits the S rows into independent segments;
+  // zero-length segments are allowed. Softmax in f32.
+  virtual void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu_seqlens,
+                                  int n_segments, int n_heads, int head_dim, float scale) = 0;
+
+  // Appends the k and v heads of qkv[T, (n_q + 2*n_kv)*head_dim] to the caches
+  // (k_cache/v_cache [max_len, n_kv*head_dim]) at rows past_len[0] .. past_len[0]+T-1.
+  // past_len is an i32 [1] tensor on this backend so that a captured graph reads it at replay.
+  virtual void kv_store(const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                        const Tensor& past_len, int n_q_heads, int n_kv_heads, int head_dim) = 0;
+  // Causal GQA attention for T new queries at absolute rows past_len[0] + i, over cache rows
+  // [0, past_len[0] + i]. out[T, n_q*head_dim]; query head h reads kv head h / (n_q / n_kv).
+  virtual void attention_causal(const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
+                                const Tensor& v_cache, const Tensor& past_len, int n_q_heads,
+                                int n_kv_heads, int head_dim, float scale) = 0;
+
+  // y[T, H] = table[ids[t], :]; ids i32 [T]. Out-of-range ids are an error on the CPU.
+  virtual void embedding(const Tensor& y, const Tensor& table, const Tensor& ids) = 0;
+  // dst[index[i], :] = src[i, :] (or += when accumulate); index i32 [N].
+  virtual void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index,
+                            bool accumulate) = 0;
+  // y[S, D] += cast(sum_k weight[s,k] * table[index[s,k], :]) for k < 4: the bilinear
+  // interpolation of a learned position-embedding grid, summed in f32 and rounded once.
+  // index i32 [S, 4], weight f32 [S, 4].
+  virtual void add_interpolated_rows(const Tensor& y, const Tensor& table, const Tensor& index,
+                                     const Tensor& weight) = 0;
+  // out i32 [M] = argmax over each row of x[M, N] (lowest index wins ties).
+  virtual void argmax_rows(const Tensor& out, const Tensor& x) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// Throws a clear error when Iris was built without CUDA or no GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
+// "cpu" or "cuda"/"cuda:N".
+std::unique_ptr<Backend> make_backend(const std::string& spec);
+bool cuda_available();
+
+}  // namespace iris

@@ -1,0 +1,61 @@
+#include "core/dtype.h"
+
+#include <cmath>
+
+namespace iris {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+  }
+  return "?";
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -24);
+  } else if (exp == 31) {
+    v = mant ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
+  }
+  return sign ? -v : v;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (a >= 65520.0f) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (a < 6.103515625e-05f) {  // subnormal: scale into the 10-bit mantissa, round to even
+    const float m = std::nearbyint(a * 16777216.0f);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(m));
+  }
+  int e;
+  const float fr = std::frexp(a, &e);  // a = fr * 2^e, fr in [0.5, 1)
+  uint32_t mant = static_cast<uint32_t>(std::nearbyint((fr * 2.0f - 1.0f) * 1024.0f));
+  uint32_t exp = static_cast<uint32_t>(e - 1 + 15);
+  if (mant == 1024) { mant = 0; ++exp; }
+  return static_cast<uint16_t>(sign | (exp << 10) | mant);
+}
+
+}  // namespace iris

@@ -1,0 +1,37 @@
+// Element types and the bf16/f16 <-> f32 conversions used on load and in the CPU reference.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace iris {
+
+enum class DType : uint8_t { f32, bf16, f16, i32, i64 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+
+// Round-to-nearest-even, as torch does when casting f32 to bf16; NaN stays NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rounds through bf16 and back: the CPU reference uses it where a test wants bf16 cast points.
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+}  // namespace iris

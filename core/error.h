@@ -1,0 +1,44 @@
+// Error reporting: one exception type carrying where and why, and check macros that fill it in.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace iris {
+
+// Thrown for every recoverable failure (bad input, bad config, failed CUDA call). The message is
+// meant for a user: it says what was wrong and, where known, how to fix it.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+[[noreturn]] void throw_error(const char* file, int line, const std::string& message);
+
+namespace detail {
+inline void format_into(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void format_into(std::ostringstream& os, const T& first, const Rest&... rest) {
+  os << first;
+  format_into(os, rest...);
+}
+}  // namespace detail
+
+template <typename... Args>
+std::string str_cat(const Args&... args) {
+  std::ostringstream os;
+  detail::format_into(os, args...);
+  return os.str();
+}
+
+}  // namespace iris
+
+// User-facing failure with file:line appended.
+#define IRIS_FAIL(...) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__))
+
+// Precondition check; the message says what was expected.
+#define IRIS_CHECK(cond, ...)                                                               \
+  do {                                                                                      \
+    if (!(cond)) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__)); \
+  } while (0)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs Iris's Debian packages and fetches the tokenizer. Safe to run again.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+packages=(build-essential cmake pkg-config git npm
+  libopenblas-dev libomp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
+  libcli11-dev libgtest-dev libbenchmark-dev clang-format)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+"$root/scripts/fetch_tokenizer.sh"
