@@ -1,0 +1,27 @@
+// The joined Qwen3-VL configuration, read from an HF config.json.
+#pragma once
+
+#include <string>
+
+#include "language/text_config.h"
+#include "vision/vision_config.h"
+
+namespace iris {
+
+struct ModelConfig {
+  std::string model_type = "qwen3_vl";
+  TextConfig text;
+  VisionConfig vision;
+  int image_token_id = 151655;
+  int video_token_id = 151656;
+  int vision_start_token_id = 151652;
+  int vision_end_token_id = 151653;
+  bool tie_word_embeddings = false;
+
+  // Reads config.json (nested Qwen3-VL layout; rope_parameters or legacy rope_scaling +
+  // rope_theta). Errors name the file and the field.
+  static ModelConfig from_file(const std::string& config_json_path);
+  static ModelConfig from_json_text(const std::string& text, const std::string& source_name);
+};
+
+}  // namespace iris

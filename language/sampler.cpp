@@ -1,0 +1,84 @@
+#include "language/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace iris {
+
+Sampler::Sampler(const SamplingParams& p) : params_(p), rng_(p.seed) {
+  IRIS_CHECK(p.temperature >= 0.0f, "temperature must be >= 0, got ", p.temperature);
+  IRIS_CHECK(p.top_k >= 0, "top-k must be >= 0, got ", p.top_k);
+  IRIS_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top-p must be in (0, 1], got ", p.top_p);
+  IRIS_CHECK(p.min_p >= 0.0f && p.min_p < 1.0f, "min-p must be in [0, 1), got ", p.min_p);
+  IRIS_CHECK(p.repetition_penalty > 0.0f, "repetition penalty must be > 0, got ",
+             p.repetition_penalty);
+}
+
+int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& history) {
+  const int32_t V = static_cast<int32_t>(logits.size());
+  IRIS_CHECK(V > 0, "cannot sample from an empty vocabulary");
+  if (params_.repetition_penalty != 1.0f) {
+    // As in HF: divide positive logits, multiply negative ones, once per distinct token.
+    std::vector<int32_t> seen(history);
+    std::sort(seen.begin(), seen.end());
+    seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+    for (int32_t t : seen) {
+      if (t < 0 || t >= V) continue;
+      float& l = logits[t];
+      l = l > 0 ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+    }
+  }
+  if (params_.temperature == 0.0f)
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+
+  candidates_.resize(V);
+  std::iota(candidates_.begin(), candidates_.end(), 0);
+  auto by_logit = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  int32_t n = V;
+  if (params_.top_k > 0 && params_.top_k < V) {
+    n = params_.top_k;
+    std::partial_sort(candidates_.begin(), candidates_.begin() + n, candidates_.end(), by_logit);
+  } else {
+    std::sort(candidates_.begin(), candidates_.end(), by_logit);
+  }
+  probs_.resize(n);
+  const float mx = logits[candidates_[0]];
+  double sum = 0.0;
+  for (int32_t i = 0; i < n; ++i) {
+    probs_[i] = std::exp((logits[candidates_[i]] - mx) / params_.temperature);
+    sum += probs_[i];
+  }
+  for (int32_t i = 0; i < n; ++i) probs_[i] = static_cast<float>(probs_[i] / sum);
+  if (params_.min_p > 0.0f) {
+    const float floor_p = params_.min_p * probs_[0];
+    int32_t keep = 1;
+    while (keep < n && probs_[keep] >= floor_p) ++keep;
+    n = keep;
+  }
+  if (params_.top_p < 1.0f) {
+    double cum = 0.0;
+    int32_t keep = 0;
+    while (keep < n) {
+      cum += probs_[keep++];
+      if (cum >= params_.top_p) break;
+    }
+    n = keep;
+  }
+  double total = 0.0;
+  for (int32_t i = 0; i < n; ++i) total += probs_[i];
+  std::uniform_real_distribution<double> uni(0.0, total);
+  const double r = uni(rng_);
+  double acc = 0.0;
+  for (int32_t i = 0; i < n; ++i) {
+    acc += probs_[i];
+    if (r < acc) return candidates_[i];
+  }
+  return candidates_[n - 1];
+}
+
+}  // namespace iris
