@@ -8,7 +8,6 @@
 #include <charconv>
 #include <limits>
 #include <map>
-#include <span>
 
 #include "core/error.h"
 
@@ -18,8 +17,8 @@ namespace {
 
 constexpr const char* kPrefix = "CUDA graph config: ";
 
-// Megatron-LM rounds bucket sizes from here; below it the launch overhead a graph saves is not
-// worth a separate capture.
+// Smallest default bucket: one 256x256 image at patch size 16. Smaller calls pad up to it rather
+// than each size getting a capture (and a static buffer set) of its own.
 constexpr int64_t kFirstDefaultBucket = 256;
 
 struct KeyInfo {
@@ -290,8 +289,7 @@ ParsedModules parse_modules(std::string_view key, const std::string& value,
                  " (vision_cuda_graph_impl allows none, local)");
       const LegacyScope legacy = item == "full_iteration" ? LegacyScope::full_iteration
                                                           : LegacyScope::full_iteration_inference;
-      IRIS_CHECK(out.legacy == LegacyScope::none || out.legacy == legacy, kPrefix, key, " '",
-                 value,
+      IRIS_CHECK(out.legacy == LegacyScope::none || out.legacy == legacy, kPrefix, key, " '", value,
                  "' holds two deprecated values at once (full_iteration and "
                  "full_iteration_inference); keep one, or better, set cuda_graph_impl: "
                  "full_iteration or inference_cuda_graph_scope: block directly");
@@ -306,13 +304,13 @@ ParsedModules parse_modules(std::string_view key, const std::string& value,
     if (vision && (item == "moe" || item == "moe_router" || item == "moe_preprocess"))
       IRIS_FAIL(kPrefix, key, " '", item, "' is not valid: the vision encoder has no MoE layers; ",
                 "valid values: ", valid);
-    const GraphModule m = parse_enum(
-        key, item, choices,
-        str_cat(" (an empty list means the whole layer)",
-                scope_hint(item, vision ? "vision_inference_cuda_graph_scope"
-                                        : "inference_cuda_graph_scope")));
-    IRIS_CHECK(std::find(out.modules.begin(), out.modules.end(), m) == out.modules.end(),
-               kPrefix, key, " '", value, "' lists '", item, "' twice");
+    const GraphModule m =
+        parse_enum(key, item, choices,
+                   str_cat(" (an empty list means the whole layer)",
+                           scope_hint(item, vision ? "vision_inference_cuda_graph_scope"
+                                                   : "inference_cuda_graph_scope")));
+    IRIS_CHECK(std::find(out.modules.begin(), out.modules.end(), m) == out.modules.end(), kPrefix,
+               key, " '", value, "' lists '", item, "' twice");
     out.modules.push_back(m);
   }
   std::sort(out.modules.begin(), out.modules.end());
@@ -367,8 +365,8 @@ void validate_vision(const VisionGraphConfig& c) {
                "vision_cuda_graph_modules '", to_string(m),
                "' is not valid: the vision encoder has no MoE layers; valid values: ",
                valid_list(kVisionModules));
-  IRIS_CHECK(c.max_seq_length >= 0, kPrefix, "max_vision_cuda_graph_seq_length ",
-             c.max_seq_length, " is negative; expected patches per encoder call, or 0 to derive");
+  IRIS_CHECK(c.max_seq_length >= 0, kPrefix, "max_vision_cuda_graph_seq_length ", c.max_seq_length,
+             " is negative; expected patches per encoder call, or 0 to derive");
   for (size_t i = 0; i < c.buckets.size(); ++i) {
     IRIS_CHECK(c.buckets[i] > 0, kPrefix, "vision_cuda_graph_buckets ", join_ints(c.buckets),
                ": entry ", c.buckets[i], " is not positive; buckets are padded patch counts");
@@ -381,11 +379,6 @@ void validate_vision(const VisionGraphConfig& c) {
   }
 }
 
-struct LanguageInput {
-  const Values& v;
-  std::vector<std::string>& warnings;
-};
-
 LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& warnings) {
   LanguageGraphConfig c;
   const std::string impl_valid =
@@ -393,7 +386,8 @@ LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& wa
 
   // Legacy booleans first: they decide the impl that the scope migration below sees.
   std::optional<bool> enable, external;
-  if (v.has("enable_cuda_graph")) enable = parse_bool("enable_cuda_graph", v.at("enable_cuda_graph"));
+  if (v.has("enable_cuda_graph"))
+    enable = parse_bool("enable_cuda_graph", v.at("enable_cuda_graph"));
   if (v.has("external_cuda_graph"))
     external = parse_bool("external_cuda_graph", v.at("external_cuda_graph"));
   IRIS_CHECK(!(enable.value_or(false) && external.value_or(false)), kPrefix,
@@ -464,7 +458,8 @@ LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& wa
                "instead");
     IRIS_CHECK(!scope || *scope == InferenceGraphScope::none, kPrefix, modules_key,
                " 'full_iteration' cannot be combined with inference_cuda_graph_scope '",
-               to_string(*scope), "': full_iteration has no inference graphs; remove "
+               to_string(*scope),
+               "': full_iteration has no inference graphs; remove "
                "inference_cuda_graph_scope (or set it to none)");
     c.impl = GraphImpl::full_iteration;
     migrated = "'full_iteration' migrated to cuda_graph_impl: full_iteration";
@@ -497,9 +492,9 @@ LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& wa
   c.inference_scope = scope.value_or(c.impl == GraphImpl::local ? InferenceGraphScope::layer
                                                                 : InferenceGraphScope::none);
   if (v.has("cuda_graph_warmup_steps"))
-    c.warmup_steps = static_cast<int>(parse_int("cuda_graph_warmup_steps",
-                                                v.at("cuda_graph_warmup_steps"), 0,
-                                                "an integer >= 0 (default 3)"));
+    c.warmup_steps =
+        static_cast<int>(parse_int("cuda_graph_warmup_steps", v.at("cuda_graph_warmup_steps"), 0,
+                                   "an integer >= 0 (default 3)"));
   validate_language(c);
   return c;
 }
@@ -531,9 +526,10 @@ VisionGraphConfig parse_vision(const Values& v, std::vector<std::string>& warnin
     c.modules = pm.modules;
     const char* full_note = pm.full ? "; 'full' migrated to an empty list (whole layer)" : "";
     if (old_key)
-      warnings.push_back(str_cat("vision_cuda_graph_scope is deprecated: migrated to "
-                                 "vision_cuda_graph_modules: ",
-                                 join_modules(c.modules), full_note));
+      warnings.push_back(
+          str_cat("vision_cuda_graph_scope is deprecated: migrated to "
+                  "vision_cuda_graph_modules: ",
+                  join_modules(c.modules), full_note));
     else if (pm.full)
       warnings.push_back(
           "vision_cuda_graph_modules value 'full' is deprecated: migrated to an empty list "
@@ -541,13 +537,13 @@ VisionGraphConfig parse_vision(const Values& v, std::vector<std::string>& warnin
   }
 
   if (v.has("vision_inference_cuda_graph_scope"))
-    c.inference_scope = parse_enum("vision_inference_cuda_graph_scope",
-                                   v.at("vision_inference_cuda_graph_scope"), kVisionScopes,
-                                   " (block = the whole encoder including the patch mergers)");
+    c.inference_scope =
+        parse_enum("vision_inference_cuda_graph_scope", v.at("vision_inference_cuda_graph_scope"),
+                   kVisionScopes, " (block = the whole encoder including the patch mergers)");
   if (v.has("max_vision_cuda_graph_seq_length"))
     c.max_seq_length =
-        parse_int("max_vision_cuda_graph_seq_length", v.at("max_vision_cuda_graph_seq_length"),
-                  0, "patches before the 2x2 merge per encoder call, or 0 to derive from the model");
+        parse_int("max_vision_cuda_graph_seq_length", v.at("max_vision_cuda_graph_seq_length"), 0,
+                  "patches before the 2x2 merge per encoder call, or 0 to derive from the model");
   if (v.has("vision_cuda_graph_buckets"))
     for (const std::string& item :
          split_list("vision_cuda_graph_buckets", v.at("vision_cuda_graph_buckets")))
@@ -555,28 +551,43 @@ VisionGraphConfig parse_vision(const Values& v, std::vector<std::string>& warnin
                                     std::numeric_limits<int64_t>::min(),
                                     "ascending padded patch counts, e.g. 256,512,1024"));
   if (v.has("vision_cuda_graph_overflow"))
-    c.overflow =
-        parse_enum("vision_cuda_graph_overflow", v.at("vision_cuda_graph_overflow"), kOverflows,
-                   " (eager = run an oversized call without graphs)");
+    c.overflow = parse_enum("vision_cuda_graph_overflow", v.at("vision_cuda_graph_overflow"),
+                            kOverflows, " (eager = run an oversized call without graphs)");
   validate_vision(c);
   return c;
 }
 
 std::vector<int64_t> default_buckets(int64_t max) {
   std::vector<int64_t> out;
-  for (int64_t b = kFirstDefaultBucket; b < max; b *= 2) out.push_back(b);
+  // Doubling stops at max / 2 so that b never overflows, whatever max is.
+  for (int64_t b = kFirstDefaultBucket; b < max; b *= 2) {
+    out.push_back(b);
+    if (b > max / 2) break;
+  }
   out.push_back(max);
   return out;
 }
 
 }  // namespace
 
-std::string_view to_string(GraphImpl v) { return name_of(kImpls, v); }
-std::string_view to_string(GraphModule v) { return name_of(kModules, v); }
-std::string_view to_string(InferenceGraphScope v) { return name_of(kInferenceScopes, v); }
-std::string_view to_string(VisionGraphImpl v) { return name_of(kVisionImpls, v); }
-std::string_view to_string(VisionGraphScope v) { return name_of(kVisionScopes, v); }
-std::string_view to_string(VisionGraphOverflow v) { return name_of(kOverflows, v); }
+std::string_view to_string(GraphImpl v) {
+  return name_of(kImpls, v);
+}
+std::string_view to_string(GraphModule v) {
+  return name_of(kModules, v);
+}
+std::string_view to_string(InferenceGraphScope v) {
+  return name_of(kInferenceScopes, v);
+}
+std::string_view to_string(VisionGraphImpl v) {
+  return name_of(kVisionImpls, v);
+}
+std::string_view to_string(VisionGraphScope v) {
+  return name_of(kVisionScopes, v);
+}
+std::string_view to_string(VisionGraphOverflow v) {
+  return name_of(kOverflows, v);
+}
 
 const std::vector<std::string>& graph_config_keys() {
   static const std::vector<std::string> keys = [] {
@@ -668,11 +679,11 @@ void finalize_graph_configs(GraphConfigs& cfg, const GraphModelTraits& model) {
 
   if (!model.has_moe)
     for (GraphModule m : cfg.language.modules)
-      IRIS_CHECK(m != GraphModule::moe && m != GraphModule::moe_router &&
-                     m != GraphModule::moe_preprocess,
-                 kPrefix, "cuda_graph_modules '", to_string(m),
-                 "' needs MoE layers, but this model has none; valid values for it: attn, mlp "
-                 "(or an empty list for the whole layer)");
+      IRIS_CHECK(
+          m != GraphModule::moe && m != GraphModule::moe_router && m != GraphModule::moe_preprocess,
+          kPrefix, "cuda_graph_modules '", to_string(m),
+          "' needs MoE layers, but this model has none; valid values for it: attn, mlp "
+          "(or an empty list for the whole layer)");
 
   IRIS_CHECK(model.spatial_merge_size >= 1, kPrefix, "model spatial_merge_size ",
              model.spatial_merge_size, " must be >= 1");
