@@ -1,0 +1,575 @@
+// Image decoding and Qwen-VL preprocessing against the HF golden (tests/data/qwen3vl-tiny) and
+// against independent re-derivations of the spec's formulas.
+#include <stb_image_write.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/error.h"
+#include "test_util.h"
+#include "vision/image.h"
+#include "vision/preprocess.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string bad_dir() {
+  return test::data_dir() + "/bad_images";
+}
+
+// A fresh directory per test process so concurrent runs do not collide.
+fs::path scratch_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("iris_preprocess_test_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+ImageRGB8 random_image(int w, int h, uint32_t seed) {
+  std::mt19937 rng(seed);
+  ImageRGB8 img;
+  img.width = w;
+  img.height = h;
+  img.pixels.resize(static_cast<size_t>(w) * h * 3);
+  for (auto& p : img.pixels) p = static_cast<uint8_t>(rng() & 0xff);
+  return img;
+}
+
+// Message of the iris::Error thrown by f, or a failure when nothing (or something else) is thrown.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected iris::Error, got another exception: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Golden parity
+
+TEST(VisionPreprocess, MatchesHFGolden) {
+  const std::string dir = test::fixture_dir();
+  const PreprocessorConfig cfg = PreprocessorConfig::from_file(dir + "/preprocessor_config.json");
+  const std::vector<ImageRGB8> images = {load_image(dir + "/images/image0.png"),
+                                         load_image(dir + "/images/image1.png")};
+  ASSERT_EQ(images[0].width, 200);
+  ASSERT_EQ(images[0].height, 150);
+  ASSERT_EQ(images[1].width, 96);
+  ASSERT_EQ(images[1].height, 260);
+
+  const PreprocessedBatch got = preprocess_images(images, cfg);
+  test::Golden golden;
+  const HostTensor want_grid = golden.tensor("image_grid_thw");
+  ASSERT_EQ(want_grid.dims(), (std::vector<int64_t>{2, 3}));
+  ASSERT_EQ(got.grid_thw.size(), 2u);
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 3; ++k)
+      EXPECT_EQ(got.grid_thw[i][k], want_grid.data<int64_t>()[i * 3 + k]) << "image " << i;
+
+  const HostTensor want = golden.tensor("pixel_values");
+  ASSERT_EQ(got.pixel_values.dims(), want.dims());
+  const std::vector<float> a = got.pixel_values.to_f32(), b = want.to_f32();
+  // Pre-normalisation units: one uint8 level is std*255 = 127.5 normalised units.
+  const double unit = 255.0 * cfg.image_std[0];
+  size_t within = 0, exact = 0;
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(b[i])) * unit;
+    worst = std::max(worst, d);
+    within += d <= 2.0 + 1e-4;
+    exact += a[i] == b[i];
+  }
+  const double frac = double(within) / double(a.size());
+  std::printf(
+      "pixel_values vs HF: %zu/%zu within 2 levels (%.6f), %zu bit-exact, max diff %.4f levels\n",
+      within, a.size(), frac, exact, worst);
+  RecordProperty("fraction_within_2_levels", std::to_string(frac));
+  RecordProperty("max_diff_levels", std::to_string(worst));
+  EXPECT_GE(frac, 0.999);
+
+  // The batch is the per-image results stacked in order.
+  int64_t row = 0;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const PreprocessedImage one = preprocess_image(images[i], cfg);
+    EXPECT_EQ(one.grid_thw, got.grid_thw[i]);
+    const std::vector<float> v = one.pixel_values.to_f32();
+    ASSERT_EQ(one.pixel_values.dim(1), got.pixel_values.dim(1));
+    const size_t off = static_cast<size_t>(row * got.pixel_values.dim(1));
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), a.begin() + off)) << "image " << i;
+    row += one.pixel_values.dim(0);
+  }
+  EXPECT_EQ(row, got.pixel_values.dim(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// smart_resize
+
+TEST(VisionPreprocess, SmartResizeRoundsHalfToEven) {
+  // 720/32 = 22.5 -> 22 (round half to even); std::round would give 736.
+  const ResizedSize s = smart_resize(720, 1280, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 704);
+  EXPECT_EQ(s.width, 1280);
+  // 816/32 = 25.5 -> 26: the even neighbour is above here.
+  EXPECT_EQ(smart_resize(816, 816, 32, 65536, 16777216).height, 832);
+  // Not a tie: plain rounding both ways.
+  EXPECT_EQ(smart_resize(500, 1000, 32, 65536, 16777216).height, 512);
+  EXPECT_EQ(smart_resize(500, 1000, 32, 65536, 16777216).width, 992);
+}
+
+TEST(VisionPreprocess, SmartResizeMinPixelsBranch) {
+  // 150x200: rounds to 160x192 = 30720 < 65536, so scale up by sqrt(65536/30000) and ceil.
+  ResizedSize s = smart_resize(150, 200, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 224);
+  EXPECT_EQ(s.width, 320);
+  s = smart_resize(260, 96, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 448);
+  EXPECT_EQ(s.width, 160);
+  // Tiny images grow to at least min_pixels.
+  s = smart_resize(10, 10, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 256);
+  EXPECT_EQ(s.width, 256);
+  EXPECT_GE(int64_t(s.height) * s.width, 65536);
+}
+
+TEST(VisionPreprocess, SmartResizeMaxPixelsBranch) {
+  // 3000x4000 -> beta = sqrt(12e6/1e6); floor(3000/beta/32)*32 = 864, floor(4000/beta/32)*32 =
+  // 1152.
+  ResizedSize s = smart_resize(3000, 4000, 32, 65536, 1000000);
+  EXPECT_EQ(s.height, 864);
+  EXPECT_EQ(s.width, 1152);
+  EXPECT_LE(int64_t(s.height) * s.width, 1000000);
+  // 8000x8000 with the Qwen3-VL cap lands exactly on 4096x4096 = 16777216.
+  s = smart_resize(8000, 8000, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 4096);
+  EXPECT_EQ(s.width, 4096);
+  // The short side would floor to 0 and is held at one factor (5.x guard).
+  s = smart_resize(100, 10000, 32, 1024, 4096);
+  EXPECT_EQ(s.height, 32);
+  EXPECT_EQ(s.width, 640);
+  // Already a multiple and within bounds: unchanged.
+  s = smart_resize(1344, 1344, 32, 65536, 16777216);
+  EXPECT_EQ(s.height, 1344);
+  EXPECT_EQ(s.width, 1344);
+}
+
+TEST(VisionPreprocess, SmartResizeRejectsExtremeAspectRatio) {
+  EXPECT_NO_THROW(smart_resize(1, 200, 32, 65536, 16777216));
+  std::string msg = error_of([] { smart_resize(1, 201, 32, 65536, 16777216); });
+  EXPECT_NE(msg.find("aspect ratio"), std::string::npos) << msg;
+  msg = error_of([] { smart_resize(4020, 20, 32, 65536, 16777216); });
+  EXPECT_NE(msg.find("aspect ratio"), std::string::npos) << msg;
+  msg = error_of([] { smart_resize(0, 20, 32, 65536, 16777216); });
+  EXPECT_NE(msg.find("positive"), std::string::npos) << msg;
+  // Through the full pipeline too.
+  msg = error_of([] { preprocess_image(random_image(402, 2, 1), PreprocessorConfig{}); });
+  EXPECT_NE(msg.find("aspect ratio"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resampling
+
+// The antialiased bicubic filter straight from the spec, in double, with uint8 rounding between
+// the passes: the fixed-point kernel may differ from it by at most one level.
+std::vector<std::vector<double>> spec_weights(int in, int out, std::vector<int>& first) {
+  const double scale = double(in) / out, fs = std::max(scale, 1.0), support = 2 * fs;
+  std::vector<std::vector<double>> w(out);
+  first.assign(out, 0);
+  auto k = [](double x) {
+    const double a = -0.5;
+    x = std::fabs(x);
+    if (x < 1) return (a + 2) * x * x * x - (a + 3) * x * x + 1;
+    if (x < 2) return a * x * x * x - 5 * a * x * x + 8 * a * x - 4 * a;
+    return 0.0;
+  };
+  for (int i = 0; i < out; ++i) {
+    const double center = (i + 0.5) * scale;
+    const int lo = std::max(0, int(center - support + 0.5));
+    const int hi = std::min(in, int(center + support + 0.5));
+    double sum = 0;
+    for (int j = lo; j < hi; ++j) {
+      w[i].push_back(k((j - center + 0.5) / fs));
+      sum += w[i].back();
+    }
+    for (double& v : w[i]) v /= sum;
+    first[i] = lo;
+  }
+  return w;
+}
+
+ImageRGB8 reference_resize(const ImageRGB8& src, int oh, int ow) {
+  auto to_u8 = [](double v) { return uint8_t(std::clamp(std::floor(v + 0.5), 0.0, 255.0)); };
+  ImageRGB8 mid{ow, src.height, std::vector<uint8_t>(size_t(ow) * src.height * 3)};
+  std::vector<int> fx, fy;
+  if (ow == src.width) {
+    mid = src;
+  } else {
+    const auto wx = spec_weights(src.width, ow, fx);
+    for (int y = 0; y < src.height; ++y)
+      for (int x = 0; x < ow; ++x)
+        for (int c = 0; c < 3; ++c) {
+          double acc = 0;
+          for (size_t j = 0; j < wx[x].size(); ++j)
+            acc += wx[x][j] * src.pixels[(size_t(y) * src.width + fx[x] + j) * 3 + c];
+          mid.pixels[(size_t(y) * ow + x) * 3 + c] = to_u8(acc);
+        }
+  }
+  if (oh == src.height) return mid;
+  ImageRGB8 out{ow, oh, std::vector<uint8_t>(size_t(ow) * oh * 3)};
+  const auto wy = spec_weights(src.height, oh, fy);
+  for (int y = 0; y < oh; ++y)
+    for (int x = 0; x < ow; ++x)
+      for (int c = 0; c < 3; ++c) {
+        double acc = 0;
+        for (size_t j = 0; j < wy[y].size(); ++j)
+          acc += wy[y][j] * mid.pixels[((fy[y] + j) * size_t(ow) + x) * 3 + c];
+        out.pixels[(size_t(y) * ow + x) * 3 + c] = to_u8(acc);
+      }
+  return out;
+}
+
+TEST(VisionPreprocess, BicubicAntialiasAgreesWithSpecFilter) {
+  struct Case {
+    int w, h, ow, oh;
+  };
+  // Upscale, downscale (antialias support widens), mixed, one axis unchanged.
+  for (const Case c : {Case{37, 23, 96, 64}, Case{120, 90, 31, 17}, Case{50, 70, 128, 20},
+                       Case{64, 40, 64, 97}, Case{81, 33, 29, 33}}) {
+    const ImageRGB8 src = random_image(c.w, c.h, 7 + c.w);
+    const ImageRGB8 got = resize_bicubic_antialias(src, c.oh, c.ow);
+    ASSERT_EQ(got.width, c.ow);
+    ASSERT_EQ(got.height, c.oh);
+    ASSERT_EQ(got.pixels.size(), size_t(c.ow) * c.oh * 3);
+    const ImageRGB8 ref = reference_resize(src, c.oh, c.ow);
+    int worst = 0;
+    size_t off = 0;
+    for (size_t i = 0; i < got.pixels.size(); ++i) {
+      const int d = std::abs(int(got.pixels[i]) - int(ref.pixels[i]));
+      worst = std::max(worst, d);
+      off += d != 0;
+    }
+    // Intermediate rounding can compound: allow 2 levels after two passes, rarely.
+    EXPECT_LE(worst, 2) << c.w << "x" << c.h << " -> " << c.ow << "x" << c.oh;
+    EXPECT_LT(double(off) / got.pixels.size(), 0.05) << c.w << "x" << c.h;
+  }
+}
+
+TEST(VisionPreprocess, BicubicAntialiasKeepsConstantsAndIdentity) {
+  ImageRGB8 flat{45, 31, {}};
+  for (int i = 0; i < 45 * 31; ++i) flat.pixels.insert(flat.pixels.end(), {0, 255, 77});
+  for (auto [oh, ow] : {std::pair{100, 17}, std::pair{7, 300}, std::pair{31, 45}}) {
+    const ImageRGB8 r = resize_bicubic_antialias(flat, oh, ow);
+    for (size_t i = 0; i < r.pixels.size(); i += 3) {
+      ASSERT_EQ(r.pixels[i], 0);
+      ASSERT_EQ(r.pixels[i + 1], 255);
+      ASSERT_EQ(r.pixels[i + 2], 77);
+    }
+  }
+  const ImageRGB8 noise = random_image(40, 30, 3);
+  EXPECT_EQ(resize_bicubic_antialias(noise, 30, 40).pixels, noise.pixels);
+  std::string msg = error_of([&] { resize_bicubic_antialias(noise, 0, 10); });
+  EXPECT_NE(msg.find("positive"), std::string::npos) << msg;
+  ImageRGB8 broken = noise;
+  broken.pixels.pop_back();
+  msg = error_of([&] { resize_bicubic_antialias(broken, 10, 10); });
+  EXPECT_NE(msg.find("bytes"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Normalise + patchify layout
+
+// Closed form of spec 2.5, written independently of the implementation's loop structure.
+void check_layout(const ImageRGB8& img, const PreprocessorConfig& cfg) {
+  const PreprocessedImage out = preprocess_image(img, cfg);
+  const int P = cfg.patch_size, Tp = cfg.temporal_patch_size, m = cfg.merge_size;
+  const int gh = img.height / P, gw = img.width / P;
+  ASSERT_EQ(out.grid_thw, (std::array<int64_t, 3>{1, gh, gw}));
+  const int64_t cols = 3 * Tp * P * P;
+  ASSERT_EQ(out.pixel_values.dims(), (std::vector<int64_t>{int64_t(gh) * gw, cols}));
+  const float* pv = out.pixel_values.data<float>();
+  size_t checked = 0;
+  for (int r = 0; r < gh; ++r)
+    for (int c = 0; c < gw; ++c) {
+      const int64_t row = ((int64_t(r / m) * (gw / m) + c / m) * m + r % m) * m + c % m;
+      for (int ch = 0; ch < 3; ++ch)
+        for (int f = 0; f < Tp; ++f)
+          for (int py = 0; py < P; ++py)
+            for (int px = 0; px < P; ++px) {
+              const int64_t col = ((int64_t(ch) * Tp + f) * P + py) * P + px;
+              const uint8_t u = img.pixels[(size_t(r * P + py) * img.width + c * P + px) * 3 + ch];
+              const float mean = cfg.image_mean[ch] * float(1.0 / cfg.rescale_factor);
+              const float sd = cfg.image_std[ch] * float(1.0 / cfg.rescale_factor);
+              const float want = (float(u) - mean) / sd;
+              ASSERT_EQ(pv[row * cols + col], want)
+                  << "patch (" << r << "," << c << ") ch " << ch << " f " << f << " px (" << py
+                  << "," << px << ")";
+              ++checked;
+            }
+    }
+  EXPECT_EQ(checked, size_t(out.pixel_values.numel()));
+}
+
+TEST(VisionPreprocess, PatchifyFollowsMergeWindowOrder) {
+  PreprocessorConfig cfg;
+  cfg.min_pixels = 1024;  // keep the 96x64 image at its size, so values are known exactly
+  check_layout(random_image(96, 64, 11), cfg);
+  // Qwen2.5-VL geometry and CLIP statistics: P = 14, factor 28, 1176 columns.
+  PreprocessorConfig q25;
+  q25.patch_size = 14;
+  q25.min_pixels = 3136;
+  q25.max_pixels = 12845056;
+  q25.image_mean = {0.48145466f, 0.4578275f, 0.40821073f};
+  q25.image_std = {0.26862954f, 0.26130258f, 0.27577711f};
+  check_layout(random_image(84, 56, 12), q25);
+}
+
+TEST(VisionPreprocess, RescaleAndNormaliseFlags) {
+  const ImageRGB8 img = random_image(64, 64, 5);
+  PreprocessorConfig cfg;
+  cfg.min_pixels = 1024;
+  cfg.do_normalize = false;
+  PreprocessedImage out = preprocess_image(img, cfg);
+  // Column 0 of row 0 is pixel (0,0) red; column P*P*Tp begins green.
+  EXPECT_EQ(out.pixel_values.data<float>()[0], float(img.pixels[0]) * float(1.0 / 255.0));
+  cfg.do_rescale = false;
+  out = preprocess_image(img, cfg);
+  EXPECT_EQ(out.pixel_values.data<float>()[0], float(img.pixels[0]));
+  EXPECT_EQ(out.pixel_values.data<float>()[16 * 16 * 2], float(img.pixels[1]));
+}
+
+TEST(VisionPreprocess, DoResizeOffRequiresMultiples) {
+  PreprocessorConfig cfg;
+  cfg.do_resize = false;
+  const PreprocessedImage ok = preprocess_image(random_image(64, 32, 2), cfg);
+  EXPECT_EQ(ok.grid_thw, (std::array<int64_t, 3>{1, 2, 4}));
+  const std::string msg = error_of([&] { preprocess_image(random_image(70, 32, 2), cfg); });
+  EXPECT_NE(msg.find("multiple"), std::string::npos) << msg;
+}
+
+TEST(VisionPreprocess, EmptyBatchAndInvalidImage) {
+  const PreprocessedBatch b = preprocess_images({}, PreprocessorConfig{});
+  EXPECT_EQ(b.pixel_values.dims(), (std::vector<int64_t>{0, 1536}));
+  EXPECT_TRUE(b.grid_thw.empty());
+  const std::string msg = error_of([] { preprocess_image(ImageRGB8{}, PreprocessorConfig{}); });
+  EXPECT_NE(msg.find("invalid size"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+TEST(VisionPreprocess, ConfigFromFixtureFile) {
+  const PreprocessorConfig c =
+      PreprocessorConfig::from_file(test::fixture_dir() + "/preprocessor_config.json");
+  EXPECT_EQ(c.patch_size, 16);
+  EXPECT_EQ(c.temporal_patch_size, 2);
+  EXPECT_EQ(c.merge_size, 2);
+  EXPECT_EQ(c.min_pixels, 65536);
+  EXPECT_EQ(c.max_pixels, 16777216);
+  EXPECT_EQ(c.image_mean, (std::array<float, 3>{0.5f, 0.5f, 0.5f}));
+  EXPECT_DOUBLE_EQ(c.rescale_factor, 1.0 / 255.0);
+}
+
+TEST(VisionPreprocess, ConfigQwen2StyleKeys) {
+  // Qwen2/2.5-VL files: top-level min_pixels/max_pixels, overriding "size".
+  const auto j = nlohmann::json::parse(R"({"min_pixels": 3136, "max_pixels": 12845056,
+      "size": {"shortest_edge": 1, "longest_edge": 2}, "patch_size": 14, "merge_size": 2,
+      "temporal_patch_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+      "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3})");
+  const PreprocessorConfig c = PreprocessorConfig::from_json(j);
+  EXPECT_EQ(c.patch_size, 14);
+  EXPECT_EQ(c.min_pixels, 3136);
+  EXPECT_EQ(c.max_pixels, 12845056);
+  EXPECT_FLOAT_EQ(c.image_std[2], 0.27577711f);
+  const PreprocessorConfig legacy = PreprocessorConfig::from_json(
+      nlohmann::json::parse(R"({"size": {"min_pixels": 100, "max_pixels": 2000.0}})"));
+  EXPECT_EQ(legacy.min_pixels, 100);
+  EXPECT_EQ(legacy.max_pixels, 2000);
+}
+
+TEST(VisionPreprocess, ConfigErrors) {
+  const fs::path bad = scratch_dir() / "malformed_preprocessor_config.json";
+  std::ofstream(bad) << "{\"patch_size\": 16,";
+  std::string msg = error_of([&] { PreprocessorConfig::from_file(bad.string()); });
+  EXPECT_NE(msg.find("malformed JSON"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(bad.string()), std::string::npos) << msg;
+
+  msg = error_of([] { PreprocessorConfig::from_file("/nonexistent/preprocessor_config.json"); });
+  EXPECT_NE(msg.find("/nonexistent/preprocessor_config.json"), std::string::npos) << msg;
+
+  const fs::path bad_value = scratch_dir() / "bad_value_preprocessor_config.json";
+  std::ofstream(bad_value) << R"({"patch_size": 0})";
+  msg = error_of([&] { PreprocessorConfig::from_file(bad_value.string()); });
+  EXPECT_NE(msg.find("patch_size"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(bad_value.string()), std::string::npos) << msg;
+
+  auto err = [](const char* text) {
+    return error_of([&] { PreprocessorConfig::from_json(nlohmann::json::parse(text)); });
+  };
+  EXPECT_NE(err(R"({"patch_size": "16"})").find("must be an integer"), std::string::npos);
+  EXPECT_NE(err(R"({"merge_size": 2.5})").find("merge_size"), std::string::npos);
+  EXPECT_NE(err(R"({"size": {"shortest_edge": 5000, "longest_edge": 10}})").find("smaller"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"image_std": [0.5, 0, 0.5]})").find("image_std"), std::string::npos);
+  EXPECT_NE(err(R"({"image_mean": [0.5, 0.5]})").find("3 numbers"), std::string::npos);
+  EXPECT_NE(err(R"({"do_resize": "yes"})").find("do_resize"), std::string::npos);
+  EXPECT_NE(err(R"({"rescale_factor": -1})").find("rescale_factor"), std::string::npos);
+  EXPECT_NE(err(R"({"resample": 2})").find("bicubic"), std::string::npos);
+  EXPECT_NE(err(R"({"size": {"height": 224, "width": 224}})").find("shortest_edge"),
+            std::string::npos);
+  EXPECT_NE(err("[1, 2]").find("object"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+TEST(VisionImage, BadFilesNameTheFile) {
+  for (const char* name : {"truncated.png", "random_bytes.jpg", "empty.png"}) {
+    const std::string path = bad_dir() + "/" + name;
+    ASSERT_TRUE(fs::exists(path)) << path;
+    const std::string msg = error_of([&] { load_image(path); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cannot decode image"), std::string::npos) << msg;
+  }
+  const std::string missing = bad_dir() + "/no_such_image.png";
+  std::string msg = error_of([&] { load_image(missing); });
+  EXPECT_NE(msg.find("not found"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(missing), std::string::npos) << msg;
+  msg = error_of([&] { load_image(bad_dir()); });
+  EXPECT_NE(msg.find("directory"), std::string::npos) << msg;
+  // stb's reason is passed on: the random bytes match no format.
+  msg = error_of([&] { load_image(bad_dir() + "/random_bytes.jpg"); });
+  EXPECT_NE(msg.find("unknown image type"), std::string::npos) << msg;
+}
+
+TEST(VisionImage, DecodeFromMemoryMatchesFile) {
+  const std::string path = test::fixture_dir() + "/images/image1.png";
+  const std::string bytes = read_text_file(path);
+  const ImageRGB8 a = load_image(path);
+  const ImageRGB8 b =
+      decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "image1 bytes");
+  EXPECT_EQ(a.width, b.width);
+  EXPECT_EQ(a.height, b.height);
+  EXPECT_EQ(a.pixels, b.pixels);
+  const std::string msg = error_of([&] {
+    decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size() / 3, "cut bytes");
+  });
+  EXPECT_NE(msg.find("cut bytes"), std::string::npos) << msg;
+}
+
+TEST(VisionImage, WritePngRoundTripsAtomically) {
+  const ImageRGB8 img = random_image(33, 17, 9);
+  const fs::path path = scratch_dir() / "roundtrip.png";
+  write_png(path.string(), img);
+  const ImageRGB8 back = load_image(path.string());
+  EXPECT_EQ(back.width, 33);
+  EXPECT_EQ(back.height, 17);
+  EXPECT_EQ(back.pixels, img.pixels);
+  for (const auto& e : fs::directory_iterator(scratch_dir()))
+    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  const std::string msg =
+      error_of([&] { write_png((scratch_dir() / "no_dir" / "x.png").string(), img); });
+  EXPECT_NE(msg.find("no_dir"), std::string::npos) << msg;
+  ImageRGB8 bad = img;
+  bad.pixels.resize(10);
+  EXPECT_NE(error_of([&] { write_png(path.string(), bad); }).find("bytes"), std::string::npos);
+}
+
+// Expected value of compositing (v, a) onto white, from the definition out = v*a/255 +
+// 255*(1-a/255) rounded to nearest; PIL's integer formula agrees with correct rounding on every (v,
+// a).
+int over_white(int v, int a) {
+  return int(std::floor((v * a + 255.0 * (255 - a)) / 255.0 + 0.5));
+}
+
+TEST(VisionImage, AlphaCompositesOntoWhite) {
+  // RGBA: transparent red, opaque blue, half-transparent black, quarter-opaque green.
+  const uint8_t rgba[] = {255, 0, 0, 0, 0, 0, 255, 255, 0, 0, 0, 128, 10, 200, 30, 64};
+  const fs::path p4 = scratch_dir() / "rgba.png";
+  ASSERT_NE(stbi_write_png(p4.c_str(), 2, 2, 4, rgba, 8), 0);
+  const ImageRGB8 img = load_image(p4.string());
+  ASSERT_EQ(img.width, 2);
+  ASSERT_EQ(img.height, 2);
+  const std::vector<uint8_t> want = {255,
+                                     255,
+                                     255,
+                                     0,
+                                     0,
+                                     255,
+                                     127,
+                                     127,
+                                     127,
+                                     uint8_t(over_white(10, 64)),
+                                     uint8_t(over_white(200, 64)),
+                                     uint8_t(over_white(30, 64))};
+  EXPECT_EQ(img.pixels, want);
+
+  // Grey + alpha, and plain grey (replicated to RGB).
+  const uint8_t la[] = {40, 0, 40, 255, 40, 100};
+  const fs::path p2 = scratch_dir() / "la.png";
+  ASSERT_NE(stbi_write_png(p2.c_str(), 3, 1, 2, la, 6), 0);
+  const ImageRGB8 g = load_image(p2.string());
+  const uint8_t w3 = uint8_t(over_white(40, 100));
+  EXPECT_EQ(g.pixels, (std::vector<uint8_t>{255, 255, 255, 40, 40, 40, w3, w3, w3}));
+  const uint8_t grey[] = {0, 128, 255};
+  const fs::path p1 = scratch_dir() / "grey.png";
+  ASSERT_NE(stbi_write_png(p1.c_str(), 3, 1, 1, grey, 3), 0);
+  EXPECT_EQ(load_image(p1.string()).pixels,
+            (std::vector<uint8_t>{0, 0, 0, 128, 128, 128, 255, 255, 255}));
+
+  // Every (v, a) pair through the decoder: a 256x256 RGBA image with v = x, a = y.
+  std::vector<uint8_t> all(256 * 256 * 4);
+  for (int a = 0; a < 256; ++a)
+    for (int v = 0; v < 256; ++v) {
+      uint8_t* px = &all[(a * 256 + v) * 4];
+      px[0] = px[1] = px[2] = uint8_t(v);
+      px[3] = uint8_t(a);
+    }
+  const fs::path pall = scratch_dir() / "all_alpha.png";
+  ASSERT_NE(stbi_write_png(pall.c_str(), 256, 256, 4, all.data(), 256 * 4), 0);
+  const ImageRGB8 allimg = load_image(pall.string());
+  int mismatches = 0;
+  for (int a = 0; a < 256; ++a)
+    for (int v = 0; v < 256; ++v)
+      mismatches += allimg.pixels[(a * 256 + v) * 3] != over_white(v, a);
+  EXPECT_EQ(mismatches, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speed (loose bound: catches pathological regressions on a shared machine, not a benchmark)
+
+TEST(VisionPreprocess, LargeImageIsFast) {
+  const ImageRGB8 square = random_image(1344, 1344, 21);
+  const ImageRGB8 photo = random_image(1920, 1080, 22);  // needs a vertical resample to 1088
+  PreprocessorConfig cfg;
+  for (const ImageRGB8* img : {&square, &photo}) {
+    double best = 1e9;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const PreprocessedImage out = preprocess_image(*img, cfg);
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      best = std::min(best, ms);
+      ASSERT_GT(out.pixel_values.numel(), 0);
+    }
+    std::printf("preprocess %dx%d: %.1f ms (best of 3)\n", img->width, img->height, best);
+    EXPECT_LT(best, 1000.0);
+  }
+}
+
+}  // namespace
+}  // namespace iris

@@ -1,0 +1,31 @@
+// Decoding and encoding 8-bit RGB images (stb_image / stb_image_write).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace iris {
+
+// Interleaved RGB, row-major (HWC), 3 bytes per pixel, no row padding.
+struct ImageRGB8 {
+  int width = 0, height = 0;
+  std::vector<uint8_t> pixels;
+};
+
+// Decodes PNG, JPEG, BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR and PIC).
+// Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are composited
+// onto white exactly as PIL's Image.alpha_composite does in HF's convert_to_rgb. EXIF orientation
+// is ignored, as PIL.Image.open ignores it. Throws iris::Error naming the file for a missing file
+// or data stb cannot decode, with stb's reason.
+ImageRGB8 load_image(const std::string& path);
+ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors);
+
+// Encodes as PNG and writes atomically (temporary file, then rename).
+void write_png(const std::string& path, const ImageRGB8& img);
+
+// Throws iris::Error unless the image has positive dimensions and exactly width*height*3 bytes.
+void check_image(const ImageRGB8& img, const char* what);
+
+}  // namespace iris

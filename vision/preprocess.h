@@ -1,0 +1,60 @@
+// Qwen-VL image preprocessing: smart_resize, antialiased bicubic resampling, rescale/normalise and
+// patchify into the pixel_values layout the vision encoder consumes (spec sections 2.2-2.5).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "vision/image.h"
+
+namespace iris {
+
+// preprocessor_config.json. Defaults are Qwen3-VL's.
+struct PreprocessorConfig {
+  int patch_size = 16, temporal_patch_size = 2, merge_size = 2;
+  // size.shortest_edge / size.longest_edge: despite the names they bound the pixel count.
+  int64_t min_pixels = 65536, max_pixels = 16777216;
+  std::array<float, 3> image_mean{0.5f, 0.5f, 0.5f}, image_std{0.5f, 0.5f, 0.5f};
+  double rescale_factor = 1.0 / 255.0;
+  bool do_resize = true, do_rescale = true, do_normalize = true, do_convert_rgb = true;
+
+  // Accepts size.{shortest_edge,longest_edge}, size.{min_pixels,max_pixels} and top-level
+  // min_pixels/max_pixels (Qwen2-VL files; these override size, as in transformers).
+  static PreprocessorConfig from_file(const std::string& path);
+  static PreprocessorConfig from_json(const nlohmann::json& j);
+  // Throws iris::Error if a value is out of range.
+  void validate() const;
+};
+
+struct ResizedSize {
+  int height, width;
+};
+
+// transformers 5.x smart_resize: round-half-even to multiples of factor, then rescale into
+// [min_pixels, max_pixels] keeping the aspect ratio. Aspect ratio above 200 is an error.
+ResizedSize smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
+
+// Antialiased bicubic (a = -0.5) on uint8, bit-compatible with ATen's CPU uint8 kernel that
+// torchvision's resize(antialias=True) runs: separable, horizontal pass first, int16 fixed-point
+// weights, uint8 intermediate, clamp. A dimension whose size does not change is not filtered.
+ImageRGB8 resize_bicubic_antialias(const ImageRGB8& src, int out_height, int out_width);
+
+struct PreprocessedImage {
+  HostTensor pixel_values;  // f32 [grid_t*gh*gw, 3*Tp*P*P], merge-window row order
+  std::array<int64_t, 3> grid_thw;
+};
+PreprocessedImage preprocess_image(const ImageRGB8& image, const PreprocessorConfig& cfg);
+
+// Several images concatenated along rows, grids in order (one vision encoder call).
+struct PreprocessedBatch {
+  HostTensor pixel_values;
+  std::vector<std::array<int64_t, 3>> grid_thw;
+};
+PreprocessedBatch preprocess_images(const std::vector<ImageRGB8>& images,
+                                    const PreprocessorConfig& cfg);
+
+}  // namespace iris
