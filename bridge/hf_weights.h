@@ -1,0 +1,46 @@
+// The one table that maps Hugging Face tensor names to Iris's weights, with declared shapes.
+// Import (checkpoint -> backend memory) and export (backend memory -> safetensors) both use it.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bridge/model_config.h"
+#include "core/arena.h"
+#include "core/safetensors.h"
+#include "language/decoder.h"
+#include "vision/vision_encoder.h"
+
+namespace iris {
+
+// One HF tensor and where it lives in Iris: rows [row_offset, row_offset + shape[0]) of `target`
+// (fused q/k/v and gate/up projections stack several HF tensors along rows).
+struct WeightBinding {
+  std::string hf_name;
+  std::vector<int64_t> hf_shape;
+  Tensor* target = nullptr;
+  int64_t row_offset = 0;
+};
+
+struct ModelWeights {
+  Arena arena;
+  VisionWeights vision;
+  DecoderWeights text;
+  bool tied_lm_head = false;
+  std::vector<WeightBinding> bindings;  // filled by bind_weights, in checkpoint order
+};
+
+// Allocates every weight tensor of the model on the backend and returns the binding table.
+std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg);
+
+// Fills the weights from a checkpoint directory; every tensor's presence, dtype and shape are
+// checked, and errors name the file, the tensor and the expected and actual shapes.
+std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
+                                           const std::string& checkpoint_dir);
+
+// Writes the weights as HF safetensors (bf16 unless dtype says otherwise), atomically.
+void save_weights(Backend& backend, const ModelWeights& weights, const std::string& path,
+                  DType dtype = DType::bf16);
+
+}  // namespace iris

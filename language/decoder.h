@@ -1,0 +1,82 @@
+// The Qwen3 text decoder with a KV cache. Like the vision encoder, a step is split into
+// upload_step() (host inputs into static buffers) and compute pieces that read only those
+// buffers, so that a decode step (or each layer) can be captured in a CUDA graph and replayed
+// for every token.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/backend.h"
+#include "language/text_config.h"
+
+namespace iris {
+
+struct DecoderLayerWeights {
+  Tensor input_norm_w;       // [H]
+  Tensor qkv_w;              // [(nq + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
+  Tensor q_norm_w, k_norm_w; // [hd]
+  Tensor o_w;                // [H, nq hd]
+  Tensor post_norm_w;        // [H]
+  Tensor gate_up_w;          // [2I, H]: gate_proj then up_proj
+  Tensor down_w;             // [H, I]
+};
+
+struct DecoderWeights {
+  Tensor embed;    // [V, H]
+  std::vector<DecoderLayerWeights> layers;
+  Tensor norm_w;   // [H]
+  Tensor lm_head;  // [V, H]; the embedding itself when tied
+};
+
+struct DecoderLimits {
+  int64_t max_context = 4096;         // KV cache rows
+  int64_t max_step_tokens = 4096;     // tokens in one forward (prefill chunk)
+  int64_t max_logit_rows = 1;         // rows of logits computed in one call
+};
+
+class TextDecoder {
+ public:
+  TextDecoder(Backend& backend, const TextConfig& cfg, const DecoderWeights& weights,
+              const DecoderLimits& limits);
+
+  // ids: T token ids; cos/sin: [T, head_dim] rotary tables; the step's tokens sit at cache rows
+  // past_len .. past_len + T - 1.
+  void upload_step(const int32_t* ids, const float* cos, const float* sin, int64_t T,
+                   int64_t past_len);
+
+  // Capturable compute pieces, in order: embed, layer 0..N-1, final_norm, lm_head, argmax.
+  void embed(int64_t T);
+  void layer(int l, int64_t T);
+  void final_norm(int64_t T);
+  // logits rows [0, n_rows) from final-norm rows [first_row, first_row + n_rows).
+  void lm_head(int64_t first_row, int64_t n_rows);
+  void argmax(int64_t n_rows);
+
+  Tensor hidden(int64_t T) const { return x_.slice(0, T); }        // the residual stream
+  Tensor normed(int64_t T) const { return normed_.slice(0, T); }   // final norm output
+  Tensor logits(int64_t n_rows) const { return logits_.slice(0, n_rows); }
+  Tensor next_tokens(int64_t n_rows) const { return next_.slice(0, n_rows); }
+
+  const TextConfig& config() const { return cfg_; }
+  const DecoderLimits& limits() const { return limits_; }
+  const Arena& arena() const { return arena_; }
+  Backend& backend() const { return backend_; }
+
+ private:
+  void allocate(Arena& a);
+
+  Backend& backend_;
+  TextConfig cfg_;
+  const DecoderWeights& w_;
+  DecoderLimits limits_;
+  Arena arena_;
+  // Static inputs.
+  Tensor ids_, cos_, sin_, past_len_;
+  // Activations and caches.
+  Tensor x_, xn_, qkv_, attn_, gate_up_, mlp_, normed_, logits_, next_;
+  std::vector<Tensor> k_cache_, v_cache_;
+};
+
+}  // namespace iris

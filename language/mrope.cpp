@@ -1,0 +1,47 @@
+#include "language/mrope.h"
+
+#include <cmath>
+
+namespace iris {
+namespace {
+
+std::vector<float> text_inv_freq(const TextConfig& cfg) {
+  const int half = cfg.head_dim / 2;
+  std::vector<float> inv(static_cast<size_t>(half));
+  for (int j = 0; j < half; ++j)
+    inv[j] = 1.0f / std::pow(cfg.rope_theta, static_cast<float>(2 * j) / float(cfg.head_dim));
+  return inv;
+}
+
+// Which axis (0 = T, 1 = H, 2 = W) owns frequency j in the interleaved layout.
+int interleaved_axis(const TextConfig& cfg, int j) {
+  if (j % 3 == 1 && j < 3 * cfg.mrope_section[1]) return 1;
+  if (j % 3 == 2 && j < 3 * cfg.mrope_section[2]) return 2;
+  return 0;
+}
+
+}  // namespace
+
+void mrope_tables(const TextConfig& cfg, const int64_t* pos, int64_t n, float* cos, float* sin) {
+  const std::vector<float> inv = text_inv_freq(cfg);
+  const int half = cfg.head_dim / 2;
+  std::vector<int> axis(static_cast<size_t>(half));
+  for (int j = 0; j < half; ++j) axis[j] = interleaved_axis(cfg, j);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int j = 0; j < half; ++j) {
+      const float f = static_cast<float>(pos[axis[j] * n + t]) * inv[j];
+      const float c = std::cos(f), s = std::sin(f);
+      cos[t * cfg.head_dim + j] = cos[t * cfg.head_dim + half + j] = c;
+      sin[t * cfg.head_dim + j] = sin[t * cfg.head_dim + half + j] = s;
+    }
+  }
+}
+
+void mrope_tables_1d(const TextConfig& cfg, int64_t first, int64_t n, float* cos, float* sin) {
+  std::vector<int64_t> pos(static_cast<size_t>(3 * n));
+  for (int a = 0; a < 3; ++a)
+    for (int64_t t = 0; t < n; ++t) pos[a * n + t] = first + t;
+  mrope_tables(cfg, pos.data(), n, cos, sin);
+}
+
+}  // namespace iris

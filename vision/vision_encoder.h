@@ -1,0 +1,109 @@
+// The Qwen3-VL vision tower: patch embedding, interpolated learned position embedding, 2D RoPE
+// blocks attending within per-image segments, the patch merger and the DeepStack mergers.
+//
+// An encoder call is split in two halves so that the second can be captured in a CUDA graph:
+// upload() copies the host-planned inputs (pixel rows, RoPE tables, interpolation indices and
+// weights, cu_seqlens) into static buffers, and run() computes from those buffers only.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/backend.h"
+#include "vision/vision_config.h"
+
+namespace iris {
+
+using GridTHW = std::array<int64_t, 3>;
+
+struct VisionBlockWeights {
+  Tensor norm1_w, norm1_b;  // [D]
+  Tensor qkv_w, qkv_b;      // [3D, D], [3D]
+  Tensor proj_w, proj_b;    // [D, D], [D]
+  Tensor norm2_w, norm2_b;  // [D]
+  Tensor fc1_w, fc1_b;      // [I, D], [I]
+  Tensor fc2_w, fc2_b;      // [D, I], [D]
+};
+
+struct PatchMergerWeights {
+  Tensor norm_w, norm_b;  // [D] for the main merger (pre-shuffle), [4D] for DeepStack (post)
+  Tensor fc1_w, fc1_b;    // [4D, 4D], [4D]
+  Tensor fc2_w, fc2_b;    // [out, 4D], [out]
+};
+
+struct VisionWeights {
+  Tensor patch_w, patch_b;  // [D, C*Tp*P*P] (the Conv3d kernel flattened), [D]
+  Tensor pos_embed;         // [G*G, D]
+  std::vector<VisionBlockWeights> blocks;
+  PatchMergerWeights merger;
+  std::vector<PatchMergerWeights> deepstack_mergers;
+};
+
+// Everything an encoder call needs besides the pixels, laid out on the host for `rows` rows
+// (rows >= the real patch count when padded for a graph bucket).
+struct VisionInputs {
+  int64_t n_patches = 0;  // real patches, summed over images
+  int64_t rows = 0;       // n_patches plus padding
+  // Segment offsets; padding rows form one extra segment, and the tail up to the buffer's
+  // capacity repeats the last offset (zero-length segments).
+  std::vector<int32_t> cu_seqlens;
+  int n_segments = 0;  // segments that hold rows (real images + the padding segment)
+  std::vector<float> cos, sin;           // [rows, head_dim]
+  std::vector<int32_t> pos_index;        // [rows, 4]
+  std::vector<float> pos_weight;         // [rows, 4]
+};
+
+// Plans the inputs for `grids` (one per image, in order). `padded_rows` = 0 means no padding;
+// `segment_capacity` = 0 means exactly the segments used.
+VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                                int64_t padded_rows = 0, int segment_capacity = 0);
+
+int64_t count_patches(const std::vector<GridTHW>& grids);
+
+class VisionEncoder {
+ public:
+  // Plans and allocates every activation for up to max_rows patch rows and max_segments
+  // segments in one arena; nothing is allocated afterwards.
+  VisionEncoder(Backend& backend, const VisionConfig& cfg, const VisionWeights& weights,
+                int64_t max_rows, int max_segments);
+
+  struct Output {
+    Tensor embeds;                  // [rows/4, out_hidden] (a view into the arena)
+    std::vector<Tensor> deepstack;  // one [rows/4, out_hidden] per DeepStack tap
+  };
+
+  // pixel_values: host f32 [inputs.n_patches, patch_dim]; padding rows are zero-filled.
+  void upload(const float* pixel_values, const VisionInputs& inputs);
+  // Computes from the static buffers for the last upload()'s row count and segments. Captures
+  // in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding included).
+  Output run(int64_t rows, int n_segments);
+  // Convenience: upload + run; the outputs are trimmed to the real merged rows.
+  Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
+
+  int64_t max_rows() const { return max_rows_; }
+  int max_segments() const { return max_segments_; }
+  const VisionConfig& config() const { return cfg_; }
+  const Arena& arena() const { return arena_; }
+
+ private:
+  void allocate(Arena& arena);
+  void run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows, bool post_shuffle,
+                  const Tensor& out);
+
+  Backend& backend_;
+  VisionConfig cfg_;
+  const VisionWeights& w_;
+  int64_t max_rows_;
+  int max_segments_;
+  Arena arena_;
+  // Static inputs (what a captured graph reads).
+  Tensor pixels_, cos_, sin_, pos_index_, pos_weight_, cu_seqlens_;
+  // Activations.
+  Tensor x_, xn_, qkv_, attn_, mlp_, merged_norm_, merger_hidden_, embeds_;
+  std::vector<Tensor> deepstack_;
+  std::vector<float> zero_rows_;  // host padding for pixel uploads, sized once
+};
+
+}  // namespace iris
