@@ -159,7 +159,10 @@ std::string all_keys_text() {
   size_t best_d = std::numeric_limits<size_t>::max();
   for (const auto& k : kKeys) {
     const size_t d = edit_distance(key, k.name);
-    if (d < best_d) best_d = d, best = k.name;
+    if (d < best_d) {
+      best_d = d;
+      best = k.name;
+    }
   }
   IRIS_FAIL(kPrefix, "unknown key '", raw, "'; did you mean '", best, "' (flag ",
             graph_config_flag_name(best), ")? Valid keys: ", all_keys_text());
@@ -381,8 +384,8 @@ void validate_vision(const VisionGraphConfig& c) {
 
 LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& warnings) {
   LanguageGraphConfig c;
-  const std::string impl_valid =
-      str_cat(" (transformer_engine is accepted as a deprecated alias of local)");
+  constexpr std::string_view impl_valid =
+      " (transformer_engine is accepted as a deprecated alias of local)";
 
   // Legacy booleans first: they decide the impl that the scope migration below sees.
   std::optional<bool> enable, external;
@@ -424,7 +427,10 @@ LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& wa
                                  "full_iteration)");
   }
   if (external) {
-    if (*external) c.impl = GraphImpl::local, from_te = true;
+    if (*external) {
+      c.impl = GraphImpl::local;
+      from_te = true;
+    }
     warnings.push_back(*external ? "external_cuda_graph: true is deprecated: migrated to "
                                    "cuda_graph_impl: local (Iris has one per-layer graph "
                                    "engine)"
@@ -466,7 +472,7 @@ LanguageGraphConfig parse_language(const Values& v, std::vector<std::string>& wa
   } else if (pm.legacy == LegacyScope::full_iteration_inference) {
     IRIS_CHECK(!from_te && c.impl != GraphImpl::full_iteration, kPrefix, modules_key,
                " 'full_iteration_inference' cannot be combined with cuda_graph_impl ",
-               from_te ? "transformer_engine" : to_string(c.impl),
+               from_te ? "transformer_engine (or external_cuda_graph)" : to_string(c.impl),
                "; valid impls with it: none, local. Prefer cuda_graph_impl: local with "
                "inference_cuda_graph_scope: block");
     IRIS_CHECK(!scope || *scope == InferenceGraphScope::block, kPrefix, modules_key,

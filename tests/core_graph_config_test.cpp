@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -584,6 +585,17 @@ TEST(GraphConfigFinalize, DefaultBucketsForSmallMaxima) {
     finalize_graph_configs(cfg, dense_model());
     EXPECT_EQ(cfg.vision.buckets, expected) << "max " << max;
   }
+}
+
+TEST(GraphConfigFinalize, DefaultBucketsForHugeMaximumDoNotOverflow) {
+  const int64_t max = std::numeric_limits<int64_t>::max() - 3;  // divisible by 4
+  GraphConfigs cfg =
+      parse_graph_configs({{"vision_cuda_graph_impl", "local"},
+                           {"max_vision_cuda_graph_seq_length", std::to_string(max)}});
+  finalize_graph_configs(cfg, dense_model());
+  ASSERT_EQ(cfg.vision.buckets.size(), 56u);  // 2^8 .. 2^62, then the maximum
+  EXPECT_EQ(cfg.vision.buckets[54], int64_t(1) << 62);
+  EXPECT_EQ(cfg.vision.buckets.back(), max);
 }
 
 TEST(GraphConfigFinalize, MaximumDerivedFromModelWhenZero) {
