@@ -35,6 +35,16 @@ fs::path scratch_dir() {
   return dir;
 }
 
+class ScratchCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(scratch_dir(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kScratchCleanup =
+    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+
 ImageRGB8 random_image(int w, int h, uint32_t seed) {
   std::mt19937 rng(seed);
   ImageRGB8 img;
@@ -547,6 +557,82 @@ TEST(VisionImage, AlphaCompositesOntoWhite) {
     for (int v = 0; v < 256; ++v)
       mismatches += allimg.pixels[(a * 256 + v) * 3] != over_white(v, a);
   EXPECT_EQ(mismatches, 0);
+}
+
+// A minimal PNG encoder (stored deflate blocks) for chunk layouts stb_image_write cannot produce:
+// palettes and tRNS colour keys.
+uint32_t crc32(const std::string& bytes) {
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : bytes) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
+  }
+  return c ^ 0xffffffffu;
+}
+
+void put_be32(std::string& s, uint32_t v) {
+  for (int sh = 24; sh >= 0; sh -= 8) s.push_back(char((v >> sh) & 0xff));
+}
+
+void put_chunk(std::string& png, const std::string& type, const std::string& data) {
+  put_be32(png, uint32_t(data.size()));
+  const std::string body = type + data;
+  png += body;
+  put_be32(png, crc32(body));
+}
+
+std::string make_png(int w, int h, int color_type, const std::vector<uint8_t>& pixels,
+                     const std::string& plte, const std::string& trns) {
+  std::string png("\x89PNG\r\n\x1a\n", 8), ihdr;
+  put_be32(ihdr, uint32_t(w));
+  put_be32(ihdr, uint32_t(h));
+  ihdr += std::string{char(8), char(color_type), 0, 0, 0};
+  put_chunk(png, "IHDR", ihdr);
+  if (!plte.empty()) put_chunk(png, "PLTE", plte);
+  if (!trns.empty()) put_chunk(png, "tRNS", trns);
+  const size_t row = pixels.size() / h;
+  std::string raw;
+  for (int y = 0; y < h; ++y) {
+    raw.push_back(0);  // filter: none
+    raw.append(reinterpret_cast<const char*>(pixels.data()) + y * row, row);
+  }
+  std::string z("\x78\x01", 2);
+  z.push_back(1);  // one final stored block
+  const uint16_t len = uint16_t(raw.size()), nlen = uint16_t(~len);
+  z += std::string{char(len & 0xff), char(len >> 8), char(nlen & 0xff), char(nlen >> 8)};
+  z += raw;
+  uint32_t a = 1, b = 0;
+  for (unsigned char ch : raw) {
+    a = (a + ch) % 65521;
+    b = (b + a) % 65521;
+  }
+  put_be32(z, (b << 16) | a);
+  put_chunk(png, "IDAT", z);
+  put_chunk(png, "IEND", "");
+  return png;
+}
+
+ImageRGB8 decode_string(const std::string& bytes, const std::string& name) {
+  return decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), name);
+}
+
+TEST(VisionImage, PaletteAndColourKeyTransparency) {
+  // Palette: red fully transparent, green opaque, blue at alpha 100.
+  const std::string plte{char(255), 0, 0, 0, char(255), 0, 0, 0, char(255)};
+  const std::string trns{0, char(255), char(100)};
+  const ImageRGB8 pal = decode_string(make_png(3, 1, 3, {0, 1, 2}, plte, trns), "palette");
+  EXPECT_EQ(pal.pixels, (std::vector<uint8_t>{255, 255, 255, 0, 255, 0, uint8_t(over_white(0, 100)),
+                                              uint8_t(over_white(0, 100)), 255}));
+  // The same palette without tRNS is opaque.
+  EXPECT_EQ(decode_string(make_png(3, 1, 3, {0, 1, 2}, plte, ""), "opaque palette").pixels,
+            (std::vector<uint8_t>{255, 0, 0, 0, 255, 0, 0, 0, 255}));
+  // Grey with colour key 50: PIL's convert("RGBA") turns the key transparent, so it becomes white.
+  const ImageRGB8 grey = decode_string(make_png(2, 1, 0, {50, 51}, "", std::string{0, 50}), "grey");
+  EXPECT_EQ(grey.pixels, (std::vector<uint8_t>{255, 255, 255, 51, 51, 51}));
+  // RGB with a colour key: HF leaves RGB images as they are.
+  const ImageRGB8 rgb = decode_string(
+      make_png(2, 1, 2, {10, 20, 30, 40, 50, 60}, "", std::string{0, 10, 0, 20, 0, 30}), "rgb");
+  EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{10, 20, 30, 40, 50, 60}));
 }
 
 // ---------------------------------------------------------------------------------------------

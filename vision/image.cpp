@@ -59,10 +59,14 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
     IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
               " (supported formats: PNG, JPEG, BMP, GIF, TGA, PNM; the file may be truncated or "
               "not an image)");
-  // Alpha only survives as a 4th channel; asking stb for it lets palette PNGs with tRNS and GIF
-  // transparency composite like true RGBA.
-  const bool has_alpha = channels == 2 || channels == 4;
-  const int want = has_alpha ? 4 : 3;
+  IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
+             channels, " channels per pixel is not supported (expected 1 to 4)");
+  // Alpha only survives as an extra channel, so ask stb for one whenever the source may carry it:
+  // palette PNGs with tRNS and GIF transparency then composite like true RGBA, and grey PNGs with a
+  // tRNS colour key composite as PIL's convert("RGBA") makes them. Opaque alpha composites to the
+  // identity. RGB with a colour key stays opaque, as PIL leaves RGB images untouched.
+  const bool keep_alpha = channels != 3;
+  const int want = channels <= 2 ? 2 : channels;
   std::unique_ptr<stbi_uc, StbiFree> decoded(
       stbi_load_from_memory(data, len, &w, &h, &channels, want));
   if (!decoded)
@@ -77,10 +81,13 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const size_t n = static_cast<size_t>(w) * h;
   img.pixels.resize(n * 3);
   const stbi_uc* src = decoded.get();
-  if (!has_alpha) {
-    std::memcpy(img.pixels.data(), src, n * 3);
+  uint8_t* dst = img.pixels.data();
+  if (!keep_alpha) {
+    std::memcpy(dst, src, n * 3);
+  } else if (want == 2) {
+    for (size_t i = 0; i < n; ++i)
+      dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = composite_on_white(src[2 * i], src[2 * i + 1]);
   } else {
-    uint8_t* dst = img.pixels.data();
     for (size_t i = 0; i < n; ++i) {
       const uint32_t a = src[4 * i + 3];
       for (int c = 0; c < 3; ++c) dst[3 * i + c] = composite_on_white(src[4 * i + c], a);

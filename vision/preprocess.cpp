@@ -332,24 +332,23 @@ ImageRGB8 resize_bicubic_antialias(const ImageRGB8& src, int out_height, int out
   IRIS_CHECK(static_cast<int64_t>(out_height) * out_width <= (int64_t{1} << 31) &&
                  static_cast<int64_t>(src.height) * out_width <= (int64_t{1} << 31),
              "resize_bicubic_antialias: target size ", out_width, "x", out_height, " is too large");
-  ImageRGB8 cur = src;
-  if (out_width != cur.width) {
-    ImageRGB8 tmp;
-    tmp.width = out_width;
-    tmp.height = cur.height;
-    tmp.pixels.resize(static_cast<size_t>(out_width) * cur.height * 3);
-    resample_horizontal(cur.pixels.data(), cur.height, cur.width, tmp.pixels.data(), out_width);
-    cur = std::move(tmp);
+  if (out_width == src.width && out_height == src.height) return src;
+  ImageRGB8 horiz;
+  const ImageRGB8* cur = &src;
+  if (out_width != src.width) {
+    horiz.width = out_width;
+    horiz.height = src.height;
+    horiz.pixels.resize(static_cast<size_t>(out_width) * src.height * 3);
+    resample_horizontal(src.pixels.data(), src.height, src.width, horiz.pixels.data(), out_width);
+    if (out_height == src.height) return horiz;
+    cur = &horiz;
   }
-  if (out_height != cur.height) {
-    ImageRGB8 tmp;
-    tmp.width = cur.width;
-    tmp.height = out_height;
-    tmp.pixels.resize(static_cast<size_t>(cur.width) * out_height * 3);
-    resample_vertical(cur.pixels.data(), cur.height, cur.width, tmp.pixels.data(), out_height);
-    cur = std::move(tmp);
-  }
-  return cur;
+  ImageRGB8 out;
+  out.width = out_width;
+  out.height = out_height;
+  out.pixels.resize(static_cast<size_t>(out_width) * out_height * 3);
+  resample_vertical(cur->pixels.data(), cur->height, cur->width, out.pixels.data(), out_height);
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
