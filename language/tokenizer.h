@@ -43,7 +43,7 @@ class Tokenizer {
   bool is_special(int32_t id) const;
   bool is_added(int32_t id) const;  // any added token, special or not (e.g. <think>)
 
-  struct Impl;
+  struct Impl;  // defined in tokenizer.cpp; named here so that its loader can build one
 
  private:
   explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
