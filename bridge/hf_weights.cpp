@@ -22,7 +22,9 @@ void declare(const ModelConfig& cfg, ModelWeights& w, Planner& p) {
   const int64_t H = t.hidden_size, V = t.vocab_size, hd = t.head_dim;
   auto& b = w.bindings;
   auto bind = [&](const std::string& name, std::vector<int64_t> shape, Tensor& dst,
-                  int64_t row_offset = 0) { b.push_back({name, std::move(shape), &dst, row_offset}); };
+                  int64_t row_offset = 0) {
+    b.push_back({name, std::move(shape), &dst, row_offset});
+  };
   auto linear = [&](const std::string& prefix, Tensor& wt, Tensor& bias, int64_t n, int64_t k) {
     p.add(wt, {n, k});
     p.add(bias, {n});
@@ -147,8 +149,8 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
     IRIS_CHECK(e != nullptr, "checkpoint ", dir, " is missing tensor '", b.hf_name,
                "' (expected shape ", shape_text(b.hf_shape),
                "); is this a Qwen3-VL checkpoint matching its config.json?");
-    IRIS_CHECK(e->dtype == DType::bf16 || e->dtype == DType::f16 || e->dtype == DType::f32,
-               e->file, ": tensor '", e->name, "' has dtype ", dtype_name(e->dtype),
+    IRIS_CHECK(e->dtype == DType::bf16 || e->dtype == DType::f16 || e->dtype == DType::f32, e->file,
+               ": tensor '", e->name, "' has dtype ", dtype_name(e->dtype),
                "; weights must be bf16, f16 or f32");
     IRIS_CHECK(e->shape == b.hf_shape, e->file, ": tensor '", e->name, "' has shape ",
                shape_text(e->shape), " but the config implies ", shape_text(b.hf_shape));

@@ -8,9 +8,13 @@ Arena::Arena(Backend& backend, size_t capacity) : backend_(&backend), capacity_(
   if (capacity_ > 0) base_ = static_cast<char*>(backend.allocate(capacity_));
 }
 
-Arena::~Arena() { release(); }
+Arena::~Arena() {
+  release();
+}
 
-Arena::Arena(Arena&& other) noexcept { *this = std::move(other); }
+Arena::Arena(Arena&& other) noexcept {
+  *this = std::move(other);
+}
 
 Arena& Arena::operator=(Arena&& other) noexcept {
   if (this != &other) {

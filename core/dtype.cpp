@@ -6,22 +6,32 @@ namespace iris {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
   }
   return 0;
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
   }
   return "?";
 }
@@ -54,7 +64,10 @@ uint16_t f32_to_f16(float f) {
   const float fr = std::frexp(a, &e);  // a = fr * 2^e, fr in [0.5, 1)
   uint32_t mant = static_cast<uint32_t>(std::nearbyint((fr * 2.0f - 1.0f) * 1024.0f));
   uint32_t exp = static_cast<uint32_t>(e - 1 + 15);
-  if (mant == 1024) { mant = 0; ++exp; }
+  if (mant == 1024) {
+    mant = 0;
+    ++exp;
+  }
   return static_cast<uint16_t>(sign | (exp << 10) | mant);
 }
 

@@ -29,7 +29,9 @@ inline float bf16_to_f32(uint16_t h) {
 }
 
 // Rounds through bf16 and back: the CPU reference uses it where a test wants bf16 cast points.
-inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+inline float round_bf16(float f) {
+  return bf16_to_f32(f32_to_bf16(f));
+}
 
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);

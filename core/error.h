@@ -38,7 +38,7 @@ std::string str_cat(const Args&... args) {
 #define IRIS_FAIL(...) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__))
 
 // Precondition check; the message says what was expected.
-#define IRIS_CHECK(cond, ...)                                                               \
-  do {                                                                                      \
+#define IRIS_CHECK(cond, ...)                                                           \
+  do {                                                                                  \
     if (!(cond)) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__)); \
   } while (0)

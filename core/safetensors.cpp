@@ -30,11 +30,16 @@ DType parse_dtype(const std::string& s, const std::string& file, const std::stri
 
 const char* dtype_tag(DType t) {
   switch (t) {
-    case DType::f32: return "F32";
-    case DType::bf16: return "BF16";
-    case DType::f16: return "F16";
-    case DType::i32: return "I32";
-    case DType::i64: return "I64";
+    case DType::f32:
+      return "F32";
+    case DType::bf16:
+      return "BF16";
+    case DType::f16:
+      return "F16";
+    case DType::i32:
+      return "I32";
+    case DType::i64:
+      return "I64";
   }
   return "?";
 }
@@ -136,7 +141,9 @@ const SafetensorsEntry& SafetensorsFile::at(const std::string& name) const {
 void convert_to_f32(const SafetensorsEntry& e, float* dst) {
   const size_t n = e.nbytes / dtype_size(e.dtype);
   switch (e.dtype) {
-    case DType::f32: std::memcpy(dst, e.data, e.nbytes); return;
+    case DType::f32:
+      std::memcpy(dst, e.data, e.nbytes);
+      return;
     case DType::bf16: {
       const auto* s = static_cast<const uint16_t*>(e.data);
       for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
@@ -235,7 +242,8 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsWri
   for (const auto& it : items) {
     int64_t numel = 1;
     for (auto d : it.shape) numel *= d;
-    blob.append(static_cast<const char*>(it.data), static_cast<size_t>(numel) * dtype_size(it.dtype));
+    blob.append(static_cast<const char*>(it.data),
+                static_cast<size_t>(numel) * dtype_size(it.dtype));
   }
   write_file_atomic(path, blob);
 }

@@ -49,13 +49,21 @@ struct Tensor {
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::f32; }
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::i32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::i32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::i64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::i64;
+}
 template <>
-constexpr DType dtype_of<uint16_t>() { return DType::bf16; }
+constexpr DType dtype_of<uint16_t>() {
+  return DType::bf16;
+}
 
 template <typename T>
 T* Tensor::as() const {
@@ -81,7 +89,9 @@ class HostTensor {
   int64_t dim(int i) const { return view_.dim(i); }
   std::vector<int64_t> dims() const { return view_.dims(); }
   template <typename T>
-  T* data() const { return view_.as<T>(); }
+  T* data() const {
+    return view_.as<T>();
+  }
   // Every element converted to f32 (bf16/f16/i32/i64 too); convenient in tests.
   std::vector<float> to_f32() const;
 

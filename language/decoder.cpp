@@ -47,8 +47,7 @@ void TextDecoder::upload_step(const int32_t* ids, const float* cos, const float*
   IRIS_CHECK(T > 0 && T <= limits_.max_step_tokens, "a step of ", T,
              " tokens exceeds the planned maximum of ", limits_.max_step_tokens);
   IRIS_CHECK(past_len >= 0 && past_len + T <= limits_.max_context, "context of ", past_len + T,
-             " tokens exceeds the maximum context of ", limits_.max_context,
-             " (raise --ctx-size)");
+             " tokens exceeds the maximum context of ", limits_.max_context, " (raise --ctx-size)");
   backend_.write(ids_.slice(0, T), ids, DType::i32);
   backend_.write(cos_.slice(0, T), cos, DType::f32);
   backend_.write(sin_.slice(0, T), sin, DType::f32);
@@ -56,7 +55,9 @@ void TextDecoder::upload_step(const int32_t* ids, const float* cos, const float*
   backend_.write(past_len_, &p, DType::i32);
 }
 
-void TextDecoder::embed(int64_t T) { backend_.embedding(x_.slice(0, T), w_.embed, ids_.slice(0, T)); }
+void TextDecoder::embed(int64_t T) {
+  backend_.embedding(x_.slice(0, T), w_.embed, ids_.slice(0, T));
+}
 
 void TextDecoder::layer(int l, int64_t T) {
   const DecoderLayerWeights& w = w_.layers[l];

@@ -14,26 +14,26 @@
 namespace iris {
 
 struct DecoderLayerWeights {
-  Tensor input_norm_w;       // [H]
-  Tensor qkv_w;              // [(nq + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
-  Tensor q_norm_w, k_norm_w; // [hd]
-  Tensor o_w;                // [H, nq hd]
-  Tensor post_norm_w;        // [H]
-  Tensor gate_up_w;          // [2I, H]: gate_proj then up_proj
-  Tensor down_w;             // [H, I]
+  Tensor input_norm_w;        // [H]
+  Tensor qkv_w;               // [(nq + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
+  Tensor q_norm_w, k_norm_w;  // [hd]
+  Tensor o_w;                 // [H, nq hd]
+  Tensor post_norm_w;         // [H]
+  Tensor gate_up_w;           // [2I, H]: gate_proj then up_proj
+  Tensor down_w;              // [H, I]
 };
 
 struct DecoderWeights {
-  Tensor embed;    // [V, H]
+  Tensor embed;  // [V, H]
   std::vector<DecoderLayerWeights> layers;
   Tensor norm_w;   // [H]
   Tensor lm_head;  // [V, H]; the embedding itself when tied
 };
 
 struct DecoderLimits {
-  int64_t max_context = 4096;         // KV cache rows
-  int64_t max_step_tokens = 4096;     // tokens in one forward (prefill chunk)
-  int64_t max_logit_rows = 1;         // rows of logits computed in one call
+  int64_t max_context = 4096;      // KV cache rows
+  int64_t max_step_tokens = 4096;  // tokens in one forward (prefill chunk)
+  int64_t max_logit_rows = 1;      // rows of logits computed in one call
 };
 
 class TextDecoder {
@@ -54,8 +54,8 @@ class TextDecoder {
   void lm_head(int64_t first_row, int64_t n_rows);
   void argmax(int64_t n_rows);
 
-  Tensor hidden(int64_t T) const { return x_.slice(0, T); }        // the residual stream
-  Tensor normed(int64_t T) const { return normed_.slice(0, T); }   // final norm output
+  Tensor hidden(int64_t T) const { return x_.slice(0, T); }       // the residual stream
+  Tensor normed(int64_t T) const { return normed_.slice(0, T); }  // final norm output
   Tensor logits(int64_t n_rows) const { return logits_.slice(0, n_rows); }
   Tensor next_tokens(int64_t n_rows) const { return next_.slice(0, n_rows); }
 

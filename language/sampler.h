@@ -9,10 +9,10 @@
 namespace iris {
 
 struct SamplingParams {
-  float temperature = 0.8f;  // 0 = greedy
-  int top_k = 40;            // 0 = off
-  float top_p = 0.95f;       // 1 = off
-  float min_p = 0.05f;       // 0 = off
+  float temperature = 0.8f;         // 0 = greedy
+  int top_k = 40;                   // 0 = off
+  float top_p = 0.95f;              // 1 = off
+  float min_p = 0.05f;              // 0 = off
   float repetition_penalty = 1.0f;  // 1 = off; applied to tokens already generated or prompted
   uint64_t seed = 0;
 };

@@ -54,8 +54,8 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
   int64_t row = 0;
   for (const auto& g : grids) {
     const int64_t t = g[0], h = g[1], w = g[2];
-    IRIS_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, "image grid [", t, ", ",
-               h, ", ", w, "] must be positive with height and width divisible by ", m);
+    IRIS_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, "image grid [", t, ", ", h,
+               ", ", w, "] must be positive with height and width divisible by ", m);
     const std::vector<float> hs = torch_linspace(0.0f, float(G - 1), h);
     const std::vector<float> ws = torch_linspace(0.0f, float(G - 1), w);
     for (int64_t f = 0; f < t; ++f) {
@@ -174,8 +174,8 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
   if (post_shuffle) {
     backend_.layer_norm(normed, x.slice(0, rows).view({Sm, M}), m.norm_w, m.norm_b, eps);
   } else {
-    backend_.layer_norm(normed.view({rows, cfg_.hidden_size}), x.slice(0, rows), m.norm_w,
-                        m.norm_b, eps);
+    backend_.layer_norm(normed.view({rows, cfg_.hidden_size}), x.slice(0, rows), m.norm_w, m.norm_b,
+                        eps);
   }
   Tensor hidden = merger_hidden_.slice(0, Sm);
   backend_.linear(hidden, normed, m.fc1_w, m.fc1_b, false);
@@ -194,8 +194,7 @@ VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
   Tensor cos = cos_.slice(0, S), sin = sin_.slice(0, S);
 
   backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
-  backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S),
-                                 pos_weight_.slice(0, S));
+  backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
   Output out;
   for (int l = 0; l < cfg_.depth; ++l) {
     const VisionBlockWeights& b = w_.blocks[l];

@@ -49,10 +49,10 @@ struct VisionInputs {
   // Segment offsets; padding rows form one extra segment, and the tail up to the buffer's
   // capacity repeats the last offset (zero-length segments).
   std::vector<int32_t> cu_seqlens;
-  int n_segments = 0;  // segments that hold rows (real images + the padding segment)
-  std::vector<float> cos, sin;           // [rows, head_dim]
-  std::vector<int32_t> pos_index;        // [rows, 4]
-  std::vector<float> pos_weight;         // [rows, 4]
+  int n_segments = 0;              // segments that hold rows (real images + the padding segment)
+  std::vector<float> cos, sin;     // [rows, head_dim]
+  std::vector<int32_t> pos_index;  // [rows, 4]
+  std::vector<float> pos_weight;   // [rows, 4]
 };
 
 // Plans the inputs for `grids` (one per image, in order). `padded_rows` = 0 means no padding;

@@ -20,8 +20,7 @@ void check_cpu(const Tensor& t, const char* what) {
 
 void check_f32(const Tensor& t, const char* what) {
   check_cpu(t, what);
-  IRIS_CHECK(t.dtype == DType::f32, what, " must be f32 on the CPU backend, got ",
-             t.shape_str());
+  IRIS_CHECK(t.dtype == DType::f32, what, " must be f32 on the CPU backend, got ", t.shape_str());
 }
 
 void check_i32(const Tensor& t, const char* what) {
@@ -31,11 +30,16 @@ void check_i32(const Tensor& t, const char* what) {
 
 float load_as_f32(const void* p, DType t, int64_t i) {
   switch (t) {
-    case DType::f32: return static_cast<const float*>(p)[i];
-    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::i32: return static_cast<float>(static_cast<const int32_t*>(p)[i]);
-    case DType::i64: return static_cast<float>(static_cast<const int64_t*>(p)[i]);
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::i32:
+      return static_cast<float>(static_cast<const int32_t*>(p)[i]);
+    case DType::i64:
+      return static_cast<float>(static_cast<const int64_t*>(p)[i]);
   }
   return 0.0f;
 }
@@ -53,9 +57,9 @@ void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
       const int64_t v = st == DType::i32 ? static_cast<const int32_t*>(src)[i]
                                          : static_cast<const int64_t*>(src)[i];
       if (dt == DType::i32) {
-        IRIS_CHECK(v >= std::numeric_limits<int32_t>::min() &&
-                       v <= std::numeric_limits<int32_t>::max(),
-                   "integer ", v, " does not fit in i32");
+        IRIS_CHECK(
+            v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+            "integer ", v, " does not fit in i32");
         static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
       } else {
         static_cast<int64_t*>(dst)[i] = v;
@@ -64,11 +68,21 @@ void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
     }
     const float v = load_as_f32(src, st, i);
     switch (dt) {
-      case DType::f32: static_cast<float*>(dst)[i] = v; break;
-      case DType::bf16: static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v); break;
-      case DType::f16: static_cast<uint16_t*>(dst)[i] = f32_to_f16(v); break;
-      case DType::i32: static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v); break;
-      case DType::i64: static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v); break;
+      case DType::f32:
+        static_cast<float*>(dst)[i] = v;
+        break;
+      case DType::bf16:
+        static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+        break;
+      case DType::f16:
+        static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
+        break;
+      case DType::i32:
+        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+        break;
+      case DType::i64:
+        static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
+        break;
     }
   }
 }
@@ -78,9 +92,13 @@ float gelu_tanh_f(float x) {
   return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
 }
 
-float gelu_erf_f(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f)); }
+float gelu_erf_f(float x) {
+  return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f));
+}
 
-float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
+float silu_f(float x) {
+  return x / (1.0f + std::exp(-x));
+}
 
 void rms_norm_row(float* y, const float* x, const float* w, int64_t n, float eps) {
   double ss = 0.0;
@@ -141,8 +159,8 @@ class CpuBackend final : public Backend {
     const int64_t M = x.rows(), K = x.cols(), N = w.dim(0);
     IRIS_CHECK(w.ndim == 2 && w.dim(1) == K, "linear: weight ", w.shape_str(),
                " does not match input ", x.shape_str());
-    IRIS_CHECK(y.rows() == M && y.cols() == N, "linear: output ", y.shape_str(), " should be [",
-               M, ", ", N, "]");
+    IRIS_CHECK(y.rows() == M && y.cols() == N, "linear: output ", y.shape_str(), " should be [", M,
+               ", ", N, "]");
     IRIS_CHECK(y.data != x.data, "linear: output aliases input");
     float* yp = y.as<float>();
     cpu::sgemm_xwt(M, N, K, x.as<float>(), w.as<float>(), yp, accumulate ? 1.0f : 0.0f);
@@ -161,8 +179,8 @@ class CpuBackend final : public Backend {
     check_f32(y, "layer_norm output");
     check_f32(x, "layer_norm input");
     const int64_t R = x.rows(), C = x.cols();
-    IRIS_CHECK(y.numel() == x.numel() && w.numel() == C && b.numel() == C,
-               "layer_norm: shapes ", x.shape_str(), " ", w.shape_str(), " ", b.shape_str());
+    IRIS_CHECK(y.numel() == x.numel() && w.numel() == C && b.numel() == C, "layer_norm: shapes ",
+               x.shape_str(), " ", w.shape_str(), " ", b.shape_str());
     const float *xp = x.as<float>(), *wp = w.as<float>(), *bp = b.as<float>();
     float* yp = y.as<float>();
 #pragma omp parallel for schedule(static)
@@ -204,15 +222,19 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) yp[i] = ap[i] + bp[i];
   }
 
-  void gelu_tanh(const Tensor& y, const Tensor& x) override { unary(y, x, gelu_tanh_f); }
-  void gelu_erf(const Tensor& y, const Tensor& x) override { unary(y, x, gelu_erf_f); }
+  void gelu_tanh(const Tensor& y, const Tensor& x) override {
+    unary(y, x, gelu_tanh_f);
+  }
+  void gelu_erf(const Tensor& y, const Tensor& x) override {
+    unary(y, x, gelu_erf_f);
+  }
 
   void swiglu(const Tensor& y, const Tensor& gate_up) override {
     check_f32(y, "swiglu output");
     check_f32(gate_up, "swiglu input");
     const int64_t M = gate_up.rows(), I = gate_up.cols() / 2;
-    IRIS_CHECK(gate_up.cols() % 2 == 0 && y.rows() == M && y.cols() == I, "swiglu: ",
-               gate_up.shape_str(), " -> ", y.shape_str());
+    IRIS_CHECK(gate_up.cols() % 2 == 0 && y.rows() == M && y.cols() == I,
+               "swiglu: ", gate_up.shape_str(), " -> ", y.shape_str());
     const float* g = gate_up.as<float>();
     float* yp = y.as<float>();
 #pragma omp parallel for schedule(static)
@@ -221,16 +243,17 @@ class CpuBackend final : public Backend {
         yp[m * I + i] = silu_f(g[m * 2 * I + i]) * g[m * 2 * I + I + i];
   }
 
-  void qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
-                     const Tensor& cos, const Tensor& sin, int n_q, int n_kv, int hd,
-                     bool /*round_tables_to_compute_dtype: f32 is the compute dtype here*/) override {
+  void qkv_norm_rope(
+      const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
+      const Tensor& cos, const Tensor& sin, int n_q, int n_kv, int hd,
+      bool /*round_tables_to_compute_dtype: f32 is the compute dtype here*/) override {
     check_f32(qkv, "qkv");
     check_f32(cos, "rope cos");
     check_f32(sin, "rope sin");
     const int64_t T = qkv.rows();
     const int64_t width = int64_t(n_q + 2 * n_kv) * hd;
-    IRIS_CHECK(qkv.cols() == width, "qkv_norm_rope: qkv ", qkv.shape_str(), " should have ",
-               width, " columns");
+    IRIS_CHECK(qkv.cols() == width, "qkv_norm_rope: qkv ", qkv.shape_str(), " should have ", width,
+               " columns");
     IRIS_CHECK(cos.rows() == T && cos.cols() == hd && sin.rows() == T && sin.cols() == hd,
                "qkv_norm_rope: cos/sin ", cos.shape_str(), " should be [", T, ", ", hd, "]");
     const float* qn = q_norm_w.defined() ? q_norm_w.as<float>() : nullptr;
@@ -279,8 +302,8 @@ class CpuBackend final : public Backend {
           const int64_t b = cu[seg], e = cu[seg + 1];
           const float* q = p + i * 3 * D + int64_t(h) * hd;
           scores.resize(static_cast<size_t>(e - b));
-          attend(o + i * D + int64_t(h) * hd, q, p + D + int64_t(h) * hd, p + 2 * D + int64_t(h) * hd,
-                 3 * D, b, e, hd, scale, scores.data());
+          attend(o + i * D + int64_t(h) * hd, q, p + D + int64_t(h) * hd,
+                 p + 2 * D + int64_t(h) * hd, 3 * D, b, e, hd, scale, scores.data());
         }
       }
     }
@@ -444,7 +467,9 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend() {
+  return std::make_unique<CpuBackend>();
+}
 
 std::unique_ptr<Backend> make_backend(const std::string& spec) {
   if (spec == "cpu") return make_cpu_backend();
@@ -459,10 +484,13 @@ std::unique_ptr<Backend> make_backend(const std::string& spec) {
 }
 
 #ifndef IRIS_WITH_CUDA
-bool cuda_available() { return false; }
+bool cuda_available() {
+  return false;
+}
 std::unique_ptr<Backend> make_cuda_backend(int) {
-  IRIS_FAIL("this Iris build has no CUDA backend (nvcc was not found at configure time); "
-            "rebuild on a machine with the CUDA toolkit or use --device cpu");
+  IRIS_FAIL(
+      "this Iris build has no CUDA backend (nvcc was not found at configure time); "
+      "rebuild on a machine with the CUDA toolkit or use --device cpu");
 }
 #endif
 

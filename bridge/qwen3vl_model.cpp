@@ -1,0 +1,139 @@
+#include "bridge/qwen3vl_model.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "language/mrope.h"
+
+namespace iris {
+
+Qwen3VLModel::Qwen3VLModel(Backend& backend, const std::string& dir, const ModelLimits& limits)
+    : backend_(backend), limits_(limits) {
+  namespace fs = std::filesystem;
+  IRIS_CHECK(fs::is_directory(dir), "model directory ", dir,
+             " does not exist (pass -m with a Hugging Face checkpoint directory)");
+  cfg_ = ModelConfig::from_file((fs::path(dir) / "config.json").string());
+  weights_ = load_weights(backend, cfg_, dir);
+  build();
+}
+
+Qwen3VLModel::Qwen3VLModel(Backend& backend, const ModelConfig& cfg,
+                           std::unique_ptr<ModelWeights> weights, const ModelLimits& limits)
+    : backend_(backend), cfg_(cfg), limits_(limits), weights_(std::move(weights)) {
+  build();
+}
+
+void Qwen3VLModel::build() {
+  IRIS_CHECK(limits_.max_step_tokens <= limits_.max_context,
+             "the prefill chunk cannot exceed the context length");
+  vision_ = std::make_unique<VisionEncoder>(backend_, cfg_.vision, weights_->vision,
+                                            limits_.max_vision_patches, limits_.max_images + 1);
+  DecoderLimits dl;
+  dl.max_context = limits_.max_context;
+  dl.max_step_tokens = limits_.max_step_tokens;
+  dl.max_logit_rows = limits_.all_logits ? limits_.max_step_tokens : 1;
+  decoder_ = std::make_unique<TextDecoder>(backend_, cfg_.text, weights_->text, dl);
+  Arena plan;
+  plan.alloc(DType::i32, {limits_.max_step_tokens});
+  arena_ = Arena(backend_, plan.used());
+  scatter_index_ = arena_.alloc(DType::i32, {limits_.max_step_tokens});
+  cos_.resize(static_cast<size_t>(limits_.max_step_tokens * cfg_.text.head_dim));
+  sin_.resize(cos_.size());
+  index_host_.reserve(static_cast<size_t>(limits_.max_step_tokens));
+}
+
+void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<GridTHW>& grids) {
+  IRIS_CHECK(static_cast<int>(grids.size()) <= limits_.max_images, grids.size(),
+             " images exceed the planned maximum of ", limits_.max_images);
+  grids_ = grids;
+  if (grids.empty()) {
+    vision_rows_ = 0;
+    return;
+  }
+  vision_out_ = vision_->encode(pixel_values, grids);
+  vision_rows_ = vision_out_.embeds.dim(0);
+}
+
+void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver& observer) {
+  const int64_t L = static_cast<int64_t>(ids.size());
+  IRIS_CHECK(L > 0, "the prompt is empty");
+  IRIS_CHECK(L <= limits_.max_context, "the prompt has ", L,
+             " tokens, more than the maximum context of ", limits_.max_context,
+             " (raise --ctx-size)");
+  const int32_t pad = cfg_.image_token_id;
+  const int64_t n_pads = std::count(ids.begin(), ids.end(), pad);
+  IRIS_CHECK(n_pads == vision_rows_, "the prompt has ", n_pads, " <|image_pad|> tokens but the ",
+             grids_.size(), " encoded images produce ", vision_rows_, " embeddings");
+  rope_ = compute_rope_index(ids, grids_, pad, cfg_.vision.spatial_merge_size);
+  prompt_ = ids;
+  prompt_logits_.clear();
+  n_past_ = 0;
+  int64_t image_rank = 0;  // image rows consumed by earlier chunks
+  for (int64_t c0 = 0; c0 < L; c0 += limits_.max_step_tokens) {
+    const int64_t T = std::min(limits_.max_step_tokens, L - c0);
+    // Rotary tables for this chunk from the 3-row positions.
+    std::vector<int64_t> pos(static_cast<size_t>(3 * T));
+    for (int a = 0; a < 3; ++a)
+      std::copy_n(rope_.positions.begin() + a * L + c0, T, pos.begin() + a * T);
+    mrope_tables(cfg_.text, pos.data(), T, cos_.data(), sin_.data());
+    decoder_->upload_step(ids.data() + c0, cos_.data(), sin_.data(), T, n_past_);
+    index_host_.clear();
+    for (int64_t i = 0; i < T; ++i)
+      if (ids[c0 + i] == pad) index_host_.push_back(static_cast<int32_t>(i));
+    const int64_t n_img = static_cast<int64_t>(index_host_.size());
+    if (n_img > 0) backend_.write(scatter_index_.slice(0, n_img), index_host_.data(), DType::i32);
+
+    decoder_->embed(T);
+    Tensor x = decoder_->hidden(T);
+    Tensor index = scatter_index_.slice(0, n_img);
+    if (n_img > 0)
+      backend_.scatter_rows(x, vision_out_.embeds.slice(image_rank, image_rank + n_img), index,
+                            false);
+    if (observer) observer(0, c0, x);
+    const int n_layers = cfg_.text.num_hidden_layers;
+    for (int l = 0; l < n_layers; ++l) {
+      decoder_->layer(l, T);
+      if (observer && l + 1 < n_layers) observer(l + 1, c0, x);
+      if (n_img > 0 && l < static_cast<int>(vision_out_.deepstack.size()))
+        backend_.scatter_rows(x, vision_out_.deepstack[l].slice(image_rank, image_rank + n_img),
+                              index, true);
+    }
+    decoder_->final_norm(T);
+    if (observer) observer(n_layers, c0, decoder_->normed(T));
+    if (limits_.all_logits) {
+      decoder_->lm_head(0, T);
+      const size_t V = static_cast<size_t>(cfg_.text.vocab_size);
+      const size_t old = prompt_logits_.size();
+      prompt_logits_.resize(old + static_cast<size_t>(T) * V);
+      backend_.read(prompt_logits_.data() + old, DType::f32, decoder_->logits(T));
+      last_row_in_step_ = T - 1;
+    } else {
+      decoder_->lm_head(T - 1, 1);
+      last_row_in_step_ = 0;
+    }
+    image_rank += n_img;
+    n_past_ += T;
+  }
+}
+
+void Qwen3VLModel::decode(int32_t token) {
+  IRIS_CHECK(n_past_ > 0, "decode() needs a prefilled prompt");
+  const int64_t position = n_past_ + rope_.delta;
+  mrope_tables_1d(cfg_.text, position, 1, cos_.data(), sin_.data());
+  decoder_->upload_step(&token, cos_.data(), sin_.data(), 1, n_past_);
+  decoder_->embed(1);
+  for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) decoder_->layer(l, 1);
+  decoder_->final_norm(1);
+  decoder_->lm_head(0, 1);
+  last_row_in_step_ = 0;
+  ++n_past_;
+}
+
+std::vector<float> Qwen3VLModel::last_logits() {
+  std::vector<float> out(static_cast<size_t>(cfg_.text.vocab_size));
+  Tensor rows = decoder_->logits(last_row_in_step_ + 1);
+  backend_.read(out.data(), DType::f32, rows.slice(last_row_in_step_, last_row_in_step_ + 1));
+  return out;
+}
+
+}  // namespace iris

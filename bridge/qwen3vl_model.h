@@ -1,0 +1,88 @@
+// Qwen3-VL: the vision tower and the text decoder joined. Images are encoded in one call, their
+// embeddings scattered over the <|image_pad|> rows of the prompt, DeepStack features added after
+// the first decoder layers, and positions given by 3-row M-RoPE.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bridge/hf_weights.h"
+#include "bridge/model_config.h"
+#include "bridge/rope_index.h"
+#include "language/decoder.h"
+#include "vision/vision_encoder.h"
+
+namespace iris {
+
+struct ModelLimits {
+  int64_t max_context = 4096;          // KV cache rows
+  int64_t max_step_tokens = 2048;      // prefill chunk
+  int64_t max_vision_patches = 16384;  // patch rows of one encoder call (before the 2x2 merge)
+  int max_images = 16;                 // images in one encoder call
+  bool all_logits = false;             // keep logits of every prefill row (tests)
+};
+
+// Called with the residual stream at HF's hidden_states points: index 0 = input of layer 0
+// (after the vision scatter), index l (1..N-1) = output of layer l-1 before its DeepStack add,
+// index N = the final norm's output. `first_row` is the chunk's offset in the prompt.
+using HiddenObserver = std::function<void(int index, int64_t first_row, const Tensor& rows)>;
+
+class Qwen3VLModel {
+ public:
+  // Loads config.json and the safetensors weights of an HF checkpoint directory.
+  Qwen3VLModel(Backend& backend, const std::string& checkpoint_dir, const ModelLimits& limits);
+  // Wraps weights that already live on the backend (random init, training, export tests).
+  Qwen3VLModel(Backend& backend, const ModelConfig& cfg, std::unique_ptr<ModelWeights> weights,
+               const ModelLimits& limits);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelLimits& limits() const { return limits_; }
+  Backend& backend() const { return backend_; }
+  ModelWeights& weights() { return *weights_; }
+  VisionEncoder& vision() { return *vision_; }
+  TextDecoder& decoder() { return *decoder_; }
+
+  // Encodes every image of the next prompt in one vision call (pixel rows of all images
+  // concatenated, merge-window order, grids in prompt order).
+  void encode_images(const float* pixel_values, const std::vector<GridTHW>& grids);
+  // Runs the prompt through the decoder from an empty cache. When the prompt holds image pads,
+  // encode_images() must have been called with the matching grids.
+  void prefill(const std::vector<int32_t>& ids, const HiddenObserver& observer = nullptr);
+  // Feeds one token at the next position.
+  void decode(int32_t token);
+
+  int64_t n_past() const { return n_past_; }
+  const RopeIndex& rope_index() const { return rope_; }
+  // Logits of the last token fed, copied to the host as f32.
+  std::vector<float> last_logits();
+  // With limits.all_logits: logits of every prompt row, [n_prompt, vocab] on the host.
+  const std::vector<float>& prompt_logits() const { return prompt_logits_; }
+
+ private:
+  void build();
+  void run_rows(int64_t T, int64_t first_row, const HiddenObserver& observer);
+
+  Backend& backend_;
+  ModelConfig cfg_;
+  ModelLimits limits_;
+  std::unique_ptr<ModelWeights> weights_;
+  std::unique_ptr<VisionEncoder> vision_;
+  std::unique_ptr<TextDecoder> decoder_;
+  Arena arena_;
+  Tensor scatter_index_;  // i32 [max_step_tokens]: rows of image pads inside a chunk
+
+  std::vector<GridTHW> grids_;
+  VisionEncoder::Output vision_out_;
+  int64_t vision_rows_ = 0;  // merged rows produced by the last encode_images
+  RopeIndex rope_;
+  int64_t n_past_ = 0;
+  int64_t last_row_in_step_ = 0;
+  std::vector<int32_t> prompt_;
+  std::vector<float> prompt_logits_;
+  std::vector<float> cos_, sin_;  // host staging, sized once
+  std::vector<int32_t> index_host_;
+};
+
+}  // namespace iris
