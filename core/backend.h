@@ -40,6 +40,9 @@ class Backend {
   virtual void copy(const Tensor& dst, const Tensor& src) = 0;
   virtual void fill_zero(const Tensor& dst) = 0;
   virtual void synchronize() = 0;
+  // The stream ops are issued on (a cudaStream_t on CUDA); null where there is none. CUDA graph
+  // capture records this stream.
+  virtual void* native_stream() { return nullptr; }
 
   // y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) (+ y if accumulate). y must not alias x.
   virtual void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
