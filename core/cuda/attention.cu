@@ -1,0 +1,656 @@
+// Attention kernels: a flash-attention style kernel on bf16 tensor cores (mma.sync m16n8k16,
+// f32 accumulation, online softmax in f32) for vision segments and causal prefill, and a split-K
+// flash-decoding pair for single-token causal steps. Every kernel reads past_len from device
+// memory, so one captured graph serves every decode step.
+#include <algorithm>
+#include <cmath>
+
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/device_utils.cuh"
+#include "core/cuda/kernels.h"
+
+namespace iris::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ----------------------------------------------------------------------------------------------
+// Flash attention (prefill / vision)
+// ----------------------------------------------------------------------------------------------
+
+// 64 query rows per block (16 per warp, the mma M), 64 keys per tile. With 4 warps and a
+// double-buffered K/V tile this keeps ~150 registers per thread at head_dim 128 and leaves
+// several blocks per SM for latency hiding.
+constexpr int kBr = 64;
+constexpr int kBc = 64;
+constexpr int kFlashWarps = kBr / 16;
+constexpr int kFlashThreads = kFlashWarps * kWarpSize;
+
+template <int HD>
+struct FlashShape {
+  // The QK^T reduction runs in k-steps of 16; head_dim 72 is padded to 80 (zeros) in shared
+  // memory only, while PV works in n-tiles of 8 and needs no padding.
+  static constexpr int kPad = (HD + 15) / 16 * 16;
+  // +8 elements (16 bytes) per row: row strides of 4 (mod 8) words make the fragment loads of
+  // a warp hit 32 distinct banks, and keep every row 16-byte aligned for cp.async.
+  static constexpr int kLd = kPad + 8;
+  static constexpr int kTileElems = kBc * kLd;
+  static constexpr size_t kSmemBytes = 2 /*stages*/ * 2 /*K,V*/ * kTileElems * sizeof(uint16_t);
+};
+
+struct FlashParams {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  uint16_t* out;
+  int64_t q_stride, kv_stride, out_stride;  // elements per row
+  int kv_group;                             // query heads per kv head
+  const int32_t* cu_seqlens;                // segments mode
+  int n_segments;
+  const int32_t* past_len;  // causal mode
+  int64_t tokens;
+  int64_t max_len;   // cache rows: keys beyond are never read, whatever past_len says
+  float scale_log2;  // softmax scale times log2(e): the kernel works with exp2
+};
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16-byte global->shared copy; src_bytes 0 zero-fills the destination without reading.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t load_pair(const uint16_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <int HD, bool kCausal>
+__global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
+  using S = FlashShape<HD>;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* k_tiles = smem;                      // [2][kBc][kLd]
+  uint16_t* v_tiles = smem + 2 * S::kTileElems;  // [2][kBc][kLd]
+
+  const int head = blockIdx.y;
+  const int kv_head = head / p.kv_group;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates: row group, column pair
+
+  // Query rows [q0, q_end) of this block, keys [kv_begin, kv_end); in causal mode query i sits
+  // at absolute position past + i and sees keys [0, past + i].
+  int64_t q0, q_end, kv_begin, kv_end;
+  int past = 0;
+  if constexpr (kCausal) {
+    past = *p.past_len;
+    q0 = static_cast<int64_t>(blockIdx.x) * kBr;
+    q_end = p.tokens;
+    kv_begin = 0;
+    kv_end = min(past + min(q0 + kBr, q_end), p.max_len);
+  } else {
+    // Blocks are numbered over the query tiles of all segments in order; the grid holds an
+    // upper bound (total/kBr + n_segments) and surplus blocks leave at once.
+    int64_t b = blockIdx.x;
+    int seg = -1;
+    for (int s = 0; s < p.n_segments; ++s) {
+      const int64_t len = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
+      const int64_t tiles = (len + kBr - 1) / kBr;
+      if (b < tiles) {
+        seg = s;
+        break;
+      }
+      b -= tiles;
+    }
+    if (seg < 0) return;
+    kv_begin = p.cu_seqlens[seg];
+    kv_end = p.cu_seqlens[seg + 1];
+    q0 = kv_begin + b * kBr;
+    q_end = kv_end;
+  }
+  const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
+
+  // Zero the K padding columns [HD, kPad) once; cp.async never writes them.
+  if constexpr (S::kPad != HD) {
+    constexpr int kPadCols = S::kPad - HD;
+    for (int i = tid; i < 2 * kBc * kPadCols; i += kFlashThreads) {
+      const int row = i / kPadCols, col = HD + i % kPadCols;
+      k_tiles[row * S::kLd + col] = 0;
+    }
+  }
+
+  const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * HD;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * HD;
+  auto load_tile = [&](int stage, int tile) {
+    constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+    const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * kBc;
+    uint16_t* ks = k_tiles + stage * S::kTileElems;
+    uint16_t* vs = v_tiles + stage * S::kTileElems;
+    for (int i = tid; i < kBc * kChunks; i += kFlashThreads) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      const int64_t key = key0 + r;
+      const bool valid = key < kv_end;
+      const int64_t src_row = valid ? key : kv_begin;
+      cp_async16(ks + r * S::kLd + c, k_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+      cp_async16(vs + r * S::kLd + c, v_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (n_tiles > 0) load_tile(0, 0);
+
+  // Q fragments straight from global memory into registers (read once per block).
+  const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
+  uint32_t qf[S::kPad / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < S::kPad / 16; ++ks) {
+    const int c0 = ks * 16 + 2 * t4, c1 = c0 + 8;
+    qf[ks][0] = row_a < q_end && c0 < HD ? load_pair(q_head + row_a * p.q_stride + c0) : 0u;
+    qf[ks][1] = row_b < q_end && c0 < HD ? load_pair(q_head + row_b * p.q_stride + c0) : 0u;
+    qf[ks][2] = row_a < q_end && c1 < HD ? load_pair(q_head + row_a * p.q_stride + c1) : 0u;
+    qf[ks][3] = row_b < q_end && c1 < HD ? load_pair(q_head + row_b * p.q_stride + c1) : 0u;
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    // The other stage was last read in iteration it-1, which ended with a barrier.
+    if (it + 1 < n_tiles) {
+      load_tile(stage ^ 1, it + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint16_t* ks = k_tiles + stage * S::kTileElems;
+    const uint16_t* vs = v_tiles + stage * S::kTileElems;
+
+    // S = Q K^T for this warp's 16 rows x 64 keys.
+    float s[kBc / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const uint16_t* krow = ks + (nt * 8 + g) * S::kLd + 2 * t4;
+#pragma unroll
+      for (int kk = 0; kk < S::kPad / 16; ++kk)
+        mma_bf16_16816(s[nt], qf[kk], load_pair(krow + kk * 16), load_pair(krow + kk * 16 + 8));
+    }
+
+    // Scale into the log2 domain and mask keys past the segment end or the causal diagonal.
+    const int64_t key0 = kv_begin + static_cast<int64_t>(it) * kBc;
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+        bool ok = key < kv_end;
+        if constexpr (kCausal) ok = ok && key <= past + (e < 2 ? row_a : row_b);
+        s[nt][e] = ok ? s[nt][e] * p.scale_log2 : -INFINITY;
+      }
+    }
+
+    // Online softmax; a row's 64 scores are spread over the 4 threads of a quad.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
+      // that no inf - inf appears.
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run[r] = l_run[r] * alpha + sum;
+      m_run[r] = m_new;
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V: the S accumulators of two adjacent key n-tiles form one A fragment (k = 16
+    // keys); V's B fragment pairs two keys of one column, read as two 16-bit loads.
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const uint16_t* v0 = vs + (kk * 16 + 2 * t4) * S::kLd + g;
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) {
+        const uint16_t* vc = v0 + d * 8;
+        const uint32_t b0 = vc[0] | (static_cast<uint32_t>(vc[S::kLd]) << 16);
+        const uint32_t b1 = vc[8 * S::kLd] | (static_cast<uint32_t>(vc[9 * S::kLd]) << 16);
+        mma_bf16_16816(o[d], pa, b0, b1);
+      }
+    }
+    __syncthreads();
+  }
+
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
+  const float inv_a = l_run[0] > 0.f ? 1.f / l_run[0] : 0.f;
+  const float inv_b = l_run[1] > 0.f ? 1.f / l_run[1] : 0.f;
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) {
+    const int c = d * 8 + 2 * t4;
+    if (row_a < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_a * p.out_stride + c) =
+          pack_bf16x2(o[d][0] * inv_a, o[d][1] * inv_a);
+    if (row_b < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + c) =
+          pack_bf16x2(o[d][2] * inv_b, o[d][3] * inv_b);
+  }
+}
+
+template <int HD, bool kCausal>
+void launch_flash(const FlashParams& p, dim3 grid, cudaStream_t s) {
+  flash_attention_kernel<HD, kCausal><<<grid, kFlashThreads, FlashShape<HD>::kSmemBytes, s>>>(p);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+template <bool kCausal>
+void dispatch_flash(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
+  switch (head_dim) {
+    case 16:
+      return launch_flash<16, kCausal>(p, grid, s);
+    case 64:
+      return launch_flash<64, kCausal>(p, grid, s);
+    case 72:
+      return launch_flash<72, kCausal>(p, grid, s);
+    case 80:
+      return launch_flash<80, kCausal>(p, grid, s);
+    case 128:
+      return launch_flash<128, kCausal>(p, grid, s);
+    default:
+      IRIS_FAIL("attention: head_dim ", head_dim, " has no CUDA kernel (16, 64, 72, 80, 128)");
+  }
+}
+
+template <int HD, bool kCausal>
+void set_flash_smem() {
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_attention_kernel<HD, kCausal>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(FlashShape<HD>::kSmemBytes)));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Split-K decoding (one new token)
+// ----------------------------------------------------------------------------------------------
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeKeys = 64;      // keys scored per pass through shared memory
+constexpr int kDecodeMinChunk = 64;  // fewest keys worth a split of their own
+constexpr int kDecodeMaxSplits = 64;
+
+struct DecodeParams {
+  const uint16_t* q;  // qkv row 0
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  const int32_t* past_len;
+  float* part_out;  // [n_q][n_splits][HD]
+  float* part_max;  // [n_q][n_splits]
+  float* part_sum;  // [n_q][n_splits]
+  int64_t kv_stride;
+  int64_t max_len;
+  int n_q_heads, group, n_splits;
+  float scale_log2;
+};
+
+// Same on both kernels: how many splits the current length uses and how long each is.
+__device__ __forceinline__ void decode_split(int length, int n_splits, int& used, int& chunk) {
+  used = min(n_splits, max(1, (length + kDecodeMinChunk - 1) / kDecodeMinChunk));
+  chunk = (length + used - 1) / used;
+}
+
+// One block per (split, kv head) scores its key range for all `group` query heads of that kv
+// head, so each K/V row is read from memory once per step. Threads split a row into 16-byte
+// chunks (HD/8 lanes per row) and a pass covers 128/(HD/8) rows.
+template <int HD, int MAXG>
+__global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodeParams p) {
+  constexpr int kLanesPerRow = HD / 8;
+  constexpr int kRowsPerPass = kDecodeThreads / kLanesPerRow;
+  constexpr int kPasses = kDecodeKeys / kRowsPerPass;
+  static_assert(kDecodeKeys % kRowsPerPass == 0, "a tile is a whole number of passes");
+  __shared__ float s_q[MAXG][HD];
+  __shared__ float s_p[MAXG][kDecodeKeys];
+  __shared__ float s_m[MAXG], s_l[MAXG], s_alpha[MAXG];
+  __shared__ float s_red[kRowsPerPass][MAXG][HD];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int length = static_cast<int>(min(static_cast<int64_t>(*p.past_len) + 1, p.max_len));
+  int used, chunk;
+  decode_split(length, p.n_splits, used, chunk);
+  if (split >= used) return;
+  const int begin = split * chunk, end = min(length, begin + chunk);
+
+  const int group = p.group;
+  for (int i = tid; i < group * HD; i += kDecodeThreads) {
+    const int j = i / HD, d = i % HD;
+    s_q[j][d] =
+        bf16_to_float(p.q[static_cast<int64_t>(kv_head * group + j) * HD + d]) * p.scale_log2;
+  }
+  if (tid < MAXG) s_m[tid] = -INFINITY, s_l[tid] = 0.f;
+  __syncthreads();
+
+  const int row_in_pass = tid / kLanesPerRow, c = (tid % kLanesPerRow) * 8;
+  const uint16_t* k_base = p.k_cache + static_cast<int64_t>(kv_head) * HD + c;
+  const uint16_t* v_base = p.v_cache + static_cast<int64_t>(kv_head) * HD + c;
+  float acc[MAXG][8];
+#pragma unroll
+  for (int j = 0; j < MAXG; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
+
+  for (int k0 = begin; k0 < end; k0 += kDecodeKeys) {
+    // Scores: all passes' K loads are issued before the first use.
+    uint4 kv[kPasses];
+#pragma unroll
+    for (int ps = 0; ps < kPasses; ++ps) {
+      const int key = k0 + ps * kRowsPerPass + row_in_pass;
+      kv[ps] =
+          key < end
+              ? *reinterpret_cast<const uint4*>(k_base + static_cast<int64_t>(key) * p.kv_stride)
+              : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int ps = 0; ps < kPasses; ++ps) {
+      const int slot = ps * kRowsPerPass + row_in_pass;
+      float kf[8];
+      unpack8(kv[ps], kf);
+#pragma unroll
+      for (int j = 0; j < MAXG; ++j) {
+        if (j >= group) break;
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d += kf[e] * s_q[j][c + e];
+#pragma unroll
+        for (int o = kLanesPerRow / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (c == 0) s_p[j][slot] = k0 + slot < end ? d : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // Softmax bookkeeping, one warp per query head.
+    for (int j = warp; j < group; j += kDecodeThreads / kWarpSize) {
+      float mx = -INFINITY;
+      for (int i = lane; i < kDecodeKeys; i += kWarpSize) mx = fmaxf(mx, s_p[j][i]);
+      mx = warp_max(mx);
+      const float m_old = s_m[j];
+      const float m_new = fmaxf(m_old, mx);  // finite: every pass holds at least one key
+      float sum = 0.f;
+      for (int i = lane; i < kDecodeKeys; i += kWarpSize) {
+        const float e = exp2f(s_p[j][i] - m_new);
+        s_p[j][i] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - m_new);
+        s_alpha[j] = alpha;
+        s_l[j] = s_l[j] * alpha + sum;
+        s_m[j] = m_new;
+      }
+    }
+    __syncthreads();
+    uint4 vv[kPasses];
+#pragma unroll
+    for (int ps = 0; ps < kPasses; ++ps) {
+      const int key = k0 + ps * kRowsPerPass + row_in_pass;
+      vv[ps] =
+          key < end
+              ? *reinterpret_cast<const uint4*>(v_base + static_cast<int64_t>(key) * p.kv_stride)
+              : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < MAXG; ++j) {
+      if (j >= group) break;
+      const float alpha = s_alpha[j];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[j][e] *= alpha;
+    }
+#pragma unroll
+    for (int ps = 0; ps < kPasses; ++ps) {
+      const int slot = ps * kRowsPerPass + row_in_pass;
+      float vf[8];
+      unpack8(vv[ps], vf);
+#pragma unroll
+      for (int j = 0; j < MAXG; ++j) {
+        if (j >= group) break;
+        const float pj = s_p[j][slot];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j][e] += pj * vf[e];
+      }
+    }
+    __syncthreads();
+  }
+
+  // Sum the per-pass-row partial outputs.
+#pragma unroll
+  for (int j = 0; j < MAXG; ++j) {
+    if (j >= group) break;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s_red[row_in_pass][j][c + e] = acc[j][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < group * HD; i += kDecodeThreads) {
+    const int j = i / HD, d = i % HD;
+    float sum = 0.f;
+    for (int r = 0; r < kRowsPerPass; ++r) sum += s_red[r][j][d];
+    const int64_t qh = kv_head * group + j;
+    p.part_out[(qh * p.n_splits + split) * HD + d] = sum;
+    if (d == 0) {
+      p.part_max[qh * p.n_splits + split] = s_m[j];
+      p.part_sum[qh * p.n_splits + split] = s_l[j];
+    }
+  }
+}
+
+// One block per query head merges the splits: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
+template <int HD>
+__global__ void decode_combine_kernel(uint16_t* out, DecodeParams p) {
+  const int qh = blockIdx.x;
+  const int length = static_cast<int>(min(static_cast<int64_t>(*p.past_len) + 1, p.max_len));
+  int used, chunk;
+  decode_split(length, p.n_splits, used, chunk);
+  const float* pm = p.part_max + static_cast<int64_t>(qh) * p.n_splits;
+  const float* pl = p.part_sum + static_cast<int64_t>(qh) * p.n_splits;
+  float m = -INFINITY;
+  for (int s = 0; s < used; ++s) m = fmaxf(m, pm[s]);
+  float den = 0.f;
+  for (int s = 0; s < used; ++s) den += exp2f(pm[s] - m) * pl[s];
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    float num = 0.f;
+    for (int s = 0; s < used; ++s)
+      num += exp2f(pm[s] - m) * p.part_out[(static_cast<int64_t>(qh) * p.n_splits + s) * HD + d];
+    out[static_cast<int64_t>(qh) * HD + d] = float_to_bf16(den > 0.f ? num / den : 0.f);
+  }
+}
+
+template <int HD, int MAXG>
+void launch_decode(uint16_t* out, const DecodeParams& p, int n_kv_heads, cudaStream_t s) {
+  decode_partial_kernel<HD, MAXG><<<dim3(p.n_splits, n_kv_heads), kDecodeThreads, 0, s>>>(p);
+  IRIS_CUDA_LAUNCH_CHECK();
+  constexpr int kCombineThreads = HD < 32 ? 32 : HD;
+  decode_combine_kernel<HD><<<p.n_q_heads, kCombineThreads, 0, s>>>(out, p);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+template <int HD>
+void dispatch_decode_group(uint16_t* out, const DecodeParams& p, int n_kv_heads, cudaStream_t s) {
+  if (p.group <= 1) return launch_decode<HD, 1>(out, p, n_kv_heads, s);
+  if (p.group <= 2) return launch_decode<HD, 2>(out, p, n_kv_heads, s);
+  if (p.group <= 4) return launch_decode<HD, 4>(out, p, n_kv_heads, s);
+  return launch_decode<HD, 8>(out, p, n_kv_heads, s);
+}
+
+// ----------------------------------------------------------------------------------------------
+// KV cache append
+// ----------------------------------------------------------------------------------------------
+
+__global__ void kv_store_kernel(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
+                                const int32_t* past_len, int64_t max_len, int64_t row_stride,
+                                int64_t k_offset, int64_t v_offset, int64_t width, bool vec) {
+  const int64_t t = blockIdx.x;
+  const int64_t dst_row = *past_len + t;
+  // Rows past the cache end are dropped: the device cannot throw, and the host cannot see
+  // past_len without a sync. The model sizes max_len for its longest sequence.
+  if (dst_row < 0 || dst_row >= max_len) return;
+  const uint16_t* ks = qkv + t * row_stride + k_offset;
+  const uint16_t* vs = qkv + t * row_stride + v_offset;
+  uint16_t* kd = k_cache + dst_row * width;
+  uint16_t* vd = v_cache + dst_row * width;
+  if (vec) {
+    for (int64_t i = threadIdx.x; i < width / 8; i += blockDim.x) {
+      reinterpret_cast<uint4*>(kd)[i] = reinterpret_cast<const uint4*>(ks)[i];
+      reinterpret_cast<uint4*>(vd)[i] = reinterpret_cast<const uint4*>(vs)[i];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) kd[i] = ks[i], vd[i] = vs[i];
+  }
+}
+
+}  // namespace
+
+void attention_init() {
+  set_flash_smem<16, false>();
+  set_flash_smem<64, false>();
+  set_flash_smem<72, false>();
+  set_flash_smem<80, false>();
+  set_flash_smem<128, false>();
+  set_flash_smem<16, true>();
+  set_flash_smem<64, true>();
+  set_flash_smem<72, true>();
+  set_flash_smem<80, true>();
+  set_flash_smem<128, true>();
+}
+
+bool attention_head_dim_supported(int head_dim) {
+  return head_dim == 16 || head_dim == 64 || head_dim == 72 || head_dim == 80 || head_dim == 128;
+}
+
+void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
+                               int n_segments, int64_t total_rows, int n_heads, int head_dim,
+                               float scale, cudaStream_t s) {
+  if (total_rows == 0 || n_segments == 0) return;
+  const int64_t hidden = static_cast<int64_t>(n_heads) * head_dim;
+  FlashParams p{};
+  p.q = qkv;
+  p.k = qkv + hidden;
+  p.v = qkv + 2 * hidden;
+  p.out = out;
+  p.q_stride = p.kv_stride = 3 * hidden;
+  p.out_stride = hidden;
+  p.kv_group = 1;
+  p.cu_seqlens = cu_seqlens;
+  p.n_segments = n_segments;
+  p.scale_log2 = scale * kLog2e;
+  const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
+  dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
+}
+
+void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
+                     const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
+                     int n_kv_heads, int head_dim, cudaStream_t s) {
+  if (tokens == 0) return;
+  const int64_t width = static_cast<int64_t>(n_kv_heads) * head_dim;
+  const int64_t row_stride = static_cast<int64_t>(n_q_heads + 2 * n_kv_heads) * head_dim;
+  const int64_t k_offset = static_cast<int64_t>(n_q_heads) * head_dim;
+  const int64_t v_offset = k_offset + width;
+  const bool vec = head_dim % 8 == 0 && aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
+  kv_store_kernel<<<static_cast<unsigned>(tokens), 128, 0, s>>>(
+      k_cache, v_cache, qkv, past_len, max_len, row_stride, k_offset, v_offset, width, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t* k_cache,
+                             const uint16_t* v_cache, const int32_t* past_len, int64_t tokens,
+                             int64_t max_len, int n_q_heads, int n_kv_heads, int head_dim,
+                             float scale, const DecodeScratch& scratch, int num_sms,
+                             cudaStream_t s) {
+  if (tokens == 0) return;
+  const int group = n_q_heads / n_kv_heads;
+  const bool decode_shape = head_dim == 16 || head_dim == 64 || head_dim == 128;
+  if (tokens == 1 && decode_shape && group <= 8) {
+    // About two blocks per SM at long context; never more splits than the scratch holds or than
+    // max_len could fill.
+    int n_splits = std::max(1, (2 * num_sms + n_kv_heads - 1) / n_kv_heads);
+    n_splits = std::min<int64_t>(n_splits, kDecodeMaxSplits);
+    n_splits = std::min<int64_t>(n_splits, (max_len + kDecodeMinChunk - 1) / kDecodeMinChunk);
+    n_splits = std::min<int64_t>(n_splits, scratch.capacity_rows / n_q_heads);
+    n_splits =
+        std::min<int64_t>(n_splits, scratch.capacity_floats / (int64_t{n_q_heads} * head_dim));
+    if (n_splits >= 1) {
+      DecodeParams p{};
+      p.q = qkv;
+      p.k_cache = k_cache;
+      p.v_cache = v_cache;
+      p.past_len = past_len;
+      p.part_out = scratch.partial_out;
+      p.part_max = scratch.partial_max;
+      p.part_sum = scratch.partial_sum;
+      p.kv_stride = static_cast<int64_t>(n_kv_heads) * head_dim;
+      p.max_len = max_len;
+      p.n_q_heads = n_q_heads;
+      p.group = group;
+      p.n_splits = n_splits;
+      p.scale_log2 = scale * kLog2e;
+      switch (head_dim) {
+        case 16:
+          return dispatch_decode_group<16>(out, p, n_kv_heads, s);
+        case 64:
+          return dispatch_decode_group<64>(out, p, n_kv_heads, s);
+        default:
+          return dispatch_decode_group<128>(out, p, n_kv_heads, s);
+      }
+    }
+  }
+  const int64_t row_stride = static_cast<int64_t>(n_q_heads + 2 * n_kv_heads) * head_dim;
+  FlashParams p{};
+  p.q = qkv;
+  p.k = k_cache;
+  p.v = v_cache;
+  p.out = out;
+  p.q_stride = row_stride;
+  p.kv_stride = static_cast<int64_t>(n_kv_heads) * head_dim;
+  p.out_stride = static_cast<int64_t>(n_q_heads) * head_dim;
+  p.kv_group = group;
+  p.past_len = past_len;
+  p.tokens = tokens;
+  p.max_len = max_len;
+  p.scale_log2 = scale * kLog2e;
+  const int64_t q_tiles = (tokens + kBr - 1) / kBr;
+  dispatch_flash<true>(head_dim, p, dim3(static_cast<unsigned>(q_tiles), n_q_heads), s);
+}
+
+}  // namespace iris::cuda

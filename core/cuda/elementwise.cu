@@ -1,0 +1,315 @@
+// Elementwise, gather/scatter and reduction kernels of the CUDA backend. All arithmetic runs in
+// f32 on bf16 storage and rounds once per materialised bf16 tensor, matching torch's opmath.
+#include <cfloat>
+#include <cmath>
+
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/device_utils.cuh"
+#include "core/cuda/kernels.h"
+
+namespace iris::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops cap the grid: enough blocks to fill every SM several times over.
+constexpr int64_t kMaxBlocks = 8192;
+
+int grid_for(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
+}
+
+struct AddOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+struct GeluTanhOp {
+  __device__ float operator()(float x) const {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+  }
+};
+
+struct GeluErfOp {
+  __device__ float operator()(float x) const {
+    return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+  }
+};
+
+// n_vec 16-byte vectors first, then the n % 8 tail (or everything, when unaligned) one by one.
+template <class Op>
+__global__ void unary_kernel(uint16_t* y, const uint16_t* x, int64_t n, int64_t n_vec, Op op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = tid; i < n_vec; i += stride) {
+    float f[8];
+    load8(x + i * 8, f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = op(f[k]);
+    store8(y + i * 8, f);
+  }
+  for (int64_t i = n_vec * 8 + tid; i < n; i += stride)
+    y[i] = float_to_bf16(op(bf16_to_float(x[i])));
+}
+
+template <class Op>
+__global__ void binary_kernel(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n,
+                              int64_t n_vec, Op op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = tid; i < n_vec; i += stride) {
+    float fa[8], fb[8];
+    load8(a + i * 8, fa);
+    load8(b + i * 8, fb);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) fa[k] = op(fa[k], fb[k]);
+    store8(y + i * 8, fa);
+  }
+  for (int64_t i = n_vec * 8 + tid; i < n; i += stride)
+    y[i] = float_to_bf16(op(bf16_to_float(a[i]), bf16_to_float(b[i])));
+}
+
+template <class Op>
+void launch_unary(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  const int64_t n_vec = aligned16(x) && aligned16(y) ? n / 8 : 0;
+  const int64_t work = n_vec > 0 ? n_vec : n;
+  unary_kernel<<<grid_for(work), kThreads, 0, s>>>(y, x, n, n_vec, Op{});
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.f + expf(-x));
+}
+
+// HF: act_fn(gate) * up, two bf16 tensors: silu is rounded before the product.
+__global__ void swiglu_kernel(uint16_t* y, const uint16_t* gu, int64_t rows, int64_t inter,
+                              bool vec) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    const int64_t per_row = inter / 8, total = rows * per_row;
+    for (int64_t i = tid; i < total; i += stride) {
+      const int64_t r = i / per_row, c = (i % per_row) * 8;
+      float g[8], u[8];
+      load8(gu + r * 2 * inter + c, g);
+      load8(gu + r * 2 * inter + inter + c, u);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] = round_bf16(silu(g[k])) * u[k];
+      store8(y + r * inter + c, g);
+    }
+  } else {
+    const int64_t total = rows * inter;
+    for (int64_t i = tid; i < total; i += stride) {
+      const int64_t r = i / inter, c = i % inter;
+      const float g = bf16_to_float(gu[r * 2 * inter + c]);
+      const float u = bf16_to_float(gu[r * 2 * inter + inter + c]);
+      y[i] = float_to_bf16(round_bf16(silu(g)) * u);
+    }
+  }
+}
+
+// One block per output row; `vec` when the row length and the pointers allow 16-byte access.
+__global__ void embedding_kernel(uint16_t* y, const uint16_t* table, const int32_t* ids,
+                                 int64_t vocab, int64_t cols, bool vec) {
+  const int64_t row = blockIdx.x;
+  const int32_t id = ids[row];
+  const bool valid = id >= 0 && id < vocab;
+  const uint16_t* src = table + static_cast<int64_t>(valid ? id : 0) * cols;
+  uint16_t* dst = y + row * cols;
+  if (vec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      const uint4 v = valid ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(dst)[c] = v;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = valid ? src[c] : 0;
+  }
+}
+
+__global__ void scatter_rows_kernel(uint16_t* dst, const uint16_t* src, const int32_t* index,
+                                    int64_t dst_rows, int64_t cols, bool accumulate, bool vec) {
+  const int64_t row = blockIdx.x;
+  const int32_t to = index[row];
+  if (to < 0 || to >= dst_rows) return;
+  const uint16_t* s = src + row * cols;
+  uint16_t* d = dst + static_cast<int64_t>(to) * cols;
+  if (vec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      if (!accumulate) {
+        reinterpret_cast<uint4*>(d)[c] = reinterpret_cast<const uint4*>(s)[c];
+      } else {
+        float a[8], b[8];
+        load8(d + c * 8, a);
+        load8(s + c * 8, b);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a[k] += b[k];
+        store8(d + c * 8, a);
+      }
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      d[c] = accumulate ? float_to_bf16(bf16_to_float(d[c]) + bf16_to_float(s[c])) : s[c];
+  }
+}
+
+// y += bf16(sum_k w_k * table[idx_k]): the weighted sum stays in f32 and is rounded once, then
+// added in bf16 (spec 3.2).
+__global__ void add_interpolated_rows_kernel(uint16_t* y, const uint16_t* table,
+                                             const int32_t* index, const float* weight,
+                                             int64_t table_rows, int64_t cols, bool vec) {
+  const int64_t row = blockIdx.x;
+  const uint16_t* src[4];
+  float w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int32_t idx = index[row * 4 + k];
+    const bool valid = idx >= 0 && idx < table_rows;
+    src[k] = table + static_cast<int64_t>(valid ? idx : 0) * cols;
+    w[k] = valid ? weight[row * 4 + k] : 0.f;
+  }
+  uint16_t* dst = y + row * cols;
+  if (vec) {
+    for (int64_t c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, t[8], out[8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        load8(src[k] + c, t);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += w[k] * t[e];
+      }
+      load8(dst + c, out);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] += round_bf16(acc[e]);
+      store8(dst + c, out);
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc += w[k] * bf16_to_float(src[k][c]);
+      dst[c] = float_to_bf16(bf16_to_float(dst[c]) + round_bf16(acc));
+    }
+  }
+}
+
+// torch.argmax order: NaN beats every number, then larger values, then the lower index.
+__device__ __forceinline__ bool argmax_better(float v, int64_t i, float best, int64_t best_i) {
+  const bool vn = v != v, bn = best != best;
+  if (vn != bn) return vn;
+  if (!vn && v != best) return v > best;
+  return i < best_i;
+}
+
+constexpr int kArgmaxThreads = 512;
+
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(int32_t* out, const uint16_t* x, int64_t cols, bool vec) {
+  const uint16_t* row = x + static_cast<int64_t>(blockIdx.x) * cols;
+  float best = -INFINITY;
+  int64_t best_i = INT64_MAX;
+  // Each thread visits increasing indices, so within a thread only a strictly better value may
+  // replace the current best.
+  if (vec) {
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+      float f[8];
+      load8(row + c * 8, f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (argmax_better(f[e], c * 8 + e, best, best_i)) best = f[e], best_i = c * 8 + e;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float f = bf16_to_float(row[c]);
+      if (argmax_better(f, c, best, best_i)) best = f, best_i = c;
+    }
+  }
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (argmax_better(ov, oi, best, best_i)) best = ov, best_i = oi;
+  }
+  __shared__ float s_val[kArgmaxThreads / kWarpSize];
+  __shared__ int64_t s_idx[kArgmaxThreads / kWarpSize];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  if (lane == 0) s_val[warp] = best, s_idx[warp] = best_i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / kWarpSize; ++w)
+      if (argmax_better(s_val[w], s_idx[w], best, best_i)) best = s_val[w], best_i = s_idx[w];
+    out[blockIdx.x] = static_cast<int32_t>(best_i == INT64_MAX ? 0 : best_i);
+  }
+}
+
+int row_threads(int64_t cols_per_thread_unit) {
+  // Enough threads to cover a row of 1024-4096 elements in one 16-byte pass, no more.
+  if (cols_per_thread_unit >= 256) return 256;
+  if (cols_per_thread_unit >= 128) return 128;
+  if (cols_per_thread_unit >= 64) return 64;
+  return 32;
+}
+
+}  // namespace
+
+void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  const int64_t n_vec = aligned16(y) && aligned16(a) && aligned16(b) ? n / 8 : 0;
+  binary_kernel<<<grid_for(n_vec > 0 ? n_vec : n), kThreads, 0, s>>>(y, a, b, n, n_vec, AddOp{});
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
+  launch_unary<GeluTanhOp>(y, x, n, s);
+}
+
+void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
+  launch_unary<GeluErfOp>(y, x, n, s);
+}
+
+void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
+                   cudaStream_t s) {
+  if (rows == 0 || inter == 0) return;
+  const bool vec = inter % 8 == 0 && aligned16(y) && aligned16(gate_up);
+  const int64_t work = vec ? rows * inter / 8 : rows * inter;
+  swiglu_kernel<<<grid_for(work), kThreads, 0, s>>>(y, gate_up, rows, inter, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_embedding(uint16_t* y, const uint16_t* table, const int32_t* ids, int64_t n_ids,
+                      int64_t vocab, int64_t cols, cudaStream_t s) {
+  if (n_ids == 0 || cols == 0) return;
+  const bool vec = cols % 8 == 0 && aligned16(y) && aligned16(table);
+  embedding_kernel<<<static_cast<unsigned>(n_ids), row_threads(vec ? cols / 8 : cols), 0, s>>>(
+      y, table, ids, vocab, cols, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_scatter_rows(uint16_t* dst, const uint16_t* src, const int32_t* index, int64_t n,
+                         int64_t dst_rows, int64_t cols, bool accumulate, cudaStream_t s) {
+  if (n == 0 || cols == 0) return;
+  const bool vec = cols % 8 == 0 && aligned16(dst) && aligned16(src);
+  scatter_rows_kernel<<<static_cast<unsigned>(n), row_threads(vec ? cols / 8 : cols), 0, s>>>(
+      dst, src, index, dst_rows, cols, accumulate, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int32_t* index,
+                                  const float* weight, int64_t rows, int64_t table_rows,
+                                  int64_t cols, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return;
+  const bool vec = cols % 8 == 0 && aligned16(y) && aligned16(table);
+  add_interpolated_rows_kernel<<<static_cast<unsigned>(rows), row_threads(vec ? cols / 8 : cols), 0,
+                                 s>>>(y, table, index, weight, table_rows, cols, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
+                        cudaStream_t s) {
+  if (rows == 0) return;
+  const bool vec = cols % 8 == 0 && aligned16(x);
+  argmax_rows_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, s>>>(out, x, cols, vec);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace iris::cuda

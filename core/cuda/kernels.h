@@ -1,0 +1,69 @@
+// Host-side launchers of the CUDA backend's kernels. bf16 data travels as uint16_t bits; every
+// launcher enqueues on `stream` and returns without synchronising, so all of them can be
+// captured into a CUDA graph. Shapes are validated by the backend before these are called.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace iris::cuda {
+
+// ---- elementwise (elementwise.cu) ----
+void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cudaStream_t s);
+void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
+void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
+void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
+                   cudaStream_t s);
+// Rows whose id is outside [0, vocab) are written as zeros (the device cannot throw).
+void launch_embedding(uint16_t* y, const uint16_t* table, const int32_t* ids, int64_t n_ids,
+                      int64_t vocab, int64_t cols, cudaStream_t s);
+// Indices outside [0, dst_rows) are skipped.
+void launch_scatter_rows(uint16_t* dst, const uint16_t* src, const int32_t* index, int64_t n,
+                         int64_t dst_rows, int64_t cols, bool accumulate, cudaStream_t s);
+void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int32_t* index,
+                                  const float* weight, int64_t rows, int64_t table_rows,
+                                  int64_t cols, cudaStream_t s);
+void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
+                        cudaStream_t s);
+
+// ---- normalisation and RoPE (norm_rope.cu) ----
+void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
+                       int64_t rows, int64_t cols, float eps, cudaStream_t s);
+void launch_rms_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t rows, int64_t cols,
+                     float eps, cudaStream_t s);
+// q_norm_w / k_norm_w may be null (no per-head norm for that block).
+void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
+                          float eps, const float* cos, const float* sin, int64_t tokens,
+                          int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
+                          cudaStream_t s);
+
+// ---- attention (attention.cu) ----
+// Raises the dynamic shared-memory limit of the attention kernels; called once per device at
+// backend creation (it is not a stream operation, so it stays out of captured graphs).
+void attention_init();
+bool attention_head_dim_supported(int head_dim);
+void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
+                               int n_segments, int64_t total_rows, int n_heads, int head_dim,
+                               float scale, cudaStream_t s);
+void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
+                     const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
+                     int n_kv_heads, int head_dim, cudaStream_t s);
+
+// Split-K decode scratch: per (query head, split) partial outputs, maxima and sums, f32.
+struct DecodeScratch {
+  float* partial_out = nullptr;  // [n_q_heads * max_splits * head_dim]
+  float* partial_max = nullptr;  // [n_q_heads * max_splits]
+  float* partial_sum = nullptr;  // [n_q_heads * max_splits]
+  int64_t capacity_floats = 0;   // size of partial_out
+  int64_t capacity_rows = 0;     // size of partial_max and partial_sum
+};
+// Causal GQA attention of `tokens` new queries against the caches; past_len lives on the device.
+// A single token with a supported shape takes the split-K decode kernels.
+void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t* k_cache,
+                             const uint16_t* v_cache, const int32_t* past_len, int64_t tokens,
+                             int64_t max_len, int n_q_heads, int n_kv_heads, int head_dim,
+                             float scale, const DecodeScratch& scratch, int num_sms,
+                             cudaStream_t s);
+
+}  // namespace iris::cuda

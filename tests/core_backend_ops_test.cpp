@@ -1,0 +1,765 @@
+// Every op of the CUDA backend against the fp32 CPU oracle, in the manner of llama.cpp's
+// test-backend-ops: random inputs, rounded to bf16 first so that both backends see the same
+// values, several shapes per op (the tiny fixture's dims and the real models'), outputs compared
+// by normalised mean squared error, NMSE = sum((gpu - cpu)^2) / sum(cpu^2).
+//
+// Thresholds. One bf16 rounding of an output has a relative error uniform in +-2^-9, an NMSE of
+// about 1.3e-6; a real bug (wrong element, missed key, bad mask) gives 1e-3 or more.
+//   exact (bitwise):  copy, fill_zero, embedding, scatter_rows, kv_store, argmax_rows
+//   kElementwise 2e-5: add, gelu_tanh, gelu_erf, swiglu (2 roundings), scatter_rows accumulate,
+//                      add_interpolated_rows (2), layer_norm, rms_norm (2), linear (output
+//                      rounding plus fp32 accumulation-order differences)
+//   kRope 5e-5:       qkv_norm_rope (up to 5 HF-style bf16 roundings on the text path)
+//   kAttention 5e-5:  attention_segments, attention_causal (probabilities rounded to bf16 for
+//                     the tensor cores, plus the output rounding)
+// Outputs must also be finite, and every tensor sits between guard regions of sentinel values
+// that must survive the op (out-of-bounds writes).
+//
+// Skips cleanly where no CUDA device is present (CI, CPU-only builds).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/backend.h"
+#include "core/dtype.h"
+
+#ifdef IRIS_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda/cuda_backend.h"
+#include "core/cuda/cuda_check.h"
+#endif
+
+namespace iris {
+namespace {
+
+constexpr double kExact = 0.0;
+constexpr double kElementwise = 2e-5;
+constexpr double kRope = 5e-5;
+constexpr double kAttention = 5e-5;
+
+constexpr int64_t kGuard = 64;         // sentinel elements each side; keeps 16-byte alignment
+constexpr float kSentinel = -1232.0f;  // exact in bf16, f32 and i32
+
+enum class Kind { act, f32, i32 };  // act: the backend's compute dtype
+
+int64_t product(const std::vector<int64_t>& dims) {
+  return std::accumulate(dims.begin(), dims.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+class Rng {
+ public:
+  explicit Rng(uint32_t seed) : gen_(seed) {}
+  // bf16-representable normal values, the inputs both backends can hold exactly.
+  std::vector<float> normal(int64_t n, float mean = 0.f, float stddev = 1.f) {
+    std::normal_distribution<float> d(mean, stddev);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = round_bf16(d(gen_));
+    return v;
+  }
+  std::vector<float> uniform_f32(int64_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = d(gen_);
+    return v;
+  }
+  int32_t integer(int32_t lo, int32_t hi) {  // inclusive
+    return std::uniform_int_distribution<int32_t>(lo, hi)(gen_);
+  }
+  std::vector<int32_t> permutation_prefix(int32_t n, int32_t count) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    std::iota(p.begin(), p.end(), 0);
+    std::shuffle(p.begin(), p.end(), gen_);
+    p.resize(static_cast<size_t>(count));
+    return p;
+  }
+
+ private:
+  std::mt19937 gen_;
+};
+
+// One backend's half of a test case: tensors carved from arenas on that backend, each between
+// guard regions.
+class Side {
+ public:
+  explicit Side(Backend& be) : be_(be) {}
+  Backend& be() { return be_; }
+
+  Tensor make(Kind kind, const std::vector<int64_t>& dims, const std::vector<float>& values) {
+    const int64_t n = product(dims);
+    EXPECT_EQ(static_cast<int64_t>(values.size()), n) << "test bug: value count";
+    Tensor t = guarded(dtype_for(kind), dims);
+    if (n > 0) be_.write(t, values.data(), DType::f32);
+    return t;
+  }
+  Tensor make_i32(const std::vector<int64_t>& dims, const std::vector<int32_t>& values) {
+    const int64_t n = product(dims);
+    EXPECT_EQ(static_cast<int64_t>(values.size()), n) << "test bug: value count";
+    Tensor t = guarded(DType::i32, dims);
+    if (n > 0) be_.write(t, values.data(), DType::i32);
+    return t;
+  }
+
+  std::vector<float> get(const Tensor& t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    be_.read(v.data(), DType::f32, t);
+    return v;
+  }
+
+  ::testing::AssertionResult guards_intact() {
+    for (const auto& [lo, hi] : guards_) {
+      for (const Tensor* g : {&lo, &hi}) {
+        const std::vector<float> v = get(*g);
+        for (size_t i = 0; i < v.size(); ++i)
+          if (v[i] != kSentinel)
+            return ::testing::AssertionFailure()
+                   << be_.name() << ": guard element " << i << " of a "
+                   << (g == &lo ? "leading" : "trailing") << " guard was overwritten with " << v[i]
+                   << " (out-of-bounds write)";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  DType dtype_for(Kind k) const {
+    return k == Kind::act ? be_.compute_dtype() : (k == Kind::f32 ? DType::f32 : DType::i32);
+  }
+
+  Tensor guarded(DType dt, const std::vector<int64_t>& dims) {
+    const int64_t n = product(dims);
+    const size_t bytes = static_cast<size_t>(n + 2 * kGuard) * dtype_size(dt);
+    if (arenas_.empty() ||
+        arenas_.back()->used() + bytes + Arena::kAlignment > arenas_.back()->capacity())
+      arenas_.push_back(
+          std::make_unique<Arena>(be_, std::max<size_t>(size_t{64} << 20, bytes + 1024)));
+    Tensor buf = arenas_.back()->alloc(dt, {n + 2 * kGuard});
+    const std::vector<float> sentinel(kGuard, kSentinel);
+    Tensor lo = buf.slice(0, kGuard), hi = buf.slice(kGuard + n, n + 2 * kGuard);
+    be_.write(lo, sentinel.data(), DType::f32);
+    be_.write(hi, sentinel.data(), DType::f32);
+    guards_.push_back({lo, hi});
+    return buf.slice(kGuard, kGuard + n).view(dims);
+  }
+
+  Backend& be_;
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  std::vector<std::pair<Tensor, Tensor>> guards_;
+};
+
+::testing::AssertionResult matches(const std::vector<float>& got, const std::vector<float>& ref,
+                                   double threshold) {
+  if (got.size() != ref.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " != " << ref.size();
+  double err = 0, norm = 0, worst = 0;
+  size_t worst_i = 0, non_finite = 0, mismatches = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) ++non_finite;
+    const double d = double(got[i]) - double(ref[i]);
+    if (got[i] != ref[i]) ++mismatches;
+    err += d * d;
+    norm += double(ref[i]) * double(ref[i]);
+    if (std::fabs(d) > worst || !std::isfinite(d)) worst = std::fabs(d), worst_i = i;
+  }
+  const double nmse = norm > 0 ? err / norm : err;
+  const bool ok = non_finite == 0 && (threshold == kExact ? mismatches == 0 : nmse <= threshold);
+  if (ok) return ::testing::AssertionSuccess();
+  auto f = ::testing::AssertionFailure();
+  f << "NMSE " << nmse << " (threshold " << threshold << "), " << non_finite << " non-finite, "
+    << mismatches << " of " << got.size() << " elements differ";
+  if (!got.empty()) f << "; worst [" << worst_i << "] " << got[worst_i] << " vs " << ref[worst_i];
+  return f;
+}
+
+using Body = std::function<std::vector<Tensor>(Side&)>;
+
+class BackendOps : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!cuda_available()) return;
+    cpu_ = make_cpu_backend();
+    gpu_ = make_cuda_backend(0);
+  }
+  static void TearDownTestSuite() {
+    gpu_.reset();
+    cpu_.reset();
+  }
+  void SetUp() override {
+    if (!gpu_) GTEST_SKIP() << "no CUDA device: the CUDA backend is not exercised here";
+  }
+
+  // Runs `body` on the CPU oracle and on the GPU and compares the tensors it returns.
+  static void compare(const std::string& what, double threshold, const Body& body) {
+    SCOPED_TRACE(what);
+    Side cpu(*cpu_), gpu(*gpu_);
+    const std::vector<Tensor> ref = body(cpu);
+    const std::vector<Tensor> out = body(gpu);
+    ASSERT_EQ(ref.size(), out.size());
+    for (size_t i = 0; i < ref.size(); ++i)
+      EXPECT_TRUE(matches(gpu.get(out[i]), cpu.get(ref[i]), threshold)) << "output " << i;
+    EXPECT_TRUE(cpu.guards_intact());
+    EXPECT_TRUE(gpu.guards_intact());
+  }
+
+  static inline std::unique_ptr<Backend> cpu_, gpu_;
+};
+
+std::string dims_str(std::initializer_list<int64_t> d) {
+  std::string s;
+  for (int64_t v : d) s += (s.empty() ? "" : "x") + std::to_string(v);
+  return s;
+}
+
+// ---- transfers ----
+
+TEST_F(BackendOps, WriteReadConvertsBetweenHostAndDeviceDtypes) {
+  Side gpu(*gpu_);
+  Rng rng(1);
+  std::vector<float> x = rng.uniform_f32(1000, -50.f, 50.f);
+  Tensor b = gpu.make(Kind::act, {1000}, x);  // f32 host -> bf16 device rounds to nearest even
+  std::vector<uint16_t> bits(1000);
+  gpu_->read(bits.data(), DType::bf16, b);
+  const std::vector<float> back = gpu.get(b);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(bits[i], f32_to_bf16(x[i])) << i;
+    ASSERT_EQ(back[i], round_bf16(x[i])) << i;
+  }
+  Tensor f = gpu.make(Kind::f32, {1000}, x);  // f32 on the device is exact
+  EXPECT_EQ(gpu.get(f), x);
+
+  std::vector<int64_t> ids64 = {0, 1, -5, 151935, 2147483647};
+  Tensor i32 = gpu.make_i32({5}, {0, 0, 0, 0, 0});
+  gpu_->write(i32, ids64.data(), DType::i64);
+  std::vector<int64_t> ids_back(5);
+  gpu_->read(ids_back.data(), DType::i64, i32);
+  EXPECT_EQ(ids_back, ids64);
+  const int64_t too_big = int64_t{1} << 40;
+  EXPECT_THROW(gpu_->write(i32.slice(0, 1), &too_big, DType::i64), Error);
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
+TEST_F(BackendOps, WriteReadLargeAndManySmallTransfers) {
+  Side gpu(*gpu_);
+  Rng rng(2);
+  // Larger than the pinned staging buffer: the transfer runs in chunks.
+  const int64_t n = 9'000'001;
+  const std::vector<float> big = rng.normal(n);
+  Tensor t = gpu.make(Kind::act, {n}, big);
+  EXPECT_TRUE(matches(gpu.get(t), big, kExact));
+  // Many small writes queued without a sync in between must not overwrite each other's staging.
+  std::vector<Tensor> small;
+  std::vector<std::vector<float>> values;
+  for (int i = 0; i < 200; ++i) {
+    values.push_back(rng.normal(3000 + i));
+    small.push_back(gpu.make(Kind::act, {3000 + i}, values.back()));
+  }
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE(matches(gpu.get(small[i]), values[i], kExact)) << i;
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
+TEST_F(BackendOps, CopyAndFillZero) {
+  for (Kind kind : {Kind::act, Kind::f32, Kind::i32}) {
+    for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4096}, int64_t{100003}}) {
+      compare("copy/fill_zero n=" + std::to_string(n), kExact, [&](Side& s) {
+        Rng rng(3);
+        std::vector<float> v = rng.normal(n, 0.f, 100.f);
+        if (kind == Kind::i32)
+          for (float& x : v) x = std::round(x);
+        Tensor src = s.make(kind, {n}, v);
+        Tensor dst = s.make(kind, {n}, std::vector<float>(n, 7.f));
+        Tensor zero = s.make(kind, {n}, v);
+        s.be().copy(dst, src);
+        s.be().fill_zero(zero);
+        return std::vector<Tensor>{dst, zero};
+      });
+    }
+  }
+}
+
+// ---- GEMM ----
+
+TEST_F(BackendOps, Linear) {
+  struct Case {
+    int64_t m, n, k;
+    bool bias, accumulate;
+  };
+  const Case cases[] = {
+      {5, 64, 32, true, false},        // tiny vision qkv-ish
+      {7, 96, 64, false, true},        // tiny text, residual accumulate
+      {3, 128, 64, true, true},        // bias and accumulate together
+      {3, 1001, 64, true, false},      // odd N: rows not 16-byte multiples
+      {300, 3072, 1024, true, false},  // vision qkv
+      {50, 1024, 1536, true, false},   // patch embedding
+      {64, 2048, 2048, false, false},  // text projection
+      {17, 2048, 6144, false, true},   // down_proj into the residual
+      {1, 6144, 2048, false, false},   // decode GEMV
+  };
+  for (const Case& c : cases) {
+    compare("linear " + dims_str({c.m, c.n, c.k}) + (c.bias ? " bias" : "") +
+                (c.accumulate ? " acc" : ""),
+            kElementwise, [&](Side& s) {
+              Rng rng(10);
+              Tensor x = s.make(Kind::act, {c.m, c.k}, rng.normal(c.m * c.k));
+              Tensor w = s.make(Kind::act, {c.n, c.k}, rng.normal(c.n * c.k, 0.f, 0.05f));
+              Tensor b = c.bias ? s.make(Kind::act, {c.n}, rng.normal(c.n)) : Tensor();
+              Tensor y = s.make(Kind::act, {c.m, c.n}, rng.normal(c.m * c.n));
+              s.be().linear(y, x, w, b, c.accumulate);
+              return std::vector<Tensor>{y};
+            });
+  }
+}
+
+// ---- row-wise normalisation ----
+
+TEST_F(BackendOps, LayerNormAndRmsNorm) {
+  const std::pair<int64_t, int64_t> shapes[] = {{5, 32},   {3, 64},   {17, 1024}, {9, 2048},
+                                                {4, 4096}, {3, 4608}, {7, 100},   {2, 10000}};
+  for (const auto& [rows, cols] : shapes) {
+    for (bool in_place : {false, true}) {
+      const std::string tag = dims_str({rows, cols}) + (in_place ? " in place" : "");
+      compare("layer_norm " + tag, kElementwise, [&](Side& s) {
+        Rng rng(20);
+        // A mean far from zero checks that the variance is not E[x^2] - mean^2.
+        Tensor x = s.make(Kind::act, {rows, cols}, rng.normal(rows * cols, 3.f, 1.f));
+        Tensor w = s.make(Kind::act, {cols}, rng.normal(cols, 1.f, 0.5f));
+        Tensor b = s.make(Kind::act, {cols}, rng.normal(cols, 0.f, 0.1f));
+        Tensor y = in_place ? x : s.make(Kind::act, {rows, cols}, rng.normal(rows * cols));
+        s.be().layer_norm(y, x, w, b, 1e-6f);
+        return std::vector<Tensor>{y};
+      });
+      compare("rms_norm " + tag, kElementwise, [&](Side& s) {
+        Rng rng(21);
+        Tensor x = s.make(Kind::act, {rows, cols}, rng.normal(rows * cols, 0.f, 2.f));
+        Tensor w = s.make(Kind::act, {cols}, rng.normal(cols, 1.f, 0.5f));
+        Tensor y = in_place ? x : s.make(Kind::act, {rows, cols}, rng.normal(rows * cols));
+        s.be().rms_norm(y, x, w, 1e-6f);
+        return std::vector<Tensor>{y};
+      });
+    }
+  }
+}
+
+// ---- elementwise ----
+
+TEST_F(BackendOps, AddAndGelu) {
+  for (int64_t n : {int64_t{160}, int64_t{18432}, int64_t{1000003}}) {
+    for (bool in_place : {false, true}) {
+      const std::string tag = std::to_string(n) + (in_place ? " in place" : "");
+      compare("add " + tag, kElementwise, [&](Side& s) {
+        Rng rng(30);
+        Tensor a = s.make(Kind::act, {n}, rng.normal(n));
+        Tensor b = s.make(Kind::act, {n}, rng.normal(n));
+        Tensor y = in_place ? a : s.make(Kind::act, {n}, rng.normal(n));
+        s.be().add(y, a, b);
+        return std::vector<Tensor>{y};
+      });
+      compare("gelu_tanh " + tag, kElementwise, [&](Side& s) {
+        Rng rng(31);
+        Tensor x = s.make(Kind::act, {n}, rng.normal(n, 0.f, 3.f));
+        Tensor y = in_place ? x : s.make(Kind::act, {n}, rng.normal(n));
+        s.be().gelu_tanh(y, x);
+        return std::vector<Tensor>{y};
+      });
+      compare("gelu_erf " + tag, kElementwise, [&](Side& s) {
+        Rng rng(32);
+        Tensor x = s.make(Kind::act, {n}, rng.normal(n, 0.f, 3.f));
+        Tensor y = in_place ? x : s.make(Kind::act, {n}, rng.normal(n));
+        s.be().gelu_erf(y, x);
+        return std::vector<Tensor>{y};
+      });
+    }
+  }
+}
+
+TEST_F(BackendOps, SwiGlu) {
+  const std::pair<int64_t, int64_t> shapes[] = {{5, 48}, {9, 3072}, {3, 37}, {1, 6144}};
+  for (const auto& [m, inter] : shapes) {
+    compare("swiglu " + dims_str({m, inter}), kElementwise, [&](Side& s) {
+      Rng rng(40);
+      Tensor gu = s.make(Kind::act, {m, 2 * inter}, rng.normal(m * 2 * inter, 0.f, 2.f));
+      Tensor y = s.make(Kind::act, {m, inter}, rng.normal(m * inter));
+      s.be().swiglu(y, gu);
+      return std::vector<Tensor>{y};
+    });
+  }
+}
+
+// ---- q/k norm + RoPE ----
+
+TEST_F(BackendOps, QkvNormRope) {
+  struct Case {
+    int64_t t;
+    int nq, nkv, hd;
+    bool q_norm, k_norm, round_tables;
+  };
+  const Case cases[] = {
+      {6, 4, 2, 16, true, true, true},        // tiny text
+      {10, 2, 2, 16, false, false, false},    // tiny vision
+      {5, 4, 2, 16, true, false, true},       // q norm only
+      {37, 16, 8, 128, true, true, true},     // text, real dims
+      {50, 16, 16, 72, false, false, false},  // vision hd 72
+      {40, 16, 16, 64, false, false, false},  // vision hd 64
+  };
+  for (const Case& c : cases) {
+    compare(
+        "qkv_norm_rope T=" + std::to_string(c.t) + " " + std::to_string(c.nq) + "/" +
+            std::to_string(c.nkv) + " hd " + std::to_string(c.hd) +
+            (c.round_tables ? " bf16 tables" : " f32 tables"),
+        kRope, [&](Side& s) {
+          Rng rng(50);
+          const int64_t width = int64_t{c.nq + 2 * c.nkv} * c.hd;
+          Tensor qkv = s.make(Kind::act, {c.t, width}, rng.normal(c.t * width, 0.f, 2.f));
+          Tensor qn = c.q_norm ? s.make(Kind::act, {c.hd}, rng.normal(c.hd, 1.f, 0.3f)) : Tensor();
+          Tensor kn = c.k_norm ? s.make(Kind::act, {c.hd}, rng.normal(c.hd, 1.f, 0.3f)) : Tensor();
+          // Real tables: positions times inverse frequencies, cos/sin of concat(f, f).
+          std::vector<float> cs(c.t * c.hd), sn(c.t * c.hd);
+          for (int64_t p = 0; p < c.t; ++p)
+            for (int i = 0; i < c.hd / 2; ++i) {
+              const float f = float(p * 7 + 3) * std::pow(10000.f, -2.f * i / c.hd);
+              cs[p * c.hd + i] = cs[p * c.hd + i + c.hd / 2] = std::cos(f);
+              sn[p * c.hd + i] = sn[p * c.hd + i + c.hd / 2] = std::sin(f);
+            }
+          Tensor cos_t = s.make(Kind::f32, {c.t, c.hd}, cs);
+          Tensor sin_t = s.make(Kind::f32, {c.t, c.hd}, sn);
+          s.be().qkv_norm_rope(qkv, qn, kn, 1e-6f, cos_t, sin_t, c.nq, c.nkv, c.hd, c.round_tables);
+          return std::vector<Tensor>{qkv};
+        });
+  }
+}
+
+// ---- attention ----
+
+TEST_F(BackendOps, AttentionSegments) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int heads, hd;
+  };
+  const Case cases[] = {
+      {{5, 0, 32, 63}, 2, 16},     // tiny vision, a zero-length segment
+      {{64, 0, 200, 37}, 16, 64},  // a segment of exactly one tile
+      {{256, 130}, 16, 72},        // hd 72: padded to 80 in shared memory only
+      {{100, 1, 90, 0}, 4, 80},    // one-row segment, trailing empty segment
+      {{1024}, 16, 64},            // one long segment
+  };
+  for (const Case& c : cases) {
+    std::vector<int32_t> cu = {0};
+    for (int32_t len : c.lengths) cu.push_back(cu.back() + len);
+    const int64_t rows = cu.back(), hidden = int64_t{c.heads} * c.hd;
+    compare("attention_segments S=" + std::to_string(rows) + " heads " + std::to_string(c.heads) +
+                " hd " + std::to_string(c.hd),
+            kAttention, [&](Side& s) {
+              Rng rng(60);
+              Tensor qkv = s.make(Kind::act, {rows, 3 * hidden}, rng.normal(rows * 3 * hidden));
+              Tensor cu_t = s.make_i32({static_cast<int64_t>(cu.size())}, cu);
+              Tensor out = s.make(Kind::act, {rows, hidden}, rng.normal(rows * hidden));
+              s.be().attention_segments(out, qkv, cu_t, static_cast<int>(c.lengths.size()), c.heads,
+                                        c.hd, 1.f / std::sqrt(float(c.hd)));
+              return std::vector<Tensor>{out};
+            });
+  }
+}
+
+struct CausalCase {
+  int nq, nkv, hd;
+  int64_t max_len, past, t;
+};
+
+std::string causal_name(const CausalCase& c) {
+  return std::to_string(c.nq) + "/" + std::to_string(c.nkv) + " hd " + std::to_string(c.hd) +
+         " past " + std::to_string(c.past) + " T " + std::to_string(c.t) + " max " +
+         std::to_string(c.max_len);
+}
+
+// Caches hold random history below past_len and loud values past the new rows: if a kernel
+// reads beyond the causal limit, those dominate its softmax.
+std::vector<float> cache_values(Rng& rng, const CausalCase& c) {
+  const int64_t width = int64_t{c.nkv} * c.hd;
+  std::vector<float> v = rng.normal(c.max_len * width);
+  for (int64_t r = c.past + c.t; r < c.max_len; ++r)
+    for (int64_t i = 0; i < width; ++i) v[r * width + i] = 40.f;
+  return v;
+}
+
+TEST_F(BackendOps, KvStore) {
+  const CausalCase cases[] = {{4, 2, 16, 32, 5, 7},
+                              {16, 8, 128, 300, 100, 33},
+                              {16, 8, 128, 300, 299, 1},
+                              {4, 2, 16, 32, 0, 32}};
+  for (const CausalCase& c : cases) {
+    compare("kv_store " + causal_name(c), kExact, [&](Side& s) {
+      Rng rng(70);
+      const int64_t width = int64_t{c.nkv} * c.hd, qkv_w = int64_t{c.nq + 2 * c.nkv} * c.hd;
+      Tensor qkv = s.make(Kind::act, {c.t, qkv_w}, rng.normal(c.t * qkv_w));
+      Tensor kc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      Tensor vc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      Tensor past = s.make_i32({1}, {static_cast<int32_t>(c.past)});
+      s.be().kv_store(kc, vc, qkv, past, c.nq, c.nkv, c.hd);
+      return std::vector<Tensor>{kc, vc};
+    });
+  }
+}
+
+TEST_F(BackendOps, AttentionCausal) {
+  const CausalCase cases[] = {
+      {4, 2, 16, 64, 0, 7},         // tiny prefill
+      {4, 2, 16, 64, 5, 3},         // tiny continuation
+      {4, 2, 16, 64, 20, 1},        // tiny decode
+      {16, 8, 128, 512, 0, 100},    // prefill
+      {16, 8, 128, 512, 40, 33},    // chunked prefill
+      {16, 8, 128, 200, 0, 1},      // first token
+      {16, 8, 128, 4096, 1000, 1},  // decode, 1k context
+      {16, 8, 128, 4096, 4000, 1},  // decode, 4k context
+      {32, 8, 128, 2048, 2047, 1},  // decode filling the cache, group 4
+      {64, 8, 128, 1024, 700, 1},   // group 8
+      {8, 8, 128, 512, 100, 1},     // no GQA
+      {8, 4, 64, 512, 300, 1},      // decode hd 64
+      {4, 2, 72, 128, 50, 1},       // single token through the prefill kernel (hd 72)
+      {16, 8, 128, 512, 0, 200},    // several query tiles
+  };
+  for (const CausalCase& c : cases) {
+    compare("attention_causal " + causal_name(c), kAttention, [&](Side& s) {
+      Rng rng(80);
+      const int64_t width = int64_t{c.nkv} * c.hd, qkv_w = int64_t{c.nq + 2 * c.nkv} * c.hd;
+      Tensor qkv = s.make(Kind::act, {c.t, qkv_w}, rng.normal(c.t * qkv_w));
+      Tensor kc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      Tensor vc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      Tensor past = s.make_i32({1}, {static_cast<int32_t>(c.past)});
+      Tensor out = s.make(Kind::act, {c.t, int64_t{c.nq} * c.hd}, rng.normal(c.t * c.nq * c.hd));
+      s.be().kv_store(kc, vc, qkv, past, c.nq, c.nkv, c.hd);
+      s.be().attention_causal(out, qkv, kc, vc, past, c.nq, c.nkv, c.hd,
+                              1.f / std::sqrt(float(c.hd)));
+      return std::vector<Tensor>{out};
+    });
+  }
+}
+
+// ---- gathers, scatters, reductions ----
+
+TEST_F(BackendOps, Embedding) {
+  const std::tuple<int64_t, int64_t, int64_t> cases[] = {
+      {1000, 64, 9}, {5000, 2048, 17}, {100, 36, 5}, {151, 32, 1}};
+  for (const auto& [vocab, hidden, n] : cases) {
+    compare("embedding " + dims_str({vocab, hidden, n}), kExact, [&](Side& s) {
+      Rng rng(90);
+      Tensor table = s.make(Kind::act, {vocab, hidden}, rng.normal(vocab * hidden));
+      std::vector<int32_t> ids(n);
+      for (auto& id : ids) id = rng.integer(0, static_cast<int32_t>(vocab - 1));
+      ids[0] = static_cast<int32_t>(vocab - 1);
+      Tensor ids_t = s.make_i32({n}, ids);
+      Tensor y = s.make(Kind::act, {n, hidden}, rng.normal(n * hidden));
+      s.be().embedding(y, table, ids_t);
+      return std::vector<Tensor>{y};
+    });
+  }
+}
+
+TEST_F(BackendOps, ScatterRows) {
+  const std::tuple<int64_t, int64_t, int64_t> cases[] = {
+      {50, 64, 10}, {300, 2048, 64}, {20, 36, 7}, {16, 32, 16}};
+  for (const auto& [rows, cols, n] : cases) {
+    for (bool accumulate : {false, true}) {
+      compare("scatter_rows " + dims_str({rows, cols, n}) + (accumulate ? " acc" : ""),
+              accumulate ? kElementwise : kExact, [&](Side& s) {
+                Rng rng(100);
+                Tensor dst = s.make(Kind::act, {rows, cols}, rng.normal(rows * cols));
+                Tensor src = s.make(Kind::act, {n, cols}, rng.normal(n * cols));
+                Tensor idx = s.make_i32({n}, rng.permutation_prefix(static_cast<int32_t>(rows),
+                                                                    static_cast<int32_t>(n)));
+                s.be().scatter_rows(dst, src, idx, accumulate);
+                return std::vector<Tensor>{dst};
+              });
+    }
+  }
+}
+
+TEST_F(BackendOps, AddInterpolatedRows) {
+  const std::tuple<int64_t, int64_t, int64_t> cases[] = {
+      {2304, 1024, 100}, {64, 32, 20}, {50, 36, 7}, {2304, 1152, 64}};
+  for (const auto& [table_rows, cols, n] : cases) {
+    compare("add_interpolated_rows " + dims_str({table_rows, cols, n}), kElementwise, [&](Side& s) {
+      Rng rng(110);
+      Tensor table = s.make(Kind::act, {table_rows, cols}, rng.normal(table_rows * cols));
+      std::vector<int32_t> idx(n * 4);
+      for (auto& i : idx) i = rng.integer(0, static_cast<int32_t>(table_rows - 1));
+      // Bilinear weights of random fractional offsets, f32 on both backends.
+      std::vector<float> w(n * 4);
+      const std::vector<float> frac = rng.uniform_f32(n * 2, 0.f, 1.f);
+      for (int64_t r = 0; r < n; ++r) {
+        const float dh = frac[2 * r], dw = frac[2 * r + 1];
+        w[4 * r] = (1 - dh) * (1 - dw), w[4 * r + 1] = (1 - dh) * dw;
+        w[4 * r + 2] = dh * (1 - dw), w[4 * r + 3] = dh * dw;
+      }
+      Tensor idx_t = s.make_i32({n, 4}, idx);
+      Tensor w_t = s.make(Kind::f32, {n, 4}, w);
+      Tensor y = s.make(Kind::act, {n, cols}, rng.normal(n * cols));
+      s.be().add_interpolated_rows(y, table, idx_t, w_t);
+      return std::vector<Tensor>{y};
+    });
+  }
+}
+
+TEST_F(BackendOps, ArgmaxRows) {
+  const std::pair<int64_t, int64_t> cases[] = {{3, 151936}, {5, 1000}, {1, 17}, {4, 1003}};
+  for (const auto& [m, n] : cases) {
+    compare("argmax_rows " + dims_str({m, n}), kExact, [&](Side& s) {
+      Rng rng(120);
+      std::vector<float> x = rng.normal(m * n);
+      // Ties: the lowest index must win.
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t a = rng.integer(0, static_cast<int32_t>(n - 1));
+        const int64_t b = rng.integer(0, static_cast<int32_t>(n - 1));
+        x[r * n + a] = x[r * n + b] = 8.f + float(r % 2);
+      }
+      Tensor xt = s.make(Kind::act, {m, n}, x);
+      Tensor out = s.make_i32({m}, std::vector<int32_t>(m, -1));
+      s.be().argmax_rows(out, xt);
+      return std::vector<Tensor>{out};
+    });
+  }
+}
+
+#ifdef IRIS_WITH_CUDA
+
+// Ops of one decode step of the tiny model, on tensors allocated up front.
+struct StepTensors {
+  Tensor x, norm_w, qkv_w, qkv, cos, sin, kc, vc, past, attn, o_w, gate_up_w, gate_up, mlp, down_w,
+      logits_w, logits, ids, table, next;
+};
+
+StepTensors alloc_step(Arena& arena, Backend& be, Rng& rng, int64_t hidden, int nq, int nkv, int hd,
+                       int64_t max_len, int64_t vocab) {
+  auto fill = [&](Tensor t, float stddev) {
+    const std::vector<float> v = rng.normal(t.numel(), 0.f, stddev);
+    be.write(t, v.data(), DType::f32);
+    return t;
+  };
+  const int64_t qkv_w = int64_t{nq + 2 * nkv} * hd, inter = 3 * hidden;
+  StepTensors s;
+  s.table = fill(arena.alloc(DType::bf16, {vocab, hidden}), 1.f);
+  s.ids = arena.alloc(DType::i32, {1});
+  s.x = arena.alloc(DType::bf16, {1, hidden});
+  s.norm_w = fill(arena.alloc(DType::bf16, {hidden}), 1.f);
+  s.qkv_w = fill(arena.alloc(DType::bf16, {qkv_w, hidden}), 0.1f);
+  s.qkv = arena.alloc(DType::bf16, {1, qkv_w});
+  s.cos = fill(arena.alloc(DType::f32, {1, hd}), 0.5f);
+  s.sin = fill(arena.alloc(DType::f32, {1, hd}), 0.5f);
+  s.kc = fill(arena.alloc(DType::bf16, {max_len, int64_t{nkv} * hd}), 1.f);
+  s.vc = fill(arena.alloc(DType::bf16, {max_len, int64_t{nkv} * hd}), 1.f);
+  s.past = arena.alloc(DType::i32, {1});
+  s.attn = arena.alloc(DType::bf16, {1, int64_t{nq} * hd});
+  s.o_w = fill(arena.alloc(DType::bf16, {hidden, int64_t{nq} * hd}), 0.1f);
+  s.gate_up_w = fill(arena.alloc(DType::bf16, {2 * inter, hidden}), 0.1f);
+  s.gate_up = arena.alloc(DType::bf16, {1, 2 * inter});
+  s.mlp = arena.alloc(DType::bf16, {1, inter});
+  s.down_w = fill(arena.alloc(DType::bf16, {hidden, inter}), 0.1f);
+  s.logits_w = fill(arena.alloc(DType::bf16, {vocab, hidden}), 0.1f);
+  s.logits = arena.alloc(DType::bf16, {1, vocab});
+  s.next = arena.alloc(DType::i32, {1});
+  return s;
+}
+
+void run_step(Backend& be, const StepTensors& s, int nq, int nkv, int hd) {
+  be.embedding(s.x, s.table, s.ids);
+  be.rms_norm(s.x, s.x, s.norm_w, 1e-6f);
+  be.linear(s.qkv, s.x, s.qkv_w, Tensor(), false);
+  be.qkv_norm_rope(s.qkv, s.norm_w.slice(0, hd), s.norm_w.slice(0, hd), 1e-6f, s.cos, s.sin, nq,
+                   nkv, hd, true);
+  be.kv_store(s.kc, s.vc, s.qkv, s.past, nq, nkv, hd);
+  be.attention_causal(s.attn, s.qkv, s.kc, s.vc, s.past, nq, nkv, hd, 0.25f);
+  be.linear(s.x, s.attn, s.o_w, Tensor(), true);
+  be.linear(s.gate_up, s.x, s.gate_up_w, Tensor(), false);
+  be.swiglu(s.mlp, s.gate_up);
+  be.linear(s.x, s.mlp, s.down_w, Tensor(), true);
+  be.gelu_tanh(s.mlp, s.mlp);
+  be.add(s.x, s.x, s.x);
+  be.layer_norm(s.x, s.x, s.norm_w, s.norm_w, 1e-6f);
+  be.linear(s.logits, s.x, s.logits_w, Tensor(), false);
+  be.argmax_rows(s.next, s.logits);
+  be.copy(s.ids, s.next);
+}
+
+TEST_F(BackendOps, RepeatedStepsAllocateNothing) {
+  const int nq = 4, nkv = 2, hd = 16;
+  const int64_t hidden = 64, max_len = 64, vocab = 151;
+  Arena arena(*gpu_, size_t{16} << 20);
+  Rng rng(130);
+  const StepTensors s = alloc_step(arena, *gpu_, rng, hidden, nq, nkv, hd, max_len, vocab);
+  const int32_t zero = 0;
+  gpu_->write(s.ids, &zero, DType::i32);
+  gpu_->write(s.past, &zero, DType::i32);
+  run_step(*gpu_, s, nq, nkv, hd);  // first use: GEMM plans are made here
+  gpu_->synchronize();
+  const size_t allocations = arena.allocation_count();
+  size_t free_before = 0, free_after = 0, total = 0;
+  IRIS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  for (int32_t step = 1; step < 40; ++step) {
+    gpu_->write(s.past, &step, DType::i32);
+    run_step(*gpu_, s, nq, nkv, hd);
+  }
+  gpu_->synchronize();
+  IRIS_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  EXPECT_EQ(arena.allocation_count(), allocations);
+  EXPECT_EQ(free_after, free_before) << "device memory was allocated inside ops";
+  int32_t next = -1;
+  gpu_->read(&next, DType::i32, s.next);
+  EXPECT_GE(next, 0);
+  EXPECT_LT(next, vocab);
+}
+
+// A decode step captured once as a CUDA graph must give the eager result at every later
+// past_len: the kernels read past_len from device memory at replay.
+TEST_F(BackendOps, CapturedDecodeStepMatchesEagerAtEveryPosition) {
+  const int nq = 16, nkv = 8, hd = 128;
+  const int64_t hidden = 256, max_len = 512, vocab = 1000;
+  Arena arena(*gpu_, size_t{64} << 20);
+  Rng rng_a(140), rng_b(140);
+  const StepTensors graph_side =
+      alloc_step(arena, *gpu_, rng_a, hidden, nq, nkv, hd, max_len, vocab);
+  const StepTensors eager_side =
+      alloc_step(arena, *gpu_, rng_b, hidden, nq, nkv, hd, max_len, vocab);
+  const int32_t start_id = 3, start_past = 200;
+  for (const StepTensors* s : {&graph_side, &eager_side}) {
+    gpu_->write(s->ids, &start_id, DType::i32);
+    gpu_->write(s->past, &start_past, DType::i32);
+  }
+  run_step(*gpu_, eager_side, nq, nkv, hd);  // plans made before capture; warms the eager side
+  run_step(*gpu_, graph_side, nq, nkv, hd);
+  gpu_->synchronize();
+
+  cudaStream_t stream = cuda_stream(*gpu_);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  IRIS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  run_step(*gpu_, graph_side, nq, nkv, hd);
+  IRIS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  IRIS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int32_t past = start_past + 1; past < start_past + 40; past += 3) {
+    for (const StepTensors* s : {&graph_side, &eager_side}) gpu_->write(s->past, &past, DType::i32);
+    IRIS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    run_step(*gpu_, eager_side, nq, nkv, hd);
+    std::vector<float> a(hidden), b(hidden);
+    gpu_->read(a.data(), DType::f32, graph_side.x);
+    gpu_->read(b.data(), DType::f32, eager_side.x);
+    ASSERT_TRUE(matches(a, b, kExact)) << "past_len " << past;
+    std::vector<float> ka(nkv * hd), kb(nkv * hd);
+    gpu_->read(ka.data(), DType::f32, graph_side.kc.slice(past, past + 1));
+    gpu_->read(kb.data(), DType::f32, eager_side.kc.slice(past, past + 1));
+    ASSERT_TRUE(matches(ka, kb, kExact)) << "k cache row " << past;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+#endif  // IRIS_WITH_CUDA
+
+}  // namespace
+}  // namespace iris
