@@ -736,6 +736,7 @@ TEST_F(BackendOps, CapturedDecodeStepMatchesEagerAtEveryPosition) {
   gpu_->synchronize();
 
   cudaStream_t stream = cuda_stream(*gpu_);
+  ASSERT_EQ(gpu_->native_stream(), static_cast<void*>(stream));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   IRIS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));

@@ -299,6 +299,8 @@ class CudaBackend final : public Backend {
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
   }
 
+  void* native_stream() override { return stream(); }
+
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
               bool accumulate) override {
     bind();
