@@ -1,15 +1,50 @@
-// The iris command line: one binary, subcommands as llama.cpp/git do.
+// The iris command line: one binary with subcommands (as git does). Every user-facing failure is
+// an iris::Error whose message says what was wrong; it is printed and the exit code is 1.
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 
+#include "apps/commands.h"
 #include "core/error.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* help;
+};
+
+const Command kCommands[] = {
+    {"generate", iris::run_generate_command, "images + text in, text out (streamed)"},
+};
+
+void print_usage(FILE* out) {
+  std::fprintf(out, "usage: iris <command> [options]   (iris <command> --help for its flags)\n\n");
+  for (const Command& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.help);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    std::printf("usage: iris <command> [options]\n\ncommands:\n");
+    print_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 1 : 0;
   }
-  std::fprintf(stderr, "iris: unknown command '%s' (run iris --help)\n", argv[1]);
+  for (const Command& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    try {
+      return c.run(argc - 1, argv + 1);
+    } catch (const iris::Error& e) {
+      std::fprintf(stderr, "iris %s: error: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "iris %s: unexpected error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "iris: unknown command '%s'\n\n", argv[1]);
+  print_usage(stderr);
   return 1;
 }

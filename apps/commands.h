@@ -1,0 +1,8 @@
+// Subcommands of the iris binary. Each parses its own flags and returns the process exit code.
+#pragma once
+
+namespace iris {
+
+int run_generate_command(int argc, char** argv);
+
+}  // namespace iris

@@ -1,0 +1,208 @@
+// iris generate: images + text in, text out, streamed (flags follow llama.cpp's multimodal CLI).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "apps/commands.h"
+#include "bridge/chat_prompt.h"
+#include "bridge/generator.h"
+#include "core/graph_config.h"
+#include "language/tokenizer.h"
+#include "vision/image.h"
+#include "vision/preprocess.h"
+
+namespace iris {
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct GenerateOptions {
+  std::string model_dir;
+  std::vector<std::string> images;
+  std::string prompt;
+  std::string system;
+  int n_predict = 128;
+  float temp = 0.8f;
+  int top_k = 40;
+  float top_p = 0.95f;
+  float min_p = 0.05f;
+  float repeat_penalty = 1.0f;
+  int64_t seed = -1;
+  int ctx_size = 4096;
+  std::string device = "auto";
+  bool json = false;
+  bool ignore_eos = false;
+  bool no_cuda_graphs = false;
+  std::vector<std::pair<std::string, std::string>> graph_flags;
+};
+
+}  // namespace
+
+int run_generate_command(int argc, char** argv) {
+  CLI::App app{"Generate text from images and a prompt with a Qwen3-VL checkpoint.",
+               "iris generate"};
+  app.get_formatter()->column_width(44);
+  GenerateOptions o;
+  app.add_option("-m,--model", o.model_dir,
+                 "Hugging Face checkpoint directory (config.json, "
+                 "safetensors, tokenizer.json)")
+      ->required();
+  app.add_option("--image", o.images,
+                 "image file (PNG, JPEG, BMP, GIF, TGA, PNM); repeat for "
+                 "several, placed before the text");
+  app.add_option("-p,--prompt", o.prompt, "the user's text")->required();
+  app.add_option("--system", o.system, "system prompt (none by default, as Qwen3-VL)");
+  app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
+  app.add_option("--temp", o.temp, "temperature; 0 = greedy")->capture_default_str();
+  app.add_option("--top-k", o.top_k, "top-k sampling; 0 = off")->capture_default_str();
+  app.add_option("--top-p", o.top_p, "top-p (nucleus) sampling; 1 = off")->capture_default_str();
+  app.add_option("--min-p", o.min_p, "min-p sampling; 0 = off")->capture_default_str();
+  app.add_option("--repeat-penalty", o.repeat_penalty, "repetition penalty; 1 = off")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "RNG seed; -1 = random")->capture_default_str();
+  app.add_option("-c,--ctx-size", o.ctx_size, "maximum context (prompt + generated tokens)")
+      ->capture_default_str();
+  app.add_option("--device", o.device, "cpu, cuda, cuda:N or auto (cuda when a GPU is present)")
+      ->capture_default_str();
+  app.add_flag("--json", o.json,
+               "print one JSON object (tokens, text, timings) instead of "
+               "streaming");
+  app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
+  app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
+               "run eagerly on the GPU (graphs are on by "
+               "default there)");
+  // Every CUDA graph config key is a flag of the same name (lists comma-separated); they are
+  // validated on every backend so a bad combination fails the same way everywhere.
+  std::map<std::string, std::string> graph_values;
+  for (const std::string& key : graph_config_keys()) {
+    const std::string flag = graph_config_flag_name(key);
+    auto* opt = app.add_option_function<std::string>(
+        flag, [&graph_values, key](const std::string& v) { graph_values[key] = v; },
+        is_deprecated_graph_config_key(key) ? "CUDA graph setting (deprecated, migrated with a "
+                                              "warning)"
+                                            : "CUDA graph setting");
+    if (key == "enable_cuda_graph" || key == "external_cuda_graph") opt->expected(0, 1);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  const auto t_load = std::chrono::steady_clock::now();
+  // Graph configs first: a bad combination is an error before anything is loaded.
+  GraphConfigInput graph_input;
+  for (const auto& [k, v] : graph_values) graph_input.emplace_back(k, v.empty() ? "true" : v);
+  GraphConfigs graphs = parse_graph_configs(graph_input);
+  for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+
+  namespace fs = std::filesystem;
+  IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
+             "' does not exist (pass -m with a Hugging Face checkpoint directory)");
+  const std::string device = o.device == "auto" ? (cuda_available() ? "cuda" : "cpu") : o.device;
+  std::unique_ptr<Backend> backend = make_backend(device);
+
+  const fs::path tok_path = fs::path(o.model_dir) / "tokenizer.json";
+  IRIS_CHECK(fs::exists(tok_path), "no tokenizer.json in ", o.model_dir,
+             " (copy the checkpoint's tokenizer.json there)");
+  const Tokenizer tokenizer = Tokenizer::from_file(tok_path.string());
+  const ModelConfig cfg = ModelConfig::from_file((fs::path(o.model_dir) / "config.json").string());
+  GraphModelTraits traits;
+  traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
+  traits.spatial_merge_size = cfg.vision.spatial_merge_size;
+  const PreprocessorConfig pre =
+      fs::exists(fs::path(o.model_dir) / "preprocessor_config.json")
+          ? PreprocessorConfig::from_file(
+                (fs::path(o.model_dir) / "preprocessor_config.json").string())
+          : PreprocessorConfig{};
+
+  // Images are decoded before the model is sized so that the vision buffers fit them exactly.
+  const auto t_pre = std::chrono::steady_clock::now();
+  std::vector<ImageRGB8> images;
+  for (const std::string& path : o.images) images.push_back(load_image(path));
+  PreprocessedBatch batch;
+  if (!images.empty()) batch = preprocess_images(images, pre);
+  const double preprocess_ms = ms_since(t_pre);
+  std::vector<GridTHW> grids(batch.grid_thw.begin(), batch.grid_thw.end());
+  const int64_t patches = count_patches(grids);
+  traits.max_vision_seq_length = patches > 0 ? patches : cfg.vision.merge_unit();
+  finalize_graph_configs(graphs, traits);
+
+  ModelLimits limits;
+  limits.max_context = o.ctx_size;
+  limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
+  limits.max_images = std::max<int>(1, static_cast<int>(images.size()));
+  limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
+  Qwen3VLModel model(*backend, o.model_dir, limits);
+  const double load_ms = ms_since(t_load) - preprocess_ms;
+
+  GenerationRequest req;
+  req.prompt_ids =
+      build_generation_prompt(tokenizer, grids, o.prompt, o.system, cfg.vision.spatial_merge_size);
+  req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
+  req.grids = grids;
+  req.max_new_tokens = o.n_predict;
+  if (!o.ignore_eos)
+    req.stop_ids =
+        default_stop_ids(o.model_dir, [&](const std::string& t) { return tokenizer.token_id(t); });
+  req.sampling.temperature = o.temp;
+  req.sampling.top_k = o.top_k;
+  req.sampling.top_p = o.top_p;
+  req.sampling.min_p = o.min_p;
+  req.sampling.repetition_penalty = o.repeat_penalty;
+  req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
+
+  StreamingDecoder stream(tokenizer);
+  const GenerationResult res = generate(model, req, [&](int32_t tok) {
+    if (o.json) return;
+    std::fputs(stream.push(tok).c_str(), stdout);
+    std::fflush(stdout);
+  });
+  const GenerationTimings& t = res.timings;
+  std::vector<int32_t> shown = res.tokens;
+  if (res.stopped) shown.pop_back();
+  if (o.json) {
+    nlohmann::json j;
+    j["prompt_tokens"] = t.prompt_tokens;
+    j["tokens"] = shown;
+    j["text"] = tokenizer.decode(shown);
+    j["stopped_at_eos"] = res.stopped;
+    j["seed"] = req.sampling.seed;
+    j["device"] = backend->name();
+    j["timings"] = {{"load_ms", load_ms},
+                    {"preprocess_ms", preprocess_ms},
+                    {"vision_encode_ms", t.vision_ms},
+                    {"image_patches", t.image_patches},
+                    {"prefill_ms", t.prefill_ms},
+                    {"prefill_tokens_per_s", t.prefill_tokens_per_s()},
+                    {"decode_ms", t.decode_ms},
+                    {"decode_tokens_per_s", t.decode_tokens_per_s()},
+                    {"generated_tokens", t.generated_tokens}};
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::fputs(stream.flush().c_str(), stdout);
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "\n%-16s %10.2f ms\n%-16s %10.2f ms (%zu images)\n"
+                 "%-16s %10.2f ms (%lld patches)\n"
+                 "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
+                 "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
+                 "%-16s %s, seed %llu\n",
+                 "load", load_ms, "preprocess", preprocess_ms, images.size(), "vision encode",
+                 t.vision_ms, static_cast<long long>(t.image_patches), "prefill", t.prefill_ms,
+                 static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(), "decode",
+                 t.decode_ms, static_cast<long long>(t.generated_tokens), t.decode_tokens_per_s(),
+                 "device", backend->name().c_str(),
+                 static_cast<unsigned long long>(req.sampling.seed));
+  }
+  return 0;
+}
+
+}  // namespace iris

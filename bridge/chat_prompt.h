@@ -1,0 +1,27 @@
+// The Qwen3-VL chat format for inference prompts: an optional system turn, one user turn with the
+// images before the text (as HF's processor renders content [image..., text]), and the
+// generation prompt. No default system prompt (Qwen3-VL has none).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "language/tokenizer.h"
+#include "vision/vision_encoder.h"
+
+namespace iris {
+
+// The prompt text with every image's <|image_pad|> expanded to its merged-token count
+// (grid_t * gh * gw / merge^2), as HF's processor expands it before tokenising.
+std::string render_generation_prompt(const std::vector<GridTHW>& image_grids,
+                                     const std::string& user_text, const std::string& system_text,
+                                     int spatial_merge_size);
+
+std::vector<int32_t> build_generation_prompt(const Tokenizer& tokenizer,
+                                             const std::vector<GridTHW>& image_grids,
+                                             const std::string& user_text,
+                                             const std::string& system_text,
+                                             int spatial_merge_size = 2);
+
+}  // namespace iris

@@ -1,0 +1,106 @@
+#include "bridge/generator.h"
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/fs.h"
+
+namespace iris {
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+double GenerationTimings::prefill_tokens_per_s() const {
+  return prefill_ms > 0 ? 1000.0 * double(prompt_tokens) / prefill_ms : 0.0;
+}
+
+double GenerationTimings::decode_tokens_per_s() const {
+  // The first token comes from the prefill's logits; every later one costs a decode step.
+  const int64_t steps = generated_tokens > 0 ? generated_tokens - 1 : 0;
+  return decode_ms > 0 ? 1000.0 * double(steps) / decode_ms : 0.0;
+}
+
+GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
+                          const std::function<void(int32_t)>& on_token) {
+  IRIS_CHECK(req.max_new_tokens >= 0, "the number of tokens to predict must be >= 0");
+  GenerationResult res;
+  GenerationTimings& t = res.timings;
+  t.prompt_tokens = static_cast<int64_t>(req.prompt_ids.size());
+  t.image_patches = count_patches(req.grids);
+  IRIS_CHECK(t.prompt_tokens + req.max_new_tokens <= model.limits().max_context, "the prompt (",
+             t.prompt_tokens, " tokens) plus ", req.max_new_tokens,
+             " new tokens exceed the context of ", model.limits().max_context,
+             " (raise --ctx-size or lower -n)");
+  auto t0 = std::chrono::steady_clock::now();
+  model.encode_images(req.pixel_values, req.grids);
+  model.backend().synchronize();
+  t.vision_ms = ms_since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  model.prefill(req.prompt_ids);
+  std::vector<float> logits = model.last_logits();
+  t.prefill_ms = ms_since(t0);
+
+  Sampler sampler(req.sampling);
+  std::vector<int32_t> history = req.prompt_ids;
+  history.reserve(history.size() + static_cast<size_t>(req.max_new_tokens));
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < req.max_new_tokens; ++i) {
+    if (i > 0) {
+      model.decode(res.tokens.back());
+      logits = model.last_logits();
+    }
+    const int32_t tok = sampler.sample(logits, history);
+    res.tokens.push_back(tok);
+    history.push_back(tok);
+    if (req.stop_ids.count(tok)) {
+      res.stopped = true;
+      break;
+    }
+    if (on_token) on_token(tok);
+  }
+  t.decode_ms = ms_since(t0);
+  t.generated_tokens = static_cast<int64_t>(res.tokens.size());
+  return res;
+}
+
+std::set<int32_t> default_stop_ids(const std::string& dir,
+                                   const std::function<int32_t(const std::string&)>& find_id) {
+  namespace fs = std::filesystem;
+  std::set<int32_t> ids;
+  const fs::path gen = fs::path(dir) / "generation_config.json";
+  if (fs::exists(gen)) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(read_text_file(gen.string()));
+    } catch (const nlohmann::json::exception& e) {
+      IRIS_FAIL(gen.string(), " is not valid JSON (", e.what(), ")");
+    }
+    if (j.contains("eos_token_id")) {
+      const auto& e = j["eos_token_id"];
+      if (e.is_number_integer()) ids.insert(e.get<int32_t>());
+      if (e.is_array())
+        for (const auto& v : e) ids.insert(v.get<int32_t>());
+    }
+  }
+  if (!ids.empty()) return ids;
+  const fs::path tc = fs::path(dir) / "tokenizer_config.json";
+  if (fs::exists(tc)) {
+    try {
+      const auto j = nlohmann::json::parse(read_text_file(tc.string()));
+      if (j.contains("eos_token") && j["eos_token"].is_string())
+        ids.insert(find_id(j["eos_token"].get<std::string>()));
+    } catch (const nlohmann::json::exception& e) {
+      IRIS_FAIL(tc.string(), " is not valid JSON (", e.what(), ")");
+    }
+  }
+  if (ids.empty()) ids = {find_id("<|im_end|>"), find_id("<|endoftext|>")};
+  return ids;
+}
+
+}  // namespace iris

@@ -1,0 +1,52 @@
+// Text generation over a loaded Qwen3-VL: prefill the prompt (with its images), then sample one
+// token at a time, streaming each as it comes. Used by `iris generate` and the shapes demo.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bridge/qwen3vl_model.h"
+#include "language/sampler.h"
+
+namespace iris {
+
+struct GenerationTimings {
+  double vision_ms = 0;
+  double prefill_ms = 0;
+  double decode_ms = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t image_patches = 0;
+  double prefill_tokens_per_s() const;
+  double decode_tokens_per_s() const;  // over the steps after the first sampled token
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt_ids;
+  const float* pixel_values = nullptr;  // [patches, patch_dim] for all images, or null
+  std::vector<GridTHW> grids;
+  int max_new_tokens = 128;
+  std::set<int32_t> stop_ids;  // generation ends after emitting one of these (not streamed)
+  SamplingParams sampling;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids, a stop id included if one ended the run
+  bool stopped = false;         // a stop id was produced
+  GenerationTimings timings;
+};
+
+// on_token is called for every generated token, in order, before the next is computed.
+GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& request,
+                          const std::function<void(int32_t)>& on_token = nullptr);
+
+// The stop ids of a checkpoint directory: generation_config.json eos_token_id (int or list),
+// else tokenizer_config.json eos_token resolved through `find_id`, else Qwen's <|im_end|> and
+// <|endoftext|>.
+std::set<int32_t> default_stop_ids(const std::string& model_dir,
+                                   const std::function<int32_t(const std::string&)>& find_id);
+
+}  // namespace iris
