@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the dependencies, builds Iris and runs every test suite: the Release build (GPU tests
+# skip cleanly without a GPU), then the CPU suites again under AddressSanitizer and
+# UndefinedBehaviorSanitizer.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+jobs=${IRIS_JOBS:-$(nproc)}
+scripts/setup.sh
+scripts/build.sh
+ctest --test-dir build --output-on-failure -j"$jobs"
+if [ "${IRIS_SKIP_SANITIZERS:-0}" != 1 ]; then
+  cmake -S . -B build-sanitize -DIRIS_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build-sanitize -j"$jobs"
+  # OpenBLAS's and OpenMP's thread pools are not leaks of ours.
+  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-sanitize --output-on-failure -j"$jobs"
+fi
