@@ -80,6 +80,33 @@ __device__ __forceinline__ uint32_t load_pair(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
+// ldmatrix: each lane passes the shared-memory address of one 16-byte row (lanes 8i..8i+7 for
+// matrix i); lane l receives row l/4, columns 2(l%4)..+1 of each matrix, or with .trans rows
+// 2(l%4)..+1 of column l/4 -- exactly the mma B-fragment layout.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const uint16_t* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const uint16_t* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(row)));
+}
+
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
   using S = FlashShape<HD>;
@@ -183,15 +210,26 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
     const uint16_t* ks = k_tiles + stage * S::kTileElems;
     const uint16_t* vs = v_tiles + stage * S::kTileElems;
 
-    // S = Q K^T for this warp's 16 rows x 64 keys.
+    // S = Q K^T for this warp's 16 rows x 64 keys. One ldmatrix.x4 fetches the B fragments of
+    // two k-steps: lanes 8i..8i+7 address the 8 key rows of matrix i, at column 8i.
+    constexpr int kSteps = S::kPad / 16;
     float s[kBc / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kBc / 8; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const uint16_t* krow = ks + (nt * 8 + g) * S::kLd + 2 * t4;
+      const uint16_t* krow = ks + (nt * 8 + lane % 8) * S::kLd;
 #pragma unroll
-      for (int kk = 0; kk < S::kPad / 16; ++kk)
-        mma_bf16_16816(s[nt], qf[kk], load_pair(krow + kk * 16), load_pair(krow + kk * 16 + 8));
+      for (int kk = 0; kk + 1 < kSteps; kk += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, krow + kk * 16 + (lane / 8) * 8);
+        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt], qf[kk + 1], b[2], b[3]);
+      }
+      if constexpr (kSteps % 2 == 1) {
+        uint32_t b[2];
+        ldmatrix_x2(b, krow + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
+        mma_bf16_16816(s[nt], qf[kSteps - 1], b[0], b[1]);
+      }
     }
 
     // Scale into the log2 domain and mask keys past the segment end or the causal diagonal.
@@ -239,20 +277,27 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
     }
 
     // O += P V: the S accumulators of two adjacent key n-tiles form one A fragment (k = 16
-    // keys); V's B fragment pairs two keys of one column, read as two 16-bit loads.
+    // keys). V's B fragments (two keys of one column per register) come from a transposing
+    // ldmatrix: matrix i covers keys 8*(i%2).. and columns 8*(i/2).. of a 16-key x 16-column
+    // block, i.e. b0/b1 of two adjacent n-tiles.
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
       const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
                               pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const uint16_t* v0 = vs + (kk * 16 + 2 * t4) * S::kLd + g;
+      const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::kLd;
 #pragma unroll
-      for (int d = 0; d < HD / 8; ++d) {
-        const uint16_t* vc = v0 + d * 8;
-        const uint32_t b0 = vc[0] | (static_cast<uint32_t>(vc[S::kLd]) << 16);
-        const uint32_t b1 = vc[8 * S::kLd] | (static_cast<uint32_t>(vc[9 * S::kLd]) << 16);
-        mma_bf16_16816(o[d], pa, b0, b1);
+      for (int d = 0; d + 1 < HD / 8; d += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
+        mma_bf16_16816(o[d], pa, b[0], b[1]);
+        mma_bf16_16816(o[d + 1], pa, b[2], b[3]);
+      }
+      if constexpr ((HD / 8) % 2 == 1) {  // head_dim 72: nine n-tiles
+        uint32_t b[2];
+        ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
+        mma_bf16_16816(o[HD / 8 - 1], pa, b[0], b[1]);
       }
     }
     __syncthreads();
@@ -310,8 +355,8 @@ void set_flash_smem() {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeKeys = 64;      // keys scored per pass through shared memory
-constexpr int kDecodeMinChunk = 64;  // fewest keys worth a split of their own
-constexpr int kDecodeMaxSplits = 64;
+constexpr int kDecodeMinChunk = 32;  // fewest keys worth a split of their own
+constexpr int kDecodeMaxSplits = 128;
 
 struct DecodeParams {
   const uint16_t* q;  // qkv row 0
@@ -374,15 +419,16 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
 
   for (int k0 = begin; k0 < end; k0 += kDecodeKeys) {
-    // Scores: all passes' K loads are issued before the first use.
-    uint4 kv[kPasses];
+    // Every K and V load of the tile is issued before the first use: a block sees one memory
+    // latency per tile, not one per phase.
+    uint4 kv[kPasses], vv[kPasses];
 #pragma unroll
     for (int ps = 0; ps < kPasses; ++ps) {
       const int key = k0 + ps * kRowsPerPass + row_in_pass;
-      kv[ps] =
-          key < end
-              ? *reinterpret_cast<const uint4*>(k_base + static_cast<int64_t>(key) * p.kv_stride)
-              : make_uint4(0, 0, 0, 0);
+      const int64_t off = static_cast<int64_t>(key) * p.kv_stride;
+      const bool valid = key < end;
+      kv[ps] = valid ? *reinterpret_cast<const uint4*>(k_base + off) : make_uint4(0, 0, 0, 0);
+      vv[ps] = valid ? *reinterpret_cast<const uint4*>(v_base + off) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int ps = 0; ps < kPasses; ++ps) {
@@ -423,15 +469,6 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
       }
     }
     __syncthreads();
-    uint4 vv[kPasses];
-#pragma unroll
-    for (int ps = 0; ps < kPasses; ++ps) {
-      const int key = k0 + ps * kRowsPerPass + row_in_pass;
-      vv[ps] =
-          key < end
-              ? *reinterpret_cast<const uint4*>(v_base + static_cast<int64_t>(key) * p.kv_stride)
-              : make_uint4(0, 0, 0, 0);
-    }
 #pragma unroll
     for (int j = 0; j < MAXG; ++j) {
       if (j >= group) break;
@@ -602,9 +639,9 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   const int group = n_q_heads / n_kv_heads;
   const bool decode_shape = head_dim == 16 || head_dim == 64 || head_dim == 128;
   if (tokens == 1 && decode_shape && group <= 8) {
-    // About two blocks per SM at long context; never more splits than the scratch holds or than
-    // max_len could fill.
-    int n_splits = std::max(1, (2 * num_sms + n_kv_heads - 1) / n_kv_heads);
+    // About four blocks per SM at long context (each block has one memory latency per 64 keys
+    // to hide); never more splits than the scratch holds or than max_len could fill.
+    int n_splits = std::max(1, (4 * num_sms + n_kv_heads - 1) / n_kv_heads);
     n_splits = std::min<int64_t>(n_splits, kDecodeMaxSplits);
     n_splits = std::min<int64_t>(n_splits, (max_len + kDecodeMinChunk - 1) / kDecodeMinChunk);
     n_splits = std::min<int64_t>(n_splits, scratch.capacity_rows / n_q_heads);

@@ -182,6 +182,7 @@ class CudaBackend final : public Backend {
     // The only device allocations besides the arenas, made once here through allocate().
     workspace_.reset(allocate(kGemmWorkspaceBytes));
     decode_buffer_.reset(allocate(kDecodeScratchBytes));
+    argmax_keys_.reset(allocate(kArgmaxScratchRows * sizeof(unsigned long long)));
     gemm_ = std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes);
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
@@ -504,17 +505,21 @@ class CudaBackend final : public Backend {
     check_index(out, "argmax_rows", "out");
     IRIS_CHECK(out.numel() == x.rows() && x.cols() > 0, "argmax_rows: out ", out.shape_str(),
                " should have one entry per row of x ", x.shape_str());
-    cuda::launch_argmax_rows(static_cast<int32_t*>(out.data), cbf(x), x.rows(), x.cols(), stream());
+    cuda::launch_argmax_rows(static_cast<int32_t*>(out.data), cbf(x), x.rows(), x.cols(),
+                             static_cast<unsigned long long*>(argmax_keys_.get()),
+                             kArgmaxScratchRows, stream());
   }
 
  private:
   static constexpr size_t kStagingChunk = size_t{8} << 20;
   // cuBLASLt's recommendation for Hopper.
   static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
-  // 64 query heads x 64 splits of head_dim 128 partials, plus their maxima and sums.
-  static constexpr int64_t kDecodeScratchRows = 64 * 64;
+  // 64 query heads x 128 splits of head_dim 128 partials, plus their maxima and sums.
+  static constexpr int64_t kDecodeScratchRows = 64 * 128;
   static constexpr size_t kDecodeScratchBytes =
       (2 * kDecodeScratchRows + kDecodeScratchRows * 128) * sizeof(float);
+  // Rows that argmax_rows spreads over many blocks at once; more fall back to a block per row.
+  static constexpr int64_t kArgmaxScratchRows = 4096;
 
   // Keeps multi-GPU use correct: every entry point runs against this backend's device.
   void bind() const {
@@ -584,6 +589,7 @@ class CudaBackend final : public Backend {
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
   DeviceBuffer decode_buffer_;
+  DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
   std::unique_ptr<cuda::LtGemm> gemm_;  // destroyed first: it uses workspace_
 };

@@ -24,8 +24,10 @@ void launch_scatter_rows(uint16_t* dst, const uint16_t* src, const int32_t* inde
 void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int32_t* index,
                                   const float* weight, int64_t rows, int64_t table_rows,
                                   int64_t cols, cudaStream_t s);
+// Rows of 32k+ columns use `key_scratch` (one 64-bit key per row, up to scratch_rows rows) to
+// spread a row over many blocks.
 void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
-                        cudaStream_t s);
+                        unsigned long long* key_scratch, int64_t scratch_rows, cudaStream_t s);
 
 // ---- normalisation and RoPE (norm_rope.cu) ----
 void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
