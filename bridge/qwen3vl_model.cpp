@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "bridge/vision_cuda_graph_helper.h"
 #include "language/mrope.h"
 
 namespace iris {
@@ -21,6 +22,20 @@ Qwen3VLModel::Qwen3VLModel(Backend& backend, const ModelConfig& cfg,
                            std::unique_ptr<ModelWeights> weights, const ModelLimits& limits)
     : backend_(backend), cfg_(cfg), limits_(limits), weights_(std::move(weights)) {
   build();
+}
+
+Qwen3VLModel::~Qwen3VLModel() {
+  for (VisionCudaGraphHelper* h : graphs_) h->model_destroyed();
+}
+
+void Qwen3VLModel::attach_graphs(VisionCudaGraphHelper* helper) {
+  IRIS_CHECK(helper != nullptr && helper->model() == this,
+             "attach_graphs: the CUDA graph helper was built from another model");
+  if (std::find(graphs_.begin(), graphs_.end(), helper) == graphs_.end()) graphs_.push_back(helper);
+}
+
+void Qwen3VLModel::detach_graphs(VisionCudaGraphHelper* helper) noexcept {
+  graphs_.erase(std::remove(graphs_.begin(), graphs_.end(), helper), graphs_.end());
 }
 
 void Qwen3VLModel::build() {
@@ -50,7 +65,8 @@ void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<Gr
     vision_rows_ = 0;
     return;
   }
-  vision_out_ = vision_->encode(pixel_values, grids);
+  vision_out_ = graphs_.empty() ? vision_->encode(pixel_values, grids)
+                                : encode_with_graph_helpers(graphs_, *vision_, pixel_values, grids);
   vision_rows_ = vision_out_.embeds.dim(0);
 }
 
@@ -121,10 +137,14 @@ void Qwen3VLModel::decode(int32_t token) {
   const int64_t position = n_past_ + rope_.delta;
   mrope_tables_1d(cfg_.text, position, 1, cos_.data(), sin_.data());
   decoder_->upload_step(&token, cos_.data(), sin_.data(), 1, n_past_);
-  decoder_->embed(1);
-  for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) decoder_->layer(l, 1);
-  decoder_->final_norm(1);
-  decoder_->lm_head(0, 1);
+  if (graphs_.empty()) {
+    decoder_->embed(1);
+    for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) decoder_->layer(l, 1);
+    decoder_->final_norm(1);
+    decoder_->lm_head(0, 1);
+  } else {
+    decode_step_with_graph_helpers(graphs_);
+  }
   last_row_in_step_ = 0;
   ++n_past_;
 }

@@ -29,6 +29,8 @@ struct ModelLimits {
 // index N = the final norm's output. `first_row` is the chunk's offset in the prompt.
 using HiddenObserver = std::function<void(int index, int64_t first_row, const Tensor& rows)>;
 
+class VisionCudaGraphHelper;  // bridge/vision_cuda_graph_helper.h
+
 class Qwen3VLModel {
  public:
   // Loads config.json and the safetensors weights of an HF checkpoint directory.
@@ -36,6 +38,7 @@ class Qwen3VLModel {
   // Wraps weights that already live on the backend (random init, training, export tests).
   Qwen3VLModel(Backend& backend, const ModelConfig& cfg, std::unique_ptr<ModelWeights> weights,
                const ModelLimits& limits);
+  ~Qwen3VLModel();
 
   const ModelConfig& config() const { return cfg_; }
   const ModelLimits& limits() const { return limits_; }
@@ -55,6 +58,13 @@ class Qwen3VLModel {
 
   int64_t n_past() const { return n_past_; }
   const RopeIndex& rope_index() const { return rope_; }
+  // Routes encode_images() and decode() through CUDA graph helpers, one per pipeline stage
+  // (prefill stays eager); the helpers run the same encoder and decoder pieces as the eager path.
+  // A helper detaches itself when destroyed; if the model goes first, it deletes the attached
+  // helpers' graphs, which read its buffers.
+  void attach_graphs(VisionCudaGraphHelper* helper);
+  void detach_graphs(VisionCudaGraphHelper* helper) noexcept;
+
   // Logits of the last token fed, copied to the host as f32.
   std::vector<float> last_logits();
   // With limits.all_logits: logits of every prompt row, [n_prompt, vocab] on the host.
@@ -83,6 +93,7 @@ class Qwen3VLModel {
   std::vector<float> prompt_logits_;
   std::vector<float> cos_, sin_;  // host staging, sized once
   std::vector<int32_t> index_host_;
+  std::vector<VisionCudaGraphHelper*> graphs_;
 };
 
 }  // namespace iris
