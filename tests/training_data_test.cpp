@@ -1,0 +1,703 @@
+// The chat token layout and labels (spec sections 5 and 6) and the JSONL data pipeline: both line
+// formats, image path resolution, dropping over-long and bad samples, deterministic shuffling with
+// resumption, and mock data.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "bridge/chat_prompt.h"
+#include "core/error.h"
+#include "test_util.h"
+#include "training/chat_format.h"
+#include "training/dataset.h"
+#include "vision/image.h"
+#include "vision/preprocess.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int32_t kImStart = 151644, kImEnd = 151645, kNewline = 198, kUser = 872,
+                  kAssistant = 77091, kVisionStart = 151652, kVisionEnd = 151653,
+                  kImagePad = 151655;
+// red.png is 64x64: smart_resize with the fixture's min_pixels 65536 makes it 256x256, a 16x16
+// patch grid, 64 merged tokens. blue.png is 96x64 -> 320x224 -> grid 14x20 -> 70 tokens.
+constexpr GridTHW kRedGrid = {1, 16, 16}, kBlueGrid = {1, 14, 20};
+constexpr int kRedPads = 64, kBluePads = 70;
+
+const Tokenizer& tok() {
+  static const Tokenizer t = Tokenizer::from_file(test::tokenizer_path());
+  return t;
+}
+
+const PreprocessorConfig& pp() {
+  static const PreprocessorConfig c =
+      PreprocessorConfig::from_file(test::fixture_dir() + "/preprocessor_config.json");
+  return c;
+}
+
+std::string jsonl_dir() {
+  return test::data_dir() + "/jsonl";
+}
+
+fs::path scratch_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("iris_data_test_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+class ScratchCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(scratch_dir(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kScratchCleanup =
+    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+
+std::string write_scratch(const std::string& name, const std::string& text) {
+  const std::string path = (scratch_dir() / name).string();
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected iris::Error, got another exception: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
+  return {};
+}
+
+std::vector<int32_t> enc(const std::string& s) {
+  return tok().encode(s);
+}
+
+// a + b + c ... as one id vector.
+std::vector<int32_t> cat(std::initializer_list<std::vector<int32_t>> parts) {
+  std::vector<int32_t> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+std::vector<int32_t> image_ids(int pads) {
+  std::vector<int32_t> v{kVisionStart};
+  v.insert(v.end(), static_cast<size_t>(pads), kImagePad);
+  v.push_back(kVisionEnd);
+  return v;
+}
+
+std::vector<int32_t> ignored(size_t n) {
+  return std::vector<int32_t>(n, kIgnoreLabel);
+}
+
+DataConfig config_for(std::vector<std::string> files) {
+  DataConfig c;
+  c.train_files = std::move(files);
+  c.shuffle = false;
+  c.num_workers = 2;
+  c.prefetch = 3;
+  return c;
+}
+
+bool has_example(const DataStats& s, const std::string& needle) {
+  return std::any_of(s.bad_examples.begin(), s.bad_examples.end(),
+                     [&](const std::string& e) { return e.find(needle) != std::string::npos; });
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += x + "\n";
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chat format
+
+TEST(TrainingChatFormat, SpecialTokenIdsAreQwens) {
+  EXPECT_EQ(enc("<|im_start|>user\n"), (std::vector<int32_t>{kImStart, kUser, kNewline}));
+  EXPECT_EQ(enc("<|im_start|>assistant\n"), (std::vector<int32_t>{kImStart, kAssistant, kNewline}));
+  EXPECT_EQ(enc("<|im_end|>\n"), (std::vector<int32_t>{kImEnd, kNewline}));
+}
+
+TEST(TrainingChatFormat, LabelsCoverAssistantTurnsThroughImEndAndNewline) {
+  const std::vector<ChatMessage> msgs = {
+      {"user", {ChatPart::make_image(), ChatPart::make_text("What is it?")}},
+      {"assistant", {ChatPart::make_text("A dog.")}},
+      {"user", {ChatPart::make_text("Sure?")}},
+      {"assistant", {ChatPart::make_text("Yes")}}};
+  const ChatTokens t = build_chat_tokens(tok(), msgs, {{1, 4, 6}});  // 24 patches -> 6 pads
+  const std::vector<int32_t> a1 = enc("A dog."), a2 = enc("Yes"), q1 = enc("What is it?"),
+                             q2 = enc("Sure?");
+  const std::vector<int32_t> expected = cat({{kImStart, kUser, kNewline},
+                                             image_ids(6),
+                                             q1,
+                                             {kImEnd, kNewline},
+                                             {kImStart, kAssistant, kNewline},
+                                             a1,
+                                             {kImEnd, kNewline},
+                                             {kImStart, kUser, kNewline},
+                                             q2,
+                                             {kImEnd, kNewline},
+                                             {kImStart, kAssistant, kNewline},
+                                             a2,
+                                             {kImEnd, kNewline}});
+  ASSERT_EQ(t.ids, expected);
+  ASSERT_EQ(t.labels.size(), t.ids.size());
+
+  // Hand-computed spans: the first reply starts after user turn (3 + 8 + |q1| + 2) and its header.
+  const size_t user1 = 3 + 8 + q1.size() + 2;
+  const size_t reply1 = user1 + 3, end1 = reply1 + a1.size() + 2;  // one past the "\n"
+  const size_t user2 = end1, reply2 = user2 + 3 + q2.size() + 2 + 3;
+  const size_t end2 = reply2 + a2.size() + 2;
+  ASSERT_EQ(end2, t.ids.size());
+  for (size_t i = 0; i < t.ids.size(); ++i) {
+    const bool learned = (i >= reply1 && i < end1) || (i >= reply2 && i < end2);
+    EXPECT_EQ(t.labels[i], learned ? t.ids[i] : kIgnoreLabel) << "position " << i;
+  }
+  EXPECT_EQ(t.labels[end1 - 2], kImEnd);
+  EXPECT_EQ(t.labels[end1 - 1], kNewline);
+  EXPECT_EQ(t.labels[reply1 - 1], kIgnoreLabel);  // the "\n" of "assistant\n"
+  EXPECT_EQ(t.labels[reply1 - 2], kIgnoreLabel);  // "assistant"
+  for (size_t i = 3; i < 3 + 8; ++i) EXPECT_EQ(t.labels[i], kIgnoreLabel);  // vision tokens
+}
+
+TEST(TrainingChatFormat, GoldenPrompt) {
+  const test::Golden golden;
+  const HostTensor ids_t = golden.tensor("input_ids");
+  std::vector<int32_t> golden_ids;
+  for (float v : ids_t.to_f32()) golden_ids.push_back(static_cast<int32_t>(v));
+  const std::vector<GridTHW> grids = {{1, 14, 20}, {1, 28, 10}};
+
+  // golden.json's prompt has one pad per image; HF's processor expands it before tokenising.
+  std::string prompt = golden.json()["prompt"].get<std::string>(), expanded;
+  size_t image = 0;
+  for (size_t pos = 0;;) {
+    const size_t at = prompt.find("<|image_pad|>", pos);
+    expanded += prompt.substr(pos, at == std::string::npos ? std::string::npos : at - pos);
+    if (at == std::string::npos) break;
+    for (int64_t k = 0; k < image_token_count(grids[image]); ++k) expanded += "<|image_pad|>";
+    ++image;
+    pos = at + 13;
+  }
+  ASSERT_EQ(image, 2u);
+  ASSERT_EQ(enc(expanded), golden_ids);
+
+  const std::string text = "Describe these two pictures.";
+  EXPECT_EQ(build_generation_prompt(tok(), grids, text, ""), golden_ids);
+  const std::vector<ChatMessage> msgs = {
+      {"user", {ChatPart::make_image(), ChatPart::make_image(), ChatPart::make_text(text)}}};
+  EXPECT_EQ(build_chat_prompt(tok(), msgs, grids), golden_ids);
+
+  // Training and the CLI agree with a system turn and without images too.
+  const std::vector<ChatMessage> with_system = {{"system", {ChatPart::make_text("Be brief.")}},
+                                                msgs[0]};
+  EXPECT_EQ(build_chat_prompt(tok(), with_system, grids),
+            build_generation_prompt(tok(), grids, text, "Be brief."));
+  std::vector<int32_t> text_ids;
+  for (float v : golden.tensor("text_input_ids").to_f32())
+    text_ids.push_back(static_cast<int32_t>(v));
+  EXPECT_EQ(
+      build_chat_prompt(
+          tok(), {{"user", {ChatPart::make_text("Write one sentence about CUDA graphs.")}}}, {}),
+      text_ids);
+}
+
+TEST(TrainingChatFormat, RejectsBrokenConversations) {
+  const std::vector<ChatMessage> reserved = {{"user", {ChatPart::make_text("hi<|im_end|>")}},
+                                             {"assistant", {ChatPart::make_text("x")}}};
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), reserved, {}); }).find("<|im_end|>"),
+            std::string::npos);
+  const std::vector<ChatMessage> pad_text = {{"user", {ChatPart::make_text("<|image_pad|>")}}};
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), pad_text, {}); }).find("special token"),
+            std::string::npos);
+  const std::vector<ChatMessage> image_reply = {{"assistant", {ChatPart::make_image()}}};
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), image_reply, {kRedGrid}); }).find("user turns"),
+            std::string::npos);
+  const std::vector<ChatMessage> one_image = {{"user", {ChatPart::make_image()}}};
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), one_image, {}); }).find("grids"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              build_chat_tokens(tok(), one_image, {kRedGrid, kRedGrid});
+            }).find("2 image grids"),
+            std::string::npos);
+  const std::vector<ChatMessage> role = {{"tool", {ChatPart::make_text("x")}}};
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), role, {}); }).find("'tool'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { image_token_count({1, 3, 3}); }).find("merge_size"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSONL formats
+
+TEST(TrainingData, MessagesFormat) {
+  const std::string file = jsonl_dir() + "/messages.jsonl";
+  Dataset ds(config_for({file}), tok(), pp());
+  EXPECT_EQ(ds.size(), 3);  // the blank line is not a sample
+
+  // Line 1: system, user [image, text], assistant.
+  Sample s = ds.next();
+  EXPECT_EQ(s.source, file + ":1");
+  const std::vector<int32_t> system = enc("<|im_start|>system\nYou are terse.<|im_end|>\n"),
+                             question = enc("What colour is the square?"), reply = enc("Red.");
+  std::vector<int32_t> ids = cat({system,
+                                  {kImStart, kUser, kNewline},
+                                  image_ids(kRedPads),
+                                  question,
+                                  {kImEnd, kNewline},
+                                  {kImStart, kAssistant, kNewline},
+                                  reply,
+                                  {kImEnd, kNewline}});
+  ASSERT_EQ(s.ids, ids);
+  const size_t prompt_len = ids.size() - reply.size() - 2;
+  std::vector<int32_t> labels = cat({ignored(prompt_len), reply, {kImEnd, kNewline}});
+  EXPECT_EQ(s.labels, labels);
+  EXPECT_EQ(s.labels[system.size() + 3], kIgnoreLabel);  // <|vision_start|>
+  EXPECT_EQ(s.labels[system.size() + 4], kIgnoreLabel);  // the first pad
+  ASSERT_EQ(s.grids, std::vector<GridTHW>{kRedGrid});
+  const PreprocessedImage red = preprocess_image(load_image(jsonl_dir() + "/images/red.png"), pp());
+  ASSERT_EQ(s.pixel_values.size(), static_cast<size_t>(red.pixel_values.numel()));
+  EXPECT_TRUE(
+      std::equal(s.pixel_values.begin(), s.pixel_values.end(), red.pixel_values.data<float>()));
+
+  // Line 2: two exchanges, the second image after its text; both replies learned.
+  s = ds.next();
+  EXPECT_EQ(s.source, file + ":2");
+  const std::vector<int32_t> r1 = enc("Hello!"), r2 = enc("A blue circle.");
+  const std::vector<int32_t> u1 = enc("<|im_start|>user\nHi there<|im_end|>\n");
+  const std::vector<int32_t> u2 =
+      cat({enc("<|im_start|>user\nAnd this one?"), image_ids(kBluePads), {kImEnd, kNewline}});
+  ids = cat({u1,
+             {kImStart, kAssistant, kNewline},
+             r1,
+             {kImEnd, kNewline},
+             u2,
+             {kImStart, kAssistant, kNewline},
+             r2,
+             {kImEnd, kNewline}});
+  ASSERT_EQ(s.ids, ids);
+  labels = cat({ignored(u1.size() + 3),
+                r1,
+                {kImEnd, kNewline},
+                ignored(u2.size() + 3),
+                r2,
+                {kImEnd, kNewline}});
+  EXPECT_EQ(s.labels, labels);
+  EXPECT_EQ(s.grids, std::vector<GridTHW>{kBlueGrid});
+
+  // Line 4 (after a blank line): image items taking their paths from a top-level "images" list.
+  s = ds.next();
+  EXPECT_EQ(s.source, file + ":4");
+  EXPECT_EQ(s.grids, (std::vector<GridTHW>{kBlueGrid, kRedGrid}));
+  ids = cat({{kImStart, kUser, kNewline},
+             image_ids(kBluePads),
+             image_ids(kRedPads),
+             enc("Compare them.<|im_end|>\n<|im_start|>assistant\nBlue, then red.<|im_end|>\n")});
+  EXPECT_EQ(s.ids, ids);
+  EXPECT_EQ(s.pixel_values.size(), static_cast<size_t>(280 + 256) * 1536);
+  EXPECT_EQ(ds.stats().bad_samples, 0);
+  EXPECT_EQ(ds.stats().dropped_too_long, 0);
+}
+
+TEST(TrainingData, ConversationsFormat) {
+  const std::string file = jsonl_dir() + "/conversations.jsonl";
+  Dataset ds(config_for({file}), tok(), pp());
+  ASSERT_EQ(ds.size(), 2);
+
+  // "<image>\n" before the question renders like the messages form [image, text].
+  Sample s = ds.next();
+  EXPECT_EQ(s.source, file + ":1");
+  const std::vector<int32_t> reply = enc("Red.");
+  const std::vector<int32_t> ids = cat({{kImStart, kUser, kNewline},
+                                        image_ids(kRedPads),
+                                        enc("What colour is the square?<|im_end|>\n"),
+                                        {kImStart, kAssistant, kNewline},
+                                        reply,
+                                        {kImEnd, kNewline}});
+  ASSERT_EQ(s.ids, ids);
+  EXPECT_EQ(s.labels, cat({ignored(ids.size() - reply.size() - 2), reply, {kImEnd, kNewline}}));
+  const std::vector<ChatMessage> same = {
+      {"user", {ChatPart::make_image(), ChatPart::make_text("What colour is the square?")}},
+      {"assistant", {ChatPart::make_text("Red.")}}};
+  EXPECT_EQ(s.ids, build_chat_tokens(tok(), same, {kRedGrid}).ids);
+
+  // Two tags placing two images mid-sentence (whitespace at the tags dropped), a system turn, two
+  // replies.
+  s = ds.next();
+  EXPECT_EQ(s.grids, (std::vector<GridTHW>{kRedGrid, kBlueGrid}));
+  const std::vector<int32_t> sys = enc("<|im_start|>system\nYou are terse.<|im_end|>\n");
+  const std::vector<int32_t> user =
+      cat({enc("<|im_start|>user\nIs"), image_ids(kRedPads), enc("brighter than"),
+           image_ids(kBluePads), enc("?<|im_end|>\n")});
+  const std::vector<int32_t> a1 = enc("Yes."), a2 = enc("Sure.");
+  const std::vector<int32_t> user2 = enc("<|im_start|>user\nSure?<|im_end|>\n");
+  ASSERT_EQ(s.ids, cat({sys,
+                        user,
+                        {kImStart, kAssistant, kNewline},
+                        a1,
+                        {kImEnd, kNewline},
+                        user2,
+                        {kImStart, kAssistant, kNewline},
+                        a2,
+                        {kImEnd, kNewline}}));
+  EXPECT_EQ(s.labels, cat({ignored(sys.size() + user.size() + 3),
+                           a1,
+                           {kImEnd, kNewline},
+                           ignored(user2.size() + 3),
+                           a2,
+                           {kImEnd, kNewline}}));
+}
+
+TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
+  const PreprocessedImage red = preprocess_image(load_image(jsonl_dir() + "/images/red.png"), pp());
+  {
+    Dataset ds(config_for({jsonl_dir() + "/nested/relative.jsonl"}), tok(), pp());
+    const Sample s = ds.next();
+    EXPECT_EQ(s.grids, std::vector<GridTHW>{kRedGrid});
+    EXPECT_TRUE(
+        std::equal(s.pixel_values.begin(), s.pixel_values.end(), red.pixel_values.data<float>()));
+  }
+  DataConfig c = config_for({jsonl_dir() + "/image_root.jsonl"});
+  c.image_root = jsonl_dir() + "/images";
+  {
+    Dataset ds(c, tok(), pp());
+    const Sample s = ds.next();
+    EXPECT_EQ(s.grids, std::vector<GridTHW>{kRedGrid});
+    EXPECT_EQ(s.pixel_values.size(), static_cast<size_t>(red.pixel_values.numel()));
+  }
+  // Without image_root "red.png" is looked up beside the JSONL file, where it is not.
+  c.image_root.clear();
+  Dataset ds(c, tok(), pp());
+  const std::string err = error_of([&] { ds.next(); });
+  EXPECT_NE(err.find("image_root.jsonl:1"), std::string::npos) << err;
+  EXPECT_NE(err.find("red.png"), std::string::npos) << err;
+  EXPECT_EQ(ds.stats().bad_samples, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropping samples
+
+TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
+  const std::string file = write_scratch(
+      "long.jsonl",
+      join(
+          {R"({"messages": [{"role": "user", "content": "short one"}, {"role": "assistant", "content": "ok"}]})",
+           R"({"image": ")" + jsonl_dir() +
+               R"(/images/red.png", "conversations": [{"from": "human", "value": "<image>What?"}, {"from": "gpt", "value": "Red."}]})",
+           R"({"messages": [{"role": "user", "content": "short two"}, {"role": "assistant", "content": "ok"}]})"}));
+  DataConfig c = config_for({file});
+  // The image line is 3 + 66 + |"What?"| + 2 + 3 + |"Red."| + 2 tokens.
+  const int64_t image_len = 3 + 66 + static_cast<int64_t>(enc("What?").size()) + 2 + 3 +
+                            static_cast<int64_t>(enc("Red.").size()) + 2;
+  c.seq_length = image_len;
+  {
+    Dataset ds(c, tok(), pp());
+    ds.next();
+    EXPECT_EQ(static_cast<int64_t>(ds.next().ids.size()), image_len);  // exactly at the limit
+  }
+  c.seq_length = image_len - 1;
+  Dataset ds(c, tok(), pp());
+  std::vector<std::string> seen;
+  for (int i = 0; i < 6; ++i) seen.push_back(ds.next().source);  // three epochs
+  for (const std::string& s : seen) EXPECT_EQ(s.find(":2"), std::string::npos) << s;
+  EXPECT_EQ(seen[0], file + ":1");
+  EXPECT_EQ(seen[1], file + ":3");
+  EXPECT_EQ(ds.stats().dropped_too_long, 1);  // counted once, not once per epoch
+  EXPECT_EQ(ds.stats().bad_samples, 0);
+  ASSERT_EQ(ds.stats().bad_examples.size(), 1u);
+  EXPECT_NE(ds.stats().bad_examples[0].find(file + ":2"), std::string::npos);
+  EXPECT_NE(ds.stats().bad_examples[0].find("seq_length"), std::string::npos);
+
+  // Nothing fits: the error says so instead of looping forever.
+  c.seq_length = 5;
+  Dataset none(c, tok(), pp());
+  const std::string err = error_of([&] { none.next(); });
+  EXPECT_NE(err.find("seq_length"), std::string::npos) << err;
+}
+
+TEST(TrainingData, BadLinesSkippedWithFileAndLine) {
+  const std::string file = jsonl_dir() + "/bad.jsonl";
+  Dataset ds(config_for({file}), tok(), pp());
+  // Malformed JSON (2), no messages/conversations (5) and a tag/image mismatch (7) are found while
+  // reading; the missing (3) and corrupt (4) images when the workers get to them.
+  EXPECT_EQ(ds.size(), 4);
+  EXPECT_EQ(ds.stats().bad_samples, 3);
+  EXPECT_TRUE(has_example(ds.stats(), file + ":2: malformed JSON"));
+  EXPECT_TRUE(has_example(ds.stats(), file + ":5: a line needs a \"messages\""));
+  EXPECT_TRUE(has_example(ds.stats(), file + ":7: the conversation has 2 <image> tags but 1"));
+  EXPECT_EQ(ds.next().source, file + ":1");
+  EXPECT_EQ(ds.next().source, file + ":8");
+  EXPECT_EQ(ds.stats().bad_samples, 5);
+  EXPECT_TRUE(has_example(ds.stats(), file + ":3: "));
+  EXPECT_TRUE(has_example(ds.stats(), "no_such_image.png"));
+  EXPECT_TRUE(has_example(ds.stats(), file + ":4: "));
+  EXPECT_TRUE(has_example(ds.stats(), "corrupt.png"));
+  EXPECT_EQ(ds.next().source, file + ":1");  // next epoch; the bad lines are not counted again
+  EXPECT_EQ(ds.stats().bad_samples, 5);
+}
+
+TEST(TrainingData, OnBadSampleErrorNamesFileAndLine) {
+  DataConfig c = config_for({jsonl_dir() + "/bad.jsonl"});
+  c.on_bad_sample = DataConfig::OnBad::error;
+  std::string err = error_of([&] { Dataset ds(c, tok(), pp()); });
+  EXPECT_NE(err.find("bad.jsonl:2: malformed JSON"), std::string::npos) << err;
+
+  c.train_files = {jsonl_dir() + "/bad_image.jsonl"};
+  Dataset ds(c, tok(), pp());
+  EXPECT_EQ(ds.next().source, c.train_files[0] + ":1");
+  err = error_of([&] { ds.next(); });
+  EXPECT_NE(err.find("bad_image.jsonl:2: "), std::string::npos) << err;
+  EXPECT_NE(err.find("no_such_image.png"), std::string::npos) << err;
+}
+
+TEST(TrainingData, StructureErrors) {
+  struct Case {
+    const char* line;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {R"([1, 2])", "must be a JSON object"},
+      {R"({"messages": []})", "non-empty array"},
+      {R"({"messages": [{"role": "user", "content": "hi"}]})", "no assistant turn"},
+      {R"({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]})",
+       "must be a string or a list"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}, {"role": "assistant", "content": "x"}]})",
+       "type 'video' is not supported"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]})",
+       "no \"image\" path"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/a.png"}]}, {"role": "assistant", "content": "x"}]})",
+       "is a URL"},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]})",
+       "only appear in user turns"},
+      {R"({"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "x"}]})",
+       "unknown role 'robot'"},
+      {R"({"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "x"}]})",
+       "unknown \"from\": 'bot'"},
+      {R"({"image": "a.png", "conversations": [{"from": "human", "value": "no tag"}, {"from": "gpt", "value": "x"}]})",
+       "0 <image> tags but 1 images"},
+      {R"({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}]})",
+       "only appear in human turns"},
+      {R"({"image": "a.png", "images": ["b.png"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]})",
+       "both \"image\" and"},
+  };
+  std::string text;
+  for (const Case& c : cases) text += std::string(c.line) + "\n";
+  text +=
+      R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})";
+  const std::string file = write_scratch("structure.jsonl", text + "\n");
+  Dataset ds(config_for({file}), tok(), pp());
+  EXPECT_EQ(ds.size(), 1);
+  EXPECT_EQ(ds.stats().bad_samples, static_cast<int64_t>(cases.size()));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string where = file + ":" + std::to_string(i + 1) + ": ";
+    const auto& ex = ds.stats().bad_examples;
+    const bool found = std::any_of(ex.begin(), ex.end(), [&](const std::string& e) {
+      return e.rfind(where, 0) == 0 && e.find(cases[i].message) != std::string::npos;
+    });
+    EXPECT_TRUE(found) << "line " << i + 1 << " should report '" << cases[i].message << "'; got:\n"
+                       << join(ex);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Order, resumption, workers
+
+std::string text_lines(int n, int missing_image_line) {
+  std::string text;
+  for (int i = 1; i <= n; ++i) {
+    if (i == missing_image_line) {
+      text +=
+          R"({"image": "nope.png", "conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}]})";
+    } else {
+      text += R"({"messages": [{"role": "user", "content": "sample )" + std::to_string(i) +
+              R"("}, {"role": "assistant", "content": "reply"}]})";
+    }
+    text += "\n";
+  }
+  return text;
+}
+
+std::vector<std::string> take_sources(Dataset& ds, int n) {
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(ds.next().source);
+  return out;
+}
+
+TEST(TrainingData, DeterministicShuffleAndResume) {
+  const int n = 23;
+  const std::string file = write_scratch("order.jsonl", text_lines(n, 11));
+  DataConfig c = config_for({file});
+  c.shuffle = true;
+  c.seed = 7;
+  c.num_workers = 3;
+  c.prefetch = 5;
+
+  Dataset a(c, tok(), pp());
+  ASSERT_EQ(a.size(), n);
+  const std::vector<std::string> seq = take_sources(a, 60);  // 22 usable per epoch: ~3 epochs
+  EXPECT_EQ(a.stats().bad_samples, 1);
+
+  // Each epoch is a permutation of the usable lines, shuffled, and differently each epoch.
+  std::vector<std::string> file_order;
+  for (int i = 1; i <= n; ++i)
+    if (i != 11) file_order.push_back(file + ":" + std::to_string(i));
+  const std::vector<std::string> e0(seq.begin(), seq.begin() + 22),
+      e1(seq.begin() + 22, seq.begin() + 44);
+  std::vector<std::string> sorted0 = e0, sorted1 = e1, sorted_file = file_order;
+  std::sort(sorted0.begin(), sorted0.end());
+  std::sort(sorted1.begin(), sorted1.end());
+  std::sort(sorted_file.begin(), sorted_file.end());
+  EXPECT_EQ(sorted0, sorted_file);
+  EXPECT_EQ(sorted1, sorted_file);
+  EXPECT_NE(e0, file_order);
+  EXPECT_NE(e0, e1);
+
+  // The same seed gives the same sequence with any number of workers; another seed does not.
+  c.num_workers = 0;
+  Dataset sync(c, tok(), pp());
+  EXPECT_EQ(take_sources(sync, 60), seq);
+  c.seed = 8;
+  Dataset other(c, tok(), pp());
+  EXPECT_NE(take_sources(other, 22), e0);
+  c.seed = 7;
+  c.num_workers = 2;
+
+  // Resume: a fresh dataset seeked to a saved position continues the sequence exactly, including
+  // positions just after the skipped bad line and across epoch boundaries.
+  for (int cut : {1, 9, 21, 22, 30, 47}) {
+    Dataset first(c, tok(), pp());
+    const std::vector<std::string> before = take_sources(first, cut);
+    ASSERT_EQ(before, std::vector<std::string>(seq.begin(), seq.begin() + cut));
+    const DataPosition pos = first.position();
+    Dataset resumed(c, tok(), pp());
+    resumed.seek(pos);
+    EXPECT_EQ(resumed.position(), pos);
+    EXPECT_EQ(take_sources(resumed, 60 - cut),
+              std::vector<std::string>(seq.begin() + cut, seq.end()))
+        << "resumed at sample " << cut << " (epoch " << pos.epoch << ", index " << pos.index << ")";
+  }
+  // Seeking back inside one dataset replays too, discarding what the workers had prepared.
+  Dataset again(c, tok(), pp());
+  take_sources(again, 5);
+  const DataPosition p5 = again.position();
+  const std::vector<std::string> next10 = take_sources(again, 10);
+  again.seek(p5);
+  EXPECT_EQ(take_sources(again, 10), next10);
+  again.seek({2, 0});
+  EXPECT_EQ(again.position(), (DataPosition{2, 0}));
+  EXPECT_EQ(again.next().source, seq[44]);
+
+  EXPECT_NE(error_of([&] { again.seek({0, n}); }).find("outside this dataset"), std::string::npos);
+}
+
+TEST(TrainingData, PositionCountsLinesConsidered) {
+  const std::string file = write_scratch("pos.jsonl", text_lines(5, 2));
+  Dataset ds(config_for({file}), tok(), pp());
+  EXPECT_EQ(ds.position(), (DataPosition{0, 0}));
+  ds.next();
+  EXPECT_EQ(ds.position(), (DataPosition{0, 1}));
+  EXPECT_EQ(ds.next().source, file + ":3");  // line 2 is skipped inside next()
+  EXPECT_EQ(ds.position(), (DataPosition{0, 3}));
+  ds.next();
+  ds.next();
+  EXPECT_EQ(ds.position(), (DataPosition{1, 0}));
+}
+
+TEST(TrainingData, WorkersProduceIdenticalSamples) {
+  DataConfig c =
+      config_for({jsonl_dir() + "/messages.jsonl", jsonl_dir() + "/conversations.jsonl"});
+  c.num_workers = 0;
+  Dataset sync(c, tok(), pp());
+  c.num_workers = 4;
+  c.prefetch = 2;
+  Dataset threaded(c, tok(), pp());
+  for (int i = 0; i < 7; ++i) {
+    const Sample a = sync.next(), b = threaded.next();
+    EXPECT_EQ(a.source, b.source);
+    EXPECT_EQ(a.ids, b.ids);
+    EXPECT_EQ(a.labels, b.labels);
+    EXPECT_EQ(a.grids, b.grids);
+    EXPECT_EQ(a.pixel_values, b.pixel_values);
+  }
+  // Destroying a dataset whose workers are mid-flight must not hang or crash.
+  c.prefetch = 8;
+  { Dataset idle(c, tok(), pp()); }
+}
+
+TEST(TrainingData, MockMode) {
+  DataConfig c;
+  c.mock = true;
+  c.mock_image_sizes = {{64, 64}, {96, 64}};
+  c.mock_text_tokens = 21;
+  c.mock_samples = 5;
+  c.seq_length = 4096;
+  Dataset ds(c, tok(), pp());
+  EXPECT_EQ(ds.size(), 5);
+  const Sample s = ds.next();
+  EXPECT_EQ(s.source.rfind("mock:", 0), 0u);
+  EXPECT_EQ(s.grids, (std::vector<GridTHW>{kRedGrid, kBlueGrid}));
+  EXPECT_EQ(s.pixel_values.size(), static_cast<size_t>(256 + 280) * 1536);
+  EXPECT_EQ(std::count(s.ids.begin(), s.ids.end(), kImagePad), kRedPads + kBluePads);
+  // 10 user tokens, 11 reply tokens; header and turn tokens as in real data.
+  EXPECT_EQ(s.ids.size(), 3 + (kRedPads + 2) + (kBluePads + 2) + 10 + 2 + 3 + 11 + 2u);
+  const size_t learned = static_cast<size_t>(
+      std::count_if(s.labels.begin(), s.labels.end(), [](int32_t l) { return l != kIgnoreLabel; }));
+  EXPECT_EQ(learned, 11 + 2u);
+  EXPECT_EQ(std::vector<int32_t>(s.ids.end() - 2, s.ids.end()),
+            (std::vector<int32_t>{kImEnd, kNewline}));
+  for (size_t i = 0; i < s.ids.size(); ++i)
+    if (s.labels[i] != kIgnoreLabel) EXPECT_EQ(s.labels[i], s.ids[i]);
+  const size_t reply_start = s.ids.size() - 13;
+  for (size_t i = reply_start; i < s.ids.size() - 2; ++i) EXPECT_FALSE(tok().is_added(s.ids[i]));
+  EXPECT_EQ(s.ids[reply_start - 2], kAssistant);
+
+  // Deterministic and distinct per index.
+  Dataset again(c, tok(), pp());
+  const Sample t = again.next();
+  EXPECT_EQ(t.ids, s.ids);
+  EXPECT_EQ(t.pixel_values, s.pixel_values);
+  const Sample u = again.next();
+  EXPECT_NE(u.ids, s.ids);
+  EXPECT_NE(u.pixel_values, s.pixel_values);
+
+  c.seq_length = 100;
+  Dataset too_small(c, tok(), pp());
+  EXPECT_NE(error_of([&] { too_small.next(); }).find("seq_length"), std::string::npos);
+}
+
+TEST(TrainingData, ConfigErrors) {
+  DataConfig c;
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("train_files"), std::string::npos);
+  c.train_files = {jsonl_dir() + "/does_not_exist.jsonl"};
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("does_not_exist.jsonl"),
+            std::string::npos);
+  c.train_files = {jsonl_dir() + "/messages.jsonl"};
+  c.prefetch = 0;
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("prefetch"), std::string::npos);
+  c.prefetch = 4;
+  c.seq_length = 0;
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("seq_length"), std::string::npos);
+  // Every line bad: the error names the first.
+  c.seq_length = 2048;
+  const std::string file = write_scratch("all_bad.jsonl", "not json\n");
+  c.train_files = {file};
+  const std::string err = error_of([&] { Dataset ds(c, tok(), pp()); });
+  EXPECT_NE(err.find(file + ":1"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace iris
