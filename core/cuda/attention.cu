@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
   int past = 0;
   if constexpr (kCausal) {
     past = *p.past_len;
-    q0 = static_cast<int64_t>(blockIdx.x) * kBr;
+    // The last query tiles see the most keys; starting them first shortens the tail.
+    q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBr;
     q_end = p.tokens;
     kv_begin = 0;
     kv_end = min(past + min(q0 + kBr, q_end), p.max_len);
@@ -394,12 +395,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
 
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int length = static_cast<int>(min(static_cast<int64_t>(*p.past_len) + 1, p.max_len));
-  int used, chunk;
-  decode_split(length, p.n_splits, used, chunk);
-  if (split >= used) return;
-  const int begin = split * chunk, end = min(length, begin + chunk);
-
+  // past_len and q are fetched concurrently: the q load does not wait for the length.
+  const int past = *p.past_len;
   const int group = p.group;
   for (int i = tid; i < group * HD; i += kDecodeThreads) {
     const int j = i / HD, d = i % HD;
@@ -407,6 +404,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
         bf16_to_float(p.q[static_cast<int64_t>(kv_head * group + j) * HD + d]) * p.scale_log2;
   }
   if (tid < MAXG) s_m[tid] = -INFINITY, s_l[tid] = 0.f;
+  const int length = static_cast<int>(min(static_cast<int64_t>(past) + 1, p.max_len));
+  int used, chunk;
+  decode_split(length, p.n_splits, used, chunk);
+  if (split >= used) return;  // uniform over the block, before its first barrier
+  const int begin = split * chunk, end = min(length, begin + chunk);
   __syncthreads();
 
   const int row_in_pass = tid / kLanesPerRow, c = (tid % kLanesPerRow) * 8;
@@ -514,23 +516,63 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
 }
 
 // One block per query head merges the splits: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
+// The split weights go to shared memory first; then groups of threads each sum a slice of the
+// splits with 16-byte loads, so the many (up to 128) partial rows are read in a few memory
+// latencies rather than one per split.
+constexpr int kCombineThreads = 512;
+static_assert(kDecodeMaxSplits <= kCombineThreads, "one thread per split computes its weight");
+
 template <int HD>
-__global__ void decode_combine_kernel(uint16_t* out, DecodeParams p) {
-  const int qh = blockIdx.x;
-  const int length = static_cast<int>(min(static_cast<int64_t>(*p.past_len) + 1, p.max_len));
+__global__ void __launch_bounds__(kCombineThreads)
+    decode_combine_kernel(uint16_t* out, DecodeParams p) {
+  constexpr int kLanes = HD / 4;  // threads per partial row, 4 floats each
+  constexpr int kGroups = kCombineThreads / kLanes;
+  __shared__ float s_w[kDecodeMaxSplits];
+  __shared__ float s_part[kGroups][HD];
+  __shared__ float scratch[kCombineThreads / kWarpSize];
+  constexpr int kIters = kDecodeMaxSplits / kGroups;
+  const int qh = blockIdx.x, tid = threadIdx.x;
+  const int lane = tid % kLanes, group = tid / kLanes;
+  const int64_t row0 = static_cast<int64_t>(qh) * p.n_splits;
+  // Everything this block reads is requested before the first wait: past_len, the maxima and
+  // sums, and the partial outputs of every split that might be in use. Rows of splits past
+  // `used` hold stale data; they are selected away below, never multiplied by a zero weight.
+  const int past = *p.past_len;
+  const float m_raw = tid < p.n_splits ? p.part_max[row0 + tid] : -INFINITY;
+  const float l_raw = tid < p.n_splits ? p.part_sum[row0 + tid] : 0.f;
+  const float* po = p.part_out + row0 * HD + lane * 4;
+  float4 v[kIters];
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int sp = group + k * kGroups;
+    v[k] = sp < p.n_splits ? *reinterpret_cast<const float4*>(po + static_cast<int64_t>(sp) * HD)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int length = static_cast<int>(min(static_cast<int64_t>(past) + 1, p.max_len));
   int used, chunk;
   decode_split(length, p.n_splits, used, chunk);
-  const float* pm = p.part_max + static_cast<int64_t>(qh) * p.n_splits;
-  const float* pl = p.part_sum + static_cast<int64_t>(qh) * p.n_splits;
-  float m = -INFINITY;
-  for (int s = 0; s < used; ++s) m = fmaxf(m, pm[s]);
-  float den = 0.f;
-  for (int s = 0; s < used; ++s) den += exp2f(pm[s] - m) * pl[s];
-  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-    float num = 0.f;
-    for (int s = 0; s < used; ++s)
-      num += exp2f(pm[s] - m) * p.part_out[(static_cast<int64_t>(qh) * p.n_splits + s) * HD + d];
-    out[static_cast<int64_t>(qh) * HD + d] = float_to_bf16(den > 0.f ? num / den : 0.f);
+  const float m_s = tid < used ? m_raw : -INFINITY;
+  const float m = block_max(m_s, scratch);  // finite: split 0 always holds keys
+  const float w = tid < used ? exp2f(m_s - m) : 0.f;
+  if (tid < used) s_w[tid] = w;
+  const float den = block_sum(tid < used ? w * l_raw : 0.f, scratch);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int sp = group + k * kGroups;
+    if (sp < used) {
+      const float ws = s_w[sp];
+      acc.x += ws * v[k].x, acc.y += ws * v[k].y, acc.z += ws * v[k].z, acc.w += ws * v[k].w;
+    }
+  }
+  *reinterpret_cast<float4*>(&s_part[group][lane * 4]) = acc;
+  __syncthreads();
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  for (int d = tid; d < HD; d += kCombineThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int gr = 0; gr < kGroups; ++gr) sum += s_part[gr][d];
+    out[static_cast<int64_t>(qh) * HD + d] = float_to_bf16(sum * inv);
   }
 }
 
@@ -538,7 +580,6 @@ template <int HD, int MAXG>
 void launch_decode(uint16_t* out, const DecodeParams& p, int n_kv_heads, cudaStream_t s) {
   decode_partial_kernel<HD, MAXG><<<dim3(p.n_splits, n_kv_heads), kDecodeThreads, 0, s>>>(p);
   IRIS_CUDA_LAUNCH_CHECK();
-  constexpr int kCombineThreads = HD < 32 ? 32 : HD;
   decode_combine_kernel<HD><<<p.n_q_heads, kCombineThreads, 0, s>>>(out, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }

@@ -44,14 +44,15 @@ class CudaGraphApi final : public GraphApi {
 
   GraphHandle end_capture(Backend& backend, std::function<void()>) override {
     cudaGraph_t graph = nullptr;
-    const cudaError_t err = cudaStreamEndCapture(stream_of(backend), &graph);
-    if (err != cudaSuccess) {
-      // An invalidated capture still ends here; what it recorded is unusable.
+    try {
+      IRIS_CUDA_CHECK(cudaStreamEndCapture(stream_of(backend), &graph));
+    } catch (...) {
+      // An invalidated capture still ends here; whatever it recorded is unusable.
       if (graph != nullptr)
         report_instead_of_throwing("cudaGraphDestroy",
                                    [&] { IRIS_CUDA_CHECK(cudaGraphDestroy(graph)); });
-      cudaGetLastError();  // the error is reported below, not again at the next launch check
-      IRIS_CUDA_CHECK(err);
+      (void)cudaGetLastError();  // reported by this exception, not again by the next launch check
+      throw;
     }
     return graph;
   }
@@ -63,12 +64,15 @@ class CudaGraphApi final : public GraphApi {
       IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
       if (status == cudaStreamCaptureStatusNone) return;
       cudaGraph_t graph = nullptr;
-      // Fails with cudaErrorStreamCaptureInvalidated when the body broke the capture; the
-      // stream has left capture mode either way, which is all that matters here.
+      // A body that broke the capture makes this fail with cudaErrorStreamCaptureInvalidated;
+      // the stream has left capture mode then as well, which is all that matters here.
       const cudaError_t err = cudaStreamEndCapture(stream, &graph);
+      if (err != cudaErrorStreamCaptureInvalidated) IRIS_CUDA_CHECK(err);
       if (graph != nullptr) IRIS_CUDA_CHECK(cudaGraphDestroy(graph));
-      if (err != cudaSuccess) cudaGetLastError();
     });
+    // The call that broke the capture has been reported by the exception in flight; left as the
+    // last error, it would be reported again by the next kernel launch check.
+    (void)cudaGetLastError();
   }
 
   GraphExecHandle instantiate(GraphHandle graph, Backend& backend) override {

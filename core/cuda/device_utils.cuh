@@ -82,6 +82,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// Maximum over the whole block, returned to every thread; same contract as block_sum.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int n_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int w = 0; w < n_warps; ++w) m = fmaxf(m, scratch[w]);
+  __syncthreads();
+  return m;
+}
+
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
