@@ -323,7 +323,9 @@ struct Dataset::Impl {
   std::condition_variable work_cv, ready_cv;
   int64_t consume = 0;      // absolute index (epoch * n + index) the consumer takes next
   int64_t next_ticket = 0;  // absolute index the next idle worker takes
-  uint64_t generation = 0;  // bumped by seek(); results of older generations are dropped
+  // Bumped by seek(). A result depends only on its absolute index, so an older generation's result
+  // is not wrong, but one behind the new position would never be taken and would stay in `ready`.
+  uint64_t generation = 0;
   bool stopping = false;
   std::map<int64_t, Outcome> ready;
   std::vector<std::thread> workers;
