@@ -1,0 +1,382 @@
+// Recipes: every shipped recipe validates; unknown keys, wrong types, bad graph combinations,
+// parallelism on the CPU and indivisible batches are errors that say what to do; overrides apply;
+// the resolved config reads back to itself.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "test_util.h"
+#include "training/recipe.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Shipped recipes use paths relative to the repository root, as the CLI does when run from it.
+class RecipeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    old_cwd_ = fs::current_path();
+    fs::current_path(fs::path(test::data_dir()).parent_path().parent_path());
+  }
+  void TearDown() override { fs::current_path(old_cwd_); }
+  fs::path old_cwd_;
+};
+
+std::string fixture_config() {
+  return test::fixture_dir() + "/config.json";
+}
+
+// A minimal valid recipe around the tiny fixture.
+std::string tiny_recipe() {
+  return "model:\n  init: random\n  config: " + fixture_config() +
+         "\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
+         "data:\n  train_files: [data/shapes/train.jsonl]\n"
+         "train:\n  micro_batch_size: 2\n  global_batch_size: 8\n  train_iters: 10\n"
+         "  seq_length: 64\n";
+}
+
+// The message of the iris::Error that f throws; fails the test when it does not throw.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an iris::Error";
+  return "";
+}
+
+#define EXPECT_HAS(text, part) \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "in: " << (text)
+
+TEST_F(RecipeTest, EveryShippedRecipeValidatesAndItsResolvedConfigReadsBack) {
+  std::vector<fs::path> recipes;
+  for (const auto& e : fs::directory_iterator("recipes"))
+    if (e.path().extension() == ".yaml") recipes.push_back(e.path());
+  ASSERT_GE(recipes.size(), 5u);
+  for (const fs::path& p : recipes) {
+    SCOPED_TRACE(p.string());
+    Recipe r;
+    ASSERT_NO_THROW(r = load_recipe(p.string()));
+    EXPECT_TRUE(r.has_model_config);
+    EXPECT_EQ(r.train.global_batch_size,
+              r.train.micro_batch_size * r.accumulation_steps * r.parallel.data_parallel_size);
+    const std::string yaml = recipe_to_yaml(r);
+    Recipe back;
+    ASSERT_NO_THROW(back = load_recipe_text(yaml, "resolved.yaml"));
+    EXPECT_EQ(recipe_to_yaml(back), yaml);
+  }
+}
+
+TEST_F(RecipeTest, SftRecipesShipTheReleasedGeometries) {
+  struct Expect {
+    const char* recipe;
+    int hidden, layers, heads, intermediate, vision_depth, vision_hidden;
+    bool tied;
+  };
+  for (const Expect& e :
+       {Expect{"recipes/qwen3vl_2b_sft.yaml", 2048, 28, 16, 6144, 24, 1024, true},
+        Expect{"recipes/qwen3vl_4b_sft.yaml", 2560, 36, 32, 9728, 24, 1024, true},
+        Expect{"recipes/qwen3vl_8b_sft.yaml", 4096, 36, 32, 12288, 27, 1152, false}}) {
+    SCOPED_TRACE(e.recipe);
+    const Recipe r = load_recipe(e.recipe);
+    const ModelConfig& m = r.model_config;
+    EXPECT_EQ(m.text.hidden_size, e.hidden);
+    EXPECT_EQ(m.text.num_hidden_layers, e.layers);
+    EXPECT_EQ(m.text.num_attention_heads, e.heads);
+    EXPECT_EQ(m.text.num_key_value_heads, 8);
+    EXPECT_EQ(m.text.head_dim, 128);
+    EXPECT_EQ(m.text.intermediate_size, e.intermediate);
+    EXPECT_EQ(m.vision.depth, e.vision_depth);
+    EXPECT_EQ(m.vision.hidden_size, e.vision_hidden);
+    EXPECT_EQ(m.vision.out_hidden_size, e.hidden);
+    EXPECT_EQ(m.tie_word_embeddings, e.tied);
+    EXPECT_EQ(r.model.init, "pretrained");
+    EXPECT_TRUE(r.model.hf_dir.empty());
+    // Valid without hf_dir, but the user is told that training needs it.
+    bool noted = false;
+    for (const std::string& n : r.notes) noted |= n.find("model.hf_dir") != std::string::npos;
+    EXPECT_TRUE(noted);
+  }
+}
+
+TEST_F(RecipeTest, UnknownKeysNameTheClosestValidKey) {
+  std::string msg =
+      error_of([] { load_recipe_text(tiny_recipe() + "  micro_batch: 2\n", "r.yaml"); });
+  EXPECT_HAS(msg, "unknown key 'train.micro_batch'");
+  EXPECT_HAS(msg, "did you mean 'train.micro_batch_size'");
+  EXPECT_HAS(msg, "r.yaml line 12");
+
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"optimizer.lrr=0.1"}); });
+  EXPECT_HAS(msg, "unknown key 'optimizer.lrr'");
+  EXPECT_HAS(msg, "did you mean 'optimizer.lr'");
+
+  // A key in the wrong section still finds its home.
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"optimizer.warmup_iters=5"}); });
+  EXPECT_HAS(msg, "did you mean 'schedule.warmup_iters'");
+
+  msg = error_of([] { load_recipe_text(tiny_recipe() + "trian:\n  seed: 1\n", "r.yaml"); });
+  EXPECT_HAS(msg, "unknown section 'trian'");
+  EXPECT_HAS(msg, "did you mean 'train'");
+
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"cuda_graph.cuda_graph_iml=local"}); });
+  EXPECT_HAS(msg, "cuda_graph");
+  EXPECT_HAS(msg, "cuda_graph_impl");
+}
+
+TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
+  struct Case {
+    const char* override_text;
+    const char* expect;
+  };
+  for (const Case& c :
+       {Case{"train.train_iters=abc", "train.train_iters expects an integer, got 'abc'"},
+        Case{"train.train_iters=2.5", "train.train_iters expects an integer"},
+        Case{"train.freeze_merger=maybe", "train.freeze_merger expects a boolean"},
+        Case{"optimizer.lr=fast", "optimizer.lr expects a number, got 'fast'"},
+        Case{"optimizer.betas=0.9", "optimizer.betas expects list of numbers"},
+        Case{"schedule.kind=linear", "schedule.kind expects one of constant|cosine"},
+        Case{"data.train_files={a: b}", "data.train_files expects list of paths"},
+        Case{"data.mock_image_sizes=[[1,2,3]]",
+             "data.mock_image_sizes expects list of [width, height] pairs"}}) {
+    SCOPED_TRACE(c.override_text);
+    const std::string msg =
+        error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {c.override_text}); });
+    EXPECT_HAS(msg, c.expect);
+    EXPECT_HAS(msg, std::string("override '") + c.override_text + "'");
+  }
+  const std::string msg =
+      error_of([] { load_recipe_text(tiny_recipe() + "  seed: [1]\n", "r.yaml"); });
+  EXPECT_HAS(msg, "train.seed expects an integer, got '[1]' (r.yaml line 12)");
+}
+
+TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
+  // Model-independent: full_iteration takes no module list.
+  std::string msg = error_of([] {
+    load_recipe_text(tiny_recipe() +
+                         "cuda_graph:\n  cuda_graph_impl: full_iteration\n"
+                         "  cuda_graph_modules: [attn]\n",
+                     "r.yaml");
+  });
+  EXPECT_HAS(msg, "cuda_graph");
+  // Model-dependent: the fixture has no MoE layers.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"cuda_graph.cuda_graph_impl=local", "cuda_graph.cuda_graph_modules=[moe]"});
+  });
+  EXPECT_HAS(msg, "MoE");
+  // Deepstack needs whole merge windows.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"cuda_graph.vision_cuda_graph_impl=local",
+                      "cuda_graph.max_vision_cuda_graph_seq_length=1030"});
+  });
+  EXPECT_HAS(msg, "not divisible by 4");
+
+  // A valid combination resolves and is reported as ignored on the CPU.
+  const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml",
+                                    {"cuda_graph.vision_cuda_graph_impl=local",
+                                     "cuda_graph.max_vision_cuda_graph_seq_length=1024",
+                                     "cuda_graph.vision_cuda_graph_modules=[attn,mlp]"});
+  EXPECT_EQ(r.cuda_graph.vision.impl, VisionGraphImpl::local);
+  EXPECT_EQ(r.cuda_graph.vision.max_seq_length, 1024);
+  EXPECT_FALSE(r.cuda_graph.vision.buckets.empty());
+  bool noted = false;
+  for (const std::string& n : r.notes) noted |= n.find("ignores graphs") != std::string::npos;
+  EXPECT_TRUE(noted);
+  EXPECT_HAS(recipe_to_yaml(r), "vision_cuda_graph_impl: local");
+}
+
+TEST_F(RecipeTest, ParallelSizesAboveOneAreRejectedOnTheCpu) {
+  for (const char* o : {"parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=4",
+                        "parallel.data_parallel_size=2"}) {
+    SCOPED_TRACE(o);
+    const std::string msg = error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {o}); });
+    EXPECT_HAS(msg, "CPU");
+    EXPECT_HAS(msg, "must be 1");
+  }
+  const std::string msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.data_parallel_size=0"}); });
+  EXPECT_HAS(msg, "parallel.data_parallel_size must be >= 1");
+}
+
+TEST_F(RecipeTest, GlobalBatchMustBeAMultipleOfMicroBatchTimesDataParallel) {
+  std::string msg =
+      error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train.global_batch_size=5"}); });
+  EXPECT_HAS(msg, "train.global_batch_size 5 is not divisible by train.micro_batch_size 2");
+  EXPECT_HAS(msg, "use 4 or 6");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train.global_batch_size=1"}); });
+  EXPECT_HAS(msg, "; use 2");
+  EXPECT_EQ(msg.find(" or "), std::string::npos) << msg;
+
+  const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml", {"train.global_batch_size=12"});
+  EXPECT_EQ(r.accumulation_steps, 6);
+}
+
+TEST_F(RecipeTest, DottedOverridesApplyInOrder) {
+  const Recipe r = load_recipe_text(
+      tiny_recipe(), "r.yaml",
+      {"train.train_iters=7", "optimizer.lr=3e-4", "optimizer.betas=[0.8, 0.9]",
+       "train.freeze_vision_tower=true", "data.train_files=[a.jsonl, b.jsonl]",
+       "checkpoint.dir=/tmp/iris-run", "schedule.kind=constant", "train.train_iters=9",
+       "model.init_seed=42", "data.on_bad_sample=error", "data.mock_image_sizes=[[64, 32]]"});
+  EXPECT_EQ(r.train.train_iters, 9);  // the later override wins
+  EXPECT_DOUBLE_EQ(r.optimizer.lr, 3e-4);
+  EXPECT_EQ(r.optimizer.betas, (std::vector<double>{0.8, 0.9}));
+  EXPECT_TRUE(r.train.freeze_vision_tower);
+  EXPECT_EQ(r.data.config.train_files, (std::vector<std::string>{"a.jsonl", "b.jsonl"}));
+  EXPECT_EQ(r.checkpoint.dir, "/tmp/iris-run");
+  EXPECT_EQ(r.schedule.kind, "constant");
+  EXPECT_EQ(r.model.init_seed, 42);
+  EXPECT_EQ(r.data.config.on_bad_sample, DataConfig::OnBad::error);
+  ASSERT_EQ(r.data.config.mock_image_sizes.size(), 1u);
+  EXPECT_EQ(r.data.config.mock_image_sizes[0][0], 64);
+  EXPECT_EQ(r.data.config.mock_image_sizes[0][1], 32);
+  // The train section's seq_length and seed feed the data config.
+  EXPECT_EQ(r.data.config.seq_length, 64);
+  EXPECT_EQ(r.data.config.seed, 1234u);
+  ASSERT_EQ(r.overrides.size(), 11u);
+  EXPECT_EQ(r.overrides[0].first, "train.train_iters");
+}
+
+TEST_F(RecipeTest, InlineModelConfigTakesDeepOverrides) {
+  const std::string inline_recipe =
+      "model:\n  init: random\n  tokenizer: t.json\n  config:\n"
+      "    text_config: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 3,\n"
+      "      num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, vocab_size: 1000,\n"
+      "      rope_parameters: {mrope_section: [2, 3, 3]}}\n"
+      "    vision_config: {depth: 2, hidden_size: 32, intermediate_size: 64, num_heads: 2,\n"
+      "      out_hidden_size: 64, num_position_embeddings: 64, deepstack_visual_indexes: [0]}\n"
+      "data:\n  train_files: [x.jsonl]\ntrain:\n  seq_length: 64\n";
+  const Recipe r = load_recipe_text(
+      inline_recipe, "r.yaml",
+      {"model.config.text_config.num_hidden_layers=2", "model.config.tie_word_embeddings=true"});
+  EXPECT_EQ(r.model_config.text.num_hidden_layers, 2);
+  EXPECT_EQ(r.model_config.text.vocab_size, 1000);
+  EXPECT_TRUE(r.model_config.tie_word_embeddings);
+  const Recipe back = load_recipe_text(recipe_to_yaml(r), "resolved.yaml");
+  EXPECT_EQ(back.model_config.text.num_hidden_layers, 2);
+  EXPECT_EQ(recipe_to_yaml(back), recipe_to_yaml(r));
+
+  const std::string msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {"model.config.text_config.hidden_size=8"});
+  });
+  EXPECT_HAS(msg, "model.config is a path");
+}
+
+TEST_F(RecipeTest, ModelSectionRules) {
+  std::string msg = error_of([] {
+    load_recipe_text("model:\n  init: random\n  tokenizer: t.json\ndata:\n  train_files: [x]\n",
+                     "r.yaml");
+  });
+  EXPECT_HAS(msg, "model.config is not set");
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"model.hf_dir=" + test::fixture_dir()}); });
+  EXPECT_HAS(msg, "model.init=pretrained");
+  // Pretrained: the geometry check catches a config of another model.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"model.init=pretrained", "model.hf_dir=" + test::fixture_dir(),
+                      "model.config=recipes/configs/qwen3vl_2b.json"});
+  });
+  EXPECT_HAS(msg, "text_config.hidden_size is 2048");
+  EXPECT_HAS(msg, "different model");
+  // Pretrained with a matching checkpoint: the tokenizer defaults to the checkpoint's.
+  const Recipe r = load_recipe_text(
+      tiny_recipe(), "r.yaml",
+      {"model.init=pretrained", "model.hf_dir=" + test::fixture_dir(), "model.tokenizer="});
+  EXPECT_EQ(r.model.tokenizer, test::fixture_dir() + "/tokenizer.json");
+  EXPECT_EQ(r.model_config.text.hidden_size, 64);
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"model.config=no/such/config.json"}); });
+  EXPECT_HAS(msg, "does not exist");
+}
+
+TEST_F(RecipeTest, ValueRangesAreChecked) {
+  struct Case {
+    const char* override_text;
+    const char* expect;
+  };
+  for (const Case& c : {Case{"optimizer.lr=0", "optimizer.lr must be > 0"},
+                        Case{"optimizer.min_lr=1", "optimizer.min_lr 1 must be in [0"},
+                        Case{"optimizer.betas=[0.9]", "expects 2 numbers"},
+                        Case{"optimizer.betas=[0.9, 1.0]", "must be in [0, 1)"},
+                        Case{"train.micro_batch_size=0", "train.micro_batch_size must be >= 1"},
+                        Case{"logging.log_interval=0", "logging.log_interval must be >= 1"},
+                        Case{"train.freeze_vision_tower=true", ""},
+                        Case{"train.seq_length=100000", "max_position_embeddings"},
+                        Case{"train.eval_interval=5", "data.eval_files is empty"},
+                        Case{"data.min_pixels=5000", ""}}) {
+    SCOPED_TRACE(c.override_text);
+    if (std::string(c.expect).empty()) {
+      EXPECT_NO_THROW(load_recipe_text(tiny_recipe(), "r.yaml", {c.override_text}));
+      continue;
+    }
+    EXPECT_HAS(error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {c.override_text}); }),
+               c.expect);
+  }
+  EXPECT_HAS(error_of([] {
+               load_recipe_text(tiny_recipe(), "r.yaml",
+                                {"train.freeze_vision_tower=true", "train.freeze_merger=true",
+                                 "train.freeze_language_model=true"});
+             }),
+             "nothing to train");
+  EXPECT_HAS(
+      error_of([] {
+        load_recipe_text(tiny_recipe(), "r.yaml", {"data.min_pixels=9000", "data.max_pixels=4096"});
+      }),
+      "exceeds data.max_pixels");
+  EXPECT_HAS(error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train"}); }),
+             "must look like section.key=value");
+  EXPECT_HAS(error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train=1"}); }),
+             "must name a key inside a section");
+  EXPECT_HAS(error_of([] { load_recipe_text("train: [1, 2]\n", "r.yaml"); }), "must be a map");
+  EXPECT_HAS(error_of([] { load_recipe_text("train: {a: [\n", "r.yaml"); }), "not valid YAML");
+}
+
+TEST_F(RecipeTest, SchemaDocumentsEveryKey) {
+  const std::vector<RecipeKey> keys = recipe_schema();
+  ASSERT_GT(keys.size(), 40u);
+  std::set<std::string> seen;
+  for (const RecipeKey& k : keys) {
+    SCOPED_TRACE(k.key);
+    EXPECT_TRUE(seen.insert(k.key).second) << "duplicate key";
+    EXPECT_FALSE(k.type.empty());
+    EXPECT_FALSE(k.default_value.empty());
+    EXPECT_FALSE(k.doc.empty());
+  }
+  EXPECT_TRUE(seen.count("train.micro_batch_size"));
+  EXPECT_TRUE(seen.count("model.config"));
+  EXPECT_TRUE(seen.count("cuda_graph.vision_cuda_graph_impl"));
+  // Every schema key appears in the resolved config.
+  const std::string yaml = recipe_to_yaml(load_recipe_text(tiny_recipe(), "r.yaml"));
+  for (const RecipeKey& k : keys) {
+    const std::string leaf = k.key.substr(k.key.find('.') + 1);
+    EXPECT_HAS(yaml, leaf + ":");
+  }
+  const std::string text = describe_recipe_schema();
+  EXPECT_HAS(text, "train.global_batch_size (integer, default 1)");
+  EXPECT_HAS(text, "schedule.kind (one of constant|cosine, default cosine)");
+}
+
+TEST_F(RecipeTest, ResolvedPathsAreAbsolute) {
+  const Recipe r = load_recipe("recipes/qwen3vl_tiny_shapes.yaml");
+  const std::string yaml = recipe_to_yaml(r);
+  EXPECT_HAS(yaml, (fs::current_path() / "data/shapes/train.jsonl").string());
+  EXPECT_HAS(yaml, (fs::current_path() / "runs/qwen3vl_tiny_shapes").string());
+  EXPECT_EQ(r.checkpoint.dir, "runs/qwen3vl_tiny_shapes");
+  // The default run directory is named after the recipe.
+  const Recipe d = load_recipe("recipes/qwen3vl_tiny_shapes.yaml", {"checkpoint.dir="});
+  EXPECT_EQ(d.checkpoint.dir, "runs/qwen3vl_tiny_shapes");
+}
+
+}  // namespace
+}  // namespace iris

@@ -1,0 +1,361 @@
+#include "training/metrics_log.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+
+namespace iris {
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, v);
+  return buf;
+}
+
+std::string human_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt("%.2f GiB", b / (1024.0 * 1024 * 1024));
+  return fmt("%.0f MiB", b / (1024.0 * 1024));
+}
+
+std::string human_duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  char buf[64];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
+  else if (s >= 60)
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  else
+    std::snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(s));
+  return buf;
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '&')
+      out += "&amp;";
+    else if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
+  }
+  return out;
+}
+
+// Tick step of 1, 2 or 5 times a power of ten giving about `target` ticks over `span`.
+double nice_step(double span, int target) {
+  const double raw = span / std::max(1, target);
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double r = raw / mag;
+  return (r < 1.5 ? 1 : r < 3.5 ? 2 : r < 7.5 ? 5 : 10) * mag;
+}
+
+std::string tick_label(double v, double step) {
+  if (v == 0) return "0";
+  const double a = std::fabs(v);
+  if (a >= 1e5 || a < 1e-3) return fmt("%.2g", v);
+  // Enough decimals to tell neighbouring ticks apart, no more.
+  const int decimals = std::max(0, -static_cast<int>(std::floor(std::log10(step))));
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", decimals, v);
+  return buf;
+}
+
+nlohmann::json step_record(const StepMetrics& m) {
+  return {{"iteration", m.iteration},
+          {"loss", m.loss},
+          {"lr", m.learning_rate},
+          {"grad_norm", m.grad_norm},
+          {"labelled_tokens", m.labelled_tokens},
+          {"tokens", m.tokens},
+          {"samples", m.samples},
+          {"seconds", m.seconds},
+          {"tokens_per_s", m.tokens_per_second()},
+          {"samples_per_s", m.samples_per_second()},
+          {"tflops_per_s", m.tflops_per_second()},
+          {"flops", m.flops},
+          {"memory_bytes", m.memory_bytes}};
+}
+
+}  // namespace
+
+double training_flops(const ModelConfig& cfg, const SampleShape& shape, const TrainedParts& parts) {
+  const VisionConfig& v = cfg.vision;
+  const TextConfig& t = cfg.text;
+  const double D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
+               out = v.out_hidden_size;
+  double vis_w = 0, vis_att = 0, merge_w = 0;
+  for (const GridTHW& g : shape.grids) {
+    const double frame = static_cast<double>(g[1] * g[2]);
+    const double S = static_cast<double>(g[0]) * frame;
+    vis_w += 2 * S * v.patch_dim() * D + v.depth * 2 * S * (4 * D * D + 2 * D * I);
+    vis_att += v.depth * 4 * S * frame * D;
+    const double merged = S / v.merge_unit();
+    merge_w += (1.0 + v.deepstack_visual_indexes.size()) * 2 * merged * (M * M + M * out);
+  }
+  const double T = static_cast<double>(shape.tokens);
+  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), It = t.intermediate_size;
+  const double lm_w = t.num_hidden_layers * 2 * T * (H * (q + 2 * kv) + q * H + 3 * H * It) +
+                      2 * T * H * t.vocab_size;
+  const double lm_att = t.num_hidden_layers * 4 * q * T * (T + 1) / 2;
+
+  const bool vis_flow = parts.vision_tower;
+  const bool merge_flow = vis_flow || parts.merger;
+  const bool lm_flow = merge_flow || parts.language_model;
+  auto part = [](double w, double att, bool flow, bool trained) {
+    double f = w + att;
+    if (flow) f += w + 2 * att;  // input gradients (both operands of the attention products)
+    if (trained) f += w;         // weight gradients
+    return f;
+  };
+  return part(vis_w, vis_att, vis_flow, parts.vision_tower) +
+         part(merge_w, 0, merge_flow, parts.merger) +
+         part(lm_w, lm_att, lm_flow, parts.language_model);
+}
+
+int64_t peak_host_memory_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+
+std::string format_log_line(const StepMetrics& m, int64_t total) {
+  const int width = static_cast<int>(std::to_string(total).size());
+  char head[64];
+  std::snprintf(head, sizeof(head), "iter %*lld/%lld", width, static_cast<long long>(m.iteration),
+                static_cast<long long>(total));
+  return str_cat(
+      head, " | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
+      " | grad norm ", fmt("%.4f", m.grad_norm), " | ", fmt("%.1f", m.tokens_per_second()),
+      " tok/s | ", fmt("%.2f", m.samples_per_second()), " samples/s | ",
+      fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
+}
+
+std::string render_svg_plot(const std::vector<PlotPanel>& panels, const std::string& x_label) {
+  constexpr double kW = 480, kH = 320, kLeft = 78, kRight = 18, kTop = 34, kBottom = 46;
+  const double total_w = kW * std::max<size_t>(1, panels.size());
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << total_w << "\" height=\"" << kH
+    << "\" viewBox=\"0 0 " << total_w << " " << kH
+    << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  for (size_t p = 0; p < panels.size(); ++p) {
+    const PlotPanel& panel = panels[p];
+    const double ox = kW * p;
+    const double x0 = ox + kLeft, x1 = ox + kW - kRight, y0 = kH - kBottom, y1 = kTop;
+    s << "<text x=\"" << (x0 + x1) / 2 << "\" y=\"18\" text-anchor=\"middle\" font-size=\"13\">"
+      << xml_escape(panel.title) << "</text>\n";
+    double xmin = INFINITY, xmax = -INFINITY, ymin = INFINITY, ymax = -INFINITY;
+    for (const PlotSeries& sr : panel.series)
+      for (const PlotPoint& pt : sr.points) {
+        if (!std::isfinite(pt.x) || !std::isfinite(pt.y)) continue;
+        xmin = std::min(xmin, pt.x);
+        xmax = std::max(xmax, pt.x);
+        ymin = std::min(ymin, pt.y);
+        ymax = std::max(ymax, pt.y);
+      }
+    s << "<rect x=\"" << x0 << "\" y=\"" << y1 << "\" width=\"" << x1 - x0 << "\" height=\""
+      << y0 - y1 << "\" fill=\"none\" stroke=\"#444\"/>\n";
+    if (!(xmin <= xmax)) {
+      s << "<text x=\"" << (x0 + x1) / 2 << "\" y=\"" << (y0 + y1) / 2
+        << "\" text-anchor=\"middle\" fill=\"#888\">no data yet</text>\n";
+      continue;
+    }
+    if (xmax == xmin) xmax = xmin + 1;
+    if (ymax == ymin) {
+      const double pad = ymin == 0 ? 1 : std::fabs(ymin) * 0.1;
+      ymin -= pad;
+      ymax += pad;
+    }
+    const double ystep = nice_step(ymax - ymin, 5);
+    ymin = std::floor(ymin / ystep) * ystep;
+    ymax = std::ceil(ymax / ystep) * ystep;
+    const double xstep = nice_step(xmax - xmin, 6);
+    auto X = [&](double x) { return x0 + (x - xmin) / (xmax - xmin) * (x1 - x0); };
+    auto Y = [&](double y) { return y0 - (y - ymin) / (ymax - ymin) * (y0 - y1); };
+    for (double y = ymin; y <= ymax + ystep * 1e-6; y += ystep) {
+      s << "<line x1=\"" << x0 << "\" x2=\"" << x1 << "\" y1=\"" << Y(y) << "\" y2=\"" << Y(y)
+        << "\" stroke=\"#ddd\"/>\n"
+        << "<text x=\"" << x0 - 5 << "\" y=\"" << Y(y) + 4 << "\" text-anchor=\"end\">"
+        << tick_label(y, ystep) << "</text>\n";
+    }
+    for (double x = std::ceil(xmin / xstep) * xstep; x <= xmax + xstep * 1e-6; x += xstep) {
+      s << "<line x1=\"" << X(x) << "\" x2=\"" << X(x) << "\" y1=\"" << y0 << "\" y2=\"" << y1
+        << "\" stroke=\"#eee\"/>\n"
+        << "<text x=\"" << X(x) << "\" y=\"" << y0 + 15 << "\" text-anchor=\"middle\">"
+        << tick_label(x, xstep) << "</text>\n";
+    }
+    s << "<text x=\"" << (x0 + x1) / 2 << "\" y=\"" << kH - 8 << "\" text-anchor=\"middle\">"
+      << xml_escape(x_label) << "</text>\n"
+      << "<text transform=\"translate(" << ox + 14 << "," << (y0 + y1) / 2
+      << ") rotate(-90)\" text-anchor=\"middle\">" << xml_escape(panel.y_label) << "</text>\n";
+    double legend_y = y1 + 14;
+    for (const PlotSeries& sr : panel.series) {
+      if (sr.points.empty()) continue;
+      if (sr.points.size() == 1) {
+        s << "<circle cx=\"" << X(sr.points[0].x) << "\" cy=\"" << Y(sr.points[0].y)
+          << "\" r=\"2.5\" fill=\"" << sr.color << "\"/>\n";
+      } else {
+        s << "<polyline fill=\"none\" stroke-width=\"1.5\" stroke=\"" << sr.color << "\" points=\"";
+        for (const PlotPoint& pt : sr.points)
+          if (std::isfinite(pt.x) && std::isfinite(pt.y))
+            s << fmt("%.2f", X(pt.x)) << "," << fmt("%.2f", Y(pt.y)) << " ";
+        s << "\"/>\n";
+      }
+      s << "<line x1=\"" << x1 - 110 << "\" x2=\"" << x1 - 90 << "\" y1=\"" << legend_y - 4
+        << "\" y2=\"" << legend_y - 4 << "\" stroke=\"" << sr.color << "\" stroke-width=\"2\"/>\n"
+        << "<text x=\"" << x1 - 85 << "\" y=\"" << legend_y << "\">" << xml_escape(sr.label)
+        << "</text>\n";
+      legend_y += 14;
+    }
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(options) {
+  namespace fs = std::filesystem;
+  bar_start_iteration_ = start_iteration;
+  bar_start_time_ = now_seconds();
+  if (!opt_.plot_file.empty()) plot_path_ = (fs::path(opt_.run_dir) / opt_.plot_file).string();
+  if (opt_.metrics_file.empty()) return;
+  metrics_path_ = (fs::path(opt_.run_dir) / opt_.metrics_file).string();
+  if (fs::exists(metrics_path_)) {
+    std::ifstream in(metrics_path_);
+    std::string line, kept;
+    while (std::getline(in, line)) {
+      // A run killed mid-write leaves a torn last line; it belongs to the dropped tail anyway.
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.is_object() || !j.contains("iteration")) continue;
+      const int64_t it = j["iteration"].get<int64_t>();
+      if (it > start_iteration) continue;
+      kept += line + "\n";
+      if (j.contains("eval_loss")) {
+        eval_history_.push_back({it, j["eval_loss"].get<double>(),
+                                 j.value("eval_labelled_tokens", int64_t{0}),
+                                 j.value("eval_samples", int64_t{0})});
+      } else if (j.contains("loss")) {
+        StepMetrics m;
+        m.iteration = it;
+        m.loss = j["loss"].get<double>();
+        m.learning_rate = j.value("lr", 0.0);
+        m.grad_norm = j.value("grad_norm", 0.0);
+        m.labelled_tokens = j.value("labelled_tokens", int64_t{0});
+        m.tokens = j.value("tokens", int64_t{0});
+        m.samples = j.value("samples", int64_t{0});
+        m.seconds = j.value("seconds", 0.0);
+        m.flops = j.value("flops", 0.0);
+        m.memory_bytes = j.value("memory_bytes", int64_t{0});
+        history_.push_back(m);
+      }
+    }
+    write_file_atomic(metrics_path_, kept);
+  }
+  metrics_ = std::fopen(metrics_path_.c_str(), "a");
+  IRIS_CHECK(metrics_ != nullptr, "cannot open the metrics file ", metrics_path_, ": ",
+             std::strerror(errno), " (check logging.metrics_file and checkpoint.dir)");
+  if (!history_.empty()) write_plot();
+}
+
+MetricsLog::~MetricsLog() {
+  clear_bar();
+  if (metrics_) std::fclose(metrics_);
+}
+
+void MetricsLog::append_record(const std::string& line) {
+  if (!metrics_) return;
+  // One write per record and a flush, so a kill leaves at most one torn line.
+  const std::string text = line + "\n";
+  std::fwrite(text.data(), 1, text.size(), metrics_);
+  std::fflush(metrics_);
+}
+
+void MetricsLog::clear_bar() {
+  if (!bar_drawn_) return;
+  std::fputs("\r\033[K", opt_.out);
+  bar_drawn_ = false;
+}
+
+void MetricsLog::message(const std::string& text) {
+  clear_bar();
+  std::fprintf(opt_.out, "%s\n", text.c_str());
+  std::fflush(opt_.out);
+}
+
+void MetricsLog::log(const StepMetrics& m) {
+  history_.push_back(m);
+  message(format_log_line(m, opt_.total_iterations));
+  append_record(step_record(m).dump());
+  write_plot();
+}
+
+void MetricsLog::log_eval(const EvalMetrics& m) {
+  eval_history_.push_back(m);
+  message(str_cat("eval at iter ", m.iteration, " | loss ", fmt("%.6f", m.loss), " over ",
+                  m.labelled_tokens, " labelled tokens of ", m.samples, " samples"));
+  append_record(nlohmann::json{
+      {"iteration", m.iteration},
+      {"eval_loss", m.loss},
+      {"eval_labelled_tokens", m.labelled_tokens},
+      {"eval_samples",
+       m.samples}}.dump());
+  write_plot();
+}
+
+void MetricsLog::progress(int64_t iteration) {
+  if (!opt_.progress_bar || opt_.total_iterations <= 0) return;
+  constexpr int kWidth = 30;
+  const double frac = std::clamp(static_cast<double>(iteration) / opt_.total_iterations, 0.0, 1.0);
+  const int filled = static_cast<int>(frac * kWidth);
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.append(static_cast<size_t>(kWidth - filled), '-');
+  const int64_t done = iteration - bar_start_iteration_;
+  std::string eta = "--";
+  if (done > 0)
+    eta = human_duration((now_seconds() - bar_start_time_) / done *
+                         (opt_.total_iterations - iteration));
+  std::fprintf(opt_.out, "\r\033[K[%s] %lld/%lld %3.0f%% ETA %s", bar.c_str(),
+               static_cast<long long>(iteration), static_cast<long long>(opt_.total_iterations),
+               frac * 100, eta.c_str());
+  std::fflush(opt_.out);
+  bar_drawn_ = true;
+}
+
+void MetricsLog::write_plot() {
+  if (plot_path_.empty()) return;
+  PlotPanel loss{"Loss", "loss", {{"train", "#1f77b4", {}}, {"eval", "#ff7f0e", {}}}};
+  PlotPanel lr{"Learning rate", "learning rate", {{"lr", "#2ca02c", {}}}};
+  for (const StepMetrics& m : history_) {
+    loss.series[0].points.push_back({double(m.iteration), m.loss});
+    lr.series[0].points.push_back({double(m.iteration), m.learning_rate});
+  }
+  for (const EvalMetrics& m : eval_history_)
+    loss.series[1].points.push_back({double(m.iteration), m.loss});
+  write_file_atomic(plot_path_, render_svg_plot({loss, lr}, "iteration"));
+}
+
+}  // namespace iris

@@ -1,0 +1,928 @@
+#include "training/recipe.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <variant>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "training/lr_schedule.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+using ImageSizes = std::vector<std::array<int, 2>>;
+using FieldRef =
+    std::variant<bool*, int*, int64_t*, double*, std::string*, std::vector<std::string>*,
+                 std::vector<double>*, ImageSizes*, DataConfig::OnBad*>;
+
+struct Field {
+  std::string key;
+  FieldRef ref;
+  std::string doc;
+  std::vector<std::string> choices;  // for strings with a fixed set of values
+  bool path = false;                 // made absolute in the resolved config
+};
+
+const std::vector<std::string>& section_names() {
+  static const std::vector<std::string> s{"model",     "data",       "train",
+                                          "optimizer", "schedule",   "checkpoint",
+                                          "logging",   "cuda_graph", "parallel"};
+  return s;
+}
+
+// The typed schema, bound to the fields of `r`; a default-constructed Recipe holds the defaults.
+// model.config and cuda_graph.* are handled apart: the first is a path or a map, the second
+// belongs to core/graph_config.
+std::vector<Field> fields(Recipe& r) {
+  ModelRecipe& m = r.model;
+  DataRecipe& d = r.data;
+  TrainRecipe& t = r.train;
+  OptimizerRecipe& o = r.optimizer;
+  ScheduleRecipe& s = r.schedule;
+  CheckpointRecipe& c = r.checkpoint;
+  LoggingRecipe& l = r.logging;
+  ParallelRecipe& p = r.parallel;
+  return {
+      {"model.init",
+       &m.init,
+       "random: initialise from model.config with model.init_seed; pretrained: load "
+       "model.hf_dir",
+       {"random", "pretrained"}},
+      {"model.hf_dir",
+       &m.hf_dir,
+       "Hugging Face checkpoint directory (config.json + safetensors) to start from",
+       {},
+       true},
+      {"model.tokenizer",
+       &m.tokenizer,
+       "tokenizer.json; empty: <model.hf_dir>/tokenizer.json",
+       {},
+       true},
+      {"model.init_seed", &m.init_seed, "seed of the random initialisation"},
+      {"data.train_files",
+       &d.config.train_files,
+       "training JSONL files (HF messages or LLaVA conversations)",
+       {},
+       true},
+      {"data.eval_files", &d.eval_files, "held-out JSONL files for train.eval_interval", {}, true},
+      {"data.image_root",
+       &d.config.image_root,
+       "base of relative image paths; empty: each JSONL file's directory",
+       {},
+       true},
+      {"data.shuffle", &d.config.shuffle,
+       "visit lines in a seeded permutation per epoch (false: file order)"},
+      {"data.num_workers", &d.config.num_workers,
+       "threads decoding images ahead of the step; 0 decodes inside the step"},
+      {"data.prefetch", &d.config.prefetch, "samples prepared ahead of the step"},
+      {"data.on_bad_sample",
+       &d.config.on_bad_sample,
+       "skip: count and skip unusable lines; error: stop at the first one",
+       {"skip", "error"}},
+      {"data.min_pixels", &d.min_pixels,
+       "smallest image area after resizing; 0: the preprocessor config's value"},
+      {"data.max_pixels", &d.max_pixels,
+       "largest image area after resizing; 0: the preprocessor config's value"},
+      {"data.mock", &d.config.mock,
+       "generate random samples instead of reading files (performance runs)"},
+      {"data.mock_image_sizes", &d.config.mock_image_sizes,
+       "mock mode: one random image per [width, height] entry in every sample"},
+      {"data.mock_text_tokens", &d.config.mock_text_tokens,
+       "mock mode: text tokens per sample (half user, half assistant)"},
+      {"data.mock_samples", &d.config.mock_samples, "mock mode: samples per epoch"},
+      {"train.micro_batch_size", &t.micro_batch_size, "samples per forward/backward call group"},
+      {"train.global_batch_size", &t.global_batch_size,
+       "samples per optimizer step = micro_batch_size x accumulation steps x "
+       "data_parallel_size"},
+      {"train.train_iters", &t.train_iters, "optimizer steps of the whole run"},
+      {"train.seq_length", &t.seq_length,
+       "longest sample in tokens (image pads included); longer samples are skipped"},
+      {"train.seed", &t.seed, "seed of the data order"},
+      {"train.freeze_vision_tower", &t.freeze_vision_tower,
+       "keep the vision blocks and patch embedding fixed"},
+      {"train.freeze_merger", &t.freeze_merger,
+       "keep the patch merger and DeepStack mergers fixed"},
+      {"train.freeze_language_model", &t.freeze_language_model, "keep the text decoder fixed"},
+      {"train.eval_interval", &t.eval_interval,
+       "steps between evaluations on data.eval_files; 0: never"},
+      {"train.eval_iters", &t.eval_iters, "global batches per evaluation"},
+      {"optimizer.lr", &o.lr, "peak learning rate"},
+      {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
+      {"optimizer.betas", &o.betas, "AdamW [beta1, beta2]"},
+      {"optimizer.eps", &o.eps, "AdamW epsilon"},
+      {"optimizer.weight_decay", &o.weight_decay, "decoupled weight decay"},
+      {"optimizer.clip_grad", &o.clip_grad, "clip the global gradient L2 norm to this; 0: off"},
+      {"schedule.kind", &s.kind, "learning-rate schedule after warmup", {"constant", "cosine"}},
+      {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
+      {"schedule.decay_iters", &s.decay_iters,
+       "steps over which the cosine decays to optimizer.min_lr; 0: train.train_iters"},
+      {"checkpoint.dir",
+       &c.dir,
+       "run directory (checkpoints, metrics, plot, resolved config); empty: runs/<recipe name>",
+       {},
+       true},
+      {"checkpoint.save_interval", &c.save_interval, "steps between checkpoints; 0: none"},
+      {"checkpoint.save_final", &c.save_final, "save a checkpoint after the last step"},
+      {"checkpoint.keep_last", &c.keep_last, "checkpoints kept on disk; 0: all"},
+      {"checkpoint.resume", &c.resume,
+       "auto: continue from <dir>/latest if there is one; never: refuse a directory that holds "
+       "checkpoints; or the path of a step_NNNNNNN directory"},
+      {"logging.log_interval", &l.log_interval, "steps between log lines and metrics records"},
+      {"logging.metrics_file", &l.metrics_file,
+       "JSONL metrics, relative to the run directory; empty: off"},
+      {"logging.plot", &l.plot,
+       "SVG of loss and learning rate, relative to the run directory; empty: off"},
+      {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
+      {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size, "pipeline stages"},
+      {"parallel.data_parallel_size", &p.data_parallel_size, "data-parallel replicas"},
+  };
+}
+
+constexpr const char* kModelConfigDoc =
+    "config.json for random initialisation (relative to the recipe file), or an inline map of its "
+    "fields; with model.init=pretrained, an optional geometry check of model.hf_dir";
+
+std::string type_name(const Field& f) {
+  return std::visit(
+      [&](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) return "boolean";
+        if constexpr (std::is_same_v<T, int> || std::is_same_v<T, int64_t>) return "integer";
+        if constexpr (std::is_same_v<T, double>) return "number";
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (f.choices.empty()) return f.path ? "path" : "string";
+          std::string s = "one of ";
+          for (size_t i = 0; i < f.choices.size(); ++i) s += (i ? "|" : "") + f.choices[i];
+          return s;
+        }
+        if constexpr (std::is_same_v<T, std::vector<std::string>>)
+          return f.path ? "list of paths" : "list of strings";
+        if constexpr (std::is_same_v<T, std::vector<double>>) return "list of numbers";
+        if constexpr (std::is_same_v<T, ImageSizes>) return "list of [width, height] pairs";
+        if constexpr (std::is_same_v<T, DataConfig::OnBad>) return "one of skip|error";
+      },
+      f.ref);
+}
+
+std::string a_type(const std::string& type) {
+  if (type.rfind("one of", 0) == 0 || type.rfind("list", 0) == 0) return type;
+  return (type == "integer" ? "an " : "a ") + type;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::vector<std::string> all_keys() {
+  Recipe r;
+  std::vector<std::string> keys;
+  for (const Field& f : fields(r)) keys.push_back(f.key);
+  keys.push_back("model.config");
+  for (const std::string& k : graph_config_keys())
+    if (!is_deprecated_graph_config_key(k)) keys.push_back("cuda_graph." + k);
+  return keys;
+}
+
+std::string closest_key(const std::string& key) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  // Compare both the whole dotted key and its last part, so that a right key in the wrong
+  // section (optimizer.warmup_iters) still finds its home.
+  const std::string leaf = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
+  for (const std::string& k : all_keys()) {
+    const std::string kleaf = k.substr(k.rfind('.') + 1);
+    const size_t d = std::min(edit_distance(key, k), edit_distance(leaf, kleaf) + 1);
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
+
+[[noreturn]] void fail_unknown(const std::string& key, const std::string& where) {
+  IRIS_FAIL("recipe: unknown key '", key, "'", where, "; did you mean '", closest_key(key),
+            "'? (iris train --list-keys prints every key)");
+}
+
+// Where a value came from, for messages: "recipes/x.yaml line 12" or "override 'a.b=c'".
+class Origins {
+ public:
+  void set(const std::string& key, const std::string& where) { map_[key] = where; }
+  std::string of(const std::string& key, const YAML::Node& node, const std::string& file) const {
+    auto it = map_.find(key);
+    if (it != map_.end()) return it->second;
+    if (node.Mark().line >= 0) return str_cat(file, " line ", node.Mark().line + 1);
+    return file;
+  }
+
+ private:
+  std::map<std::string, std::string> map_;
+};
+
+std::string node_text(const YAML::Node& n) {
+  if (n.IsScalar()) return n.Scalar();
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+[[noreturn]] void fail_type(const std::string& key, const std::string& type, const YAML::Node& n,
+                            const std::string& where) {
+  IRIS_FAIL("recipe: ", key, " expects ", a_type(type), ", got '", node_text(n), "' (", where, ")");
+}
+
+bool parse_int64(const std::string& s, int64_t& out) {
+  const char* b = s.data();
+  const char* e = b + s.size();
+  if (b != e && *b == '+') ++b;
+  const auto [p, ec] = std::from_chars(b, e, out);
+  return b != e && ec == std::errc() && p == e;
+}
+
+bool parse_double(const std::string& s, double& out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  out = std::strtod(s.c_str(), &end);
+  return end == s.c_str() + s.size() && std::isfinite(out);
+}
+
+bool parse_bool(const std::string& s, bool& out) {
+  static const std::array<const char*, 4> yes{"true", "True", "TRUE", "yes"};
+  static const std::array<const char*, 4> no{"false", "False", "FALSE", "no"};
+  for (const char* y : yes)
+    if (s == y) return out = true, true;
+  for (const char* n : no)
+    if (s == n) return out = false, true;
+  return false;
+}
+
+void assign(const Field& f, const YAML::Node& n, const std::string& where) {
+  const std::string type = type_name(f);
+  auto fail = [&]() { fail_type(f.key, type, n, where); };
+  auto scalar = [&]() -> const std::string& {
+    if (!n.IsScalar()) fail();
+    return n.Scalar();
+  };
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (!parse_bool(scalar(), *p)) fail();
+        } else if constexpr (std::is_same_v<T, int>) {
+          int64_t v = 0;
+          if (!parse_int64(scalar(), v)) fail();
+          IRIS_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
+                     "recipe: ", f.key, " value ", v, " is out of range (", where, ")");
+          *p = static_cast<int>(v);
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          if (!parse_int64(scalar(), *p)) fail();
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!parse_double(scalar(), *p)) fail();
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          *p = scalar();
+          if (!f.choices.empty() &&
+              std::find(f.choices.begin(), f.choices.end(), *p) == f.choices.end())
+            fail();
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          p->clear();
+          // A single value stands for a list of one, the way train_files: a.jsonl reads.
+          if (n.IsScalar()) {
+            p->push_back(n.Scalar());
+            return;
+          }
+          if (!n.IsSequence()) fail();
+          for (const auto& item : n) {
+            if (!item.IsScalar()) fail();
+            p->push_back(item.Scalar());
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+          if (!n.IsSequence()) fail();
+          p->clear();
+          for (const auto& item : n) {
+            double v = 0;
+            if (!item.IsScalar() || !parse_double(item.Scalar(), v)) fail();
+            p->push_back(v);
+          }
+        } else if constexpr (std::is_same_v<T, ImageSizes>) {
+          if (!n.IsSequence()) fail();
+          p->clear();
+          for (const auto& item : n) {
+            if (!item.IsSequence() || item.size() != 2) fail();
+            std::array<int, 2> wh{};
+            for (int i = 0; i < 2; ++i) {
+              int64_t v = 0;
+              if (!item[i].IsScalar() || !parse_int64(item[i].Scalar(), v) || v <= 0 || v > 1 << 16)
+                fail();
+              wh[static_cast<size_t>(i)] = static_cast<int>(v);
+            }
+            p->push_back(wh);
+          }
+        } else if constexpr (std::is_same_v<T, DataConfig::OnBad>) {
+          const std::string& s = scalar();
+          if (s == "skip")
+            *p = DataConfig::OnBad::skip;
+          else if (s == "error")
+            *p = DataConfig::OnBad::error;
+          else
+            fail();
+        }
+      },
+      f.ref);
+}
+
+YAML::Node value_node(const Field& f) {
+  return std::visit(
+      [&](auto* p) -> YAML::Node {
+        using T = std::remove_pointer_t<decltype(p)>;
+        YAML::Node n;
+        if constexpr (std::is_same_v<T, DataConfig::OnBad>) {
+          n = *p == DataConfig::OnBad::skip ? "skip" : "error";
+        } else if constexpr (std::is_same_v<T, ImageSizes>) {
+          n = YAML::Node(YAML::NodeType::Sequence);
+          for (const auto& wh : *p) {
+            YAML::Node pair(YAML::NodeType::Sequence);
+            pair.push_back(wh[0]);
+            pair.push_back(wh[1]);
+            pair.SetStyle(YAML::EmitterStyle::Flow);
+            n.push_back(pair);
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>> ||
+                             std::is_same_v<T, std::vector<double>>) {
+          n = YAML::Node(YAML::NodeType::Sequence);
+          for (const auto& v : *p) n.push_back(v);
+        } else if constexpr (std::is_same_v<T, double>) {
+          // Shortest text that reads back to the same double.
+          char buf[64];
+          for (int prec = 6; prec <= 17; ++prec) {
+            std::snprintf(buf, sizeof(buf), "%.*g", prec, *p);
+            if (std::strtod(buf, nullptr) == *p) break;
+          }
+          std::string s = buf;
+          // YAML 1.2 core schema floats need a '.' or exponent; "1" would read as an integer.
+          if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+          n = s;
+        } else {
+          n = *p;
+        }
+        if (n.IsSequence()) n.SetStyle(YAML::EmitterStyle::Flow);
+        return n;
+      },
+      f.ref);
+}
+
+std::string absolute_path(const std::string& p) {
+  if (p.empty()) return p;
+  return fs::absolute(fs::path(p)).lexically_normal().string();
+}
+
+YAML::Node json_to_yaml(const json& j) {
+  YAML::Node n;
+  if (j.is_object()) {
+    n = YAML::Node(YAML::NodeType::Map);
+    for (auto it = j.begin(); it != j.end(); ++it) n[it.key()] = json_to_yaml(it.value());
+  } else if (j.is_array()) {
+    n = YAML::Node(YAML::NodeType::Sequence);
+    for (const auto& v : j) n.push_back(json_to_yaml(v));
+    if (!j.empty() && !j.front().is_structured()) n.SetStyle(YAML::EmitterStyle::Flow);
+  } else if (j.is_null()) {
+    n = YAML::Node(YAML::NodeType::Null);
+  } else if (j.is_string()) {
+    n = j.get<std::string>();
+  } else {
+    n = j.dump();  // numbers and booleans in JSON spelling, which YAML reads back the same
+  }
+  return n;
+}
+
+// YAML scalars carry no type; JSON needs one. Quoted scalars are strings; plain ones are read as
+// null, boolean, integer or float when they look like one.
+json yaml_to_json(const YAML::Node& n, const std::string& where) {
+  switch (n.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return nullptr;
+    case YAML::NodeType::Map: {
+      json j = json::object();
+      for (const auto& kv : n) j[kv.first.Scalar()] = yaml_to_json(kv.second, where);
+      return j;
+    }
+    case YAML::NodeType::Sequence: {
+      json j = json::array();
+      for (const auto& v : n) j.push_back(yaml_to_json(v, where));
+      return j;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string& s = n.Scalar();
+      if (n.Tag() == "!") return s;  // quoted
+      if (s == "null" || s == "~") return nullptr;
+      bool b = false;
+      if (parse_bool(s, b)) return b;
+      int64_t i = 0;
+      if (parse_int64(s, i)) return i;
+      double d = 0;
+      if (parse_double(s, d)) return d;
+      return s;
+    }
+  }
+  IRIS_FAIL("recipe: unreadable value in ", where);
+}
+
+struct Parsed {
+  YAML::Node root;
+  Origins origins;
+};
+
+void apply_override(Parsed& p, const std::string& key, const std::string& text) {
+  const std::string where = "override '" + key + "=" + text + "'";
+  std::vector<std::string> parts;
+  std::stringstream ss(key);
+  for (std::string part; std::getline(ss, part, '.');) {
+    IRIS_CHECK(!part.empty(), "recipe: ", where, " has an empty key part; write section.key=value");
+    parts.push_back(part);
+  }
+  IRIS_CHECK(parts.size() >= 2, "recipe: ", where,
+             " must name a key inside a section, e.g. train.train_iters=100");
+  const std::string& section = parts[0];
+  const bool known_section =
+      std::find(section_names().begin(), section_names().end(), section) != section_names().end();
+  if (!known_section) fail_unknown(key, " in " + where);
+  YAML::Node value;
+  try {
+    value = YAML::Load(text);
+  } catch (const YAML::Exception&) {
+    value = YAML::Node(text);  // not YAML on its own (e.g. "a: b: c"): take it as text
+  }
+  if (!p.root[section].IsDefined() || p.root[section].IsNull())
+    p.root[section] = YAML::Node(YAML::NodeType::Map);
+  IRIS_CHECK(p.root[section].IsMap(), "recipe: section '", section,
+             "' must be a map of key: value");
+  if (section == "model" && parts[1] == "config" && parts.size() > 2) {
+    // Deep keys edit an inline config, e.g. model.config.text_config.num_hidden_layers=2.
+    YAML::Node node = p.root["model"]["config"];
+    IRIS_CHECK(node.IsMap(), "recipe: ", where,
+               " edits a field of an inline model.config, but model.config is ",
+               node.IsDefined() && !node.IsNull() ? "a path" : "not set",
+               "; give the whole config instead (model.config=path/to/config.json)");
+    for (size_t i = 2; i + 1 < parts.size(); ++i) {
+      if (!node[parts[i]].IsDefined() || !node[parts[i]].IsMap())
+        node[parts[i]] = YAML::Node(YAML::NodeType::Map);
+      node.reset(node[parts[i]]);  // operator= would overwrite the parent's content
+    }
+    node[parts.back()] = value;
+    p.origins.set("model.config", where);
+    return;
+  }
+  if (section != "cuda_graph") {
+    const std::vector<std::string> keys = all_keys();
+    if (parts.size() != 2 || std::find(keys.begin(), keys.end(), key) == keys.end())
+      fail_unknown(key, " in " + where);
+  } else {
+    IRIS_CHECK(parts.size() == 2, "recipe: ", where, " must be cuda_graph.<key>=value");
+  }
+  p.root[section][parts[1]] = value;
+  p.origins.set(key, where);
+}
+
+void resolve(Recipe& r, const Parsed& p, const std::string& source) {
+  const YAML::Node& root = p.root;
+  IRIS_CHECK(root.IsMap() || root.IsNull(), "recipe: ", source,
+             " must be a YAML map of sections (model:, data:, train:, ...)");
+  std::vector<Field> fs_ = fields(r);
+  std::map<std::string, const Field*> by_key;
+  for (const Field& f : fs_) by_key[f.key] = &f;
+  YAML::Node graph_section;
+  YAML::Node model_config;
+  std::string model_config_where;
+  for (const auto& sec : root) {
+    const std::string section = sec.first.Scalar();
+    if (std::find(section_names().begin(), section_names().end(), section) ==
+        section_names().end()) {
+      std::string best;
+      size_t best_d = std::numeric_limits<size_t>::max();
+      for (const std::string& s : section_names())
+        if (edit_distance(section, s) < best_d) best_d = edit_distance(section, s), best = s;
+      IRIS_FAIL("recipe: unknown section '", section, "' (", source, " line ",
+                sec.first.Mark().line + 1, "); did you mean '", best,
+                "'? Sections: model, data, train, optimizer, schedule, checkpoint, logging, "
+                "cuda_graph, parallel");
+    }
+    if (sec.second.IsNull()) continue;
+    IRIS_CHECK(sec.second.IsMap(), "recipe: section '", section, "' (", source, " line ",
+               sec.second.Mark().line + 1, ") must be a map of key: value");
+    if (section == "cuda_graph") {
+      graph_section = sec.second;
+      continue;
+    }
+    for (const auto& kv : sec.second) {
+      const std::string key = section + "." + kv.first.Scalar();
+      const std::string where = p.origins.of(key, kv.second, source);
+      if (key == "model.config") {
+        model_config = kv.second;
+        model_config_where = p.origins.of(key, kv.second, source);
+        continue;
+      }
+      auto it = by_key.find(key);
+      if (it == by_key.end()) fail_unknown(key, " (" + where + ")");
+      if (kv.second.IsNull()) continue;  // null: keep the default
+      assign(*it->second, kv.second, where);
+    }
+  }
+
+  try {
+    r.cuda_graph = parse_graph_configs(graph_config_input_from_yaml(graph_section));
+  } catch (const Error& e) {
+    IRIS_FAIL("recipe: section cuda_graph: ", e.what());
+  }
+
+  const fs::path recipe_dir = fs::path(source).parent_path();
+  if (model_config.IsDefined() && !model_config.IsNull()) {
+    if (model_config.IsScalar()) {
+      fs::path cp = model_config.Scalar();
+      if (cp.is_relative()) cp = recipe_dir / cp;
+      r.model.config_path = cp.lexically_normal().string();
+    } else if (model_config.IsMap()) {
+      r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+    } else {
+      IRIS_FAIL("recipe: model.config expects a path or a map of config.json fields, got a list (",
+                model_config_where, ")");
+    }
+  }
+}
+
+int64_t positive(int64_t v, const char* key, int64_t min = 1) {
+  IRIS_CHECK(v >= min, "recipe: ", key, " must be >= ", min, ", got ", v);
+  return v;
+}
+
+void validate(Recipe& r) {
+  // --- train
+  TrainRecipe& t = r.train;
+  positive(t.micro_batch_size, "train.micro_batch_size");
+  positive(t.global_batch_size, "train.global_batch_size");
+  positive(t.train_iters, "train.train_iters");
+  positive(t.seq_length, "train.seq_length", 2);
+  positive(t.eval_interval, "train.eval_interval", 0);
+  positive(t.eval_iters, "train.eval_iters");
+  IRIS_CHECK(t.seed >= 0, "recipe: train.seed must be >= 0, got ", t.seed);
+  IRIS_CHECK(!(t.freeze_vision_tower && t.freeze_merger && t.freeze_language_model),
+             "recipe: train.freeze_vision_tower, train.freeze_merger and "
+             "train.freeze_language_model are all true, which leaves nothing to train; unfreeze "
+             "at least one");
+
+  // --- parallel and batch geometry
+  ParallelRecipe& p = r.parallel;
+  positive(p.tensor_parallel_size, "parallel.tensor_parallel_size");
+  positive(p.pipeline_parallel_size, "parallel.pipeline_parallel_size");
+  positive(p.data_parallel_size, "parallel.data_parallel_size");
+  const int64_t per_step = t.micro_batch_size * p.data_parallel_size;
+  if (t.global_batch_size % per_step != 0) {
+    const int64_t down = t.global_batch_size / per_step * per_step, up = down + per_step;
+    IRIS_FAIL("recipe: train.global_batch_size ", t.global_batch_size,
+              " is not divisible by train.micro_batch_size ", t.micro_batch_size,
+              " x parallel.data_parallel_size ", p.data_parallel_size, " = ", per_step,
+              " (global batch = micro batch x accumulation steps x data-parallel size); use ",
+              down > 0 ? str_cat(down, " or ", up) : str_cat(up));
+  }
+  r.accumulation_steps = t.global_batch_size / per_step;
+
+  const int64_t world = p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size;
+  IRIS_CHECK(world == 1, "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
+             ", parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
+             ", parallel.data_parallel_size=", p.data_parallel_size,
+             ": Iris trains on the CPU reference backend in a single process, so every parallel "
+             "size must be 1 (set them to 1; global_batch_size is reached by gradient "
+             "accumulation instead)");
+
+  // --- optimizer and schedule
+  OptimizerRecipe& o = r.optimizer;
+  IRIS_CHECK(o.lr > 0, "recipe: optimizer.lr must be > 0, got ", o.lr);
+  IRIS_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr, "recipe: optimizer.min_lr ", o.min_lr,
+             " must be in [0, optimizer.lr = ", o.lr, "]");
+  IRIS_CHECK(o.betas.size() == 2, "recipe: optimizer.betas expects 2 numbers [beta1, beta2], got ",
+             o.betas.size());
+  for (double b : o.betas)
+    IRIS_CHECK(b >= 0 && b < 1, "recipe: optimizer.betas entries must be in [0, 1), got ", b);
+  IRIS_CHECK(o.eps > 0, "recipe: optimizer.eps must be > 0, got ", o.eps);
+  IRIS_CHECK(o.weight_decay >= 0, "recipe: optimizer.weight_decay must be >= 0, got ",
+             o.weight_decay);
+  IRIS_CHECK(o.clip_grad >= 0, "recipe: optimizer.clip_grad must be >= 0 (0 = off), got ",
+             o.clip_grad);
+  positive(r.schedule.warmup_iters, "schedule.warmup_iters", 0);
+  positive(r.schedule.decay_iters, "schedule.decay_iters", 0);
+  try {
+    LrSchedule(parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(o.lr),
+               static_cast<float>(o.min_lr), r.schedule.warmup_iters,
+               r.schedule.decay_iters > 0 ? r.schedule.decay_iters : t.train_iters);
+  } catch (const Error& e) {
+    IRIS_FAIL("recipe: section schedule: ", e.what());
+  }
+  if (r.schedule.warmup_iters > t.train_iters)
+    r.notes.push_back(str_cat("schedule.warmup_iters ", r.schedule.warmup_iters,
+                              " exceeds train.train_iters ", t.train_iters,
+                              ": the learning rate never reaches optimizer.lr"));
+
+  // --- checkpoint and logging
+  positive(r.checkpoint.save_interval, "checkpoint.save_interval", 0);
+  positive(r.checkpoint.keep_last, "checkpoint.keep_last", 0);
+  IRIS_CHECK(!r.checkpoint.resume.empty(),
+             "recipe: checkpoint.resume must be auto, never or a checkpoint path");
+  positive(r.logging.log_interval, "logging.log_interval");
+  if (r.checkpoint.dir.empty()) {
+    const std::string stem = fs::path(r.source).stem().string();
+    r.checkpoint.dir = "runs/" + (stem.empty() ? std::string("recipe") : stem);
+  }
+
+  // --- data
+  DataRecipe& d = r.data;
+  d.config.seq_length = t.seq_length;
+  d.config.seed = static_cast<uint64_t>(t.seed);
+  positive(d.min_pixels, "data.min_pixels", 0);
+  positive(d.max_pixels, "data.max_pixels", 0);
+  IRIS_CHECK(d.min_pixels == 0 || d.max_pixels == 0 || d.min_pixels <= d.max_pixels,
+             "recipe: data.min_pixels ", d.min_pixels, " exceeds data.max_pixels ", d.max_pixels);
+  IRIS_CHECK(d.config.mock || !d.config.train_files.empty(),
+             "recipe: data.train_files is empty; list the training JSONL files (or set "
+             "data.mock=true for a performance run)");
+  try {
+    d.config.validate();
+  } catch (const Error& e) {
+    IRIS_FAIL("recipe: section data: ", e.what());
+  }
+  if (t.eval_interval > 0)
+    IRIS_CHECK(!d.eval_files.empty() || d.config.mock, "recipe: train.eval_interval is ",
+               t.eval_interval,
+               " but data.eval_files is empty; list held-out JSONL files or "
+               "set train.eval_interval=0");
+  for (const auto* files : {&d.config.train_files, &d.eval_files})
+    for (const std::string& f : *files)
+      if (!d.config.mock && !fs::exists(f))
+        r.notes.push_back(str_cat("data file ", f, " does not exist yet",
+                                  f.find("shapes") != std::string::npos
+                                      ? " (create it with: iris data shapes --out " +
+                                            fs::path(f).parent_path().string() + ")"
+                                      : ""));
+
+  // --- model
+  ModelRecipe& m = r.model;
+  IRIS_CHECK(m.config_path.empty() || m.config_json.empty(),
+             "recipe: model.config is both a path and a map");
+  const bool has_config = !m.config_path.empty() || !m.config_json.empty();
+  ModelConfig from_config;
+  std::string config_text, config_name;
+  if (has_config) {
+    config_name = m.config_json.empty() ? m.config_path : "the inline model.config";
+    if (!m.config_path.empty())
+      IRIS_CHECK(fs::is_regular_file(m.config_path), "recipe: model.config ", m.config_path,
+                 " does not exist (a relative model.config is relative to the recipe file)");
+    config_text = m.config_json.empty() ? read_text_file(m.config_path) : m.config_json;
+    from_config = ModelConfig::from_json_text(config_text, config_name);
+  }
+  if (m.init == "random") {
+    IRIS_CHECK(has_config,
+               "recipe: model.init is random but model.config is not set; give a "
+               "config.json path (relative to the recipe) or an inline map of its fields");
+    IRIS_CHECK(m.hf_dir.empty(), "recipe: model.hf_dir is set (", m.hf_dir,
+               ") but model.init is random; set model.init=pretrained to start from it");
+    IRIS_CHECK(!m.tokenizer.empty(),
+               "recipe: model.tokenizer is required with model.init=random "
+               "(the path of a Qwen tokenizer.json)");
+    r.model_config = from_config;
+    r.model_config_json = config_text;
+    r.has_model_config = true;
+  } else if (!m.hf_dir.empty()) {
+    const std::string cj = (fs::path(m.hf_dir) / "config.json").string();
+    IRIS_CHECK(fs::is_regular_file(cj), "recipe: model.hf_dir ", m.hf_dir,
+               " has no config.json; point it at a Hugging Face Qwen3-VL checkpoint directory");
+    r.model_config_json = read_text_file(cj);
+    r.model_config = ModelConfig::from_json_text(r.model_config_json, cj);
+    r.has_model_config = true;
+    if (has_config)
+      check_same_model_geometry(from_config, r.model_config, config_name, cj,
+                                "model.config describes a different model than model.hf_dir (drop "
+                                "model.config or point model.hf_dir at the matching checkpoint)");
+    if (m.tokenizer.empty()) m.tokenizer = (fs::path(m.hf_dir) / "tokenizer.json").string();
+  } else {
+    r.notes.push_back(
+        "model.hf_dir is not set: training needs it (model.hf_dir=/path/to/Qwen3-VL-Instruct)");
+    if (has_config) {
+      r.model_config = from_config;
+      r.model_config_json = config_text;
+      r.has_model_config = true;
+    }
+  }
+  if (!m.tokenizer.empty() && !fs::exists(m.tokenizer))
+    r.notes.push_back(str_cat("model.tokenizer ", m.tokenizer, " does not exist yet",
+                              m.tokenizer.find("qwen3vl-tiny") != std::string::npos
+                                  ? " (scripts/fetch_tokenizer.sh places it there)"
+                                  : ""));
+
+  if (r.has_model_config) {
+    const ModelConfig& mc = r.model_config;
+    IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",
+               t.seq_length, " exceeds the model's max_position_embeddings ",
+               mc.text.max_position_embeddings);
+    GraphModelTraits traits;
+    traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
+    traits.spatial_merge_size = mc.vision.spatial_merge_size;
+    // Largest encoder call of a micro-batch in mock mode, where image sizes are known up front.
+    if (d.config.mock && !d.config.mock_image_sizes.empty()) {
+      const PreprocessorConfig pp = recipe_preprocessor(r);
+      int64_t per_sample = 0;
+      for (const auto& wh : d.config.mock_image_sizes) {
+        const ResizedSize rs =
+            smart_resize(wh[1], wh[0], pp.patch_size * pp.merge_size, pp.min_pixels, pp.max_pixels);
+        per_sample += int64_t(rs.height / pp.patch_size) * (rs.width / pp.patch_size);
+      }
+      traits.max_vision_seq_length = per_sample * t.micro_batch_size;
+    }
+    try {
+      finalize_graph_configs(r.cuda_graph, traits);
+    } catch (const Error& e) {
+      IRIS_FAIL("recipe: section cuda_graph: ", e.what());
+    }
+  }
+  recipe_preprocessor(r);  // validates the pixel bounds
+  for (const std::string& w : r.cuda_graph.warnings) r.notes.push_back("cuda_graph: " + w);
+  if (r.cuda_graph.language.impl != GraphImpl::none ||
+      r.cuda_graph.vision.impl != VisionGraphImpl::none)
+    r.notes.push_back(
+        "cuda_graph: validated; training runs on the CPU backend, which ignores "
+        "graphs");
+}
+
+Recipe load(const std::string& text, const std::string& source,
+            const std::vector<std::string>& overrides) {
+  Parsed p;
+  try {
+    p.root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    IRIS_FAIL("recipe: ", source, " is not valid YAML: ", e.what());
+  }
+  if (!p.root.IsDefined() || p.root.IsNull()) p.root = YAML::Node(YAML::NodeType::Map);
+  IRIS_CHECK(p.root.IsMap(), "recipe: ", source,
+             " must be a YAML map of sections (model:, data:, train:, ...)");
+  Recipe r;
+  r.source = source;
+  for (const std::string& o : overrides) {
+    auto kv = parse_override(o);
+    apply_override(p, kv.first, kv.second);
+    r.overrides.push_back(std::move(kv));
+  }
+  resolve(r, p, source);
+  validate(r);
+  return r;
+}
+
+}  // namespace
+
+PreprocessorConfig recipe_preprocessor(const Recipe& r) {
+  PreprocessorConfig pp;
+  if (!r.model.hf_dir.empty()) {
+    const fs::path p = fs::path(r.model.hf_dir) / "preprocessor_config.json";
+    if (fs::is_regular_file(p)) pp = PreprocessorConfig::from_file(p.string());
+  }
+  if (r.data.min_pixels > 0) pp.min_pixels = r.data.min_pixels;
+  if (r.data.max_pixels > 0) pp.max_pixels = r.data.max_pixels;
+  try {
+    pp.validate();
+  } catch (const Error& e) {
+    IRIS_FAIL("recipe: data.min_pixels/data.max_pixels: ", e.what());
+  }
+  return pp;
+}
+
+void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
+                               const std::string& a_name, const std::string& b_name,
+                               const std::string& fix) {
+  auto same = [&](const char* field, int64_t x, int64_t y) {
+    IRIS_CHECK(x == y, field, " is ", x, " in ", a_name, " but ", y, " in ", b_name, "; ", fix);
+  };
+  same("text_config.hidden_size", a.text.hidden_size, b.text.hidden_size);
+  same("text_config.num_hidden_layers", a.text.num_hidden_layers, b.text.num_hidden_layers);
+  same("text_config.intermediate_size", a.text.intermediate_size, b.text.intermediate_size);
+  same("text_config.num_attention_heads", a.text.num_attention_heads, b.text.num_attention_heads);
+  same("text_config.num_key_value_heads", a.text.num_key_value_heads, b.text.num_key_value_heads);
+  same("text_config.vocab_size", a.text.vocab_size, b.text.vocab_size);
+  same("vision_config.depth", a.vision.depth, b.vision.depth);
+  same("vision_config.hidden_size", a.vision.hidden_size, b.vision.hidden_size);
+  same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
+}
+
+std::pair<std::string, std::string> parse_override(const std::string& arg) {
+  const size_t eq = arg.find('=');
+  IRIS_CHECK(eq != std::string::npos && eq > 0, "override '", arg,
+             "' must look like section.key=value, e.g. train.train_iters=100");
+  return {arg.substr(0, eq), arg.substr(eq + 1)};
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+  IRIS_CHECK(fs::is_regular_file(path), "recipe ", path,
+             " does not exist (recipes/ holds the shipped ones)");
+  return load(read_text_file(path), path, overrides);
+}
+
+Recipe load_recipe_text(const std::string& text, const std::string& source,
+                        const std::vector<std::string>& overrides) {
+  return load(text, source, overrides);
+}
+
+std::string recipe_to_yaml(const Recipe& recipe) {
+  Recipe r = recipe;  // fields() binds mutable pointers
+  std::map<std::string, YAML::Node> sections;
+  for (const std::string& s : section_names()) sections[s] = YAML::Node(YAML::NodeType::Map);
+  for (const Field& f : fields(r)) {
+    const size_t dot = f.key.find('.');
+    const std::string section = f.key.substr(0, dot), key = f.key.substr(dot + 1);
+    YAML::Node v = value_node(f);
+    if (f.path) {
+      if (v.IsScalar()) {
+        v = absolute_path(v.Scalar());
+      } else {
+        for (size_t i = 0; i < v.size(); ++i) v[i] = absolute_path(v[i].Scalar());
+      }
+    }
+    if (f.key == "checkpoint.resume" && r.checkpoint.resume != "auto" &&
+        r.checkpoint.resume != "never")
+      v = absolute_path(r.checkpoint.resume);
+    sections[section][key] = v;
+    if (f.key == "model.hf_dir") {
+      if (!r.model.config_json.empty())
+        sections["model"]["config"] = json_to_yaml(json::parse(r.model.config_json));
+      else if (!r.model.config_path.empty())
+        sections["model"]["config"] = absolute_path(r.model.config_path);
+      else
+        sections["model"]["config"] = YAML::Node(YAML::NodeType::Null);
+    }
+  }
+  sections["cuda_graph"] = YAML::Load(describe(r.cuda_graph));
+  YAML::Emitter e;
+  e << YAML::BeginMap;
+  for (const std::string& s : section_names()) e << YAML::Key << s << YAML::Value << sections[s];
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+std::vector<RecipeKey> recipe_schema() {
+  Recipe r;
+  std::vector<RecipeKey> out;
+  for (const Field& f : fields(r)) {
+    YAML::Emitter e;
+    e << YAML::Flow << value_node(f);
+    out.push_back({f.key, type_name(f), e.c_str(), f.doc});
+    if (f.key == "model.hf_dir")
+      out.push_back({"model.config", "path or map", "null", kModelConfigDoc});
+  }
+  const GraphConfigs defaults = parse_graph_configs({});
+  const YAML::Node described = YAML::Load(describe(defaults));
+  for (const std::string& k : graph_config_keys()) {
+    if (is_deprecated_graph_config_key(k)) continue;
+    YAML::Emitter e;
+    e << YAML::Flow << described[k];
+    out.push_back({"cuda_graph." + k, "see core/graph_config.h", e.c_str(),
+                   "CUDA graph setting (flag " + graph_config_flag_name(k) + ")"});
+  }
+  return out;
+}
+
+std::string describe_recipe_schema() {
+  std::string out;
+  std::string section;
+  for (const RecipeKey& k : recipe_schema()) {
+    const std::string s = k.key.substr(0, k.key.find('.'));
+    if (s != section) {
+      out += (section.empty() ? "" : "\n") + s + ":\n";
+      section = s;
+    }
+    out +=
+        str_cat("  ", k.key, " (", k.type, ", default ", k.default_value, ")\n      ", k.doc, "\n");
+  }
+  return out;
+}
+
+}  // namespace iris

@@ -1,0 +1,150 @@
+// Training recipes: a YAML file of sections (model, data, train, optimizer, schedule, checkpoint,
+// logging, cuda_graph, parallel) against a typed schema, plus dotted command-line overrides
+// (`train.train_iters=100`), resolved into one validated Recipe.
+//
+// Every key has a type, a default and a doc string (recipe_schema()); an unknown key fails naming
+// the closest valid one, a value of the wrong type fails naming the key and the expected type.
+// The cuda_graph section goes through core/graph_config.h so that a bad combination is rejected on
+// every backend, the CPU included (which then ignores graphs).
+//
+// Relative paths in a recipe are relative to the working directory, except model.config, which
+// is relative to the recipe file so that a recipe can ship its model geometry beside it. The
+// resolved config holds absolute paths, so it can be reloaded from anywhere (a resumed run does).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bridge/model_config.h"
+#include "core/graph_config.h"
+#include "training/dataset.h"
+#include "vision/preprocess.h"
+
+namespace iris {
+
+struct ModelRecipe {
+  // "random": initialise from `config` with `init_seed`; "pretrained": load `hf_dir`.
+  std::string init = "random";
+  std::string hf_dir;
+  // config.json path (or, in YAML, an inline map of its fields). For pretrained runs it is
+  // optional and, when given, must describe the same geometry as hf_dir/config.json.
+  std::string config_path;
+  std::string config_json;  // inline config serialised to JSON; empty when config_path is used
+  std::string tokenizer;    // tokenizer.json; empty: hf_dir/tokenizer.json
+  int64_t init_seed = 0;
+};
+
+struct DataRecipe {
+  DataConfig config;                    // seq_length and seed come from the train section
+  std::vector<std::string> eval_files;  // held-out JSONL for train.eval_interval
+  // Preprocessor pixel bounds; 0 keeps the preprocessor config's value (hf_dir's
+  // preprocessor_config.json, else Qwen3-VL's defaults).
+  int64_t min_pixels = 0, max_pixels = 0;
+};
+
+struct TrainRecipe {
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 1;
+  int64_t train_iters = 100;
+  int64_t seq_length = 2048;
+  int64_t seed = 1234;
+  bool freeze_vision_tower = false;
+  bool freeze_merger = false;
+  bool freeze_language_model = false;
+  int64_t eval_interval = 0;  // 0: no evaluation
+  int64_t eval_iters = 1;     // global batches per evaluation
+};
+
+struct OptimizerRecipe {
+  double lr = 1e-4;
+  double min_lr = 0.0;
+  std::vector<double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double clip_grad = 1.0;  // global L2 norm; 0 disables clipping
+};
+
+struct ScheduleRecipe {
+  std::string kind = "cosine";  // constant | cosine
+  int64_t warmup_iters = 0;
+  int64_t decay_iters = 0;  // 0: decay over train_iters
+};
+
+struct CheckpointRecipe {
+  std::string dir;            // run directory; empty: runs/<recipe file stem>
+  int64_t save_interval = 0;  // 0: no periodic saves
+  bool save_final = true;
+  int64_t keep_last = 3;        // 0: keep every checkpoint
+  std::string resume = "auto";  // auto | never | path of a step_NNNNNNN directory
+};
+
+struct LoggingRecipe {
+  int64_t log_interval = 10;
+  std::string metrics_file = "metrics.jsonl";
+  std::string plot = "training_curves.svg";
+};
+
+struct ParallelRecipe {
+  int64_t tensor_parallel_size = 1;
+  int64_t pipeline_parallel_size = 1;
+  int64_t data_parallel_size = 1;
+};
+
+struct Recipe {
+  std::string source;                                          // the recipe file
+  std::vector<std::pair<std::string, std::string>> overrides;  // as given, in order
+  ModelRecipe model;
+  DataRecipe data;
+  TrainRecipe train;
+  OptimizerRecipe optimizer;
+  ScheduleRecipe schedule;
+  CheckpointRecipe checkpoint;
+  LoggingRecipe logging;
+  ParallelRecipe parallel;
+  GraphConfigs cuda_graph;
+
+  // Filled by validation.
+  int64_t accumulation_steps = 1;  // global / (micro * data parallel)
+  bool has_model_config = false;   // false only for a pretrained recipe without hf_dir or config
+  ModelConfig model_config;
+  std::string model_config_json;   // the text the model config came from (saved with checkpoints)
+  std::vector<std::string> notes;  // non-fatal remarks printed with the resolved config
+};
+
+// The image preprocessor a run uses: <model.hf_dir>/preprocessor_config.json when there is one,
+// else Qwen3-VL's defaults, with data.min_pixels / data.max_pixels applied.
+PreprocessorConfig recipe_preprocessor(const Recipe& r);
+
+// Throws when a and b differ in a field that decides the weight shapes; the message names the
+// field, both sources and ends with `fix`.
+void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
+                               const std::string& a_name, const std::string& b_name,
+                               const std::string& fix);
+
+// "a.b=value" -> ("a.b", "value"). Throws naming the argument when there is no '=' or no key.
+std::pair<std::string, std::string> parse_override(const std::string& arg);
+
+// Reads the recipe, applies the overrides in order, checks every key and value and resolves the
+// derived fields. Throws iris::Error saying what is wrong and how to fix it.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from YAML text; `source` names it in messages and is the base of model.config paths.
+Recipe load_recipe_text(const std::string& yaml_text, const std::string& source,
+                        const std::vector<std::string>& overrides = {});
+
+// The resolved recipe as YAML: every key, defaults included, paths absolute. Loading it back
+// gives the same Recipe.
+std::string recipe_to_yaml(const Recipe& r);
+
+struct RecipeKey {
+  std::string key;            // dotted, e.g. train.micro_batch_size
+  std::string type;           // e.g. "integer", "list of strings"
+  std::string default_value;  // YAML text
+  std::string doc;
+};
+// Every key, in section order (cuda_graph keys included).
+std::vector<RecipeKey> recipe_schema();
+std::string describe_recipe_schema();
+
+}  // namespace iris

@@ -1,0 +1,425 @@
+#include "training/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "language/tokenizer.h"
+#include "training/chat_format.h"
+#include "training/checkpoint.h"
+#include "training/dataset.h"
+#include "training/lr_schedule.h"
+#include "training/metrics_log.h"
+#include "training/optimizer.h"
+#include "training/train_model.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kStateFile = "trainer_state.json";
+
+// SplitMix64: a tiny generator whose stream is fixed by its definition, unlike the standard
+// distributions, whose output differs between library implementations.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : s_(seed) {}
+  uint64_t next() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double normal() {                                        // Box-Muller
+    const double u1 = 1.0 - uniform(), u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+
+ private:
+  uint64_t s_;
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A config.json as HF loads it: model types and architectures filled in when a hand-written
+// (inline) config leaves them out.
+std::string hf_config_text(const std::string& config_json) {
+  json j = json::parse(config_json);
+  if (!j.contains("model_type")) j["model_type"] = "qwen3_vl";
+  if (!j.contains("architectures")) j["architectures"] = {"Qwen3VLForConditionalGeneration"};
+  if (j.contains("text_config") && !j["text_config"].contains("model_type"))
+    j["text_config"]["model_type"] = "qwen3_vl_text";
+  if (j.contains("vision_config") && !j["vision_config"].contains("model_type"))
+    j["vision_config"]["model_type"] = "qwen3_vl_vision";
+  return j.dump(2) + "\n";
+}
+
+json preprocessor_json(const PreprocessorConfig& pp) {
+  return {{"image_processor_type", "Qwen2VLImageProcessorFast"},
+          {"processor_class", "Qwen3VLProcessor"},
+          {"do_convert_rgb", pp.do_convert_rgb},
+          {"do_normalize", pp.do_normalize},
+          {"do_rescale", pp.do_rescale},
+          {"do_resize", pp.do_resize},
+          {"image_mean", pp.image_mean},
+          {"image_std", pp.image_std},
+          {"merge_size", pp.merge_size},
+          {"patch_size", pp.patch_size},
+          {"temporal_patch_size", pp.temporal_patch_size},
+          {"resample", 3},
+          {"rescale_factor", pp.rescale_factor},
+          {"size", {{"shortest_edge", pp.min_pixels}, {"longest_edge", pp.max_pixels}}}};
+}
+
+// Qwen3-VL Instruct's generation config: stop at <|im_end|> or <|endoftext|>.
+json generation_json(const Tokenizer& tok) {
+  const auto im_end = tok.find_token("<|im_end|>");
+  const auto eot = tok.find_token("<|endoftext|>");
+  IRIS_CHECK(im_end && eot,
+             "the tokenizer lacks <|im_end|> or <|endoftext|>; Qwen3-VL training "
+             "needs a Qwen tokenizer.json");
+  return {{"bos_token_id", *eot},
+          {"eos_token_id", {*im_end, *eot}},
+          {"pad_token_id", *eot},
+          {"do_sample", false}};
+}
+
+// Files that travel with every checkpoint so that an export is a complete HF directory.
+struct SideFiles {
+  std::vector<std::pair<std::string, std::string>> files;  // name, contents
+};
+
+SideFiles side_files(const Recipe& r, const Tokenizer& tok, const PreprocessorConfig& pp) {
+  SideFiles s;
+  s.files.emplace_back("tokenizer.json", read_text_file(r.model.tokenizer));
+  // tokenizer_config.json and chat_template.jinja come from where the tokenizer or the model does.
+  std::vector<fs::path> dirs;
+  if (!r.model.hf_dir.empty()) dirs.push_back(r.model.hf_dir);
+  dirs.push_back(fs::path(r.model.tokenizer).parent_path());
+  for (const char* name : {"tokenizer_config.json", "chat_template.jinja"})
+    for (const fs::path& d : dirs)
+      if (fs::is_regular_file(d / name)) {
+        s.files.emplace_back(name, read_text_file((d / name).string()));
+        break;
+      }
+  s.files.emplace_back("preprocessor_config.json", preprocessor_json(pp).dump(2) + "\n");
+  const fs::path gen = fs::path(r.model.hf_dir) / "generation_config.json";
+  s.files.emplace_back("generation_config.json", !r.model.hf_dir.empty() && fs::is_regular_file(gen)
+                                                     ? read_text_file(gen.string())
+                                                     : generation_json(tok).dump(2) + "\n");
+  return s;
+}
+
+int64_t labelled_tokens(const std::vector<int32_t>& labels) {
+  int64_t n = 0;
+  // Position i predicts labels[i + 1], so the first label is never a target.
+  for (size_t i = 1; i < labels.size(); ++i) n += labels[i] != kIgnoreLabel;
+  return n;
+}
+
+TrainSample to_train_sample(Sample&& s) {
+  TrainSample t;
+  t.ids = std::move(s.ids);
+  t.labels = std::move(s.labels);
+  t.pixel_values = std::move(s.pixel_values);
+  t.grids = std::move(s.grids);
+  return t;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+void init_random_weights(Backend& backend, ModelWeights& weights, const std::string& config_json,
+                         uint64_t seed) {
+  const json j = json::parse(config_json);
+  auto range = [&](const char* section) {
+    if (j.contains(section) && j[section].contains("initializer_range") &&
+        j[section]["initializer_range"].is_number())
+      return j[section]["initializer_range"].get<double>();
+    return j.value("initializer_range", 0.02);
+  };
+  const double text_std = range("text_config"), vision_std = range("vision_config");
+  Rng rng(seed);
+  std::vector<float> host;
+  for (const WeightBinding& b : weights.bindings) {
+    int64_t n = 1;
+    for (int64_t d : b.hf_shape) n *= d;
+    host.assign(static_cast<size_t>(n), 0.0f);
+    const bool bias = ends_with(b.hf_name, ".bias");
+    const bool norm =
+        !bias && b.hf_shape.size() == 1 && b.hf_name.find("norm") != std::string::npos;
+    if (norm) {
+      std::fill(host.begin(), host.end(), 1.0f);
+    } else if (!bias) {
+      const double std = b.hf_name.rfind("model.visual.", 0) == 0 ? vision_std : text_std;
+      for (float& v : host) v = static_cast<float>(rng.normal() * std);
+    }
+    backend.write(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]), host.data(),
+                  DType::f32);
+  }
+  backend.synchronize();
+}
+
+TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
+  const Recipe& r = recipe;
+  IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
+             "model.init is pretrained but model.hf_dir is not set; pass "
+             "model.hf_dir=/path/to/Qwen3-VL-Instruct (a Hugging Face checkpoint directory)");
+  const std::string run_dir = r.checkpoint.dir;
+  fs::create_directories(run_dir);
+  remove_checkpoint_debris(run_dir);
+
+  // Where to start from.
+  std::string resume_dir;
+  if (r.checkpoint.resume == "auto") {
+    resume_dir = latest_checkpoint(run_dir);
+  } else if (r.checkpoint.resume == "never") {
+    IRIS_CHECK(latest_checkpoint(run_dir).empty(), "checkpoint.dir ", run_dir,
+               " already holds checkpoints and checkpoint.resume is never; set "
+               "checkpoint.resume=auto to continue that run, or choose another checkpoint.dir");
+  } else {
+    resume_dir = r.checkpoint.resume;
+    IRIS_CHECK(fs::is_regular_file(fs::path(resume_dir) / kStateFile), "checkpoint.resume ",
+               resume_dir, " is not a checkpoint directory (no ", kStateFile,
+               "); give a step_NNNNNNN directory, auto or never");
+  }
+  TrainerState state;
+  if (!resume_dir.empty()) state = load_trainer_state((fs::path(resume_dir) / kStateFile).string());
+  IRIS_CHECK(state.iteration <= r.train.train_iters, "the checkpoint ", resume_dir, " is at step ",
+             state.iteration, ", past train.train_iters ", r.train.train_iters,
+             "; raise train.train_iters to train further");
+
+  // Model.
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  std::string config_text;
+  ModelConfig cfg;
+  std::unique_ptr<ModelWeights> params;
+  if (!resume_dir.empty()) {
+    const std::string cj = (fs::path(resume_dir) / "config.json").string();
+    config_text = read_text_file(cj);
+    cfg = ModelConfig::from_json_text(config_text, cj);
+    if (r.has_model_config)
+      check_same_model_geometry(r.model_config, cfg, "the recipe's model", cj,
+                                "the checkpoint belongs to another model; use another "
+                                "checkpoint.dir or set checkpoint.resume=never");
+    params = load_weights(*cpu, cfg, resume_dir);
+  } else {
+    IRIS_CHECK(r.has_model_config, "no model config: set model.config or model.hf_dir");
+    config_text = r.model_config_json;
+    cfg = r.model_config;
+    if (r.model.init == "random") {
+      params = allocate_weights(*cpu, cfg);
+      init_random_weights(*cpu, *params, config_text, static_cast<uint64_t>(r.model.init_seed));
+    } else {
+      params = load_weights(*cpu, cfg, r.model.hf_dir);
+    }
+  }
+  config_text = hf_config_text(config_text);
+
+  const Tokenizer tok = Tokenizer::from_file(r.model.tokenizer);
+  const PreprocessorConfig pp = recipe_preprocessor(r);
+  const SideFiles side = side_files(r, tok, pp);
+
+  // Data.
+  Dataset train_data(r.data.config, tok, pp);
+  if (!resume_dir.empty()) {
+    IRIS_CHECK(state.data_seed == r.data.config.seed, "the checkpoint ", resume_dir,
+               " was trained with data seed ", state.data_seed, " but train.seed is ",
+               r.data.config.seed,
+               "; resuming would continue another data order (restore "
+               "train.seed=",
+               state.data_seed, ")");
+    train_data.seek(state.data_position);
+  }
+  std::unique_ptr<Dataset> eval_data;
+  if (r.train.eval_interval > 0) {
+    DataConfig ec = r.data.config;
+    ec.train_files = r.data.eval_files;
+    ec.shuffle = false;
+    ec.seed = r.data.config.seed + 1;  // mock mode: held-out samples differ from training ones
+    eval_data = std::make_unique<Dataset>(ec, tok, pp);
+  }
+
+  TrainLimits limits;
+  limits.max_seq_len = r.train.seq_length;
+  // Every image pad stands for merge_unit patches and samples never exceed seq_length tokens.
+  limits.max_patches = r.train.seq_length * cfg.vision.merge_unit();
+  const int64_t factor = int64_t(pp.patch_size) * pp.merge_size;
+  const int64_t min_image_tokens = std::max<int64_t>(1, pp.min_pixels / (factor * factor));
+  limits.max_images = static_cast<int>(
+      std::min<int64_t>({r.train.seq_length / min_image_tokens + 1, r.train.seq_length, 1 << 20}));
+  TrainableQwen3VL model(*cpu, cfg, *params, limits);
+  model.set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
+                   r.train.freeze_language_model);
+
+  AdamWConfig ac;
+  ac.beta1 = static_cast<float>(r.optimizer.betas[0]);
+  ac.beta2 = static_cast<float>(r.optimizer.betas[1]);
+  ac.eps = static_cast<float>(r.optimizer.eps);
+  ac.weight_decay = static_cast<float>(r.optimizer.weight_decay);
+  ac.clip_grad_norm = static_cast<float>(r.optimizer.clip_grad);
+  AdamW opt(*cpu, cfg, *params, model.grads(), ac);
+  if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
+  const LrSchedule schedule(
+      parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
+      static_cast<float>(r.optimizer.min_lr), r.schedule.warmup_iters,
+      r.schedule.decay_iters > 0 ? r.schedule.decay_iters : r.train.train_iters);
+
+  const std::string resolved = recipe_to_yaml(r);
+  write_file_atomic((fs::path(run_dir) / "resolved_config.yaml").string(), resolved);
+
+  MetricsLog::Options lo;
+  lo.run_dir = run_dir;
+  lo.metrics_file = r.logging.metrics_file;
+  lo.plot_file = r.logging.plot;
+  lo.total_iterations = r.train.train_iters;
+  lo.progress_bar = options.progress_bar;
+  lo.out = options.out;
+  MetricsLog log(lo, state.iteration);
+
+  int64_t n_params = 0;
+  for (const WeightBinding& b : params->bindings) {
+    int64_t n = 1;
+    for (int64_t d : b.hf_shape) n *= d;
+    n_params += n;
+  }
+  log.message(str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
+                      " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
+                      " parameters, global batch ", r.train.global_batch_size, " = ",
+                      r.train.micro_batch_size, " x ", r.accumulation_steps,
+                      " accumulation steps, activation arena ", model.arena_bytes() / (1024 * 1024),
+                      " MiB, run directory ", run_dir));
+
+  const TrainedParts parts{!r.train.freeze_vision_tower, !r.train.freeze_merger,
+                           !r.train.freeze_language_model};
+  TrainResult result;
+  result.run_dir = run_dir;
+  result.start_iteration = state.iteration;
+  result.last_checkpoint = resume_dir;
+
+  auto save = [&](int64_t iteration) {
+    state.data_position = train_data.position();
+    state.data_seed = r.data.config.seed;
+    result.last_checkpoint =
+        commit_checkpoint(run_dir, iteration, r.checkpoint.keep_last, [&](const std::string& dir) {
+          const fs::path d(dir);
+          save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
+          opt.save((d / kOptimizerFile).string());
+          write_file_atomic((d / "config.json").string(), config_text);
+          for (const auto& [name, text] : side.files) write_file_atomic((d / name).string(), text);
+          write_file_atomic((d / "resolved_config.yaml").string(), resolved);
+          // Last: its presence marks the directory complete (latest_checkpoint checks it).
+          save_trainer_state((d / kStateFile).string(), state);
+        });
+    log.message("saved checkpoint " + result.last_checkpoint);
+  };
+
+  auto evaluate = [&](int64_t iteration) {
+    eval_data->seek(DataPosition{});
+    EvalMetrics em;
+    em.iteration = iteration;
+    double loss_sum = 0;
+    for (int64_t b = 0; b < r.train.eval_iters * r.train.global_batch_size; ++b) {
+      const TrainSample s = to_train_sample(eval_data->next());
+      const LossStats ls = model.forward(s);
+      loss_sum += ls.loss_sum;
+      em.labelled_tokens += ls.n_tokens;
+      ++em.samples;
+    }
+    em.loss = em.labelled_tokens > 0 ? loss_sum / em.labelled_tokens : 0.0;
+    log.log_eval(em);
+  };
+
+  StepMetrics interval;
+  double interval_loss_sum = 0;
+  auto interval_start = std::chrono::steady_clock::now();
+  std::vector<TrainSample> batch;
+  batch.reserve(static_cast<size_t>(r.train.global_batch_size));
+  log.progress(state.iteration);
+  for (int64_t it = state.iteration + 1; it <= r.train.train_iters; ++it) {
+    batch.clear();
+    int64_t batch_labels = 0;
+    for (int64_t i = 0; i < r.train.global_batch_size; ++i) {
+      batch.push_back(to_train_sample(train_data.next()));
+      batch_labels += labelled_tokens(batch.back().labels);
+    }
+    IRIS_CHECK(batch_labels > 0, "global batch of iteration ", it,
+               " has no labelled token; every sample needs an assistant reply");
+
+    model.zero_grads();
+    const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
+    double loss_sum = 0;
+    int64_t counted = 0;
+    // Micro-batches run one after another on the CPU; a micro-batch is its samples in order.
+    for (const TrainSample& s : batch) {
+      const LossStats ls = model.forward_backward(s, grad_scale);
+      loss_sum += ls.loss_sum;
+      counted += ls.n_tokens;
+      interval.tokens += static_cast<int64_t>(s.ids.size());
+      interval.flops += training_flops(
+          cfg, {static_cast<int64_t>(s.ids.size()), labelled_tokens(s.labels), s.grids}, parts);
+    }
+    IRIS_CHECK(counted == batch_labels, "the model counted ", counted,
+               " labelled tokens in iteration ", it, " but the labels hold ", batch_labels,
+               "; the loss normalisation would be wrong (label convention mismatch)");
+    const double loss = loss_sum / static_cast<double>(batch_labels);
+    IRIS_CHECK(std::isfinite(loss), "the loss is ", loss, " at iteration ", it,
+               "; lower optimizer.lr or check the data (the last checkpoint is ",
+               result.last_checkpoint.empty() ? "none" : result.last_checkpoint, ")");
+    const float lr = schedule.at(it - 1);
+    const double gnorm = opt.step(lr, model.frozen());
+
+    state.iteration = it;
+    state.consumed_samples += r.train.global_batch_size;
+    for (const TrainSample& s : batch) state.consumed_tokens += static_cast<int64_t>(s.ids.size());
+    interval_loss_sum += loss_sum;
+    interval.labelled_tokens += batch_labels;
+    interval.samples += r.train.global_batch_size;
+    result.final_iteration = it;
+    result.last_loss = loss;
+
+    if (it % r.logging.log_interval == 0 || it == r.train.train_iters) {
+      interval.iteration = it;
+      interval.loss = interval_loss_sum / static_cast<double>(interval.labelled_tokens);
+      interval.learning_rate = lr;
+      interval.grad_norm = gnorm;
+      interval.seconds = seconds_since(interval_start);
+      interval.memory_bytes = peak_host_memory_bytes();
+      log.log(interval);
+      interval = StepMetrics{};
+      interval_loss_sum = 0;
+      interval_start = std::chrono::steady_clock::now();
+    }
+    if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
+    const bool periodic = r.checkpoint.save_interval > 0 && it % r.checkpoint.save_interval == 0;
+    if (periodic || (it == r.train.train_iters && r.checkpoint.save_final)) save(it);
+    log.progress(it);
+  }
+  const DataStats& ds = train_data.stats();
+  if (ds.dropped_too_long > 0 || ds.bad_samples > 0) {
+    std::string text =
+        str_cat("data: ", ds.dropped_too_long, " samples longer than ", r.train.seq_length,
+                " tokens skipped, ", ds.bad_samples, " unusable lines skipped");
+    for (const std::string& e : ds.bad_examples) text += "\n  " + e;
+    log.message(text);
+  }
+  if (result.final_iteration == 0) result.final_iteration = state.iteration;
+  return result;
+}
+
+}  // namespace iris
