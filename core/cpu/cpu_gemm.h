@@ -10,4 +10,12 @@ namespace iris::cpu {
 void sgemm_xwt(int64_t M, int64_t N, int64_t K, const float* x, const float* w, float* y,
                float beta);
 
+// y[M,N] = x[M,K] . w[K,N] + beta * y  (the input gradient of a linear layer: dx = dy . W)
+void sgemm_xw(int64_t M, int64_t N, int64_t K, const float* x, const float* w, float* y,
+              float beta);
+
+// y[M,N] = x[K,M]^T . w[K,N] + beta * y  (the weight gradient of a linear layer: dW += dy^T . x)
+void sgemm_xtw(int64_t M, int64_t N, int64_t K, const float* x, const float* w, float* y,
+               float beta);
+
 }  // namespace iris::cpu

@@ -1,0 +1,586 @@
+#include "training/backward_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <omp.h>
+
+#include "core/cpu/cpu_gemm.h"
+#include "core/error.h"
+
+namespace iris::train {
+namespace {
+
+// Reductions over rows into a per-column result (weight and bias gradients) are split by column
+// blocks, so every output element is summed by one thread in row order: deterministic, no
+// atomics, no per-thread partial buffers.
+constexpr int64_t kColumnBlock = 16;
+constexpr int kMaxThreads = 256;
+
+template <typename F>
+void for_column_blocks(int64_t C, F f) {
+  const int64_t nb = (C + kColumnBlock - 1) / kColumnBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nb; ++b) f(b * kColumnBlock, std::min(C, (b + 1) * kColumnBlock));
+}
+
+void column_sums_accumulate(float* out, const float* x, int64_t R, int64_t C) {
+  for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + r * C;
+      for (int64_t c = c0; c < c1; ++c) out[c] += xr[c];
+    }
+  });
+}
+
+float dot(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// The segment holding row i, or -1 past the last one (cu is non-decreasing).
+int segment_of(const int32_t* cu, int n_segments, int64_t i) {
+  if (i >= cu[n_segments]) return -1;
+  const int32_t* it = std::upper_bound(cu, cu + n_segments + 1, static_cast<int32_t>(i));
+  return static_cast<int>(it - cu) - 1;
+}
+
+void check_attention_args(int nq, int nkv, int hd, const int32_t* cu, int n_segments, int64_t T) {
+  IRIS_CHECK(nkv > 0 && nq % nkv == 0, "attention: ", nq, " query heads are not a multiple of ",
+             nkv, " kv heads");
+  IRIS_CHECK(hd > 0 && hd <= kMaxHeadDim, "attention: head_dim ", hd, " outside [1, ", kMaxHeadDim,
+             "]");
+  IRIS_CHECK(n_segments >= 0 && cu[0] == 0 && cu[n_segments] <= T,
+             "attention: cu_seqlens must start at 0 and end at most at the ", T, " rows");
+  for (int s = 0; s < n_segments; ++s)
+    IRIS_CHECK(cu[s] <= cu[s + 1], "attention: cu_seqlens must be non-decreasing");
+}
+
+// Rotate-half RoPE on one head and its exact adjoint (the transpose of the rotation).
+void rope_head(float* h, const float* c, const float* s, int hd) {
+  const int half = hd / 2;
+  for (int i = 0; i < half; ++i) {
+    const float a = h[i], b = h[i + half];
+    h[i] = a * c[i] - b * s[i];
+    h[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+void rope_head_backward(float* g, const float* dy, const float* c, const float* s, int hd) {
+  const int half = hd / 2;
+  for (int i = 0; i < half; ++i) {
+    const float da = dy[i], db = dy[i + half];
+    g[i] = da * c[i] + db * s[i + half];
+    g[i + half] = db * c[i + half] - da * s[i];
+  }
+}
+
+// The same rounding steps as the CPU backend's rms_norm_row (f64 sum of squares, f32 rsqrt).
+float rms_rstd(const float* x, int64_t n, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * double(x[i]);
+  return 1.0f / std::sqrt(static_cast<float>(ss / double(n)) + eps);
+}
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluTanhC = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+}  // namespace
+
+// ---- Linear ------------------------------------------------------------------------------------
+
+void linear_forward(float* y, const float* x, const float* w, const float* bias, int64_t M,
+                    int64_t K, int64_t N, bool accumulate) {
+  cpu::sgemm_xwt(M, N, K, x, w, y, accumulate ? 1.0f : 0.0f);
+  if (bias) {
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+  }
+}
+
+void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                     const float* w, int64_t M, int64_t K, int64_t N, bool accumulate_dx) {
+  if (dx) cpu::sgemm_xw(M, K, N, dy, w, dx, accumulate_dx ? 1.0f : 0.0f);
+  if (dw) cpu::sgemm_xtw(N, K, M, dy, x, dw, 1.0f);
+  if (db) column_sums_accumulate(db, dy, M, N);
+}
+
+// ---- LayerNorm ---------------------------------------------------------------------------------
+
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int64_t R, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * C;
+    double mu = 0.0;
+    for (int64_t i = 0; i < C; ++i) mu += xr[i];
+    mu /= double(C);
+    double var = 0.0;
+    for (int64_t i = 0; i < C; ++i) var += (xr[i] - mu) * (xr[i] - mu);
+    var /= double(C);
+    const float m = static_cast<float>(mu);
+    const float rs = 1.0f / std::sqrt(static_cast<float>(var) + eps);
+    mean[r] = m;
+    rstd[r] = rs;
+    float* yr = y + r * C;
+    for (int64_t i = 0; i < C; ++i) yr[i] = (xr[i] - m) * rs * w[i] + b[i];
+  }
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                        const float* mean, const float* rstd, const float* w, int64_t R,
+                        int64_t C) {
+  if (dx) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const float *xr = x + r * C, *gr = dy + r * C;
+      const float m = mean[r], rs = rstd[r];
+      double sum_g = 0.0, sum_gx = 0.0;
+      for (int64_t i = 0; i < C; ++i) {
+        const float g = gr[i] * w[i];
+        sum_g += g;
+        sum_gx += double(g) * double((xr[i] - m) * rs);
+      }
+      const float mg = static_cast<float>(sum_g / double(C));
+      const float mgx = static_cast<float>(sum_gx / double(C));
+      float* dr = dx + r * C;
+      for (int64_t i = 0; i < C; ++i) {
+        const float xhat = (xr[i] - m) * rs;
+        dr[i] += rs * (gr[i] * w[i] - mg - xhat * mgx);
+      }
+    }
+  }
+  if (dw || db) {
+    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+      for (int64_t r = 0; r < R; ++r) {
+        const float *xr = x + r * C, *gr = dy + r * C;
+        for (int64_t c = c0; c < c1; ++c) {
+          if (dw) dw[c] += gr[c] * ((xr[c] - mean[r]) * rstd[r]);
+          if (db) db[c] += gr[c];
+        }
+      }
+    });
+  }
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t R, int64_t C,
+                     float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * C;
+    const float rs = rms_rstd(xr, C, eps);
+    rstd[r] = rs;
+    float* yr = y + r * C;
+    for (int64_t i = 0; i < C; ++i) yr[i] = xr[i] * rs * w[i];
+  }
+}
+
+void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* rstd,
+                      const float* w, int64_t R, int64_t C) {
+  if (dx) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      const float *xr = x + r * C, *gr = dy + r * C;
+      const float rs = rstd[r];
+      double sum_gx = 0.0;
+      for (int64_t i = 0; i < C; ++i) sum_gx += double(gr[i] * w[i]) * double(xr[i] * rs);
+      const float mgx = static_cast<float>(sum_gx / double(C));
+      float* dr = dx + r * C;
+      for (int64_t i = 0; i < C; ++i) dr[i] += rs * (gr[i] * w[i] - xr[i] * rs * mgx);
+    }
+  }
+  if (dw) {
+    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = c0; c < c1; ++c) dw[c] += dy[r * C + c] * (x[r * C + c] * rstd[r]);
+    });
+  }
+}
+
+// ---- q/k norm + RoPE ---------------------------------------------------------------------------
+
+void qk_norm_rope_forward(float* out, float* rstd, const float* in, const float* qn,
+                          const float* kn, const float* cos, const float* sin, int64_t T, int nq,
+                          int nkv, int hd, float eps) {
+  IRIS_CHECK(hd % 2 == 0 && hd <= kMaxHeadDim, "rope: head_dim ", hd,
+             " must be even and <= ", kMaxHeadDim);
+  IRIS_CHECK((qn == nullptr && kn == nullptr) || rstd != nullptr,
+             "qk_norm_rope_forward: q/k norms need an rstd buffer");
+  IRIS_CHECK(out != in || (qn == nullptr && kn == nullptr),
+             "qk_norm_rope_forward: out may alias in only without q/k norms (the backward needs "
+             "the un-normalised input)");
+  const int nh = nq + nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + t * hd;
+    const float* s = sin + t * hd;
+    for (int h = 0; h < nh; ++h) {
+      const float* xi = in + t * width + int64_t(h) * hd;
+      float* yo = out + t * width + int64_t(h) * hd;
+      const float* nw = h < nq ? qn : kn;
+      if (nw) {
+        const float rs = rms_rstd(xi, hd, eps);
+        rstd[t * nh + h] = rs;
+        for (int i = 0; i < hd; ++i) yo[i] = xi[i] * rs * nw[i];
+      } else if (yo != xi) {
+        std::memcpy(yo, xi, sizeof(float) * hd);
+      }
+      rope_head(yo, c, s, hd);
+    }
+    if (out != in)
+      std::memcpy(out + t * width + int64_t(nh) * hd, in + t * width + int64_t(nh) * hd,
+                  sizeof(float) * nkv * hd);
+  }
+}
+
+void qk_norm_rope_backward(float* din, float* dqn, float* dkn, const float* dout, const float* in,
+                           const float* rstd, const float* qn, const float* kn, const float* cos,
+                           const float* sin, int64_t T, int nq, int nkv, int hd) {
+  const int nh = nq + nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd;
+  // Weight gradients first: when din aliases dout the rotated gradient is gone afterwards. They
+  // are tiny ([hd]) sums over T * heads, kept serial for a fixed summation order.
+  if ((dqn && qn) || (dkn && kn)) {
+    float g[kMaxHeadDim];
+    for (int64_t t = 0; t < T; ++t) {
+      for (int h = 0; h < nh; ++h) {
+        float* dw = h < nq ? dqn : dkn;
+        const float* nw = h < nq ? qn : kn;
+        if (!dw || !nw) continue;
+        rope_head_backward(g, dout + t * width + int64_t(h) * hd, cos + t * hd, sin + t * hd, hd);
+        const float* xi = in + t * width + int64_t(h) * hd;
+        const float rs = rstd[t * nh + h];
+        for (int i = 0; i < hd; ++i) dw[i] += g[i] * (xi[i] * rs);
+      }
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float g[kMaxHeadDim];
+    for (int h = 0; h < nh; ++h) {
+      const float* dy = dout + t * width + int64_t(h) * hd;
+      float* dx = din + t * width + int64_t(h) * hd;
+      rope_head_backward(g, dy, cos + t * hd, sin + t * hd, hd);
+      const float* nw = h < nq ? qn : kn;
+      if (!nw) {
+        std::memcpy(dx, g, sizeof(float) * hd);
+        continue;
+      }
+      const float* xi = in + t * width + int64_t(h) * hd;
+      const float rs = rstd[t * nh + h];
+      double sum_gx = 0.0;
+      for (int i = 0; i < hd; ++i) sum_gx += double(g[i] * nw[i]) * double(xi[i] * rs);
+      const float mgx = static_cast<float>(sum_gx / double(hd));
+      for (int i = 0; i < hd; ++i) dx[i] = rs * (g[i] * nw[i] - xi[i] * rs * mgx);
+    }
+    if (din != dout)
+      std::memcpy(din + t * width + int64_t(nh) * hd, dout + t * width + int64_t(nh) * hd,
+                  sizeof(float) * nkv * hd);
+  }
+}
+
+// ---- Attention ---------------------------------------------------------------------------------
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
+                       float scale, const int32_t* cu, int n_segments, bool causal) {
+  check_attention_args(nq, nkv, hd, cu, n_segments, T);
+  const int group = nq / nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
+  const int64_t koff = D, voff = D + int64_t(nkv) * hd;
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+  for (int64_t i = 0; i < T; ++i) {
+    for (int h = 0; h < nq; ++h) {
+      float* o = out + i * D + int64_t(h) * hd;
+      const int seg = segment_of(cu, n_segments, i);
+      if (seg < 0) {
+        std::fill(o, o + hd, 0.0f);
+        lse[i * nq + h] = 0.0f;
+        continue;
+      }
+      const int64_t b = cu[seg], e = causal ? i + 1 : cu[seg + 1];
+      const float* q = qkv + i * width + int64_t(h) * hd;
+      const int64_t g = h / group;
+      // Online softmax: one pass over the keys, rescaling the accumulator when the max grows.
+      float acc[kMaxHeadDim] = {};
+      float mx = -std::numeric_limits<float>::infinity();
+      double sum = 0.0;
+      for (int64_t j = b; j < e; ++j) {
+        const float* kr = qkv + j * width + koff + g * hd;
+        const float sc = dot(q, kr, hd) * scale;
+        if (sc > mx) {
+          const float corr = std::exp(mx - sc);
+          sum *= corr;
+          for (int d = 0; d < hd; ++d) acc[d] *= corr;
+          mx = sc;
+        }
+        const float p = std::exp(sc - mx);
+        sum += p;
+        const float* vr = qkv + j * width + voff + g * hd;
+        for (int d = 0; d < hd; ++d) acc[d] += p * vr[d];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int d = 0; d < hd; ++d) o[d] = acc[d] * inv;
+      lse[i * nq + h] = mx + static_cast<float>(std::log(sum));
+    }
+  }
+}
+
+void attention_backward(float* dqkv, float* dsum, const float* dout, const float* out,
+                        const float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
+                        float scale, const int32_t* cu, int n_segments, bool causal) {
+  check_attention_args(nq, nkv, hd, cu, n_segments, T);
+  const int group = nq / nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
+  const int64_t koff = D, voff = D + int64_t(nkv) * hd;
+  // dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i (the softmax backward's row term).
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < T; ++i)
+    for (int h = 0; h < nq; ++h)
+      dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
+
+      // Two passes (as FlashAttention-2's backward): queries own dq, keys own dk and dv, so no two
+      // threads write the same gradient and the probabilities are recomputed from lse.
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+  for (int64_t i = 0; i < T; ++i) {
+    for (int h = 0; h < nq; ++h) {
+      float* dq = dqkv + i * width + int64_t(h) * hd;
+      std::fill(dq, dq + hd, 0.0f);
+      const int seg = segment_of(cu, n_segments, i);
+      if (seg < 0) continue;
+      const int64_t b = cu[seg], e = causal ? i + 1 : cu[seg + 1];
+      const float* q = qkv + i * width + int64_t(h) * hd;
+      const float* go = dout + i * D + int64_t(h) * hd;
+      const int64_t g = h / group;
+      const float l = lse[i * nq + h], ds0 = dsum[i * nq + h];
+      for (int64_t j = b; j < e; ++j) {
+        const float* kr = qkv + j * width + koff + g * hd;
+        const float* vr = qkv + j * width + voff + g * hd;
+        const float p = std::exp(dot(q, kr, hd) * scale - l);
+        const float ds = p * (dot(go, vr, hd) - ds0);
+        for (int d = 0; d < hd; ++d) dq[d] += ds * kr[d];
+      }
+      for (int d = 0; d < hd; ++d) dq[d] *= scale;
+    }
+  }
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+  for (int64_t j = 0; j < T; ++j) {
+    for (int g = 0; g < nkv; ++g) {
+      float* dk = dqkv + j * width + koff + int64_t(g) * hd;
+      float* dv = dqkv + j * width + voff + int64_t(g) * hd;
+      std::fill(dk, dk + hd, 0.0f);
+      std::fill(dv, dv + hd, 0.0f);
+      const int seg = segment_of(cu, n_segments, j);
+      if (seg < 0) continue;
+      const int64_t b = causal ? j : cu[seg], e = cu[seg + 1];
+      const float* kr = qkv + j * width + koff + int64_t(g) * hd;
+      const float* vr = qkv + j * width + voff + int64_t(g) * hd;
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = b; i < e; ++i) {
+          const float* q = qkv + i * width + int64_t(h) * hd;
+          const float* go = dout + i * D + int64_t(h) * hd;
+          const float p = std::exp(dot(q, kr, hd) * scale - lse[i * nq + h]);
+          const float ds = p * (dot(go, vr, hd) - dsum[i * nq + h]);
+          for (int d = 0; d < hd; ++d) {
+            dv[d] += p * go[d];
+            dk[d] += ds * q[d];
+          }
+        }
+      }
+      for (int d = 0; d < hd; ++d) dk[d] *= scale;
+    }
+  }
+  // Rows past the last segment take part in nothing.
+  for (int64_t r = cu[n_segments]; r < T; ++r) {
+    float* row = dqkv + r * width;
+    std::fill(row, row + width, 0.0f);
+  }
+}
+
+// ---- Activations -------------------------------------------------------------------------------
+
+void gelu_tanh_forward(float* y, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    y[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluTanhC * v * v * v)));
+  }
+}
+
+void gelu_tanh_backward(float* dx, const float* dy, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float t = std::tanh(kSqrt2OverPi * (v + kGeluTanhC * v * v * v));
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhC * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+  }
+}
+
+void gelu_erf_forward(float* y, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+}
+
+void gelu_erf_backward(float* dx, const float* dy, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
+    const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+    dx[i] = dy[i] * (cdf + v * pdf);
+  }
+}
+
+void swiglu_forward(float* y, const float* gu, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gu[m * 2 * I + i];
+      y[m * I + i] = g / (1.0f + std::exp(-g)) * gu[m * 2 * I + I + i];
+    }
+}
+
+void swiglu_backward(float* dgu, const float* dy, const float* gu, int64_t M, int64_t I) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gu[m * 2 * I + i], u = gu[m * 2 * I + I + i], d = dy[m * I + i];
+      const float sig = 1.0f / (1.0f + std::exp(-g));
+      dgu[m * 2 * I + i] = d * u * sig * (1.0f + g * (1.0f - sig));
+      dgu[m * 2 * I + I + i] = d * g * sig;
+    }
+}
+
+// ---- Rows --------------------------------------------------------------------------------------
+
+void embedding_forward(float* y, const float* table, const int32_t* ids, int64_t T, int64_t H,
+                       int64_t V) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = ids[t];
+    IRIS_CHECK(id >= 0 && id < V, "token id ", id, " at position ", t,
+               " is outside the vocabulary of ", V);
+    std::memcpy(y + t * H, table + int64_t(id) * H, sizeof(float) * H);
+  }
+}
+
+void embedding_backward(float* dtable, const float* dy, const int32_t* ids, int64_t T, int64_t H,
+                        int32_t skip_id) {
+  // A token may repeat, so rows of dtable are shared; split by columns instead.
+  for_column_blocks(H, [&](int64_t c0, int64_t c1) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (ids[t] == skip_id) continue;
+      float* d = dtable + int64_t(ids[t]) * H;
+      const float* g = dy + t * H;
+      for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+    }
+  });
+}
+
+void gather_rows(float* dst, const float* src, const int32_t* index, int64_t N, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i)
+    std::memcpy(dst + i * H, src + int64_t(index[i]) * H, sizeof(float) * H);
+}
+
+void scatter_rows(float* dst, const float* src, const int32_t* index, int64_t N, int64_t H,
+                  bool accumulate) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    float* d = dst + int64_t(index[i]) * H;
+    const float* s = src + i * H;
+    if (accumulate) {
+      for (int64_t c = 0; c < H; ++c) d[c] += s[c];
+    } else {
+      std::memcpy(d, s, sizeof(float) * H);
+    }
+  }
+}
+
+// ---- Position embedding ------------------------------------------------------------------------
+
+void pos_embed_forward(float* y, const float* table, const int32_t* index, const float* weight,
+                       int64_t S, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < S; ++s) {
+    float* yr = y + s * D;
+    for (int64_t c = 0; c < D; ++c) {
+      float acc = 0.0f;
+      for (int k = 0; k < 4; ++k) acc += weight[s * 4 + k] * table[index[s * 4 + k] * D + c];
+      yr[c] += acc;
+    }
+  }
+}
+
+void pos_embed_backward(float* dtable, const float* dy, const int32_t* index, const float* weight,
+                        int64_t S, int64_t D) {
+  for_column_blocks(D, [&](int64_t c0, int64_t c1) {
+    for (int64_t s = 0; s < S; ++s) {
+      const float* g = dy + s * D;
+      for (int k = 0; k < 4; ++k) {
+        const float wk = weight[s * 4 + k];
+        float* d = dtable + int64_t(index[s * 4 + k]) * D;
+        for (int64_t c = c0; c < c1; ++c) d[c] += wk * g[c];
+      }
+    }
+  });
+}
+
+// ---- lm_head + cross-entropy -------------------------------------------------------------------
+
+double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
+                             const int32_t* targets, int64_t N, int64_t H, int64_t V,
+                             float grad_scale, float* scratch, int64_t chunk_rows) {
+  IRIS_CHECK(chunk_rows > 0, "lm_head_cross_entropy: chunk_rows must be positive");
+  for (int64_t i = 0; i < N; ++i)
+    IRIS_CHECK(targets[i] >= 0 && targets[i] < V, "label ", targets[i],
+               " is outside the vocabulary of ", V, " (use -100 for tokens without a label)");
+  double loss = 0.0;
+  for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, N - r0);
+    const float* xc = x + r0 * H;
+    cpu::sgemm_xwt(n, V, H, xc, w, scratch, 0.0f);
+    // Per-thread partial losses, summed in thread order afterwards: an OpenMP reduction would
+    // combine them in arrival order and the loss would differ in the last bit between runs.
+    double partial[kMaxThreads] = {};
+    const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
+#pragma omp parallel num_threads(n_threads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t rb = n * tid / nt, re = n * (tid + 1) / nt;
+      for (int64_t r = rb; r < re; ++r) {
+        float* lr = scratch + r * V;
+        const float mx = *std::max_element(lr, lr + V);
+        double s = 0.0;
+        for (int64_t v = 0; v < V; ++v) s += std::exp(double(lr[v] - mx));
+        const double lse = double(mx) + std::log(s);
+        const int32_t t = targets[r0 + r];
+        partial[tid] += lse - double(lr[t]);
+        if (dx) {
+          // In place: the logits row becomes grad_scale * (softmax - onehot).
+          for (int64_t v = 0; v < V; ++v)
+            lr[v] = grad_scale * static_cast<float>(std::exp(double(lr[v]) - lse));
+          lr[t] -= grad_scale;
+        }
+      }
+    }
+    double chunk_loss = 0.0;
+    for (int k = 0; k < n_threads; ++k) chunk_loss += partial[k];
+    loss += chunk_loss;
+    if (dx) {
+      cpu::sgemm_xw(n, H, V, scratch, w, dx + r0 * H, 0.0f);
+      if (dw) cpu::sgemm_xtw(V, H, n, scratch, xc, dw, 1.0f);
+    }
+  }
+  return loss;
+}
+
+}  // namespace iris::train
