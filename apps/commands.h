@@ -4,5 +4,6 @@
 namespace iris {
 
 int run_generate_command(int argc, char** argv);
+int run_bench_command(int argc, char** argv);
 
 }  // namespace iris

@@ -18,6 +18,7 @@ struct Command {
 
 const Command kCommands[] = {
     {"generate", iris::run_generate_command, "images + text in, text out (streamed)"},
+    {"bench", iris::run_bench_command, "inference figures against the hardware limits and a peer"},
 };
 
 void print_usage(FILE* out) {

@@ -3,7 +3,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 packages=(build-essential cmake pkg-config git npm
-  libopenblas-dev libomp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
+  libopenblas-openmp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
   libcli11-dev libgtest-dev libbenchmark-dev clang-format)
 missing=()
 for p in "${packages[@]}"; do

@@ -8,6 +8,8 @@ cd "$root"
 jobs=${IRIS_JOBS:-$(nproc)}
 scripts/setup.sh
 scripts/build.sh
+# One thread per test process and one process per core: the suites are many small processes.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ctest --test-dir build --output-on-failure -j"$jobs"
 if [ "${IRIS_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake -S . -B build-sanitize -DIRIS_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

@@ -1,0 +1,292 @@
+// iris bench: inference figures for a Qwen3-VL geometry with random weights on the current
+// device, each printed beside the hardware limit measured in the same run (bf16 GEMM TFLOP/s
+// for compute-bound phases, device copy bandwidth for decode), optionally beside a peer
+// (HF transformers) run on the same config.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "apps/commands.h"
+#include "bridge/qwen3vl_model.h"
+#include "bridge/random_weights.h"
+#include "core/arena.h"
+
+namespace iris {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Median of `iters` timed runs of fn (after one warm-up), in seconds.
+template <typename F>
+double time_median(Backend& be, int iters, F&& fn) {
+  fn();
+  be.synchronize();
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    be.synchronize();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct HardwareLimits {
+  double gemm_tflops = 0;
+  double copy_gbps = 0;  // bytes read + written per second / 1e9
+};
+
+HardwareLimits measure_limits(Backend& be, bool quick, int iters) {
+  HardwareLimits h;
+  const int64_t n = be.device() == Device::cuda ? (quick ? 4096 : 8192) : 512;
+  const int64_t copy_bytes = be.device() == Device::cuda ? (int64_t(1) << 30) : (int64_t(1) << 26);
+  Arena plan;
+  plan.alloc(be.compute_dtype(), {n, n});
+  plan.alloc(be.compute_dtype(), {n, n});
+  plan.alloc(be.compute_dtype(), {n, n});
+  plan.alloc(DType::f32, {copy_bytes / 4});
+  plan.alloc(DType::f32, {copy_bytes / 4});
+  Arena a(be, plan.used());
+  const Tensor x = a.alloc(be.compute_dtype(), {n, n}), w = a.alloc(be.compute_dtype(), {n, n}),
+               y = a.alloc(be.compute_dtype(), {n, n});
+  const Tensor src = a.alloc(DType::f32, {copy_bytes / 4}),
+               dst = a.alloc(DType::f32, {copy_bytes / 4});
+  be.fill_zero(x);
+  be.fill_zero(w);
+  be.fill_zero(src);
+  const double tg = time_median(be, iters, [&] { be.linear(y, x, w, Tensor(), false); });
+  h.gemm_tflops = 2.0 * double(n) * n * n / tg / 1e12;
+  const double tc = time_median(be, iters, [&] { be.copy(dst, src); });
+  h.copy_gbps = 2.0 * double(copy_bytes) / tc / 1e9;
+  return h;
+}
+
+// Forward FLOPs of the vision tower for the given grids (GEMMs + attention), 2 per MAC.
+double vision_flops(const VisionConfig& v, const std::vector<GridTHW>& grids) {
+  const double D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
+               out = v.out_hidden_size;
+  double f = 0, S = 0;
+  for (const auto& g : grids) {
+    const double s = double(g[0]) * g[1] * g[2];
+    S += s;
+    f += v.depth * 4.0 * s * s * D;  // QK^T and PV within the image
+  }
+  f += S * 2.0 * v.patch_dim() * D;
+  f += v.depth * S * 2.0 * (3 * D * D + D * D + 2 * D * I);
+  const double mergers = 1.0 + double(v.deepstack_visual_indexes.size());
+  f += mergers * (S / 4) * 2.0 * (M * M + M * out);
+  return f;
+}
+
+// Decoder FLOPs for T new tokens after `past` cached ones (lm_head on `logit_rows` rows).
+double text_flops(const TextConfig& t, double T, double past, double logit_rows) {
+  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
+  const double per_token = 2.0 * (H * (q + 2 * kv) + q * H + 3 * H * I);
+  const double attn = 4.0 * q * (T * past + T * (T + 1) / 2);  // causal QK^T and PV
+  return t.num_hidden_layers * (T * per_token + attn) + logit_rows * 2.0 * H * t.vocab_size;
+}
+
+double text_weight_bytes(const TextConfig& t, size_t elem) {
+  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
+  const double per_layer = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H + 2 * t.head_dim;
+  return elem * (t.num_hidden_layers * per_layer + H + double(t.vocab_size) * H);
+}
+
+struct Row {
+  std::string name;
+  double value;
+  std::string unit;
+  double limit_ratio;  // fraction of the hardware limit, < 0 when not applicable
+  std::string limit_name;
+};
+
+}  // namespace
+
+int run_bench_command(int argc, char** argv) {
+  CLI::App app{"Benchmark inference of a Qwen3-VL geometry with random weights.", "iris bench"};
+  std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
+  int iters = 5;
+  bool quick = false;
+  app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
+  app.add_option("--device", device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  app.add_option("--iters", iters, "timed repetitions per figure (median reported)")
+      ->capture_default_str();
+  app.add_option("--json", json_out, "also write the results as JSON to this file");
+  app.add_option("--peer", peer,
+                 "command printing the same figures as JSON for comparison, e.g. "
+                 "'python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json'");
+  app.add_flag("--quick", quick, "smaller shapes (for smoke tests on the CPU)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
+  auto be = make_backend(dev);
+  const ModelConfig cfg = ModelConfig::from_file(config_path);
+
+  // Shapes of the standard figures (smaller under --quick so that the CPU can run them).
+  const int64_t side_small = quick ? 64 : 448, side_mid = quick ? 128 : 896,
+                side_big = quick ? 192 : 1344;
+  const int n_multi = quick ? 2 : 8;
+  const int64_t prefill_short = quick ? 32 : 512, prefill_long = quick ? 128 : 4096,
+                decode_context = quick ? 64 : 1024, decode_steps = quick ? 8 : 64, ttft_text = 32;
+  const int64_t P = cfg.vision.patch_size;
+  auto grid_of = [&](int64_t side) { return GridTHW{1, side / P, side / P}; };
+
+  ModelLimits limits;
+  limits.max_context = std::max(prefill_long, decode_context + decode_steps) + 64;
+  limits.max_step_tokens = prefill_long;
+  limits.max_images = n_multi;
+  limits.max_vision_patches =
+      std::max(count_patches({grid_of(side_big)}),
+               count_patches(std::vector<GridTHW>(n_multi, grid_of(side_small))));
+  const HardwareLimits hw = measure_limits(*be, quick, iters);
+  Qwen3VLModel model(*be, cfg, random_weights(*be, cfg, 1234), limits);
+
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> pix(-1.0f, 1.0f);
+  std::vector<float> pixels(
+      static_cast<size_t>(limits.max_vision_patches * cfg.vision.patch_dim()));
+  for (float& v : pixels) v = pix(rng);
+  std::uniform_int_distribution<int32_t> tok(0, 151000);
+  auto random_ids = [&](int64_t n) {
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    for (auto& i : ids) i = tok(rng);
+    return ids;
+  };
+
+  std::vector<Row> rows;
+  json results;
+  auto vision_case = [&](const std::string& name, std::vector<GridTHW> grids) {
+    const double t = time_median(*be, iters, [&] { model.encode_images(pixels.data(), grids); });
+    const double tokens = double(count_patches(grids)) / cfg.vision.merge_unit();
+    const double tflops = vision_flops(cfg.vision, grids) / t / 1e12;
+    rows.push_back({"vision " + name + " time", t * 1e3, "ms", tflops / hw.gemm_tflops, "GEMM"});
+    rows.push_back({"vision " + name + " tokens/s", tokens / t, "tok/s", -1, ""});
+    results["vision_" + name] = {{"ms", t * 1e3}, {"tokens_per_s", tokens / t}, {"tflops", tflops}};
+    return t;
+  };
+  const std::string s1 = std::to_string(side_small), s2 = std::to_string(side_mid),
+                    s3 = std::to_string(side_big);
+  const double t_one = vision_case("1x" + s1, {grid_of(side_small)});
+  vision_case("1x" + s2, {grid_of(side_mid)});
+  vision_case("1x" + s3, {grid_of(side_big)});
+  const double t_multi = vision_case(std::to_string(n_multi) + "x" + s1,
+                                     std::vector<GridTHW>(n_multi, grid_of(side_small)));
+  results["vision_multi_over_single"] = t_multi / t_one;
+
+  model.encode_images(nullptr, {});
+  for (int64_t T : {prefill_short, prefill_long}) {
+    const auto ids = random_ids(T);
+    const double t = time_median(*be, iters, [&] { model.prefill(ids); });
+    const double tflops = text_flops(cfg.text, double(T), 0, 1) / t / 1e12;
+    const std::string name = "prefill " + std::to_string(T);
+    rows.push_back({name + " tokens/s", double(T) / t, "tok/s", tflops / hw.gemm_tflops, "GEMM"});
+    results["prefill_" + std::to_string(T)] = {{"tokens_per_s", double(T) / t}, {"tflops", tflops}};
+  }
+
+  {
+    const auto ids = random_ids(decode_context);
+    model.prefill(ids);
+    int32_t next = 0;
+    auto step = [&] {
+      model.decode(next);
+      model.decoder().argmax(1);
+      be->read(&next, DType::i32, model.decoder().next_tokens(1));
+    };
+    step();  // warm-up
+    be->synchronize();
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < decode_steps; ++i) step();
+    const double t = seconds_since(t0) / double(decode_steps);
+    const double ctx = double(decode_context) + 1 + double(decode_steps) / 2;
+    const size_t elem = dtype_size(be->compute_dtype());
+    const double bytes = text_weight_bytes(cfg.text, elem) +
+                         cfg.text.num_hidden_layers * 2.0 * ctx * cfg.text.kv_width() * elem;
+    const double gbps = bytes / t / 1e9;
+    rows.push_back({"decode @" + std::to_string(decode_context) + " tokens/s", 1.0 / t, "tok/s",
+                    gbps / hw.copy_gbps, "copy BW"});
+    results["decode"] = {{"context", decode_context},
+                         {"tokens_per_s", 1.0 / t},
+                         {"bytes_per_token", bytes},
+                         {"gbps", gbps}};
+  }
+
+  {
+    const GridTHW g = grid_of(side_mid);
+    const int64_t pads = count_patches({g}) / cfg.vision.merge_unit();
+    std::vector<int32_t> ids = random_ids(ttft_text);
+    ids.insert(ids.begin() + ttft_text / 2, cfg.vision_start_token_id);
+    ids.insert(ids.begin() + ttft_text / 2 + 1, pads, cfg.image_token_id);
+    ids.insert(ids.begin() + ttft_text / 2 + 1 + pads, cfg.vision_end_token_id);
+    int32_t first = 0;
+    const double t = time_median(*be, iters, [&] {
+      model.encode_images(pixels.data(), {g});
+      model.prefill(ids);
+      model.decoder().argmax(1);
+      be->read(&first, DType::i32, model.decoder().next_tokens(1));
+    });
+    rows.push_back(
+        {"TTFT 1x" + s2 + " + " + std::to_string(ttft_text) + " text", t * 1e3, "ms", -1, ""});
+    results["ttft_ms"] = t * 1e3;
+  }
+  const double mem = double(model.weights().arena.capacity() + model.vision().arena().capacity() +
+                            model.decoder().arena().capacity());
+  rows.push_back({"memory (planned arenas)", mem / (1 << 20), "MiB", -1, ""});
+  results["memory_mib"] = mem / (1 << 20);
+  results["hardware"] = {{"gemm_tflops", hw.gemm_tflops}, {"copy_gbps", hw.copy_gbps}};
+  results["device"] = be->name();
+  results["config"] = config_path;
+
+  json peer_results;
+  if (!peer.empty()) {
+    FILE* p = popen(peer.c_str(), "r");
+    IRIS_CHECK(p != nullptr, "cannot run the peer command: ", peer);
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    const int rc = pclose(p);
+    IRIS_CHECK(rc == 0, "the peer command failed (exit ", rc, "): ", peer);
+    const size_t at = out.rfind("\n{");
+    peer_results = json::parse(at == std::string::npos ? out : out.substr(at + 1));
+    results["peer"] = peer_results;
+  }
+
+  std::printf("iris bench: %s on %s (GEMM %.1f TFLOP/s, copy %.1f GB/s measured)\n",
+              config_path.c_str(), be->name().c_str(), hw.gemm_tflops, hw.copy_gbps);
+  std::printf("%-34s %14s %-6s %12s\n", "figure", "value", "unit", "of limit");
+  for (const Row& r : rows) {
+    std::printf("%-34s %14.2f %-6s", r.name.c_str(), r.value, r.unit.c_str());
+    if (r.limit_ratio >= 0) std::printf(" %6.1f%% %s", 100 * r.limit_ratio, r.limit_name.c_str());
+    std::printf("\n");
+  }
+  std::printf("8-image / 1-image vision time: %.2fx\n", t_multi / t_one);
+  if (!peer_results.is_null()) {
+    auto ratio = [&](const char* key, const char* field, bool higher_is_better) {
+      if (!peer_results.contains(key) || !results.contains(key)) return;
+      const double ours = field ? results[key][field].get<double>() : results[key].get<double>();
+      const double theirs =
+          field ? peer_results[key][field].get<double>() : peer_results[key].get<double>();
+      std::printf("vs peer %-22s iris %.2f  peer %.2f  ratio %.2fx%s\n", key, ours, theirs,
+                  ours / theirs, higher_is_better ? "" : " (lower is better)");
+    };
+    ratio("decode", "tokens_per_s", true);
+    ratio("ttft_ms", nullptr, false);
+    ratio(("prefill_" + std::to_string(prefill_long)).c_str(), "tokens_per_s", true);
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << results.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace iris
