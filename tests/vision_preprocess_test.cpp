@@ -635,6 +635,53 @@ TEST(VisionImage, PaletteAndColourKeyTransparency) {
   EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{10, 20, 30, 40, 50, 60}));
 }
 
+void append_bytes(void* ctx, void* data, int n) {
+  static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), n);
+}
+
+TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
+  // A smooth image survives JPEG at quality 95 to within a few levels, in colour and in grey.
+  ImageRGB8 smooth{64, 48, {}};
+  for (int y = 0; y < 48; ++y)
+    for (int x = 0; x < 64; ++x)
+      smooth.pixels.insert(smooth.pixels.end(), {uint8_t(x * 4), uint8_t(y * 5), uint8_t(128)});
+  std::string jpg;
+  ASSERT_NE(stbi_write_jpg_to_func(append_bytes, &jpg, 64, 48, 3, smooth.pixels.data(), 95), 0);
+  const ImageRGB8 back = decode_string(jpg, "smooth.jpg");
+  ASSERT_EQ(back.width, 64);
+  ASSERT_EQ(back.height, 48);
+  double sum = 0;
+  for (size_t i = 0; i < back.pixels.size(); ++i)
+    sum += std::abs(int(back.pixels[i]) - int(smooth.pixels[i]));
+  EXPECT_LT(sum / back.pixels.size(), 3.0);
+  std::vector<uint8_t> grey_px(64 * 48);
+  for (size_t i = 0; i < grey_px.size(); ++i) grey_px[i] = uint8_t(i % 64 * 4);
+  std::string grey_jpg;
+  ASSERT_NE(stbi_write_jpg_to_func(append_bytes, &grey_jpg, 64, 48, 1, grey_px.data(), 95), 0);
+  const ImageRGB8 grey = decode_string(grey_jpg, "grey.jpg");
+  EXPECT_EQ(grey.pixels[3 * 10], grey.pixels[3 * 10 + 1]);
+  EXPECT_EQ(grey.pixels[3 * 10], grey.pixels[3 * 10 + 2]);
+  EXPECT_NEAR(grey.pixels[3 * 10], 40, 4);
+
+  // stb 2.27 would write past its code table for a Huffman table with more than 256 codes.
+  const size_t dht = jpg.find("\xff\xc4");
+  ASSERT_NE(dht, std::string::npos);
+  std::string bad = jpg;
+  bad[dht + 5 + 14] = char(200);  // counts of 15- and 16-bit codes
+  bad[dht + 5 + 15] = char(200);
+  const std::string msg = error_of([&] { decode_string(bad, "huffman.jpg"); });
+  EXPECT_NE(msg.find("Huffman"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("huffman.jpg"), std::string::npos) << msg;
+}
+
+TEST(VisionImage, SixteenBitGreyPnm) {
+  // 16-bit PGM: stb 2.27 over-reads if asked to convert channels, so this also guards that path.
+  std::string pgm = "P5\n3 1\n65535\n";
+  for (int v : {0x0000, 0x80ff, 0xffff}) pgm += std::string{char(v >> 8), char(v & 0xff)};
+  const ImageRGB8 img = decode_string(pgm, "grey16.pgm");
+  EXPECT_EQ(img.pixels, (std::vector<uint8_t>{0, 0, 0, 0x80, 0x80, 0x80, 0xff, 0xff, 0xff}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Speed (loose bound: catches pathological regressions on a shared machine, not a benchmark)
 

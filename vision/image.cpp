@@ -36,6 +36,90 @@ inline uint8_t composite_on_white(uint32_t v, uint32_t a) {
   return static_cast<uint8_t>(((((t >> 8) + t) >> 8)) >> kBits);
 }
 
+// stb_image 2.27 (Debian's) writes past a 257-entry array when a JPEG Huffman table declares more
+// than 256 codes (fixed upstream later). Walk the markers the way stb does and reject such tables
+// before stb sees them. The walk follows stb exactly for well-formed files (segments are skipped by
+// their length, entropy-coded data ends at the first real marker) and otherwise only checks more
+// places than stb would reach, so it never rejects a file stb decodes correctly.
+std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
+  auto at = [&](size_t i) -> unsigned { return i < n ? d[i] : 0u; };  // stb reads 0 past the end
+  size_t pos = 0;
+  if (at(pos) != 0xFF) return {};
+  while (pos < n && d[pos] == 0xFF) ++pos;
+  if (at(pos) != 0xD8) return {};
+  ++pos;
+  bool entropy = false;
+  while (pos < n) {
+    if (d[pos] != 0xFF) {  // entropy-coded data, or padding stb skips between header segments
+      ++pos;
+      continue;
+    }
+    size_t q = pos + 1;
+    while (q < n && d[q] == 0xFF) ++q;  // fill bytes
+    if (q >= n) break;
+    const unsigned m = d[q];
+    pos = q + 1;
+    if (m == 0xD9) break;                                              // EOI
+    if (m == 0x00 || m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;  // no length field
+    const size_t len = (at(pos) << 8) | at(pos + 1);
+    if (m == 0xC4) {
+      // Tables follow one another until the segment length is used up, as stb parses them.
+      int64_t left = static_cast<int64_t>(len) - 2;
+      size_t p = pos + 2;
+      while (left > 0) {
+        const unsigned tcth = at(p++);
+        if ((tcth >> 4) > 1 || (tcth & 15) > 3) break;  // stb rejects this itself
+        unsigned codes = 0;
+        for (int i = 0; i < 16; ++i) codes += at(p + i);
+        if (codes > 256)
+          return str_cat("a Huffman table declares ", codes,
+                         " codes, more than the 256 a JPEG "
+                         "table can hold (corrupt JPEG)");
+        p += 16 + codes;
+        left -= 17 + static_cast<int64_t>(codes);
+      }
+    }
+    if (len < 2) break;   // stb fails on every segment this short
+    entropy = m == 0xDA;  // start of scan: entropy-coded data follows the header
+    pos += len;
+  }
+  return {};
+}
+
+// stb 2.27 keeps 16-bit PNM samples in host byte order instead of converting from the file's
+// big-endian order, so its 8-bit result holds the low bytes. Later versions convert. Probe once
+// which behaviour we are linked with rather than assume it.
+bool stb_pnm16_is_byte_swapped() {
+  static const bool swapped = [] {
+    static constexpr unsigned char kProbe[] = "P5\n1 1\n65535\n\x12\x34";
+    int w = 0, h = 0, c = 0;
+    stbi_us* p = stbi_load_16_from_memory(kProbe, sizeof(kProbe) - 1, &w, &h, &c, 1);
+    const bool s = p != nullptr && p[0] == 0x3412;
+    stbi_image_free(p);
+    return s;
+  }();
+  return swapped;
+}
+
+// 16-bit PGM/PPM reduced to 8 bits by keeping the high byte, as stb does for 16-bit PNG.
+std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, int& w, int& h,
+                                  const std::string& name) {
+  int c = 0;
+  std::unique_ptr<stbi_us, void (*)(void*)> raw(
+      stbi_load_16_from_memory(data, len, &w, &h, &c, channels), &stbi_image_free);
+  if (!raw)
+    IRIS_FAIL("cannot decode image ", name, ": ", stbi_failure_reason(),
+              " (the file may be truncated or corrupt)");
+  const size_t n = static_cast<size_t>(w) * h * channels;
+  const bool swapped = stb_pnm16_is_byte_swapped();
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const stbi_us v = raw.get()[i];
+    out[i] = static_cast<uint8_t>(swapped ? (v & 0xff) : (v >> 8));
+  }
+  return out;
+}
+
 }  // namespace
 
 void check_image(const ImageRGB8& img, const char* what) {
@@ -54,6 +138,8 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   IRIS_CHECK(size <= static_cast<size_t>(INT_MAX), "cannot decode image ", name_for_errors, ": ",
              size, " bytes is more than the decoder accepts (2 GiB)");
   const int len = static_cast<int>(size);
+  const std::string jpeg_problem = jpeg_huffman_problem(data, size);
+  IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
   int w = 0, h = 0, channels = 0;
   if (!stbi_info_from_memory(data, len, &w, &h, &channels))
     IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
@@ -61,17 +147,25 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
               "not an image)");
   IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
              channels, " channels per pixel is not supported (expected 1 to 4)");
-  // Alpha only survives as an extra channel, so ask stb for one whenever the source may carry it:
-  // palette PNGs with tRNS and GIF transparency then composite like true RGBA, and grey PNGs with a
-  // tRNS colour key composite as PIL's convert("RGBA") makes them. Opaque alpha composites to the
-  // identity. RGB with a colour key stays opaque, as PIL leaves RGB images untouched.
-  const bool keep_alpha = channels != 3;
-  const int want = channels <= 2 ? 2 : channels;
-  std::unique_ptr<stbi_uc, StbiFree> decoded(
-      stbi_load_from_memory(data, len, &w, &h, &channels, want));
-  if (!decoded)
-    IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
-              " (the file may be truncated or corrupt)");
+  // We ask stb for the stored channel count: its own channel converter is wrong for 16-bit PNM
+  // in 2.27 (a heap over-read). The one exception is grey PNG, read with an alpha channel so that
+  // a tRNS colour key composites onto white as PIL's convert("RGBA") does in HF's convert_to_rgb.
+  // Palette PNGs with tRNS and GIFs already report 4 channels. An RGB colour key is dropped, as
+  // HF leaves RGB images untouched; opaque alpha composites to the identity.
+  static constexpr uint8_t kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  const bool is_png = size >= 8 && std::memcmp(data, kPngSignature, 8) == 0;
+  const int want = channels == 1 && is_png ? 2 : channels;
+  std::unique_ptr<stbi_uc, StbiFree> decoded;
+  std::vector<uint8_t> pnm16;
+  const bool is_pnm = size >= 2 && data[0] == 'P' && (data[1] == '5' || data[1] == '6');
+  if (is_pnm && stbi_is_16_bit_from_memory(data, len)) {
+    pnm16 = decode_pnm16(data, len, want, w, h, name_for_errors);
+  } else {
+    decoded.reset(stbi_load_from_memory(data, len, &w, &h, &channels, want));
+    if (!decoded)
+      IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
+                " (the file may be truncated or corrupt)");
+  }
   IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": decoder returned size ", w,
              "x", h);
 
@@ -80,18 +174,24 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   img.height = h;
   const size_t n = static_cast<size_t>(w) * h;
   img.pixels.resize(n * 3);
-  const stbi_uc* src = decoded.get();
+  const uint8_t* src = decoded ? decoded.get() : pnm16.data();
   uint8_t* dst = img.pixels.data();
-  if (!keep_alpha) {
-    std::memcpy(dst, src, n * 3);
-  } else if (want == 2) {
-    for (size_t i = 0; i < n; ++i)
-      dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = composite_on_white(src[2 * i], src[2 * i + 1]);
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      const uint32_t a = src[4 * i + 3];
-      for (int c = 0; c < 3; ++c) dst[3 * i + c] = composite_on_white(src[4 * i + c], a);
-    }
+  switch (want) {
+    case 1:
+      for (size_t i = 0; i < n; ++i) dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = src[i];
+      break;
+    case 2:
+      for (size_t i = 0; i < n; ++i)
+        dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] =
+            composite_on_white(src[2 * i], src[2 * i + 1]);
+      break;
+    case 3:
+      std::memcpy(dst, src, n * 3);
+      break;
+    default:
+      for (size_t i = 0; i < n; ++i)
+        for (int c = 0; c < 3; ++c)
+          dst[3 * i + c] = composite_on_white(src[4 * i + c], src[4 * i + 3]);
   }
   return img;
 }
