@@ -177,3 +177,20 @@ TEST_F(GoldenModel, ChunkedPrefillMatchesSingleChunk) {
 
 }  // namespace
 }  // namespace iris
+
+namespace iris {
+namespace {
+
+// Memory is planned once: decode steps add no allocation to any arena.
+TEST_F(GoldenModel, DecodeLoopDoesNotAllocate) {
+  model_->encode_images(nullptr, {});
+  model_->prefill(ids_of(golden_->tensor("text_input_ids")));
+  const size_t d = model_->decoder().arena().allocation_count();
+  const size_t v = model_->vision().arena().allocation_count();
+  for (int i = 0; i < 8; ++i) model_->decode(100 + i);
+  EXPECT_EQ(model_->decoder().arena().allocation_count(), d);
+  EXPECT_EQ(model_->vision().arena().allocation_count(), v);
+}
+
+}  // namespace
+}  // namespace iris
