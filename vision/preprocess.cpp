@@ -404,9 +404,7 @@ Plan plan_image(const ImageRGB8& image, const PreprocessorConfig& cfg, size_t in
     }
   } else {
     IRIS_CHECK(image.height % factor == 0 && image.width % factor == 0, what,
-               ": do_resize is off "
-               "but the image is ",
-               image.width, "x", image.height,
+               ": do_resize is off but the image is ", image.width, "x", image.height,
                ", not a multiple of patch_size*merge_size = ", factor,
                "; resize it first or enable do_resize");
   }
