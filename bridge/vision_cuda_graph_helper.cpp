@@ -224,6 +224,9 @@ int32_t VisionCudaGraphHelper::greedy_token() {
 
 // ---- capture at start-up ----
 
+// Warmup lets state that is created lazily on first use (GEMM plans) be created outside a
+// capture; one eager run on the dummy inputs does that, so more would only delay start-up.
+
 void VisionCudaGraphHelper::capture_now() {
   require_model();
   if (vision_active_ && !vision_deleted_) {
@@ -233,7 +236,8 @@ void VisionCudaGraphHelper::capture_now() {
       // An all-padding call: one segment of zero rows, which is all a capture needs.
       encoder_->upload(
           &no_pixels, plan_vision_inputs(encoder_->config(), {}, b.rows, encoder_->max_segments()));
-      while (b.eager_runs < warmup_steps_) run_bucket(b);
+      if (b.eager_runs < std::min(warmup_steps_, 1)) run_bucket(b);
+      b.eager_runs = std::max(b.eager_runs, warmup_steps_);
       run_bucket(b);
     }
   }
@@ -245,10 +249,8 @@ void VisionCudaGraphHelper::capture_now() {
     mrope_tables_1d(tc, 0, 1, cos.data(), sin.data());
     const int32_t token = 0;
     decoder_->upload_step(&token, cos.data(), sin.data(), 1, decoder_->limits().max_context - 1);
-    while (decoder_eager_runs_ < warmup_steps_) {
-      ++decoder_eager_runs_;
-      run_decoder_eager();
-    }
+    if (decoder_eager_runs_ < std::min(warmup_steps_, 1)) run_decoder_eager();
+    decoder_eager_runs_ = std::max(decoder_eager_runs_, warmup_steps_);
     capture_decoder();
   }
 }

@@ -80,7 +80,8 @@ class VisionCudaGraphHelper {
   // The argmax of the last decode step's logits (last stage only).
   int32_t greedy_token();
 
-  // Warms up and captures every graph this stage still lacks (see GraphHelperOptions).
+  // Captures every graph this stage still lacks, each after one eager warmup run on dummy inputs
+  // (none when warmup_steps is 0 or it already ran eagerly); see GraphHelperOptions.
   void capture_now();
 
   // Nothing left to capture for the set: all its graphs exist, or the stage has nothing to
