@@ -1,4 +1,5 @@
 // iris data: dataset generators (the synthetic shapes captioning set).
+#include "apps/commands.h"
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
@@ -7,7 +8,6 @@
 
 namespace iris {
 
-int run_data_command(int argc, char** argv);
 
 int run_data_command(int argc, char** argv) {
   CLI::App app{"Generate training data.", "iris data"};

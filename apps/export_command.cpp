@@ -1,4 +1,5 @@
 // iris export: a training checkpoint as a Hugging Face model directory.
+#include "apps/commands.h"
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
@@ -8,7 +9,6 @@
 
 namespace iris {
 
-int run_export_command(int argc, char** argv);
 
 int run_export_command(int argc, char** argv) {
   CLI::App app{

@@ -1,4 +1,5 @@
 // iris train: run a training recipe, with dotted overrides (train.train_iters=100).
+#include "apps/commands.h"
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -11,7 +12,6 @@
 
 namespace iris {
 
-int run_train_command(int argc, char** argv);
 
 int run_train_command(int argc, char** argv) {
   CLI::App app{
