@@ -17,17 +17,21 @@ namespace {
 // blocks, so every output element is summed by one thread in row order: deterministic, no
 // atomics, no per-thread partial buffers.
 constexpr int64_t kColumnBlock = 16;
+// Below this much work (elements, or multiply-adds for attention) a loop runs on one thread: a
+// parallel region costs barriers, and on a loaded machine a barrier waits for a descheduled
+// thread (the tiny model's step was 10x slower with 2 threads than with 1 on 2 busy cores).
+constexpr int64_t kParallelGrain = int64_t(1) << 16;
 constexpr int kMaxThreads = 256;
 
 template <typename F>
-void for_column_blocks(int64_t C, F f) {
+void for_column_blocks(int64_t R, int64_t C, F f) {
   const int64_t nb = (C + kColumnBlock - 1) / kColumnBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelGrain)
   for (int64_t b = 0; b < nb; ++b) f(b * kColumnBlock, std::min(C, (b + 1) * kColumnBlock));
 }
 
 void column_sums_accumulate(float* out, const float* x, int64_t R, int64_t C) {
-  for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+  for_column_blocks(R, C, [&](int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + r * C;
       for (int64_t c = c0; c < c1; ++c) out[c] += xr[c];
@@ -98,7 +102,7 @@ void linear_forward(float* y, const float* x, const float* w, const float* bias,
                     int64_t K, int64_t N, bool accumulate) {
   cpu::sgemm_xwt(M, N, K, x, w, y, accumulate ? 1.0f : 0.0f);
   if (bias) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * N > kParallelGrain)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
   }
@@ -115,7 +119,7 @@ void linear_backward(float* dx, float* dw, float* db, const float* dy, const flo
 
 void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t R, int64_t C, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelGrain)
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * C;
     double mu = 0.0;
@@ -137,7 +141,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
                         const float* mean, const float* rstd, const float* w, int64_t R,
                         int64_t C) {
   if (dx) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelGrain)
     for (int64_t r = 0; r < R; ++r) {
       const float *xr = x + r * C, *gr = dy + r * C;
       const float m = mean[r], rs = rstd[r];
@@ -157,7 +161,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
     }
   }
   if (dw || db) {
-    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+    for_column_blocks(R, C, [&](int64_t c0, int64_t c1) {
       for (int64_t r = 0; r < R; ++r) {
         const float *xr = x + r * C, *gr = dy + r * C;
         for (int64_t c = c0; c < c1; ++c) {
@@ -173,7 +177,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
 
 void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t R, int64_t C,
                      float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelGrain)
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * C;
     const float rs = rms_rstd(xr, C, eps);
@@ -186,7 +190,7 @@ void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int6
 void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* rstd,
                       const float* w, int64_t R, int64_t C) {
   if (dx) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelGrain)
     for (int64_t r = 0; r < R; ++r) {
       const float *xr = x + r * C, *gr = dy + r * C;
       const float rs = rstd[r];
@@ -198,7 +202,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, con
     }
   }
   if (dw) {
-    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+    for_column_blocks(R, C, [&](int64_t c0, int64_t c1) {
       for (int64_t r = 0; r < R; ++r)
         for (int64_t c = c0; c < c1; ++c) dw[c] += dy[r * C + c] * (x[r * C + c] * rstd[r]);
     });
@@ -219,7 +223,7 @@ void qk_norm_rope_forward(float* out, float* rstd, const float* in, const float*
              "the un-normalised input)");
   const int nh = nq + nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * width > kParallelGrain)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cos + t * hd;
     const float* s = sin + t * hd;
@@ -263,7 +267,7 @@ void qk_norm_rope_backward(float* din, float* dqn, float* dkn, const float* dout
       }
     }
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * width > kParallelGrain)
   for (int64_t t = 0; t < T; ++t) {
     float g[kMaxHeadDim];
     for (int h = 0; h < nh; ++h) {
@@ -296,7 +300,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int 
   const int group = nq / nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
   const int64_t koff = D, voff = D + int64_t(nkv) * hd;
-#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) if (T * T * nq * hd > kParallelGrain)
   for (int64_t i = 0; i < T; ++i) {
     for (int h = 0; h < nq; ++h) {
       float* o = out + i * D + int64_t(h) * hd;
@@ -342,14 +346,14 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
   const int64_t koff = D, voff = D + int64_t(nkv) * hd;
   // dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i (the softmax backward's row term).
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * D > kParallelGrain)
   for (int64_t i = 0; i < T; ++i)
     for (int h = 0; h < nq; ++h)
       dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
 
       // Two passes (as FlashAttention-2's backward): queries own dq, keys own dk and dv, so no two
       // threads write the same gradient and the probabilities are recomputed from lse.
-#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) if (T * T * nq * hd > kParallelGrain)
   for (int64_t i = 0; i < T; ++i) {
     for (int h = 0; h < nq; ++h) {
       float* dq = dqkv + i * width + int64_t(h) * hd;
@@ -371,7 +375,7 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
       for (int d = 0; d < hd; ++d) dq[d] *= scale;
     }
   }
-#pragma omp parallel for collapse(2) schedule(dynamic, 4)
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) if (T * T * nq * hd > kParallelGrain)
   for (int64_t j = 0; j < T; ++j) {
     for (int g = 0; g < nkv; ++g) {
       float* dk = dqkv + j * width + koff + int64_t(g) * hd;
@@ -408,7 +412,7 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
 // ---- Activations -------------------------------------------------------------------------------
 
 void gelu_tanh_forward(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     y[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluTanhC * v * v * v)));
@@ -416,7 +420,7 @@ void gelu_tanh_forward(float* y, const float* x, int64_t n) {
 }
 
 void gelu_tanh_backward(float* dx, const float* dy, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float t = std::tanh(kSqrt2OverPi * (v + kGeluTanhC * v * v * v));
@@ -426,12 +430,12 @@ void gelu_tanh_backward(float* dx, const float* dy, const float* x, int64_t n) {
 }
 
 void gelu_erf_forward(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
 }
 
 void gelu_erf_backward(float* dx, const float* dy, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
@@ -441,7 +445,7 @@ void gelu_erf_backward(float* dx, const float* dy, const float* x, int64_t n) {
 }
 
 void swiglu_forward(float* y, const float* gu, int64_t M, int64_t I) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * I > kParallelGrain)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
       const float g = gu[m * 2 * I + i];
@@ -450,7 +454,7 @@ void swiglu_forward(float* y, const float* gu, int64_t M, int64_t I) {
 }
 
 void swiglu_backward(float* dgu, const float* dy, const float* gu, int64_t M, int64_t I) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * I > kParallelGrain)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
       const float g = gu[m * 2 * I + i], u = gu[m * 2 * I + I + i], d = dy[m * I + i];
@@ -475,7 +479,7 @@ void embedding_forward(float* y, const float* table, const int32_t* ids, int64_t
 void embedding_backward(float* dtable, const float* dy, const int32_t* ids, int64_t T, int64_t H,
                         int32_t skip_id) {
   // A token may repeat, so rows of dtable are shared; split by columns instead.
-  for_column_blocks(H, [&](int64_t c0, int64_t c1) {
+  for_column_blocks(T, H, [&](int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < T; ++t) {
       if (ids[t] == skip_id) continue;
       float* d = dtable + int64_t(ids[t]) * H;
@@ -486,14 +490,14 @@ void embedding_backward(float* dtable, const float* dy, const int32_t* ids, int6
 }
 
 void gather_rows(float* dst, const float* src, const int32_t* index, int64_t N, int64_t H) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * H > kParallelGrain)
   for (int64_t i = 0; i < N; ++i)
     std::memcpy(dst + i * H, src + int64_t(index[i]) * H, sizeof(float) * H);
 }
 
 void scatter_rows(float* dst, const float* src, const int32_t* index, int64_t N, int64_t H,
                   bool accumulate) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * H > kParallelGrain)
   for (int64_t i = 0; i < N; ++i) {
     float* d = dst + int64_t(index[i]) * H;
     const float* s = src + i * H;
@@ -509,7 +513,7 @@ void scatter_rows(float* dst, const float* src, const int32_t* index, int64_t N,
 
 void pos_embed_forward(float* y, const float* table, const int32_t* index, const float* weight,
                        int64_t S, int64_t D) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (S * D > kParallelGrain)
   for (int64_t s = 0; s < S; ++s) {
     float* yr = y + s * D;
     for (int64_t c = 0; c < D; ++c) {
@@ -522,7 +526,7 @@ void pos_embed_forward(float* y, const float* table, const int32_t* index, const
 
 void pos_embed_backward(float* dtable, const float* dy, const int32_t* index, const float* weight,
                         int64_t S, int64_t D) {
-  for_column_blocks(D, [&](int64_t c0, int64_t c1) {
+  for_column_blocks(4 * S, D, [&](int64_t c0, int64_t c1) {
     for (int64_t s = 0; s < S; ++s) {
       const float* g = dy + s * D;
       for (int k = 0; k < 4; ++k) {
@@ -552,22 +556,27 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
     // combine them in arrival order and the loss would differ in the last bit between runs.
     double partial[kMaxThreads] = {};
     const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
-#pragma omp parallel num_threads(n_threads)
+#pragma omp parallel num_threads(n_threads) if (n * V > kParallelGrain)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t rb = n * tid / nt, re = n * (tid + 1) / nt;
       for (int64_t r = rb; r < re; ++r) {
         float* lr = scratch + r * V;
         const float mx = *std::max_element(lr, lr + V);
-        double s = 0.0;
-        for (int64_t v = 0; v < V; ++v) s += std::exp(double(lr[v] - mx));
-        const double lse = double(mx) + std::log(s);
         const int32_t t = targets[r0 + r];
-        partial[tid] += lse - double(lr[t]);
+        const float target_logit = lr[t];
+        // One f32 exp per logit (the exponentials are the bulk of the loss's time at a 152k
+        // vocabulary): kept in place for the gradient, summed in f64.
+        double s = 0.0;
+        for (int64_t v = 0; v < V; ++v) {
+          lr[v] = std::exp(lr[v] - mx);
+          s += lr[v];
+        }
+        partial[tid] += double(mx) + std::log(s) - double(target_logit);
         if (dx) {
-          // In place: the logits row becomes grad_scale * (softmax - onehot).
-          for (int64_t v = 0; v < V; ++v)
-            lr[v] = grad_scale * static_cast<float>(std::exp(double(lr[v]) - lse));
+          // In place: the row becomes grad_scale * (softmax - onehot).
+          const float k = static_cast<float>(double(grad_scale) / s);
+          for (int64_t v = 0; v < V; ++v) lr[v] *= k;
           lr[t] -= grad_scale;
         }
       }

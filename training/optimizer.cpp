@@ -7,6 +7,10 @@
 
 #include <omp.h>
 
+#ifdef __SSE2__
+#include <immintrin.h>
+#endif
+
 #include "core/safetensors.h"
 
 namespace iris {
@@ -38,6 +42,10 @@ void check_same_bindings(const ModelWeights& a, const ModelWeights& b, const cha
   }
 }
 
+// Below this many elements a loop runs on one thread: a parallel region costs barriers, and on a
+// loaded machine a barrier waits for a descheduled thread.
+constexpr int64_t kParallelGrain = int64_t(1) << 16;
+
 // Per-thread partial sums combined in thread order: an OpenMP reduction combines in arrival
 // order, and a norm that differs in the last bit between runs would break bit-exact resumption
 // (it sets the clipping coefficient).
@@ -45,16 +53,75 @@ double sum_of_squares(const float* p, int64_t n) {
   constexpr int kMaxThreads = 256;
   double partial[kMaxThreads] = {};
   const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
-#pragma omp parallel num_threads(n_threads)
+#pragma omp parallel num_threads(n_threads) if (n > kParallelGrain)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    // Eight independent accumulators: one f64 sum would be bound by the add latency.
+    double acc[8] = {};
+    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      for (int k = 0; k < 8; ++k) acc[k] += double(p[i + k]) * double(p[i + k]);
+    for (; i < e; ++i) acc[0] += double(p[i]) * double(p[i]);
     double s = 0.0;
-    for (int64_t i = n * tid / nt; i < n * (tid + 1) / nt; ++i) s += double(p[i]) * double(p[i]);
+    for (double a : acc) s += a;
     partial[tid] = s;
   }
   double total = 0.0;
   for (int k = 0; k < n_threads; ++k) total += partial[k];
   return total;
+}
+
+// AdamW on elements [b, e), in the order of torch's foreach kernels. decay is exactly 1 without
+// weight decay, so the multiply needs no branch. torch.lerp has two forms, chosen by the weight.
+struct AdamWScalars {
+  float decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+inline void adamw_element(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+  const float mk =
+      s.one_minus_b1 < 0.5f ? m + s.one_minus_b1 * (g - m) : g - (g - m) * (1.0f - s.one_minus_b1);
+  const float vk = v * s.b2 + s.one_minus_b2 * (g * g);
+  p = p * s.decay + s.neg_step_size * (mk / (std::sqrt(vk) / s.bc2_sqrt + s.eps));
+  m = mk;
+  v = vk;
+}
+
+// The square root keeps the compiler from vectorising the scalar loop (errno semantics), and the
+// update is a third of a tiny model's training step, so x86 runs four lanes with SSE. Each lane
+// performs the scalar element's IEEE operations in the same order: results are bit-identical.
+void adamw_range(float* p, const float* g, float* m, float* v, int64_t b, int64_t e,
+                 const AdamWScalars& s) {
+  int64_t k = b;
+#ifdef __SSE2__
+  const __m128 w = _mm_set1_ps(s.one_minus_b1), omw = _mm_set1_ps(1.0f - s.one_minus_b1),
+               b2 = _mm_set1_ps(s.b2), w2 = _mm_set1_ps(s.one_minus_b2),
+               bc2 = _mm_set1_ps(s.bc2_sqrt), eps = _mm_set1_ps(s.eps),
+               decay = _mm_set1_ps(s.decay), step = _mm_set1_ps(s.neg_step_size);
+  const bool low = s.one_minus_b1 < 0.5f;
+  for (; k + 4 <= e; k += 4) {
+    const __m128 gk = _mm_loadu_ps(g + k), mk0 = _mm_loadu_ps(m + k);
+    const __m128 mk = low ? _mm_add_ps(mk0, _mm_mul_ps(w, _mm_sub_ps(gk, mk0)))
+                          : _mm_sub_ps(gk, _mm_mul_ps(_mm_sub_ps(gk, mk0), omw));
+    const __m128 vk =
+        _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v + k), b2), _mm_mul_ps(w2, _mm_mul_ps(gk, gk)));
+    const __m128 denom = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vk), bc2), eps);
+    const __m128 pk =
+        _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(p + k), decay), _mm_mul_ps(step, _mm_div_ps(mk, denom)));
+    _mm_storeu_ps(p + k, pk);
+    _mm_storeu_ps(m + k, mk);
+    _mm_storeu_ps(v + k, vk);
+  }
+#endif
+  for (; k < e; ++k) adamw_element(p[k], m[k], v[k], g[k], s);
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s) {
+#pragma omp parallel if (n > kParallelGrain)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    adamw_range(p, g, m, v, n * tid / nt, n * (tid + 1) / nt, s);
+  }
 }
 
 }  // namespace
@@ -118,22 +185,12 @@ double AdamW::step(float lr, const FreezeSpec& frozen) {
     const double bc2 = 1.0 - std::pow(double(b2), double(t));
     const float neg_step_size = static_cast<float>(-(double(lr) / bc1));
     const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    const float eps = config_.eps;
-    const bool clip = clip_coef < 1.0f;
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < n; ++k) {
-      if (clip) g[k] *= clip_coef;
-      const float gk = g[k];
-      float pk = p[k];
-      if (wd != 0.0) pk *= decay;
-      // torch.lerp with weight < 0.5: m + w * (g - m).
-      const float mk = m[k] + one_minus_b1 * (gk - m[k]);
-      const float vk = v[k] * b2 + one_minus_b2 * (gk * gk);
-      const float denom = std::sqrt(vk) / bc2_sqrt + eps;
-      p[k] = pk + neg_step_size * (mk / denom);
-      m[k] = mk;
-      v[k] = vk;
+    if (clip_coef < 1.0f) {
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+      for (int64_t k = 0; k < n; ++k) g[k] *= clip_coef;
     }
+    adamw_update(p, g, m, v, n,
+                 {decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, config_.eps, neg_step_size});
   }
   ++steps_;
   return norm;
