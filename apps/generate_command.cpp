@@ -11,6 +11,7 @@
 #include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
 #include "core/graph_config.h"
+#include "core/safetensors.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -39,6 +40,7 @@ struct GenerateOptions {
   bool json = false;
   bool ignore_eos = false;
   bool no_cuda_graphs = false;
+  std::string logits_out;
   std::vector<std::pair<std::string, std::string>> graph_flags;
 };
 
@@ -73,6 +75,9 @@ int run_generate_command(int argc, char** argv) {
   app.add_flag("--json", o.json,
                "print one JSON object (tokens, text, timings) instead of "
                "streaming");
+  app.add_option("--logits-out", o.logits_out,
+                 "write the logits after the prompt as f32 safetensors (tensor \"logits\"), "
+                 "for parity checks against other implementations");
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
                "run eagerly on the GPU (graphs are on by "
@@ -158,6 +163,7 @@ int run_generate_command(int argc, char** argv) {
   req.sampling.repetition_penalty = o.repeat_penalty;
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
 
+  req.keep_prompt_logits = !o.logits_out.empty();
   StreamingDecoder stream(tokenizer);
   const GenerationResult res = generate(model, req, [&](int32_t tok) {
     if (o.json) return;
@@ -165,6 +171,11 @@ int run_generate_command(int argc, char** argv) {
     std::fflush(stdout);
   });
   const GenerationTimings& t = res.timings;
+  if (!o.logits_out.empty())
+    write_safetensors(o.logits_out, {{"logits",
+                                      DType::f32,
+                                      {static_cast<int64_t>(res.prompt_logits.size())},
+                                      res.prompt_logits.data()}});
   std::vector<int32_t> shown = res.tokens;
   if (res.stopped) shown.pop_back();
   if (o.json) {

@@ -45,6 +45,7 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
   model.prefill(req.prompt_ids);
   std::vector<float> logits = model.last_logits();
   t.prefill_ms = ms_since(t0);
+  if (req.keep_prompt_logits) res.prompt_logits = logits;
 
   Sampler sampler(req.sampling);
   std::vector<int32_t> history = req.prompt_ids;

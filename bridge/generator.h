@@ -31,12 +31,14 @@ struct GenerationRequest {
   int max_new_tokens = 128;
   std::set<int32_t> stop_ids;  // generation ends after emitting one of these (not streamed)
   SamplingParams sampling;
+  bool keep_prompt_logits = false;  // return the logits after the prompt (for parity checks)
 };
 
 struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids, a stop id included if one ended the run
   bool stopped = false;         // a stop id was produced
   GenerationTimings timings;
+  std::vector<float> prompt_logits;  // [vocab] after the last prompt token, if asked for
 };
 
 // on_token is called for every generated token, in order, before the next is computed.
