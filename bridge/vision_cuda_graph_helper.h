@@ -49,7 +49,8 @@ enum class GraphSet { vision, decoder };
 struct GraphHelperOptions {
   // Warm up and capture every graph of the stage in the constructor, instead of lazily on first
   // use after language.warmup_steps eager runs. It runs the encoder and a decode step on dummy
-  // inputs, overwriting activations (never the KV cache rows of a prompt): do it before a prompt.
+  // inputs: the KV cache rows of a prompt stay intact, but the image embeddings and the logits
+  // of the last call are overwritten, so capture before encode_images() or after reading them.
   bool capture_at_startup = false;
 };
 
