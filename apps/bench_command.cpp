@@ -11,9 +11,12 @@
 #include <random>
 
 #include "apps/commands.h"
+#include "bridge/pipeline_stage.h"
 #include "bridge/qwen3vl_model.h"
 #include "bridge/random_weights.h"
+#include "bridge/vision_cuda_graph_helper.h"
 #include "core/arena.h"
+#include "core/graph_config.h"
 
 namespace iris {
 namespace {
@@ -136,8 +139,8 @@ int run_bench_command(int argc, char** argv) {
   const ModelConfig cfg = ModelConfig::from_file(config_path);
 
   // Shapes of the standard figures (smaller under --quick so that the CPU can run them).
-  const int64_t side_small = quick ? 64 : 448, side_mid = quick ? 128 : 896,
-                side_big = quick ? 192 : 1344;
+  const int64_t side_tiny = quick ? 32 : 256, side_small = quick ? 64 : 448,
+                side_mid = quick ? 128 : 896, side_big = quick ? 192 : 1344;
   const int n_multi = quick ? 2 : 8;
   const int64_t prefill_short = quick ? 32 : 512, prefill_long = quick ? 128 : 4096,
                 decode_context = quick ? 64 : 1024, decode_steps = quick ? 8 : 64, ttft_text = 32;
@@ -152,6 +155,8 @@ int run_bench_command(int argc, char** argv) {
       std::max(count_patches({grid_of(side_big)}),
                count_patches(std::vector<GridTHW>(n_multi, grid_of(side_small))));
   const HardwareLimits hw = measure_limits(*be, quick, iters);
+  const std::string s1 = std::to_string(side_small), s2 = std::to_string(side_mid),
+                    s3 = std::to_string(side_big);
   Qwen3VLModel model(*be, cfg, random_weights(*be, cfg, 1234), limits);
 
   std::mt19937 rng(7);
@@ -168,83 +173,124 @@ int run_bench_command(int argc, char** argv) {
 
   std::vector<Row> rows;
   json results;
-  auto vision_case = [&](const std::string& name, std::vector<GridTHW> grids) {
-    const double t = time_median(*be, iters, [&] { model.encode_images(pixels.data(), grids); });
-    const double tokens = double(count_patches(grids)) / cfg.vision.merge_unit();
-    const double tflops = vision_flops(cfg.vision, grids) / t / 1e12;
-    rows.push_back({"vision " + name + " time", t * 1e3, "ms", tflops / hw.gemm_tflops, "GEMM"});
-    rows.push_back({"vision " + name + " tokens/s", tokens / t, "tok/s", -1, ""});
-    results["vision_" + name] = {{"ms", t * 1e3}, {"tokens_per_s", tokens / t}, {"tflops", tflops}};
-    return t;
-  };
-  const std::string s1 = std::to_string(side_small), s2 = std::to_string(side_mid),
-                    s3 = std::to_string(side_big);
-  const double t_one = vision_case("1x" + s1, {grid_of(side_small)});
-  vision_case("1x" + s2, {grid_of(side_mid)});
-  vision_case("1x" + s3, {grid_of(side_big)});
-  const double t_multi = vision_case(std::to_string(n_multi) + "x" + s1,
-                                     std::vector<GridTHW>(n_multi, grid_of(side_small)));
-  results["vision_multi_over_single"] = t_multi / t_one;
-
-  model.encode_images(nullptr, {});
-  for (int64_t T : {prefill_short, prefill_long}) {
-    const auto ids = random_ids(T);
-    const double t = time_median(*be, iters, [&] { model.prefill(ids); });
-    const double tflops = text_flops(cfg.text, double(T), 0, 1) / t / 1e12;
-    const std::string name = "prefill " + std::to_string(T);
-    rows.push_back({name + " tokens/s", double(T) / t, "tok/s", tflops / hw.gemm_tflops, "GEMM"});
-    results["prefill_" + std::to_string(T)] = {{"tokens_per_s", double(T) / t}, {"tflops", tflops}};
-  }
-
-  {
-    const auto ids = random_ids(decode_context);
-    model.prefill(ids);
+  VisionCudaGraphHelper* graphs = nullptr;
+  // The next greedy token after a decode step: on the device by the decode graph when graphs
+  // run, else by the argmax op; either way one int crosses to the host.
+  auto greedy_after_decode = [&]() {
+    if (graphs) return graphs->greedy_token();
     int32_t next = 0;
-    auto step = [&] {
-      model.decode(next);
-      model.decoder().argmax(1);
-      be->read(&next, DType::i32, model.decoder().next_tokens(1));
+    model.decoder().argmax(1);
+    be->read(&next, DType::i32, model.decoder().next_tokens(1));
+    return next;
+  };
+  auto measure = [&](const std::string& mode) {
+    json r;
+    auto vision_case = [&](const std::string& name, std::vector<GridTHW> grids) {
+      const double t = time_median(*be, iters, [&] { model.encode_images(pixels.data(), grids); });
+      const double tokens = double(count_patches(grids)) / cfg.vision.merge_unit();
+      const double tflops = vision_flops(cfg.vision, grids) / t / 1e12;
+      rows.push_back(
+          {mode + " vision " + name + " time", t * 1e3, "ms", tflops / hw.gemm_tflops, "GEMM"});
+      rows.push_back({mode + " vision " + name + " tokens/s", tokens / t, "tok/s", -1, ""});
+      r["vision_" + name] = {{"ms", t * 1e3}, {"tokens_per_s", tokens / t}, {"tflops", tflops}};
+      return t;
     };
-    step();  // warm-up
-    be->synchronize();
-    const auto t0 = Clock::now();
-    for (int64_t i = 0; i < decode_steps; ++i) step();
-    const double t = seconds_since(t0) / double(decode_steps);
-    const double ctx = double(decode_context) + 1 + double(decode_steps) / 2;
-    const size_t elem = dtype_size(be->compute_dtype());
-    const double bytes = text_weight_bytes(cfg.text, elem) +
-                         cfg.text.num_hidden_layers * 2.0 * ctx * cfg.text.kv_width() * elem;
-    const double gbps = bytes / t / 1e9;
-    rows.push_back({"decode @" + std::to_string(decode_context) + " tokens/s", 1.0 / t, "tok/s",
-                    gbps / hw.copy_gbps, "copy BW"});
-    results["decode"] = {{"context", decode_context},
-                         {"tokens_per_s", 1.0 / t},
-                         {"bytes_per_token", bytes},
-                         {"gbps", gbps}};
-  }
+    vision_case("1x" + std::to_string(side_tiny), {grid_of(side_tiny)});
+    const double t_one = vision_case("1x" + s1, {grid_of(side_small)});
+    vision_case("1x" + s2, {grid_of(side_mid)});
+    vision_case("1x" + s3, {grid_of(side_big)});
+    const double t_multi = vision_case(std::to_string(n_multi) + "x" + s1,
+                                       std::vector<GridTHW>(n_multi, grid_of(side_small)));
+    r["vision_multi_over_single"] = t_multi / t_one;
 
-  {
-    const GridTHW g = grid_of(side_mid);
-    const int64_t pads = count_patches({g}) / cfg.vision.merge_unit();
-    std::vector<int32_t> ids = random_ids(ttft_text);
-    ids.insert(ids.begin() + ttft_text / 2, cfg.vision_start_token_id);
-    ids.insert(ids.begin() + ttft_text / 2 + 1, pads, cfg.image_token_id);
-    ids.insert(ids.begin() + ttft_text / 2 + 1 + pads, cfg.vision_end_token_id);
-    int32_t first = 0;
-    const double t = time_median(*be, iters, [&] {
-      model.encode_images(pixels.data(), {g});
+    model.encode_images(nullptr, {});
+    for (int64_t T : {prefill_short, prefill_long}) {
+      const auto ids = random_ids(T);
+      const double t = time_median(*be, iters, [&] { model.prefill(ids); });
+      const double tflops = text_flops(cfg.text, double(T), 0, 1) / t / 1e12;
+      rows.push_back({mode + " prefill " + std::to_string(T) + " tokens/s", double(T) / t, "tok/s",
+                      tflops / hw.gemm_tflops, "GEMM"});
+      r["prefill_" + std::to_string(T)] = {{"tokens_per_s", double(T) / t}, {"tflops", tflops}};
+    }
+
+    {
+      const auto ids = random_ids(decode_context);
       model.prefill(ids);
-      model.decoder().argmax(1);
-      be->read(&first, DType::i32, model.decoder().next_tokens(1));
-    });
-    rows.push_back(
-        {"TTFT 1x" + s2 + " + " + std::to_string(ttft_text) + " text", t * 1e3, "ms", -1, ""});
-    results["ttft_ms"] = t * 1e3;
-  }
+      int32_t next = 0;
+      auto step = [&] {
+        model.decode(next);
+        next = greedy_after_decode();
+      };
+      for (int i = 0; i < 4; ++i) step();  // warm-up (and graph capture, when lazy)
+      be->synchronize();
+      const auto t0 = Clock::now();
+      for (int64_t i = 0; i < decode_steps; ++i) step();
+      const double t = seconds_since(t0) / double(decode_steps);
+      const double ctx = double(decode_context) + 5 + double(decode_steps) / 2;
+      const size_t elem = dtype_size(be->compute_dtype());
+      const double bytes = text_weight_bytes(cfg.text, elem) +
+                           cfg.text.num_hidden_layers * 2.0 * ctx * cfg.text.kv_width() * elem;
+      const double gbps = bytes / t / 1e9;
+      rows.push_back({mode + " decode @" + std::to_string(decode_context) + " tokens/s", 1.0 / t,
+                      "tok/s", gbps / hw.copy_gbps, "copy BW"});
+      r["decode"] = {{"context", decode_context},
+                     {"tokens_per_s", 1.0 / t},
+                     {"bytes_per_token", bytes},
+                     {"gbps", gbps}};
+    }
+
+    {
+      const GridTHW g = grid_of(side_mid);
+      const int64_t pads = count_patches({g}) / cfg.vision.merge_unit();
+      std::vector<int32_t> ids = random_ids(ttft_text);
+      ids.insert(ids.begin() + ttft_text / 2, cfg.vision_start_token_id);
+      ids.insert(ids.begin() + ttft_text / 2 + 1, pads, cfg.image_token_id);
+      ids.insert(ids.begin() + ttft_text / 2 + 1 + pads, cfg.vision_end_token_id);
+      int32_t first = 0;
+      const double t = time_median(*be, iters, [&] {
+        model.encode_images(pixels.data(), {g});
+        model.prefill(ids);
+        model.decoder().argmax(1);
+        be->read(&first, DType::i32, model.decoder().next_tokens(1));
+      });
+      rows.push_back({mode + " TTFT 1x" + s2 + " + " + std::to_string(ttft_text) + " text", t * 1e3,
+                      "ms", -1, ""});
+      r["ttft_ms"] = t * 1e3;
+    }
+    return r;
+  };
+
+  results["eager"] = measure("eager");
+  const size_t in_use_before_graphs = be->device_memory_in_use();
+  GraphConfigs gc = parse_graph_configs(
+      {{"cuda_graph_impl", "local"},
+       {"inference_cuda_graph_scope", "block"},
+       {"vision_cuda_graph_impl", "local"},
+       {"max_vision_cuda_graph_seq_length", std::to_string(limits.max_vision_patches)}});
+  GraphModelTraits traits;
+  traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
+  traits.spatial_merge_size = cfg.vision.spatial_merge_size;
+  finalize_graph_configs(gc, traits);
+  GraphHelperOptions options;
+  options.capture_at_startup = true;
+  VisionCudaGraphHelper helper(model, split_stages(cfg, 1)[0], gc, options);
+  model.attach_graphs(&helper);
+  graphs = &helper;
+  const size_t in_use_after_capture = be->device_memory_in_use();
+  results["graphs"] = measure("graphs");
+  const double graph_mib =
+      double(in_use_after_capture - std::min(in_use_after_capture, in_use_before_graphs)) /
+      (1 << 20);
+  results["graph_memory_mib"] = graph_mib;
+  results["graph_count"] = {{"vision", helper.graph_count(GraphSet::vision)},
+                            {"decoder", helper.graph_count(GraphSet::decoder)}};
+
   const double mem = double(model.weights().arena.capacity() + model.vision().arena().capacity() +
                             model.decoder().arena().capacity());
   rows.push_back({"memory (planned arenas)", mem / (1 << 20), "MiB", -1, ""});
+  rows.push_back({"memory held by CUDA graphs", graph_mib, "MiB", -1, ""});
   results["memory_mib"] = mem / (1 << 20);
+  results["device_memory_in_use_mib"] = double(be->device_memory_in_use()) / (1 << 20);
   results["hardware"] = {{"gemm_tflops", hw.gemm_tflops}, {"copy_gbps", hw.copy_gbps}};
   results["device"] = be->name();
   results["config"] = config_path;
@@ -271,11 +317,22 @@ int run_bench_command(int argc, char** argv) {
     if (r.limit_ratio >= 0) std::printf(" %6.1f%% %s", 100 * r.limit_ratio, r.limit_name.c_str());
     std::printf("\n");
   }
-  std::printf("8-image / 1-image vision time: %.2fx\n", t_multi / t_one);
+  for (const char* mode : {"eager", "graphs"})
+    std::printf("%s: %d-image / 1-image vision time %.2fx\n", mode, n_multi,
+                results[mode]["vision_multi_over_single"].get<double>());
+  auto speedup = [&](const std::string& key, const char* field) {
+    const double e = results["eager"][key][field].get<double>();
+    const double g = results["graphs"][key][field].get<double>();
+    return std::string(field) == "ms" ? e / g : g / e;
+  };
+  std::printf("graphs vs eager: decode %.2fx, vision 1x%lld %.2fx, graphs hold %.1f MiB\n",
+              speedup("decode", "tokens_per_s"), static_cast<long long>(side_tiny),
+              speedup("vision_1x" + std::to_string(side_tiny), "ms"), graph_mib);
   if (!peer_results.is_null()) {
+    const json& best = results["graphs"];
     auto ratio = [&](const char* key, const char* field, bool higher_is_better) {
-      if (!peer_results.contains(key) || !results.contains(key)) return;
-      const double ours = field ? results[key][field].get<double>() : results[key].get<double>();
+      if (!peer_results.contains(key) || !best.contains(key)) return;
+      const double ours = field ? best[key][field].get<double>() : best[key].get<double>();
       const double theirs =
           field ? peer_results[key][field].get<double>() : peer_results[key].get<double>();
       std::printf("vs peer %-22s iris %.2f  peer %.2f  ratio %.2fx%s\n", key, ours, theirs,

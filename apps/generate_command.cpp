@@ -10,6 +10,8 @@
 #include "apps/commands.h"
 #include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
+#include "bridge/pipeline_stage.h"
+#include "bridge/vision_cuda_graph_helper.h"
 #include "core/graph_config.h"
 #include "core/safetensors.h"
 #include "language/tokenizer.h"
@@ -104,13 +106,20 @@ int run_generate_command(int argc, char** argv) {
   // Graph configs first: a bad combination is an error before anything is loaded.
   GraphConfigInput graph_input;
   for (const auto& [k, v] : graph_values) graph_input.emplace_back(k, v.empty() ? "true" : v);
+  const std::string device = o.device == "auto" ? (cuda_available() ? "cuda" : "cpu") : o.device;
+  const bool on_gpu = device.rfind("cuda", 0) == 0;
+  // Graphs are on by default on a GPU: whole-step decode graphs and bucketed vision graphs,
+  // unless the user chose any graph setting or turned graphs off.
+  if (on_gpu && !o.no_cuda_graphs && graph_values.empty())
+    graph_input = {{"cuda_graph_impl", "local"},
+                   {"inference_cuda_graph_scope", "block"},
+                   {"vision_cuda_graph_impl", "local"}};
   GraphConfigs graphs = parse_graph_configs(graph_input);
   for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 
   namespace fs = std::filesystem;
   IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
              "' does not exist (pass -m with a Hugging Face checkpoint directory)");
-  const std::string device = o.device == "auto" ? (cuda_available() ? "cuda" : "cpu") : o.device;
   std::unique_ptr<Backend> backend = make_backend(device);
 
   const fs::path tok_path = fs::path(o.model_dir) / "tokenizer.json";
@@ -144,7 +153,16 @@ int run_generate_command(int argc, char** argv) {
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
   limits.max_images = std::max<int>(1, static_cast<int>(images.size()));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
+  if (graphs.vision.impl != VisionGraphImpl::none)
+    limits.max_vision_patches = std::max(limits.max_vision_patches, graphs.vision.max_seq_length);
   Qwen3VLModel model(*backend, o.model_dir, limits);
+  // CUDA graphs only run on a GPU; elsewhere the configs were validated and are ignored.
+  std::unique_ptr<VisionCudaGraphHelper> graph_helper;
+  if (on_gpu && !o.no_cuda_graphs &&
+      (graphs.language.impl != GraphImpl::none || graphs.vision.impl != VisionGraphImpl::none)) {
+    graph_helper = std::make_unique<VisionCudaGraphHelper>(model, split_stages(cfg, 1)[0], graphs);
+    model.attach_graphs(graph_helper.get());
+  }
   const double load_ms = ms_since(t_load) - preprocess_ms;
 
   GenerationRequest req;
@@ -186,6 +204,7 @@ int run_generate_command(int argc, char** argv) {
     j["stopped_at_eos"] = res.stopped;
     j["seed"] = req.sampling.seed;
     j["device"] = backend->name();
+    j["cuda_graphs"] = graph_helper != nullptr;
     j["timings"] = {{"load_ms", load_ms},
                     {"preprocess_ms", preprocess_ms},
                     {"vision_encode_ms", t.vision_ms},

@@ -43,6 +43,8 @@ class Backend {
   // The stream ops are issued on (a cudaStream_t on CUDA); null where there is none. CUDA graph
   // capture records this stream.
   virtual void* native_stream() { return nullptr; }
+  // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
+  virtual size_t device_memory_in_use() { return 0; }
 
   // y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) (+ y if accumulate). y must not alias x.
   virtual void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,

@@ -301,6 +301,11 @@ class CudaBackend final : public Backend {
   }
 
   void* native_stream() override { return stream(); }
+  size_t device_memory_in_use() override {
+    size_t free_bytes = 0, total_bytes = 0;
+    IRIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return total_bytes - free_bytes;
+  }
 
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
               bool accumulate) override {
