@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU machine's batch: build with CUDA, run every suite (GPU tests included), the greedy CLI
+# checks on the GPU, and the 2B benchmark against HF transformers. Results go to $OUT (or out/).
+# Dependencies missing there (yaml-cpp, CLI11, PCRE2, stb) come unpacked in .deps/.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$root/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+jobs=$(nproc)
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DIRIS_DEPS_PREFIX="$root/.deps" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build build-gpu -j"$jobs" >"$out/build.log" 2>&1 || { grep -E 'error' "$out/build.log" | head -30; exit 1; }
+echo "== build ok"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  OMP_NUM_THREADS=2 ctest --test-dir build-gpu -j8 --output-on-failure ${CTEST_ARGS:-} >"$out/ctest.log" 2>&1
+  tail -15 "$out/ctest.log"
+  grep -E '^\s*[0-9]+/[0-9]+ Test.*(Failed|Exception|Timeout)' "$out/ctest.log" | head -20
+  echo "GPU suites (skips would mean no GPU):"
+  grep -c 'SKIPPED' "$out/ctest.log" || true
+fi
+fixture=tests/data/qwen3vl-tiny
+echo "== generate on cuda (text prompt, greedy)"
+build-gpu/iris generate -m $fixture -p "Write one sentence about CUDA graphs." -n 12 --temp 0 --json --device cuda
+echo "== generate on cuda (two images, greedy, streamed)"
+build-gpu/iris generate -m $fixture --image $fixture/images/image0.png --image $fixture/images/image1.png \
+  -p "Describe these two pictures." -n 12 --temp 0 --device cuda
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo "== bench 2B"
+  build-gpu/iris bench --config bench/configs/qwen3vl_2b.json --json "$out/bench_2b.json" \
+    --peer "python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json" 2>&1 | tee "$out/bench_2b.txt"
+fi
