@@ -53,10 +53,6 @@ void VisionCudaGraphHelper::init(const GraphHelperOptions& options) {
   vision_active_ = encoder_ != nullptr && cfg_.vision.impl == VisionGraphImpl::local;
   if (vision_active_) {
     const VisionGraphConfig& v = cfg_.vision;
-    IRIS_CHECK(v.inference_scope == VisionGraphScope::block,
-               "vision_inference_cuda_graph_scope layer is not available for inference: the "
-               "vision encoder is replayed as one graph per bucket (patch embedding, all blocks "
-               "and both mergers); use vision_inference_cuda_graph_scope: block");
     IRIS_CHECK(!v.buckets.empty(),
                "vision CUDA graphs have no buckets: call finalize_graph_configs() before building "
                "the graph helper");
@@ -103,8 +99,15 @@ void VisionCudaGraphHelper::run_bucket(BucketGraph& b) {
   // The segment count is part of the graph, so every call runs with the full capacity; unused
   // segments are empty (their cu_seqlens entries repeat the last offset).
   const int segments = encoder_->max_segments();
-  if (b.graph.valid()) {
-    b.graph.launch();
+  const bool per_layer = cfg_.vision.inference_scope == VisionGraphScope::layer;
+  if (b.captured()) {
+    if (!per_layer) {
+      b.graphs[0].launch();
+      return;
+    }
+    encoder_->run_embed(b.rows);
+    for (CapturedGraph& g : b.graphs) g.launch();
+    b.out = encoder_->run_finish(b.rows);
     return;
   }
   if (b.eager_runs < warmup_steps_) {
@@ -112,9 +115,18 @@ void VisionCudaGraphHelper::run_bucket(BucketGraph& b) {
     b.out = encoder_->run(b.rows, segments);
     return;
   }
-  b.graph =
-      capture_and_run(*api_, backend_, str_cat("vision bucket ", b.rows, ", ", stage_.describe()),
-                      [this, &b, segments] { b.out = encoder_->run(b.rows, segments); });
+  if (!per_layer) {
+    b.graphs.push_back(
+        capture_and_run(*api_, backend_, str_cat("vision bucket ", b.rows, ", ", stage_.describe()),
+                        [this, &b, segments] { b.out = encoder_->run(b.rows, segments); }));
+    return;
+  }
+  encoder_->run_embed(b.rows);
+  for (int l = 0; l < encoder_->config().depth; ++l)
+    b.graphs.push_back(capture_and_run(
+        *api_, backend_, str_cat("vision bucket ", b.rows, " block ", l, ", ", stage_.describe()),
+        [this, &b, segments, l] { encoder_->run_block(l, b.rows, segments); }));
+  b.out = encoder_->run_finish(b.rows);
 }
 
 VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
@@ -232,7 +244,7 @@ void VisionCudaGraphHelper::capture_now() {
   if (vision_active_ && !vision_deleted_) {
     const float no_pixels = 0.0f;
     for (BucketGraph& b : buckets_) {
-      if (b.graph.valid()) continue;
+      if (b.captured()) continue;
       // An all-padding call: one segment of zero rows, which is all a capture needs.
       encoder_->upload(
           &no_pixels, plan_vision_inputs(encoder_->config(), {}, b.rows, encoder_->max_segments()));
@@ -261,7 +273,7 @@ bool VisionCudaGraphHelper::capture_finished(GraphSet set) const {
   if (set == GraphSet::vision)
     return !vision_active_ || vision_deleted_ ||
            std::all_of(buckets_.begin(), buckets_.end(),
-                       [](const BucketGraph& b) { return b.graph.valid(); });
+                       [](const BucketGraph& b) { return b.captured(); });
   return !decoder_active_ || decoder_deleted_ || !decoder_graphs_.empty();
 }
 
@@ -271,8 +283,9 @@ bool VisionCudaGraphHelper::capture_finished() const {
 
 size_t VisionCudaGraphHelper::graph_count(GraphSet set) const {
   if (set == GraphSet::decoder) return decoder_graphs_.size();
-  return static_cast<size_t>(std::count_if(buckets_.begin(), buckets_.end(),
-                                           [](const BucketGraph& b) { return b.graph.valid(); }));
+  size_t n = 0;
+  for (const BucketGraph& b : buckets_) n += b.graphs.size();
+  return n;
 }
 
 bool VisionCudaGraphHelper::graphs_created(GraphSet set) const {
@@ -286,7 +299,7 @@ bool VisionCudaGraphHelper::graphs_created() const {
 void VisionCudaGraphHelper::delete_graphs(GraphSet set) noexcept {
   if (set == GraphSet::vision) {
     for (BucketGraph& b : buckets_) {
-      b.graph.reset();
+      b.graphs.clear();
       b.out = {};
     }
     vision_deleted_ = true;

@@ -114,8 +114,11 @@ class VisionCudaGraphHelper {
   struct BucketGraph {
     int64_t rows = 0;
     int eager_runs = 0;
-    CapturedGraph graph;
+    // Scope block: one graph (embedding, blocks, mergers). Scope layer: one per block, with the
+    // embedding and the main merger run eagerly around them.
+    std::vector<CapturedGraph> graphs;
     VisionEncoder::Output out;  // all rows/4 merged rows of the bucket
+    bool captured() const { return !graphs.empty(); }
   };
 
   void init(const GraphHelperOptions& options);

@@ -184,38 +184,48 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
 }
 
 VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
+  run_embed(S);
+  for (int l = 0; l < cfg_.depth; ++l) run_block(l, S, n_segments);
+  return run_finish(S);
+}
+
+void VisionEncoder::run_embed(int64_t S) {
   IRIS_CHECK(S > 0 && S <= max_rows_ && S % cfg_.merge_unit() == 0, "vision run over ", S,
              " rows (planned ", max_rows_, ")");
+  Tensor x = x_.slice(0, S);
+  backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
+  backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
+}
+
+void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   const int nh = cfg_.num_heads, hd = cfg_.head_dim();
   const float eps = cfg_.layer_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   Tensor x = x_.slice(0, S), xn = xn_.slice(0, S), qkv = qkv_.slice(0, S);
   Tensor attn = attn_.slice(0, S), mlp = mlp_.slice(0, S);
-  Tensor cos = cos_.slice(0, S), sin = sin_.slice(0, S);
-
-  backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
-  backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
-  Output out;
-  for (int l = 0; l < cfg_.depth; ++l) {
-    const VisionBlockWeights& b = w_.blocks[l];
-    backend_.layer_norm(xn, x, b.norm1_w, b.norm1_b, eps);
-    backend_.linear(qkv, xn, b.qkv_w, b.qkv_b, false);
-    backend_.qkv_norm_rope(qkv, Tensor(), Tensor(), 0.0f, cos, sin, nh, nh, hd, false);
-    backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale);
-    backend_.linear(x, attn, b.proj_w, b.proj_b, true);
-    backend_.layer_norm(xn, x, b.norm2_w, b.norm2_b, eps);
-    backend_.linear(mlp, xn, b.fc1_w, b.fc1_b, false);
-    backend_.gelu_tanh(mlp, mlp);
-    backend_.linear(x, mlp, b.fc2_w, b.fc2_b, true);
-    const auto& taps = cfg_.deepstack_visual_indexes;
-    const auto tap = std::find(taps.begin(), taps.end(), l);
-    if (tap != taps.end()) {
-      const size_t k = static_cast<size_t>(tap - taps.begin());
-      run_merger(w_.deepstack_mergers[k], x, S, true, deepstack_[k]);
-    }
+  const VisionBlockWeights& b = w_.blocks[l];
+  backend_.layer_norm(xn, x, b.norm1_w, b.norm1_b, eps);
+  backend_.linear(qkv, xn, b.qkv_w, b.qkv_b, false);
+  backend_.qkv_norm_rope(qkv, Tensor(), Tensor(), 0.0f, cos_.slice(0, S), sin_.slice(0, S), nh, nh,
+                         hd, false);
+  backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale);
+  backend_.linear(x, attn, b.proj_w, b.proj_b, true);
+  backend_.layer_norm(xn, x, b.norm2_w, b.norm2_b, eps);
+  backend_.linear(mlp, xn, b.fc1_w, b.fc1_b, false);
+  backend_.gelu_tanh(mlp, mlp);
+  backend_.linear(x, mlp, b.fc2_w, b.fc2_b, true);
+  const auto& taps = cfg_.deepstack_visual_indexes;
+  const auto tap = std::find(taps.begin(), taps.end(), l);
+  if (tap != taps.end()) {
+    const size_t k = static_cast<size_t>(tap - taps.begin());
+    run_merger(w_.deepstack_mergers[k], x, S, true, deepstack_[k]);
   }
-  run_merger(w_.merger, x, S, false, embeds_);
+}
+
+VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
+  run_merger(w_.merger, x_, S, false, embeds_);
   const int64_t Sm = S / cfg_.merge_unit();
+  Output out;
   out.embeds = embeds_.slice(0, Sm);
   for (const Tensor& d : deepstack_) out.deepstack.push_back(d.slice(0, Sm));
   return out;

@@ -79,6 +79,11 @@ class VisionEncoder {
   // Computes from the static buffers for the last upload()'s row count and segments. Captures
   // in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding included).
   Output run(int64_t rows, int n_segments);
+  // run() in pieces, for per-layer graphs: the patch and position embedding, one block (with its
+  // DeepStack tap), then the main merger. run() == embed, every block in order, finish.
+  void run_embed(int64_t rows);
+  void run_block(int layer, int64_t rows, int n_segments);
+  Output run_finish(int64_t rows);
   // Convenience: upload + run; the outputs are trimmed to the real merged rows.
   Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
 
