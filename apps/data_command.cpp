@@ -1,13 +1,12 @@
 // iris data: dataset generators (the synthetic shapes captioning set).
-#include "apps/commands.h"
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
 
+#include "apps/commands.h"
 #include "training/shapes_data.h"
 
 namespace iris {
-
 
 int run_data_command(int argc, char** argv) {
   CLI::App app{"Generate training data.", "iris data"};

@@ -1,14 +1,13 @@
 // iris export: a training checkpoint as a Hugging Face model directory.
-#include "apps/commands.h"
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
 
+#include "apps/commands.h"
 #include "core/error.h"
 #include "training/checkpoint.h"
 
 namespace iris {
-
 
 int run_export_command(int argc, char** argv) {
   CLI::App app{

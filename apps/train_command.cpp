@@ -1,5 +1,4 @@
 // iris train: run a training recipe, with dotted overrides (train.train_iters=100).
-#include "apps/commands.h"
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -7,11 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "apps/commands.h"
 #include "training/recipe.h"
 #include "training/trainer.h"
 
 namespace iris {
-
 
 int run_train_command(int argc, char** argv) {
   CLI::App app{

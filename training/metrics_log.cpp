@@ -118,7 +118,7 @@ double training_flops(const ModelConfig& cfg, const SampleShape& shape, const Tr
   const double T = static_cast<double>(shape.tokens);
   const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), It = t.intermediate_size;
   const double lm_w = t.num_hidden_layers * 2 * T * (H * (q + 2 * kv) + q * H + 3 * H * It) +
-                      2 * T * H * t.vocab_size;
+                      2 * static_cast<double>(shape.logit_rows) * H * t.vocab_size;
   const double lm_att = t.num_hidden_layers * 4 * q * T * (T + 1) / 2;
 
   const bool vis_flow = parts.vision_tower;

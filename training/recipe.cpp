@@ -356,6 +356,19 @@ void assign(const Field& f, const YAML::Node& n, const std::string& where) {
       f.ref);
 }
 
+// Shortest text that reads back to the same double, with a '.' or an exponent so that YAML
+// readers take it for a float ("1" would read as an integer).
+std::string double_text(double v) {
+  char buf[64];
+  for (int prec = 6; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof(buf), "%.*g", prec, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s = buf;
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
 YAML::Node value_node(const Field& f) {
   return std::visit(
       [&](auto* p) -> YAML::Node {
@@ -372,21 +385,14 @@ YAML::Node value_node(const Field& f) {
             pair.SetStyle(YAML::EmitterStyle::Flow);
             n.push_back(pair);
           }
-        } else if constexpr (std::is_same_v<T, std::vector<std::string>> ||
-                             std::is_same_v<T, std::vector<double>>) {
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
           n = YAML::Node(YAML::NodeType::Sequence);
           for (const auto& v : *p) n.push_back(v);
+        } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+          n = YAML::Node(YAML::NodeType::Sequence);
+          for (double v : *p) n.push_back(double_text(v));
         } else if constexpr (std::is_same_v<T, double>) {
-          // Shortest text that reads back to the same double.
-          char buf[64];
-          for (int prec = 6; prec <= 17; ++prec) {
-            std::snprintf(buf, sizeof(buf), "%.*g", prec, *p);
-            if (std::strtod(buf, nullptr) == *p) break;
-          }
-          std::string s = buf;
-          // YAML 1.2 core schema floats need a '.' or exponent; "1" would read as an integer.
-          if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-          n = s;
+          n = double_text(*p);
         } else {
           n = *p;
         }

@@ -1,0 +1,265 @@
+// iris train / export / data through the binary: dry runs and recipe errors, a run killed with
+// SIGKILL at random moments (one of them inside a checkpoint write) and restarted ends with the
+// losses of an uninterrupted run, and the export of a checkpoint generates what the checkpoint
+// generates.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/fs.h"
+#include "test_util.h"
+#include "training/checkpoint.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// Starts the iris binary with stdout and stderr appended to `log`.
+pid_t spawn_iris(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<std::string> all{IRIS_BINARY};
+  all.insert(all.end(), args.begin(), args.end());
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+    }
+    std::vector<char*> argv;
+    for (std::string& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+struct Exit {
+  int code = -1;  // exit status, or -1 when killed by a signal
+  int signal = 0;
+  std::string output;
+};
+
+Exit wait_exit(pid_t pid, const std::string& log) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  Exit e;
+  if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
+  e.output = fs::exists(log) ? read_text_file(log) : "";
+  return e;
+}
+
+class AppTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("iris_app_train_test_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  Exit iris(const std::vector<std::string>& args) {
+    const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
+    return wait_exit(spawn_iris(args, log), log);
+  }
+
+  // The tiny fixture on a small shapes set made by `iris data shapes`.
+  std::string write_recipe(int iters) {
+    const Exit d = iris({"data", "shapes", "--out", (root_ / "shapes").string(), "--n", "24",
+                         "--seed", "7", "--heldout", "0.25"});
+    EXPECT_EQ(d.code, 0) << d.output;
+    const std::string path = (root_ / "tiny.yaml").string();
+    write_file_atomic(
+        path, "model:\n  init: random\n  init_seed: 3\n  config: " + test::fixture_dir() +
+                  "/config.json\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
+                  "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
+                  "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
+                  "train:\n  micro_batch_size: 1\n  global_batch_size: 2\n  train_iters: " +
+                  std::to_string(iters) +
+                  "\n  seq_length: 64\n"
+                  "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n"
+                  "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
+                  "checkpoint:\n  save_interval: 2\n  keep_last: 2\n"
+                  "logging:\n  log_interval: 1\n");
+    return path;
+  }
+
+  static std::vector<std::pair<int64_t, double>> losses(const fs::path& run) {
+    std::ifstream f(run / "metrics.jsonl");
+    std::vector<std::pair<int64_t, double>> out;
+    for (std::string line; std::getline(f, line);) {
+      const auto j = nlohmann::json::parse(line);
+      out.emplace_back(j["iteration"].get<int64_t>(), j["loss"].get<double>());
+    }
+    return out;
+  }
+
+  fs::path root_;
+  int runs_ = 0;
+};
+
+TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
+  const std::string recipe = write_recipe(4);
+  const std::string run = (root_ / "run").string();
+  const Exit e = iris({"train", "--recipe", recipe, "--dry-run", "checkpoint.dir=" + run,
+                       "train.train_iters=9", "optimizer.betas=[0.8,0.9]"});
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("train_iters: 9"), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("betas: [0.8, 0.9]"), std::string::npos);
+  EXPECT_NE(e.output.find("cuda_graph_impl: none"), std::string::npos);
+  EXPECT_NE(e.output.find("recipe is valid"), std::string::npos);
+  EXPECT_FALSE(fs::exists(run));
+
+  const Exit listed = iris({"train", "--list-keys"});
+  EXPECT_EQ(listed.code, 0);
+  EXPECT_NE(listed.output.find("train.global_batch_size (integer, default 1)"), std::string::npos);
+}
+
+TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
+  const std::string recipe = write_recipe(4);
+  struct Case {
+    std::vector<std::string> args;
+    const char* expect;
+  };
+  for (const Case& c :
+       {Case{{"train.micro_batch=2"}, "did you mean 'train.micro_batch_size'"},
+        Case{{"train.train_iters=many"}, "train.train_iters expects an integer, got 'many'"},
+        Case{{"parallel.tensor_parallel_size=2"}, "must be 1"},
+        Case{{"train.global_batch_size=3", "train.micro_batch_size=2"}, "use 2 or 4"},
+        Case{{"cuda_graph.cuda_graph_impl=full_iteration", "cuda_graph.cuda_graph_modules=[attn]"},
+             "cuda_graph"}}) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "--dry-run"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    const Exit e = iris(args);
+    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_NE(e.output.find(c.expect), std::string::npos) << e.output;
+  }
+  const Exit missing = iris({"train", "--recipe", (root_ / "nope.yaml").string()});
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.output.find("does not exist"), std::string::npos);
+}
+
+TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
+  constexpr int kIters = 10;
+  const std::string recipe = write_recipe(kIters);
+  const fs::path straight = root_ / "straight", killed = root_ / "killed";
+
+  const auto t0 = Clock::now();
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + straight.string()});
+  ASSERT_EQ(a.code, 0) << a.output;
+  const double full_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE("kill schedule seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<std::string> args{"train", "--recipe", recipe,
+                                      "checkpoint.dir=" + killed.string()};
+  int kills = 0, tmp_kills = 0;
+  // Kill 1 and 3 at a random moment; kill 2 as soon as a checkpoint is being written.
+  for (int round = 0; round < 3; ++round) {
+    const std::string log = (root_ / ("killed_" + std::to_string(round) + ".txt")).string();
+    const pid_t pid = spawn_iris(args, log);
+    bool done = false;
+    if (round == 1) {
+      const auto deadline = Clock::now() + std::chrono::duration<double>(3 * full_seconds + 30);
+      while (Clock::now() < deadline && !done) {
+        bool writing = false;
+        if (fs::is_directory(killed))
+          for (const auto& e : fs::directory_iterator(killed))
+            writing |= e.path().extension() == ".tmp";
+        if (writing) {
+          ::kill(pid, SIGKILL);
+          ++tmp_kills;
+          break;
+        }
+        done = ::waitpid(pid, nullptr, WNOHANG) == pid;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    } else {
+      std::uniform_real_distribution<double> when(0.2, 0.7);
+      std::this_thread::sleep_for(std::chrono::duration<double>(when(rng) * full_seconds));
+      ::kill(pid, SIGKILL);
+    }
+    if (!done) {
+      const Exit e = wait_exit(pid, log);
+      if (e.signal == SIGKILL)
+        ++kills;
+      else
+        ASSERT_EQ(e.code, 0) << e.output;  // it finished before the kill landed
+    }
+    // Whatever the moment, `latest` names a complete checkpoint (or there is none yet).
+    ASSERT_NO_THROW(latest_checkpoint(killed.string()));
+  }
+  EXPECT_GE(kills, 1);
+  EXPECT_EQ(tmp_kills, 1) << "no checkpoint write was caught in the act";
+  const Exit b = iris(args);
+  ASSERT_EQ(b.code, 0) << b.output;
+
+  const auto la = losses(straight), lb = losses(killed);
+  ASSERT_EQ(la.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    EXPECT_EQ(la[i].first, lb[i].first);
+    EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
+  }
+  EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
+            read_text_file((killed / "step_0000010/model.safetensors").string()));
+  for (const auto& e : fs::directory_iterator(killed))
+    EXPECT_NE(e.path().extension(), ".tmp") << "debris left: " << e.path();
+}
+
+TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {
+  const std::string recipe = write_recipe(2);
+  const fs::path run = root_ / "run";
+  const Exit t = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run.string()});
+  ASSERT_EQ(t.code, 0) << t.output;
+  EXPECT_NE(t.output.find("iter 2/2 | loss "), std::string::npos) << t.output;
+  EXPECT_TRUE(fs::exists(run / "resolved_config.yaml"));
+  const fs::path out = root_ / "hf", out32 = root_ / "hf32";
+  const Exit x = iris({"export", (run / "step_0000002").string(), out.string()});
+  ASSERT_EQ(x.code, 0) << x.output;
+  const Exit x32 = iris({"export", run.string(), out32.string(), "--dtype", "f32"});
+  ASSERT_EQ(x32.code, 0) << x32.output;
+
+  auto generate = [&](const fs::path& model) {
+    const Exit g = iris({"generate", "-m", model.string(), "--image",
+                         (root_ / "shapes/images/000001.png").string(), "-p", "Describe the image.",
+                         "-n", "5", "--temp", "0", "--ignore-eos", "--device", "cpu", "--json"});
+    EXPECT_EQ(g.code, 0) << g.output;
+    const size_t brace = g.output.rfind("\n{");
+    const auto j = nlohmann::json::parse(
+        g.output.substr(brace == std::string::npos ? g.output.find('{') : brace + 1));
+    return j["tokens"].get<std::vector<int32_t>>();
+  };
+  // The checkpoint directory itself loads in iris generate; the f32 export is the same model.
+  const std::vector<int32_t> from_checkpoint = generate(run / "step_0000002");
+  ASSERT_EQ(from_checkpoint.size(), 5u);
+  EXPECT_EQ(generate(out32), from_checkpoint);
+  // bf16 rounding may flip the near-ties of an untrained model after the first token.
+  const std::vector<int32_t> from_bf16 = generate(out);
+  ASSERT_EQ(from_bf16.size(), 5u);
+  EXPECT_EQ(from_bf16[0], from_checkpoint[0]);
+
+  const Exit again = iris({"export", run.string(), out.string()});
+  EXPECT_EQ(again.code, 1);
+  EXPECT_NE(again.output.find("already exists"), std::string::npos) << again.output;
+}
+
+}  // namespace
+}  // namespace iris

@@ -1,0 +1,206 @@
+// Training telemetry: the FLOP count against a count written out matmul by matmul, the log line,
+// the SVG plot, and the metrics file's truncation on resume.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/fs.h"
+#include "test_util.h"
+#include "training/metrics_log.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelConfig fixture_config() {
+  return ModelConfig::from_file(test::fixture_dir() + "/config.json");
+}
+
+// Forward FLOPs listed per matmul for the fixture (text: H 64, q 64, kv 32, I 128, 3 layers,
+// vocab 151936; vision: D 32, I 64, depth 3, patch_dim 1536, merged 128, out 64, 2 deepstack
+// mergers), one 1x8x8 image (64 patches, 16 merged rows), T tokens, R logit rows.
+struct Forward {
+  double vision_w, vision_att, merger_w, text_w, text_att;
+};
+Forward fixture_forward(double T, double R) {
+  const double S = 64;
+  Forward f{};
+  f.vision_w = 2 * S * 1536 * 32  // patch embedding
+               + 3 * (2 * S * 32 * 96 + 2 * S * 32 * 32 + 2 * S * 32 * 64 + 2 * S * 64 * 32);
+  f.vision_att = 3 * (2 * S * S * 32 + 2 * S * S * 32);  // scores + weighted sum
+  f.merger_w = 3 * (2 * 16 * 128 * 128 + 2 * 16 * 128 * 64);
+  f.text_w = 3 * (2 * T * 64 * 64 + 2 * T * 64 * 32 * 2 + 2 * T * 64 * 64 + 2 * T * 64 * 256 +
+                  2 * T * 128 * 64) +
+             2 * R * 64 * 151936;
+  f.text_att = 3 * 2 * (2 * 64 * T * (T + 1) / 2);
+  return f;
+}
+
+TEST(TrainingFlops, MatchesAMatmulByMatmulCount) {
+  const ModelConfig cfg = fixture_config();
+  const SampleShape shape{40, 7, {GridTHW{1, 8, 8}}};
+  const Forward f = fixture_forward(40, 7);
+  const double fwd = f.vision_w + f.vision_att + f.merger_w + f.text_w + f.text_att;
+
+  // Everything trained: forward + input gradients (attention: both operands) + weight gradients.
+  const double all = training_flops(cfg, shape, {true, true, true});
+  EXPECT_NEAR(all, 3 * fwd, 1e-9 * all);
+
+  // Vision tower frozen: it runs forward only; nothing flows into it.
+  const double no_vision = training_flops(cfg, shape, {false, true, true});
+  EXPECT_NEAR(no_vision, all - 2 * f.vision_w - 2 * f.vision_att, 1e-9 * all);
+
+  // Only the merger trains: the decoder still backpropagates its input gradient to the image rows
+  // but computes no weight gradient.
+  const double merger_only = training_flops(cfg, shape, {false, true, false});
+  EXPECT_NEAR(merger_only,
+              (f.vision_w + f.vision_att) + 3 * f.merger_w + (2 * f.text_w + 3 * f.text_att),
+              1e-9 * all);
+
+  // Only the language model trains: mergers and tower run forward only.
+  const double lm_only = training_flops(cfg, shape, {false, false, true});
+  EXPECT_NEAR(lm_only, f.vision_w + f.vision_att + f.merger_w + 3 * (f.text_w + f.text_att),
+              1e-9 * all);
+
+  // Text only: no vision work at all.
+  const double text = training_flops(cfg, SampleShape{40, 7, {}}, {true, true, true});
+  EXPECT_NEAR(text, 3 * (f.text_w + f.text_att), 1e-9 * text);
+}
+
+TEST(TrainingFlops, ScaleWithTheRealCounts) {
+  const ModelConfig cfg = fixture_config();
+  const TrainedParts all{true, true, true};
+  const double one = training_flops(cfg, {40, 7, {GridTHW{1, 8, 8}}}, all);
+  const double two = training_flops(cfg, {40, 7, {GridTHW{1, 8, 8}, GridTHW{1, 8, 8}}}, all);
+  const double more_rows = training_flops(cfg, {40, 8, {GridTHW{1, 8, 8}}}, all);
+  const Forward f = fixture_forward(40, 7);
+  EXPECT_NEAR(two - one, 3 * (f.vision_w + f.vision_att + f.merger_w), 1e-9 * two);
+  EXPECT_NEAR(more_rows - one, 3 * 2 * 64 * 151936.0, 1e-9 * one);
+  // A two-frame video attends within each frame, so attention grows linearly in frames.
+  const double video = training_flops(cfg, {40, 7, {GridTHW{2, 8, 8}}}, all);
+  EXPECT_NEAR(video - one, 3 * (f.vision_w + f.vision_att + f.merger_w), 1e-9 * video);
+}
+
+TEST(MetricsLog, LogLineCarriesEveryFigure) {
+  StepMetrics m;
+  m.iteration = 7;
+  m.loss = 2.5;
+  m.learning_rate = 3e-4;
+  m.grad_norm = 1.25;
+  m.tokens = 1000;
+  m.samples = 10;
+  m.seconds = 2;
+  m.flops = 4e12;
+  m.memory_bytes = int64_t(3) << 30;
+  const std::string line = format_log_line(m, 100);
+  for (const char* part : {"iter   7/100", "loss 2.500000", "lr 3.000e-04", "grad norm 1.2500",
+                           "500.0 tok/s", "5.00 samples/s", "2 TFLOP/s", "mem 3.00 GiB"})
+    EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
+}
+
+TEST(MetricsLog, SvgHasOnePolylinePerSeriesAndEscapesText) {
+  PlotPanel loss{"Loss <train & eval>", "loss", {{"train", "#1f77b4", {{1, 3}, {2, 2}, {3, 1.5}}}}};
+  PlotPanel empty{"Learning rate", "lr", {{"lr", "#2ca02c", {}}}};
+  const std::string svg = render_svg_plot({loss, empty}, "iteration");
+  EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.find("Loss &lt;train &amp; eval&gt;"), std::string::npos);
+  EXPECT_EQ(svg.find("<train"), std::string::npos);
+  size_t polylines = 0;
+  for (size_t p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1))
+    ++polylines;
+  EXPECT_EQ(polylines, 1u);
+  EXPECT_NE(svg.find("no data yet"), std::string::npos);
+  // Self-contained: no scripts, no external references.
+  EXPECT_EQ(svg.find("<script"), std::string::npos);
+  EXPECT_EQ(svg.find("href"), std::string::npos);
+}
+
+class MetricsFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("iris_metrics_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(MetricsFileTest, ResumeDropsRecordsPastTheCheckpointAndATornLine) {
+  FILE* null_out = std::fopen("/dev/null", "w");
+  MetricsLog::Options o;
+  o.run_dir = dir_.string();
+  o.total_iterations = 10;
+  o.out = null_out;
+  {
+    MetricsLog log(o, 0);
+    for (int it = 1; it <= 5; ++it) {
+      StepMetrics m;
+      m.iteration = it;
+      m.loss = 10.0 / it;
+      m.learning_rate = 1e-3;
+      log.log(m);
+      if (it == 2) log.log_eval({2, 4.5, 100, 8});
+    }
+  }
+  // A run killed mid-write leaves half a record.
+  {
+    std::ofstream f(dir_ / "metrics.jsonl", std::ios::app);
+    f << "{\"iteration\":6,\"loss\":1.2";
+  }
+  EXPECT_TRUE(fs::exists(dir_ / "training_curves.svg"));
+  {
+    MetricsLog log(o, 3);
+    ASSERT_EQ(log.history().size(), 3u);
+    EXPECT_DOUBLE_EQ(log.history()[2].loss, 10.0 / 3);
+    StepMetrics m;
+    m.iteration = 4;
+    m.loss = 9.0;
+    log.log(m);
+  }
+  std::ifstream f(dir_ / "metrics.jsonl");
+  std::vector<int64_t> iterations;
+  int evals = 0;
+  for (std::string line; std::getline(f, line);) {
+    const auto j = nlohmann::json::parse(line);
+    iterations.push_back(j["iteration"].get<int64_t>());
+    evals += j.contains("eval_loss");
+  }
+  EXPECT_EQ(iterations, (std::vector<int64_t>{1, 2, 2, 3, 4}));
+  EXPECT_EQ(evals, 1);
+  const std::string svg = read_text_file((dir_ / "training_curves.svg").string());
+  EXPECT_NE(svg.find("<polyline"), std::string::npos);
+  std::fclose(null_out);
+}
+
+TEST_F(MetricsFileTest, ProgressBarShowsEta) {
+  const fs::path out_path = dir_ / "out.txt";
+  FILE* out = std::fopen(out_path.c_str(), "w");
+  MetricsLog::Options o;
+  o.run_dir = dir_.string();
+  o.metrics_file = "";
+  o.plot_file = "";
+  o.total_iterations = 4;
+  o.progress_bar = true;
+  o.out = out;
+  {
+    MetricsLog log(o, 0);
+    log.progress(2);
+    log.message("hello");
+  }
+  std::fclose(out);
+  const std::string text = read_text_file(out_path.string());
+  EXPECT_NE(text.find("2/4  50% ETA"), std::string::npos) << text;
+  EXPECT_NE(text.find("\r\033[Khello\n"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dir_ / "metrics.jsonl"));
+}
+
+}  // namespace
+}  // namespace iris
