@@ -591,39 +591,43 @@ TEST_F(OpGradients, EmbeddingAndPositionEmbedding) {
 }
 
 TEST_F(OpGradients, LmHeadCrossEntropyInChunks) {
-  const int64_t N = 5, H = 6, V = 50;
-  auto x = randn(N * H), w = randn(V * H);
-  const std::vector<int32_t> targets = {3, 49, 0, 3, 17};
-  std::vector<float> scratch(2 * V);  // chunks of 2 rows: 2 + 2 + 1
-  const float grad_scale = 0.37f;
-  auto loss = [&] {
-    return grad_scale * train::lm_head_cross_entropy(nullptr, nullptr, x.data(), w.data(),
-                                                     targets.data(), N, H, V, 0.0f, scratch.data(),
-                                                     2);
-  };
-  // The loss against a direct f64 evaluation.
-  double want = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    std::vector<double> l(V);
-    double mx = -1e300;
-    for (int64_t v = 0; v < V; ++v) {
-      for (int64_t h = 0; h < H; ++h) l[v] += double(x[i * H + h]) * w[v * H + h];
-      mx = std::max(mx, l[v]);
+  // H = 16 takes the fused AVX2 kernels where the CPU has them, H = 6 the GEMM path.
+  for (const int64_t H : {6, 16}) {
+    SCOPED_TRACE(str_cat("H = ", H));
+    const int64_t N = 5, V = 50;
+    auto x = randn(N * H), w = randn(V * H);
+    const std::vector<int32_t> targets = {3, 49, 0, 3, 17};
+    std::vector<float> scratch(train::lm_head_scratch_floats(2, H, V));  // chunks: 2 + 2 + 1
+    const float grad_scale = 0.37f;
+    auto loss = [&] {
+      return grad_scale * train::lm_head_cross_entropy(nullptr, nullptr, x.data(), w.data(),
+                                                       targets.data(), N, H, V, 0.0f,
+                                                       scratch.data(), 2);
+    };
+    // The loss against a direct f64 evaluation.
+    double want = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      std::vector<double> l(V);
+      double mx = -1e300;
+      for (int64_t v = 0; v < V; ++v) {
+        for (int64_t h = 0; h < H; ++h) l[v] += double(x[i * H + h]) * w[v * H + h];
+        mx = std::max(mx, l[v]);
+      }
+      double s = 0;
+      for (double lv : l) s += std::exp(lv - mx);
+      want += mx + std::log(s) - l[targets[i]];
     }
-    double s = 0;
-    for (double lv : l) s += std::exp(lv - mx);
-    want += mx + std::log(s) - l[targets[i]];
+    EXPECT_NEAR(loss() / grad_scale, want, 1e-5 * want);
+    auto dx = nans(N * H);
+    auto dw0 = randn(V * H);
+    auto dw = dw0;
+    const double l2 =
+        train::lm_head_cross_entropy(dx.data(), dw.data(), x.data(), w.data(), targets.data(), N, H,
+                                     V, grad_scale, scratch.data(), 2);
+    EXPECT_NEAR(l2, want, 1e-5 * want);
+    expect_gradient("lm_head ce dx", x, dx, loss);
+    expect_gradient("lm_head ce dw", w, dw, loss, &dw0);
   }
-  EXPECT_NEAR(loss() / grad_scale, want, 1e-5 * want);
-  auto dx = nans(N * H);
-  auto dw0 = randn(V * H);
-  auto dw = dw0;
-  const double l2 =
-      train::lm_head_cross_entropy(dx.data(), dw.data(), x.data(), w.data(), targets.data(), N, H,
-                                   V, grad_scale, scratch.data(), 2);
-  EXPECT_NEAR(l2, want, 1e-5 * want);
-  expect_gradient("lm_head ce dx", x, dx, loss);
-  expect_gradient("lm_head ce dw", w, dw, loss, &dw0);
 }
 
 }  // namespace

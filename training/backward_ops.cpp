@@ -7,6 +7,10 @@
 
 #include <omp.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "core/cpu/cpu_gemm.h"
 #include "core/error.h"
 
@@ -22,6 +26,7 @@ constexpr int64_t kColumnBlock = 16;
 // thread (the tiny model's step was 10x slower with 2 threads than with 1 on 2 busy cores).
 constexpr int64_t kParallelGrain = int64_t(1) << 16;
 constexpr int kMaxThreads = 256;
+constexpr int64_t kAlignFloats = 16;  // a 64-byte cache line
 
 template <typename F>
 void for_column_blocks(int64_t R, int64_t C, F f) {
@@ -540,6 +545,207 @@ void pos_embed_backward(float* dtable, const float* dy, const int32_t* index, co
 
 // ---- lm_head + cross-entropy -------------------------------------------------------------------
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define IRIS_LM_HEAD_AVX2 1
+#endif
+
+#ifdef IRIS_LM_HEAD_AVX2
+namespace {
+
+// The lm_head is most of a small model's training step (a [rows, 152k] x [152k, H] product three
+// times per sample). With few labelled rows the GEMM library spends as long packing the vocabulary
+// matrix as multiplying, so on AVX2 machines two fused passes replace the three GEMMs: logits
+// (one read of w), then dx and dw together (one read of w, one read-modify-write of dw).
+constexpr int64_t kMaxFusedRows = 256;  // rows per chunk the fused backward keeps on the stack
+constexpr int64_t kVocabBlock = 256;    // dx sums over the vocabulary in blocks of this size
+
+bool have_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp for x <= 0 (Cephes' expf: range reduction by ln 2 and a degree-5 polynomial, ~1 ulp);
+// inputs below -87 give 0, which changes no f64 sum of probabilities.
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, y);
+}
+
+// Row r of logits -> exp(logit - max) in place; returns the f64 sum and sets *mx.
+__attribute__((target("avx2,fma"))) double exp_row_avx2(float* lr, int64_t V, float* mx_out) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lr + v));
+  float mx = -std::numeric_limits<float>::infinity();
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  for (float l : lanes) mx = std::max(mx, l);
+  for (int64_t t = v; t < V; ++t) mx = std::max(mx, lr[t]);
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (v = 0; v + 8 <= V; v += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(lr + v), mxv));
+    _mm256_storeu_ps(lr + v, e);
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
+  double s = (d[0] + d[1]) + (d[2] + d[3]);
+  for (; v < V; ++v) {
+    lr[v] = std::exp(lr[v] - mx);
+    s += lr[v];
+  }
+  *mx_out = mx;
+  return s;
+}
+
+// logits[r, v] = x_r . w_v for v in [v0, v1) and every r < n (H a multiple of 8).
+__attribute__((target("avx2,fma"))) void logits_avx2(float* logits, const float* x, const float* w,
+                                                     int64_t n, int64_t H, int64_t V, int64_t v0,
+                                                     int64_t v1) {
+  int64_t v = v0;
+  for (; v + 4 <= v1; v += 4) {
+    const float *w0 = w + v * H, *w1 = w0 + H, *w2 = w1 + H, *w3 = w2 + H;
+    int64_t r = 0;
+    // Two rows by four vocabulary rows: eight independent FMA chains per step.
+    for (; r + 2 <= n; r += 2) {
+      const float *xa = x + r * H, *xb = xa + H;
+      __m256 a[8];
+      for (__m256& t : a) t = _mm256_setzero_ps();
+      for (int64_t h = 0; h < H; h += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + h), vb = _mm256_loadu_ps(xb + h);
+        const __m256 m0 = _mm256_loadu_ps(w0 + h), m1 = _mm256_loadu_ps(w1 + h),
+                     m2 = _mm256_loadu_ps(w2 + h), m3 = _mm256_loadu_ps(w3 + h);
+        a[0] = _mm256_fmadd_ps(va, m0, a[0]);
+        a[1] = _mm256_fmadd_ps(va, m1, a[1]);
+        a[2] = _mm256_fmadd_ps(va, m2, a[2]);
+        a[3] = _mm256_fmadd_ps(va, m3, a[3]);
+        a[4] = _mm256_fmadd_ps(vb, m0, a[4]);
+        a[5] = _mm256_fmadd_ps(vb, m1, a[5]);
+        a[6] = _mm256_fmadd_ps(vb, m2, a[6]);
+        a[7] = _mm256_fmadd_ps(vb, m3, a[7]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        logits[r * V + v + j] = hsum(a[j]);
+        logits[(r + 1) * V + v + j] = hsum(a[4 + j]);
+      }
+    }
+    for (; r < n; ++r) {
+      const float* xr = x + r * H;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t h = 0; h < H; h += 8) {
+        const __m256 xv = _mm256_loadu_ps(xr + h);
+        a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0 + h), a0);
+        a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w1 + h), a1);
+        a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w2 + h), a2);
+        a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w3 + h), a3);
+      }
+      float* out = logits + r * V + v;
+      out[0] = hsum(a0);
+      out[1] = hsum(a1);
+      out[2] = hsum(a2);
+      out[3] = hsum(a3);
+    }
+  }
+  for (; v < v1; ++v) {
+    for (int64_t r = 0; r < n; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t h = 0; h < H; h += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * H + h), _mm256_loadu_ps(w + v * H + h), a);
+      logits[r * V + v] = hsum(a);
+    }
+  }
+}
+
+// For columns [h0, h1) (multiples of 8): overwrites dx[r, h] = sum_v dl[r, v] w[v, h] and
+// accumulates dw[v, h] += sum_r dl[r, v] x[r, h] (dw may be null). The sum over the vocabulary
+// runs in blocks whose partial sums (in blk[n, H], columns [h0, h1)) are added to dx, which keeps
+// its rounding error near that of a blocked GEMM. One call streams w and dw once.
+__attribute__((target("avx2,fma"))) void head_backward_avx2(float* dx, float* dw, const float* dl,
+                                                            const float* x, const float* w,
+                                                            int64_t n, int64_t H, int64_t V,
+                                                            int64_t h0, int64_t h1, float* blk) {
+  float g[kMaxFusedRows];
+  for (int64_t r = 0; r < n; ++r) std::fill(dx + r * H + h0, dx + r * H + h1, 0.0f);
+  for (int64_t vb = 0; vb < V; vb += kVocabBlock) {
+    for (int64_t r = 0; r < n; ++r) std::fill(blk + r * H + h0, blk + r * H + h1, 0.0f);
+    const int64_t ve = std::min(V, vb + kVocabBlock);
+    for (int64_t v = vb; v < ve; ++v) {
+      for (int64_t r = 0; r < n; ++r) g[r] = dl[r * V + v];
+      const float* wv = w + v * H;
+      float* dwv = dw ? dw + v * H : nullptr;
+      int64_t h = h0;
+      // Four column vectors at once: the dw sums over r are FMA chains, and four independent
+      // chains hide the FMA latency that a single one would wait on.
+      for (; h + 32 <= h1; h += 32) {
+        __m256 w4[4], acc[4];
+        for (int j = 0; j < 4; ++j) {
+          w4[j] = _mm256_loadu_ps(wv + h + 8 * j);
+          acc[j] = dwv ? _mm256_loadu_ps(dwv + h + 8 * j) : _mm256_setzero_ps();
+        }
+        float* bp = blk + h;
+        for (int64_t r = 0; r < n; ++r) {
+          const __m256 gr = _mm256_set1_ps(g[r]);
+          const float* xr = x + r * H + h;
+          float* b = bp + r * H;
+          for (int j = 0; j < 4; ++j) {
+            acc[j] = _mm256_fmadd_ps(gr, _mm256_loadu_ps(xr + 8 * j), acc[j]);
+            _mm256_storeu_ps(b + 8 * j, _mm256_fmadd_ps(gr, w4[j], _mm256_loadu_ps(b + 8 * j)));
+          }
+        }
+        if (dwv)
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dwv + h + 8 * j, acc[j]);
+      }
+      for (; h < h1; h += 8) {
+        const __m256 wvec = _mm256_loadu_ps(wv + h);
+        __m256 acc = dwv ? _mm256_loadu_ps(dwv + h) : _mm256_setzero_ps();
+        float* bp = blk + h;
+        for (int64_t r = 0; r < n; ++r) {
+          const __m256 gr = _mm256_set1_ps(g[r]);
+          acc = _mm256_fmadd_ps(gr, _mm256_loadu_ps(x + r * H + h), acc);
+          float* b = bp + r * H;
+          _mm256_storeu_ps(b, _mm256_fmadd_ps(gr, wvec, _mm256_loadu_ps(b)));
+        }
+        if (dwv) _mm256_storeu_ps(dwv + h, acc);
+      }
+    }
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = h0; h < h1; ++h) dx[r * H + h] += blk[r * H + h];
+  }
+}
+
+}  // namespace
+#endif
+
+int64_t lm_head_scratch_floats(int64_t chunk_rows, int64_t H, int64_t V) {
+  // Logits, then the fused backward's block sums, aligned up to a cache line (kAlignFloats).
+  return chunk_rows * (V + H) + kAlignFloats;
+}
+
 double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
                              const int32_t* targets, int64_t N, int64_t H, int64_t V,
                              float grad_scale, float* scratch, int64_t chunk_rows) {
@@ -547,30 +753,56 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
   for (int64_t i = 0; i < N; ++i)
     IRIS_CHECK(targets[i] >= 0 && targets[i] < V, "label ", targets[i],
                " is outside the vocabulary of ", V, " (use -100 for tokens without a label)");
+#ifdef IRIS_LM_HEAD_AVX2
+  const bool fused = have_avx2_fma() && H % 8 == 0 && chunk_rows <= kMaxFusedRows;
+#else
+  const bool fused = false;
+#endif
+  const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
   double loss = 0.0;
   for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
     const int64_t n = std::min(chunk_rows, N - r0);
     const float* xc = x + r0 * H;
-    cpu::sgemm_xwt(n, V, H, xc, w, scratch, 0.0f);
+    const bool parallel = n * V * H > kParallelGrain;
+    if (fused) {
+#ifdef IRIS_LM_HEAD_AVX2
+#pragma omp parallel num_threads(n_threads) if (parallel)
+      {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        // Split the vocabulary on multiples of 4 rows (the kernel's block).
+        const int64_t blocks = (V + 3) / 4;
+        logits_avx2(scratch, xc, w, n, H, V, std::min(V, 4 * (blocks * tid / nt)),
+                    std::min(V, 4 * (blocks * (tid + 1) / nt)));
+      }
+#endif
+    } else {
+      cpu::sgemm_xwt(n, V, H, xc, w, scratch, 0.0f);
+    }
     // Per-thread partial losses, summed in thread order afterwards: an OpenMP reduction would
     // combine them in arrival order and the loss would differ in the last bit between runs.
     double partial[kMaxThreads] = {};
-    const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
 #pragma omp parallel num_threads(n_threads) if (n * V > kParallelGrain)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t rb = n * tid / nt, re = n * (tid + 1) / nt;
       for (int64_t r = rb; r < re; ++r) {
         float* lr = scratch + r * V;
-        const float mx = *std::max_element(lr, lr + V);
         const int32_t t = targets[r0 + r];
         const float target_logit = lr[t];
-        // One f32 exp per logit (the exponentials are the bulk of the loss's time at a 152k
-        // vocabulary): kept in place for the gradient, summed in f64.
+        // One exp per logit, kept in place for the gradient; the sum in f64.
+        float mx;
         double s = 0.0;
-        for (int64_t v = 0; v < V; ++v) {
-          lr[v] = std::exp(lr[v] - mx);
-          s += lr[v];
+#ifdef IRIS_LM_HEAD_AVX2
+        if (fused) {
+          s = exp_row_avx2(lr, V, &mx);
+        } else
+#endif
+        {
+          mx = *std::max_element(lr, lr + V);
+          for (int64_t v = 0; v < V; ++v) {
+            lr[v] = std::exp(lr[v] - mx);
+            s += lr[v];
+          }
         }
         partial[tid] += double(mx) + std::log(s) - double(target_logit);
         if (dx) {
@@ -581,10 +813,27 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
         }
       }
     }
-    double chunk_loss = 0.0;
-    for (int k = 0; k < n_threads; ++k) chunk_loss += partial[k];
-    loss += chunk_loss;
-    if (dx) {
+    for (int k = 0; k < n_threads; ++k) loss += partial[k];
+    if (!dx) continue;
+    if (fused) {
+#ifdef IRIS_LM_HEAD_AVX2
+      // Each thread owns a range of columns (whole cache lines): dx and dw need no reduction,
+      // and w and dw are streamed once in all.
+      // Threads write neighbouring column ranges of blk: start it on a cache line so that no
+      // line is shared (a shared line bounced between cores made this pass 10x slower).
+      float* blk = scratch + chunk_rows * V;
+      blk += (kAlignFloats - (reinterpret_cast<uintptr_t>(blk) / sizeof(float)) % kAlignFloats) %
+             kAlignFloats;
+#pragma omp parallel num_threads(n_threads) if (parallel)
+      {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t units = (H + 15) / 16;
+        const int64_t h0 = std::min(H, 16 * (units * tid / nt)),
+                      h1 = std::min(H, 16 * (units * (tid + 1) / nt));
+        if (h1 > h0) head_backward_avx2(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
+      }
+#endif
+    } else {
       cpu::sgemm_xw(n, H, V, scratch, w, dx + r0 * H, 0.0f);
       if (dw) cpu::sgemm_xtw(V, H, n, scratch, xc, dw, 1.0f);
     }

@@ -184,7 +184,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   final_rstd_ = a.alloc(F, {L});
   xlab_ = a.alloc(F, {L, H});
   dxlab_ = a.alloc(F, {L, H});
-  logits_ = a.alloc(F, {std::min(limits_.loss_chunk_rows, L), t.vocab_size});
+  logits_ = a.alloc(
+      F, {train::lm_head_scratch_floats(std::min(limits_.loss_chunk_rows, L), H, t.vocab_size)});
 
   t_dres_ = a.alloc(F, {L, H});
   t_dtmp_ = a.alloc(F, {L, H});
