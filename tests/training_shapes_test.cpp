@@ -316,7 +316,8 @@ TEST(TrainingShapes, FewVisionTokensAndLoadable) {
       if (l != -100) learned.push_back(l);
     ASSERT_GE(learned.size(), 2u);
     learned.resize(learned.size() - 2);  // <|im_end|> and "\n"
-    EXPECT_EQ(tok.decode(learned), lines[static_cast<size_t>(i)]["messages"][1]["content"]);
+    EXPECT_EQ(tok.decode(learned),
+              lines[static_cast<size_t>(i)]["messages"][1]["content"].get<std::string>());
   }
 }
 
