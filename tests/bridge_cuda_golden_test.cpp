@@ -1,6 +1,9 @@
 // The tiny fixture on the CUDA backend (bf16 weights and activations, f32 accumulation) against
 // HF's fp32 goldens, with bf16 tolerances. Skipped without a GPU.
 //
+// Hidden states and vision outputs: relative L2 error ||ours - HF|| / ||HF|| <= 3% (golden.json's
+// bf16_rel); single elements of a random-weight model may drift further through bf16 rounding.
+//
 // Top-8 rule: bf16 moves logits by a few hundredths, so near-ties may reorder. At every position:
 //  - every golden top-8 id's logit is within tol of its golden value (tol = 3% relative + 0.05),
 //  - an id we rank in the top 8 that HF does not is no larger than HF's 8th value + tol (it can
@@ -17,6 +20,19 @@ namespace {
 
 constexpr float kRel = 0.03f, kAbs = 0.05f;
 
+::testing::AssertionResult rel_l2_within(const std::vector<float>& a, const std::vector<float>& b,
+                                         double limit) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "size mismatch";
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-30));
+  if (rel <= limit) return ::testing::AssertionSuccess() << "relative L2 " << rel;
+  return ::testing::AssertionFailure() << "relative L2 error " << rel << " > " << limit;
+}
+
 std::vector<int32_t> ids_of(const HostTensor& t) {
   std::vector<int32_t> out;
   for (int64_t i = 0; i < t.numel(); ++i) out.push_back(static_cast<int32_t>(t.data<int64_t>()[i]));
@@ -26,7 +42,8 @@ std::vector<int32_t> ids_of(const HostTensor& t) {
 std::vector<GridTHW> grids_of(const HostTensor& t) {
   std::vector<GridTHW> g;
   for (int64_t i = 0; i < t.dim(0); ++i)
-    g.push_back({t.data<int64_t>()[i * 3], t.data<int64_t>()[i * 3 + 1], t.data<int64_t>()[i * 3 + 2]});
+    g.push_back(
+        {t.data<int64_t>()[i * 3], t.data<int64_t>()[i * 3 + 1], t.data<int64_t>()[i * 3 + 2]});
   return g;
 }
 
@@ -47,7 +64,8 @@ void check_top8(const float* logits, int64_t rows, int64_t V, const test::Golden
                       [&](int32_t a, int32_t b) { return row[a] > row[b]; });
     for (int k = 0; k < 8; ++k)
       if (std::find(gi, gi + 8, order[k]) == gi + 8)
-        EXPECT_LE(row[order[k]], gv[7] + tol(gv[7])) << prefix << " row " << gr << " id " << order[k];
+        EXPECT_LE(row[order[k]], gv[7] + tol(gv[7]))
+            << prefix << " row " << gr << " id " << order[k];
     if (gv[0] - gv[1] > 2 * tol(gv[0])) EXPECT_EQ(order[0], gi[0]) << prefix << " row " << gr;
   }
 }
@@ -77,11 +95,13 @@ class CudaGolden : public ::testing::Test {
 
 TEST_F(CudaGolden, VisionOutputsWithinBf16Tolerance) {
   const HostTensor pv = golden_.tensor("pixel_values");
-  const auto out = model_->vision().encode(pv.data<float>(), grids_of(golden_.tensor("image_grid_thw")));
-  EXPECT_TRUE(test::all_close(read(out.embeds), golden_.tensor("vision.embeds").to_f32(), kRel, kAbs));
+  const auto out =
+      model_->vision().encode(pv.data<float>(), grids_of(golden_.tensor("image_grid_thw")));
+  EXPECT_TRUE(rel_l2_within(read(out.embeds), golden_.tensor("vision.embeds").to_f32(), kRel));
   for (size_t k = 0; k < out.deepstack.size(); ++k)
-    EXPECT_TRUE(test::all_close(read(out.deepstack[k]),
-                                golden_.tensor("vision.deepstack." + std::to_string(k)).to_f32(), kRel, kAbs));
+    EXPECT_TRUE(rel_l2_within(read(out.deepstack[k]),
+                              golden_.tensor("vision.deepstack." + std::to_string(k)).to_f32(),
+                              kRel));
 }
 
 TEST_F(CudaGolden, MultimodalAndTextHiddenStatesAndTop8) {
@@ -96,8 +116,8 @@ TEST_F(CudaGolden, MultimodalAndTextHiddenStatesAndTop8) {
     std::vector<std::vector<float>> hidden(4);
     model_->prefill(ids, [&](int i, int64_t, const Tensor& rows) { hidden[i] = read(rows); });
     for (int l = 0; l < 4; ++l)
-      EXPECT_TRUE(test::all_close(hidden[l], golden_.tensor(prefix + ".hidden." + std::to_string(l)).to_f32(),
-                                  kRel, 0.1f))
+      EXPECT_TRUE(rel_l2_within(
+          hidden[l], golden_.tensor(prefix + ".hidden." + std::to_string(l)).to_f32(), kRel))
           << prefix << ".hidden." << l;
     check_top8(model_->prompt_logits().data(), static_cast<int64_t>(ids.size()),
                model_->config().text.vocab_size, golden_, prefix);
