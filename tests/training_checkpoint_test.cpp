@@ -305,6 +305,18 @@ TEST_F(TinyTrainingTest, ResumeSettingsAreEnforced) {
   EXPECT_THROW(run_training(recipe(run_dir("x"), {"checkpoint.resume=" + run}), quiet()), Error);
 }
 
+TEST_F(TinyTrainingTest, SamplesAboveThePlannedPatchesAreSkipped) {
+  // Every shapes image is 16 patches: with room for 8, nothing fits.
+  try {
+    run_training(recipe(run_dir("run"), {"train.max_vision_patches=8"}), quiet());
+    FAIL() << "a sample above train.max_vision_patches was trained on";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no sample fits train.max_vision_patches = 8"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(TinyTrainingTest, StartsFromAPretrainedDirectory) {
   const std::string run = run_dir("run");
   const TrainResult r =

@@ -305,16 +305,18 @@ TEST_F(RecipeTest, ValueRangesAreChecked) {
     const char* override_text;
     const char* expect;
   };
-  for (const Case& c : {Case{"optimizer.lr=0", "optimizer.lr must be > 0"},
-                        Case{"optimizer.min_lr=1", "optimizer.min_lr 1 must be in [0"},
-                        Case{"optimizer.betas=[0.9]", "expects 2 numbers"},
-                        Case{"optimizer.betas=[0.9, 1.0]", "must be in [0, 1)"},
-                        Case{"train.micro_batch_size=0", "train.micro_batch_size must be >= 1"},
-                        Case{"logging.log_interval=0", "logging.log_interval must be >= 1"},
-                        Case{"train.freeze_vision_tower=true", ""},
-                        Case{"train.seq_length=100000", "max_position_embeddings"},
-                        Case{"train.eval_interval=5", "data.eval_files is empty"},
-                        Case{"data.min_pixels=5000", ""}}) {
+  for (const Case& c :
+       {Case{"optimizer.lr=0", "optimizer.lr must be > 0"},
+        Case{"optimizer.min_lr=1", "optimizer.min_lr 1 must be in [0"},
+        Case{"optimizer.betas=[0.9]", "expects 2 numbers"},
+        Case{"optimizer.betas=[0.9, 1.0]", "must be in [0, 1)"},
+        Case{"train.micro_batch_size=0", "train.micro_batch_size must be >= 1"},
+        Case{"logging.log_interval=0", "logging.log_interval must be >= 1"},
+        Case{"train.freeze_vision_tower=true", ""},
+        Case{"train.seq_length=100000", "max_position_embeddings"},
+        Case{"train.eval_interval=5", "data.eval_files is empty"}, Case{"data.min_pixels=5000", ""},
+        Case{"train.max_vision_patches=6", "must be a multiple of 4 (whole merge windows); use 8"},
+        Case{"train.max_vision_patches=64", ""}}) {
     SCOPED_TRACE(c.override_text);
     if (std::string(c.expect).empty()) {
       EXPECT_NO_THROW(load_recipe_text(tiny_recipe(), "r.yaml", {c.override_text}));

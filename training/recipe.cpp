@@ -120,6 +120,9 @@ std::vector<Field> fields(Recipe& r) {
       {"train.eval_interval", &t.eval_interval,
        "steps between evaluations on data.eval_files; 0: never"},
       {"train.eval_iters", &t.eval_iters, "global batches per evaluation"},
+      {"train.max_vision_patches", &t.max_vision_patches,
+       "vision patches of one sample the activation memory is planned for (samples above it are "
+       "skipped); 0: mock data's exact count, else seq_length x 4 (the most a sample can hold)"},
       {"optimizer.lr", &o.lr, "peak learning rate"},
       {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
       {"optimizer.betas", &o.betas, "AdamW [beta1, beta2]"},
@@ -595,6 +598,7 @@ void validate(Recipe& r) {
   positive(t.seq_length, "train.seq_length", 2);
   positive(t.eval_interval, "train.eval_interval", 0);
   positive(t.eval_iters, "train.eval_iters");
+  positive(t.max_vision_patches, "train.max_vision_patches", 0);
   IRIS_CHECK(t.seed >= 0, "recipe: train.seed must be >= 0, got ", t.seed);
   IRIS_CHECK(!(t.freeze_vision_tower && t.freeze_merger && t.freeze_language_model),
              "recipe: train.freeze_vision_tower, train.freeze_merger and "
@@ -756,24 +760,20 @@ void validate(Recipe& r) {
     GraphModelTraits traits;
     traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
     traits.spatial_merge_size = mc.vision.spatial_merge_size;
-    // Largest encoder call of a micro-batch in mock mode, where image sizes are known up front.
-    if (d.config.mock && !d.config.mock_image_sizes.empty()) {
-      const PreprocessorConfig pp = recipe_preprocessor(r);
-      int64_t per_sample = 0;
-      for (const auto& wh : d.config.mock_image_sizes) {
-        const ResizedSize rs =
-            smart_resize(wh[1], wh[0], pp.patch_size * pp.merge_size, pp.min_pixels, pp.max_pixels);
-        per_sample += int64_t(rs.height / pp.patch_size) * (rs.width / pp.patch_size);
-      }
-      traits.max_vision_seq_length = per_sample * t.micro_batch_size;
-    }
+    // Largest encoder call of a micro-batch, where it is known up front.
+    if (t.max_vision_patches > 0 || (d.config.mock && !d.config.mock_image_sizes.empty()))
+      traits.max_vision_seq_length = recipe_max_vision_patches(r) * t.micro_batch_size;
     try {
       finalize_graph_configs(r.cuda_graph, traits);
     } catch (const Error& e) {
       IRIS_FAIL("recipe: section cuda_graph: ", e.what());
     }
   }
-  recipe_preprocessor(r);  // validates the pixel bounds
+  const PreprocessorConfig pp = recipe_preprocessor(r);  // validates the pixel bounds
+  const int64_t unit = int64_t(pp.merge_size) * pp.merge_size;
+  IRIS_CHECK(t.max_vision_patches % unit == 0, "recipe: train.max_vision_patches ",
+             t.max_vision_patches, " must be a multiple of ", unit, " (whole merge windows); use ",
+             t.max_vision_patches / unit * unit + unit);
   for (const std::string& w : r.cuda_graph.warnings) r.notes.push_back("cuda_graph: " + w);
   if (r.cuda_graph.language.impl != GraphImpl::none ||
       r.cuda_graph.vision.impl != VisionGraphImpl::none)
@@ -838,6 +838,21 @@ void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
   same("vision_config.depth", a.vision.depth, b.vision.depth);
   same("vision_config.hidden_size", a.vision.hidden_size, b.vision.hidden_size);
   same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
+}
+
+int64_t recipe_max_vision_patches(const Recipe& r) {
+  if (r.train.max_vision_patches > 0) return r.train.max_vision_patches;
+  const PreprocessorConfig pp = recipe_preprocessor(r);
+  if (r.data.config.mock) {
+    int64_t per_sample = 0;
+    for (const auto& wh : r.data.config.mock_image_sizes) {
+      const ResizedSize rs =
+          smart_resize(wh[1], wh[0], pp.patch_size * pp.merge_size, pp.min_pixels, pp.max_pixels);
+      per_sample += int64_t(rs.height / pp.patch_size) * (rs.width / pp.patch_size);
+    }
+    return per_sample;
+  }
+  return r.train.seq_length * pp.merge_size * pp.merge_size;
 }
 
 std::pair<std::string, std::string> parse_override(const std::string& arg) {

@@ -55,6 +55,9 @@ struct TrainRecipe {
   bool freeze_language_model = false;
   int64_t eval_interval = 0;  // 0: no evaluation
   int64_t eval_iters = 1;     // global batches per evaluation
+  // Vision patch rows of one sample that the activation memory is planned for; 0 derives it
+  // (recipe_max_vision_patches). Samples above it are skipped.
+  int64_t max_vision_patches = 0;
 };
 
 struct OptimizerRecipe {
@@ -122,6 +125,11 @@ PreprocessorConfig recipe_preprocessor(const Recipe& r);
 void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
                                const std::string& a_name, const std::string& b_name,
                                const std::string& fix);
+
+// The train.max_vision_patches in force: the key when set; else, with mock data, the patches of
+// one mock sample; else seq_length x merge_size^2, the most a sample within seq_length can hold
+// (every token an image pad).
+int64_t recipe_max_vision_patches(const Recipe& r);
 
 // "a.b=value" -> ("a.b", "value"). Throws naming the argument when there is no '=' or no key.
 std::pair<std::string, std::string> parse_override(const std::string& arg);

@@ -257,8 +257,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
 
   TrainLimits limits;
   limits.max_seq_len = r.train.seq_length;
-  // Every image pad stands for merge_unit patches and samples never exceed seq_length tokens.
-  limits.max_patches = r.train.seq_length * cfg.vision.merge_unit();
+  limits.max_patches = recipe_max_vision_patches(r);
   const int64_t factor = int64_t(pp.patch_size) * pp.merge_size;
   const int64_t min_image_tokens = std::max<int64_t>(1, pp.min_pixels / (factor * factor));
   limits.max_images = static_cast<int>(
@@ -329,13 +328,28 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     log.message("saved checkpoint " + result.last_checkpoint);
   };
 
+  // Samples whose images exceed the planned activation memory are skipped, deterministically, so
+  // a resumed run skips the same ones.
+  int64_t skipped_large = 0;
+  auto next_sample = [&](Dataset& data) {
+    for (int64_t tries = 0;; ++tries) {
+      Sample s = data.next();
+      if (count_patches(s.grids) <= limits.max_patches) return to_train_sample(std::move(s));
+      ++skipped_large;
+      IRIS_CHECK(tries <= data.size(),
+                 "no sample fits train.max_vision_patches = ", limits.max_patches,
+                 " (the last one, ", s.source, ", has ", count_patches(s.grids),
+                 " patches); raise it or lower data.max_pixels");
+    }
+  };
+
   auto evaluate = [&](int64_t iteration) {
     eval_data->seek(DataPosition{});
     EvalMetrics em;
     em.iteration = iteration;
     double loss_sum = 0;
     for (int64_t b = 0; b < r.train.eval_iters * r.train.global_batch_size; ++b) {
-      const TrainSample s = to_train_sample(eval_data->next());
+      const TrainSample s = next_sample(*eval_data);
       const LossStats ls = model.forward(s);
       loss_sum += ls.loss_sum;
       em.labelled_tokens += ls.n_tokens;
@@ -355,7 +369,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     batch.clear();
     int64_t batch_labels = 0;
     for (int64_t i = 0; i < r.train.global_batch_size; ++i) {
-      batch.push_back(to_train_sample(train_data.next()));
+      batch.push_back(next_sample(train_data));
       batch_labels += labelled_tokens(batch.back().labels);
     }
     IRIS_CHECK(batch_labels > 0, "global batch of iteration ", it,
@@ -418,6 +432,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     for (const std::string& e : ds.bad_examples) text += "\n  " + e;
     log.message(text);
   }
+  if (skipped_large > 0)
+    log.message(str_cat("data: ", skipped_large, " samples with more than ", limits.max_patches,
+                        " vision patches skipped (train.max_vision_patches)"));
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
   return result;
 }
