@@ -302,6 +302,13 @@ TEST_F(TinyTrainingTest, ResumeSettingsAreEnforced) {
                    quiet());
   EXPECT_EQ(r.start_iteration, 2);
   EXPECT_EQ(r.final_iteration, 3);
+  // Restarting that command continues the new run directory, not the seed checkpoint.
+  const TrainResult r2 =
+      run_training(recipe(run_dir("other"),
+                          {"checkpoint.resume=" + run + "/step_0000002", "train.train_iters=4"}),
+                   quiet());
+  EXPECT_EQ(r2.start_iteration, 3);
+  EXPECT_EQ(r2.final_iteration, 4);
   EXPECT_THROW(run_training(recipe(run_dir("x"), {"checkpoint.resume=" + run}), quiet()), Error);
 }
 

@@ -143,7 +143,8 @@ std::vector<Field> fields(Recipe& r) {
       {"checkpoint.keep_last", &c.keep_last, "checkpoints kept on disk; 0: all"},
       {"checkpoint.resume", &c.resume,
        "auto: continue from <dir>/latest if there is one; never: refuse a directory that holds "
-       "checkpoints; or the path of a step_NNNNNNN directory"},
+       "checkpoints; or the path of a step_NNNNNNN directory to start from (until <dir> has "
+       "checkpoints of its own, which a restart then continues)"},
       {"logging.log_interval", &l.log_interval, "steps between log lines and metrics records"},
       {"logging.metrics_file", &l.metrics_file,
        "JSONL metrics, relative to the run directory; empty: off"},

@@ -177,9 +177,6 @@ void init_random_weights(Backend& backend, ModelWeights& weights, const std::str
 
 TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   const Recipe& r = recipe;
-  IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
-             "model.init is pretrained but model.hf_dir is not set; pass "
-             "model.hf_dir=/path/to/Qwen3-VL-Instruct (a Hugging Face checkpoint directory)");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
   remove_checkpoint_debris(run_dir);
@@ -193,10 +190,13 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                " already holds checkpoints and checkpoint.resume is never; set "
                "checkpoint.resume=auto to continue that run, or choose another checkpoint.dir");
   } else {
-    resume_dir = r.checkpoint.resume;
-    IRIS_CHECK(fs::is_regular_file(fs::path(resume_dir) / kStateFile), "checkpoint.resume ",
-               resume_dir, " is not a checkpoint directory (no ", kStateFile,
-               "); give a step_NNNNNNN directory, auto or never");
+    IRIS_CHECK(fs::is_regular_file(fs::path(r.checkpoint.resume) / kStateFile),
+               "checkpoint.resume ", r.checkpoint.resume, " is not a checkpoint directory (no ",
+               kStateFile, "); give a step_NNNNNNN directory, auto or never");
+    // The path seeds a new run; once the run directory has checkpoints of its own, a restart of
+    // the same command continues those instead of starting over from the seed.
+    resume_dir = latest_checkpoint(run_dir);
+    if (resume_dir.empty()) resume_dir = r.checkpoint.resume;
   }
   TrainerState state;
   if (!resume_dir.empty()) state = load_trainer_state((fs::path(resume_dir) / kStateFile).string());
@@ -219,6 +219,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                                 "checkpoint.dir or set checkpoint.resume=never");
     params = load_weights(*cpu, cfg, resume_dir);
   } else {
+    IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
+               "model.init is pretrained but model.hf_dir is not set; pass "
+               "model.hf_dir=/path/to/Qwen3-VL-Instruct (a Hugging Face checkpoint directory)");
     IRIS_CHECK(r.has_model_config, "no model config: set model.config or model.hf_dir");
     config_text = r.model_config_json;
     cfg = r.model_config;
