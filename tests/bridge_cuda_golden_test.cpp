@@ -13,10 +13,15 @@
 #include <numeric>
 
 #include "bridge/generator.h"
+#include "model_test_util.h"
 #include "test_util.h"
 
 namespace iris {
 namespace {
+
+using test::grids_of;
+using test::ids_of;
+using test::read_f32;
 
 constexpr float kRel = 0.03f, kAbs = 0.05f;
 
@@ -31,20 +36,6 @@ constexpr float kRel = 0.03f, kAbs = 0.05f;
   const double rel = std::sqrt(num / std::max(den, 1e-30));
   if (rel <= limit) return ::testing::AssertionSuccess() << "relative L2 " << rel;
   return ::testing::AssertionFailure() << "relative L2 error " << rel << " > " << limit;
-}
-
-std::vector<int32_t> ids_of(const HostTensor& t) {
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(static_cast<int32_t>(t.data<int64_t>()[i]));
-  return out;
-}
-
-std::vector<GridTHW> grids_of(const HostTensor& t) {
-  std::vector<GridTHW> g;
-  for (int64_t i = 0; i < t.dim(0); ++i)
-    g.push_back(
-        {t.data<int64_t>()[i * 3], t.data<int64_t>()[i * 3 + 1], t.data<int64_t>()[i * 3 + 2]});
-  return g;
 }
 
 void check_top8(const float* logits, int64_t rows, int64_t V, const test::Golden& g,

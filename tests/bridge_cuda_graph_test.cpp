@@ -12,36 +12,21 @@
 #include "bridge/pipeline_stage.h"
 #include "bridge/qwen3vl_model.h"
 #include "bridge/vision_cuda_graph_helper.h"
+#include "model_test_util.h"
 #include "test_util.h"
 
 namespace iris {
 namespace {
+
+using test::grids_of;
+using test::ids_of;
+using test::read_f32;
 
 using Op = RecordingGraphApi::Op;
 using test::all_close;
 using test::Golden;
 
 // ---- helpers ----
-
-std::vector<int32_t> ids_of(const HostTensor& t) {
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(static_cast<int32_t>(t.data<int64_t>()[i]));
-  return out;
-}
-
-std::vector<GridTHW> grids_of(const HostTensor& t) {
-  std::vector<GridTHW> g;
-  for (int64_t i = 0; i < t.dim(0); ++i)
-    g.push_back(
-        {t.data<int64_t>()[i * 3], t.data<int64_t>()[i * 3 + 1], t.data<int64_t>()[i * 3 + 2]});
-  return g;
-}
-
-std::vector<float> read_f32(Backend& be, const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  be.read(v.data(), DType::f32, t);
-  return v;
-}
 
 int32_t argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());

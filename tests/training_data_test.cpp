@@ -44,24 +44,7 @@ std::string jsonl_dir() {
   return test::data_dir() + "/jsonl";
 }
 
-fs::path scratch_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("iris_data_test_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-class ScratchCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(scratch_dir(), ec);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kScratchCleanup =
-    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+using test::scratch_dir;
 
 std::string write_scratch(const std::string& name, const std::string& text) {
   const std::string path = (scratch_dir() / name).string();

@@ -24,24 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-fs::path scratch_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("iris_shapes_test_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-class ScratchCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(scratch_dir(), ec);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kScratchCleanup =
-    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+using test::scratch_dir;
 
 template <typename F>
 std::string error_of(F&& f) {

@@ -25,25 +25,7 @@ std::string bad_dir() {
   return test::data_dir() + "/bad_images";
 }
 
-// A fresh directory per test process so concurrent runs do not collide.
-fs::path scratch_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("iris_preprocess_test_" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-class ScratchCleanup : public ::testing::Environment {
- public:
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(scratch_dir(), ec);
-  }
-};
-[[maybe_unused]] ::testing::Environment* const kScratchCleanup =
-    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+using test::scratch_dir;
 
 ImageRGB8 random_image(int w, int h, uint32_t seed) {
   std::mt19937 rng(seed);
