@@ -352,6 +352,7 @@ TEST_F(RecipeTest, SchemaDocumentsEveryKey) {
     SCOPED_TRACE(k.key);
     EXPECT_TRUE(seen.insert(k.key).second) << "duplicate key";
     EXPECT_FALSE(k.type.empty());
+    EXPECT_NE(k.type, "see core/graph_config.h") << "a graph key without its own type and doc";
     EXPECT_FALSE(k.default_value.empty());
     EXPECT_FALSE(k.doc.empty());
   }
