@@ -26,8 +26,7 @@ std::string slurp(const std::string& path) {
 }
 
 RunResult run_iris(const std::string& args) {
-  const fs::path dir = fs::temp_directory_path() / ("iris_app_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const fs::path dir = test::scratch_dir();
   const std::string out = (dir / "out").string(), err = (dir / "err").string();
   const std::string cmd = std::string(IRIS_BINARY) + " " + args + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
