@@ -602,7 +602,7 @@ TEST_F(OpGradients, LmHeadCrossEntropyInChunks) {
     auto loss = [&] {
       return grad_scale * train::lm_head_cross_entropy(nullptr, nullptr, x.data(), w.data(),
                                                        targets.data(), N, H, V, 0.0f,
-                                                       scratch.data(), 2);
+                                                       scratch.data(), int64_t(scratch.size()), 2);
     };
     // The loss against a direct f64 evaluation.
     double want = 0;
@@ -623,7 +623,7 @@ TEST_F(OpGradients, LmHeadCrossEntropyInChunks) {
     auto dw = dw0;
     const double l2 =
         train::lm_head_cross_entropy(dx.data(), dw.data(), x.data(), w.data(), targets.data(), N, H,
-                                     V, grad_scale, scratch.data(), 2);
+                                     V, grad_scale, scratch.data(), int64_t(scratch.size()), 2);
     EXPECT_NEAR(l2, want, 1e-5 * want);
     expect_gradient("lm_head ce dx", x, dx, loss);
     expect_gradient("lm_head ce dw", w, dw, loss, &dw0);

@@ -597,13 +597,27 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
 // Row r of logits -> exp(logit - max) in place; returns the f64 sum and sets *mx.
 __attribute__((target("avx2,fma"))) double exp_row_avx2(float* lr, int64_t V, float* mx_out) {
   __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan8 = _mm256_setzero_ps();
   int64_t v = 0;
-  for (; v + 8 <= V; v += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(lr + v));
+  for (; v + 8 <= V; v += 8) {
+    const __m256 l = _mm256_loadu_ps(lr + v);
+    m8 = _mm256_max_ps(m8, l);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(l, l, _CMP_UNORD_Q));
+  }
   float mx = -std::numeric_limits<float>::infinity();
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m8);
   for (float l : lanes) mx = std::max(mx, l);
-  for (int64_t t = v; t < V; ++t) mx = std::max(mx, lr[t]);
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int64_t t = v; t < V; ++t) {
+    mx = std::max(mx, lr[t]);
+    nan = nan || std::isnan(lr[t]);
+  }
+  // max_ps drops NaNs; a diverged model must still report a NaN loss.
+  if (nan) {
+    *mx_out = std::numeric_limits<float>::quiet_NaN();
+    return std::numeric_limits<double>::quiet_NaN();
+  }
   const __m256 mxv = _mm256_set1_ps(mx);
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   for (v = 0; v + 8 <= V; v += 8) {
@@ -748,8 +762,13 @@ int64_t lm_head_scratch_floats(int64_t chunk_rows, int64_t H, int64_t V) {
 
 double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
                              const int32_t* targets, int64_t N, int64_t H, int64_t V,
-                             float grad_scale, float* scratch, int64_t chunk_rows) {
+                             float grad_scale, float* scratch, int64_t scratch_floats,
+                             int64_t chunk_rows) {
   IRIS_CHECK(chunk_rows > 0, "lm_head_cross_entropy: chunk_rows must be positive");
+  IRIS_CHECK(scratch_floats >= lm_head_scratch_floats(chunk_rows, H, V),
+             "lm_head_cross_entropy: scratch of ", scratch_floats, " floats is smaller than the ",
+             lm_head_scratch_floats(chunk_rows, H, V), " that ", chunk_rows,
+             " rows need (size it with lm_head_scratch_floats)");
   for (int64_t i = 0; i < N; ++i)
     IRIS_CHECK(targets[i] >= 0 && targets[i] < V, "label ", targets[i],
                " is outside the vocabulary of ", V, " (use -100 for tokens without a label)");

@@ -108,15 +108,16 @@ void pos_embed_backward(float* dtable, const float* dy, const int32_t* index, co
 
 // ---- lm_head + cross-entropy on labelled rows only ----------------------------------------------
 // x[N,H]: the final-norm rows whose next token is labelled; targets[N] in [0, V). Logits
-// x . w^T are materialised chunk_rows at a time in scratch (lm_head_scratch_floats(chunk_rows, H,
-// V) floats), never [N, V]. Returns the summed loss (sum over rows of logsumexp - logit[target]).
-// When dx is non-null the backward of grad_scale * loss_sum runs too: overwrites dx[N,H] and
-// accumulates into dw[V,H] (dw may be null: a frozen lm_head skips its weight gradient).
-// On x86-64 CPUs with AVX2 and FMA (and H a multiple of 8, chunk_rows <= 256) two fused passes
-// over w replace the three GEMMs; elsewhere the GEMMs run.
+// x . w^T are materialised chunk_rows at a time in scratch (scratch_floats, at least
+// lm_head_scratch_floats(chunk_rows, H, V)), never [N, V]. Returns the summed loss (sum over rows
+// of logsumexp - logit[target]). When dx is non-null the backward of grad_scale * loss_sum runs
+// too: overwrites dx[N,H] and accumulates into dw[V,H] (dw may be null: a frozen lm_head skips its
+// weight gradient). On x86-64 CPUs with AVX2 and FMA (and H a multiple of 8, chunk_rows <= 256) two
+// fused passes over w replace the three GEMMs; elsewhere the GEMMs run.
 int64_t lm_head_scratch_floats(int64_t chunk_rows, int64_t H, int64_t V);
 double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
                              const int32_t* targets, int64_t N, int64_t H, int64_t V,
-                             float grad_scale, float* scratch, int64_t chunk_rows);
+                             float grad_scale, float* scratch, int64_t scratch_floats,
+                             int64_t chunk_rows);
 
 }  // namespace iris::train

@@ -223,6 +223,12 @@ void AdamW::load(const std::string& path) {
              " is not an Iris AdamW state file (metadata format != iris-adamw)");
   const auto st = meta.find("steps");
   IRIS_CHECK(st != meta.end(), path, " has no 'steps' metadata entry");
+  int64_t steps = 0;
+  try {
+    steps = std::stoll(st->second);
+  } catch (const std::exception&) {
+    IRIS_FAIL(path, " has a malformed 'steps' metadata entry '", st->second, "'");
+  }
   auto entry = [&](const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
     IRIS_CHECK(file.contains(name), path, " lacks '", name,
                "'; was it saved for a model with another config?");
@@ -245,7 +251,7 @@ void AdamW::load(const std::string& path) {
     std::memcpy(v.data, src[3 * i + 1], v.nbytes());
     std::memcpy(&param_steps_[i], src[3 * i + 2], sizeof(int64_t));
   }
-  steps_ = std::stoll(st->second);
+  steps_ = steps;
 }
 
 }  // namespace iris

@@ -184,8 +184,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   final_rstd_ = a.alloc(F, {L});
   xlab_ = a.alloc(F, {L, H});
   dxlab_ = a.alloc(F, {L, H});
-  logits_ = a.alloc(
-      F, {train::lm_head_scratch_floats(std::min(limits_.loss_chunk_rows, L), H, t.vocab_size)});
+  loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
+  logits_ = a.alloc(F, {train::lm_head_scratch_floats(loss_chunk_, H, t.vocab_size)});
 
   t_dres_ = a.alloc(F, {L, H});
   t_dtmp_ = a.alloc(F, {L, H});
@@ -479,10 +479,10 @@ double TrainableQwen3VL::loss_and_head_backward(bool backward, float grad_scale)
   if (n_label_ == 0) return 0.0;
   train::gather_rows(f(xlab_), f(final_), i32(label_rows_), n_label_, H);
   const bool lm = !frozen_.language_model;
-  return train::lm_head_cross_entropy(backward ? f(dxlab_) : nullptr,
-                                      backward ? g_or_null(grads_->text.lm_head, lm) : nullptr,
-                                      f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_,
-                                      H, t.vocab_size, grad_scale, f(logits_), logits_.dim(0));
+  return train::lm_head_cross_entropy(
+      backward ? f(dxlab_) : nullptr, backward ? g_or_null(grads_->text.lm_head, lm) : nullptr,
+      f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H, t.vocab_size, grad_scale,
+      f(logits_), logits_.numel(), loss_chunk_);
 }
 
 void TrainableQwen3VL::text_backward() {

@@ -132,7 +132,9 @@ class TrainableQwen3VL {
   // tx_[n_layers] the input of the final norm.
   std::vector<Tensor> tx_;
   std::vector<TextLayerActs> tl_;
-  Tensor final_, final_rstd_, xlab_, dxlab_, logits_;
+  Tensor final_, final_rstd_, xlab_, dxlab_;
+  Tensor logits_;  // the loss's scratch: loss_chunk_ rows of logits at a time
+  int64_t loss_chunk_ = 0;
   // Backward scratch.
   Tensor t_dres_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
   Tensor v_dres_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
