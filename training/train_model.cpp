@@ -43,7 +43,7 @@ void round_vision_rope_tables(const VisionConfig& v, const std::vector<GridTHW>&
     inv[j] = round_bf16(1.0f / std::pow(v.rope_theta, static_cast<float>(2 * j) / float(rot)));
   int64_t row = 0;
   for (const GridTHW& g : grids)
-    for (int64_t f = 0; f < g[0]; ++f)
+    for (int64_t frame = 0; frame < g[0]; ++frame)
       for (int64_t br = 0; br < g[1] / m; ++br)
         for (int64_t bc = 0; bc < g[2] / m; ++bc)
           for (int ir = 0; ir < m; ++ir)
