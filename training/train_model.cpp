@@ -29,38 +29,6 @@ int32_t* i32(const Tensor& t) {
   return t.as<int32_t>();
 }
 
-// HF keeps the vision rotary inv_freq in a buffer that is cast with the model, so a checkpoint run
-// through model.to(bfloat16) (the released weights, and the goldens) rotates with bf16-rounded
-// frequencies, exactly as the text M-RoPE does (language/mrope.cpp). plan_vision_inputs computes
-// them unrounded; against an f64 HF run that moved the vision qkv weight gradients by 8e-5 of
-// their scale (vs 3e-6 rounded), so the training model rebuilds the tables with rounding. Rows
-// follow plan_vision_inputs: per image and frame, merge windows in raster order, 2x2 inside.
-void round_vision_rope_tables(const VisionConfig& v, const std::vector<GridTHW>& grids,
-                              VisionInputs& in) {
-  const int hd = v.head_dim(), rot = hd / 2, m = v.spatial_merge_size;
-  std::array<float, train::kMaxHeadDim> inv{};
-  for (int j = 0; j < rot / 2; ++j)
-    inv[j] = round_bf16(1.0f / std::pow(v.rope_theta, static_cast<float>(2 * j) / float(rot)));
-  int64_t row = 0;
-  for (const GridTHW& g : grids)
-    for (int64_t frame = 0; frame < g[0]; ++frame)
-      for (int64_t br = 0; br < g[1] / m; ++br)
-        for (int64_t bc = 0; bc < g[2] / m; ++bc)
-          for (int ir = 0; ir < m; ++ir)
-            for (int ic = 0; ic < m; ++ic, ++row) {
-              const float r = static_cast<float>(br * m + ir), c = static_cast<float>(bc * m + ic);
-              float* cr = &in.cos[row * hd];
-              float* sr = &in.sin[row * hd];
-              for (int j = 0; j < rot / 2; ++j)
-                for (int half : {0, rot}) {
-                  cr[half + j] = std::cos(r * inv[j]);
-                  sr[half + j] = std::sin(r * inv[j]);
-                  cr[half + rot / 2 + j] = std::cos(c * inv[j]);
-                  sr[half + rot / 2 + j] = std::sin(c * inv[j]);
-                }
-            }
-}
-
 bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
 }
@@ -274,7 +242,6 @@ void TrainableQwen3VL::prepare(const TrainSample& s) {
   mrope_tables(t, rope.positions.data(), L, f(cos_), f(sin_));
   if (S > 0) {
     vin_ = plan_vision_inputs(v, s.grids);
-    round_vision_rope_tables(v, s.grids, vin_);
     n_segments_ = vin_.n_segments;
   }
   L_ = L;

@@ -45,11 +45,16 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
   in.pos_weight.assign(static_cast<size_t>(in.rows * 4), 0.0f);
   in.cu_seqlens.push_back(0);
 
-  // inv_freq over rot_dim = hd/2, computed in float32 as torch does.
+  // inv_freq over rot_dim = hd/2, computed in float32 as torch does, then rounded to bf16: HF
+  // keeps it in a buffer that is cast with the model, so checkpoints run through
+  // model.to(bfloat16) (the released weights and our goldens) rotate with bf16 frequencies, as
+  // the text M-RoPE does (language/mrope.cpp). Measured against an f64 HF run: unrounded
+  // frequencies move the vision qkv gradients by 8e-5 of their scale, rounded by 3e-6.
   const int rot_dim = hd / 2;
   std::vector<float> inv_freq(static_cast<size_t>(rot_dim / 2));
   for (int j = 0; j < rot_dim / 2; ++j)
-    inv_freq[j] = 1.0f / std::pow(cfg.rope_theta, static_cast<float>(2 * j) / float(rot_dim));
+    inv_freq[j] =
+        round_bf16(1.0f / std::pow(cfg.rope_theta, static_cast<float>(2 * j) / float(rot_dim)));
 
   int64_t row = 0;
   for (const auto& g : grids) {
@@ -211,8 +216,8 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale);
   backend_.linear(x, attn, b.proj_w, b.proj_b, true);
   backend_.layer_norm(xn, x, b.norm2_w, b.norm2_b, eps);
-  backend_.linear(mlp, xn, b.fc1_w, b.fc1_b, false);
-  backend_.gelu_tanh(mlp, mlp);
+  // gelu_pytorch_tanh fused into fc1 (the GEMM epilogue on CUDA).
+  backend_.linear_gelu_tanh(mlp, xn, b.fc1_w, b.fc1_b);
   backend_.linear(x, mlp, b.fc2_w, b.fc2_b, true);
   const auto& taps = cfg_.deepstack_visual_indexes;
   const auto tap = std::find(taps.begin(), taps.end(), l);
