@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+
+#include <omp.h>
 #include <string>
 #include <vector>
 
@@ -141,6 +143,7 @@ TEST_F(CheckpointTest, TrainerStateRoundTrips) {
   s.consumed_tokens = 1234;
   s.data_position = {2, 5};
   s.data_seed = 99;
+  s.threads = 3;
   const std::string path = (root_ / "state.json").string();
   save_trainer_state(path, s);
   const TrainerState b = load_trainer_state(path);
@@ -149,6 +152,7 @@ TEST_F(CheckpointTest, TrainerStateRoundTrips) {
   EXPECT_EQ(b.consumed_tokens, 1234);
   EXPECT_EQ(b.data_position, (DataPosition{2, 5}));
   EXPECT_EQ(b.data_seed, 99u);
+  EXPECT_EQ(b.threads, 3);
   write_file_atomic(path, "{\"format\": \"something-else\"}");
   EXPECT_THROW(load_trainer_state(path), Error);
   write_file_atomic(path, "{not json");
@@ -310,6 +314,23 @@ TEST_F(TinyTrainingTest, ResumeSettingsAreEnforced) {
   EXPECT_EQ(r2.start_iteration, 3);
   EXPECT_EQ(r2.final_iteration, 4);
   EXPECT_THROW(run_training(recipe(run_dir("x"), {"checkpoint.resume=" + run}), quiet()), Error);
+}
+
+TEST_F(TinyTrainingTest, ResumingWithAnotherThreadCountIsReported) {
+  const std::string run = run_dir("run");
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(threads + 1);
+  run_training(recipe(run, {"train.train_iters=1", "train.eval_interval=0"}), quiet());
+  omp_set_num_threads(threads);
+  const std::string log_path = (root_ / "log.txt").string();
+  TrainerOptions o;
+  o.out = std::fopen(log_path.c_str(), "w");
+  run_training(recipe(run, {"train.train_iters=2", "train.eval_interval=0"}), o);
+  std::fclose(o.out);
+  const std::string log = read_text_file(log_path);
+  EXPECT_NE(log.find(str_cat("written with ", threads + 1, " threads and this run has ", threads)),
+            std::string::npos)
+      << log;
 }
 
 TEST_F(TinyTrainingTest, SamplesAboveThePlannedPatchesAreSkipped) {

@@ -148,7 +148,8 @@ void save_trainer_state(const std::string& path, const TrainerState& s) {
       {"consumed_samples", s.consumed_samples},
       {"consumed_tokens", s.consumed_tokens},
       {"data_position", {{"epoch", s.data_position.epoch}, {"index", s.data_position.index}}},
-      {"rng", {{"data_seed", s.data_seed}}}};
+      {"rng", {{"data_seed", s.data_seed}}},
+      {"threads", s.threads}};
   write_file_atomic(path, j.dump(2) + "\n");
 }
 
@@ -171,6 +172,7 @@ TrainerState load_trainer_state(const std::string& path) {
     s.data_position.epoch = j.at("data_position").at("epoch").get<int64_t>();
     s.data_position.index = j.at("data_position").at("index").get<int64_t>();
     s.data_seed = j.at("rng").at("data_seed").get<uint64_t>();
+    s.threads = j.value("threads", 0);
   } catch (const json::exception& e) {
     IRIS_FAIL(path, ": missing or mistyped field (", e.what(), "); the checkpoint is damaged");
   }

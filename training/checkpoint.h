@@ -52,6 +52,9 @@ struct TrainerState {
   // The data order depends only on (seed, epoch, index); storing the seed lets a resume check
   // that it continues the same stream.
   uint64_t data_seed = 0;
+  // CPU threads of the run that wrote it: sums split across threads round differently, so a
+  // resume matches an uninterrupted run bit for bit only with the same count. 0: unknown.
+  int threads = 0;
 };
 
 void save_trainer_state(const std::string& path, const TrainerState& s);

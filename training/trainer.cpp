@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include <omp.h>
+
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -306,6 +308,12 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                       r.train.micro_batch_size, " x ", r.accumulation_steps,
                       " accumulation steps, activation arena ", model.arena_bytes() / (1024 * 1024),
                       " MiB, run directory ", run_dir));
+  if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
+    log.message(str_cat("note: the checkpoint was written with ", state.threads,
+                        " threads and this run has ", omp_get_max_threads(),
+                        "; losses will differ from an uninterrupted run in the last bits (set "
+                        "OMP_NUM_THREADS=",
+                        state.threads, " for an exact continuation)"));
 
   const TrainedParts parts{!r.train.freeze_vision_tower, !r.train.freeze_merger,
                            !r.train.freeze_language_model};
@@ -317,6 +325,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   auto save = [&](int64_t iteration) {
     state.data_position = train_data.position();
     state.data_seed = r.data.config.seed;
+    state.threads = omp_get_max_threads();
     result.last_checkpoint =
         commit_checkpoint(run_dir, iteration, r.checkpoint.keep_last, [&](const std::string& dir) {
           const fs::path d(dir);
