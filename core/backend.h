@@ -102,6 +102,27 @@ class Backend {
                                      const Tensor& weight) = 0;
   // out i32 [M] = argmax over each row of x[M, N] (lowest index wins ties).
   virtual void argmax_rows(const Tensor& out, const Tensor& x) = 0;
+
+  // Fused ops. Each has a default made of the ops above, which is its definition (and the CPU
+  // oracle's implementation); a backend overrides it where one kernel beats the sequence.
+  //
+  // y = gelu_tanh(x . w^T + bias): linear then gelu_tanh, except that a backend may apply the
+  // GELU before rounding the product to its compute dtype (one rounding instead of two).
+  virtual void linear_gelu_tanh(const Tensor& y, const Tensor& x, const Tensor& w,
+                                const Tensor& bias) {
+    linear(y, x, w, bias, false);
+    gelu_tanh(y, y);
+  }
+  // xn = rms_norm(x, norm_w); y = xn . w^T (no bias); and when act is defined,
+  // act = swiglu(y) (y is then the [M, 2I] gate_up, act [M, I]). Every output is written as the
+  // unfused sequence writes it. xn must not alias x or y.
+  virtual void rms_norm_linear(const Tensor& y, const Tensor& xn, const Tensor& x,
+                               const Tensor& norm_w, float eps, const Tensor& w,
+                               const Tensor& act) {
+    rms_norm(xn, x, norm_w, eps);
+    linear(y, xn, w, Tensor(), false);
+    if (act.defined()) swiglu(act, y);
+  }
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
