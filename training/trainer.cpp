@@ -419,6 +419,8 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     result.final_iteration = it;
     result.last_loss = loss;
 
+    // Intervals end at multiples of log_interval; after a resume the first one starts at the
+    // checkpoint, so its averages cover fewer steps than an uninterrupted run's would.
     if (it % r.logging.log_interval == 0 || it == r.train.train_iters) {
       interval.iteration = it;
       interval.loss = interval_loss_sum / static_cast<double>(interval.labelled_tokens);
