@@ -142,11 +142,11 @@ TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
         Case{"train.train_iters=2.5", "train.train_iters expects an integer"},
         Case{"train.freeze_merger=maybe", "train.freeze_merger expects a boolean"},
         Case{"optimizer.lr=fast", "optimizer.lr expects a number, got 'fast'"},
-        Case{"optimizer.betas=0.9", "optimizer.betas expects list of numbers"},
+        Case{"optimizer.betas=0.9", "optimizer.betas expects a list of numbers"},
         Case{"schedule.kind=linear", "schedule.kind expects one of constant|cosine"},
-        Case{"data.train_files={a: b}", "data.train_files expects list of paths"},
+        Case{"data.train_files={a: b}", "data.train_files expects a list of paths"},
         Case{"data.mock_image_sizes=[[1,2,3]]",
-             "data.mock_image_sizes expects list of [width, height] pairs"}}) {
+             "data.mock_image_sizes expects a list of [width, height] pairs"}}) {
     SCOPED_TRACE(c.override_text);
     const std::string msg =
         error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {c.override_text}); });

@@ -183,7 +183,7 @@ std::string type_name(const Field& f) {
 }
 
 std::string a_type(const std::string& type) {
-  if (type.rfind("one of", 0) == 0 || type.rfind("list", 0) == 0) return type;
+  if (type.rfind("one of", 0) == 0) return type;
   return (type == "integer" ? "an " : "a ") + type;
 }
 
