@@ -64,17 +64,16 @@ void TextDecoder::layer(int l, int64_t T) {
   const int nq = cfg_.num_attention_heads, nkv = cfg_.num_key_value_heads, hd = cfg_.head_dim;
   const float eps = cfg_.rms_norm_eps;
   Tensor x = x_.slice(0, T), xn = xn_.slice(0, T), qkv = qkv_.slice(0, T);
-  backend_.rms_norm(xn, x, w.input_norm_w, eps);
-  backend_.linear(qkv, xn, w.qkv_w, Tensor(), false);
+  // The norms are fused into the projections that read them (one kernel per decode step).
+  backend_.rms_norm_linear(qkv, xn, x, w.input_norm_w, eps, w.qkv_w, Tensor());
   backend_.qkv_norm_rope(qkv, w.q_norm_w, w.k_norm_w, eps, cos_.slice(0, T), sin_.slice(0, T), nq,
                          nkv, hd, true);
   backend_.kv_store(k_cache_[l], v_cache_[l], qkv, past_len_, nq, nkv, hd);
   backend_.attention_causal(attn_.slice(0, T), qkv, k_cache_[l], v_cache_[l], past_len_, nq, nkv,
                             hd, 1.0f / std::sqrt(static_cast<float>(hd)));
   backend_.linear(x, attn_.slice(0, T), w.o_w, Tensor(), true);
-  backend_.rms_norm(xn, x, w.post_norm_w, eps);
-  backend_.linear(gate_up_.slice(0, T), xn, w.gate_up_w, Tensor(), false);
-  backend_.swiglu(mlp_.slice(0, T), gate_up_.slice(0, T));
+  backend_.rms_norm_linear(gate_up_.slice(0, T), xn, x, w.post_norm_w, eps, w.gate_up_w,
+                           mlp_.slice(0, T));
   backend_.linear(x, mlp_.slice(0, T), w.down_w, Tensor(), true);
 }
 

@@ -8,8 +8,11 @@
 //   exact (bitwise):  copy, fill_zero, embedding, scatter_rows, kv_store, argmax_rows
 //   kElementwise 2e-5: add, gelu_tanh, gelu_erf, swiglu (2 roundings), scatter_rows accumulate,
 //                      add_interpolated_rows (2), layer_norm, rms_norm (2), linear (output
-//                      rounding plus fp32 accumulation-order differences)
+//                      rounding plus fp32 accumulation-order differences), linear_gelu_tanh,
+//                      rms_norm_linear (the normalised rows rounded before the product)
 //   kRope 5e-5:       qkv_norm_rope (up to 5 HF-style bf16 roundings on the text path)
+//   kChained 5e-5:    the swiglu output of rms_norm_linear (normalised rows, gate/up and silu
+//                     each rounded, with the first two errors carried through the product)
 //   kAttention 5e-5:  attention_segments, attention_causal (probabilities rounded to bf16 for
 //                     the tensor cores, plus the output rounding)
 // Outputs must also be finite, and every tensor sits between guard regions of sentinel values
@@ -47,6 +50,7 @@ constexpr double kExact = 0.0;
 constexpr double kElementwise = 2e-5;
 constexpr double kRope = 5e-5;
 constexpr double kAttention = 5e-5;
+constexpr double kChained = 5e-5;
 
 constexpr int64_t kGuard = 64;         // sentinel elements each side; keeps 16-byte alignment
 constexpr float kSentinel = -1232.0f;  // exact in bf16, f32 and i32
@@ -317,6 +321,10 @@ TEST_F(BackendOps, Linear) {
       {64, 2048, 2048, false, false},  // text projection
       {17, 2048, 6144, false, true},   // down_proj into the residual
       {1, 6144, 2048, false, false},   // decode GEMV
+      {1, 2048, 6144, false, true},    // decode down_proj: several K groups per warp
+      {8, 512, 4096, true, true},      // 8 rows, the most x the GEMV keeps in shared memory
+      {4, 300, 1000, true, false},     // K not a multiple of the 256-element slab
+      {2, 151, 64, false, true},       // odd N: a warp's second row out of range
   };
   for (const Case& c : cases) {
     compare("linear " + dims_str({c.m, c.n, c.k}) + (c.bias ? " bias" : "") +
@@ -330,6 +338,65 @@ TEST_F(BackendOps, Linear) {
               s.be().linear(y, x, w, b, c.accumulate);
               return std::vector<Tensor>{y};
             });
+  }
+}
+
+TEST_F(BackendOps, LinearGeluTanh) {
+  struct Case {
+    int64_t m, n, k;
+    bool bias;
+  };
+  const Case cases[] = {
+      {5, 64, 32, true},        // GEMV, then gelu
+      {300, 4096, 1024, true},  // vision fc1 (cuBLASLt GELU_BIAS epilogue)
+      {64, 256, 128, false},    // GELU epilogue without bias
+  };
+  for (const Case& c : cases) {
+    compare("linear_gelu_tanh " + dims_str({c.m, c.n, c.k}) + (c.bias ? " bias" : ""), kElementwise,
+            [&](Side& s) {
+              Rng rng(11);
+              Tensor x = s.make(Kind::act, {c.m, c.k}, rng.normal(c.m * c.k));
+              Tensor w = s.make(Kind::act, {c.n, c.k}, rng.normal(c.n * c.k, 0.f, 0.05f));
+              Tensor b = c.bias ? s.make(Kind::act, {c.n}, rng.normal(c.n)) : Tensor();
+              Tensor y = s.make(Kind::act, {c.m, c.n}, rng.normal(c.m * c.n));
+              s.be().linear_gelu_tanh(y, x, w, b);
+              return std::vector<Tensor>{y};
+            });
+  }
+}
+
+TEST_F(BackendOps, RmsNormLinear) {
+  struct Case {
+    int64_t m, n, k;
+    bool swiglu;
+  };
+  const Case cases[] = {
+      {1, 4096, 2048, false},  // decode input norm + qkv
+      {1, 12288, 2048, true},  // decode post norm + gate_up + swiglu
+      {3, 96, 256, true},      // a few rows
+      {8, 512, 1024, false},   // the most rows the fused kernel takes
+      {17, 128, 256, true},    // prefill: the unfused sequence
+  };
+  for (const Case& c : cases) {
+    // The same call checked twice: y and xn at the elementwise bound, act at the chained one.
+    for (bool act_only : {false, true}) {
+      if (act_only && !c.swiglu) continue;
+      compare("rms_norm_linear " + dims_str({c.m, c.n, c.k}) + (c.swiglu ? " swiglu" : "") +
+                  (act_only ? " (act)" : ""),
+              act_only ? kChained : kElementwise, [&](Side& s) {
+                Rng rng(12);
+                Tensor x = s.make(Kind::act, {c.m, c.k}, rng.normal(c.m * c.k, 0.f, 2.f));
+                Tensor nw = s.make(Kind::act, {c.k}, rng.normal(c.k, 1.f, 0.5f));
+                Tensor w = s.make(Kind::act, {c.n, c.k}, rng.normal(c.n * c.k, 0.f, 0.05f));
+                Tensor xn = s.make(Kind::act, {c.m, c.k}, rng.normal(c.m * c.k));
+                Tensor y = s.make(Kind::act, {c.m, c.n}, rng.normal(c.m * c.n));
+                Tensor act = c.swiglu ? s.make(Kind::act, {c.m, c.n / 2}, rng.normal(c.m * c.n / 2))
+                                      : Tensor();
+                s.be().rms_norm_linear(y, xn, x, nw, 1e-6f, w, act);
+                if (act_only) return std::vector<Tensor>{act};
+                return std::vector<Tensor>{y, xn};
+              });
+    }
   }
 }
 
@@ -464,6 +531,10 @@ TEST_F(BackendOps, AttentionSegments) {
       {{256, 130}, 16, 72},        // hd 72: padded to 80 in shared memory only
       {{100, 1, 90, 0}, 4, 80},    // one-row segment, trailing empty segment
       {{1024}, 16, 64},            // one long segment
+      // Enough 128-row tiles for the wide kernel (two blocks per SM of an H100):
+      {{600, 600, 600}, 24, 64},     // vision-like segments
+      {{700, 0, 900, 300}, 16, 80},  // hd 80 (odd k-step count), an empty segment
+      {{520, 530}, 32, 72},          // hd 72 padded to 80
   };
   for (const Case& c : cases) {
     std::vector<int32_t> cu = {0};
@@ -525,20 +596,23 @@ TEST_F(BackendOps, KvStore) {
 
 TEST_F(BackendOps, AttentionCausal) {
   const CausalCase cases[] = {
-      {4, 2, 16, 64, 0, 7},         // tiny prefill
-      {4, 2, 16, 64, 5, 3},         // tiny continuation
-      {4, 2, 16, 64, 20, 1},        // tiny decode
-      {16, 8, 128, 512, 0, 100},    // prefill
-      {16, 8, 128, 512, 40, 33},    // chunked prefill
-      {16, 8, 128, 200, 0, 1},      // first token
-      {16, 8, 128, 4096, 1000, 1},  // decode, 1k context
-      {16, 8, 128, 4096, 4000, 1},  // decode, 4k context
-      {32, 8, 128, 2048, 2047, 1},  // decode filling the cache, group 4
-      {64, 8, 128, 1024, 700, 1},   // group 8
-      {8, 8, 128, 512, 100, 1},     // no GQA
-      {8, 4, 64, 512, 300, 1},      // decode hd 64
-      {4, 2, 72, 128, 50, 1},       // single token through the prefill kernel (hd 72)
-      {16, 8, 128, 512, 0, 200},    // several query tiles
+      {4, 2, 16, 64, 0, 7},           // tiny prefill
+      {4, 2, 16, 64, 5, 3},           // tiny continuation
+      {4, 2, 16, 64, 20, 1},          // tiny decode
+      {16, 8, 128, 512, 0, 100},      // prefill
+      {16, 8, 128, 512, 40, 33},      // chunked prefill
+      {16, 8, 128, 200, 0, 1},        // first token
+      {16, 8, 128, 4096, 1000, 1},    // decode, 1k context
+      {16, 8, 128, 4096, 4000, 1},    // decode, 4k context
+      {32, 8, 128, 2048, 2047, 1},    // decode filling the cache, group 4
+      {64, 8, 128, 1024, 700, 1},     // group 8
+      {8, 8, 128, 512, 100, 1},       // no GQA
+      {8, 4, 64, 512, 300, 1},        // decode hd 64
+      {4, 2, 72, 128, 50, 1},         // single token through the prefill kernel (hd 72)
+      {16, 8, 128, 512, 0, 200},      // several query tiles
+      {64, 8, 128, 1024, 0, 700},     // wide kernel: long prefill
+      {32, 8, 128, 2048, 300, 1100},  // wide kernel: chunked prefill after a cached prefix
+      {32, 4, 64, 1200, 17, 1100},    // wide kernel, hd 64
   };
   for (const CausalCase& c : cases) {
     compare("attention_causal " + causal_name(c), kAttention, [&](Side& s) {

@@ -8,6 +8,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/kernels.h"
+#include "core/cuda/launch.cuh"
 
 namespace iris::cuda {
 namespace {
@@ -107,6 +108,46 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const uint16
                : "r"(smem_addr(row)));
 }
 
+// Query rows [q0, q_end) of this block and its keys [kv_begin, kv_end), for query tiles of BR
+// rows; false for a surplus block. In causal mode query i sits at absolute position past + i
+// and sees keys [0, past + i].
+template <bool kCausal, int BR>
+__device__ __forceinline__ bool block_range(const FlashParams& p, int64_t& q0, int64_t& q_end,
+                                            int64_t& kv_begin, int64_t& kv_end, int& past) {
+  if constexpr (kCausal) {
+    past = *p.past_len;
+    // The causal grid is (heads, query tiles) and blocks are dispatched x-fastest: the last
+    // query tile (the most keys) of every head first, then the next one down. Longest blocks
+    // first keeps the tail short; numbered head-major instead, the heaviest tiles of the last
+    // heads would start when the GPU is nearly drained and run alone.
+    q0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * BR;
+    q_end = p.tokens;
+    kv_begin = 0;
+    kv_end = min(past + min(q0 + BR, q_end), p.max_len);
+    return true;
+  } else {
+    // Blocks are numbered over the query tiles of all segments in order; the grid holds an
+    // upper bound (total/BR + n_segments) and surplus blocks leave at once.
+    int64_t b = blockIdx.x;
+    int seg = -1;
+    for (int s = 0; s < p.n_segments; ++s) {
+      const int64_t len = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
+      const int64_t tiles = (len + BR - 1) / BR;
+      if (b < tiles) {
+        seg = s;
+        break;
+      }
+      b -= tiles;
+    }
+    if (seg < 0) return false;
+    kv_begin = p.cu_seqlens[seg];
+    kv_end = p.cu_seqlens[seg + 1];
+    q0 = kv_begin + b * BR;
+    q_end = kv_end;
+    return true;
+  }
+}
+
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
   using S = FlashShape<HD>;
@@ -114,42 +155,14 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
   uint16_t* k_tiles = smem;                      // [2][kBc][kLd]
   uint16_t* v_tiles = smem + 2 * S::kTileElems;  // [2][kBc][kLd]
 
-  const int head = blockIdx.y;
+  const int head = kCausal ? blockIdx.x : blockIdx.y;
   const int kv_head = head / p.kv_group;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates: row group, column pair
 
-  // Query rows [q0, q_end) of this block, keys [kv_begin, kv_end); in causal mode query i sits
-  // at absolute position past + i and sees keys [0, past + i].
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if constexpr (kCausal) {
-    past = *p.past_len;
-    // The last query tiles see the most keys; starting them first shortens the tail.
-    q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBr;
-    q_end = p.tokens;
-    kv_begin = 0;
-    kv_end = min(past + min(q0 + kBr, q_end), p.max_len);
-  } else {
-    // Blocks are numbered over the query tiles of all segments in order; the grid holds an
-    // upper bound (total/kBr + n_segments) and surplus blocks leave at once.
-    int64_t b = blockIdx.x;
-    int seg = -1;
-    for (int s = 0; s < p.n_segments; ++s) {
-      const int64_t len = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
-      const int64_t tiles = (len + kBr - 1) / kBr;
-      if (b < tiles) {
-        seg = s;
-        break;
-      }
-      b -= tiles;
-    }
-    if (seg < 0) return;
-    kv_begin = p.cu_seqlens[seg];
-    kv_end = p.cu_seqlens[seg + 1];
-    q0 = kv_begin + b * kBr;
-    q_end = kv_end;
-  }
+  if (!block_range<kCausal, kBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
 
   // Zero the K padding columns [HD, kPad) once; cp.async never writes them.
@@ -351,6 +364,323 @@ void set_flash_smem() {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Wide flash attention (long prefill, large vision batches)
+// ----------------------------------------------------------------------------------------------
+
+// 128 query rows per block, 32 per warp: each warp runs two m16 row tiles against every K and V
+// fragment it loads, so a K/V tile in shared memory feeds twice the MMAs per ldmatrix of the
+// 64-row kernel, and the two independent accumulator chains hide the MMA latency. Q is staged in
+// shared memory (fragments of 32 rows would not fit in registers beside the 32 x head_dim f32
+// output). Only tiles that cross the causal diagonal or the segment end pay for masking; a warp
+// skips tiles that lie wholly past its rows' diagonal and query rows past the segment end.
+// Used where there are enough 128-row tiles to fill the GPU twice over.
+constexpr int kWideBr = 128;
+constexpr int kWideRows = 32;  // per warp
+constexpr int kWideWarps = kWideBr / kWideRows;
+constexpr int kWideThreads = kWideWarps * kWarpSize;
+
+template <int HD, int BC>
+struct WideShape {
+  static constexpr int kPad = (HD + 15) / 16 * 16;
+  static constexpr int kLd = kPad + 8;  // as FlashShape: conflict-free ldmatrix rows
+  static constexpr int kQElems = kWideBr * kLd;
+  static constexpr int kTileElems = BC * kLd;
+  static constexpr size_t kSmemBytes =
+      (kQElems + 2 /*stages*/ * 2 /*K,V*/ * kTileElems) * sizeof(uint16_t);
+};
+
+template <int HD, int BC, bool kCausal>
+__global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p) {
+  using S = WideShape<HD, BC>;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* q_tile = smem;                          // [kWideBr][kLd]
+  uint16_t* k_tiles = smem + S::kQElems;            // [2][BC][kLd]
+  uint16_t* v_tiles = k_tiles + 2 * S::kTileElems;  // [2][BC][kLd]
+
+  const int head = kCausal ? blockIdx.x : blockIdx.y;
+  const int kv_head = head / p.kv_group;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t4 = lane % 4;
+
+  int64_t q0, q_end, kv_begin, kv_end;
+  int past = 0;
+  if (!block_range<kCausal, kWideBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  const int n_tiles = static_cast<int>((kv_end - kv_begin + BC - 1) / BC);
+
+  // Zero the padding columns [HD, kPad) of Q and K once; cp.async never writes them.
+  if constexpr (S::kPad != HD) {
+    constexpr int kPadCols = S::kPad - HD;
+    for (int i = tid; i < kWideBr * kPadCols; i += kWideThreads)
+      q_tile[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
+    for (int i = tid; i < 2 * BC * kPadCols; i += kWideThreads)
+      k_tiles[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
+  }
+
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  {
+    const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
+    for (int i = tid; i < kWideBr * kChunks; i += kWideThreads) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      const int64_t row = q0 + r;
+      const bool valid = row < q_end;
+      cp_async16(q_tile + r * S::kLd + c, q_head + (valid ? row : q0) * p.q_stride + c,
+                 valid ? 16 : 0);
+    }
+    cp_async_commit();
+  }
+  const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * HD;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * HD;
+  auto load_tile = [&](int stage, int tile) {
+    const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * BC;
+    uint16_t* ks = k_tiles + stage * S::kTileElems;
+    uint16_t* vs = v_tiles + stage * S::kTileElems;
+    for (int i = tid; i < BC * kChunks; i += kWideThreads) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      const int64_t key = key0 + r;
+      const bool valid = key < kv_end;
+      const int64_t src_row = valid ? key : kv_begin;
+      cp_async16(ks + r * S::kLd + c, k_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+      cp_async16(vs + r * S::kLd + c, v_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (n_tiles > 0) load_tile(0, 0);
+
+  // This warp's query rows: warp_row0 + mt * 16 + g (+ 8) for its two m-tiles mt.
+  const int64_t warp_row0 = q0 + warp * kWideRows;
+  const bool warp_idle = warp_row0 >= q_end;  // a segment's last tile may not reach this warp
+  constexpr int kSteps = S::kPad / 16;
+  constexpr int kNt = BC / 8;
+  // ldmatrix.x4 row addresses of the Q A-fragments: lanes 0-15 rows 0-15 at column k, lanes
+  // 16-31 the same rows at k + 8 (a0..a3 = rows 0-7/8-15 x columns k/k+8, the mma A layout).
+  const uint16_t* q_frag = q_tile + (warp * kWideRows + lane % 16) * S::kLd + (lane / 16) * 8;
+
+  float o[2][HD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+  float m_run[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+  float l_run[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    // The other stage was last read in iteration it-1, which ended with a barrier.
+    if (it + 1 < n_tiles) {
+      load_tile(stage ^ 1, it + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int64_t key0 = kv_begin + static_cast<int64_t>(it) * BC;
+    bool skip = warp_idle, need_mask = key0 + BC > kv_end;
+    if constexpr (kCausal) {
+      skip = skip || key0 > past + warp_row0 + (kWideRows - 1);
+      need_mask = need_mask || key0 + (BC - 1) > past + warp_row0;
+    }
+    if (!skip) {
+      const uint16_t* ks = k_tiles + stage * S::kTileElems;
+      const uint16_t* vs = v_tiles + stage * S::kTileElems;
+
+      // S = Q K^T: 32 rows x BC keys. One ldmatrix.x4 of K gives the B fragments of two k-steps
+      // of one key n-tile (lanes 8i..8i+7 address its 8 key rows at column 8i), used by both
+      // m-tiles.
+      float s[2][kNt][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt)
+          s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk + 1 < kSteps; kk += 2) {
+        uint32_t qa[2][2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          ldmatrix_x4(qa[mt][0], q_frag + mt * 16 * S::kLd + kk * 16);
+          ldmatrix_x4(qa[mt][1], q_frag + mt * 16 * S::kLd + (kk + 1) * 16);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+          uint32_t b[4];
+          ldmatrix_x4(b, ks + (nt * 8 + lane % 8) * S::kLd + kk * 16 + (lane / 8) * 8);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_bf16_16816(s[mt][nt], qa[mt][0], b[0], b[1]);
+            mma_bf16_16816(s[mt][nt], qa[mt][1], b[2], b[3]);
+          }
+        }
+      }
+      if constexpr (kSteps % 2 == 1) {
+        uint32_t qa[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+          ldmatrix_x4(qa[mt], q_frag + mt * 16 * S::kLd + (kSteps - 1) * 16);
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+          uint32_t b[2];
+          ldmatrix_x2(b,
+                      ks + (nt * 8 + lane % 8) * S::kLd + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) mma_bf16_16816(s[mt][nt], qa[mt], b[0], b[1]);
+        }
+      }
+
+      if (need_mask) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+              bool ok = key < kv_end;
+              if constexpr (kCausal)
+                ok = ok && key <= past + warp_row0 + mt * 16 + g + (e < 2 ? 0 : 8);
+              if (!ok) s[mt][nt][e] = -INFINITY;
+            }
+      }
+
+      // Online softmax in the log2 domain; the scale is folded into the exponent's FMA (the
+      // launcher only takes this kernel for a positive scale, so the raw maximum is the scaled
+      // one). A row's BC scores are spread over the 4 threads of a quad.
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt)
+            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[mt][r], mx * p.scale_log2);
+          // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
+          // that no inf - inf appears.
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = exp2f(m_run[mt][r] - m_use);
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kNt; ++nt) {
+            s[mt][nt][2 * r] = exp2f(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
+            s[mt][nt][2 * r + 1] = exp2f(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
+            sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+          }
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          l_run[mt][r] = l_run[mt][r] * alpha + sum;
+          m_run[mt][r] = m_new;
+#pragma unroll
+          for (int d = 0; d < HD / 8; ++d) {
+            o[mt][d][2 * r] *= alpha;
+            o[mt][d][2 * r + 1] *= alpha;
+          }
+        }
+      }
+
+      // O += P V, V's B fragments from a transposing ldmatrix (as in the 64-row kernel), each
+      // used by both m-tiles.
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t pa[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          pa[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pa[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pa[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pa[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+        const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::kLd;
+#pragma unroll
+        for (int d = 0; d + 1 < HD / 8; d += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_bf16_16816(o[mt][d], pa[mt], b[0], b[1]);
+            mma_bf16_16816(o[mt][d + 1], pa[mt], b[2], b[3]);
+          }
+        }
+        if constexpr ((HD / 8) % 2 == 1) {  // head_dim 72: nine n-tiles
+          uint32_t b[2];
+          ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) mma_bf16_16816(o[mt][HD / 8 - 1], pa[mt], b[0], b[1]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int64_t row_a = warp_row0 + mt * 16 + g, row_b = row_a + 8;
+    const float inv_a = l_run[mt][0] > 0.f ? 1.f / l_run[mt][0] : 0.f;
+    const float inv_b = l_run[mt][1] > 0.f ? 1.f / l_run[mt][1] : 0.f;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+      const int c = d * 8 + 2 * t4;
+      if (row_a < q_end)
+        *reinterpret_cast<uint32_t*>(out_head + row_a * p.out_stride + c) =
+            pack_bf16x2(o[mt][d][0] * inv_a, o[mt][d][1] * inv_a);
+      if (row_b < q_end)
+        *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + c) =
+            pack_bf16x2(o[mt][d][2] * inv_b, o[mt][d][3] * inv_b);
+    }
+  }
+}
+
+// Key tile of the wide kernel: 64 keys (fewer barriers, rescales and softmax rounds per key), but
+// 32 at head_dim 72 and 80, where 64-key score tiles spill tens of bytes per thread (ptxas,
+// sm_90). At head_dim 128 the 64-key tile spills ~140 bytes and still ran 10% faster than 32
+// keys on an H100 (causal, 4096 tokens).
+template <int HD, bool kCausal>
+constexpr int wide_bc() {
+  return HD == 72 || HD == 80 ? 32 : 64;
+}
+
+template <int HD, bool kCausal>
+void launch_wide(const FlashParams& p, dim3 grid, cudaStream_t s) {
+  constexpr int BC = wide_bc<HD, kCausal>();
+  flash_wide_kernel<HD, BC, kCausal><<<grid, kWideThreads, WideShape<HD, BC>::kSmemBytes, s>>>(p);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+template <bool kCausal>
+void dispatch_wide(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
+  switch (head_dim) {
+    case 16:
+      return launch_wide<16, kCausal>(p, grid, s);
+    case 64:
+      return launch_wide<64, kCausal>(p, grid, s);
+    case 72:
+      return launch_wide<72, kCausal>(p, grid, s);
+    case 80:
+      return launch_wide<80, kCausal>(p, grid, s);
+    case 128:
+      return launch_wide<128, kCausal>(p, grid, s);
+    default:
+      IRIS_FAIL("attention: head_dim ", head_dim, " has no CUDA kernel (16, 64, 72, 80, 128)");
+  }
+}
+
+template <int HD, bool kCausal>
+void set_wide_smem() {
+  constexpr int BC = wide_bc<HD, kCausal>();
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_wide_kernel<HD, BC, kCausal>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(WideShape<HD, BC>::kSmemBytes)));
+}
+
+// The wide kernel wins once its 128-row tiles fill every SM about twice; below that the 64-row
+// kernel's twice-as-many blocks keep more SMs busy. Segments average at least 256 rows too (a
+// segment's last tile is half empty on average, which the wide kernel pays twice as much for).
+bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int num_sms) {
+  return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
+}
+
+// ----------------------------------------------------------------------------------------------
 // Split-K decoding (one new token)
 // ----------------------------------------------------------------------------------------------
 
@@ -395,6 +725,10 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
 
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  // Launched as a programmatic dependent (launch.cuh): the combine kernel may launch at once, and
+  // this one reads nothing before the kernels before it (RoPE, kv_store) have completed.
+  pdl_launch_dependents();
+  pdl_wait();
   // past_len and q are fetched concurrently: the q load does not wait for the length.
   const int past = *p.past_len;
   const int group = p.group;
@@ -534,6 +868,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int qh = blockIdx.x, tid = threadIdx.x;
   const int lane = tid % kLanes, group = tid / kLanes;
   const int64_t row0 = static_cast<int64_t>(qh) * p.n_splits;
+  // The output projection's GEMV may launch now; the partials are read once the partial kernel
+  // has completed.
+  pdl_launch_dependents();
+  pdl_wait();
   // Everything this block reads is requested before the first wait: past_len, the maxima and
   // sums, and the partial outputs of every split that might be in use. Rows of splits past
   // `used` hold stale data; they are selected away below, never multiplied by a zero weight.
@@ -578,10 +916,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 template <int HD, int MAXG>
 void launch_decode(uint16_t* out, const DecodeParams& p, int n_kv_heads, cudaStream_t s) {
-  decode_partial_kernel<HD, MAXG><<<dim3(p.n_splits, n_kv_heads), kDecodeThreads, 0, s>>>(p);
-  IRIS_CUDA_LAUNCH_CHECK();
-  decode_combine_kernel<HD><<<p.n_q_heads, kCombineThreads, 0, s>>>(out, p);
-  IRIS_CUDA_LAUNCH_CHECK();
+  launch_programmatic(decode_partial_kernel<HD, MAXG>, dim3(p.n_splits, n_kv_heads),
+                      dim3(kDecodeThreads), 0, s, p);
+  launch_programmatic(decode_combine_kernel<HD>, dim3(p.n_q_heads), dim3(kCombineThreads), 0, s,
+                      out, p);
 }
 
 template <int HD>
@@ -599,6 +937,9 @@ void dispatch_decode_group(uint16_t* out, const DecodeParams& p, int n_kv_heads,
 __global__ void kv_store_kernel(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
                                 const int32_t* past_len, int64_t max_len, int64_t row_stride,
                                 int64_t k_offset, int64_t v_offset, int64_t width, bool vec) {
+  // A programmatic dependent (launch.cuh): nothing is read before the kernels before it finish.
+  pdl_launch_dependents();
+  pdl_wait();
   const int64_t t = blockIdx.x;
   const int64_t dst_row = *past_len + t;
   // Rows past the cache end are dropped: the device cannot throw, and the host cannot see
@@ -631,6 +972,16 @@ void attention_init() {
   set_flash_smem<72, true>();
   set_flash_smem<80, true>();
   set_flash_smem<128, true>();
+  set_wide_smem<16, false>();
+  set_wide_smem<64, false>();
+  set_wide_smem<72, false>();
+  set_wide_smem<80, false>();
+  set_wide_smem<128, false>();
+  set_wide_smem<16, true>();
+  set_wide_smem<64, true>();
+  set_wide_smem<72, true>();
+  set_wide_smem<80, true>();
+  set_wide_smem<128, true>();
 }
 
 bool attention_head_dim_supported(int head_dim) {
@@ -639,7 +990,7 @@ bool attention_head_dim_supported(int head_dim) {
 
 void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
                                int n_segments, int64_t total_rows, int n_heads, int head_dim,
-                               float scale, cudaStream_t s) {
+                               float scale, int num_sms, cudaStream_t s) {
   if (total_rows == 0 || n_segments == 0) return;
   const int64_t hidden = static_cast<int64_t>(n_heads) * head_dim;
   FlashParams p{};
@@ -653,6 +1004,9 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   p.cu_seqlens = cu_seqlens;
   p.n_segments = n_segments;
   p.scale_log2 = scale * kLog2e;
+  const int64_t wide_tiles = (total_rows + kWideBr - 1) / kWideBr + n_segments;
+  if (use_wide(wide_tiles * n_heads, total_rows / n_segments, scale, num_sms))
+    return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(wide_tiles), n_heads), s);
   const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
   dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
 }
@@ -666,9 +1020,9 @@ void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
   const int64_t k_offset = static_cast<int64_t>(n_q_heads) * head_dim;
   const int64_t v_offset = k_offset + width;
   const bool vec = head_dim % 8 == 0 && aligned16(qkv) && aligned16(k_cache) && aligned16(v_cache);
-  kv_store_kernel<<<static_cast<unsigned>(tokens), 128, 0, s>>>(
-      k_cache, v_cache, qkv, past_len, max_len, row_stride, k_offset, v_offset, width, vec);
-  IRIS_CUDA_LAUNCH_CHECK();
+  launch_programmatic(kv_store_kernel, dim3(static_cast<unsigned>(tokens)), dim3(128), 0, s,
+                      k_cache, v_cache, qkv, past_len, max_len, row_stride, k_offset, v_offset,
+                      width, vec);
 }
 
 void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t* k_cache,
@@ -727,8 +1081,11 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   p.tokens = tokens;
   p.max_len = max_len;
   p.scale_log2 = scale * kLog2e;
+  const int64_t wide_tiles = (tokens + kWideBr - 1) / kWideBr;
+  if (use_wide(wide_tiles * n_q_heads, tokens, scale, num_sms))
+    return dispatch_wide<true>(head_dim, p, dim3(n_q_heads, static_cast<unsigned>(wide_tiles)), s);
   const int64_t q_tiles = (tokens + kBr - 1) / kBr;
-  dispatch_flash<true>(head_dim, p, dim3(static_cast<unsigned>(q_tiles), n_q_heads), s);
+  dispatch_flash<true>(head_dim, p, dim3(n_q_heads, static_cast<unsigned>(q_tiles)), s);
 }
 
 }  // namespace iris::cuda

@@ -10,6 +10,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/gemm.h"
+#include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 
 namespace iris {
@@ -117,15 +118,11 @@ void convert(void* dst, DType to, const void* src, DType from, int64_t n) {
     return;
   }
   if (from == DType::f32 && to == DType::bf16) {
-    const float* s = static_cast<const float*>(src);
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
+    cuda::convert_f32_to_bf16(static_cast<uint16_t*>(dst), static_cast<const float*>(src), n);
     return;
   }
   if (from == DType::bf16 && to == DType::f32) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    float* d = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
+    cuda::convert_bf16_to_f32(static_cast<float*>(dst), static_cast<const uint16_t*>(src), n);
     return;
   }
   if (from == DType::i64 && to == DType::i32) {
@@ -181,9 +178,11 @@ class CudaBackend final : public Backend {
     staging_ = std::make_unique<PinnedBuffer>(2 * kStagingChunk);
     // The only device allocations besides the arenas, made once here through allocate().
     workspace_.reset(allocate(kGemmWorkspaceBytes));
+    tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
     decode_buffer_.reset(allocate(kDecodeScratchBytes));
     argmax_keys_.reset(allocate(kArgmaxScratchRows * sizeof(unsigned long long)));
-    gemm_ = std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes);
+    gemm_ = std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes,
+                                           tune_scratch_.get(), kGemmTuneScratchBytes);
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
     scratch_.partial_sum = scratch_.partial_max + rows;
@@ -191,6 +190,8 @@ class CudaBackend final : public Backend {
     scratch_.capacity_rows = rows;
     scratch_.capacity_floats = static_cast<int64_t>(kDecodeScratchBytes / sizeof(float)) - 2 * rows;
     cuda::attention_init();
+    cuda::gemv_init();
+    cuda::set_programmatic_launch(prop.major >= 9);
   }
 
   ~CudaBackend() override {
@@ -310,24 +311,60 @@ class CudaBackend final : public Backend {
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
               bool accumulate) override {
     bind();
-    check_act(y, "linear", "y");
-    check_act(x, "linear", "x");
-    check_act(w, "linear", "w");
-    const int64_t m = x.rows(), k = x.cols();
-    IRIS_CHECK(w.ndim == 2 && w.shape[1] == k, "linear: w ", w.shape_str(), " does not match x ",
-               x.shape_str(), " (expected [N, ", k, "])");
-    const int64_t n = w.shape[0];
-    IRIS_CHECK(y.cols() == n && y.rows() == m, "linear: y ", y.shape_str(), " should be [", m, ", ",
-               n, "]");
-    IRIS_CHECK(y.data != x.data, "linear: y must not alias x");
-    if (bias.defined()) {
-      check_act(bias, "linear", "bias");
-      IRIS_CHECK(bias.numel() == n, "linear: bias ", bias.shape_str(), " should have ", n,
-                 " elements");
-    }
+    check_linear(y, x, w, bias, "linear");
+    const int64_t m = x.rows(), k = x.cols(), n = w.shape[0];
     if (m == 0 || n == 0) return;
     IRIS_CHECK(k > 0, "linear: K is 0");
-    gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, stream());
+    // A few rows (decode steps) stream the weights through the GEMV kernels.
+    if (cuda::gemv_supported(m, n, k, x.data, w.data)) {
+      cuda::launch_gemv(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, stream());
+      return;
+    }
+    gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, false, stream());
+  }
+
+  void linear_gelu_tanh(const Tensor& y, const Tensor& x, const Tensor& w,
+                        const Tensor& bias) override {
+    bind();
+    check_linear(y, x, w, bias, "linear_gelu_tanh");
+    const int64_t m = x.rows(), k = x.cols(), n = w.shape[0];
+    if (m == 0 || n == 0) return;
+    IRIS_CHECK(k > 0, "linear_gelu_tanh: K is 0");
+    if (cuda::gemv_supported(m, n, k, x.data, w.data)) {
+      cuda::launch_gemv(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, stream());
+      cuda::launch_gelu_tanh(bf(y), cbf(y), y.numel(), stream());
+      return;
+    }
+    // cuBLASLt's GELU epilogue: the activation is applied to the f32 sum before the one rounding,
+    // which saves a kernel and a round trip of the [M, N] activation through memory.
+    if (gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, true, stream())) return;
+    gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, false, stream());
+    cuda::launch_gelu_tanh(bf(y), cbf(y), y.numel(), stream());
+  }
+
+  void rms_norm_linear(const Tensor& y, const Tensor& xn, const Tensor& x, const Tensor& norm_w,
+                       float eps, const Tensor& w, const Tensor& act) override {
+    bind();
+    check_rowwise(xn, x, norm_w, "rms_norm_linear");
+    check_linear(y, xn, w, Tensor(), "rms_norm_linear");
+    IRIS_CHECK(xn.data != x.data && xn.data != y.data, "rms_norm_linear: xn must not alias x or y");
+    if (act.defined()) {
+      check_act(act, "rms_norm_linear", "act");
+      IRIS_CHECK(y.cols() % 2 == 0 && act.rows() == y.rows() && act.cols() == y.cols() / 2,
+                 "rms_norm_linear: act ", act.shape_str(), " does not match gate_up ",
+                 y.shape_str(), " (expected [M, I] and [M, 2I])");
+    }
+    const int64_t m = x.rows(), k = x.cols(), n = w.shape[0];
+    // One kernel for a decode step: every block normalises the few x rows while staging them.
+    if (m > 0 && n > 0 && cuda::gemv_supported(m, n, k, x.data, w.data) && aligned(xn.data, 16) &&
+        aligned(norm_w.data, 16) && (!act.defined() || n % 2 == 0)) {
+      cuda::launch_gemv_rms_norm(bf(y), bf(xn), act.defined() ? bf(act) : nullptr, cbf(x),
+                                 cbf(norm_w), eps, cbf(w), m, n, k, stream());
+      return;
+    }
+    rms_norm(xn, x, norm_w, eps);
+    linear(y, xn, w, Tensor(), false);
+    if (act.defined()) swiglu(act, y);
   }
 
   void layer_norm(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b,
@@ -426,7 +463,7 @@ class CudaBackend final : public Backend {
     check_aligned(qkv, 16, "attention_segments", "qkv");
     check_aligned(out, 4, "attention_segments", "out");
     cuda::launch_attention_segments(bf(out), cbf(qkv), ci32(cu_seqlens), n_segments, qkv.rows(),
-                                    n_heads, head_dim, scale, stream());
+                                    n_heads, head_dim, scale, num_sms_, stream());
   }
 
   void kv_store(const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
@@ -519,6 +556,9 @@ class CudaBackend final : public Backend {
   static constexpr size_t kStagingChunk = size_t{8} << 20;
   // cuBLASLt's recommendation for Hopper.
   static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+  // Trial outputs of accumulating GEMMs while their algorithms are timed (gemm.h): covers the
+  // residual projections of a 4096-token prefill chunk and of an 8-image vision call.
+  static constexpr size_t kGemmTuneScratchBytes = size_t{16} << 20;
   // 64 query heads x 128 splits of head_dim 128 partials, plus their maxima and sums.
   static constexpr int64_t kDecodeScratchRows = 64 * 128;
   static constexpr size_t kDecodeScratchBytes =
@@ -546,6 +586,24 @@ class CudaBackend final : public Backend {
   static void check_index(const Tensor& t, const char* op, const char* what) {
     check_device(t, op);
     IRIS_CHECK(t.dtype == DType::i32, op, ": ", what, " must be i32, got ", t.shape_str());
+  }
+  static void check_linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
+                           const char* op) {
+    check_act(y, op, "y");
+    check_act(x, op, "x");
+    check_act(w, op, "w");
+    const int64_t m = x.rows(), k = x.cols();
+    IRIS_CHECK(w.ndim == 2 && w.shape[1] == k, op, ": w ", w.shape_str(), " does not match x ",
+               x.shape_str(), " (expected [N, ", k, "])");
+    const int64_t n = w.shape[0];
+    IRIS_CHECK(y.cols() == n && y.rows() == m, op, ": y ", y.shape_str(), " should be [", m, ", ",
+               n, "]");
+    IRIS_CHECK(y.data != x.data, op, ": y must not alias x");
+    if (bias.defined()) {
+      check_act(bias, op, "bias");
+      IRIS_CHECK(bias.numel() == n, op, ": bias ", bias.shape_str(), " should have ", n,
+                 " elements");
+    }
   }
   static void check_unary(const Tensor& y, const Tensor& x, const char* op) {
     check_act(y, op, "y");
@@ -593,6 +651,7 @@ class CudaBackend final : public Backend {
   int staging_half_ = 0;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
+  DeviceBuffer tune_scratch_;
   DeviceBuffer decode_buffer_;
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;

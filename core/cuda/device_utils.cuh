@@ -23,6 +23,11 @@ __device__ __forceinline__ float round_bf16(float f) {
   return __bfloat162float(__float2bfloat16_rn(f));
 }
 
+// SiLU in f32, shared by swiglu and the fused gate/up GEMV so that both round identically.
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.f + expf(-x));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(float_to_bf16(lo)) |
          (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
@@ -93,6 +98,22 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   for (int w = 0; w < n_warps; ++w) m = fmaxf(m, scratch[w]);
   __syncthreads();
   return m;
+}
+
+// Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream
+// serialization may start while the kernel before it still runs, once every block of that one
+// has called pdl_launch_dependents() (or exited); it must call pdl_wait() before touching
+// anything the earlier kernels write, which returns once they have completed and their writes
+// are visible. Both are no-ops without such a launch.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 inline bool aligned16(const void* p) {

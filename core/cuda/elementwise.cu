@@ -78,10 +78,6 @@ void launch_unary(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
-__device__ __forceinline__ float silu(float x) {
-  return x / (1.f + expf(-x));
-}
-
 // HF: act_fn(gate) * up, two bf16 tensors: silu is rounded before the product.
 __global__ void swiglu_kernel(uint16_t* y, const uint16_t* gu, int64_t rows, int64_t inter,
                               bool vec) {

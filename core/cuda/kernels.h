@@ -29,6 +29,30 @@ void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int3
 void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
                         unsigned long long* key_scratch, int64_t scratch_rows, cudaStream_t s);
 
+// ---- skinny GEMMs for a few rows (gemv.cu) ----
+constexpr int64_t kGemvMaxM = 8;
+// Raises the dynamic shared-memory limit of the GEMV kernels; called once per device.
+void gemv_init();
+// Whether the device runs programmatic dependent launches (sm_90+, launch.cuh); called once per
+// device: one without them turns them off for all.
+void set_programmatic_launch(bool supported);
+// Whether the GEMV kernels take y[M,N] = x[M,K] w[N,K]^T: M <= kGemvMaxM, K a multiple of 8, the
+// x rows small enough for shared memory, x and w 16-byte aligned.
+bool gemv_supported(int64_t m, int64_t n, int64_t k, const void* x, const void* w);
+// y = x w^T (+ bias) (+ y when accumulate), f32 sums rounded once. The GEMVs are launched as
+// programmatic dependents (sm_90): they load their first weights before the previous kernel on
+// the stream has finished, so w must not be the output of that kernel (weights are written by
+// copies, never by the kernel right before a projection); x, y, bias and the norm weights are
+// read only after it has completed.
+
+void launch_gemv(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
+                 int64_t n, int64_t k, bool accumulate, cudaStream_t s);
+// xn = rms_norm(x, norm_w) (stored too, 16-byte aligned), y = xn w^T, and when act is not null
+// (N even) act[M, N/2] = swiglu(y). xn must not alias x.
+void launch_gemv_rms_norm(uint16_t* y, uint16_t* xn, uint16_t* act, const uint16_t* x,
+                          const uint16_t* norm_w, float eps, const uint16_t* w, int64_t m,
+                          int64_t n, int64_t k, cudaStream_t s);
+
 // ---- normalisation and RoPE (norm_rope.cu) ----
 void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
                        int64_t rows, int64_t cols, float eps, cudaStream_t s);
@@ -45,9 +69,10 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
 // backend creation (it is not a stream operation, so it stays out of captured graphs).
 void attention_init();
 bool attention_head_dim_supported(int head_dim);
+// num_sms picks between the 64-row and the 128-row kernel (launch_attention_causal too).
 void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
                                int n_segments, int64_t total_rows, int n_heads, int head_dim,
-                               float scale, cudaStream_t s);
+                               float scale, int num_sms, cudaStream_t s);
 void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
                      const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
                      int n_kv_heads, int head_dim, cudaStream_t s);

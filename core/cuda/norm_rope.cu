@@ -5,6 +5,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/kernels.h"
+#include "core/cuda/launch.cuh"
 
 namespace iris::cuda {
 namespace {
@@ -18,6 +19,9 @@ __global__ void __launch_bounds__(kNormThreads)
     norm_vec_kernel(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
                     int64_t cols, float eps) {
   __shared__ float scratch[kNormThreads / kWarpSize];
+  // A GEMV that reads this output (the lm_head after the final norm) may launch now and start
+  // streaming its weights; it waits for this kernel before it reads y.
+  pdl_launch_dependents();
   const int64_t n_vec = cols / 8;
   const uint16_t* xr = x + static_cast<int64_t>(blockIdx.x) * cols;
   uint16_t* yr = y + static_cast<int64_t>(blockIdx.x) * cols;
@@ -130,6 +134,9 @@ __global__ void __launch_bounds__(kRopeWarps* kWarpSize)
     qkv_norm_rope_kernel(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                          float eps, const float* cos, const float* sin, int64_t tokens,
                          int n_q_heads, int n_kv_heads, int head_dim, bool round_tables) {
+  // A programmatic dependent (launch.cuh): nothing is read before the kernels before it finish.
+  pdl_launch_dependents();
+  pdl_wait();
   const int heads = n_q_heads + n_kv_heads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRopeWarps + threadIdx.x / kWarpSize;
   if (item >= tokens * heads) return;
@@ -205,10 +212,9 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
   const int64_t items = tokens * (n_q_heads + n_kv_heads);
   if (items == 0) return;
   const unsigned grid = static_cast<unsigned>((items + kRopeWarps - 1) / kRopeWarps);
-  qkv_norm_rope_kernel<<<grid, kRopeWarps * kWarpSize, 0, s>>>(qkv, q_norm_w, k_norm_w, eps, cos,
-                                                               sin, tokens, n_q_heads, n_kv_heads,
-                                                               head_dim, round_tables);
-  IRIS_CUDA_LAUNCH_CHECK();
+  launch_programmatic(qkv_norm_rope_kernel, dim3(grid), dim3(kRopeWarps * kWarpSize), 0, s, qkv,
+                      q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
+                      round_tables);
 }
 
 }  // namespace iris::cuda

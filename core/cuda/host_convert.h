@@ -1,0 +1,15 @@
+// Host-side dtype conversion for the CUDA backend's transfers, spread over the host's cores: a
+// batch of images arrives as ~10M f32 pixels, and converting them on one core took longer than
+// the vision encoder itself.
+#pragma once
+
+#include <cstdint>
+
+namespace iris::cuda {
+
+// dst[i] = f32_to_bf16(src[i]) (round to nearest even, NaN stays NaN), for i < n.
+void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n);
+// dst[i] = bf16_to_f32(src[i]), for i < n.
+void convert_bf16_to_f32(float* dst, const uint16_t* src, int64_t n);
+
+}  // namespace iris::cuda
