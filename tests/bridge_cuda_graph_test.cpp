@@ -256,7 +256,8 @@ TEST(PaddedVisionLayout, TwoSmallImagesMatchHandComputedLayouts) {
   // (row, column) of each patch in merge-window order: A's window, then B's three windows.
   const int rc[16][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 0}, {0, 1}, {1, 0}, {1, 1},
                          {0, 2}, {0, 3}, {1, 2}, {1, 3}, {0, 4}, {0, 5}, {1, 4}, {1, 5}};
-  const float inv_freq[2] = {1.0f, 0.01f};  // 10000^(-2j/4)
+  // 10000^(-2j/4), rounded to bf16 as HF's cast buffer holds it: 0.01 -> 0.010009765625.
+  const float inv_freq[2] = {1.0f, 0.010009765625f};
   ASSERT_EQ(in.cos.size(), 32u * 8);
   for (int row = 0; row < 32; ++row)
     for (int half = 0; half < 2; ++half)
