@@ -31,3 +31,17 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   build-gpu/iris bench --config bench/configs/qwen3vl_2b.json --json "$out/bench_2b.json" \
     --peer "python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json" 2>&1 | tee "$out/bench_2b.txt"
 fi
+if [ "${SKIP_EXPORT:-0}" != 1 ]; then
+  echo "== export parity with HF transformers"
+  rm -rf /tmp/iris_export_check && mkdir -p /tmp/iris_export_check
+  build-gpu/iris data shapes --out /tmp/iris_export_check/shapes --n 64 --seed 5 >/dev/null
+  build-gpu/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=4 \
+    data.train_files=[/tmp/iris_export_check/shapes/train.jsonl] \
+    data.eval_files=[/tmp/iris_export_check/shapes/heldout.jsonl] \
+    checkpoint.dir=/tmp/iris_export_check/run checkpoint.save_interval=4 >/tmp/iris_export_check/train.log 2>&1 \
+    || { tail -20 /tmp/iris_export_check/train.log; exit 1; }
+  build-gpu/iris export /tmp/iris_export_check/run /tmp/iris_export_check/hf
+  build-gpu/iris generate -m /tmp/iris_export_check/hf -p "Describe the image." -n 1 --temp 0 --device cpu \
+    --logits-out /tmp/iris_export_check/logits.safetensors >/dev/null 2>&1
+  python3 tools/hf_check_export.py /tmp/iris_export_check/hf /tmp/iris_export_check/logits.safetensors "Describe the image."
+fi
