@@ -38,7 +38,7 @@ if [ "${SKIP_EXPORT:-0}" != 1 ]; then
   build-gpu/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=4 \
     data.train_files=[/tmp/iris_export_check/shapes/train.jsonl] \
     data.eval_files=[/tmp/iris_export_check/shapes/heldout.jsonl] \
-    checkpoint.dir=/tmp/iris_export_check/run checkpoint.save_interval=4 >/tmp/iris_export_check/train.log 2>&1 \
+    checkpoint.dir=/tmp/iris_export_check/run checkpoint.save_interval=4 schedule.warmup_iters=1 >/tmp/iris_export_check/train.log 2>&1 \
     || { tail -20 /tmp/iris_export_check/train.log; exit 1; }
   build-gpu/iris export /tmp/iris_export_check/run /tmp/iris_export_check/hf
   build-gpu/iris generate -m /tmp/iris_export_check/hf -p "Describe the image." -n 1 --temp 0 --device cpu \
