@@ -1,4 +1,5 @@
 #include "training/recipe.h"
+#include "core/text_distance.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -185,21 +186,6 @@ std::string type_name(const Field& f) {
 std::string a_type(const std::string& type) {
   if (type.rfind("one of", 0) == 0) return type;
   return (type == "integer" ? "an " : "a ") + type;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
 }
 
 std::vector<std::string> all_keys() {
