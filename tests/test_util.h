@@ -65,6 +65,22 @@ class Golden {
   std::unique_ptr<SafetensorsFile> tensors_;
 };
 
+// Message of the iris::Error thrown by f; a test failure when nothing, or something else, is
+// thrown.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected iris::Error, got another exception: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
+  return {};
+}
+
 // |a - b| <= rel * |b| + abs for every element; reports the first few offenders.
 inline ::testing::AssertionResult all_close(const std::vector<float>& actual,
                                             const std::vector<float>& expected, float rel,

@@ -52,19 +52,7 @@ std::string write_scratch(const std::string& name, const std::string& text) {
   return path;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected iris::Error, got another exception: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
-  return {};
-}
+using test::error_of;
 
 std::vector<int32_t> enc(const std::string& s) {
   return tok().encode(s);

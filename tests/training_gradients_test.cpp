@@ -9,6 +9,7 @@
 #include "test_util.h"
 #include "training/optimizer.h"
 #include "training/train_model.h"
+#include "training_test_util.h"
 
 namespace iris {
 namespace {
@@ -27,24 +28,7 @@ constexpr double kGradNoise = 6e-6;
 constexpr double kNormRel = 1e-4;
 constexpr const char* kEmbedName = "model.language_model.embed_tokens.weight";
 
-std::vector<int32_t> i32_of(const HostTensor& t) {
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(static_cast<int32_t>(t.data<int64_t>()[i]));
-  return out;
-}
-
-TrainSample golden_sample(const Golden& golden) {
-  TrainSample s;
-  s.ids = i32_of(golden.tensor("input_ids"));
-  s.labels = i32_of(golden.tensor("labels"));
-  const HostTensor pv = golden.tensor("pixel_values");
-  s.pixel_values.assign(pv.data<float>(), pv.data<float>() + pv.numel());
-  const HostTensor g = golden.tensor("image_grid_thw");
-  for (int64_t i = 0; i < g.dim(0); ++i)
-    s.grids.push_back(
-        {g.data<int64_t>()[i * 3], g.data<int64_t>()[i * 3 + 1], g.data<int64_t>()[i * 3 + 2]});
-  return s;
-}
+using test::golden_sample;
 
 // Tokens with a label after HF's shift (labels[0] is never a target).
 int64_t count_labels(const TrainSample& s) {

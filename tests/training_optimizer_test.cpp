@@ -15,6 +15,7 @@
 #include "training/lr_schedule.h"
 #include "training/optimizer.h"
 #include "training/train_model.h"
+#include "training_test_util.h"
 
 namespace iris {
 namespace {
@@ -35,24 +36,7 @@ constexpr int kMaxOutliers = 16;
 constexpr double kNoiseFloor = 1e-5;
 constexpr const char* kEmbedName = "model.language_model.embed_tokens.weight";
 
-std::vector<int32_t> i32_of(const HostTensor& t) {
-  std::vector<int32_t> out;
-  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(static_cast<int32_t>(t.data<int64_t>()[i]));
-  return out;
-}
-
-TrainSample golden_sample(const Golden& golden) {
-  TrainSample s;
-  s.ids = i32_of(golden.tensor("input_ids"));
-  s.labels = i32_of(golden.tensor("labels"));
-  const HostTensor pv = golden.tensor("pixel_values");
-  s.pixel_values.assign(pv.data<float>(), pv.data<float>() + pv.numel());
-  const HostTensor g = golden.tensor("image_grid_thw");
-  for (int64_t i = 0; i < g.dim(0); ++i)
-    s.grids.push_back(
-        {g.data<int64_t>()[i * 3], g.data<int64_t>()[i * 3 + 1], g.data<int64_t>()[i * 3 + 2]});
-  return s;
-}
+using test::golden_sample;
 
 Tensor bound(const WeightBinding& b) {
   return b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);

@@ -41,17 +41,7 @@ std::string tiny_recipe() {
          "  seq_length: 64\n";
 }
 
-// The message of the iris::Error that f throws; fails the test when it does not throw.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an iris::Error";
-  return "";
-}
+using test::error_of;
 
 #define EXPECT_HAS(text, part) \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "in: " << (text)

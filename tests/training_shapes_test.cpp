@@ -26,16 +26,7 @@ using nlohmann::json;
 
 using test::scratch_dir;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
-  return {};
-}
+using test::error_of;
 
 std::vector<json> read_jsonl(const fs::path& p) {
   std::vector<json> out;

@@ -37,20 +37,7 @@ ImageRGB8 random_image(int w, int h, uint32_t seed) {
   return img;
 }
 
-// Message of the iris::Error thrown by f, or a failure when nothing (or something else) is thrown.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected iris::Error, got another exception: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected iris::Error, nothing was thrown";
-  return {};
-}
+using test::error_of;
 
 // ---------------------------------------------------------------------------------------------
 // Golden parity
