@@ -1,6 +1,10 @@
 #include "core/dtype.h"
 
 #include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
 
 namespace iris {
 
@@ -69,6 +73,68 @@ uint16_t f32_to_f16(float f) {
     ++exp;
   }
   return static_cast<uint16_t>(sign | (exp << 10) | mant);
+}
+
+namespace {
+
+float load_as_f32(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::i32:
+      return static_cast<float>(static_cast<const int32_t*>(p)[i]);
+    case DType::i64:
+      return static_cast<float>(static_cast<const int64_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+
+}  // namespace
+
+void convert_elements(void* dst, DType dt, const void* src, DType st, int64_t n) {
+  if (dt == st) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(dt));
+    return;
+  }
+  const bool src_int = st == DType::i32 || st == DType::i64;
+  const bool dst_int = dt == DType::i32 || dt == DType::i64;
+  for (int64_t i = 0; i < n; ++i) {
+    if (src_int && dst_int) {
+      const int64_t v = st == DType::i32 ? static_cast<const int32_t*>(src)[i]
+                                         : static_cast<const int64_t*>(src)[i];
+      if (dt == DType::i32) {
+        IRIS_CHECK(
+            v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+            "integer ", v, " does not fit in i32");
+        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+      } else {
+        static_cast<int64_t*>(dst)[i] = v;
+      }
+      continue;
+    }
+    const float v = load_as_f32(src, st, i);
+    switch (dt) {
+      case DType::f32:
+        static_cast<float*>(dst)[i] = v;
+        break;
+      case DType::bf16:
+        static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+        break;
+      case DType::f16:
+        static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
+        break;
+      case DType::i32:
+        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
+        break;
+      case DType::i64:
+        static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
+        break;
+    }
+  }
 }
 
 }  // namespace iris

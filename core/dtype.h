@@ -36,4 +36,9 @@ inline float round_bf16(float f) {
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
+// n elements of type `from` at src into type `to` at dst: floats round to nearest even, integers
+// convert exactly (narrowing to i32 is range-checked), anything else goes through f32. Both
+// backends' write()/read() use it, so model code sees the same conversions everywhere.
+void convert_elements(void* dst, DType to, const void* src, DType from, int64_t n);
+
 }  // namespace iris

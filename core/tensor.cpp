@@ -69,28 +69,8 @@ HostTensor& HostTensor::operator=(const HostTensor& other) {
 }
 
 std::vector<float> HostTensor::to_f32() const {
-  const int64_t n = numel();
-  std::vector<float> out(static_cast<size_t>(n));
-  const void* p = view_.data;
-  for (int64_t i = 0; i < n; ++i) {
-    switch (view_.dtype) {
-      case DType::f32:
-        out[i] = static_cast<const float*>(p)[i];
-        break;
-      case DType::bf16:
-        out[i] = bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-        break;
-      case DType::f16:
-        out[i] = f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-        break;
-      case DType::i32:
-        out[i] = static_cast<float>(static_cast<const int32_t*>(p)[i]);
-        break;
-      case DType::i64:
-        out[i] = static_cast<float>(static_cast<const int64_t*>(p)[i]);
-        break;
-    }
-  }
+  std::vector<float> out(static_cast<size_t>(numel()));
+  convert_elements(out.data(), DType::f32, view_.data, view_.dtype, numel());
   return out;
 }
 

@@ -33,65 +33,6 @@ void check_i32(const Tensor& t, const char* what) {
   IRIS_CHECK(t.dtype == DType::i32, what, " must be i32, got ", t.shape_str());
 }
 
-float load_as_f32(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::f32:
-      return static_cast<const float*>(p)[i];
-    case DType::bf16:
-      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16:
-      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::i32:
-      return static_cast<float>(static_cast<const int32_t*>(p)[i]);
-    case DType::i64:
-      return static_cast<float>(static_cast<const int64_t*>(p)[i]);
-  }
-  return 0.0f;
-}
-
-// Element conversion between any two dtypes; integers convert exactly between i32 and i64.
-void convert(void* dst, DType dt, const void* src, DType st, int64_t n) {
-  if (dt == st) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(dt));
-    return;
-  }
-  const bool src_int = st == DType::i32 || st == DType::i64;
-  const bool dst_int = dt == DType::i32 || dt == DType::i64;
-  for (int64_t i = 0; i < n; ++i) {
-    if (src_int && dst_int) {
-      const int64_t v = st == DType::i32 ? static_cast<const int32_t*>(src)[i]
-                                         : static_cast<const int64_t*>(src)[i];
-      if (dt == DType::i32) {
-        IRIS_CHECK(
-            v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
-            "integer ", v, " does not fit in i32");
-        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
-      } else {
-        static_cast<int64_t*>(dst)[i] = v;
-      }
-      continue;
-    }
-    const float v = load_as_f32(src, st, i);
-    switch (dt) {
-      case DType::f32:
-        static_cast<float*>(dst)[i] = v;
-        break;
-      case DType::bf16:
-        static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
-        break;
-      case DType::f16:
-        static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
-        break;
-      case DType::i32:
-        static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(v);
-        break;
-      case DType::i64:
-        static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
-        break;
-    }
-  }
-}
-
 float gelu_tanh_f(float x) {
   const float k = 0.7978845608028654f;  // sqrt(2/pi)
   return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
@@ -137,11 +78,11 @@ class CpuBackend final : public Backend {
 
   void write(const Tensor& dst, const void* host_src, DType src_dtype) override {
     check_cpu(dst, "write destination");
-    convert(dst.data, dst.dtype, host_src, src_dtype, dst.numel());
+    convert_elements(dst.data, dst.dtype, host_src, src_dtype, dst.numel());
   }
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override {
     check_cpu(src, "read source");
-    convert(host_dst, dst_dtype, src.data, src.dtype, src.numel());
+    convert_elements(host_dst, dst_dtype, src.data, src.dtype, src.numel());
   }
   void copy(const Tensor& dst, const Tensor& src) override {
     check_cpu(dst, "copy destination");

@@ -72,51 +72,9 @@ using DeviceBuffer = std::unique_ptr<void, DeviceFree>;
 
 // ---- host-side dtype conversion for write()/read() ----
 
-float load_float(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::f32:
-      return static_cast<const float*>(p)[i];
-    case DType::bf16:
-      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16:
-      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::i32:
-      return static_cast<float>(static_cast<const int32_t*>(p)[i]);
-    case DType::i64:
-      return static_cast<float>(static_cast<const int64_t*>(p)[i]);
-  }
-  return 0.f;
-}
-
-void store_float(void* p, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::f32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case DType::bf16:
-      static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-      break;
-    case DType::f16:
-      static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
-      break;
-    case DType::i32:
-      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
-      break;
-    case DType::i64:
-      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
-      break;
-  }
-}
-
-// n elements of type `from` at src into type `to` at dst, with the CPU backend's semantics (so
-// that model code behaves alike on both): floats round to nearest even, integers convert exactly
-// (narrowing is range-checked), anything else goes through f32. The common pairs have tight
-// loops: weights are loaded through here.
+// core/dtype's convert_elements with multi-threaded loops for the pairs weights and activations
+// go through (f32 <-> bf16).
 void convert(void* dst, DType to, const void* src, DType from, int64_t n) {
-  if (to == from) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(to));
-    return;
-  }
   if (from == DType::f32 && to == DType::bf16) {
     cuda::convert_f32_to_bf16(static_cast<uint16_t*>(dst), static_cast<const float*>(src), n);
     return;
@@ -125,24 +83,7 @@ void convert(void* dst, DType to, const void* src, DType from, int64_t n) {
     cuda::convert_bf16_to_f32(static_cast<float*>(dst), static_cast<const uint16_t*>(src), n);
     return;
   }
-  if (from == DType::i64 && to == DType::i32) {
-    const int64_t* s = static_cast<const int64_t*>(src);
-    int32_t* d = static_cast<int32_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) {
-      IRIS_CHECK(s[i] >= std::numeric_limits<int32_t>::min() &&
-                     s[i] <= std::numeric_limits<int32_t>::max(),
-                 "integer ", s[i], " does not fit in i32");
-      d[i] = static_cast<int32_t>(s[i]);
-    }
-    return;
-  }
-  if (from == DType::i32 && to == DType::i64) {
-    const int32_t* s = static_cast<const int32_t*>(src);
-    int64_t* d = static_cast<int64_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = s[i];
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) store_float(dst, to, i, load_float(src, from, i));
+  convert_elements(dst, to, src, from, n);
 }
 
 uint16_t* bf(const Tensor& t) {
