@@ -262,6 +262,29 @@ TEST_F(RecipeTest, InlineModelConfigTakesDeepOverrides) {
   EXPECT_HAS(msg, "model.config is a path");
 }
 
+// A randomly initialised model has no preprocessor file: the patch geometry of its images comes
+// from its vision_config, or its pixel rows would not match its patch embedding.
+TEST_F(RecipeTest, PreprocessorFollowsTheModelsPatchGeometry) {
+  const std::string inline_recipe =
+      "model:\n  init: random\n  tokenizer: t.json\n  config:\n"
+      "    text_config: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
+      "      num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, vocab_size: 1000,\n"
+      "      rope_parameters: {mrope_section: [2, 3, 3]}}\n"
+      "    vision_config: {depth: 1, hidden_size: 32, intermediate_size: 64, num_heads: 2,\n"
+      "      out_hidden_size: 64, num_position_embeddings: 64, patch_size: 4,\n"
+      "      deepstack_visual_indexes: [0]}\n"
+      "data:\n  train_files: [x.jsonl]\n  min_pixels: 4096\n  max_pixels: 4096\n"
+      "train:\n  seq_length: 128\n";
+  const PreprocessorConfig pp = recipe_preprocessor(load_recipe_text(inline_recipe, "r.yaml"));
+  EXPECT_EQ(pp.patch_size, 4);
+  EXPECT_EQ(pp.merge_size, 2);
+  EXPECT_EQ(pp.temporal_patch_size, 2);
+  EXPECT_EQ(pp.min_pixels, 4096);
+  const PreprocessorConfig pp8 = recipe_preprocessor(
+      load_recipe_text(inline_recipe, "r.yaml", {"model.config.vision_config.patch_size=8"}));
+  EXPECT_EQ(pp8.patch_size, 8);
+}
+
 TEST_F(RecipeTest, ModelSectionRules) {
   std::string msg = error_of([] {
     load_recipe_text("model:\n  init: random\n  tokenizer: t.json\ndata:\n  train_files: [x]\n",

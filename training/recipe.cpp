@@ -800,6 +800,22 @@ PreprocessorConfig recipe_preprocessor(const Recipe& r) {
     const fs::path p = fs::path(r.model.hf_dir) / "preprocessor_config.json";
     if (fs::is_regular_file(p)) pp = PreprocessorConfig::from_file(p.string());
   }
+  if (r.has_model_config) {
+    // The patch geometry belongs to the model: a randomly initialised model with its own
+    // patch_size has no preprocessor file, and a checkpoint's file must agree with its config.
+    const VisionConfig& v = r.model_config.vision;
+    if (!r.model.hf_dir.empty())
+      IRIS_CHECK(pp.patch_size == v.patch_size && pp.merge_size == v.spatial_merge_size &&
+                     pp.temporal_patch_size == v.temporal_patch_size,
+                 "recipe: ", r.model.hf_dir, "/preprocessor_config.json has patch_size ",
+                 pp.patch_size, ", merge_size ", pp.merge_size, ", temporal_patch_size ",
+                 pp.temporal_patch_size, " but the model's vision_config has ", v.patch_size, ", ",
+                 v.spatial_merge_size, ", ", v.temporal_patch_size,
+                 "; make the two files of the checkpoint agree");
+    pp.patch_size = v.patch_size;
+    pp.merge_size = v.spatial_merge_size;
+    pp.temporal_patch_size = v.temporal_patch_size;
+  }
   if (r.data.min_pixels > 0) pp.min_pixels = r.data.min_pixels;
   if (r.data.max_pixels > 0) pp.max_pixels = r.data.max_pixels;
   try {
