@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace iris {
 namespace {
@@ -56,6 +57,21 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
     inv_freq[j] =
         round_bf16(1.0f / std::pow(cfg.rope_theta, static_cast<float>(2 * j) / float(rot_dim)));
 
+  // Per-axis tables: a row's angles depend only on its patch row or column, so the trig runs
+  // once per distinct coordinate (not per patch), which keeps the host's share of a multi-image
+  // encoder call small. The values are the same floats as computing them per patch.
+  const int quarter = rot_dim / 2;
+  std::vector<float> axis_cos, axis_sin;
+  auto axis_tables = [&](int64_t n) {
+    axis_cos.resize(static_cast<size_t>(n * quarter));
+    axis_sin.resize(static_cast<size_t>(n * quarter));
+    for (int64_t p = 0; p < n; ++p)
+      for (int j = 0; j < quarter; ++j) {
+        const float f = static_cast<float>(p) * inv_freq[j];
+        axis_cos[p * quarter + j] = std::cos(f);
+        axis_sin[p * quarter + j] = std::sin(f);
+      }
+  };
   int64_t row = 0;
   for (const auto& g : grids) {
     const int64_t t = g[0], h = g[1], w = g[2];
@@ -63,24 +79,23 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
                ", ", w, "] must be positive with height and width divisible by ", m);
     const std::vector<float> hs = torch_linspace(0.0f, float(G - 1), h);
     const std::vector<float> ws = torch_linspace(0.0f, float(G - 1), w);
+    axis_tables(std::max(h, w));
+    const size_t seg = static_cast<size_t>(quarter) * sizeof(float);
     for (int64_t f = 0; f < t; ++f) {
       for (int64_t br = 0; br < h / m; ++br)
         for (int64_t bc = 0; bc < w / m; ++bc)
           for (int ir = 0; ir < m; ++ir)
             for (int ic = 0; ic < m; ++ic, ++row) {
               const int64_t r = br * m + ir, c = bc * m + ic;
-              // 2D RoPE: the first quarter-pairs rotate with the row, the next with the column.
+              // 2D RoPE: the first quarter-pairs rotate with the row, the next with the column,
+              // and the second half repeats the first.
               float* cr = &in.cos[row * hd];
               float* sr = &in.sin[row * hd];
-              for (int j = 0; j < rot_dim / 2; ++j) {
-                const float fr = static_cast<float>(r) * inv_freq[j];
-                const float fc = static_cast<float>(c) * inv_freq[j];
-                for (int half : {0, rot_dim}) {
-                  cr[half + j] = std::cos(fr);
-                  sr[half + j] = std::sin(fr);
-                  cr[half + rot_dim / 2 + j] = std::cos(fc);
-                  sr[half + rot_dim / 2 + j] = std::sin(fc);
-                }
+              for (int half : {0, rot_dim}) {
+                std::memcpy(cr + half, &axis_cos[r * quarter], seg);
+                std::memcpy(sr + half, &axis_sin[r * quarter], seg);
+                std::memcpy(cr + half + quarter, &axis_cos[c * quarter], seg);
+                std::memcpy(sr + half + quarter, &axis_sin[c * quarter], seg);
               }
               // Bilinear corners of the learned grid.
               const int h0 = static_cast<int>(hs[r]), w0 = static_cast<int>(ws[c]);
