@@ -152,6 +152,9 @@ template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
   using S = FlashShape<HD>;
   extern __shared__ __align__(16) uint16_t smem[];
+  // Launched as a programmatic dependent: nothing an earlier kernel writes is read before this.
+  pdl_launch_dependents();
+  pdl_wait();
   uint16_t* k_tiles = smem;                      // [2][kBc][kLd]
   uint16_t* v_tiles = smem + 2 * S::kTileElems;  // [2][kBc][kLd]
 
@@ -334,7 +337,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
 
 template <int HD, bool kCausal>
 void launch_flash(const FlashParams& p, dim3 grid, cudaStream_t s) {
-  flash_attention_kernel<HD, kCausal><<<grid, kFlashThreads, FlashShape<HD>::kSmemBytes, s>>>(p);
+  launch_programmatic(flash_attention_kernel<HD, kCausal>, grid, dim3(kFlashThreads),
+                      FlashShape<HD>::kSmemBytes, s, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
@@ -396,6 +400,8 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
   uint16_t* q_tile = smem;                          // [kWideBr][kLd]
   uint16_t* k_tiles = smem + S::kQElems;            // [2][BC][kLd]
   uint16_t* v_tiles = k_tiles + 2 * S::kTileElems;  // [2][BC][kLd]
+  pdl_launch_dependents();
+  pdl_wait();
 
   const int head = kCausal ? blockIdx.x : blockIdx.y;
   const int kv_head = head / p.kv_group;
@@ -643,7 +649,8 @@ constexpr int wide_bc() {
 template <int HD, bool kCausal>
 void launch_wide(const FlashParams& p, dim3 grid, cudaStream_t s) {
   constexpr int BC = wide_bc<HD, kCausal>();
-  flash_wide_kernel<HD, BC, kCausal><<<grid, kWideThreads, WideShape<HD, BC>::kSmemBytes, s>>>(p);
+  launch_programmatic(flash_wide_kernel<HD, BC, kCausal>, grid, dim3(kWideThreads),
+                      WideShape<HD, BC>::kSmemBytes, s, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 

@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(kNormThreads)
   // A GEMV that reads this output (the lm_head after the final norm) may launch now and start
   // streaming its weights; it waits for this kernel before it reads y.
   pdl_launch_dependents();
+  pdl_wait();
   const int64_t n_vec = cols / 8;
   const uint16_t* xr = x + static_cast<int64_t>(blockIdx.x) * cols;
   uint16_t* yr = y + static_cast<int64_t>(blockIdx.x) * cols;
@@ -81,6 +82,8 @@ __global__ void __launch_bounds__(kNormThreads)
     norm_scalar_kernel(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
                        int64_t cols, float eps) {
   __shared__ float scratch[kNormThreads / kWarpSize];
+  pdl_launch_dependents();
+  pdl_wait();
   const uint16_t* xr = x + static_cast<int64_t>(blockIdx.x) * cols;
   uint16_t* yr = y + static_cast<int64_t>(blockIdx.x) * cols;
   const float inv_cols = 1.f / static_cast<float>(cols);
@@ -110,16 +113,19 @@ void launch_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16
   const bool vec =
       cols % 8 == 0 && aligned16(y) && aligned16(x) && aligned16(w) && (!kLayer || aligned16(b));
   const int64_t n_vec = cols / 8;
+  // Programmatic launches: a block's launch overlaps the tail of the kernel before it (the
+  // vision encoder's graph is a chain of ~200 short kernels whose gaps add up).
+  const dim3 block(kNormThreads);
   if (vec && n_vec <= kNormThreads) {
-    norm_vec_kernel<1, kLayer><<<grid, kNormThreads, 0, s>>>(y, x, w, b, cols, eps);
+    launch_programmatic(norm_vec_kernel<1, kLayer>, dim3(grid), block, 0, s, y, x, w, b, cols, eps);
   } else if (vec && n_vec <= 2 * kNormThreads) {
-    norm_vec_kernel<2, kLayer><<<grid, kNormThreads, 0, s>>>(y, x, w, b, cols, eps);
+    launch_programmatic(norm_vec_kernel<2, kLayer>, dim3(grid), block, 0, s, y, x, w, b, cols, eps);
   } else if (vec && n_vec <= 4 * kNormThreads) {
-    norm_vec_kernel<4, kLayer><<<grid, kNormThreads, 0, s>>>(y, x, w, b, cols, eps);
+    launch_programmatic(norm_vec_kernel<4, kLayer>, dim3(grid), block, 0, s, y, x, w, b, cols, eps);
   } else if (vec && n_vec <= 8 * kNormThreads) {
-    norm_vec_kernel<8, kLayer><<<grid, kNormThreads, 0, s>>>(y, x, w, b, cols, eps);
+    launch_programmatic(norm_vec_kernel<8, kLayer>, dim3(grid), block, 0, s, y, x, w, b, cols, eps);
   } else {
-    norm_scalar_kernel<kLayer><<<grid, kNormThreads, 0, s>>>(y, x, w, b, cols, eps);
+    launch_programmatic(norm_scalar_kernel<kLayer>, dim3(grid), block, 0, s, y, x, w, b, cols, eps);
   }
   IRIS_CUDA_LAUNCH_CHECK();
 }
@@ -193,6 +199,98 @@ __global__ void __launch_bounds__(kRopeWarps* kWarpSize)
   }
 }
 
+constexpr int kRopeVecThreads = 256;
+
+// The same arithmetic as qkv_norm_rope_kernel with TPH threads per (token, head), each owning
+// four consecutive rotate-half pairs: 8-byte loads of x, 16-byte loads of the tables, and many
+// more loads in flight than one warp per head with scalar loads (which left the vision encoder's
+// RoPE pass at a third of the memory bandwidth). For head_dim / 8 a power of two up to 32.
+template <int TPH>
+__global__ void __launch_bounds__(kRopeVecThreads)
+    qkv_norm_rope_vec_kernel(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
+                             float eps, const float* cos, const float* sin, int64_t tokens,
+                             int n_q_heads, int n_kv_heads, int head_dim, bool round_tables) {
+  pdl_launch_dependents();
+  pdl_wait();
+  const int heads = n_q_heads + n_kv_heads;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * kRopeVecThreads + threadIdx.x;
+  const int64_t item = gid / TPH;
+  // Whole groups of TPH lanes leave together, so the group's shuffles below stay well defined.
+  if (item >= tokens * heads) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const unsigned group_mask =
+      (TPH == kWarpSize ? 0xffffffffu : ((1u << TPH) - 1u) << (lane & ~(TPH - 1)));
+  const int i = static_cast<int>(gid % TPH) * 4;
+  const int64_t t = item / heads;
+  const int head = static_cast<int>(item % heads);
+  const int half = head_dim / 2;
+  const int64_t row_stride = static_cast<int64_t>(n_q_heads + 2 * n_kv_heads) * head_dim;
+  uint16_t* x = qkv + t * row_stride + static_cast<int64_t>(head) * head_dim;
+  const uint16_t* norm_w = head < n_q_heads ? q_norm_w : k_norm_w;
+
+  auto load4 = [](const uint16_t* p, float(&f)[4]) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    f[0] = bf16_to_float(static_cast<uint16_t>(u.x & 0xffffu));
+    f[1] = bf16_to_float(static_cast<uint16_t>(u.x >> 16));
+    f[2] = bf16_to_float(static_cast<uint16_t>(u.y & 0xffffu));
+    f[3] = bf16_to_float(static_cast<uint16_t>(u.y >> 16));
+  };
+  float x1[4], x2[4];
+  load4(x + i, x1);
+  load4(x + i + half, x2);
+  if (norm_w != nullptr) {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ss += x1[k] * x1[k] + x2[k] * x2[k];
+#pragma unroll
+    for (int o = TPH / 2; o > 0; o /= 2) ss += __shfl_xor_sync(group_mask, ss, o);
+    // Qwen3RMSNorm: normalise in f32, cast to bf16, multiply by the bf16 weight (bf16 result).
+    const float r = rsqrtf(ss / static_cast<float>(head_dim) + eps);
+    float w1[4], w2[4];
+    load4(norm_w + i, w1);
+    load4(norm_w + i + half, w2);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x1[k] = round_bf16(round_bf16(x1[k] * r) * w1[k]);
+      x2[k] = round_bf16(round_bf16(x2[k] * r) * w2[k]);
+    }
+  }
+  const float4 c1v = *reinterpret_cast<const float4*>(cos + t * head_dim + i);
+  const float4 c2v = *reinterpret_cast<const float4*>(cos + t * head_dim + i + half);
+  const float4 s1v = *reinterpret_cast<const float4*>(sin + t * head_dim + i);
+  const float4 s2v = *reinterpret_cast<const float4*>(sin + t * head_dim + i + half);
+  const float c1a[4] = {c1v.x, c1v.y, c1v.z, c1v.w}, c2a[4] = {c2v.x, c2v.y, c2v.z, c2v.w};
+  const float s1a[4] = {s1v.x, s1v.y, s1v.z, s1v.w}, s2a[4] = {s2v.x, s2v.y, s2v.z, s2v.w};
+  float o1[4], o2[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float c1 = c1a[k], c2 = c2a[k], s1 = s1a[k], s2 = s2a[k];
+    if (round_tables) {
+      c1 = round_bf16(c1), c2 = round_bf16(c2), s1 = round_bf16(s1), s2 = round_bf16(s2);
+      o1[k] = round_bf16(x1[k] * c1) + round_bf16(-x2[k] * s1);
+      o2[k] = round_bf16(x2[k] * c2) + round_bf16(x1[k] * s2);
+    } else {
+      o1[k] = x1[k] * c1 - x2[k] * s1;
+      o2[k] = x2[k] * c2 + x1[k] * s2;
+    }
+  }
+  *reinterpret_cast<uint2*>(x + i) =
+      make_uint2(pack_bf16x2(o1[0], o1[1]), pack_bf16x2(o1[2], o1[3]));
+  *reinterpret_cast<uint2*>(x + i + half) =
+      make_uint2(pack_bf16x2(o2[0], o2[1]), pack_bf16x2(o2[2], o2[3]));
+}
+
+template <int TPH>
+void launch_rope_vec(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w, float eps,
+                     const float* cos, const float* sin, int64_t tokens, int n_q_heads,
+                     int n_kv_heads, int head_dim, bool round_tables, cudaStream_t s) {
+  const int64_t threads = tokens * (n_q_heads + n_kv_heads) * TPH;
+  const unsigned grid = static_cast<unsigned>((threads + kRopeVecThreads - 1) / kRopeVecThreads);
+  launch_programmatic(qkv_norm_rope_vec_kernel<TPH>, dim3(grid), dim3(kRopeVecThreads), 0, s, qkv,
+                      q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
+                      round_tables);
+}
+
 }  // namespace
 
 void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
@@ -211,6 +309,34 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
                           cudaStream_t s) {
   const int64_t items = tokens * (n_q_heads + n_kv_heads);
   if (items == 0) return;
+  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  const bool vec = head_dim % 8 == 0 && aligned(qkv, 8) && aligned(cos, 16) && aligned(sin, 16) &&
+                   (q_norm_w == nullptr || aligned(q_norm_w, 8)) &&
+                   (k_norm_w == nullptr || aligned(k_norm_w, 8));
+  if (vec) {
+    switch (head_dim / 8) {
+      case 1:
+        return launch_rope_vec<1>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                  n_kv_heads, head_dim, round_tables, s);
+      case 2:
+        return launch_rope_vec<2>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                  n_kv_heads, head_dim, round_tables, s);
+      case 4:
+        return launch_rope_vec<4>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                  n_kv_heads, head_dim, round_tables, s);
+      case 8:
+        return launch_rope_vec<8>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                  n_kv_heads, head_dim, round_tables, s);
+      case 16:
+        return launch_rope_vec<16>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                   n_kv_heads, head_dim, round_tables, s);
+      case 32:
+        return launch_rope_vec<32>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                                   n_kv_heads, head_dim, round_tables, s);
+      default:
+        break;
+    }
+  }
   const unsigned grid = static_cast<unsigned>((items + kRopeWarps - 1) / kRopeWarps);
   launch_programmatic(qkv_norm_rope_kernel, dim3(grid), dim3(kRopeWarps * kWarpSize), 0, s, qkv,
                       q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
