@@ -3,6 +3,7 @@
 // for compute-bound phases, device copy bandwidth for decode), optionally beside a peer
 // (HF transformers) run on the same config.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -120,6 +121,8 @@ int run_bench_command(int argc, char** argv) {
   std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
   int iters = 5;
   bool quick = false;
+  std::vector<std::string> only;
+  std::string profile_case;
   app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
   app.add_option("--device", device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_option("--iters", iters, "timed repetitions per figure (median reported)")
@@ -129,6 +132,12 @@ int run_bench_command(int argc, char** argv) {
                  "command printing the same figures as JSON for comparison, e.g. "
                  "'python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json'");
   app.add_flag("--quick", quick, "smaller shapes (for smoke tests on the CPU)");
+  app.add_option("--only", only, "figures to measure (default: all)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft"}));
+  app.add_option("--profile", profile_case,
+                 "vision case (e.g. 'graphs 1x256') to bracket once for a profiler started with "
+                 "collection off (ncu --profile-from-start off)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -183,28 +192,58 @@ int run_bench_command(int argc, char** argv) {
     be->read(&next, DType::i32, model.decoder().next_tokens(1));
     return next;
   };
+  auto wanted = [&](const char* group) {
+    return only.empty() || std::find(only.begin(), only.end(), group) != only.end();
+  };
   auto measure = [&](const std::string& mode) {
     json r;
     auto vision_case = [&](const std::string& name, std::vector<GridTHW> grids) {
       const double t = time_median(*be, iters, [&] { model.encode_images(pixels.data(), grids); });
+      // Where the time goes: host time until the call returns, and the device's busy span.
+      std::vector<double> enqueue_ms, span_ms;
+      for (int i = 0; i < iters; ++i) {
+        span_ms.push_back(be->device_span_ms([&] {
+          const auto te = Clock::now();
+          model.encode_images(pixels.data(), grids);
+          enqueue_ms.push_back(seconds_since(te) * 1e3);
+        }));
+      }
+      if (profile_case == mode + " " + name) {
+        be->profiler_collect(true);
+        model.encode_images(pixels.data(), grids);
+        be->profiler_collect(false);
+      }
+      std::sort(enqueue_ms.begin(), enqueue_ms.end());
+      std::sort(span_ms.begin(), span_ms.end());
       const double tokens = double(count_patches(grids)) / cfg.vision.merge_unit();
       const double tflops = vision_flops(cfg.vision, grids) / t / 1e12;
       rows.push_back(
           {mode + " vision " + name + " time", t * 1e3, "ms", tflops / hw.gemm_tflops, "GEMM"});
       rows.push_back({mode + " vision " + name + " tokens/s", tokens / t, "tok/s", -1, ""});
-      r["vision_" + name] = {{"ms", t * 1e3}, {"tokens_per_s", tokens / t}, {"tflops", tflops}};
+      rows.push_back({mode + " vision " + name + " host enqueue", enqueue_ms[enqueue_ms.size() / 2],
+                      "ms", -1, ""});
+      rows.push_back(
+          {mode + " vision " + name + " device span", span_ms[span_ms.size() / 2], "ms", -1, ""});
+      r["vision_" + name] = {{"ms", t * 1e3},
+                             {"tokens_per_s", tokens / t},
+                             {"tflops", tflops},
+                             {"host_enqueue_ms", enqueue_ms[enqueue_ms.size() / 2]},
+                             {"device_span_ms", span_ms[span_ms.size() / 2]}};
       return t;
     };
-    vision_case("1x" + std::to_string(side_tiny), {grid_of(side_tiny)});
-    const double t_one = vision_case("1x" + s1, {grid_of(side_small)});
-    vision_case("1x" + s2, {grid_of(side_mid)});
-    vision_case("1x" + s3, {grid_of(side_big)});
-    const double t_multi = vision_case(std::to_string(n_multi) + "x" + s1,
-                                       std::vector<GridTHW>(n_multi, grid_of(side_small)));
-    r["vision_multi_over_single"] = t_multi / t_one;
+    if (wanted("vision")) {
+      vision_case("1x" + std::to_string(side_tiny), {grid_of(side_tiny)});
+      const double t_one = vision_case("1x" + s1, {grid_of(side_small)});
+      vision_case("1x" + s2, {grid_of(side_mid)});
+      vision_case("1x" + s3, {grid_of(side_big)});
+      const double t_multi = vision_case(std::to_string(n_multi) + "x" + s1,
+                                         std::vector<GridTHW>(n_multi, grid_of(side_small)));
+      r["vision_multi_over_single"] = t_multi / t_one;
+    }
 
     model.encode_images(nullptr, {});
     for (int64_t T : {prefill_short, prefill_long}) {
+      if (!wanted("prefill")) break;
       const auto ids = random_ids(T);
       const double t = time_median(*be, iters, [&] { model.prefill(ids); });
       const double tflops = text_flops(cfg.text, double(T), 0, 1) / t / 1e12;
@@ -213,19 +252,26 @@ int run_bench_command(int argc, char** argv) {
       r["prefill_" + std::to_string(T)] = {{"tokens_per_s", double(T) / t}, {"tflops", tflops}};
     }
 
-    {
+    if (wanted("decode")) {
       const auto ids = random_ids(decode_context);
       model.prefill(ids);
       int32_t next = 0;
+      // Host time spent issuing the step's work: when it exceeds the GPU time of the step, the
+      // step is launch-bound, which is what graphs remove.
+      double enqueue_s = 0;
       auto step = [&] {
+        const auto te = Clock::now();
         model.decode(next);
+        enqueue_s += seconds_since(te);
         next = greedy_after_decode();
       };
       for (int i = 0; i < 4; ++i) step();  // warm-up (and graph capture, when lazy)
       be->synchronize();
+      enqueue_s = 0;
       const auto t0 = Clock::now();
       for (int64_t i = 0; i < decode_steps; ++i) step();
       const double t = seconds_since(t0) / double(decode_steps);
+      const double enqueue_ms = enqueue_s / double(decode_steps) * 1e3;
       const double ctx = double(decode_context) + 5 + double(decode_steps) / 2;
       const size_t elem = dtype_size(be->compute_dtype());
       const double bytes = text_weight_bytes(cfg.text, elem) +
@@ -233,13 +279,15 @@ int run_bench_command(int argc, char** argv) {
       const double gbps = bytes / t / 1e9;
       rows.push_back({mode + " decode @" + std::to_string(decode_context) + " tokens/s", 1.0 / t,
                       "tok/s", gbps / hw.copy_gbps, "copy BW"});
+      rows.push_back({mode + " decode host enqueue / step", enqueue_ms, "ms", -1, ""});
       r["decode"] = {{"context", decode_context},
                      {"tokens_per_s", 1.0 / t},
+                     {"host_enqueue_ms", enqueue_ms},
                      {"bytes_per_token", bytes},
                      {"gbps", gbps}};
     }
 
-    {
+    if (wanted("ttft")) {
       const GridTHW g = grid_of(side_mid);
       const int64_t pads = count_patches({g}) / cfg.vision.merge_unit();
       std::vector<int32_t> ids = random_ids(ttft_text);
@@ -317,17 +365,21 @@ int run_bench_command(int argc, char** argv) {
     if (r.limit_ratio >= 0) std::printf(" %6.1f%% %s", 100 * r.limit_ratio, r.limit_name.c_str());
     std::printf("\n");
   }
-  for (const char* mode : {"eager", "graphs"})
-    std::printf("%s: %d-image / 1-image vision time %.2fx\n", mode, n_multi,
-                results[mode]["vision_multi_over_single"].get<double>());
+  if (wanted("vision"))
+    for (const char* mode : {"eager", "graphs"})
+      std::printf("%s: %d-image / 1-image vision time %.2fx\n", mode, n_multi,
+                  results[mode]["vision_multi_over_single"].get<double>());
   auto speedup = [&](const std::string& key, const char* field) {
     const double e = results["eager"][key][field].get<double>();
     const double g = results["graphs"][key][field].get<double>();
     return std::string(field) == "ms" ? e / g : g / e;
   };
-  std::printf("graphs vs eager: decode %.2fx, vision 1x%lld %.2fx, graphs hold %.1f MiB\n",
-              speedup("decode", "tokens_per_s"), static_cast<long long>(side_tiny),
-              speedup("vision_1x" + std::to_string(side_tiny), "ms"), graph_mib);
+  if (wanted("decode"))
+    std::printf("graphs vs eager: decode %.2fx\n", speedup("decode", "tokens_per_s"));
+  if (wanted("vision"))
+    std::printf("graphs vs eager: vision 1x%lld %.2fx\n", static_cast<long long>(side_tiny),
+                speedup("vision_1x" + std::to_string(side_tiny), "ms"));
+  std::printf("graphs hold %.1f MiB\n", graph_mib);
   if (!peer_results.is_null()) {
     const json& best = results["graphs"];
     auto ratio = [&](const char* key, const char* field, bool higher_is_better) {

@@ -10,8 +10,10 @@
 //  - Ops are asynchronous on devices that have streams; read() synchronises.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -45,6 +47,18 @@ class Backend {
   virtual void* native_stream() { return nullptr; }
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
+  // Runs `enqueue` and waits for its work; returns the milliseconds the device spent from the
+  // first to the last piece of that work (events on CUDA), or the wall time where the work runs
+  // on the host. For benchmarks: a launch-bound phase shows a device span near its wall time.
+  // Brackets work for an external profiler started with its collection off (Nsight Compute's
+  // --profile-from-start off): only work issued between on and off is profiled. No-op on the CPU.
+  virtual void profiler_collect(bool on) { (void)on; }
+  virtual double device_span_ms(const std::function<void()>& enqueue) {
+    const auto t0 = std::chrono::steady_clock::now();
+    enqueue();
+    synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
 
   // y[M,N] = x[M,K] . w[N,K]^T (+ bias[N]) (+ y if accumulate). y must not alias x.
   virtual void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,

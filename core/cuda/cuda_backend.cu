@@ -8,6 +8,8 @@
 #include <memory>
 #include <string>
 
+#include <cuda_profiler_api.h>
+
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/gemm.h"
 #include "core/cuda/host_convert.h"
@@ -34,7 +36,9 @@ class Stream {
 
 class Event {
  public:
-  Event() { IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  explicit Event(unsigned flags = cudaEventDisableTiming) {
+    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags));
+  }
   ~Event() {
     if (e_) cudaEventDestroy(e_);
   }
@@ -240,6 +244,28 @@ class CudaBackend final : public Backend {
   void synchronize() override {
     bind();
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  }
+
+  void profiler_collect(bool on) override {
+    bind();
+    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    if (on) {
+      IRIS_CUDA_CHECK(cudaProfilerStart());
+    } else {
+      IRIS_CUDA_CHECK(cudaProfilerStop());
+    }
+  }
+
+  double device_span_ms(const std::function<void()>& enqueue) override {
+    bind();
+    Event start(cudaEventDefault), stop(cudaEventDefault);
+    IRIS_CUDA_CHECK(cudaEventRecord(start.get(), stream()));
+    enqueue();
+    IRIS_CUDA_CHECK(cudaEventRecord(stop.get(), stream()));
+    IRIS_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    float ms = 0.f;
+    IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms;
   }
 
   void* native_stream() override { return stream(); }
