@@ -752,6 +752,66 @@ __attribute__((target("avx2,fma"))) void head_backward_avx2(float* dx, float* dw
   }
 }
 
+bool have_avx512f() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+// head_backward_avx2 with four vocabulary rows at a time in 512-bit registers: the four weight
+// vectors of a 16-column slab stay in registers while the labelled rows stream past, so each
+// row's block sum is loaded and stored once per four vocabulary rows instead of once per row.
+// Every sum is accumulated in the same order as head_backward_avx2 (over r for dw, over v for
+// dx), so the two kernels give bit-identical results. Columns [h0, h1) are multiples of 16.
+__attribute__((target("avx512f"))) void head_backward_avx512(float* dx, float* dw, const float* dl,
+                                                             const float* x, const float* w,
+                                                             int64_t n, int64_t H, int64_t V,
+                                                             int64_t h0, int64_t h1, float* blk) {
+  for (int64_t r = 0; r < n; ++r) std::fill(dx + r * H + h0, dx + r * H + h1, 0.0f);
+  for (int64_t vb = 0; vb < V; vb += kVocabBlock) {
+    for (int64_t r = 0; r < n; ++r) std::fill(blk + r * H + h0, blk + r * H + h1, 0.0f);
+    const int64_t ve = std::min(V, vb + kVocabBlock);
+    int64_t v = vb;
+    for (; v + 4 <= ve; v += 4) {
+      for (int64_t h = h0; h < h1; h += 16) {
+        __m512 wv[4], acc[4];
+        for (int j = 0; j < 4; ++j) {
+          wv[j] = _mm512_loadu_ps(w + (v + j) * H + h);
+          acc[j] = dw ? _mm512_loadu_ps(dw + (v + j) * H + h) : _mm512_setzero_ps();
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          const float* g = dl + r * V + v;
+          const __m512 xr = _mm512_loadu_ps(x + r * H + h);
+          float* b = blk + r * H + h;
+          __m512 bv = _mm512_loadu_ps(b);
+          for (int j = 0; j < 4; ++j) {
+            const __m512 gj = _mm512_set1_ps(g[j]);
+            acc[j] = _mm512_fmadd_ps(gj, xr, acc[j]);
+            bv = _mm512_fmadd_ps(gj, wv[j], bv);
+          }
+          _mm512_storeu_ps(b, bv);
+        }
+        if (dw)
+          for (int j = 0; j < 4; ++j) _mm512_storeu_ps(dw + (v + j) * H + h, acc[j]);
+      }
+    }
+    for (; v < ve; ++v) {
+      for (int64_t h = h0; h < h1; h += 16) {
+        const __m512 wvec = _mm512_loadu_ps(w + v * H + h);
+        __m512 acc = dw ? _mm512_loadu_ps(dw + v * H + h) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < n; ++r) {
+          const __m512 gr = _mm512_set1_ps(dl[r * V + v]);
+          acc = _mm512_fmadd_ps(gr, _mm512_loadu_ps(x + r * H + h), acc);
+          float* b = blk + r * H + h;
+          _mm512_storeu_ps(b, _mm512_fmadd_ps(gr, wvec, _mm512_loadu_ps(b)));
+        }
+        if (dw) _mm512_storeu_ps(dw + v * H + h, acc);
+      }
+    }
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = h0; h < h1; ++h) dx[r * H + h] += blk[r * H + h];
+  }
+}
+
 }  // namespace
 #endif
 
@@ -774,6 +834,8 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
                " is outside the vocabulary of ", V, " (use -100 for tokens without a label)");
 #ifdef IRIS_LM_HEAD_AVX2
   const bool fused = have_avx2_fma() && H % 8 == 0 && chunk_rows <= kMaxFusedRows;
+  // Column ranges are whole 16-float units, so 512-bit vectors cover them exactly.
+  const bool wide = fused && have_avx512f() && H % 16 == 0;
 #else
   const bool fused = false;
 #endif
@@ -849,7 +911,12 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
         const int64_t units = (H + 15) / 16;
         const int64_t h0 = std::min(H, 16 * (units * tid / nt)),
                       h1 = std::min(H, 16 * (units * (tid + 1) / nt));
-        if (h1 > h0) head_backward_avx2(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
+        if (h1 > h0) {
+          if (wide)
+            head_backward_avx512(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
+          else
+            head_backward_avx2(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
+        }
       }
 #endif
     } else {
