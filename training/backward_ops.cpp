@@ -812,6 +812,91 @@ __attribute__((target("avx512f"))) void head_backward_avx512(float* dx, float* d
   }
 }
 
+// dw rows [v0, v1) += dl^T x, four vocabulary rows by four 16-column vectors per pass over the
+// rows (sixteen accumulators), each element summed over r in order.
+__attribute__((target("avx512f"))) void head_weight_grad_avx512(float* dw, const float* dl,
+                                                                const float* x, int64_t n,
+                                                                int64_t H, int64_t V, int64_t v0,
+                                                                int64_t v1) {
+  int64_t v = v0;
+  for (; v + 4 <= v1; v += 4) {
+    int64_t h = 0;
+    for (; h + 64 <= H; h += 64) {
+      __m512 acc[4][4];
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_loadu_ps(dw + (v + j) * H + h + 16 * c);
+      for (int64_t r = 0; r < n; ++r) {
+        __m512 xr[4];
+        for (int c = 0; c < 4; ++c) xr[c] = _mm512_loadu_ps(x + r * H + h + 16 * c);
+        for (int j = 0; j < 4; ++j) {
+          const __m512 g = _mm512_set1_ps(dl[r * V + v + j]);
+          for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_fmadd_ps(g, xr[c], acc[j][c]);
+        }
+      }
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(dw + (v + j) * H + h + 16 * c, acc[j][c]);
+    }
+    for (; h < H; h += 16) {
+      __m512 acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_loadu_ps(dw + (v + j) * H + h);
+      for (int64_t r = 0; r < n; ++r) {
+        const __m512 xr = _mm512_loadu_ps(x + r * H + h);
+        for (int j = 0; j < 4; ++j)
+          acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(dl[r * V + v + j]), xr, acc[j]);
+      }
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(dw + (v + j) * H + h, acc[j]);
+    }
+  }
+  for (; v < v1; ++v)
+    for (int64_t h = 0; h < H; h += 16) {
+      __m512 acc = _mm512_loadu_ps(dw + v * H + h);
+      for (int64_t r = 0; r < n; ++r)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(dl[r * V + v]), _mm512_loadu_ps(x + r * H + h), acc);
+      _mm512_storeu_ps(dw + v * H + h, acc);
+    }
+}
+
+// The same with 8-float vectors: four vocabulary rows by two column vectors.
+__attribute__((target("avx2,fma"))) void head_weight_grad_avx2(float* dw, const float* dl,
+                                                               const float* x, int64_t n, int64_t H,
+                                                               int64_t V, int64_t v0, int64_t v1) {
+  int64_t v = v0;
+  for (; v + 4 <= v1; v += 4) {
+    int64_t h = 0;
+    for (; h + 16 <= H; h += 16) {
+      __m256 acc[4][2];
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c) acc[j][c] = _mm256_loadu_ps(dw + (v + j) * H + h + 8 * c);
+      for (int64_t r = 0; r < n; ++r) {
+        const __m256 x0 = _mm256_loadu_ps(x + r * H + h), x1 = _mm256_loadu_ps(x + r * H + h + 8);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 g = _mm256_set1_ps(dl[r * V + v + j]);
+          acc[j][0] = _mm256_fmadd_ps(g, x0, acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(g, x1, acc[j][1]);
+        }
+      }
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(dw + (v + j) * H + h + 8 * c, acc[j][c]);
+    }
+    for (; h < H; h += 8) {
+      for (int j = 0; j < 4; ++j) {
+        __m256 acc = _mm256_loadu_ps(dw + (v + j) * H + h);
+        for (int64_t r = 0; r < n; ++r)
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(dl[r * V + v + j]), _mm256_loadu_ps(x + r * H + h),
+                                acc);
+        _mm256_storeu_ps(dw + (v + j) * H + h, acc);
+      }
+    }
+  }
+  for (; v < v1; ++v)
+    for (int64_t h = 0; h < H; h += 8) {
+      __m256 acc = _mm256_loadu_ps(dw + v * H + h);
+      for (int64_t r = 0; r < n; ++r)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dl[r * V + v]), _mm256_loadu_ps(x + r * H + h), acc);
+      _mm256_storeu_ps(dw + v * H + h, acc);
+    }
+}
+
 }  // namespace
 #endif
 
@@ -823,7 +908,7 @@ int64_t lm_head_scratch_floats(int64_t chunk_rows, int64_t H, int64_t V) {
 double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
                              const int32_t* targets, int64_t N, int64_t H, int64_t V,
                              float grad_scale, float* scratch, int64_t scratch_floats,
-                             int64_t chunk_rows) {
+                             int64_t chunk_rows, float* dl_out) {
   IRIS_CHECK(chunk_rows > 0, "lm_head_cross_entropy: chunk_rows must be positive");
   IRIS_CHECK(scratch_floats >= lm_head_scratch_floats(chunk_rows, H, V),
              "lm_head_cross_entropy: scratch of ", scratch_floats, " floats is smaller than the ",
@@ -896,6 +981,7 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
     }
     for (int k = 0; k < n_threads; ++k) loss += partial[k];
     if (!dx) continue;
+    if (dl_out) std::memcpy(dl_out + r0 * V, scratch, sizeof(float) * static_cast<size_t>(n * V));
     if (fused) {
 #ifdef IRIS_LM_HEAD_AVX2
       // Each thread owns a range of columns (whole cache lines): dx and dw need no reduction,
@@ -925,6 +1011,32 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
     }
   }
   return loss;
+}
+
+void lm_head_weight_grad(float* dw, const float* dl, const float* x, int64_t N, int64_t H,
+                         int64_t V) {
+  if (N == 0) return;
+#ifdef IRIS_LM_HEAD_AVX2
+  // The fused backward's condition, so that both paths sum each element the same way.
+  if (have_avx2_fma() && H % 8 == 0) {
+    const bool wide = have_avx512f() && H % 16 == 0;
+    const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
+#pragma omp parallel num_threads(n_threads) if (N * V * H > kParallelGrain)
+    {
+      // Each thread owns whole vocabulary rows of dw: no reduction between threads.
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t blocks = (V + 3) / 4;
+      const int64_t v0 = std::min(V, 4 * (blocks * tid / nt)),
+                    v1 = std::min(V, 4 * (blocks * (tid + 1) / nt));
+      if (wide)
+        head_weight_grad_avx512(dw, dl, x, N, H, V, v0, v1);
+      else
+        head_weight_grad_avx2(dw, dl, x, N, H, V, v0, v1);
+    }
+    return;
+  }
+#endif
+  cpu::sgemm_xtw(V, H, N, dl, x, dw, 1.0f);
 }
 
 }  // namespace iris::train

@@ -115,9 +115,17 @@ void pos_embed_backward(float* dtable, const float* dy, const int32_t* index, co
 // weight gradient). On x86-64 CPUs with AVX2 and FMA (and H a multiple of 8, chunk_rows <= 256) two
 // fused passes over w replace the three GEMMs; elsewhere the GEMMs run.
 int64_t lm_head_scratch_floats(int64_t chunk_rows, int64_t H, int64_t V);
+// When dl_out is non-null (and dx too), the rows of d(loss)/d(logits) (grad_scale included) are
+// also written to dl_out[N, V], for lm_head_weight_grad to apply later.
 double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* w,
                              const int32_t* targets, int64_t N, int64_t H, int64_t V,
                              float grad_scale, float* scratch, int64_t scratch_floats,
-                             int64_t chunk_rows);
+                             int64_t chunk_rows, float* dl_out = nullptr);
+// dw[V, H] += dl[N, V]^T x[N, H]: the lm_head weight gradient of rows saved by
+// lm_head_cross_entropy's dl_out. Each element accumulates over the rows in order, as the fused
+// backward does: deferring the rows of several samples to one call sums the same products in the
+// same order (on the AVX2 path) and streams dw once instead of once per sample.
+void lm_head_weight_grad(float* dw, const float* dl, const float* x, int64_t N, int64_t H,
+                         int64_t V);
 
 }  // namespace iris::train

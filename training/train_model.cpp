@@ -154,6 +154,11 @@ void TrainableQwen3VL::allocate(Arena& a) {
   dxlab_ = a.alloc(F, {L, H});
   loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
   logits_ = a.alloc(F, {train::lm_head_scratch_floats(loss_chunk_, H, t.vocab_size)});
+  pending_capacity_ = std::max<int64_t>(limits_.deferred_head_rows, 0);
+  if (pending_capacity_ > 0) {
+    pending_dl_ = a.alloc(F, {pending_capacity_, t.vocab_size});
+    pending_x_ = a.alloc(F, {pending_capacity_, H});
+  }
 
   t_dres_ = a.alloc(F, {L, H});
   t_dtmp_ = a.alloc(F, {L, H});
@@ -177,6 +182,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
 }
 
 void TrainableQwen3VL::zero_grads() {
+  pending_rows_ = 0;
   // Fused tensors (q/k/v, gate/up) carry several bindings; the one at row 0 covers the whole.
   for (const WeightBinding& b : grads_->bindings)
     if (b.row_offset == 0) be_.fill_zero(*b.target);
@@ -446,10 +452,31 @@ double TrainableQwen3VL::loss_and_head_backward(bool backward, float grad_scale)
   if (n_label_ == 0) return 0.0;
   train::gather_rows(f(xlab_), f(final_), i32(label_rows_), n_label_, H);
   const bool lm = !frozen_.language_model;
+  // Rows are held back while they fit; a sample with more labelled rows than the whole capacity
+  // applies its own after the held-back ones, which keeps the order of the sums.
+  if (backward && lm && n_label_ <= pending_capacity_) {
+    if (pending_rows_ + n_label_ > pending_capacity_) flush_head_grad();
+    const double loss = train::lm_head_cross_entropy(
+        f(dxlab_), nullptr, f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H,
+        t.vocab_size, grad_scale, f(logits_), logits_.numel(), loss_chunk_,
+        f(pending_dl_) + pending_rows_ * t.vocab_size);
+    std::memcpy(f(pending_x_) + pending_rows_ * H, f(xlab_), sizeof(float) * n_label_ * H);
+    pending_rows_ += n_label_;
+    return loss;
+  }
+  if (backward) flush_head_grad();
   return train::lm_head_cross_entropy(
       backward ? f(dxlab_) : nullptr, backward ? g_or_null(grads_->text.lm_head, lm) : nullptr,
       f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H, t.vocab_size, grad_scale,
       f(logits_), logits_.numel(), loss_chunk_);
+}
+
+void TrainableQwen3VL::flush_head_grad() {
+  if (pending_rows_ == 0) return;
+  const TextConfig& t = cfg_.text;
+  train::lm_head_weight_grad(f(grads_->text.lm_head), f(pending_dl_), f(pending_x_), pending_rows_,
+                             t.hidden_size, t.vocab_size);
+  pending_rows_ = 0;
 }
 
 void TrainableQwen3VL::text_backward() {

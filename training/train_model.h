@@ -43,6 +43,10 @@ struct TrainLimits {
   // Rows of [rows, vocab] logits materialised at once by the loss; the larger, the fewer passes
   // over the lm_head gradient, at rows * vocab * 4 bytes.
   int64_t loss_chunk_rows = 32;
+  // Labelled rows whose lm_head weight gradient is held back and applied in one pass (0: each
+  // sample applies its own; so does a sample with more labelled rows than this). A small model's step is dominated by streaming the [vocab, hidden]
+  // gradient once per sample; rows * vocab * 4 bytes buys doing it once per this many rows.
+  int64_t deferred_head_rows = 0;
 };
 
 // Which parts get no gradient, named like Qwen's fine-tuning flags (tune_mm_vision = vision
@@ -69,7 +73,14 @@ class TrainableQwen3VL {
   // grad_scale = 1 / (labelled tokens of the global batch) gives the gradient of the mean loss.
   LossStats forward_backward(const TrainSample& s, float grad_scale);
 
-  ModelWeights& grads() { return *grads_; }
+  // The gradients, with any held-back lm_head rows applied first.
+  ModelWeights& grads() {
+    flush_head_grad();
+    return *grads_;
+  }
+  // Applies the lm_head weight gradient of held-back rows (TrainLimits.deferred_head_rows); call
+  // before reading the gradients through anything but grads() (an optimizer step).
+  void flush_head_grad();
   ModelWeights& params() { return params_; }
   void zero_grads();
   // Frozen parts keep a zero gradient and skip their weight-gradient GEMMs; backpropagation still
@@ -135,6 +146,9 @@ class TrainableQwen3VL {
   Tensor final_, final_rstd_, xlab_, dxlab_;
   Tensor logits_;  // the loss's scratch: loss_chunk_ rows of logits at a time
   int64_t loss_chunk_ = 0;
+  // Held-back lm_head gradient rows: d(logits) and the final-norm rows they multiply.
+  Tensor pending_dl_, pending_x_;
+  int64_t pending_rows_ = 0, pending_capacity_ = 0;
   // Backward scratch.
   Tensor t_dres_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
   Tensor v_dres_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
