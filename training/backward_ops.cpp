@@ -812,6 +812,100 @@ __attribute__((target("avx512f"))) void head_backward_avx512(float* dx, float* d
   }
 }
 
+// dx only (the lm_head weight gradient deferred or frozen): for columns [h0, h1) (multiples of
+// 16), dx[r, h] = sum_v dl[r, v] w[v, h], summed per vocabulary block of kVocabBlock rows and
+// the block sums added to dx, exactly as head_backward_avx512 does with dw null, so the two give
+// the same bits. NR rows by two 16-column vectors of accumulators stay in registers while a
+// block of w (L2-resident) streams past, instead of a load and store of each row's block sum
+// per vocabulary row.
+template <int NR>
+__attribute__((target("avx512f"))) void head_dx_rows_avx512(float* dx, const float* dl,
+                                                            const float* w, int64_t H, int64_t V,
+                                                            int64_t vb, int64_t ve, int64_t h) {
+  __m512 acc[NR][2];
+  for (int rr = 0; rr < NR; ++rr) acc[rr][0] = acc[rr][1] = _mm512_setzero_ps();
+  for (int64_t v = vb; v < ve; ++v) {
+    const __m512 w0 = _mm512_loadu_ps(w + v * H + h), w1 = _mm512_loadu_ps(w + v * H + h + 16);
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 g = _mm512_set1_ps(dl[rr * V + v]);
+      acc[rr][0] = _mm512_fmadd_ps(g, w0, acc[rr][0]);
+      acc[rr][1] = _mm512_fmadd_ps(g, w1, acc[rr][1]);
+    }
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    float* d = dx + rr * H + h;
+    _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), acc[rr][0]));
+    _mm512_storeu_ps(d + 16, _mm512_add_ps(_mm512_loadu_ps(d + 16), acc[rr][1]));
+  }
+}
+
+template <int NR>
+__attribute__((target("avx512f"))) void head_dx_rows_avx512_16(float* dx, const float* dl,
+                                                               const float* w, int64_t H, int64_t V,
+                                                               int64_t vb, int64_t ve, int64_t h) {
+  __m512 acc[NR];
+  for (int rr = 0; rr < NR; ++rr) acc[rr] = _mm512_setzero_ps();
+  for (int64_t v = vb; v < ve; ++v) {
+    const __m512 w0 = _mm512_loadu_ps(w + v * H + h);
+    for (int rr = 0; rr < NR; ++rr)
+      acc[rr] = _mm512_fmadd_ps(_mm512_set1_ps(dl[rr * V + v]), w0, acc[rr]);
+  }
+  for (int rr = 0; rr < NR; ++rr) {
+    float* d = dx + rr * H + h;
+    _mm512_storeu_ps(d, _mm512_add_ps(_mm512_loadu_ps(d), acc[rr]));
+  }
+}
+
+template <int NR>
+__attribute__((target("avx512f"))) void head_dx_block_avx512(float* dx, const float* dl,
+                                                             const float* w, int64_t H, int64_t V,
+                                                             int64_t vb, int64_t ve, int64_t h0,
+                                                             int64_t h1) {
+  int64_t h = h0;
+  for (; h + 32 <= h1; h += 32) head_dx_rows_avx512<NR>(dx, dl, w, H, V, vb, ve, h);
+  for (; h < h1; h += 16) head_dx_rows_avx512_16<NR>(dx, dl, w, H, V, vb, ve, h);
+}
+
+__attribute__((target("avx512f"))) void head_dx_avx512(float* dx, const float* dl, const float* w,
+                                                       int64_t n, int64_t H, int64_t V, int64_t h0,
+                                                       int64_t h1) {
+  constexpr int kRows = 8;
+  for (int64_t r = 0; r < n; ++r) std::fill(dx + r * H + h0, dx + r * H + h1, 0.0f);
+  for (int64_t vb = 0; vb < V; vb += kVocabBlock) {
+    const int64_t ve = std::min(V, vb + kVocabBlock);
+    for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+      float* d = dx + r0 * H;
+      const float* g = dl + r0 * V;
+      switch (std::min<int64_t>(kRows, n - r0)) {
+        case 8:
+          head_dx_block_avx512<8>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 7:
+          head_dx_block_avx512<7>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 6:
+          head_dx_block_avx512<6>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 5:
+          head_dx_block_avx512<5>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 4:
+          head_dx_block_avx512<4>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 3:
+          head_dx_block_avx512<3>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        case 2:
+          head_dx_block_avx512<2>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+        default:
+          head_dx_block_avx512<1>(d, g, w, H, V, vb, ve, h0, h1);
+          break;
+      }
+    }
+  }
+}
+
 // dw rows [v0, v1) += dl^T x, four vocabulary rows by four 16-column vectors per pass over the
 // rows (sixteen accumulators), each element summed over r in order.
 __attribute__((target("avx512f"))) void head_weight_grad_avx512(float* dw, const float* dl,
@@ -998,7 +1092,9 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
         const int64_t h0 = std::min(H, 16 * (units * tid / nt)),
                       h1 = std::min(H, 16 * (units * (tid + 1) / nt));
         if (h1 > h0) {
-          if (wide)
+          if (wide && dw == nullptr)
+            head_dx_avx512(dx + r0 * H, scratch, w, n, H, V, h0, h1);
+          else if (wide)
             head_backward_avx512(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
           else
             head_backward_avx2(dx + r0 * H, dw, scratch, xc, w, n, H, V, h0, h1, blk);
