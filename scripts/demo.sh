@@ -7,7 +7,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/setup.sh
-IRIS_TARGETS=iris scripts/build.sh
+# Training runs on the CPU: without a GPU to run it, the CUDA backend is not worth its build time.
+cuda=()
+nvidia-smi -L >/dev/null 2>&1 || cuda=(-DIRIS_CUDA=OFF)
+IRIS_TARGETS=iris scripts/build.sh "${cuda[@]}"
 start=$(date +%s)
 run=runs/qwen3vl_tiny_shapes
 build/iris data shapes --out data/shapes --n 4000 --seed 1

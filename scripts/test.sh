@@ -7,7 +7,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=${IRIS_JOBS:-$(nproc)}
 scripts/setup.sh
-scripts/build.sh
+# ON builds the CUDA backend wherever nvcc is found (the demo may have cached OFF in build/).
+scripts/build.sh -DIRIS_CUDA=ON
 # One thread per test process and one process per core: the suites are many small processes.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ctest --test-dir build --output-on-failure -j"$jobs"
