@@ -866,6 +866,18 @@ __attribute__((target("avx512f"))) void head_dx_block_avx512(float* dx, const fl
   for (; h < h1; h += 16) head_dx_rows_avx512_16<NR>(dx, dl, w, H, V, vb, ve, h);
 }
 
+// head_dx_block_avx512<nr> for a run-time row count nr in [1, NR].
+template <int NR>
+__attribute__((target("avx512f"))) void head_dx_block_rows(int nr, float* dx, const float* dl,
+                                                           const float* w, int64_t H, int64_t V,
+                                                           int64_t vb, int64_t ve, int64_t h0,
+                                                           int64_t h1) {
+  if constexpr (NR > 1) {
+    if (nr < NR) return head_dx_block_rows<NR - 1>(nr, dx, dl, w, H, V, vb, ve, h0, h1);
+  }
+  head_dx_block_avx512<NR>(dx, dl, w, H, V, vb, ve, h0, h1);
+}
+
 __attribute__((target("avx512f"))) void head_dx_avx512(float* dx, const float* dl, const float* w,
                                                        int64_t n, int64_t H, int64_t V, int64_t h0,
                                                        int64_t h1) {
@@ -876,32 +888,8 @@ __attribute__((target("avx512f"))) void head_dx_avx512(float* dx, const float* d
     for (int64_t r0 = 0; r0 < n; r0 += kRows) {
       float* d = dx + r0 * H;
       const float* g = dl + r0 * V;
-      switch (std::min<int64_t>(kRows, n - r0)) {
-        case 8:
-          head_dx_block_avx512<8>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 7:
-          head_dx_block_avx512<7>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 6:
-          head_dx_block_avx512<6>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 5:
-          head_dx_block_avx512<5>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 4:
-          head_dx_block_avx512<4>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 3:
-          head_dx_block_avx512<3>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        case 2:
-          head_dx_block_avx512<2>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-        default:
-          head_dx_block_avx512<1>(d, g, w, H, V, vb, ve, h0, h1);
-          break;
-      }
+      head_dx_block_rows<kRows>(static_cast<int>(std::min<int64_t>(kRows, n - r0)), d, g, w, H, V,
+                                vb, ve, h0, h1);
     }
   }
 }

@@ -291,6 +291,24 @@ void launch_rope_vec(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_
                       round_tables);
 }
 
+// launch_rope_vec<tph> for a run-time tph among TPH, TPH / 2, ..., 1; false for any other.
+template <int TPH = kWarpSize>
+bool launch_rope_vec_for(int tph, uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
+                         float eps, const float* cos, const float* sin, int64_t tokens,
+                         int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
+                         cudaStream_t s) {
+  if (tph == TPH) {
+    launch_rope_vec<TPH>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads,
+                         head_dim, round_tables, s);
+    return true;
+  }
+  if constexpr (TPH > 1) {
+    return launch_rope_vec_for<TPH / 2>(tph, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens,
+                                        n_q_heads, n_kv_heads, head_dim, round_tables, s);
+  }
+  return false;
+}
+
 }  // namespace
 
 void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
@@ -314,28 +332,9 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
                    (q_norm_w == nullptr || aligned(q_norm_w, 8)) &&
                    (k_norm_w == nullptr || aligned(k_norm_w, 8));
   if (vec) {
-    switch (head_dim / 8) {
-      case 1:
-        return launch_rope_vec<1>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                  n_kv_heads, head_dim, round_tables, s);
-      case 2:
-        return launch_rope_vec<2>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                  n_kv_heads, head_dim, round_tables, s);
-      case 4:
-        return launch_rope_vec<4>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                  n_kv_heads, head_dim, round_tables, s);
-      case 8:
-        return launch_rope_vec<8>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                  n_kv_heads, head_dim, round_tables, s);
-      case 16:
-        return launch_rope_vec<16>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                   n_kv_heads, head_dim, round_tables, s);
-      case 32:
-        return launch_rope_vec<32>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                                   n_kv_heads, head_dim, round_tables, s);
-      default:
-        break;
-    }
+    if (launch_rope_vec_for(head_dim / 8, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                            n_kv_heads, head_dim, round_tables, s))
+      return;
   }
   const unsigned grid = static_cast<unsigned>((items + kRopeWarps - 1) / kRopeWarps);
   launch_programmatic(qkv_norm_rope_kernel, dim3(grid), dim3(kRopeWarps * kWarpSize), 0, s, qkv,
