@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/splitmix.h"
 #include "training/chat_format.h"
 #include "vision/image.h"
 
@@ -24,36 +25,19 @@ using nlohmann::json;
 
 constexpr size_t kMaxExamples = 20;
 
-uint64_t splitmix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Uniform in [0, n) by rejection, so that the permutation is the same on every platform (the
-// standard distributions are implementation-defined).
-uint64_t uniform_below(uint64_t& state, uint64_t n) {
-  const uint64_t limit = ~uint64_t{0} - (~uint64_t{0} % n);
-  for (;;) {
-    const uint64_t r = splitmix64(state);
-    if (r < limit) return r % n;
-  }
-}
-
 uint64_t mix_seed(uint64_t seed, uint64_t salt, uint64_t value) {
-  uint64_t s = seed ^ (salt * 0xD1B54A32D192ED03ull);
-  splitmix64(s);
-  s ^= value;
-  return splitmix64(s);
+  SplitMix64 g(seed ^ (salt * 0xD1B54A32D192ED03ull));
+  g.next();
+  g.mix(value);
+  return g.next();
 }
 
 std::vector<int64_t> epoch_permutation(uint64_t seed, int64_t epoch, int64_t n) {
   std::vector<int64_t> perm(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) perm[static_cast<size_t>(i)] = i;
-  uint64_t state = mix_seed(seed, 1, static_cast<uint64_t>(epoch));
+  SplitMix64 rng(mix_seed(seed, 1, static_cast<uint64_t>(epoch)));
   for (int64_t i = n - 1; i > 0; --i) {
-    const auto j = static_cast<int64_t>(uniform_below(state, static_cast<uint64_t>(i) + 1));
+    const auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i) + 1));
     std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(j)]);
   }
   return perm;
@@ -453,7 +437,7 @@ struct Dataset::Impl {
 
   Outcome process_mock_record(int64_t rec) const {
     Outcome out;
-    uint64_t state = mix_seed(cfg.seed, 2, static_cast<uint64_t>(rec));
+    SplitMix64 rng(mix_seed(cfg.seed, 2, static_cast<uint64_t>(rec)));
     std::vector<ImageRGB8> images;
     Sample s;
     for (const auto& size : cfg.mock_image_sizes) {
@@ -462,7 +446,7 @@ struct Dataset::Impl {
       img.height = size[1];
       img.pixels.resize(static_cast<size_t>(img.width) * img.height * 3);
       for (size_t i = 0; i < img.pixels.size(); i += 8) {
-        uint64_t r = splitmix64(state);
+        uint64_t r = rng.next();
         for (size_t k = i; k < std::min(i + 8, img.pixels.size()); ++k, r >>= 8)
           img.pixels[k] = static_cast<uint8_t>(r);
       }
@@ -472,7 +456,7 @@ struct Dataset::Impl {
     const int32_t vocab = tok.vocab_size();
     auto random_token = [&] {
       for (;;) {
-        const auto id = static_cast<int32_t>(uniform_below(state, static_cast<uint64_t>(vocab)));
+        const auto id = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
         if (!tok.is_added(id)) return id;
       }
     };

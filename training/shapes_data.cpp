@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/splitmix.h"
 
 #include <stb_image_write.h>  // the implementation is compiled into vision/image.cpp
 
@@ -30,30 +31,6 @@ constexpr std::array<Colour, 4> kColours = {{{"red", {220, 40, 40}},
                                              {"yellow", {240, 210, 40}}}};
 constexpr std::array<const char*, 3> kShapes = {"circle", "square", "triangle"};
 constexpr std::array<const char*, 4> kRelations = {"above", "below", "left", "right"};
-
-// splitmix64 with rejection sampling: the scenes must not depend on the standard library's
-// implementation-defined distributions.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int uniform(int lo, int hi) {  // inclusive
-    const uint64_t n = static_cast<uint64_t>(hi - lo) + 1;
-    const uint64_t limit = ~uint64_t{0} - (~uint64_t{0} % n);
-    for (;;) {
-      const uint64_t r = next();
-      if (r < limit) return lo + static_cast<int>(r % n);
-    }
-  }
-
- private:
-  uint64_t state_;
-};
 
 bool inside(const ShapeInstance& s, int px, int py) {
   const double u = px + 0.5, v = py + 0.5;
@@ -135,16 +112,16 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size) {
   IRIS_CHECK(image_size >= 32 && image_size <= 1024, "shapes image_size = ", image_size,
              " must be in [32, 1024] px");
   IRIS_CHECK(index >= 0, "shapes scene index ", index, " must not be negative");
-  Rng base(seed);
-  Rng rng(base.next() ^ (static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull));
+  SplitMix64 base(seed);
+  SplitMix64 rng(base.next() ^ (static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull));
   const int S = image_size;
   ShapesScene scene;
   scene.image.width = scene.image.height = S;
   scene.image.pixels.resize(static_cast<size_t>(S) * S * 3);
-  const bool dark = rng.uniform(0, 1) == 1;
-  const int grey = dark ? rng.uniform(20, 60) : rng.uniform(190, 235);
+  const bool dark = rng.uniform_int(0, 1) == 1;
+  const int grey = dark ? rng.uniform_int(20, 60) : rng.uniform_int(190, 235);
   for (int c = 0; c < 3; ++c) {
-    const auto v = static_cast<uint8_t>(grey + rng.uniform(-8, 8));
+    const auto v = static_cast<uint8_t>(grey + rng.uniform_int(-8, 8));
     for (size_t i = static_cast<size_t>(c); i < scene.image.pixels.size(); i += 3)
       scene.image.pixels[i] = v;
   }
@@ -152,16 +129,16 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size) {
   auto pick_shape = [&](int colour, int lo, int hi) {
     ShapeInstance s;
     s.colour = kColours[static_cast<size_t>(colour)].name;
-    s.shape = kShapes[static_cast<size_t>(rng.uniform(0, 2))];
-    s.size = rng.uniform(lo, hi);
+    s.shape = kShapes[static_cast<size_t>(rng.uniform_int(0, 2))];
+    s.size = rng.uniform_int(lo, hi);
     return s;
   };
 
-  if (rng.uniform(0, 1) == 0) {
-    const int colour = rng.uniform(0, 3);
+  if (rng.uniform_int(0, 1) == 0) {
+    const int colour = rng.uniform_int(0, 3);
     ShapeInstance s = pick_shape(colour, S * 3 / 10, S * 11 / 20);
-    s.x = rng.uniform(0, S - s.size);
-    s.y = rng.uniform(0, S - s.size);
+    s.x = rng.uniform_int(0, S - s.size);
+    s.y = rng.uniform_int(0, S - s.size);
     draw(scene.image, s, kColours[static_cast<size_t>(colour)].rgb);
     scene.caption = describe(s);
     scene.shapes.push_back(std::move(s));
@@ -169,19 +146,20 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size) {
   }
 
   // Two shapes in opposite halves; the one of the earlier colour is named first.
-  int c0 = rng.uniform(0, 3), c1 = rng.uniform(0, 2);
+  int c0 = rng.uniform_int(0, 3), c1 = rng.uniform_int(0, 2);
   if (c1 >= c0) ++c1;
   if (c1 < c0) std::swap(c0, c1);
-  const bool vertical = rng.uniform(0, 1) == 0;
-  const bool first_in_first_half = rng.uniform(0, 1) == 0;
+  const bool vertical = rng.uniform_int(0, 1) == 0;
+  const bool first_in_first_half = rng.uniform_int(0, 1) == 0;
   const int half = S / 2;
   std::array<ShapeInstance, 2> two = {pick_shape(c0, S * 22 / 100, S * 42 / 100),
                                       pick_shape(c1, S * 22 / 100, S * 42 / 100)};
   for (int k = 0; k < 2; ++k) {
     ShapeInstance& s = two[static_cast<size_t>(k)];
     const bool in_first_half = (k == 0) == first_in_first_half;
-    const int along = in_first_half ? rng.uniform(0, half - s.size) : rng.uniform(half, S - s.size);
-    const int across = rng.uniform(0, S - s.size);
+    const int along =
+        in_first_half ? rng.uniform_int(0, half - s.size) : rng.uniform_int(half, S - s.size);
+    const int across = rng.uniform_int(0, S - s.size);
     s.x = vertical ? across : along;
     s.y = vertical ? along : across;
     draw(scene.image, s, kColours[static_cast<size_t>(k == 0 ? c0 : c1)].rgb);

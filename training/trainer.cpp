@@ -8,6 +8,7 @@
 
 #include <omp.h>
 
+#include "bridge/random_weights.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -28,32 +29,6 @@ using nlohmann::json;
 
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
-
-// SplitMix64: a tiny generator whose stream is fixed by its definition, unlike the standard
-// distributions, whose output differs between library implementations.
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : s_(seed) {}
-  uint64_t next() {
-    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double normal() {                                        // Box-Muller
-    const double u1 = 1.0 - uniform(), u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-  }
-
- private:
-  uint64_t s_;
-};
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 // A config.json as HF loads it: model types and architectures filled in when a hand-written
 // (inline) config leaves them out.
@@ -155,26 +130,11 @@ void init_random_weights(Backend& backend, ModelWeights& weights, const std::str
       return j[section]["initializer_range"].get<double>();
     return j.value("initializer_range", 0.02);
   };
-  const double text_std = range("text_config"), vision_std = range("vision_config");
-  Rng rng(seed);
-  std::vector<float> host;
-  for (const WeightBinding& b : weights.bindings) {
-    int64_t n = 1;
-    for (int64_t d : b.hf_shape) n *= d;
-    host.assign(static_cast<size_t>(n), 0.0f);
-    const bool bias = ends_with(b.hf_name, ".bias");
-    const bool norm =
-        !bias && b.hf_shape.size() == 1 && b.hf_name.find("norm") != std::string::npos;
-    if (norm) {
-      std::fill(host.begin(), host.end(), 1.0f);
-    } else if (!bias) {
-      const double std = b.hf_name.rfind("model.visual.", 0) == 0 ? vision_std : text_std;
-      for (float& v : host) v = static_cast<float>(rng.normal() * std);
-    }
-    backend.write(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]), host.data(),
-                  DType::f32);
-  }
-  backend.synchronize();
+  RandomInit init;
+  init.seed = seed;
+  init.text_std = range("text_config");
+  init.vision_std = range("vision_config");
+  fill_random_weights(backend, weights, init);
 }
 
 TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
