@@ -45,6 +45,12 @@ std::vector<float> rows_of(const Tensor& t, const std::vector<int64_t>& rows) {
   return out;
 }
 
+// The f32 values of one HF tensor of a gradient set.
+std::vector<float> values_of(const WeightBinding& b) {
+  const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
+  return std::vector<float>(g.as<float>(), g.as<float>() + g.numel());
+}
+
 class GoldenGradients : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -115,13 +121,10 @@ TEST_F(GoldenGradients, EveryParameterGradientMatchesHF) {
   for (const WeightBinding& b : model_->grads().bindings) {
     ours.insert(b.hf_name);
     ASSERT_TRUE(golden_->has("grad." + b.hf_name)) << b.hf_name;
-    const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-    std::vector<float> got;
-    if (b.hf_name == kEmbedName) {
-      got = rows_of(g, rows);
-    } else {
-      got.assign(g.as<float>(), g.as<float>() + g.numel());
-    }
+    const std::vector<float> got =
+        b.hf_name == kEmbedName
+            ? rows_of(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]), rows)
+            : values_of(b);
     const std::vector<float> want = golden_->tensor("grad." + b.hf_name).to_f32();
     ASSERT_EQ(got.size(), want.size()) << b.hf_name;
     double scale = 0.0;
@@ -171,10 +174,7 @@ TEST_F(GoldenGradients, GradScaleAndAccumulationAreLinear) {
   for (size_t i = 0; i < twice.grads().bindings.size(); ++i) {
     const WeightBinding& a = twice.grads().bindings[i];
     const WeightBinding& b = model_->grads().bindings[i];
-    const Tensor ga = a.target->slice(a.row_offset, a.row_offset + a.hf_shape[0]);
-    const Tensor gb = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-    std::vector<float> va(ga.as<float>(), ga.as<float>() + ga.numel());
-    std::vector<float> vb(gb.as<float>(), gb.as<float>() + gb.numel());
+    const std::vector<float> va = values_of(a), vb = values_of(b);
     // Halving grad_scale rounds differently; cancellation makes that visible only relative to
     // the tensor's largest gradient.
     float scale = 0;
@@ -203,10 +203,7 @@ TEST_F(GoldenGradients, DeferredHeadGradientEqualsThePerSampleOne) {
   for (size_t i = 0; i < each.grads().bindings.size(); ++i) {
     const WeightBinding& a = each.grads().bindings[i];
     const WeightBinding& b = deferred.grads().bindings[i];
-    const Tensor ga = a.target->slice(a.row_offset, a.row_offset + a.hf_shape[0]);
-    const Tensor gb = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-    std::vector<float> va(ga.as<float>(), ga.as<float>() + ga.numel());
-    std::vector<float> vb(gb.as<float>(), gb.as<float>() + gb.numel());
+    const std::vector<float> va = values_of(a), vb = values_of(b);
     float scale_max = 0;
     for (float x : va) scale_max = std::max(scale_max, std::fabs(x));
     if (a.hf_name == kEmbedName || a.hf_name == "lm_head.weight")
