@@ -4,6 +4,8 @@
 // memory, so one captured graph serves every decode step.
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <type_traits>
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
@@ -335,6 +337,29 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
   }
 }
 
+// The head dims the flash kernels are compiled for: one list for dispatch, shared-memory set-up
+// and the support query.
+template <int... HDs>
+struct HeadDimList {
+  static bool contains(int head_dim) { return ((head_dim == HDs) || ...); }
+  // Calls f(std::integral_constant<int, HD>) for the HD equal to head_dim.
+  template <typename F>
+  static void with(int head_dim, F&& f) {
+    const bool found =
+        ((head_dim == HDs ? (f(std::integral_constant<int, HDs>{}), true) : false) || ...);
+    if (!found) {
+      std::string names;
+      ((names += (names.empty() ? "" : ", ") + std::to_string(HDs)), ...);
+      IRIS_FAIL("attention: head_dim ", head_dim, " has no CUDA kernel (", names, ")");
+    }
+  }
+  template <typename F>
+  static void each(F&& f) {
+    (f(std::integral_constant<int, HDs>{}), ...);
+  }
+};
+using FlashHeadDims = HeadDimList<16, 64, 72, 80, 128>;
+
 template <int HD, bool kCausal>
 void launch_flash(const FlashParams& p, dim3 grid, cudaStream_t s) {
   launch_programmatic(flash_attention_kernel<HD, kCausal>, grid, dim3(kFlashThreads),
@@ -344,20 +369,8 @@ void launch_flash(const FlashParams& p, dim3 grid, cudaStream_t s) {
 
 template <bool kCausal>
 void dispatch_flash(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
-  switch (head_dim) {
-    case 16:
-      return launch_flash<16, kCausal>(p, grid, s);
-    case 64:
-      return launch_flash<64, kCausal>(p, grid, s);
-    case 72:
-      return launch_flash<72, kCausal>(p, grid, s);
-    case 80:
-      return launch_flash<80, kCausal>(p, grid, s);
-    case 128:
-      return launch_flash<128, kCausal>(p, grid, s);
-    default:
-      IRIS_FAIL("attention: head_dim ", head_dim, " has no CUDA kernel (16, 64, 72, 80, 128)");
-  }
+  FlashHeadDims::with(head_dim,
+                      [&](auto hd) { launch_flash<decltype(hd)::value, kCausal>(p, grid, s); });
 }
 
 template <int HD, bool kCausal>
@@ -656,20 +669,8 @@ void launch_wide(const FlashParams& p, dim3 grid, cudaStream_t s) {
 
 template <bool kCausal>
 void dispatch_wide(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
-  switch (head_dim) {
-    case 16:
-      return launch_wide<16, kCausal>(p, grid, s);
-    case 64:
-      return launch_wide<64, kCausal>(p, grid, s);
-    case 72:
-      return launch_wide<72, kCausal>(p, grid, s);
-    case 80:
-      return launch_wide<80, kCausal>(p, grid, s);
-    case 128:
-      return launch_wide<128, kCausal>(p, grid, s);
-    default:
-      IRIS_FAIL("attention: head_dim ", head_dim, " has no CUDA kernel (16, 64, 72, 80, 128)");
-  }
+  FlashHeadDims::with(head_dim,
+                      [&](auto hd) { launch_wide<decltype(hd)::value, kCausal>(p, grid, s); });
 }
 
 template <int HD, bool kCausal>
@@ -969,30 +970,17 @@ __global__ void kv_store_kernel(uint16_t* k_cache, uint16_t* v_cache, const uint
 }  // namespace
 
 void attention_init() {
-  set_flash_smem<16, false>();
-  set_flash_smem<64, false>();
-  set_flash_smem<72, false>();
-  set_flash_smem<80, false>();
-  set_flash_smem<128, false>();
-  set_flash_smem<16, true>();
-  set_flash_smem<64, true>();
-  set_flash_smem<72, true>();
-  set_flash_smem<80, true>();
-  set_flash_smem<128, true>();
-  set_wide_smem<16, false>();
-  set_wide_smem<64, false>();
-  set_wide_smem<72, false>();
-  set_wide_smem<80, false>();
-  set_wide_smem<128, false>();
-  set_wide_smem<16, true>();
-  set_wide_smem<64, true>();
-  set_wide_smem<72, true>();
-  set_wide_smem<80, true>();
-  set_wide_smem<128, true>();
+  FlashHeadDims::each([](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    set_flash_smem<HD, false>();
+    set_flash_smem<HD, true>();
+    set_wide_smem<HD, false>();
+    set_wide_smem<HD, true>();
+  });
 }
 
 bool attention_head_dim_supported(int head_dim) {
-  return head_dim == 16 || head_dim == 64 || head_dim == 72 || head_dim == 80 || head_dim == 128;
+  return FlashHeadDims::contains(head_dim);
 }
 
 void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
