@@ -321,7 +321,9 @@ TEST_F(RecipeTest, ValueRangesAreChecked) {
   for (const Case& c :
        {Case{"optimizer.lr=0", "optimizer.lr must be > 0"},
         Case{"optimizer.min_lr=1", "optimizer.min_lr 1 must be in [0"},
-        Case{"optimizer.betas=[0.9]", "expects 2 numbers"},
+        Case{"optimizer.vision_lr=-1", "optimizer.vision_lr must be >= 0"},
+        Case{"optimizer.merger_lr=-0.5", "optimizer.merger_lr must be >= 0"},
+        Case{"optimizer.vision_lr=0.01", ""}, Case{"optimizer.betas=[0.9]", "expects 2 numbers"},
         Case{"optimizer.betas=[0.9, 1.0]", "must be in [0, 1)"},
         Case{"train.micro_batch_size=0", "train.micro_batch_size must be >= 1"},
         Case{"logging.log_interval=0", "logging.log_interval must be >= 1"},

@@ -157,7 +157,19 @@ AdamW::AdamW(Backend& cpu, const ModelConfig& cfg, ModelWeights& params, ModelWe
   param_steps_.assign(params.bindings.size(), 0);
 }
 
-double AdamW::step(float lr, const FreezeSpec& frozen) {
+float AdamWConfig::lr_scale(ModelPart part) const {
+  switch (part) {
+    case ModelPart::vision_tower:
+      return vision_tower_lr_scale;
+    case ModelPart::merger:
+      return merger_lr_scale;
+    case ModelPart::language_model:
+      return 1.0f;
+  }
+  return 1.0f;
+}
+
+double AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   const double norm = grad_norm(grads_, frozen);
   IRIS_CHECK(std::isfinite(norm), "AdamW: the gradient norm is ", norm,
              " (NaN or overflow in the backward); lower the learning rate or check the data");
@@ -171,6 +183,10 @@ double AdamW::step(float lr, const FreezeSpec& frozen) {
   for (size_t i = 0; i < params_.bindings.size(); ++i) {
     const WeightBinding& pb = params_.bindings[i];
     if (frozen.frozen(pb.hf_name)) continue;
+    const float scale = config_.lr_scale(model_part(pb.hf_name));
+    // A scale of exactly 1 keeps the f32 learning rate bit for bit (the HF golden trajectory).
+    const float lr =
+        scale == 1.0f ? scheduled_lr : static_cast<float>(double(scheduled_lr) * scale);
     const Tensor pt = bound(pb);
     float* p = pt.as<float>();
     float* g = bound(grads_.bindings[i]).as<float>();

@@ -22,6 +22,11 @@ struct AdamWConfig {
   float eps = 1e-8f;
   float weight_decay = 0.0f;    // applied to parameters with >= 2 dims only
   float clip_grad_norm = 0.0f;  // global L2 norm to clip to; <= 0 disables clipping
+  // Each part's learning rate relative to the scheduled one (Qwen's vision_tower_lr and
+  // mm_projector_lr): a randomly initialised vision tower can want a larger step than the LM.
+  float vision_tower_lr_scale = 1.0f;
+  float merger_lr_scale = 1.0f;
+  float lr_scale(ModelPart part) const;
 };
 
 // L2 norm over the gradients of every parameter that is not frozen (summed in f64).
@@ -35,7 +40,8 @@ class AdamW {
 
   // Clips the gradients in place to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale
   // by max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
-  // frozen. Returns the global gradient norm before clipping. Frozen parameters, their moments
+  // frozen, each with lr times its part's lr_scale. Returns the global gradient norm before
+  // clipping. Frozen parameters, their moments
   // and their step counts are left untouched.
   double step(float lr, const FreezeSpec& frozen = {});
 

@@ -126,6 +126,10 @@ std::vector<Field> fields(Recipe& r) {
        "skipped); 0: mock data's exact count, else seq_length x 4 (the most a sample can hold)"},
       {"optimizer.lr", &o.lr, "peak learning rate"},
       {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
+      {"optimizer.vision_lr", &o.vision_lr,
+       "peak learning rate of the vision blocks and patch embedding; 0: optimizer.lr"},
+      {"optimizer.merger_lr", &o.merger_lr,
+       "peak learning rate of the patch merger and DeepStack mergers; 0: optimizer.lr"},
       {"optimizer.betas", &o.betas, "AdamW [beta1, beta2]"},
       {"optimizer.eps", &o.eps, "AdamW epsilon"},
       {"optimizer.weight_decay", &o.weight_decay, "decoupled weight decay"},
@@ -621,6 +625,10 @@ void validate(Recipe& r) {
   IRIS_CHECK(o.lr > 0, "recipe: optimizer.lr must be > 0, got ", o.lr);
   IRIS_CHECK(o.min_lr >= 0 && o.min_lr <= o.lr, "recipe: optimizer.min_lr ", o.min_lr,
              " must be in [0, optimizer.lr = ", o.lr, "]");
+  IRIS_CHECK(o.vision_lr >= 0, "recipe: optimizer.vision_lr must be >= 0 (0 = optimizer.lr), got ",
+             o.vision_lr);
+  IRIS_CHECK(o.merger_lr >= 0, "recipe: optimizer.merger_lr must be >= 0 (0 = optimizer.lr), got ",
+             o.merger_lr);
   IRIS_CHECK(o.betas.size() == 2, "recipe: optimizer.betas expects 2 numbers [beta1, beta2], got ",
              o.betas.size());
   for (double b : o.betas)

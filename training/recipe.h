@@ -63,6 +63,10 @@ struct TrainRecipe {
 struct OptimizerRecipe {
   double lr = 1e-4;
   double min_lr = 0.0;
+  // Peak learning rates of the vision tower and of the mergers (Qwen's vision_tower_lr and
+  // mm_projector_lr); 0: optimizer.lr. The schedule scales them like optimizer.lr.
+  double vision_lr = 0.0;
+  double merger_lr = 0.0;
   std::vector<double> betas{0.9, 0.999};
   double eps = 1e-8;
   double weight_decay = 0.0;

@@ -35,17 +35,28 @@ bool starts_with(const std::string& s, const char* prefix) {
 
 }  // namespace
 
-bool FreezeSpec::frozen(const std::string& name) const {
+ModelPart model_part(const std::string& name) {
   if (starts_with(name, "model.visual.merger.") ||
       starts_with(name, "model.visual.deepstack_merger_list."))
-    return merger;
-  if (starts_with(name, "model.visual.")) return vision_tower;
-  if (starts_with(name, "model.language_model.") || starts_with(name, "lm_head.")) {
-    return language_model;
-  }
+    return ModelPart::merger;
+  if (starts_with(name, "model.visual.")) return ModelPart::vision_tower;
+  if (starts_with(name, "model.language_model.") || starts_with(name, "lm_head."))
+    return ModelPart::language_model;
   IRIS_FAIL("parameter '", name,
             "' belongs to no known part of Qwen3-VL (expected model.visual.*, "
             "model.language_model.* or lm_head.*)");
+}
+
+bool FreezeSpec::frozen(const std::string& name) const {
+  switch (model_part(name)) {
+    case ModelPart::vision_tower:
+      return vision_tower;
+    case ModelPart::merger:
+      return merger;
+    case ModelPart::language_model:
+      return language_model;
+  }
+  return false;
 }
 
 TrainableQwen3VL::TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWeights& params,

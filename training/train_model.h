@@ -44,14 +44,21 @@ struct TrainLimits {
   // over the lm_head gradient, at rows * vocab * 4 bytes.
   int64_t loss_chunk_rows = 32;
   // Labelled rows whose lm_head weight gradient is held back and applied in one pass (0: each
-  // sample applies its own; so does a sample with more labelled rows than this). A small model's step is dominated by streaming the [vocab, hidden]
-  // gradient once per sample; rows * vocab * 4 bytes buys doing it once per this many rows.
+  // sample applies its own; so does a sample with more labelled rows than this). A small model's
+  // step is dominated by streaming the [vocab, hidden] gradient once per sample; rows * vocab * 4
+  // bytes buys doing it once per this many rows.
   int64_t deferred_head_rows = 0;
 };
 
 // Which parts get no gradient, named like Qwen's fine-tuning flags (tune_mm_vision = vision
 // tower: patch_embed, pos_embed, blocks; tune_mm_mlp = merger and DeepStack mergers; tune_mm_llm
 // = the language model with its embedding and lm_head).
+// The three parts Qwen's fine-tuning scripts freeze or give their own learning rate.
+enum class ModelPart { vision_tower, merger, language_model };
+
+// The part the HF tensor `hf_name` belongs to (unknown names are an error).
+ModelPart model_part(const std::string& hf_name);
+
 struct FreezeSpec {
   bool vision_tower = false;
   bool merger = false;

@@ -240,6 +240,10 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   ac.eps = static_cast<float>(r.optimizer.eps);
   ac.weight_decay = static_cast<float>(r.optimizer.weight_decay);
   ac.clip_grad_norm = static_cast<float>(r.optimizer.clip_grad);
+  if (r.optimizer.vision_lr > 0)
+    ac.vision_tower_lr_scale = static_cast<float>(r.optimizer.vision_lr / r.optimizer.lr);
+  if (r.optimizer.merger_lr > 0)
+    ac.merger_lr_scale = static_cast<float>(r.optimizer.merger_lr / r.optimizer.lr);
   AdamW opt(*cpu, cfg, *params, model.grads(), ac);
   if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
   const LrSchedule schedule(
