@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include <omp.h>
 
@@ -44,10 +45,28 @@ void column_sums_accumulate(float* out, const float* x, int64_t R, int64_t C) {
   });
 }
 
+// Eight partial sums: the compiler keeps them in one vector register instead of a chain of n
+// dependent adds (attention takes a head_dim-long dot per query-key pair).
 float dot(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int d = 0; d < n; ++d) s += a[d] * b[d];
+  float part[8] = {};
+  int d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int k = 0; k < 8; ++k) part[k] += a[d + k] * b[d + k];
+  float s =
+      ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += a[d] * b[d];
   return s;
+}
+
+// x = exp(x) in place for x <= 0 (vectorised where the CPU has AVX2 and FMA).
+void exp_nonpositive_inplace(float* x, int64_t n);
+
+// Per-thread scratch for one query's (or key's) scores: grown to the longest segment once, then
+// reused, so steady-state steps allocate nothing.
+float* score_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
 }
 
 // The segment holding row i, or -1 past the last one (cu is non-decreasing).
@@ -318,23 +337,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int 
       const int64_t b = cu[seg], e = causal ? i + 1 : cu[seg + 1];
       const float* q = qkv + i * width + int64_t(h) * hd;
       const int64_t g = h / group;
-      // Online softmax: one pass over the keys, rescaling the accumulator when the max grows.
-      float acc[kMaxHeadDim] = {};
+      // Scores of the whole segment row, then one vectorised exp and the weighted sum of V.
+      float* p = score_scratch(e - b);
       float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = b; j < e; ++j) {
+        p[j - b] = dot(q, qkv + j * width + koff + g * hd, hd) * scale;
+        mx = std::max(mx, p[j - b]);
+      }
+      for (int64_t j = b; j < e; ++j) p[j - b] -= mx;
+      exp_nonpositive_inplace(p, e - b);
+      float acc[kMaxHeadDim] = {};
       double sum = 0.0;
       for (int64_t j = b; j < e; ++j) {
-        const float* kr = qkv + j * width + koff + g * hd;
-        const float sc = dot(q, kr, hd) * scale;
-        if (sc > mx) {
-          const float corr = std::exp(mx - sc);
-          sum *= corr;
-          for (int d = 0; d < hd; ++d) acc[d] *= corr;
-          mx = sc;
-        }
-        const float p = std::exp(sc - mx);
-        sum += p;
+        const float pj = p[j - b];
+        sum += pj;
         const float* vr = qkv + j * width + voff + g * hd;
-        for (int d = 0; d < hd; ++d) acc[d] += p * vr[d];
+        for (int d = 0; d < hd; ++d) acc[d] += pj * vr[d];
       }
       const float inv = static_cast<float>(1.0 / sum);
       for (int d = 0; d < hd; ++d) o[d] = acc[d] * inv;
@@ -370,11 +388,14 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
       const float* go = dout + i * D + int64_t(h) * hd;
       const int64_t g = h / group;
       const float l = lse[i * nq + h], ds0 = dsum[i * nq + h];
+      float* p = score_scratch(e - b);
+      for (int64_t j = b; j < e; ++j)
+        p[j - b] = dot(q, qkv + j * width + koff + g * hd, hd) * scale - l;
+      exp_nonpositive_inplace(p, e - b);
       for (int64_t j = b; j < e; ++j) {
         const float* kr = qkv + j * width + koff + g * hd;
         const float* vr = qkv + j * width + voff + g * hd;
-        const float p = std::exp(dot(q, kr, hd) * scale - l);
-        const float ds = p * (dot(go, vr, hd) - ds0);
+        const float ds = p[j - b] * (dot(go, vr, hd) - ds0);
         for (int d = 0; d < hd; ++d) dq[d] += ds * kr[d];
       }
       for (int d = 0; d < hd; ++d) dq[d] *= scale;
@@ -392,11 +413,15 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
       const int64_t b = causal ? j : cu[seg], e = cu[seg + 1];
       const float* kr = qkv + j * width + koff + int64_t(g) * hd;
       const float* vr = qkv + j * width + voff + int64_t(g) * hd;
+      float* pr = score_scratch(e - b);
       for (int h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = b; i < e; ++i)
+          pr[i - b] = dot(qkv + i * width + int64_t(h) * hd, kr, hd) * scale - lse[i * nq + h];
+        exp_nonpositive_inplace(pr, e - b);
         for (int64_t i = b; i < e; ++i) {
           const float* q = qkv + i * width + int64_t(h) * hd;
           const float* go = dout + i * D + int64_t(h) * hd;
-          const float p = std::exp(dot(q, kr, hd) * scale - lse[i * nq + h]);
+          const float p = pr[i - b];
           const float ds = p * (dot(go, vr, hd) - dsum[i * nq + h]);
           for (int d = 0; d < hd; ++d) {
             dv[d] += p * go[d];
@@ -592,6 +617,22 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(under, y);
+}
+
+__attribute__((target("avx2,fma"))) void exp_nonpositive_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  // exp_nonpositive maps NaN to 0; a diverged score must stay NaN.
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(x + i,
+                     _mm256_blendv_ps(exp_nonpositive(v), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+void exp_nonpositive_inplace(float* x, int64_t n) {
+  if (have_avx2_fma()) return exp_nonpositive_avx2(x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
 // Row r of logits -> exp(logit - max) in place; returns the f64 sum and sets *mx.
