@@ -13,13 +13,13 @@ nvidia-smi -L >/dev/null 2>&1 || cuda=(-DIRIS_CUDA=OFF)
 IRIS_TARGETS=iris scripts/build.sh "${cuda[@]}"
 start=$(date +%s)
 run=runs/qwen3vl_tiny_shapes
-build/iris data shapes --out data/shapes --n 4000 --seed 1
+build/iris data shapes --out data/shapes --n 20000 --seed 1
 # A fresh run each time: the recipe resumes from its checkpoints otherwise.
 rm -rf "$run"
 build/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml
 build/iris export "$run" "$run/hf"
-build/iris data shapes-eval -m "$run/hf" --heldout data/shapes/heldout.jsonl
+build/iris data shapes-eval -m "$run/hf" --heldout data/shapes/heldout.jsonl --limit 400
 echo "example:"
-build/iris generate -m "$run/hf" --image data/shapes/images/003999.png -p "Describe the image." \
+build/iris generate -m "$run/hf" --image data/shapes/images/019999.png -p "Describe the image." \
   --temp 0 -n 16
 echo "data + training + evaluation took $(( $(date +%s) - start )) s; loss plot: $run/training_curves.svg"
