@@ -88,6 +88,8 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWe
                  v.head_dim() <= train::kMaxHeadDim,
              "head dims must be even and at most ", train::kMaxHeadDim);
   grads_ = allocate_weights(cpu, cfg);
+  embed_row_touched_.assign(static_cast<size_t>(t.vocab_size), 0);
+  touched_embed_rows_.reserve(static_cast<size_t>(t.vocab_size));
   zero_grads();
   Arena plan;
   allocate(plan);
@@ -194,6 +196,11 @@ void TrainableQwen3VL::allocate(Arena& a) {
 
 void TrainableQwen3VL::zero_grads() {
   pending_rows_ = 0;
+  if (grads_zero_) return;
+  for (int32_t row : touched_embed_rows_) embed_row_touched_[static_cast<size_t>(row)] = 0;
+  touched_embed_rows_.clear();
+  head_grad_dense_ = false;
+  grads_zero_ = true;
   // Fused tensors (q/k/v, gate/up) carry several bindings; the one at row 0 covers the whole.
   for (const WeightBinding& b : grads_->bindings)
     if (b.row_offset == 0) be_.fill_zero(*b.target);
@@ -272,6 +279,7 @@ LossStats TrainableQwen3VL::run(const TrainSample& s, bool backward, float grad_
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_ > 0 && (lm || vision_grads);
+  if (backward) grads_zero_ = false;
   if (S_ > 0) vision_forward(s.pixel_values.data());
   text_forward();
   LossStats st;
@@ -476,6 +484,7 @@ double TrainableQwen3VL::loss_and_head_backward(bool backward, float grad_scale)
     return loss;
   }
   if (backward) flush_head_grad();
+  if (backward && lm) head_grad_dense_ = true;
   return train::lm_head_cross_entropy(
       backward ? f(dxlab_) : nullptr, backward ? g_or_null(grads_->text.lm_head, lm) : nullptr,
       f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H, t.vocab_size, grad_scale,
@@ -488,6 +497,55 @@ void TrainableQwen3VL::flush_head_grad() {
   train::lm_head_weight_grad(f(grads_->text.lm_head), f(pending_dl_), f(pending_x_), pending_rows_,
                              t.hidden_size, t.vocab_size);
   pending_rows_ = 0;
+  head_grad_dense_ = true;
+}
+
+void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
+  IRIS_CHECK(&sum != this && &sum.params_ == &params_,
+             "move_grads_into needs another replica of the same parameters");
+  const TextConfig& t = cfg_.text;
+  const int64_t H = t.hidden_size;
+  if (grads_zero_) return;
+  sum.grads_zero_ = false;
+  if (pending_rows_ > 0) {
+    train::lm_head_weight_grad(f(sum.grads_->text.lm_head), f(pending_dl_), f(pending_x_),
+                               pending_rows_, H, t.vocab_size);
+    pending_rows_ = 0;
+    sum.head_grad_dense_ = true;
+  }
+  const Tensor* embed = &grads_->text.embed;
+  const Tensor* head = grads_->tied_lm_head ? embed : &grads_->text.lm_head;
+  for (size_t i = 0; i < grads_->bindings.size(); ++i) {
+    const WeightBinding& b = grads_->bindings[i];
+    if (b.row_offset != 0) continue;  // fused tensors: the binding at row 0 covers the whole
+    float* src = f(*b.target);
+    float* dst = f(*sum.grads_->bindings[i].target);
+    if (!head_grad_dense_ && b.target == embed) {
+      for (int32_t row : touched_embed_rows_) {
+        float* s = src + int64_t(row) * H;
+        float* d = dst + int64_t(row) * H;
+        for (int64_t c = 0; c < H; ++c) d[c] += s[c];
+        std::fill(s, s + H, 0.0f);
+        if (!sum.embed_row_touched_[static_cast<size_t>(row)]) {
+          sum.embed_row_touched_[static_cast<size_t>(row)] = 1;
+          sum.touched_embed_rows_.push_back(row);
+        }
+      }
+      continue;
+    }
+    if (!head_grad_dense_ && b.target == head) continue;  // an untied lm_head with no rows yet
+    const int64_t n = b.target->numel();
+#pragma omp parallel for schedule(static) if (n > (int64_t(1) << 16))
+    for (int64_t k = 0; k < n; ++k) {
+      dst[k] += src[k];
+      src[k] = 0.0f;
+    }
+  }
+  for (int32_t row : touched_embed_rows_) embed_row_touched_[static_cast<size_t>(row)] = 0;
+  touched_embed_rows_.clear();
+  if (head_grad_dense_) sum.head_grad_dense_ = true;
+  head_grad_dense_ = false;
+  grads_zero_ = true;
 }
 
 void TrainableQwen3VL::text_backward() {
@@ -535,7 +593,15 @@ void TrainableQwen3VL::text_backward() {
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.
-  if (lm) embedding_backward(f(g.embed), dres, i32(ids_), L, H, cfg_.image_token_id);
+  if (lm) {
+    embedding_backward(f(g.embed), dres, i32(ids_), L, H, cfg_.image_token_id);
+    for (int64_t i = 0; i < L; ++i) {
+      const int32_t id = i32(ids_)[i];
+      if (id == cfg_.image_token_id || embed_row_touched_[static_cast<size_t>(id)]) continue;
+      embed_row_touched_[static_cast<size_t>(id)] = 1;
+      touched_embed_rows_.push_back(id);
+    }
+  }
   if (n_pad_ > 0) gather_rows(f(d_embeds_), dres, i32(pad_rows_), n_pad_, H);
 }
 

@@ -90,6 +90,12 @@ class TrainableQwen3VL {
   void flush_head_grad();
   ModelWeights& params() { return params_; }
   void zero_grads();
+  // Sample-parallel training runs one replica per thread, each with its own activations and
+  // gradients over the shared parameters. This adds this replica's gradients into `sum`'s and
+  // leaves this replica's at zero. Held-back lm_head rows are applied straight into `sum`, and the
+  // embedding's gradient is added only on the rows this replica's samples touched, so the
+  // [vocab, hidden] tensor is not streamed once per replica.
+  void move_grads_into(TrainableQwen3VL& sum);
   // Frozen parts keep a zero gradient and skip their weight-gradient GEMMs; backpropagation still
   // runs through a frozen part when a trainable part lies before it.
   void set_frozen(bool vision_tower, bool merger, bool language_model);
@@ -156,6 +162,12 @@ class TrainableQwen3VL {
   // Held-back lm_head gradient rows: d(logits) and the final-norm rows they multiply.
   Tensor pending_dl_, pending_x_;
   int64_t pending_rows_ = 0, pending_capacity_ = 0;
+  // What move_grads_into must add: whether the lm_head's gradient (the embedding's, when tied)
+  // was written densely since the last zeroing, and which embedding rows the samples touched.
+  bool head_grad_dense_ = false;
+  bool grads_zero_ = false;
+  std::vector<uint8_t> embed_row_touched_;
+  std::vector<int32_t> touched_embed_rows_;
   // Backward scratch.
   Tensor t_dres_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
   Tensor v_dres_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -119,6 +120,36 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+
+// forward_backward of every sample of the batch, sample i on replica i % replicas.size(). With
+// several replicas each runs on a thread of its own, and the ops inside run on that one thread.
+void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
+                     const std::vector<TrainSample>& batch, float grad_scale,
+                     std::vector<LossStats>& stats) {
+  const auto n = static_cast<int64_t>(replicas.size());
+  if (n == 1) {
+    for (size_t i = 0; i < batch.size(); ++i)
+      stats[i] = replicas[0]->forward_backward(batch[i], grad_scale);
+    return;
+  }
+  // An exception must not leave an OpenMP region; the first one is rethrown after it.
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+#pragma omp parallel num_threads(static_cast<int>(n))
+  {
+    // The runtime may give fewer threads than asked for; a thread then takes several replicas.
+    for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
+      try {
+        for (auto i = static_cast<size_t>(k); i < batch.size(); i += static_cast<size_t>(n))
+          stats[i] = replicas[static_cast<size_t>(k)]->forward_backward(batch[i], grad_scale);
+      } catch (...) {
+        errors[static_cast<size_t>(k)] = std::current_exception();
+      }
+    }
+  }
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 }  // namespace
 
 void init_random_weights(Backend& backend, ModelWeights& weights, const std::string& config_json,
@@ -230,9 +261,29 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   const int64_t min_image_tokens = std::max<int64_t>(1, pp.min_pixels / (factor * factor));
   limits.max_images = static_cast<int>(
       std::min<int64_t>({r.train.seq_length / min_image_tokens + 1, r.train.seq_length, 1 << 20}));
-  TrainableQwen3VL model(*cpu, cfg, *params, limits);
-  model.set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
-                   r.train.freeze_language_model);
+  // A small model's ops are too small to split across threads without most of the time going to
+  // barriers, so each thread trains whole samples on a replica of its own (activations and
+  // gradients; the parameters are shared) and the replicas' gradients are summed before the
+  // optimizer step. A large model keeps one replica and splits each op instead: a replica costs
+  // a second copy of the gradients.
+  int64_t n_params = 0;
+  for (const WeightBinding& b : params->bindings) {
+    int64_t n = 1;
+    for (int64_t d : b.hf_shape) n *= d;
+    n_params += n;
+  }
+  constexpr int64_t kReplicaGradientBudget = int64_t(1) << 30;
+  const int n_replicas =
+      n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget
+          ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), r.train.global_batch_size))
+          : 1;
+  std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
+  for (int k = 0; k < n_replicas; ++k) {
+    replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
+    replicas.back()->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
+                                r.train.freeze_language_model);
+  }
+  TrainableQwen3VL& model = *replicas[0];
 
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(r.optimizer.betas[0]);
@@ -263,18 +314,13 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   lo.out = options.out;
   MetricsLog log(lo, state.iteration);
 
-  int64_t n_params = 0;
-  for (const WeightBinding& b : params->bindings) {
-    int64_t n = 1;
-    for (int64_t d : b.hf_shape) n *= d;
-    n_params += n;
-  }
   log.message(str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
                       " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
                       " parameters, global batch ", r.train.global_batch_size, " = ",
                       r.train.micro_batch_size, " x ", r.accumulation_steps,
                       " accumulation steps, activation arena ", model.arena_bytes() / (1024 * 1024),
-                      " MiB, run directory ", run_dir));
+                      " MiB", n_replicas > 1 ? str_cat(" x ", n_replicas, " sample threads") : "",
+                      ", run directory ", run_dir));
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
                         " threads and this run has ", omp_get_max_threads(),
@@ -343,6 +389,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   auto interval_start = std::chrono::steady_clock::now();
   std::vector<TrainSample> batch;
   batch.reserve(static_cast<size_t>(r.train.global_batch_size));
+  std::vector<LossStats> batch_stats(static_cast<size_t>(r.train.global_batch_size));
   log.progress(state.iteration);
   for (int64_t it = state.iteration + 1; it <= r.train.train_iters; ++it) {
     batch.clear();
@@ -356,11 +403,15 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
 
     model.zero_grads();
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
+    // Sample i runs on replica i % n_replicas, each replica's samples in order, and the replicas
+    // are summed in order: the result depends on the thread count but not on timing.
+    run_on_replicas(replicas, batch, grad_scale, batch_stats);
+    for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
     double loss_sum = 0;
     int64_t counted = 0;
-    // Micro-batches run one after another on the CPU; a micro-batch is its samples in order.
-    for (const TrainSample& s : batch) {
-      const LossStats ls = model.forward_backward(s, grad_scale);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const TrainSample& s = batch[i];
+      const LossStats& ls = batch_stats[i];
       loss_sum += ls.loss_sum;
       counted += ls.n_tokens;
       interval.tokens += static_cast<int64_t>(s.ids.size());
