@@ -515,28 +515,83 @@ TEST_F(OpGradients, QkNormRope) {
   expect_gradient("rope (in place) din", in, din, rope_only);
 }
 
+// Both forms of attention: over a segment's [n, n] scores with GEMMs (segments up to
+// kAttentionGemmMaxSegment rows) and query row by query row (longer segments).
+struct AttentionForm {
+  const char* name;
+  decltype(&train::attention_forward) forward;
+  decltype(&train::attention_backward) backward;
+};
+const AttentionForm kAttentionForms[] = {
+    {"gemm", &train::attention_forward, &train::attention_backward},
+    {"rows", &train::attention_forward_by_rows, &train::attention_backward_by_rows}};
+
 TEST_F(OpGradients, AttentionCausalGqaAndSegments) {
   const int nq = 4, nkv = 2, hd = 8;
   const int64_t T = 9, width = (nq + 2 * nkv) * hd, D = nq * hd;
   const float scale = 1.0f / std::sqrt(float(hd));
   // Two packed sequences and a padding row past the last segment.
   const std::vector<int32_t> cu = {0, 5, 8};
-  for (bool causal : {true, false}) {
-    SCOPED_TRACE(causal ? "causal" : "bidirectional");
-    auto qkv = randn(T * width), r = randn(T * D);
-    std::vector<float> out(T * D), lse(T * nq);
-    auto loss = [&] {
-      train::attention_forward(out.data(), lse.data(), qkv.data(), T, nq, nkv, hd, scale, cu.data(),
-                               2, causal);
-      return dot(r, out);
-    };
-    loss();
-    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[8 * D + d], 0.0f) << "padding row output";
-    auto dqkv = nans(T * width);
-    std::vector<float> dsum(T * nq);
-    train::attention_backward(dqkv.data(), dsum.data(), r.data(), out.data(), lse.data(),
-                              qkv.data(), T, nq, nkv, hd, scale, cu.data(), 2, causal);
-    expect_gradient(causal ? "attention causal dqkv" : "attention segments dqkv", qkv, dqkv, loss);
+  for (const AttentionForm& form : kAttentionForms) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(std::string(form.name) + (causal ? " causal" : " bidirectional"));
+      auto qkv = randn(T * width), r = randn(T * D);
+      auto out = nans(T * D), lse = nans(T * nq);
+      auto loss = [&] {
+        form.forward(out.data(), lse.data(), qkv.data(), T, nq, nkv, hd, scale, cu.data(), 2,
+                     causal);
+        return dot(r, out);
+      };
+      loss();
+      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[8 * D + d], 0.0f) << "padding row output";
+      auto dqkv = nans(T * width);
+      std::vector<float> dsum(T * nq);
+      form.backward(dqkv.data(), dsum.data(), r.data(), out.data(), lse.data(), qkv.data(), T, nq,
+                    nkv, hd, scale, cu.data(), 2, causal);
+      expect_gradient(causal ? "attention causal dqkv" : "attention segments dqkv", qkv, dqkv,
+                      loss);
+    }
+  }
+}
+
+TEST_F(OpGradients, AttentionGemmFormEqualsTheRowForm) {
+  // Segment lengths as the models see them (a 16x16-patch image, a text sequence), an empty
+  // segment, GQA and head dims 16 and 32.
+  const int nq = 4, nkv = 2;
+  const std::vector<int32_t> cu = {0, 256, 256, 368, 371};
+  const int64_t T = 375;
+  for (int hd : {16, 32}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(std::to_string(hd) + (causal ? " causal" : " bidirectional"));
+      const int64_t width = (nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
+      const float scale = 1.0f / std::sqrt(float(hd));
+      auto qkv = randn(T * width, 2.0f), dout = randn(T * D);
+      std::vector<float> out[2], lse[2], dqkv[2], dsum[2];
+      for (int k = 0; k < 2; ++k) {
+        const AttentionForm& form = kAttentionForms[k];
+        out[k] = nans(T * D);
+        lse[k] = nans(T * nq);
+        dqkv[k] = nans(T * width);
+        dsum[k] = nans(T * nq);
+        form.forward(out[k].data(), lse[k].data(), qkv.data(), T, nq, nkv, hd, scale, cu.data(), 4,
+                     causal);
+        form.backward(dqkv[k].data(), dsum[k].data(), dout.data(), out[k].data(), lse[k].data(),
+                      qkv.data(), T, nq, nkv, hd, scale, cu.data(), 4, causal);
+      }
+      auto expect_close = [](const char* what, const std::vector<float>& a,
+                             const std::vector<float>& b) {
+        float max_ref = 0, max_err = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+          ASSERT_TRUE(std::isfinite(a[i])) << what << "[" << i << "]";
+          max_ref = std::max(max_ref, std::fabs(b[i]));
+          max_err = std::max(max_err, std::fabs(a[i] - b[i]));
+        }
+        EXPECT_LE(max_err, 1e-5f * max_ref) << what << ": max |gemm - rows| " << max_err;
+      };
+      expect_close("out", out[0], out[1]);
+      expect_close("lse", lse[0], lse[1]);
+      expect_close("dqkv", dqkv[0], dqkv[1]);
+    }
   }
 }
 

@@ -318,8 +318,170 @@ void qk_norm_rope_backward(float* din, float* dqn, float* dkn, const float* dout
 
 // ---- Attention ---------------------------------------------------------------------------------
 
+namespace {
+
+// Scratch of one thread for the GEMM attention of one (segment, head): the [n, n] scores and
+// their gradient, and the segment's rows of q, k, v, dout and the gradients, made contiguous.
+struct SegmentScratch {
+  std::vector<float> scores, dscores, q, k, v, dout, o, dv;
+  void reserve(int64_t n, int hd) {
+    const auto nn = static_cast<size_t>(n * n), nh = static_cast<size_t>(n * hd);
+    for (auto* b : {&scores, &dscores})
+      if (b->size() < nn) b->resize(nn);
+    for (auto* b : {&q, &k, &v, &dout, &o, &dv})
+      if (b->size() < nh) b->resize(nh);
+  }
+};
+SegmentScratch& segment_scratch() {
+  thread_local SegmentScratch s;
+  return s;
+}
+
+// Copies rows [b, b + n) of one head (hd columns at column offset col, row stride `stride`) into
+// dst[n, hd], and back.
+void gather_head(float* dst, const float* src, int64_t b, int64_t n, int64_t stride, int64_t col,
+                 int hd) {
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(dst + i * hd, src + (b + i) * stride + col, sizeof(float) * hd);
+}
+void scatter_head(float* dst, const float* src, int64_t b, int64_t n, int64_t stride, int64_t col,
+                  int hd) {
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(dst + (b + i) * stride + col, src + i * hd, sizeof(float) * hd);
+}
+
+// The columns row i of a segment attends to.
+int64_t attended(int64_t i, int64_t n, bool causal) {
+  return causal ? i + 1 : n;
+}
+
+bool segments_fit_gemm(const int32_t* cu, int n_segments) {
+  for (int s = 0; s < n_segments; ++s)
+    if (cu[s + 1] - cu[s] > kAttentionGemmMaxSegment) return false;
+  return true;
+}
+
+}  // namespace
+
 void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
                        float scale, const int32_t* cu, int n_segments, bool causal) {
+  check_attention_args(nq, nkv, hd, cu, n_segments, T);
+  if (!segments_fit_gemm(cu, n_segments)) {
+    attention_forward_by_rows(out, lse, qkv, T, nq, nkv, hd, scale, cu, n_segments, causal);
+    return;
+  }
+  const int group = nq / nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
+  const int64_t koff = D, voff = D + int64_t(nkv) * hd;
+  const int64_t pairs = int64_t(n_segments) * nq;
+#pragma omp parallel for schedule(dynamic, \
+                                  1) if (pairs > 1 && cu[n_segments] * T * hd > kParallelGrain)
+  for (int64_t sh = 0; sh < pairs; ++sh) {
+    const int seg = static_cast<int>(sh / nq), h = static_cast<int>(sh % nq), g = h / group;
+    const int64_t b = cu[seg], n = cu[seg + 1] - b;
+    if (n == 0) continue;
+    SegmentScratch& w = segment_scratch();
+    w.reserve(n, hd);
+    float* S = w.scores.data();
+    gather_head(w.q.data(), qkv, b, n, width, int64_t(h) * hd, hd);
+    gather_head(w.k.data(), qkv, b, n, width, koff + int64_t(g) * hd, hd);
+    gather_head(w.v.data(), qkv, b, n, width, voff + int64_t(g) * hd, hd);
+    cpu::sgemm_xwt(n, n, hd, w.q.data(), w.k.data(), S, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      float* p = S + i * n;
+      const int64_t m = attended(i, n, causal);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < m; ++j) {
+        p[j] *= scale;
+        mx = std::max(mx, p[j]);
+      }
+      for (int64_t j = 0; j < m; ++j) p[j] -= mx;
+      exp_nonpositive_inplace(p, m);
+      double sum = 0.0;
+      for (int64_t j = 0; j < m; ++j) sum += p[j];
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int64_t j = 0; j < m; ++j) p[j] *= inv;
+      std::fill(p + m, p + n, 0.0f);
+      lse[(b + i) * nq + h] = mx + static_cast<float>(std::log(sum));
+    }
+    cpu::sgemm_xw(n, hd, n, S, w.v.data(), w.o.data(), 0.0f);
+    scatter_head(out, w.o.data(), b, n, D, int64_t(h) * hd, hd);
+  }
+  // Rows past the last segment take part in nothing.
+  for (int64_t r = cu[n_segments]; r < T; ++r) {
+    std::fill(out + r * D, out + (r + 1) * D, 0.0f);
+    std::fill(lse + r * nq, lse + (r + 1) * nq, 0.0f);
+  }
+}
+
+void attention_backward(float* dqkv, float* dsum, const float* dout, const float* out,
+                        const float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
+                        float scale, const int32_t* cu, int n_segments, bool causal) {
+  check_attention_args(nq, nkv, hd, cu, n_segments, T);
+  if (!segments_fit_gemm(cu, n_segments)) {
+    attention_backward_by_rows(dqkv, dsum, dout, out, lse, qkv, T, nq, nkv, hd, scale, cu,
+                               n_segments, causal);
+    return;
+  }
+  const int group = nq / nkv;
+  const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
+  const int64_t koff = D, voff = D + int64_t(nkv) * hd;
+  // dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i (the softmax backward's row term).
+#pragma omp parallel for schedule(static) if (T * D > kParallelGrain)
+  for (int64_t i = 0; i < T; ++i)
+    for (int h = 0; h < nq; ++h)
+      dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
+  // One task per (segment, kv head): the query heads of a group add into the same dk and dv, so
+  // they run in order on one thread.
+  const int64_t pairs = int64_t(n_segments) * nkv;
+#pragma omp parallel for schedule(dynamic, \
+                                  1) if (pairs > 1 && cu[n_segments] * T * hd > kParallelGrain)
+  for (int64_t sg = 0; sg < pairs; ++sg) {
+    const int seg = static_cast<int>(sg / nkv), g = static_cast<int>(sg % nkv);
+    const int64_t b = cu[seg], n = cu[seg + 1] - b;
+    if (n == 0) continue;
+    SegmentScratch& w = segment_scratch();
+    w.reserve(n, hd);
+    float *P = w.scores.data(), *dS = w.dscores.data();
+    float *dk = w.o.data(), *dv = w.dv.data();
+    gather_head(w.k.data(), qkv, b, n, width, koff + int64_t(g) * hd, hd);
+    gather_head(w.v.data(), qkv, b, n, width, voff + int64_t(g) * hd, hd);
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      const float beta = h == g * group ? 0.0f : 1.0f;
+      gather_head(w.q.data(), qkv, b, n, width, int64_t(h) * hd, hd);
+      gather_head(w.dout.data(), dout, b, n, D, int64_t(h) * hd, hd);
+      cpu::sgemm_xwt(n, n, hd, w.q.data(), w.k.data(), P, 0.0f);
+      cpu::sgemm_xwt(n, n, hd, w.dout.data(), w.v.data(), dS, 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        float* p = P + i * n;
+        float* ds = dS + i * n;
+        const int64_t m = attended(i, n, causal);
+        const float l = lse[(b + i) * nq + h], ds0 = dsum[(b + i) * nq + h];
+        for (int64_t j = 0; j < m; ++j) p[j] = p[j] * scale - l;
+        exp_nonpositive_inplace(p, m);
+        for (int64_t j = 0; j < m; ++j) ds[j] = p[j] * (ds[j] - ds0) * scale;
+        std::fill(p + m, p + n, 0.0f);
+        std::fill(ds + m, ds + n, 0.0f);
+      }
+      // dk and dv first: dq = dS k then overwrites q's scratch, which dk reads.
+      cpu::sgemm_xtw(n, hd, n, dS, w.q.data(), dk, beta);
+      cpu::sgemm_xtw(n, hd, n, P, w.dout.data(), dv, beta);
+      cpu::sgemm_xw(n, hd, n, dS, w.k.data(), w.q.data(), 0.0f);
+      scatter_head(dqkv, w.q.data(), b, n, width, int64_t(h) * hd, hd);
+    }
+    scatter_head(dqkv, dk, b, n, width, koff + int64_t(g) * hd, hd);
+    scatter_head(dqkv, dv, b, n, width, voff + int64_t(g) * hd, hd);
+  }
+  // Rows past the last segment take part in nothing.
+  for (int64_t r = cu[n_segments]; r < T; ++r) {
+    float* row = dqkv + r * width;
+    std::fill(row, row + width, 0.0f);
+  }
+}
+
+void attention_forward_by_rows(float* out, float* lse, const float* qkv, int64_t T, int nq, int nkv,
+                               int hd, float scale, const int32_t* cu, int n_segments,
+                               bool causal) {
   check_attention_args(nq, nkv, hd, cu, n_segments, T);
   const int group = nq / nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
@@ -361,9 +523,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int 
   }
 }
 
-void attention_backward(float* dqkv, float* dsum, const float* dout, const float* out,
-                        const float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
-                        float scale, const int32_t* cu, int n_segments, bool causal) {
+void attention_backward_by_rows(float* dqkv, float* dsum, const float* dout, const float* out,
+                                const float* lse, const float* qkv, int64_t T, int nq, int nkv,
+                                int hd, float scale, const int32_t* cu, int n_segments,
+                                bool causal) {
   check_attention_args(nq, nkv, hd, cu, n_segments, T);
   const int group = nq / nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;

@@ -72,6 +72,18 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
                         const float* lse, const float* qkv, int64_t T, int nq, int nkv, int hd,
                         float scale, const int32_t* cu_seqlens, int n_segments, bool causal);
 
+// Segments up to this many rows run as GEMMs over their [n, n] scores (per-thread scratch of
+// 2 n^2 floats); a call with a longer segment runs query row by query row, which needs O(n).
+constexpr int64_t kAttentionGemmMaxSegment = 2048;
+// The row-by-row forms, for any segment length (the GEMM forms' test oracle).
+void attention_forward_by_rows(float* out, float* lse, const float* qkv, int64_t T, int nq, int nkv,
+                               int hd, float scale, const int32_t* cu_seqlens, int n_segments,
+                               bool causal);
+void attention_backward_by_rows(float* dqkv, float* dsum, const float* dout, const float* out,
+                                const float* lse, const float* qkv, int64_t T, int nq, int nkv,
+                                int hd, float scale, const int32_t* cu_seqlens, int n_segments,
+                                bool causal);
+
 // ---- Activations (elementwise over n values) ----------------------------------------------------
 // y may alias x in the forwards; dx may alias dy in the backwards (both overwrite dx). x is the
 // activation's input (pre-activation), which the backward needs.

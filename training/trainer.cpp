@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <exception>
 #include <cmath>
+#include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -120,7 +120,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-
 // forward_backward of every sample of the batch, sample i on replica i % replicas.size(). With
 // several replicas each runs on a thread of its own, and the ops inside run on that one thread.
 void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
@@ -134,7 +133,7 @@ void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& repli
   }
   // An exception must not leave an OpenMP region; the first one is rethrown after it.
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-#pragma omp parallel num_threads(static_cast<int>(n))
+#pragma omp parallel num_threads(static_cast <int>(n))
   {
     // The runtime may give fewer threads than asked for; a thread then takes several replicas.
     for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
