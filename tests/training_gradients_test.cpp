@@ -213,6 +213,39 @@ TEST_F(GoldenGradients, DeferredHeadGradientEqualsThePerSampleOne) {
   }
 }
 
+TEST_F(GoldenGradients, ReplicaGradientsSumToTheSingleModelsOne) {
+  // Sample-parallel training: replicas over the same parameters, each with its own gradients,
+  // moved into one. Three samples on one model equal two on replica a plus one on replica b, held
+  // back lm_head rows and sparsely added embedding rows included; b is left at zero, so a second
+  // round over the same replicas gives the same sum again.
+  TrainLimits limits = model_->limits();
+  limits.deferred_head_rows = 4 * stats_.n_tokens;
+  TrainableQwen3VL single(*backend_, *cfg_, *params_, limits),
+      a(*backend_, *cfg_, *params_, limits), b(*backend_, *cfg_, *params_, limits);
+  const float scale = 1.0f / static_cast<float>(stats_.n_tokens);
+  single.zero_grads();
+  for (int i = 0; i < 3; ++i) single.forward_backward(*sample_, scale);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "first round" : "second round");
+    a.zero_grads();
+    b.zero_grads();
+    a.forward_backward(*sample_, scale);
+    b.forward_backward(*sample_, scale);
+    a.forward_backward(*sample_, scale);
+    b.move_grads_into(a);
+    for (size_t i = 0; i < single.grads().bindings.size(); ++i) {
+      const std::vector<float> want = values_of(single.grads().bindings[i]);
+      const std::vector<float> got = values_of(a.grads().bindings[i]);
+      const std::vector<float> left = values_of(b.grads().bindings[i]);
+      float scale_max = 0;
+      for (float x : want) scale_max = std::max(scale_max, std::fabs(x));
+      const std::string& name = single.grads().bindings[i].hf_name;
+      EXPECT_TRUE(test::all_close(got, want, 1e-5f, 2e-6f * scale_max)) << name;
+      EXPECT_EQ(left, std::vector<float>(left.size(), 0.0f)) << name << " left in replica b";
+    }
+  }
+}
+
 TEST_F(GoldenGradients, RejectsMalformedSamples) {
   TrainSample s = *sample_;
   s.labels.pop_back();
