@@ -355,6 +355,16 @@ int64_t attended(int64_t i, int64_t n, bool causal) {
   return causal ? i + 1 : n;
 }
 
+// dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i: the softmax backward's row term.
+void softmax_row_terms(float* dsum, const float* dout, const float* out, int64_t T, int nq,
+                       int hd) {
+  const int64_t D = int64_t(nq) * hd;
+#pragma omp parallel for schedule(static) if (T * D > kParallelGrain)
+  for (int64_t i = 0; i < T; ++i)
+    for (int h = 0; h < nq; ++h)
+      dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
+}
+
 bool segments_fit_gemm(const int32_t* cu, int n_segments) {
   for (int s = 0; s < n_segments; ++s)
     if (cu[s + 1] - cu[s] > kAttentionGemmMaxSegment) return false;
@@ -426,11 +436,7 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
   const int group = nq / nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
   const int64_t koff = D, voff = D + int64_t(nkv) * hd;
-  // dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i (the softmax backward's row term).
-#pragma omp parallel for schedule(static) if (T * D > kParallelGrain)
-  for (int64_t i = 0; i < T; ++i)
-    for (int h = 0; h < nq; ++h)
-      dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
+  softmax_row_terms(dsum, dout, out, T, nq, hd);
   // One task per (segment, kv head): the query heads of a group add into the same dk and dv, so
   // they run in order on one thread.
   const int64_t pairs = int64_t(n_segments) * nkv;
@@ -531,14 +537,10 @@ void attention_backward_by_rows(float* dqkv, float* dsum, const float* dout, con
   const int group = nq / nkv;
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
   const int64_t koff = D, voff = D + int64_t(nkv) * hd;
-  // dsum[i,h] = sum_j p_ij dp_ij = dout_i . out_i (the softmax backward's row term).
-#pragma omp parallel for schedule(static) if (T * D > kParallelGrain)
-  for (int64_t i = 0; i < T; ++i)
-    for (int h = 0; h < nq; ++h)
-      dsum[i * nq + h] = dot(dout + i * D + int64_t(h) * hd, out + i * D + int64_t(h) * hd, hd);
+  softmax_row_terms(dsum, dout, out, T, nq, hd);
 
-      // Two passes (as FlashAttention-2's backward): queries own dq, keys own dk and dv, so no two
-      // threads write the same gradient and the probabilities are recomputed from lse.
+  // Two passes (as FlashAttention-2's backward): queries own dq, keys own dk and dv, so no two
+  // threads write the same gradient and the probabilities are recomputed from lse.
 #pragma omp parallel for collapse(2) schedule(dynamic, 4) if (T * T * nq * hd > kParallelGrain)
   for (int64_t i = 0; i < T; ++i) {
     for (int h = 0; h < nq; ++h) {
