@@ -323,12 +323,12 @@ namespace {
 // Scratch of one thread for the GEMM attention of one (segment, head): the [n, n] scores and
 // their gradient, and the segment's rows of q, k, v, dout and the gradients, made contiguous.
 struct SegmentScratch {
-  std::vector<float> scores, dscores, q, k, v, dout, o, dv;
+  std::vector<float> scores, dscores, q, k, v, dout, o, dk, dv;
   void reserve(int64_t n, int hd) {
     const auto nn = static_cast<size_t>(n * n), nh = static_cast<size_t>(n * hd);
     for (auto* b : {&scores, &dscores})
       if (b->size() < nn) b->resize(nn);
-    for (auto* b : {&q, &k, &v, &dout, &o, &dv})
+    for (auto* b : {&q, &k, &v, &dout, &o, &dk, &dv})
       if (b->size() < nh) b->resize(nh);
   }
 };
@@ -384,8 +384,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t T, int 
   const int64_t width = int64_t(nq + 2 * nkv) * hd, D = int64_t(nq) * hd;
   const int64_t koff = D, voff = D + int64_t(nkv) * hd;
   const int64_t pairs = int64_t(n_segments) * nq;
-#pragma omp parallel for schedule(dynamic, \
-                                  1) if (pairs > 1 && cu[n_segments] * T * hd > kParallelGrain)
+  const bool parallel = pairs > 1 && cu[n_segments] * T * hd > kParallelGrain;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
   for (int64_t sh = 0; sh < pairs; ++sh) {
     const int seg = static_cast<int>(sh / nq), h = static_cast<int>(sh % nq), g = h / group;
     const int64_t b = cu[seg], n = cu[seg + 1] - b;
@@ -440,8 +440,8 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
   // One task per (segment, kv head): the query heads of a group add into the same dk and dv, so
   // they run in order on one thread.
   const int64_t pairs = int64_t(n_segments) * nkv;
-#pragma omp parallel for schedule(dynamic, \
-                                  1) if (pairs > 1 && cu[n_segments] * T * hd > kParallelGrain)
+  const bool parallel = pairs > 1 && cu[n_segments] * T * hd > kParallelGrain;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
   for (int64_t sg = 0; sg < pairs; ++sg) {
     const int seg = static_cast<int>(sg / nkv), g = static_cast<int>(sg % nkv);
     const int64_t b = cu[seg], n = cu[seg + 1] - b;
@@ -449,7 +449,7 @@ void attention_backward(float* dqkv, float* dsum, const float* dout, const float
     SegmentScratch& w = segment_scratch();
     w.reserve(n, hd);
     float *P = w.scores.data(), *dS = w.dscores.data();
-    float *dk = w.o.data(), *dv = w.dv.data();
+    float *dk = w.dk.data(), *dv = w.dv.data();
     gather_head(w.k.data(), qkv, b, n, width, koff + int64_t(g) * hd, hd);
     gather_head(w.v.data(), qkv, b, n, width, voff + int64_t(g) * hd, hd);
     for (int h = g * group; h < (g + 1) * group; ++h) {

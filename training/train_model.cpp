@@ -196,11 +196,9 @@ void TrainableQwen3VL::allocate(Arena& a) {
 
 void TrainableQwen3VL::zero_grads() {
   pending_rows_ = 0;
-  if (grads_zero_) return;
   for (int32_t row : touched_embed_rows_) embed_row_touched_[static_cast<size_t>(row)] = 0;
   touched_embed_rows_.clear();
   head_grad_dense_ = false;
-  grads_zero_ = true;
   // Fused tensors (q/k/v, gate/up) carry several bindings; the one at row 0 covers the whole.
   for (const WeightBinding& b : grads_->bindings)
     if (b.row_offset == 0) be_.fill_zero(*b.target);
@@ -279,7 +277,6 @@ LossStats TrainableQwen3VL::run(const TrainSample& s, bool backward, float grad_
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_ > 0 && (lm || vision_grads);
-  if (backward) grads_zero_ = false;
   if (S_ > 0) vision_forward(s.pixel_values.data());
   text_forward();
   LossStats st;
@@ -505,8 +502,6 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
              "move_grads_into needs another replica of the same parameters");
   const TextConfig& t = cfg_.text;
   const int64_t H = t.hidden_size;
-  if (grads_zero_) return;
-  sum.grads_zero_ = false;
   if (pending_rows_ > 0) {
     train::lm_head_weight_grad(f(sum.grads_->text.lm_head), f(pending_dl_), f(pending_x_),
                                pending_rows_, H, t.vocab_size);
@@ -545,7 +540,6 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
   touched_embed_rows_.clear();
   if (head_grad_dense_) sum.head_grad_dense_ = true;
   head_grad_dense_ = false;
-  grads_zero_ = true;
 }
 
 void TrainableQwen3VL::text_backward() {

@@ -165,7 +165,6 @@ class TrainableQwen3VL {
   // What move_grads_into must add: whether the lm_head's gradient (the embedding's, when tied)
   // was written densely since the last zeroing, and which embedding rows the samples touched.
   bool head_grad_dense_ = false;
-  bool grads_zero_ = false;
   std::vector<uint8_t> embed_row_touched_;
   std::vector<int32_t> touched_embed_rows_;
   // Backward scratch.

@@ -133,7 +133,8 @@ void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& repli
   }
   // An exception must not leave an OpenMP region; the first one is rethrown after it.
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-#pragma omp parallel num_threads(static_cast <int>(n))
+  const int n_threads = static_cast<int>(n);
+#pragma omp parallel num_threads(n_threads)
   {
     // The runtime may give fewer threads than asked for; a thread then takes several replicas.
     for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
