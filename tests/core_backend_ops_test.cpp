@@ -525,12 +525,15 @@ TEST_F(BackendOps, AttentionSegments) {
     std::vector<int32_t> lengths;
     int heads, hd;
   };
+  // Fewer 64-row blocks than two per SM of an H100 take the key-split kernel (the first six).
   const Case cases[] = {
       {{5, 0, 32, 63}, 2, 16},     // tiny vision, a zero-length segment
       {{64, 0, 200, 37}, 16, 64},  // a segment of exactly one tile
       {{256, 130}, 16, 72},        // hd 72: padded to 80 in shared memory only
       {{100, 1, 90, 0}, 4, 80},    // one-row segment, trailing empty segment
-      {{1024}, 16, 64},            // one long segment
+      {{256}, 16, 64},             // one small image: a key tile per warp
+      {{784}, 16, 64},             // 13 key tiles over 4 warps
+      {{1024}, 16, 64},            // one long segment: the 64-row kernel
       // Enough 128-row tiles for the wide kernel (two blocks per SM of an H100):
       {{600, 600, 600}, 24, 64},     // vision-like segments
       {{700, 0, 900, 300}, 16, 80},  // hd 80 (odd k-step count), an empty segment

@@ -381,6 +381,241 @@ void set_flash_smem() {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Key-split flash attention (vision segments when few query tiles exist)
+// ----------------------------------------------------------------------------------------------
+
+// A block owns 16 query rows of one head, and its four warps split the segment's key tiles
+// between them (warp w takes tiles w, w + 4, ...), each with its own online-softmax state; the
+// four states are merged through shared memory at the end. A small image (256 patches: 16 heads
+// x 4 tiles of the 64-row kernel = 64 blocks) otherwise leaves half the SMs idle and runs each
+// warp through every key tile in turn, a chain of dependent MMAs and exponentials that one warp
+// per scheduler cannot hide; here the same work is 4x as many blocks with a quarter of the
+// chain each.
+constexpr int kSplitWarps = 4;
+constexpr int kSplitThreads = kSplitWarps * kWarpSize;
+constexpr int kSplitBr = 16;
+
+template <int HD>
+struct SplitShape {
+  static constexpr int kPad = FlashShape<HD>::kPad;
+  static constexpr int kLd = FlashShape<HD>::kLd;
+  static constexpr int kTileElems = kBc * kLd;
+  // Per warp one K and one V tile; the merge reuses the same memory for the f32 partials.
+  static constexpr size_t kTileBytes = kSplitWarps * 2 * kTileElems * sizeof(uint16_t);
+  static constexpr size_t kMergeBytes =
+      kSplitWarps * kSplitBr * (HD + 2) * sizeof(float);  // o rows, then m and l
+  static constexpr size_t kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams p) {
+  using S = SplitShape<HD>;
+  extern __shared__ __align__(16) uint16_t smem[];
+  pdl_launch_dependents();
+  pdl_wait();
+  const int head = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t4 = lane % 4;
+  int64_t q0, q_end, kv_begin, kv_end;
+  int past = 0;
+  if (!block_range<false, kSplitBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
+
+  uint16_t* ks = smem + warp * 2 * S::kTileElems;  // this warp's [kBc][kLd] K tile
+  uint16_t* vs = ks + S::kTileElems;               // and V tile
+  if constexpr (S::kPad != HD) {
+    constexpr int kPadCols = S::kPad - HD;
+    for (int i = lane; i < kBc * kPadCols; i += kWarpSize)
+      ks[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
+  }
+
+  const int64_t row_a = q0 + g, row_b = row_a + 8;
+  const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
+  uint32_t qf[S::kPad / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < S::kPad / 16; ++kk) {
+    const int c0 = kk * 16 + 2 * t4, c1 = c0 + 8;
+    qf[kk][0] = row_a < q_end && c0 < HD ? load_pair(q_head + row_a * p.q_stride + c0) : 0u;
+    qf[kk][1] = row_b < q_end && c0 < HD ? load_pair(q_head + row_b * p.q_stride + c0) : 0u;
+    qf[kk][2] = row_a < q_end && c1 < HD ? load_pair(q_head + row_a * p.q_stride + c1) : 0u;
+    qf[kk][3] = row_b < q_end && c1 < HD ? load_pair(q_head + row_b * p.q_stride + c1) : 0u;
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  const uint16_t* k_base = p.k + static_cast<int64_t>(head) * HD;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(head) * HD;
+  for (int tile = warp; tile < n_tiles; tile += kSplitWarps) {
+    constexpr int kChunks = HD / 8;
+    const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * kBc;
+    for (int i = lane; i < kBc * kChunks; i += kWarpSize) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      const int64_t key = key0 + r;
+      const bool valid = key < kv_end;
+      const int64_t src_row = valid ? key : kv_begin;
+      cp_async16(ks + r * S::kLd + c, k_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+      cp_async16(vs + r * S::kLd + c, v_base + src_row * p.kv_stride + c, valid ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+
+    constexpr int kSteps = S::kPad / 16;
+    float s[kBc / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const uint16_t* krow = ks + (nt * 8 + lane % 8) * S::kLd;
+#pragma unroll
+      for (int kk = 0; kk + 1 < kSteps; kk += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, krow + kk * 16 + (lane / 8) * 8);
+        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt], qf[kk + 1], b[2], b[3]);
+      }
+      if constexpr (kSteps % 2 == 1) {
+        uint32_t b[2];
+        ldmatrix_x2(b, krow + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
+        mma_bf16_16816(s[nt], qf[kSteps - 1], b[0], b[1]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+        s[nt][e] = key < kv_end ? s[nt][e] * p.scale_log2 : -INFINITY;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Every tile holds at least one key of the segment, so m_new is finite.
+      const float m_new = fmaxf(m_run[r], mx);
+      const float alpha = exp2f(m_run[r] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_new);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_new);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run[r] = l_run[r] * alpha + sum;
+      m_run[r] = m_new;
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                              pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::kLd;
+#pragma unroll
+      for (int d = 0; d + 1 < HD / 8; d += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
+        mma_bf16_16816(o[d], pa, b[0], b[1]);
+        mma_bf16_16816(o[d + 1], pa, b[2], b[3]);
+      }
+      if constexpr ((HD / 8) % 2 == 1) {
+        uint32_t b[2];
+        ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
+        mma_bf16_16816(o[HD / 8 - 1], pa, b[0], b[1]);
+      }
+    }
+    // The next tile's copies overwrite what this one's ldmatrix calls read.
+    __syncwarp();
+  }
+
+  // Merge: out = sum_w 2^(m_w - M) o_w / sum_w 2^(m_w - M) l_w over the warps. A warp that got
+  // no tile has m = -inf, l = 0 and o = 0 and weighs nothing.
+  __syncthreads();  // every warp is done with its tiles before the memory is reused
+  float* part = reinterpret_cast<float*>(smem);    // [kSplitWarps][kSplitBr][HD]
+  float* ml = part + kSplitWarps * kSplitBr * HD;  // [kSplitWarps][kSplitBr][2]: m, l
+  float* mine = part + warp * kSplitBr * HD;
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) {
+    const int c = d * 8 + 2 * t4;
+    mine[g * HD + c] = o[d][0];
+    mine[g * HD + c + 1] = o[d][1];
+    mine[(g + 8) * HD + c] = o[d][2];
+    mine[(g + 8) * HD + c + 1] = o[d][3];
+  }
+  if (t4 == 0) {
+    float* w_ml = ml + warp * kSplitBr * 2;
+    w_ml[g * 2] = m_run[0], w_ml[g * 2 + 1] = l_run[0];
+    w_ml[(g + 8) * 2] = m_run[1], w_ml[(g + 8) * 2 + 1] = l_run[1];
+  }
+  __syncthreads();
+  constexpr int kThreadsPerRow = kSplitThreads / kSplitBr;
+  const int row = tid / kThreadsPerRow;
+  const int64_t out_row = q0 + row;
+  if (out_row >= q_end) return;
+  float m_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) m_max = fmaxf(m_max, ml[(w * kSplitBr + row) * 2]);
+  float weight[kSplitWarps], den = 0.f;
+#pragma unroll
+  for (int w = 0; w < kSplitWarps; ++w) {
+    const float m_w = ml[(w * kSplitBr + row) * 2];
+    weight[w] = m_w == -INFINITY ? 0.f : exp2f(m_w - m_max);
+    den += weight[w] * ml[(w * kSplitBr + row) * 2 + 1];
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  uint16_t* out_row_ptr = p.out + out_row * p.out_stride + static_cast<int64_t>(head) * HD;
+  for (int c = tid % kThreadsPerRow; c < HD; c += kThreadsPerRow) {
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kSplitWarps; ++w) acc += weight[w] * part[(w * kSplitBr + row) * HD + c];
+    out_row_ptr[c] = float_to_bf16(acc * inv);
+  }
+}
+
+// Head dims the key-split kernel serves (the vision encoders'; text prefill keeps its kernels).
+bool split_head_dim(int head_dim) {
+  return head_dim == 16 || head_dim == 64 || head_dim == 72 || head_dim == 80;
+}
+
+template <int HD>
+void set_split_smem() {
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_split_kernel<HD>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(SplitShape<HD>::kSmemBytes)));
+}
+
+void dispatch_split(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
+  auto launch = [&](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    launch_programmatic(flash_split_kernel<HD>, grid, dim3(kSplitThreads),
+                        SplitShape<HD>::kSmemBytes, s, p);
+    IRIS_CUDA_LAUNCH_CHECK();
+  };
+  switch (head_dim) {
+    case 16:
+      return launch(std::integral_constant<int, 16>{});
+    case 64:
+      return launch(std::integral_constant<int, 64>{});
+    case 72:
+      return launch(std::integral_constant<int, 72>{});
+    default:
+      return launch(std::integral_constant<int, 80>{});
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
 // Wide flash attention (long prefill, large vision batches)
 // ----------------------------------------------------------------------------------------------
 
@@ -688,6 +923,11 @@ bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int nu
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
 }
 
+// The key-split kernel for vision segments whose 64-row blocks would not fill every SM twice.
+bool use_split(int64_t blocks_64, int head_dim, int num_sms) {
+  return split_head_dim(head_dim) && blocks_64 < 2 * static_cast<int64_t>(num_sms);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Split-K decoding (one new token)
 // ----------------------------------------------------------------------------------------------
@@ -977,6 +1217,10 @@ void attention_init() {
     set_wide_smem<HD, false>();
     set_wide_smem<HD, true>();
   });
+  set_split_smem<16>();
+  set_split_smem<64>();
+  set_split_smem<72>();
+  set_split_smem<80>();
 }
 
 bool attention_head_dim_supported(int head_dim) {
@@ -1003,6 +1247,12 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   if (use_wide(wide_tiles * n_heads, total_rows / n_segments, scale, num_sms))
     return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(wide_tiles), n_heads), s);
   const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
+  // Too few 64-row blocks to fill the GPU twice over: split the keys of each 16-row block
+  // between warps instead.
+  if (use_split(tiles * n_heads, head_dim, num_sms)) {
+    const int64_t split_tiles = (total_rows + kSplitBr - 1) / kSplitBr + n_segments;
+    return dispatch_split(head_dim, p, dim3(static_cast<unsigned>(split_tiles), n_heads), s);
+  }
   dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
 }
 
