@@ -136,8 +136,9 @@ int run_bench_command(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft"}));
   app.add_option("--profile", profile_case,
-                 "vision case (e.g. 'graphs 1x256') to bracket once for a profiler started with "
-                 "collection off (ncu --profile-from-start off)");
+                 "case to bracket once for a profiler started with collection off (ncu "
+                 "--profile-from-start off): a vision case such as 'graphs 1x256', or 'eager "
+                 "decode' / 'graphs decode' for one decode step");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -271,6 +272,12 @@ int run_bench_command(int argc, char** argv) {
       const auto t0 = Clock::now();
       for (int64_t i = 0; i < decode_steps; ++i) step();
       const double t = seconds_since(t0) / double(decode_steps);
+      if (profile_case == mode + " decode") {
+        be->synchronize();
+        be->profiler_collect(true);
+        step();
+        be->profiler_collect(false);
+      }
       const double enqueue_ms = enqueue_s / double(decode_steps) * 1e3;
       const double ctx = double(decode_context) + 5 + double(decode_steps) / 2;
       const size_t elem = dtype_size(be->compute_dtype());
