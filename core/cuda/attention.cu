@@ -150,6 +150,138 @@ __device__ __forceinline__ bool block_range(const FlashParams& p, int64_t& q0, i
   }
 }
 
+// Per-warp pieces of the 16-row flash kernels (flash_attention_kernel, flash_split_kernel): a
+// warp holds 16 query rows as mma A-fragments and runs them against one kBc-key K/V tile in
+// shared memory (row stride FlashShape<HD>::kLd) at a time.
+
+// Copies keys [key0, key0 + kBc) of K and V into a tile pair (row stride FlashShape<HD>::kLd)
+// with cp.async, threads first, first + step, ... sharing the 16-byte chunks; keys at or past
+// kv_end are zero-filled without being read. The caller commits the group.
+template <int HD>
+__device__ __forceinline__ void copy_kv_tile(uint16_t* ks, uint16_t* vs, const uint16_t* k_base,
+                                             const uint16_t* v_base, int64_t kv_stride,
+                                             int64_t key0, int64_t kv_begin, int64_t kv_end,
+                                             int first, int step) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  for (int i = first; i < kBc * kChunks; i += step) {
+    const int r = i / kChunks, c = (i % kChunks) * 8;
+    const int64_t key = key0 + r;
+    const bool valid = key < kv_end;
+    const int64_t src_row = valid ? key : kv_begin;
+    cp_async16(ks + r * FlashShape<HD>::kLd + c, k_base + src_row * kv_stride + c, valid ? 16 : 0);
+    cp_async16(vs + r * FlashShape<HD>::kLd + c, v_base + src_row * kv_stride + c, valid ? 16 : 0);
+  }
+}
+
+// Q fragments of rows row_a and row_a + 8 straight from global memory into registers; rows at or
+// past q_end and head_dim 72's padding columns read as zeros.
+template <int HD>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[FlashShape<HD>::kPad / 16][4],
+                                                 const uint16_t* q_head, int64_t stride,
+                                                 int64_t row_a, int64_t q_end, int t4) {
+  const int64_t row_b = row_a + 8;
+#pragma unroll
+  for (int ks = 0; ks < FlashShape<HD>::kPad / 16; ++ks) {
+    const int c0 = ks * 16 + 2 * t4, c1 = c0 + 8;
+    qf[ks][0] = row_a < q_end && c0 < HD ? load_pair(q_head + row_a * stride + c0) : 0u;
+    qf[ks][1] = row_b < q_end && c0 < HD ? load_pair(q_head + row_b * stride + c0) : 0u;
+    qf[ks][2] = row_a < q_end && c1 < HD ? load_pair(q_head + row_a * stride + c1) : 0u;
+    qf[ks][3] = row_b < q_end && c1 < HD ? load_pair(q_head + row_b * stride + c1) : 0u;
+  }
+}
+
+// S = Q K^T for the warp's 16 rows x kBc keys. One ldmatrix.x4 fetches the B fragments of two
+// k-steps: lanes 8i..8i+7 address the 8 key rows of matrix i, at column 8i.
+template <int HD>
+__device__ __forceinline__ void tile_scores(float (&s)[kBc / 8][4],
+                                            const uint32_t (&qf)[FlashShape<HD>::kPad / 16][4],
+                                            const uint16_t* ks, int lane) {
+  constexpr int kSteps = FlashShape<HD>::kPad / 16;
+#pragma unroll
+  for (int nt = 0; nt < kBc / 8; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    const uint16_t* krow = ks + (nt * 8 + lane % 8) * FlashShape<HD>::kLd;
+#pragma unroll
+    for (int kk = 0; kk + 1 < kSteps; kk += 2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, krow + kk * 16 + (lane / 8) * 8);
+      mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
+      mma_bf16_16816(s[nt], qf[kk + 1], b[2], b[3]);
+    }
+    if constexpr (kSteps % 2 == 1) {
+      uint32_t b[2];
+      ldmatrix_x2(b, krow + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
+      mma_bf16_16816(s[nt], qf[kSteps - 1], b[0], b[1]);
+    }
+  }
+}
+
+// Online softmax over one tile of scaled, masked scores (log2 domain): updates the running
+// maxima and sums of the warp's two rows per thread, rescales o, and leaves the probabilities in
+// s. A row's kBc scores are spread over the 4 threads of a quad.
+template <int HD>
+__device__ __forceinline__ void softmax_tile(float (&s)[kBc / 8][4], float (&m_run)[2],
+                                             float (&l_run)[2], float (&o)[HD / 8][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[r], mx);
+    // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
+    // that no inf - inf appears.
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2f(m_run[r] - m_use);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+      s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
+      s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+      sum += s[nt][2 * r] + s[nt][2 * r + 1];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l_run[r] = l_run[r] * alpha + sum;
+    m_run[r] = m_new;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+      o[d][2 * r] *= alpha;
+      o[d][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// O += P V: the S accumulators of two adjacent key n-tiles form one A fragment (k = 16 keys).
+// V's B fragments (two keys of one column per register) come from a transposing ldmatrix:
+// matrix i covers keys 8*(i%2).. and columns 8*(i/2).. of a 16-key x 16-column block, i.e.
+// b0/b1 of two adjacent n-tiles.
+template <int HD>
+__device__ __forceinline__ void tile_pv(float (&o)[HD / 8][4], const float (&s)[kBc / 8][4],
+                                        const uint16_t* vs, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                            pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                            pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * FlashShape<HD>::kLd;
+#pragma unroll
+    for (int d = 0; d + 1 < HD / 8; d += 2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
+      mma_bf16_16816(o[d], pa, b[0], b[1]);
+      mma_bf16_16816(o[d + 1], pa, b[2], b[3]);
+    }
+    if constexpr ((HD / 8) % 2 == 1) {  // head_dim 72: nine n-tiles
+      uint32_t b[2];
+      ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
+      mma_bf16_16816(o[HD / 8 - 1], pa, b[0], b[1]);
+    }
+  }
+}
+
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
   using S = FlashShape<HD>;
@@ -182,34 +314,17 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
   const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * HD;
   const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * HD;
   auto load_tile = [&](int stage, int tile) {
-    constexpr int kChunks = HD / 8;  // 16-byte chunks per row
-    const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * kBc;
-    uint16_t* ks = k_tiles + stage * S::kTileElems;
-    uint16_t* vs = v_tiles + stage * S::kTileElems;
-    for (int i = tid; i < kBc * kChunks; i += kFlashThreads) {
-      const int r = i / kChunks, c = (i % kChunks) * 8;
-      const int64_t key = key0 + r;
-      const bool valid = key < kv_end;
-      const int64_t src_row = valid ? key : kv_begin;
-      cp_async16(ks + r * S::kLd + c, k_base + src_row * p.kv_stride + c, valid ? 16 : 0);
-      cp_async16(vs + r * S::kLd + c, v_base + src_row * p.kv_stride + c, valid ? 16 : 0);
-    }
+    copy_kv_tile<HD>(k_tiles + stage * S::kTileElems, v_tiles + stage * S::kTileElems, k_base,
+                     v_base, p.kv_stride, kv_begin + static_cast<int64_t>(tile) * kBc, kv_begin,
+                     kv_end, tid, kFlashThreads);
     cp_async_commit();
   };
   if (n_tiles > 0) load_tile(0, 0);
 
   // Q fragments straight from global memory into registers (read once per block).
   const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-  const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
   uint32_t qf[S::kPad / 16][4];
-#pragma unroll
-  for (int ks = 0; ks < S::kPad / 16; ++ks) {
-    const int c0 = ks * 16 + 2 * t4, c1 = c0 + 8;
-    qf[ks][0] = row_a < q_end && c0 < HD ? load_pair(q_head + row_a * p.q_stride + c0) : 0u;
-    qf[ks][1] = row_b < q_end && c0 < HD ? load_pair(q_head + row_b * p.q_stride + c0) : 0u;
-    qf[ks][2] = row_a < q_end && c1 < HD ? load_pair(q_head + row_a * p.q_stride + c1) : 0u;
-    qf[ks][3] = row_b < q_end && c1 < HD ? load_pair(q_head + row_b * p.q_stride + c1) : 0u;
-  }
+  load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, row_a, q_end, t4);
 
   float o[HD / 8][4];
 #pragma unroll
@@ -229,27 +344,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
     const uint16_t* ks = k_tiles + stage * S::kTileElems;
     const uint16_t* vs = v_tiles + stage * S::kTileElems;
 
-    // S = Q K^T for this warp's 16 rows x 64 keys. One ldmatrix.x4 fetches the B fragments of
-    // two k-steps: lanes 8i..8i+7 address the 8 key rows of matrix i, at column 8i.
-    constexpr int kSteps = S::kPad / 16;
     float s[kBc / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kBc / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const uint16_t* krow = ks + (nt * 8 + lane % 8) * S::kLd;
-#pragma unroll
-      for (int kk = 0; kk + 1 < kSteps; kk += 2) {
-        uint32_t b[4];
-        ldmatrix_x4(b, krow + kk * 16 + (lane / 8) * 8);
-        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
-        mma_bf16_16816(s[nt], qf[kk + 1], b[2], b[3]);
-      }
-      if constexpr (kSteps % 2 == 1) {
-        uint32_t b[2];
-        ldmatrix_x2(b, krow + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
-        mma_bf16_16816(s[nt], qf[kSteps - 1], b[0], b[1]);
-      }
-    }
+    tile_scores<HD>(s, qf, ks, lane);
 
     // Scale into the log2 domain and mask keys past the segment end or the causal diagonal.
     const int64_t key0 = kv_begin + static_cast<int64_t>(it) * kBc;
@@ -264,61 +360,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
       }
     }
 
-    // Online softmax; a row's 64 scores are spread over the 4 threads of a quad.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
-      // that no inf - inf appears.
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run[r] - m_use);
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l_run[r] = l_run[r] * alpha + sum;
-      m_run[r] = m_new;
-#pragma unroll
-      for (int d = 0; d < HD / 8; ++d) {
-        o[d][2 * r] *= alpha;
-        o[d][2 * r + 1] *= alpha;
-      }
-    }
-
-    // O += P V: the S accumulators of two adjacent key n-tiles form one A fragment (k = 16
-    // keys). V's B fragments (two keys of one column per register) come from a transposing
-    // ldmatrix: matrix i covers keys 8*(i%2).. and columns 8*(i/2).. of a 16-key x 16-column
-    // block, i.e. b0/b1 of two adjacent n-tiles.
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                              pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::kLd;
-#pragma unroll
-      for (int d = 0; d + 1 < HD / 8; d += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
-        mma_bf16_16816(o[d], pa, b[0], b[1]);
-        mma_bf16_16816(o[d + 1], pa, b[2], b[3]);
-      }
-      if constexpr ((HD / 8) % 2 == 1) {  // head_dim 72: nine n-tiles
-        uint32_t b[2];
-        ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
-        mma_bf16_16816(o[HD / 8 - 1], pa, b[0], b[1]);
-      }
-    }
+    softmax_tile<HD>(s, m_run, l_run, o);
+    tile_pv<HD>(o, s, vs, lane);
     __syncthreads();
   }
 
@@ -429,17 +472,8 @@ __global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams 
       ks[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
   }
 
-  const int64_t row_a = q0 + g, row_b = row_a + 8;
-  const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
   uint32_t qf[S::kPad / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < S::kPad / 16; ++kk) {
-    const int c0 = kk * 16 + 2 * t4, c1 = c0 + 8;
-    qf[kk][0] = row_a < q_end && c0 < HD ? load_pair(q_head + row_a * p.q_stride + c0) : 0u;
-    qf[kk][1] = row_b < q_end && c0 < HD ? load_pair(q_head + row_b * p.q_stride + c0) : 0u;
-    qf[kk][2] = row_a < q_end && c1 < HD ? load_pair(q_head + row_a * p.q_stride + c1) : 0u;
-    qf[kk][3] = row_b < q_end && c1 < HD ? load_pair(q_head + row_b * p.q_stride + c1) : 0u;
-  }
+  load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, q0 + g, q_end, t4);
 
   float o[HD / 8][4];
 #pragma unroll
@@ -449,39 +483,14 @@ __global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams 
   const uint16_t* k_base = p.k + static_cast<int64_t>(head) * HD;
   const uint16_t* v_base = p.v + static_cast<int64_t>(head) * HD;
   for (int tile = warp; tile < n_tiles; tile += kSplitWarps) {
-    constexpr int kChunks = HD / 8;
     const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * kBc;
-    for (int i = lane; i < kBc * kChunks; i += kWarpSize) {
-      const int r = i / kChunks, c = (i % kChunks) * 8;
-      const int64_t key = key0 + r;
-      const bool valid = key < kv_end;
-      const int64_t src_row = valid ? key : kv_begin;
-      cp_async16(ks + r * S::kLd + c, k_base + src_row * p.kv_stride + c, valid ? 16 : 0);
-      cp_async16(vs + r * S::kLd + c, v_base + src_row * p.kv_stride + c, valid ? 16 : 0);
-    }
+    copy_kv_tile<HD>(ks, vs, k_base, v_base, p.kv_stride, key0, kv_begin, kv_end, lane, kWarpSize);
     cp_async_commit();
     cp_async_wait<0>();
     __syncwarp();
 
-    constexpr int kSteps = S::kPad / 16;
     float s[kBc / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kBc / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const uint16_t* krow = ks + (nt * 8 + lane % 8) * S::kLd;
-#pragma unroll
-      for (int kk = 0; kk + 1 < kSteps; kk += 2) {
-        uint32_t b[4];
-        ldmatrix_x4(b, krow + kk * 16 + (lane / 8) * 8);
-        mma_bf16_16816(s[nt], qf[kk], b[0], b[1]);
-        mma_bf16_16816(s[nt], qf[kk + 1], b[2], b[3]);
-      }
-      if constexpr (kSteps % 2 == 1) {
-        uint32_t b[2];
-        ldmatrix_x2(b, krow + (kSteps - 1) * 16 + ((lane / 8) % 2) * 8);
-        mma_bf16_16816(s[nt], qf[kSteps - 1], b[0], b[1]);
-      }
-    }
+    tile_scores<HD>(s, qf, ks, lane);
 #pragma unroll
     for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
@@ -489,53 +498,8 @@ __global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams 
         const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
         s[nt][e] = key < kv_end ? s[nt][e] * p.scale_log2 : -INFINITY;
       }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Every tile holds at least one key of the segment, so m_new is finite.
-      const float m_new = fmaxf(m_run[r], mx);
-      const float alpha = exp2f(m_run[r] - m_new);
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_new);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_new);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l_run[r] = l_run[r] * alpha + sum;
-      m_run[r] = m_new;
-#pragma unroll
-      for (int d = 0; d < HD / 8; ++d) {
-        o[d][2 * r] *= alpha;
-        o[d][2 * r + 1] *= alpha;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      const uint32_t pa[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                              pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const uint16_t* vrow = vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * S::kLd;
-#pragma unroll
-      for (int d = 0; d + 1 < HD / 8; d += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vrow + d * 8 + (lane / 16) * 8);
-        mma_bf16_16816(o[d], pa, b[0], b[1]);
-        mma_bf16_16816(o[d + 1], pa, b[2], b[3]);
-      }
-      if constexpr ((HD / 8) % 2 == 1) {
-        uint32_t b[2];
-        ldmatrix_x2_trans(b, vrow + (HD / 8 - 1) * 8);
-        mma_bf16_16816(o[HD / 8 - 1], pa, b[0], b[1]);
-      }
-    }
+    softmax_tile<HD>(s, m_run, l_run, o);
+    tile_pv<HD>(o, s, vs, lane);
     // The next tile's copies overwrite what this one's ldmatrix calls read.
     __syncwarp();
   }
