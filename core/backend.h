@@ -89,9 +89,13 @@ class Backend {
 
   // Non-causal attention within segments: out[S, n_heads*head_dim] from qkv[S, 3*n_heads*head_dim]
   // (q, k, v blocks). cu_seqlens (i32 [n_segments+1]) splits the S rows into independent segments;
-  // zero-length segments are allowed. Softmax in f32.
+  // zero-length segments are allowed. Softmax in f32. real_rows is undefined or an i32 [1] tensor
+  // on this backend, read when the op runs (a captured graph reads it at replay): a segment that
+  // starts at or past real_rows[0] is padding, and its rows are written as zeros instead of
+  // attended, so that a vision call padded up to a graph bucket pays no attention for padding.
   virtual void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu_seqlens,
-                                  int n_segments, int n_heads, int head_dim, float scale) = 0;
+                                  int n_segments, int n_heads, int head_dim, float scale,
+                                  const Tensor& real_rows) = 0;
 
   // Appends the k and v heads of qkv[T, (n_q + 2*n_kv)*head_dim] to the caches
   // (k_cache/v_cache [max_len, n_kv*head_dim]) at rows past_len[0] .. past_len[0]+T-1.

@@ -139,8 +139,8 @@ class TracingBackend final : public Backend {
     in_.qkv_norm_rope(qkv, qn, kn, eps, cos, sin, nq, nkv, hd, round);
   }
   void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu, int n_seg, int nh,
-                          int hd, float scale) override {
-    in_.attention_segments(out, qkv, cu, n_seg, nh, hd, scale);
+                          int hd, float scale, const Tensor& real_rows) override {
+    in_.attention_segments(out, qkv, cu, n_seg, nh, hd, scale, real_rows);
   }
   void kv_store(const Tensor& k, const Tensor& v, const Tensor& qkv, const Tensor& past, int nq,
                 int nkv, int hd) override {

@@ -551,7 +551,42 @@ TEST_F(BackendOps, AttentionSegments) {
               Tensor cu_t = s.make_i32({static_cast<int64_t>(cu.size())}, cu);
               Tensor out = s.make(Kind::act, {rows, hidden}, rng.normal(rows * hidden));
               s.be().attention_segments(out, qkv, cu_t, static_cast<int>(c.lengths.size()), c.heads,
-                                        c.hd, 1.f / std::sqrt(float(c.hd)));
+                                        c.hd, 1.f / std::sqrt(float(c.hd)), Tensor());
+              return std::vector<Tensor>{out};
+            });
+  }
+}
+
+// A vision call padded up to a graph bucket passes its real patch count: the padding segment
+// (which starts there) comes out as zeros, on every kernel the shapes select.
+TEST_F(BackendOps, AttentionSegmentsZeroThePaddingSegment) {
+  struct Case {
+    std::vector<int32_t> lengths;  // the last one is the padding
+    int heads, hd;
+  };
+  const Case cases[] = {
+      {{100, 37, 91}, 4, 64},           // key-split kernel
+      {{256, 130}, 16, 72},             // key-split kernel, hd 72
+      {{700, 324}, 16, 64},             // 64-row kernel
+      {{600, 600, 600, 300}, 24, 64},   // wide kernel
+      {{520, 530, 0, 0, 250}, 32, 72},  // wide kernel, empty segments before the padding
+  };
+  for (const Case& c : cases) {
+    std::vector<int32_t> cu = {0};
+    for (int32_t len : c.lengths) cu.push_back(cu.back() + len);
+    const int32_t real = cu[cu.size() - 2];
+    const int64_t rows = cu.back(), hidden = int64_t{c.heads} * c.hd;
+    compare("attention_segments padded S=" + std::to_string(rows) + " real " +
+                std::to_string(real) + " heads " + std::to_string(c.heads) + " hd " +
+                std::to_string(c.hd),
+            kAttention, [&](Side& s) {
+              Rng rng(61);
+              Tensor qkv = s.make(Kind::act, {rows, 3 * hidden}, rng.normal(rows * 3 * hidden));
+              Tensor cu_t = s.make_i32({static_cast<int64_t>(cu.size())}, cu);
+              Tensor real_t = s.make_i32({1}, {real});
+              Tensor out = s.make(Kind::act, {rows, hidden}, rng.normal(rows * hidden));
+              s.be().attention_segments(out, qkv, cu_t, static_cast<int>(c.lengths.size()), c.heads,
+                                        c.hd, 1.f / std::sqrt(float(c.hd)), real_t);
               return std::vector<Tensor>{out};
             });
   }
@@ -867,4 +902,41 @@ TEST_F(BackendOps, CapturedDecodeStepMatchesEagerAtEveryPosition) {
 #endif  // IRIS_WITH_CUDA
 
 }  // namespace
+// The CPU oracle's padding semantics (runs everywhere): rows of segments starting at or past
+// real_rows are zeros, and the real rows are exactly what they are without real_rows.
+TEST(CpuAttentionSegments, PaddingSegmentIsZeroAndRealRowsAreUnchanged) {
+  auto cpu = make_cpu_backend();
+  const int heads = 2, hd = 16;
+  const int64_t rows = 100, hidden = int64_t{heads} * hd;
+  const std::vector<int32_t> cu = {0, 40, 64, 100, 100};
+  Arena arena(*cpu, size_t{1} << 20);
+  Tensor qkv = arena.alloc(DType::f32, {rows, 3 * hidden});
+  Tensor cu_t = arena.alloc(DType::i32, {5});
+  Tensor real_t = arena.alloc(DType::i32, {1});
+  Tensor plain = arena.alloc(DType::f32, {rows, hidden});
+  Tensor padded = arena.alloc(DType::f32, {rows, hidden});
+  Rng rng(62);
+  const std::vector<float> x = rng.normal(rows * 3 * hidden);
+  cpu->write(qkv, x.data(), DType::f32);
+  cpu->write(cu_t, cu.data(), DType::i32);
+  const int32_t real = 64;
+  cpu->write(real_t, &real, DType::i32);
+  const std::vector<float> junk(static_cast<size_t>(rows * hidden), 7.0f);
+  cpu->write(padded, junk.data(), DType::f32);
+  const float scale = 0.25f;
+  cpu->attention_segments(plain, qkv, cu_t, 4, heads, hd, scale, Tensor());
+  cpu->attention_segments(padded, qkv, cu_t, 4, heads, hd, scale, real_t);
+  const float* p = plain.as<float>();
+  const float* q = padded.as<float>();
+  for (int64_t i = 0; i < rows * hidden; ++i) {
+    if (i < real * hidden) {
+      ASSERT_EQ(q[i], p[i]) << "real element " << i;
+    } else {
+      ASSERT_EQ(q[i], 0.0f) << "padding element " << i;
+    }
+  }
+  // The padding segment is attended when no count is given.
+  EXPECT_NE(p[real * hidden], 0.0f);
+}
+
 }  // namespace iris

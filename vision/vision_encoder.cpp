@@ -151,6 +151,7 @@ void VisionEncoder::allocate(Arena& a) {
   pos_index_ = a.alloc(DType::i32, {S, 4});
   pos_weight_ = a.alloc(DType::f32, {S, 4});
   cu_seqlens_ = a.alloc(DType::i32, {max_segments_ + 1});
+  real_rows_ = a.alloc(DType::i32, {1});
   x_ = a.alloc(dt, {S, D});
   xn_ = a.alloc(dt, {S, D});
   qkv_ = a.alloc(dt, {S, 3 * D});
@@ -184,6 +185,8 @@ void VisionEncoder::upload(const float* pixel_values, const VisionInputs& in) {
   std::vector<int32_t> cu(in.cu_seqlens);
   cu.resize(static_cast<size_t>(max_segments_) + 1, cu.back());
   backend_.write(cu_seqlens_, cu.data(), DType::i32);
+  const int32_t real_rows = static_cast<int32_t>(in.n_patches);
+  backend_.write(real_rows_, &real_rows, DType::i32);
 }
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
@@ -228,7 +231,7 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   backend_.linear(qkv, xn, b.qkv_w, b.qkv_b, false);
   backend_.qkv_norm_rope(qkv, Tensor(), Tensor(), 0.0f, cos_.slice(0, S), sin_.slice(0, S), nh, nh,
                          hd, false);
-  backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale);
+  backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale, real_rows_);
   backend_.linear(x, attn, b.proj_w, b.proj_b, true);
   backend_.layer_norm(xn, x, b.norm2_w, b.norm2_b, eps);
   // gelu_pytorch_tanh fused into fc1 (the GEMM epilogue on CUDA).

@@ -105,6 +105,7 @@ class VisionEncoder {
   Arena arena_;
   // Static inputs (what a captured graph reads).
   Tensor pixels_, cos_, sin_, pos_index_, pos_weight_, cu_seqlens_;
+  Tensor real_rows_;  // i32 [1]: the real patch count; rows past it are padding
   // Activations.
   Tensor x_, xn_, qkv_, attn_, mlp_, merged_norm_, merger_hidden_, embeds_;
   std::vector<Tensor> deepstack_;

@@ -219,10 +219,16 @@ class CpuBackend final : public Backend {
   }
 
   void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu_seqlens,
-                          int n_segments, int n_heads, int hd, float scale) override {
+                          int n_segments, int n_heads, int hd, float scale,
+                          const Tensor& real_rows) override {
     check_f32(out, "attention output");
     check_f32(qkv, "qkv");
     check_i32(cu_seqlens, "cu_seqlens");
+    if (real_rows.defined()) {
+      check_i32(real_rows, "real_rows");
+      IRIS_CHECK(real_rows.numel() == 1, "attention_segments: real_rows ", real_rows.shape_str(),
+                 " should hold one count");
+    }
     const int64_t S = qkv.rows(), D = int64_t(n_heads) * hd;
     IRIS_CHECK(qkv.cols() == 3 * D && out.rows() == S && out.cols() == D,
                "attention_segments: qkv ", qkv.shape_str(), " out ", out.shape_str());
@@ -234,8 +240,11 @@ class CpuBackend final : public Backend {
       IRIS_CHECK(cu[s] <= cu[s + 1], "cu_seqlens must be non-decreasing");
     const float* p = qkv.as<float>();
     float* o = out.as<float>();
-    // Rows past the last segment attend nowhere; keep them defined.
+    // Rows past the last segment attend nowhere; keep them defined. So are padding segments'.
     for (int64_t r = cu[n_segments]; r < S; ++r) std::fill(o + r * D, o + (r + 1) * D, 0.0f);
+    const int64_t real = real_rows.defined() ? real_rows.as<int32_t>()[0] : S;
+    for (int s = 0; s < n_segments; ++s)
+      if (cu[s] >= real) std::fill(o + int64_t{cu[s]} * D, o + int64_t{cu[s + 1]} * D, 0.0f);
     int64_t longest = 0;
     for (int s = 0; s < n_segments; ++s) longest = std::max<int64_t>(longest, cu[s + 1] - cu[s]);
 #pragma omp parallel if (S * longest * D > kParallelGrain)
@@ -246,7 +255,7 @@ class CpuBackend final : public Backend {
         for (int h = 0; h < n_heads; ++h) {
           int seg = 0;
           while (seg < n_segments && !(i >= cu[seg] && i < cu[seg + 1])) ++seg;
-          if (seg == n_segments) continue;
+          if (seg == n_segments || cu[seg] >= real) continue;
           const int64_t b = cu[seg], e = cu[seg + 1];
           const float* q = p + i * 3 * D + int64_t(h) * hd;
           scores.resize(static_cast<size_t>(e - b));

@@ -49,6 +49,7 @@ struct FlashParams {
   int64_t q_stride, kv_stride, out_stride;  // elements per row
   int kv_group;                             // query heads per kv head
   const int32_t* cu_seqlens;                // segments mode
+  const int32_t* real_rows;  // segments mode: segments from *real_rows on are padding (or null)
   int n_segments;
   const int32_t* past_len;  // causal mode
   int64_t tokens;
@@ -148,6 +149,20 @@ __device__ __forceinline__ bool block_range(const FlashParams& p, int64_t& q0, i
     q_end = kv_end;
     return true;
   }
+}
+
+// Segments mode: a block of a padding segment (one that starts at or past *real_rows) writes
+// zeros to its query rows [q0, q_stop) of this head instead of attending; true when it did. The
+// branch is uniform over the block (kv_begin and q0 are per block).
+template <int HD>
+__device__ __forceinline__ bool zero_padding_rows(const FlashParams& p, int head, int64_t kv_begin,
+                                                  int64_t q0, int64_t q_stop, int tid,
+                                                  int threads) {
+  if (p.real_rows == nullptr || kv_begin < *p.real_rows) return false;
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
+  for (int64_t i = tid; i < (q_stop - q0) * HD; i += threads)
+    out_head[(q0 + i / HD) * p.out_stride + i % HD] = 0;
+  return true;
 }
 
 // Per-warp pieces of the 16-row flash kernels (flash_attention_kernel, flash_split_kernel): a
@@ -300,6 +315,10 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
   if (!block_range<kCausal, kBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if constexpr (!kCausal) {
+    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kBr, q_end), tid, kFlashThreads))
+      return;
+  }
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
 
   // Zero the K padding columns [HD, kPad) once; cp.async never writes them.
@@ -462,6 +481,8 @@ __global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams 
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
   if (!block_range<false, kSplitBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kSplitBr, q_end), tid, kSplitThreads))
+    return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
 
   uint16_t* ks = smem + warp * 2 * S::kTileElems;  // this warp's [kBc][kLd] K tile
@@ -623,6 +644,10 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
   if (!block_range<kCausal, kWideBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if constexpr (!kCausal) {
+    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kWideBr, q_end), tid, kWideThreads))
+      return;
+  }
   const int n_tiles = static_cast<int>((kv_end - kv_begin + BC - 1) / BC);
 
   // Zero the padding columns [HD, kPad) of Q and K once; cp.async never writes them.
@@ -1192,8 +1217,9 @@ bool attention_head_dim_supported(int head_dim) {
 }
 
 void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
-                               int n_segments, int64_t total_rows, int n_heads, int head_dim,
-                               float scale, int num_sms, cudaStream_t s) {
+                               const int32_t* real_rows, int n_segments, int64_t total_rows,
+                               int n_heads, int head_dim, float scale, int num_sms,
+                               cudaStream_t s) {
   if (total_rows == 0 || n_segments == 0) return;
   const int64_t hidden = static_cast<int64_t>(n_heads) * head_dim;
   FlashParams p{};
@@ -1205,6 +1231,7 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   p.out_stride = hidden;
   p.kv_group = 1;
   p.cu_seqlens = cu_seqlens;
+  p.real_rows = real_rows;
   p.n_segments = n_segments;
   p.scale_log2 = scale * kLog2e;
   const int64_t wide_tiles = (total_rows + kWideBr - 1) / kWideBr + n_segments;

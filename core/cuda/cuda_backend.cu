@@ -413,11 +413,17 @@ class CudaBackend final : public Backend {
   }
 
   void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu_seqlens,
-                          int n_segments, int n_heads, int head_dim, float scale) override {
+                          int n_segments, int n_heads, int head_dim, float scale,
+                          const Tensor& real_rows) override {
     bind();
     check_act(out, "attention_segments", "out");
     check_act(qkv, "attention_segments", "qkv");
     check_index(cu_seqlens, "attention_segments", "cu_seqlens");
+    if (real_rows.defined()) {
+      check_index(real_rows, "attention_segments", "real_rows");
+      IRIS_CHECK(real_rows.numel() == 1, "attention_segments: real_rows ", real_rows.shape_str(),
+                 " should hold one count");
+    }
     check_head_dim(head_dim, "attention_segments");
     IRIS_CHECK(n_heads > 0 && n_segments >= 0, "attention_segments: bad head/segment counts");
     const int64_t hidden = int64_t{n_heads} * head_dim;
@@ -429,8 +435,9 @@ class CudaBackend final : public Backend {
                cu_seqlens.shape_str(), " needs ", n_segments + 1, " entries");
     check_aligned(qkv, 16, "attention_segments", "qkv");
     check_aligned(out, 4, "attention_segments", "out");
-    cuda::launch_attention_segments(bf(out), cbf(qkv), ci32(cu_seqlens), n_segments, qkv.rows(),
-                                    n_heads, head_dim, scale, num_sms_, stream());
+    cuda::launch_attention_segments(bf(out), cbf(qkv), ci32(cu_seqlens),
+                                    real_rows.defined() ? ci32(real_rows) : nullptr, n_segments,
+                                    qkv.rows(), n_heads, head_dim, scale, num_sms_, stream());
   }
 
   void kv_store(const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,

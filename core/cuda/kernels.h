@@ -70,9 +70,10 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
 void attention_init();
 bool attention_head_dim_supported(int head_dim);
 // num_sms picks between the 64-row and the 128-row kernel (launch_attention_causal too).
+// real_rows may be null; segments starting at or past *real_rows get zero rows (padding).
 void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
-                               int n_segments, int64_t total_rows, int n_heads, int head_dim,
-                               float scale, int num_sms, cudaStream_t s);
+                               const int32_t* real_rows, int n_segments, int64_t total_rows,
+                               int n_heads, int head_dim, float scale, int num_sms, cudaStream_t s);
 void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
                      const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
                      int n_kv_heads, int head_dim, cudaStream_t s);
