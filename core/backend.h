@@ -102,6 +102,18 @@ class Backend {
   // past_len is an i32 [1] tensor on this backend so that a captured graph reads it at replay.
   virtual void kv_store(const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
                         const Tensor& past_len, int n_q_heads, int n_kv_heads, int head_dim) = 0;
+  // qkv_norm_rope then kv_store, in one pass where the backend fuses them (a decode step then
+  // launches one kernel fewer per layer). The result is that of the two calls.
+  virtual void qkv_norm_rope_kv_store(const Tensor& qkv, const Tensor& q_norm_w,
+                                      const Tensor& k_norm_w, float eps, const Tensor& cos,
+                                      const Tensor& sin, int n_q_heads, int n_kv_heads,
+                                      int head_dim, bool round_tables_to_compute_dtype,
+                                      const Tensor& k_cache, const Tensor& v_cache,
+                                      const Tensor& past_len) {
+    qkv_norm_rope(qkv, q_norm_w, k_norm_w, eps, cos, sin, n_q_heads, n_kv_heads, head_dim,
+                  round_tables_to_compute_dtype);
+    kv_store(k_cache, v_cache, qkv, past_len, n_q_heads, n_kv_heads, head_dim);
+  }
   // Causal GQA attention for T new queries at absolute rows past_len[0] + i, over cache rows
   // [0, past_len[0] + i]. out[T, n_q*head_dim]; query head h reads kv head h / (n_q / n_kv).
   virtual void attention_causal(const Tensor& out, const Tensor& qkv, const Tensor& k_cache,

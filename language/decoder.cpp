@@ -66,9 +66,9 @@ void TextDecoder::layer(int l, int64_t T) {
   Tensor x = x_.slice(0, T), xn = xn_.slice(0, T), qkv = qkv_.slice(0, T);
   // The norms are fused into the projections that read them (one kernel per decode step).
   backend_.rms_norm_linear(qkv, xn, x, w.input_norm_w, eps, w.qkv_w, Tensor());
-  backend_.qkv_norm_rope(qkv, w.q_norm_w, w.k_norm_w, eps, cos_.slice(0, T), sin_.slice(0, T), nq,
-                         nkv, hd, true);
-  backend_.kv_store(k_cache_[l], v_cache_[l], qkv, past_len_, nq, nkv, hd);
+  backend_.qkv_norm_rope_kv_store(qkv, w.q_norm_w, w.k_norm_w, eps, cos_.slice(0, T),
+                                  sin_.slice(0, T), nq, nkv, hd, true, k_cache_[l], v_cache_[l],
+                                  past_len_);
   backend_.attention_causal(attn_.slice(0, T), qkv, k_cache_[l], v_cache_[l], past_len_, nq, nkv,
                             hd, 1.0f / std::sqrt(static_cast<float>(hd)));
   backend_.linear(x, attn_.slice(0, T), w.o_w, Tensor(), true);

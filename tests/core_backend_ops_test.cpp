@@ -5,12 +5,14 @@
 //
 // Thresholds. One bf16 rounding of an output has a relative error uniform in +-2^-9, an NMSE of
 // about 1.3e-6; a real bug (wrong element, missed key, bad mask) gives 1e-3 or more.
-//   exact (bitwise):  copy, fill_zero, embedding, scatter_rows, kv_store, argmax_rows
+//   exact (bitwise):  copy, fill_zero, embedding, scatter_rows, kv_store, argmax_rows, and the
+//                     fused qkv_norm_rope_kv_store against the two CUDA ops it fuses
 //   kElementwise 2e-5: add, gelu_tanh, gelu_erf, swiglu (2 roundings), scatter_rows accumulate,
 //                      add_interpolated_rows (2), layer_norm, rms_norm (2), linear (output
 //                      rounding plus fp32 accumulation-order differences), linear_gelu_tanh,
 //                      rms_norm_linear (the normalised rows rounded before the product)
-//   kRope 5e-5:       qkv_norm_rope (up to 5 HF-style bf16 roundings on the text path)
+//   kRope 5e-5:       qkv_norm_rope and qkv_norm_rope_kv_store (up to 5 HF-style bf16
+//                     roundings on the text path)
 //   kChained 5e-5:    the swiglu output of rms_norm_linear (normalised rows, gate/up and silu
 //                     each rounded, with the first two errors carried through the product)
 //   kAttention 5e-5:  attention_segments, attention_causal (probabilities rounded to bf16 for
@@ -629,6 +631,59 @@ TEST_F(BackendOps, KvStore) {
       s.be().kv_store(kc, vc, qkv, past, c.nq, c.nkv, c.hd);
       return std::vector<Tensor>{kc, vc};
     });
+  }
+}
+
+// The fused op against the CPU's two-op reference, and on the GPU bit for bit against the two
+// separate kernels it replaces (the decode path depends on both giving the same cache).
+TEST_F(BackendOps, QkvNormRopeKvStore) {
+  const CausalCase cases[] = {{4, 2, 16, 32, 5, 7},       // tiny
+                              {16, 8, 128, 300, 100, 1},  // decode step
+                              {16, 8, 128, 300, 0, 37},   // prefill
+                              {16, 8, 128, 300, 297, 5},  // rows past the cache end are dropped
+                              {8, 4, 64, 128, 20, 3}};    // hd 64
+  for (const CausalCase& c : cases) {
+    const int64_t width = int64_t{c.nkv} * c.hd, qkv_w = int64_t{c.nq + 2 * c.nkv} * c.hd;
+    struct Made {
+      Tensor qkv, kc, vc, past, qn, kn, cos_t, sin_t;
+    };
+    auto make = [&](Side& s) {
+      Rng rng(75);
+      Made m;
+      m.qkv = s.make(Kind::act, {c.t, qkv_w}, rng.normal(c.t * qkv_w, 0.f, 2.f));
+      m.kc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      m.vc = s.make(Kind::act, {c.max_len, width}, cache_values(rng, c));
+      m.past = s.make_i32({1}, {static_cast<int32_t>(c.past)});
+      m.qn = s.make(Kind::act, {c.hd}, rng.normal(c.hd, 1.f, 0.3f));
+      m.kn = s.make(Kind::act, {c.hd}, rng.normal(c.hd, 1.f, 0.3f));
+      std::vector<float> cs(c.t * c.hd), sn(c.t * c.hd);
+      for (int64_t p = 0; p < c.t; ++p)
+        for (int i = 0; i < c.hd / 2; ++i) {
+          const float f = float(c.past + p) * std::pow(5e6f, -2.f * i / c.hd);
+          cs[p * c.hd + i] = cs[p * c.hd + i + c.hd / 2] = std::cos(f);
+          sn[p * c.hd + i] = sn[p * c.hd + i + c.hd / 2] = std::sin(f);
+        }
+      m.cos_t = s.make(Kind::f32, {c.t, c.hd}, cs);
+      m.sin_t = s.make(Kind::f32, {c.t, c.hd}, sn);
+      return m;
+    };
+    compare("qkv_norm_rope_kv_store " + causal_name(c), kRope, [&](Side& s) {
+      Made m = make(s);
+      s.be().qkv_norm_rope_kv_store(m.qkv, m.qn, m.kn, 1e-6f, m.cos_t, m.sin_t, c.nq, c.nkv, c.hd,
+                                    true, m.kc, m.vc, m.past);
+      return std::vector<Tensor>{m.qkv, m.kc, m.vc};
+    });
+    Side gpu(*gpu_);
+    Made fused = make(gpu), separate = make(gpu);
+    gpu_->qkv_norm_rope_kv_store(fused.qkv, fused.qn, fused.kn, 1e-6f, fused.cos_t, fused.sin_t,
+                                 c.nq, c.nkv, c.hd, true, fused.kc, fused.vc, fused.past);
+    gpu_->qkv_norm_rope(separate.qkv, separate.qn, separate.kn, 1e-6f, separate.cos_t,
+                        separate.sin_t, c.nq, c.nkv, c.hd, true);
+    gpu_->kv_store(separate.kc, separate.vc, separate.qkv, separate.past, c.nq, c.nkv, c.hd);
+    EXPECT_TRUE(matches(gpu.get(fused.qkv), gpu.get(separate.qkv), kExact)) << causal_name(c);
+    EXPECT_TRUE(matches(gpu.get(fused.kc), gpu.get(separate.kc), kExact)) << causal_name(c);
+    EXPECT_TRUE(matches(gpu.get(fused.vc), gpu.get(separate.vc), kExact)) << causal_name(c);
+    EXPECT_TRUE(gpu.guards_intact());
   }
 }
 

@@ -386,6 +386,40 @@ class CudaBackend final : public Backend {
                      const Tensor& cos, const Tensor& sin, int n_q_heads, int n_kv_heads,
                      int head_dim, bool round_tables_to_compute_dtype) override {
     bind();
+    check_qkv_norm_rope(qkv, q_norm_w, k_norm_w, cos, sin, n_q_heads, n_kv_heads, head_dim);
+    cuda::launch_qkv_norm_rope(bf(qkv), cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps,
+                               static_cast<const float*>(cos.data),
+                               static_cast<const float*>(sin.data), qkv.rows(), n_q_heads,
+                               n_kv_heads, head_dim, round_tables_to_compute_dtype, stream());
+  }
+
+  void qkv_norm_rope_kv_store(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                              float eps, const Tensor& cos, const Tensor& sin, int n_q_heads,
+                              int n_kv_heads, int head_dim, bool round_tables_to_compute_dtype,
+                              const Tensor& k_cache, const Tensor& v_cache,
+                              const Tensor& past_len) override {
+    bind();
+    check_qkv_norm_rope(qkv, q_norm_w, k_norm_w, cos, sin, n_q_heads, n_kv_heads, head_dim);
+    check_causal_shapes(qkv, k_cache, v_cache, past_len, n_q_heads, n_kv_heads, head_dim,
+                        "qkv_norm_rope_kv_store");
+    const auto* cos_f = static_cast<const float*>(cos.data);
+    const auto* sin_f = static_cast<const float*>(sin.data);
+    if (cuda::launch_qkv_norm_rope_kv_store(bf(qkv), cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps,
+                                            cos_f, sin_f, qkv.rows(), n_q_heads, n_kv_heads,
+                                            head_dim, round_tables_to_compute_dtype, bf(k_cache),
+                                            bf(v_cache), ci32(past_len), k_cache.rows(), stream()))
+      return;
+    cuda::launch_qkv_norm_rope(bf(qkv), cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps, cos_f, sin_f,
+                               qkv.rows(), n_q_heads, n_kv_heads, head_dim,
+                               round_tables_to_compute_dtype, stream());
+    cuda::launch_kv_store(bf(k_cache), bf(v_cache), cbf(qkv), ci32(past_len), qkv.rows(),
+                          k_cache.rows(), n_q_heads, n_kv_heads, head_dim, stream());
+  }
+
+ private:
+  void check_qkv_norm_rope(const Tensor& qkv, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                           const Tensor& cos, const Tensor& sin, int n_q_heads, int n_kv_heads,
+                           int head_dim) {
     check_act(qkv, "qkv_norm_rope", "qkv");
     IRIS_CHECK(
         n_q_heads > 0 && n_kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0 && head_dim <= 256,
@@ -406,12 +440,9 @@ class CudaBackend final : public Backend {
       IRIS_CHECK(nw->numel() == head_dim, "qkv_norm_rope: norm weight ", nw->shape_str(),
                  " should have ", head_dim, " elements");
     }
-    cuda::launch_qkv_norm_rope(bf(qkv), cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps,
-                               static_cast<const float*>(cos.data),
-                               static_cast<const float*>(sin.data), t, n_q_heads, n_kv_heads,
-                               head_dim, round_tables_to_compute_dtype, stream());
   }
 
+ public:
   void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu_seqlens,
                           int n_segments, int n_heads, int head_dim, float scale,
                           const Tensor& real_rows) override {

@@ -63,6 +63,16 @@ void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_
                           float eps, const float* cos, const float* sin, int64_t tokens,
                           int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
                           cudaStream_t s);
+// launch_qkv_norm_rope, and in the same kernel the rotated k heads and the v heads of row t
+// stored at cache row past_len[0] + t (rows past max_len dropped, as launch_kv_store does).
+// Returns false, having launched nothing, where the shapes or alignments do not suit the fused
+// kernel (the caller then launches the two ops).
+bool launch_qkv_norm_rope_kv_store(uint16_t* qkv, const uint16_t* q_norm_w,
+                                   const uint16_t* k_norm_w, float eps, const float* cos,
+                                   const float* sin, int64_t tokens, int n_q_heads, int n_kv_heads,
+                                   int head_dim, bool round_tables, uint16_t* k_cache,
+                                   uint16_t* v_cache, const int32_t* past_len, int64_t max_len,
+                                   cudaStream_t s);
 
 // ---- attention (attention.cu) ----
 // Raises the dynamic shared-memory limit of the attention kernels; called once per device at

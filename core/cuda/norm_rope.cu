@@ -201,6 +201,14 @@ __global__ void __launch_bounds__(kRopeWarps* kWarpSize)
 
 constexpr int kRopeVecThreads = 256;
 
+// Where the fused kernel also appends k and v to the caches (k_cache null: it does not).
+struct CacheStore {
+  uint16_t* k_cache = nullptr;
+  uint16_t* v_cache = nullptr;
+  const int32_t* past_len = nullptr;
+  int64_t max_len = 0;
+};
+
 // The same arithmetic as qkv_norm_rope_kernel with TPH threads per (token, head), each owning
 // four consecutive rotate-half pairs: 8-byte loads of x, 16-byte loads of the tables, and many
 // more loads in flight than one warp per head with scalar loads (which left the vision encoder's
@@ -209,10 +217,12 @@ template <int TPH>
 __global__ void __launch_bounds__(kRopeVecThreads)
     qkv_norm_rope_vec_kernel(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                              float eps, const float* cos, const float* sin, int64_t tokens,
-                             int n_q_heads, int n_kv_heads, int head_dim, bool round_tables) {
+                             int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
+                             CacheStore store) {
   pdl_launch_dependents();
   pdl_wait();
-  const int heads = n_q_heads + n_kv_heads;
+  // With a cache store, the v heads are items too (copied, not rotated).
+  const int heads = n_q_heads + n_kv_heads + (store.k_cache != nullptr ? n_kv_heads : 0);
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * kRopeVecThreads + threadIdx.x;
   const int64_t item = gid / TPH;
   // Whole groups of TPH lanes leave together, so the group's shuffles below stay well defined.
@@ -227,6 +237,23 @@ __global__ void __launch_bounds__(kRopeVecThreads)
   const int64_t row_stride = static_cast<int64_t>(n_q_heads + 2 * n_kv_heads) * head_dim;
   uint16_t* x = qkv + t * row_stride + static_cast<int64_t>(head) * head_dim;
   const uint16_t* norm_w = head < n_q_heads ? q_norm_w : k_norm_w;
+  // The cache row of this token and the head's column there (k and v heads with a store).
+  uint16_t* cache_head = nullptr;
+  if (store.k_cache != nullptr && head >= n_q_heads) {
+    const int64_t row = static_cast<int64_t>(*store.past_len) + t;
+    const int kv_head = (head - n_q_heads) % n_kv_heads;
+    if (row >= 0 && row < store.max_len)
+      cache_head = (head < n_q_heads + n_kv_heads ? store.k_cache : store.v_cache) +
+                   row * n_kv_heads * head_dim + static_cast<int64_t>(kv_head) * head_dim;
+    if (head >= n_q_heads + n_kv_heads) {  // a v head: stored as it is
+      if (cache_head != nullptr) {
+        *reinterpret_cast<uint2*>(cache_head + i) = *reinterpret_cast<const uint2*>(x + i);
+        *reinterpret_cast<uint2*>(cache_head + i + half) =
+            *reinterpret_cast<const uint2*>(x + i + half);
+      }
+      return;
+    }
+  }
 
   auto load4 = [](const uint16_t* p, float(&f)[4]) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -274,21 +301,27 @@ __global__ void __launch_bounds__(kRopeVecThreads)
       o2[k] = x2[k] * c2 + x1[k] * s2;
     }
   }
-  *reinterpret_cast<uint2*>(x + i) =
-      make_uint2(pack_bf16x2(o1[0], o1[1]), pack_bf16x2(o1[2], o1[3]));
-  *reinterpret_cast<uint2*>(x + i + half) =
-      make_uint2(pack_bf16x2(o2[0], o2[1]), pack_bf16x2(o2[2], o2[3]));
+  const uint2 lo = make_uint2(pack_bf16x2(o1[0], o1[1]), pack_bf16x2(o1[2], o1[3]));
+  const uint2 hi = make_uint2(pack_bf16x2(o2[0], o2[1]), pack_bf16x2(o2[2], o2[3]));
+  *reinterpret_cast<uint2*>(x + i) = lo;
+  *reinterpret_cast<uint2*>(x + i + half) = hi;
+  if (cache_head != nullptr) {  // a k head with a store: the rotated bf16 values
+    *reinterpret_cast<uint2*>(cache_head + i) = lo;
+    *reinterpret_cast<uint2*>(cache_head + i + half) = hi;
+  }
 }
 
 template <int TPH>
 void launch_rope_vec(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w, float eps,
                      const float* cos, const float* sin, int64_t tokens, int n_q_heads,
-                     int n_kv_heads, int head_dim, bool round_tables, cudaStream_t s) {
-  const int64_t threads = tokens * (n_q_heads + n_kv_heads) * TPH;
+                     int n_kv_heads, int head_dim, bool round_tables, const CacheStore& store,
+                     cudaStream_t s) {
+  const int heads = n_q_heads + n_kv_heads + (store.k_cache != nullptr ? n_kv_heads : 0);
+  const int64_t threads = tokens * heads * TPH;
   const unsigned grid = static_cast<unsigned>((threads + kRopeVecThreads - 1) / kRopeVecThreads);
   launch_programmatic(qkv_norm_rope_vec_kernel<TPH>, dim3(grid), dim3(kRopeVecThreads), 0, s, qkv,
                       q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
-                      round_tables);
+                      round_tables, store);
 }
 
 // launch_rope_vec<tph> for a run-time tph among TPH, TPH / 2, ..., 1; false for any other.
@@ -296,15 +329,15 @@ template <int TPH = kWarpSize>
 bool launch_rope_vec_for(int tph, uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                          float eps, const float* cos, const float* sin, int64_t tokens,
                          int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
-                         cudaStream_t s) {
+                         const CacheStore& store, cudaStream_t s) {
   if (tph == TPH) {
     launch_rope_vec<TPH>(qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads,
-                         head_dim, round_tables, s);
+                         head_dim, round_tables, store, s);
     return true;
   }
   if constexpr (TPH > 1) {
     return launch_rope_vec_for<TPH / 2>(tph, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens,
-                                        n_q_heads, n_kv_heads, head_dim, round_tables, s);
+                                        n_q_heads, n_kv_heads, head_dim, round_tables, store, s);
   }
   return false;
 }
@@ -321,25 +354,52 @@ void launch_rms_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t 
   launch_norm<false>(y, x, w, nullptr, rows, cols, eps, s);
 }
 
+namespace {
+
+bool rope_vec_suits(const uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
+                    const float* cos, const float* sin, int head_dim) {
+  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  return head_dim % 8 == 0 && aligned(qkv, 8) && aligned(cos, 16) && aligned(sin, 16) &&
+         (q_norm_w == nullptr || aligned(q_norm_w, 8)) &&
+         (k_norm_w == nullptr || aligned(k_norm_w, 8));
+}
+
+}  // namespace
+
 void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                           float eps, const float* cos, const float* sin, int64_t tokens,
                           int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
                           cudaStream_t s) {
   const int64_t items = tokens * (n_q_heads + n_kv_heads);
   if (items == 0) return;
-  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
-  const bool vec = head_dim % 8 == 0 && aligned(qkv, 8) && aligned(cos, 16) && aligned(sin, 16) &&
-                   (q_norm_w == nullptr || aligned(q_norm_w, 8)) &&
-                   (k_norm_w == nullptr || aligned(k_norm_w, 8));
-  if (vec) {
-    if (launch_rope_vec_for(head_dim / 8, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
-                            n_kv_heads, head_dim, round_tables, s))
-      return;
-  }
+  if (rope_vec_suits(qkv, q_norm_w, k_norm_w, cos, sin, head_dim) &&
+      launch_rope_vec_for(head_dim / 8, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads,
+                          n_kv_heads, head_dim, round_tables, CacheStore{}, s))
+    return;
   const unsigned grid = static_cast<unsigned>((items + kRopeWarps - 1) / kRopeWarps);
   launch_programmatic(qkv_norm_rope_kernel, dim3(grid), dim3(kRopeWarps * kWarpSize), 0, s, qkv,
                       q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
                       round_tables);
+}
+
+bool launch_qkv_norm_rope_kv_store(uint16_t* qkv, const uint16_t* q_norm_w,
+                                   const uint16_t* k_norm_w, float eps, const float* cos,
+                                   const float* sin, int64_t tokens, int n_q_heads, int n_kv_heads,
+                                   int head_dim, bool round_tables, uint16_t* k_cache,
+                                   uint16_t* v_cache, const int32_t* past_len, int64_t max_len,
+                                   cudaStream_t s) {
+  if (tokens == 0) return true;
+  auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
+  if (!rope_vec_suits(qkv, q_norm_w, k_norm_w, cos, sin, head_dim) || !aligned8(k_cache) ||
+      !aligned8(v_cache))
+    return false;
+  CacheStore store;
+  store.k_cache = k_cache;
+  store.v_cache = v_cache;
+  store.past_len = past_len;
+  store.max_len = max_len;
+  return launch_rope_vec_for(head_dim / 8, qkv, q_norm_w, k_norm_w, eps, cos, sin, tokens,
+                             n_q_heads, n_kv_heads, head_dim, round_tables, store, s);
 }
 
 }  // namespace iris::cuda
