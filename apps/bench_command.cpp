@@ -344,6 +344,7 @@ int run_bench_command(int argc, char** argv) {
   // Graphs against eager in alternating pairs, for the speed-up lines: the eager and graphs
   // figures above are taken a minute apart, and a host that slows down in between (other
   // tenants, clock changes) would skew their ratio; within a pair both sides see the same host.
+  const int64_t paired_decode_steps = std::max<int64_t>(1, decode_steps / 4);
   auto paired_speedup = [&](const std::function<void()>& run) {
     std::vector<double> ratios;
     for (int i = 0; i < iters; ++i) {
@@ -376,9 +377,8 @@ int run_bench_command(int argc, char** argv) {
   if (wanted("decode")) {
     model.prefill(random_ids(decode_context));
     int32_t next = 0;
-    const int64_t steps = std::max<int64_t>(1, decode_steps / 4);
     results["paired_speedup"]["decode"] = paired_speedup([&] {
-      for (int64_t i = 0; i < steps; ++i) {
+      for (int64_t i = 0; i < paired_decode_steps; ++i) {
         model.decode(next);
         next = greedy_after_decode();
       }
@@ -426,8 +426,7 @@ int run_bench_command(int argc, char** argv) {
   const json& paired = results["paired_speedup"];
   if (wanted("decode"))
     std::printf("graphs vs eager: decode %.2fx (median of %d alternating pairs of %lld steps)\n",
-                paired["decode"].get<double>(), iters,
-                static_cast<long long>(std::max<int64_t>(1, decode_steps / 4)));
+                paired["decode"].get<double>(), iters, static_cast<long long>(paired_decode_steps));
   if (wanted("vision"))
     std::printf("graphs vs eager: vision 1x%lld %.2fx (median of %d alternating pairs)\n",
                 static_cast<long long>(side_tiny),
