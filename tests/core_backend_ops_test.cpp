@@ -527,14 +527,17 @@ TEST_F(BackendOps, AttentionSegments) {
     std::vector<int32_t> lengths;
     int heads, hd;
   };
-  // Fewer 64-row blocks than two per SM of an H100 take the key-split kernel (the first six).
+  // Fewer 64-row blocks than two per SM of an H100 take the grouped kernel: 32 rows x 4 key
+  // groups (the first five), or 128 rows x 2 key groups where segments average 512 rows.
   const Case cases[] = {
       {{5, 0, 32, 63}, 2, 16},     // tiny vision, a zero-length segment
       {{64, 0, 200, 37}, 16, 64},  // a segment of exactly one tile
       {{256, 130}, 16, 72},        // hd 72: padded to 80 in shared memory only
       {{100, 1, 90, 0}, 4, 80},    // one-row segment, trailing empty segment
       {{256}, 16, 64},             // one small image: a key tile per warp
-      {{784}, 16, 64},             // 13 key tiles over 4 warps
+      {{784}, 16, 64},             // 128 rows x 2 key groups: 13 key tiles, 7 and 6 per group
+      {{900, 20, 700}, 8, 80},     // 128-row blocks with idle row groups, hd 80
+      {{600, 424}, 8, 72},         // 128-row blocks, hd 72
       {{1024}, 16, 64},            // one long segment: the 64-row kernel
       // Enough 128-row tiles for the wide kernel (two blocks per SM of an H100):
       {{600, 600, 600}, 24, 64},     // vision-like segments
@@ -567,8 +570,9 @@ TEST_F(BackendOps, AttentionSegmentsZeroThePaddingSegment) {
     int heads, hd;
   };
   const Case cases[] = {
-      {{100, 37, 91}, 4, 64},           // key-split kernel
-      {{256, 130}, 16, 72},             // key-split kernel, hd 72
+      {{100, 37, 91}, 4, 64},           // grouped kernel, 32-row blocks
+      {{256, 130}, 16, 72},             // grouped kernel, 32-row blocks, hd 72
+      {{600, 600, 336}, 8, 64},         // grouped kernel, 128-row blocks
       {{700, 324}, 16, 64},             // 64-row kernel
       {{600, 600, 600, 300}, 24, 64},   // wide kernel
       {{520, 530, 0, 0, 250}, 32, 72},  // wide kernel, empty segments before the padding
@@ -887,10 +891,12 @@ TEST_F(BackendOps, RepeatedStepsAllocateNothing) {
   // Free device memory is device-wide: other test processes on the GPU move it too. An op that
   // allocates does so on every round of steps; another process's allocation is rarely in step
   // with ours, so one round of several with unchanged free memory shows the ops allocate nothing.
+  // A round takes well under a millisecond; under `ctest -j16` five rounds were once all
+  // disturbed, so there are fifty.
   bool unchanged = false;
   size_t free_before = 0, free_after = 0, total = 0;
   int32_t step = 1;
-  for (int round = 0; round < 5 && !unchanged; ++round) {
+  for (int round = 0; round < 50 && !unchanged; ++round) {
     IRIS_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
     for (int i = 0; i < 8; ++i, ++step) {
       gpu_->write(s.past, &step, DType::i32);

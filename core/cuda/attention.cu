@@ -165,7 +165,7 @@ __device__ __forceinline__ bool zero_padding_rows(const FlashParams& p, int head
   return true;
 }
 
-// Per-warp pieces of the 16-row flash kernels (flash_attention_kernel, flash_split_kernel): a
+// Per-warp pieces of the 16-row flash kernels (flash_attention_kernel, flash_group_kernel): a
 // warp holds 16 query rows as mma A-fragments and runs them against one kBc-key K/V tile in
 // shared memory (row stride FlashShape<HD>::kLd) at a time.
 
@@ -297,6 +297,26 @@ __device__ __forceinline__ void tile_pv(float (&o)[HD / 8][4], const float (&s)[
   }
 }
 
+// Writes a warp's 16 normalised output rows (row_a and row_a + 8 per thread) as bf16.
+template <int HD>
+__device__ __forceinline__ void store_rows(uint16_t* out_head, int64_t out_stride,
+                                           const float (&o)[HD / 8][4], const float (&l_run)[2],
+                                           int64_t row_a, int64_t q_end, int t4) {
+  const int64_t row_b = row_a + 8;
+  const float inv_a = l_run[0] > 0.f ? 1.f / l_run[0] : 0.f;
+  const float inv_b = l_run[1] > 0.f ? 1.f / l_run[1] : 0.f;
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) {
+    const int c = d * 8 + 2 * t4;
+    if (row_a < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_a * out_stride + c) =
+          pack_bf16x2(o[d][0] * inv_a, o[d][1] * inv_a);
+    if (row_b < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_b * out_stride + c) =
+          pack_bf16x2(o[d][2] * inv_b, o[d][3] * inv_b);
+  }
+}
+
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
   using S = FlashShape<HD>;
@@ -384,19 +404,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashPar
     __syncthreads();
   }
 
-  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
-  const float inv_a = l_run[0] > 0.f ? 1.f / l_run[0] : 0.f;
-  const float inv_b = l_run[1] > 0.f ? 1.f / l_run[1] : 0.f;
-#pragma unroll
-  for (int d = 0; d < HD / 8; ++d) {
-    const int c = d * 8 + 2 * t4;
-    if (row_a < q_end)
-      *reinterpret_cast<uint32_t*>(out_head + row_a * p.out_stride + c) =
-          pack_bf16x2(o[d][0] * inv_a, o[d][1] * inv_a);
-    if (row_b < q_end)
-      *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + c) =
-          pack_bf16x2(o[d][2] * inv_b, o[d][3] * inv_b);
-  }
+  store_rows<HD>(p.out + static_cast<int64_t>(head) * HD, p.out_stride, o, l_run, row_a, q_end, t4);
 }
 
 // The head dims the flash kernels are compiled for: one list for dispatch, shared-memory set-up
@@ -443,161 +451,208 @@ void set_flash_smem() {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Key-split flash attention (vision segments when few query tiles exist)
+// Grouped flash attention (vision segments)
 // ----------------------------------------------------------------------------------------------
 
-// A block owns 16 query rows of one head, and its four warps split the segment's key tiles
-// between them (warp w takes tiles w, w + 4, ...), each with its own online-softmax state; the
-// four states are merged through shared memory at the end. A small image (256 patches: 16 heads
-// x 4 tiles of the 64-row kernel = 64 blocks) otherwise leaves half the SMs idle and runs each
-// warp through every key tile in turn, a chain of dependent MMAs and exponentials that one warp
-// per scheduler cannot hide; here the same work is 4x as many blocks with a quarter of the
-// chain each.
-constexpr int kSplitWarps = 4;
-constexpr int kSplitThreads = kSplitWarps * kWarpSize;
-constexpr int kSplitBr = 16;
-
-template <int HD>
-struct SplitShape {
+// A block holds RG row groups of 16 query rows and KS key groups, one warp per (key group, row
+// group): warp (kg, rg) runs its 16 rows against key tiles kg, kg + KS, ... of the segment. The
+// RG warps of a key group share that group's K/V tiles (a STAGES-deep cp.async pipeline, synced
+// on a named barrier of the group alone), and the KS partial softmax states of each row are
+// merged through shared memory at the end. RG > 1 loads each K/V tile once for more rows (the
+// key-split-only layout re-read a 784-patch image's keys once per 16 rows and ran into the L2
+// bandwidth); KS > 1 splits the keys when the query tiles alone would leave SMs idle.
+template <int HD, int RG, int KS, int STAGES>
+struct GroupShape {
+  static constexpr int kWarps = RG * KS;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kRows = 16 * RG;
   static constexpr int kPad = FlashShape<HD>::kPad;
   static constexpr int kLd = FlashShape<HD>::kLd;
   static constexpr int kTileElems = kBc * kLd;
-  // Per warp one K and one V tile; the merge reuses the same memory for the f32 partials.
-  static constexpr size_t kTileBytes = kSplitWarps * 2 * kTileElems * sizeof(uint16_t);
-  static constexpr size_t kMergeBytes =
-      kSplitWarps * kSplitBr * (HD + 2) * sizeof(float);  // o rows, then m and l
+  static constexpr size_t kTileBytes =
+      static_cast<size_t>(KS) * STAGES * 2 /*K,V*/ * kTileElems * sizeof(uint16_t);
+  // The merge reuses the tile memory for the f32 partials: o rows, then m and l.
+  static constexpr size_t kMergeBytes = KS > 1 ? static_cast<size_t>(KS) * kRows*(HD + 2) *
+                                                     sizeof(float)
+                                               : 0;
   static constexpr size_t kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 };
 
-template <int HD>
-__global__ void __launch_bounds__(kSplitThreads) flash_split_kernel(FlashParams p) {
-  using S = SplitShape<HD>;
+// Barrier over `threads` threads (whole warps) that use the same id; id 0 is __syncthreads'.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int HD, int RG, int KS, int STAGES>
+__global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashParams p) {
+  using S = GroupShape<HD, RG, KS, STAGES>;
   extern __shared__ __align__(16) uint16_t smem[];
   pdl_launch_dependents();
   pdl_wait();
   const int head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int kg = warp / RG, rg = warp % RG;
   const int g = lane / 4, t4 = lane % 4;
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!block_range<false, kSplitBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kSplitBr, q_end), tid, kSplitThreads))
+  if (!block_range<false, S::kRows>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + S::kRows, q_end), tid, S::kThreads))
     return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
+  const int my_tiles = n_tiles > kg ? (n_tiles - kg + KS - 1) / KS : 0;
 
-  uint16_t* ks = smem + warp * 2 * S::kTileElems;  // this warp's [kBc][kLd] K tile
-  uint16_t* vs = ks + S::kTileElems;               // and V tile
+  uint16_t* k_tiles = smem + kg * STAGES * 2 * S::kTileElems;  // [STAGES][kBc][kLd]
+  uint16_t* v_tiles = k_tiles + STAGES * S::kTileElems;        // [STAGES][kBc][kLd]
+  const int group_tid = rg * kWarpSize + lane;
+  constexpr int kGroupThreads = RG * kWarpSize;
+  auto group_sync = [&] {
+    if constexpr (RG == 1) {
+      __syncwarp();
+    } else {
+      named_barrier(1 + kg, kGroupThreads);
+    }
+  };
   if constexpr (S::kPad != HD) {
     constexpr int kPadCols = S::kPad - HD;
-    for (int i = lane; i < kBc * kPadCols; i += kWarpSize)
-      ks[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
+    for (int i = group_tid; i < STAGES * kBc * kPadCols; i += kGroupThreads)
+      k_tiles[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
   }
 
-  uint32_t qf[S::kPad / 16][4];
-  load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, q0 + g, q_end, t4);
+  const uint16_t* k_base = p.k + static_cast<int64_t>(head) * HD;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(head) * HD;
+  // Tile j of this key group is the segment's tile kg + j * KS.
+  auto load_tile = [&](int stage, int j) {
+    const int64_t key0 = kv_begin + static_cast<int64_t>(kg + j * KS) * kBc;
+    copy_kv_tile<HD>(k_tiles + stage * S::kTileElems, v_tiles + stage * S::kTileElems, k_base,
+                     v_base, p.kv_stride, key0, kv_begin, kv_end, group_tid, kGroupThreads);
+    cp_async_commit();
+  };
+  for (int j = 0; j < STAGES - 1 && j < my_tiles; ++j) load_tile(j, j);
 
+  const int64_t row_a = q0 + rg * 16 + g;
+  // A row group wholly past the segment end still loads its share of the tiles and meets the
+  // barriers, but computes nothing.
+  const bool rows_idle = q0 + rg * 16 >= q_end;
+  uint32_t qf[S::kPad / 16][4];
+  load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, row_a, q_end, t4);
   float o[HD / 8][4];
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  const uint16_t* k_base = p.k + static_cast<int64_t>(head) * HD;
-  const uint16_t* v_base = p.v + static_cast<int64_t>(head) * HD;
-  for (int tile = warp; tile < n_tiles; tile += kSplitWarps) {
-    const int64_t key0 = kv_begin + static_cast<int64_t>(tile) * kBc;
-    copy_kv_tile<HD>(ks, vs, k_base, v_base, p.kv_stride, key0, kv_begin, kv_end, lane, kWarpSize);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncwarp();
-
-    float s[kBc / 8][4];
-    tile_scores<HD>(s, qf, ks, lane);
+  for (int j = 0; j < my_tiles; ++j) {
+    const int stage = j % STAGES;
+    // The stage loaded here was last read in iteration j - 1, which ended with a group barrier.
+    if (j + STAGES - 1 < my_tiles) {
+      load_tile((j + STAGES - 1) % STAGES, j + STAGES - 1);
+      cp_async_wait<STAGES - 1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    group_sync();
+    if (!rows_idle) {
+      const int64_t key0 = kv_begin + static_cast<int64_t>(kg + j * KS) * kBc;
+      float s[kBc / 8][4];
+      tile_scores<HD>(s, qf, k_tiles + stage * S::kTileElems, lane);
+      const bool partial = key0 + kBc > kv_end;
 #pragma unroll
-    for (int nt = 0; nt < kBc / 8; ++nt)
+      for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
-        s[nt][e] = key < kv_end ? s[nt][e] * p.scale_log2 : -INFINITY;
-      }
-    softmax_tile<HD>(s, m_run, l_run, o);
-    tile_pv<HD>(o, s, vs, lane);
-    // The next tile's copies overwrite what this one's ldmatrix calls read.
-    __syncwarp();
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
+          s[nt][e] = !partial || key < kv_end ? s[nt][e] * p.scale_log2 : -INFINITY;
+        }
+      softmax_tile<HD>(s, m_run, l_run, o);
+      tile_pv<HD>(o, s, v_tiles + stage * S::kTileElems, lane);
+    }
+    group_sync();
   }
 
-  // Merge: out = sum_w 2^(m_w - M) o_w / sum_w 2^(m_w - M) l_w over the warps. A warp that got
-  // no tile has m = -inf, l = 0 and o = 0 and weighs nothing.
-  __syncthreads();  // every warp is done with its tiles before the memory is reused
-  float* part = reinterpret_cast<float*>(smem);    // [kSplitWarps][kSplitBr][HD]
-  float* ml = part + kSplitWarps * kSplitBr * HD;  // [kSplitWarps][kSplitBr][2]: m, l
-  float* mine = part + warp * kSplitBr * HD;
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
+  if constexpr (KS == 1) {
+    store_rows<HD>(out_head, p.out_stride, o, l_run, row_a, q_end, t4);
+  } else {
+    // out = sum_kg 2^(m_kg - M) o_kg / sum_kg 2^(m_kg - M) l_kg. A key group that got no tile
+    // has m = -inf, l = 0 and o = 0 and weighs nothing.
+    __syncthreads();  // every warp is done with its tiles before the memory is reused
+    float* part = reinterpret_cast<float*>(smem);  // [KS][kRows][HD]
+    float* ml = part + KS * S::kRows * HD;         // [KS][kRows][2]: m, l
+    const int row0 = kg * S::kRows + rg * 16;
+    float* mine = part + row0 * HD;
 #pragma unroll
-  for (int d = 0; d < HD / 8; ++d) {
-    const int c = d * 8 + 2 * t4;
-    mine[g * HD + c] = o[d][0];
-    mine[g * HD + c + 1] = o[d][1];
-    mine[(g + 8) * HD + c] = o[d][2];
-    mine[(g + 8) * HD + c + 1] = o[d][3];
-  }
-  if (t4 == 0) {
-    float* w_ml = ml + warp * kSplitBr * 2;
-    w_ml[g * 2] = m_run[0], w_ml[g * 2 + 1] = l_run[0];
-    w_ml[(g + 8) * 2] = m_run[1], w_ml[(g + 8) * 2 + 1] = l_run[1];
-  }
-  __syncthreads();
-  constexpr int kThreadsPerRow = kSplitThreads / kSplitBr;
-  const int row = tid / kThreadsPerRow;
-  const int64_t out_row = q0 + row;
-  if (out_row >= q_end) return;
-  float m_max = -INFINITY;
+    for (int d = 0; d < HD / 8; ++d) {
+      const int c = d * 8 + 2 * t4;
+      mine[g * HD + c] = o[d][0];
+      mine[g * HD + c + 1] = o[d][1];
+      mine[(g + 8) * HD + c] = o[d][2];
+      mine[(g + 8) * HD + c + 1] = o[d][3];
+    }
+    if (t4 == 0) {
+      ml[(row0 + g) * 2] = m_run[0], ml[(row0 + g) * 2 + 1] = l_run[0];
+      ml[(row0 + g + 8) * 2] = m_run[1], ml[(row0 + g + 8) * 2 + 1] = l_run[1];
+    }
+    __syncthreads();
+    constexpr int kThreadsPerRow = S::kThreads / S::kRows;
+    const int row = tid / kThreadsPerRow;
+    const int64_t out_row = q0 + row;
+    if (out_row >= q_end) return;
+    float m_max = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) m_max = fmaxf(m_max, ml[(w * kSplitBr + row) * 2]);
-  float weight[kSplitWarps], den = 0.f;
+    for (int k = 0; k < KS; ++k) m_max = fmaxf(m_max, ml[(k * S::kRows + row) * 2]);
+    float weight[KS], den = 0.f;
 #pragma unroll
-  for (int w = 0; w < kSplitWarps; ++w) {
-    const float m_w = ml[(w * kSplitBr + row) * 2];
-    weight[w] = m_w == -INFINITY ? 0.f : exp2f(m_w - m_max);
-    den += weight[w] * ml[(w * kSplitBr + row) * 2 + 1];
-  }
-  const float inv = den > 0.f ? 1.f / den : 0.f;
-  uint16_t* out_row_ptr = p.out + out_row * p.out_stride + static_cast<int64_t>(head) * HD;
-  for (int c = tid % kThreadsPerRow; c < HD; c += kThreadsPerRow) {
-    float acc = 0.f;
+    for (int k = 0; k < KS; ++k) {
+      const float m_k = ml[(k * S::kRows + row) * 2];
+      weight[k] = m_k == -INFINITY ? 0.f : exp2f(m_k - m_max);
+      den += weight[k] * ml[(k * S::kRows + row) * 2 + 1];
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint16_t* out_row_ptr = out_head + out_row * p.out_stride;
+    for (int c = tid % kThreadsPerRow; c < HD; c += kThreadsPerRow) {
+      float acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kSplitWarps; ++w) acc += weight[w] * part[(w * kSplitBr + row) * HD + c];
-    out_row_ptr[c] = float_to_bf16(acc * inv);
+      for (int k = 0; k < KS; ++k) acc += weight[k] * part[(k * S::kRows + row) * HD + c];
+      out_row_ptr[c] = float_to_bf16(acc * inv);
+    }
   }
 }
 
-// Head dims the key-split kernel serves (the vision encoders'; text prefill keeps its kernels).
-bool split_head_dim(int head_dim) {
-  return head_dim == 16 || head_dim == 64 || head_dim == 72 || head_dim == 80;
+// The vision encoders' head dims (Qwen2/2.5-VL 80, Qwen3-VL 64 and 72; 16 for tiny test models).
+using VisionHeadDims = HeadDimList<16, 64, 72, 80>;
+
+// The two layouts segments use below the wide kernel's range, measured on an H100 (head_dim 64
+// and 72): 128 rows x 2 key groups for a 784-patch image (25-29 us against 31-38 for 64-row
+// blocks and 44-55 for key groups of 16 rows), 32 rows x 4 key groups for a 256-patch one.
+template <int RG_, int KS_, int STAGES_>
+struct GroupLayout {
+  static constexpr int RG = RG_, KS = KS_, STAGES = STAGES_;
+};
+using Rows128Keys2 = GroupLayout<8, 2, 2>;
+using Rows32Keys4 = GroupLayout<2, 4, 1>;
+
+template <int HD, typename L>
+void launch_group(const FlashParams& p, int64_t rows, int n_segments, int n_heads, cudaStream_t s) {
+  using S = GroupShape<HD, L::RG, L::KS, L::STAGES>;
+  const dim3 grid(static_cast<unsigned>((rows + S::kRows - 1) / S::kRows + n_segments), n_heads);
+  launch_programmatic(flash_group_kernel<HD, L::RG, L::KS, L::STAGES>, grid, dim3(S::kThreads),
+                      S::kSmemBytes, s, p);
+  IRIS_CUDA_LAUNCH_CHECK();
 }
 
-template <int HD>
-void set_split_smem() {
-  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_split_kernel<HD>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(SplitShape<HD>::kSmemBytes)));
+template <int HD, typename L>
+void set_group_smem() {
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(
+      flash_group_kernel<HD, L::RG, L::KS, L::STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(GroupShape<HD, L::RG, L::KS, L::STAGES>::kSmemBytes)));
 }
 
-void dispatch_split(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
-  auto launch = [&](auto hd) {
+void dispatch_group(bool long_segments, int head_dim, const FlashParams& p, int64_t rows,
+                    int n_segments, int n_heads, cudaStream_t s) {
+  VisionHeadDims::with(head_dim, [&](auto hd) {
     constexpr int HD = decltype(hd)::value;
-    launch_programmatic(flash_split_kernel<HD>, grid, dim3(kSplitThreads),
-                        SplitShape<HD>::kSmemBytes, s, p);
-    IRIS_CUDA_LAUNCH_CHECK();
-  };
-  switch (head_dim) {
-    case 16:
-      return launch(std::integral_constant<int, 16>{});
-    case 64:
-      return launch(std::integral_constant<int, 64>{});
-    case 72:
-      return launch(std::integral_constant<int, 72>{});
-    default:
-      return launch(std::integral_constant<int, 80>{});
-  }
+    if (long_segments) return launch_group<HD, Rows128Keys2>(p, rows, n_segments, n_heads, s);
+    launch_group<HD, Rows32Keys4>(p, rows, n_segments, n_heads, s);
+  });
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -912,11 +967,6 @@ bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int nu
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
 }
 
-// The key-split kernel for vision segments whose 64-row blocks would not fill every SM twice.
-bool use_split(int64_t blocks_64, int head_dim, int num_sms) {
-  return split_head_dim(head_dim) && blocks_64 < 2 * static_cast<int64_t>(num_sms);
-}
-
 // ----------------------------------------------------------------------------------------------
 // Split-K decoding (one new token)
 // ----------------------------------------------------------------------------------------------
@@ -1206,10 +1256,10 @@ void attention_init() {
     set_wide_smem<HD, false>();
     set_wide_smem<HD, true>();
   });
-  set_split_smem<16>();
-  set_split_smem<64>();
-  set_split_smem<72>();
-  set_split_smem<80>();
+  VisionHeadDims::each([](auto hd) {
+    set_group_smem<decltype(hd)::value, Rows128Keys2>();
+    set_group_smem<decltype(hd)::value, Rows32Keys4>();
+  });
 }
 
 bool attention_head_dim_supported(int head_dim) {
@@ -1238,11 +1288,11 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   if (use_wide(wide_tiles * n_heads, total_rows / n_segments, scale, num_sms))
     return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(wide_tiles), n_heads), s);
   const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
-  // Too few 64-row blocks to fill the GPU twice over: split the keys of each 16-row block
-  // between warps instead.
-  if (use_split(tiles * n_heads, head_dim, num_sms)) {
-    const int64_t split_tiles = (total_rows + kSplitBr - 1) / kSplitBr + n_segments;
-    return dispatch_split(head_dim, p, dim3(static_cast<unsigned>(split_tiles), n_heads), s);
+  // Too few 64-row blocks to fill the GPU twice over: split each segment's keys between warp
+  // groups as well, and for long segments share each K/V tile among 128 rows.
+  if (VisionHeadDims::contains(head_dim) && tiles * n_heads < 2 * static_cast<int64_t>(num_sms)) {
+    return dispatch_group(total_rows / n_segments >= 512, head_dim, p, total_rows, n_segments,
+                          n_heads, s);
   }
   dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
 }
