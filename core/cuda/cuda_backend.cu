@@ -409,11 +409,10 @@ class CudaBackend final : public Backend {
                                             head_dim, round_tables_to_compute_dtype, bf(k_cache),
                                             bf(v_cache), ci32(past_len), k_cache.rows(), stream()))
       return;
-    cuda::launch_qkv_norm_rope(bf(qkv), cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps, cos_f, sin_f,
-                               qkv.rows(), n_q_heads, n_kv_heads, head_dim,
-                               round_tables_to_compute_dtype, stream());
-    cuda::launch_kv_store(bf(k_cache), bf(v_cache), cbf(qkv), ci32(past_len), qkv.rows(),
-                          k_cache.rows(), n_q_heads, n_kv_heads, head_dim, stream());
+    // Shapes the fused kernel does not cover: the two ops.
+    Backend::qkv_norm_rope_kv_store(qkv, q_norm_w, k_norm_w, eps, cos, sin, n_q_heads, n_kv_heads,
+                                    head_dim, round_tables_to_compute_dtype, k_cache, v_cache,
+                                    past_len);
   }
 
  private:

@@ -207,6 +207,11 @@ struct CacheStore {
   uint16_t* v_cache = nullptr;
   const int32_t* past_len = nullptr;
   int64_t max_len = 0;
+  // Heads per token the fused kernel visits: with a store, the v heads too (copied, not
+  // rotated). Kernel and launcher both size the work from this.
+  __host__ __device__ int heads_per_token(int n_q_heads, int n_kv_heads) const {
+    return n_q_heads + n_kv_heads + (k_cache != nullptr ? n_kv_heads : 0);
+  }
 };
 
 // The same arithmetic as qkv_norm_rope_kernel with TPH threads per (token, head), each owning
@@ -221,8 +226,7 @@ __global__ void __launch_bounds__(kRopeVecThreads)
                              CacheStore store) {
   pdl_launch_dependents();
   pdl_wait();
-  // With a cache store, the v heads are items too (copied, not rotated).
-  const int heads = n_q_heads + n_kv_heads + (store.k_cache != nullptr ? n_kv_heads : 0);
+  const int heads = store.heads_per_token(n_q_heads, n_kv_heads);
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * kRopeVecThreads + threadIdx.x;
   const int64_t item = gid / TPH;
   // Whole groups of TPH lanes leave together, so the group's shuffles below stay well defined.
@@ -316,8 +320,7 @@ void launch_rope_vec(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_
                      const float* cos, const float* sin, int64_t tokens, int n_q_heads,
                      int n_kv_heads, int head_dim, bool round_tables, const CacheStore& store,
                      cudaStream_t s) {
-  const int heads = n_q_heads + n_kv_heads + (store.k_cache != nullptr ? n_kv_heads : 0);
-  const int64_t threads = tokens * heads * TPH;
+  const int64_t threads = tokens * store.heads_per_token(n_q_heads, n_kv_heads) * TPH;
   const unsigned grid = static_cast<unsigned>((threads + kRopeVecThreads - 1) / kRopeVecThreads);
   launch_programmatic(qkv_norm_rope_vec_kernel<TPH>, dim3(grid), dim3(kRopeVecThreads), 0, s, qkv,
                       q_norm_w, k_norm_w, eps, cos, sin, tokens, n_q_heads, n_kv_heads, head_dim,
