@@ -527,8 +527,9 @@ TEST_F(BackendOps, AttentionSegments) {
     std::vector<int32_t> lengths;
     int heads, hd;
   };
-  // Fewer 64-row blocks than two per SM of an H100 take the grouped kernel: 32 rows x 4 key
-  // groups (the first five), or 128 rows x 2 key groups where segments average 512 rows.
+  // Kernels as pick_segment_kernel chooses them on an H100 (132 SMs): the grouped kernel with 32
+  // rows x 4 key groups (the first five), with 128 rows x 2 key groups (the next four), the
+  // 64-row kernel for many short segments, and the wide kernel (the last three).
   const Case cases[] = {
       {{5, 0, 32, 63}, 2, 16},     // tiny vision, a zero-length segment
       {{64, 0, 200, 37}, 16, 64},  // a segment of exactly one tile
@@ -538,8 +539,9 @@ TEST_F(BackendOps, AttentionSegments) {
       {{784}, 16, 64},             // 128 rows x 2 key groups: 13 key tiles, 7 and 6 per group
       {{900, 20, 700}, 8, 80},     // 128-row blocks with idle row groups, hd 80
       {{600, 424}, 8, 72},         // 128-row blocks, hd 72
-      {{1024}, 16, 64},            // one long segment: the 64-row kernel
-      // Enough 128-row tiles for the wide kernel (two blocks per SM of an H100):
+      {{1024}, 16, 64},            // 128 rows x 2 key groups, 16 key tiles
+      {std::vector<int32_t>(20, 200), 16, 64},  // many short segments: the 64-row kernel
+      // The wide kernel:
       {{600, 600, 600}, 24, 64},     // vision-like segments
       {{700, 0, 900, 300}, 16, 80},  // hd 80 (odd k-step count), an empty segment
       {{520, 530}, 32, 72},          // hd 72 padded to 80
@@ -570,11 +572,12 @@ TEST_F(BackendOps, AttentionSegmentsZeroThePaddingSegment) {
     int heads, hd;
   };
   const Case cases[] = {
-      {{100, 37, 91}, 4, 64},           // grouped kernel, 32-row blocks
-      {{256, 130}, 16, 72},             // grouped kernel, 32-row blocks, hd 72
-      {{600, 600, 336}, 8, 64},         // grouped kernel, 128-row blocks
-      {{700, 324}, 16, 64},             // 64-row kernel
-      {{600, 600, 600, 300}, 24, 64},   // wide kernel
+      {{100, 37, 91}, 4, 64},    // grouped kernel, 32-row blocks
+      {{256, 130}, 16, 72},      // grouped kernel, 32-row blocks, hd 72
+      {{600, 600, 336}, 8, 64},  // grouped kernel, 128-row blocks
+      {{700, 324}, 16, 64},      // grouped kernel, 128-row blocks
+      {{200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 300}, 16, 64},  // 64-row kernel
+      {{600, 600, 600, 300}, 24, 64},                                     // wide kernel
       {{520, 530, 0, 0, 250}, 32, 72},  // wide kernel, empty segments before the padding
   };
   for (const Case& c : cases) {

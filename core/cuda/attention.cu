@@ -57,6 +57,15 @@ struct FlashParams {
   float scale_log2;  // softmax scale times log2(e): the kernel works with exp2
 };
 
+// 2^x as one MUFU.EX2. exp2f wraps it in a range test and two multiplies per call to keep
+// results below 2^-126 as denormals; weights that small vanish beside the row maximum's 1 anyway,
+// and the softmax loops are bound by instruction issue. -inf still gives 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                                uint32_t b1) {
   asm volatile(
@@ -248,12 +257,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBc / 8][4], float (&m_r
     // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
     // that no inf - inf appears.
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(m_run[r] - m_use);
+    const float alpha = exp2_ftz(m_run[r] - m_use);
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kBc / 8; ++nt) {
-      s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
-      s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+      s[nt][2 * r] = exp2_ftz(s[nt][2 * r] - m_use);
+      s[nt][2 * r + 1] = exp2_ftz(s[nt][2 * r + 1] - m_use);
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -603,7 +612,7 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
       const float m_k = ml[(k * S::kRows + row) * 2];
-      weight[k] = m_k == -INFINITY ? 0.f : exp2f(m_k - m_max);
+      weight[k] = m_k == -INFINITY ? 0.f : exp2_ftz(m_k - m_max);
       den += weight[k] * ml[(k * S::kRows + row) * 2 + 1];
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
@@ -620,9 +629,9 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
 // The vision encoders' head dims (Qwen2/2.5-VL 80, Qwen3-VL 64 and 72; 16 for tiny test models).
 using VisionHeadDims = HeadDimList<16, 64, 72, 80>;
 
-// The two layouts segments use below the wide kernel's range, measured on an H100 (head_dim 64
-// and 72): 128 rows x 2 key groups for a 784-patch image (25-29 us against 31-38 for 64-row
-// blocks and 44-55 for key groups of 16 rows), 32 rows x 4 key groups for a 256-patch one.
+// The two layouts vision segments use (pick_segment_kernel says where): 128 rows x 2 key groups,
+// 32 rows x 4 key groups. Key groups of 16 rows alone (the earlier key-split kernel) re-read a
+// 784-patch image's K/V once per 16 rows and took 44-55 us on an H100 where these take 26-29.
 template <int RG_, int KS_, int STAGES_>
 struct GroupLayout {
   static constexpr int RG = RG_, KS = KS_, STAGES = STAGES_;
@@ -646,12 +655,11 @@ void set_group_smem() {
       static_cast<int>(GroupShape<HD, L::RG, L::KS, L::STAGES>::kSmemBytes)));
 }
 
-void dispatch_group(bool long_segments, int head_dim, const FlashParams& p, int64_t rows,
-                    int n_segments, int n_heads, cudaStream_t s) {
+template <typename L>
+void dispatch_group(int head_dim, const FlashParams& p, int64_t rows, int n_segments, int n_heads,
+                    cudaStream_t s) {
   VisionHeadDims::with(head_dim, [&](auto hd) {
-    constexpr int HD = decltype(hd)::value;
-    if (long_segments) return launch_group<HD, Rows128Keys2>(p, rows, n_segments, n_heads, s);
-    launch_group<HD, Rows32Keys4>(p, rows, n_segments, n_heads, s);
+    launch_group<decltype(hd)::value, L>(p, rows, n_segments, n_heads, s);
   });
 }
 
@@ -856,12 +864,12 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
           // A row that has seen only masked keys keeps m = -inf; exponentiate against 0 then so
           // that no inf - inf appears.
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = exp2f(m_run[mt][r] - m_use);
+          const float alpha = exp2_ftz(m_run[mt][r] - m_use);
           float sum = 0.f;
 #pragma unroll
           for (int nt = 0; nt < kNt; ++nt) {
-            s[mt][nt][2 * r] = exp2f(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
-            s[mt][nt][2 * r + 1] = exp2f(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
+            s[mt][nt][2 * r] = exp2_ftz(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
+            s[mt][nt][2 * r + 1] = exp2_ftz(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
             sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
           }
           sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -960,11 +968,33 @@ void set_wide_smem() {
                                        static_cast<int>(WideShape<HD, BC>::kSmemBytes)));
 }
 
-// The wide kernel wins once its 128-row tiles fill every SM about twice; below that the 64-row
-// kernel's twice-as-many blocks keep more SMs busy. Segments average at least 256 rows too (a
-// segment's last tile is half empty on average, which the wide kernel pays twice as much for).
+// Causal prefill: the wide kernel wins once its 128-row tiles fill every SM about twice; below
+// that the 64-row kernel's twice-as-many blocks keep more SMs busy.
 bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int num_sms) {
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
+}
+
+enum class SegmentKernel { group_rows128, group_rows32, wide, rows64 };
+
+// Vision segments, from timings on an H100 (head_dim 64 and 72, 16 heads): long segments whose
+// 128-row tiles do not reach one per SM take the grouped kernel's 128 rows x 2 key groups (one
+// 784-, 1024- or padded 784-patch image: 26-29 us against 29-38 for the wide and 64-row
+// kernels); short ones with under two 64-row blocks per SM its 32 rows x 4 key groups (a
+// 256-patch image: 7.0 us against 9.3-10.4). Every other call with segments of 256 rows or more
+// takes the wide kernel, which from 1300 rows up ties or beats the 64-row one (2 x 784 patches:
+// 30 against 40 us, 1600: 53 against 74). Shorter segments leave its 128-row tiles half empty.
+SegmentKernel pick_segment_kernel(int64_t rows, int n_segments, int n_heads, int head_dim,
+                                  float scale, int num_sms) {
+  const int64_t rows_per_segment = rows / n_segments;
+  const int64_t blocks_128 = (rows + kWideBr - 1) / kWideBr * n_heads;
+  const int64_t blocks_64 = (rows + kBr - 1) / kBr * n_heads;
+  if (VisionHeadDims::contains(head_dim)) {
+    if (rows_per_segment >= 512 && blocks_128 <= num_sms) return SegmentKernel::group_rows128;
+    if (rows_per_segment < 512 && blocks_64 < 2 * static_cast<int64_t>(num_sms))
+      return SegmentKernel::group_rows32;
+  }
+  if (scale > 0.f && rows_per_segment >= 256) return SegmentKernel::wide;
+  return SegmentKernel::rows64;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1079,13 +1109,13 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(DecodePa
       const float m_new = fmaxf(m_old, mx);  // finite: every pass holds at least one key
       float sum = 0.f;
       for (int i = lane; i < kDecodeKeys; i += kWarpSize) {
-        const float e = exp2f(s_p[j][i] - m_new);
+        const float e = exp2_ftz(s_p[j][i] - m_new);
         s_p[j][i] = e;
         sum += e;
       }
       sum = warp_sum(sum);
       if (lane == 0) {
-        const float alpha = exp2f(m_old - m_new);
+        const float alpha = exp2_ftz(m_old - m_new);
         s_alpha[j] = alpha;
         s_l[j] = s_l[j] * alpha + sum;
         s_m[j] = m_new;
@@ -1178,7 +1208,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   decode_split(length, p.n_splits, used, chunk);
   const float m_s = tid < used ? m_raw : -INFINITY;
   const float m = block_max(m_s, scratch);  // finite: split 0 always holds keys
-  const float w = tid < used ? exp2f(m_s - m) : 0.f;
+  const float w = tid < used ? exp2_ftz(m_s - m) : 0.f;
   if (tid < used) s_w[tid] = w;
   const float den = block_sum(tid < used ? w * l_raw : 0.f, scratch);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1284,17 +1314,22 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   p.real_rows = real_rows;
   p.n_segments = n_segments;
   p.scale_log2 = scale * kLog2e;
-  const int64_t wide_tiles = (total_rows + kWideBr - 1) / kWideBr + n_segments;
-  if (use_wide(wide_tiles * n_heads, total_rows / n_segments, scale, num_sms))
-    return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(wide_tiles), n_heads), s);
-  const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
-  // Too few 64-row blocks to fill the GPU twice over: split each segment's keys between warp
-  // groups as well, and for long segments share each K/V tile among 128 rows.
-  if (VisionHeadDims::contains(head_dim) && tiles * n_heads < 2 * static_cast<int64_t>(num_sms)) {
-    return dispatch_group(total_rows / n_segments >= 512, head_dim, p, total_rows, n_segments,
-                          n_heads, s);
+  // Grids hold an upper bound on the blocks (rows / tile + n_segments, block_range's count);
+  // surplus blocks leave at once.
+  switch (pick_segment_kernel(total_rows, n_segments, n_heads, head_dim, scale, num_sms)) {
+    case SegmentKernel::group_rows128:
+      return dispatch_group<Rows128Keys2>(head_dim, p, total_rows, n_segments, n_heads, s);
+    case SegmentKernel::group_rows32:
+      return dispatch_group<Rows32Keys4>(head_dim, p, total_rows, n_segments, n_heads, s);
+    case SegmentKernel::wide: {
+      const int64_t tiles = (total_rows + kWideBr - 1) / kWideBr + n_segments;
+      return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
+    }
+    case SegmentKernel::rows64: {
+      const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
+      return dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
+    }
   }
-  dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
 }
 
 void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
