@@ -976,24 +976,21 @@ bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int nu
 
 enum class SegmentKernel { group_rows128, group_rows32, wide, rows64 };
 
-// Vision segments, from timings on an H100 (head_dim 64 and 72, 16 heads): long segments whose
-// 128-row tiles do not reach one per SM take the grouped kernel's 128 rows x 2 key groups (one
-// 784-, 1024- or padded 784-patch image: 26-29 us against 29-38 for the wide and 64-row
-// kernels); short ones with under two 64-row blocks per SM its 32 rows x 4 key groups (a
-// 256-patch image: 7.0 us against 9.3-10.4). Every other call with segments of 256 rows or more
-// takes the wide kernel, which from 1300 rows up ties or beats the 64-row one (2 x 784 patches:
-// 30 against 40 us, 1600: 53 against 74). Shorter segments leave its 128-row tiles half empty.
+// Vision segments, from timings on an H100 (head_dim 64 and 72, 16 heads). Calls whose 128-row
+// tiles do not reach one per SM take the grouped kernel: 128 rows x 2 key groups above 512 rows
+// (one 784- or 1024-patch image, or one padded to a 1024-row graph bucket: 26-29 us against
+// 29-38 for the wide and 64-row kernels), 32 rows x 4 key groups up to 512 (a 256-patch image:
+// 7.0 us against 9.3-10.4). The choice looks at the rows, not at rows per segment: a captured
+// graph's call passes the segment capacity (mostly empty segments), and it must choose as the
+// eager call on the same input does. Larger calls take the wide kernel where segments average
+// 256 rows or more (2 x 784 patches: 30 against 40 us, 1600: 53 against 74); shorter segments
+// would leave its 128-row tiles half empty.
 SegmentKernel pick_segment_kernel(int64_t rows, int n_segments, int n_heads, int head_dim,
                                   float scale, int num_sms) {
-  const int64_t rows_per_segment = rows / n_segments;
   const int64_t blocks_128 = (rows + kWideBr - 1) / kWideBr * n_heads;
-  const int64_t blocks_64 = (rows + kBr - 1) / kBr * n_heads;
-  if (VisionHeadDims::contains(head_dim)) {
-    if (rows_per_segment >= 512 && blocks_128 <= num_sms) return SegmentKernel::group_rows128;
-    if (rows_per_segment < 512 && blocks_64 < 2 * static_cast<int64_t>(num_sms))
-      return SegmentKernel::group_rows32;
-  }
-  if (scale > 0.f && rows_per_segment >= 256) return SegmentKernel::wide;
+  if (VisionHeadDims::contains(head_dim) && blocks_128 <= num_sms)
+    return rows > 512 ? SegmentKernel::group_rows128 : SegmentKernel::group_rows32;
+  if (scale > 0.f && rows / n_segments >= 256) return SegmentKernel::wide;
   return SegmentKernel::rows64;
 }
 
