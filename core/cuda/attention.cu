@@ -1,4 +1,4 @@
-// Attention kernels: a flash-attention style kernel on bf16 tensor cores (mma.sync m16n8k16,
+// Attention kernels: flash-attention style kernels on bf16 tensor cores (mma.sync m16n8k16,
 // f32 accumulation, online softmax in f32) for vision segments and causal prefill, and a split-K
 // flash-decoding pair for single-token causal steps. Every kernel reads past_len from device
 // memory, so one captured graph serves every decode step.
@@ -21,13 +21,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Flash attention (prefill / vision)
 // ----------------------------------------------------------------------------------------------
 
-// 64 query rows per block (16 per warp, the mma M), 64 keys per tile. With 4 warps and a
-// double-buffered K/V tile this keeps ~150 registers per thread at head_dim 128 and leaves
-// several blocks per SM for latency hiding.
-constexpr int kBr = 64;
+// Keys per K/V tile in shared memory. A warp holds 16 query rows (the mma M).
 constexpr int kBc = 64;
-constexpr int kFlashWarps = kBr / 16;
-constexpr int kFlashThreads = kFlashWarps * kWarpSize;
 
 template <int HD>
 struct FlashShape {
@@ -38,7 +33,6 @@ struct FlashShape {
   // a warp hit 32 distinct banks, and keep every row 16-byte aligned for cp.async.
   static constexpr int kLd = kPad + 8;
   static constexpr int kTileElems = kBc * kLd;
-  static constexpr size_t kSmemBytes = 2 /*stages*/ * 2 /*K,V*/ * kTileElems * sizeof(uint16_t);
 };
 
 struct FlashParams {
@@ -174,7 +168,7 @@ __device__ __forceinline__ bool zero_padding_rows(const FlashParams& p, int head
   return true;
 }
 
-// Per-warp pieces of the 16-row flash kernels (flash_attention_kernel, flash_group_kernel): a
+// Per-warp pieces of the 16-row flash kernel (flash_group_kernel): a
 // warp holds 16 query rows as mma A-fragments and runs them against one kBc-key K/V tile in
 // shared memory (row stride FlashShape<HD>::kLd) at a time.
 
@@ -326,96 +320,6 @@ __device__ __forceinline__ void store_rows(uint16_t* out_head, int64_t out_strid
   }
 }
 
-template <int HD, bool kCausal>
-__global__ void __launch_bounds__(kFlashThreads) flash_attention_kernel(FlashParams p) {
-  using S = FlashShape<HD>;
-  extern __shared__ __align__(16) uint16_t smem[];
-  // Launched as a programmatic dependent: nothing an earlier kernel writes is read before this.
-  pdl_launch_dependents();
-  pdl_wait();
-  uint16_t* k_tiles = smem;                      // [2][kBc][kLd]
-  uint16_t* v_tiles = smem + 2 * S::kTileElems;  // [2][kBc][kLd]
-
-  const int head = kCausal ? blockIdx.x : blockIdx.y;
-  const int kv_head = head / p.kv_group;
-  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates: row group, column pair
-
-  int64_t q0, q_end, kv_begin, kv_end;
-  int past = 0;
-  if (!block_range<kCausal, kBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if constexpr (!kCausal) {
-    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kBr, q_end), tid, kFlashThreads))
-      return;
-  }
-  const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
-
-  // Zero the K padding columns [HD, kPad) once; cp.async never writes them.
-  if constexpr (S::kPad != HD) {
-    constexpr int kPadCols = S::kPad - HD;
-    for (int i = tid; i < 2 * kBc * kPadCols; i += kFlashThreads) {
-      const int row = i / kPadCols, col = HD + i % kPadCols;
-      k_tiles[row * S::kLd + col] = 0;
-    }
-  }
-
-  const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * HD;
-  const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * HD;
-  auto load_tile = [&](int stage, int tile) {
-    copy_kv_tile<HD>(k_tiles + stage * S::kTileElems, v_tiles + stage * S::kTileElems, k_base,
-                     v_base, p.kv_stride, kv_begin + static_cast<int64_t>(tile) * kBc, kv_begin,
-                     kv_end, tid, kFlashThreads);
-    cp_async_commit();
-  };
-  if (n_tiles > 0) load_tile(0, 0);
-
-  // Q fragments straight from global memory into registers (read once per block).
-  const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-  uint32_t qf[S::kPad / 16][4];
-  load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, row_a, q_end, t4);
-
-  float o[HD / 8][4];
-#pragma unroll
-  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-
-  for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it & 1;
-    // The other stage was last read in iteration it-1, which ended with a barrier.
-    if (it + 1 < n_tiles) {
-      load_tile(stage ^ 1, it + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const uint16_t* ks = k_tiles + stage * S::kTileElems;
-    const uint16_t* vs = v_tiles + stage * S::kTileElems;
-
-    float s[kBc / 8][4];
-    tile_scores<HD>(s, qf, ks, lane);
-
-    // Scale into the log2 domain and mask keys past the segment end or the causal diagonal.
-    const int64_t key0 = kv_begin + static_cast<int64_t>(it) * kBc;
-#pragma unroll
-    for (int nt = 0; nt < kBc / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
-        bool ok = key < kv_end;
-        if constexpr (kCausal) ok = ok && key <= past + (e < 2 ? row_a : row_b);
-        s[nt][e] = ok ? s[nt][e] * p.scale_log2 : -INFINITY;
-      }
-    }
-
-    softmax_tile<HD>(s, m_run, l_run, o);
-    tile_pv<HD>(o, s, vs, lane);
-    __syncthreads();
-  }
-
-  store_rows<HD>(p.out + static_cast<int64_t>(head) * HD, p.out_stride, o, l_run, row_a, q_end, t4);
-}
-
 // The head dims the flash kernels are compiled for: one list for dispatch, shared-memory set-up
 // and the support query.
 template <int... HDs>
@@ -439,51 +343,43 @@ struct HeadDimList {
 };
 using FlashHeadDims = HeadDimList<16, 64, 72, 80, 128>;
 
-template <int HD, bool kCausal>
-void launch_flash(const FlashParams& p, dim3 grid, cudaStream_t s) {
-  launch_programmatic(flash_attention_kernel<HD, kCausal>, grid, dim3(kFlashThreads),
-                      FlashShape<HD>::kSmemBytes, s, p);
-  IRIS_CUDA_LAUNCH_CHECK();
-}
-
-template <bool kCausal>
-void dispatch_flash(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
-  FlashHeadDims::with(head_dim,
-                      [&](auto hd) { launch_flash<decltype(hd)::value, kCausal>(p, grid, s); });
-}
-
-template <int HD, bool kCausal>
-void set_flash_smem() {
-  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_attention_kernel<HD, kCausal>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(FlashShape<HD>::kSmemBytes)));
-}
-
 // ----------------------------------------------------------------------------------------------
-// Grouped flash attention (vision segments)
+// Grouped flash attention (vision segments, causal prefill below the wide kernel's range)
 // ----------------------------------------------------------------------------------------------
 
 // A block holds RG row groups of 16 query rows and KS key groups, one warp per (key group, row
-// group): warp (kg, rg) runs its 16 rows against key tiles kg, kg + KS, ... of the segment. The
-// RG warps of a key group share that group's K/V tiles (a STAGES-deep cp.async pipeline, synced
-// on a named barrier of the group alone), and the KS partial softmax states of each row are
-// merged through shared memory at the end. RG > 1 loads each K/V tile once for more rows (the
-// key-split-only layout re-read a 784-patch image's keys once per 16 rows and ran into the L2
-// bandwidth); KS > 1 splits the keys when the query tiles alone would leave SMs idle.
-template <int HD, int RG, int KS, int STAGES>
-struct GroupShape {
+// group): warp (kg, rg) runs its 16 rows against key tiles kg, kg + KS, ... of its keys. The RG
+// warps of a key group share that group's K/V tiles (a STAGES-deep cp.async pipeline), and the
+// KS partial softmax states of each row are merged through shared memory at the end. RG > 1
+// loads each K/V tile once for more rows (key groups of 16 rows alone, the earlier key-split
+// kernel, re-read a 784-patch image's K/V once per 16 rows and took 44-55 us on an H100 where
+// the layouts below take 26-29); KS > 1 splits the keys when the query tiles alone would leave
+// SMs idle.
+template <int RG_, int KS_, int STAGES_>
+struct GroupLayout {
+  static constexpr int RG = RG_, KS = KS_, STAGES = STAGES_;
   static constexpr int kWarps = RG * KS;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kRows = 16 * RG;
+};
+// 64 rows, every key tile in one group, double-buffered: ~150 registers per thread at head_dim
+// 128 and several blocks per SM. Causal prefill below the wide kernel, and vision calls of many
+// short segments.
+using Rows64 = GroupLayout<4, 1, 2>;
+// Vision calls too small to fill the GPU (pick_segment_kernel says which).
+using Rows128Keys2 = GroupLayout<8, 2, 2>;
+using Rows32Keys4 = GroupLayout<2, 4, 1>;
+
+template <int HD, typename L>
+struct GroupShape {
   static constexpr int kPad = FlashShape<HD>::kPad;
-  static constexpr int kLd = FlashShape<HD>::kLd;
-  static constexpr int kTileElems = kBc * kLd;
+  static constexpr int kTileElems = FlashShape<HD>::kTileElems;
   static constexpr size_t kTileBytes =
-      static_cast<size_t>(KS) * STAGES * 2 /*K,V*/ * kTileElems * sizeof(uint16_t);
+      static_cast<size_t>(L::KS) * L::STAGES * 2 /*K,V*/ * kTileElems * sizeof(uint16_t);
   // The merge reuses the tile memory for the f32 partials: o rows, then m and l.
-  static constexpr size_t kMergeBytes = KS > 1 ? static_cast<size_t>(KS) * kRows*(HD + 2) *
-                                                     sizeof(float)
-                                               : 0;
+  static constexpr size_t kMergeBytes = L::KS > 1 ? static_cast<size_t>(L::KS) * L::kRows*(HD + 2) *
+                                                        sizeof(float)
+                                                  : 0;
   static constexpr size_t kSmemBytes = kTileBytes > kMergeBytes ? kTileBytes : kMergeBytes;
 };
 
@@ -492,21 +388,27 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <int HD, int RG, int KS, int STAGES>
-__global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashParams p) {
-  using S = GroupShape<HD, RG, KS, STAGES>;
+template <int HD, typename L, bool kCausal>
+__global__ void __launch_bounds__(L::kThreads) flash_group_kernel(FlashParams p) {
+  static_assert(!kCausal || L::KS == 1, "a causal block runs all of its key tiles in one group");
+  using S = GroupShape<HD, L>;
+  constexpr int RG = L::RG, KS = L::KS, STAGES = L::STAGES;
   extern __shared__ __align__(16) uint16_t smem[];
+  // Launched as a programmatic dependent: nothing an earlier kernel writes is read before this.
   pdl_launch_dependents();
   pdl_wait();
-  const int head = blockIdx.y;
+  const int head = kCausal ? blockIdx.x : blockIdx.y;
+  const int kv_head = head / p.kv_group;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int kg = warp / RG, rg = warp % RG;
-  const int g = lane / 4, t4 = lane % 4;
+  const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates: row group, column pair
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!block_range<false, S::kRows>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + S::kRows, q_end), tid, S::kThreads))
-    return;
+  if (!block_range<kCausal, L::kRows>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if constexpr (!kCausal) {
+    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + L::kRows, q_end), tid, L::kThreads))
+      return;
+  }
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
   const int my_tiles = n_tiles > kg ? (n_tiles - kg + KS - 1) / KS : 0;
 
@@ -515,33 +417,37 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
   const int group_tid = rg * kWarpSize + lane;
   constexpr int kGroupThreads = RG * kWarpSize;
   auto group_sync = [&] {
-    if constexpr (RG == 1) {
+    if constexpr (KS == 1) {
+      __syncthreads();
+    } else if constexpr (RG == 1) {
       __syncwarp();
     } else {
       named_barrier(1 + kg, kGroupThreads);
     }
   };
+  // Zero the K padding columns [HD, kPad) once; cp.async never writes them.
   if constexpr (S::kPad != HD) {
     constexpr int kPadCols = S::kPad - HD;
     for (int i = group_tid; i < STAGES * kBc * kPadCols; i += kGroupThreads)
-      k_tiles[(i / kPadCols) * S::kLd + HD + i % kPadCols] = 0;
+      k_tiles[(i / kPadCols) * FlashShape<HD>::kLd + HD + i % kPadCols] = 0;
   }
 
-  const uint16_t* k_base = p.k + static_cast<int64_t>(head) * HD;
-  const uint16_t* v_base = p.v + static_cast<int64_t>(head) * HD;
-  // Tile j of this key group is the segment's tile kg + j * KS.
+  const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * HD;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * HD;
+  // Tile j of this key group is tile kg + j * KS of the block's keys.
+  auto tile_key0 = [&](int j) { return kv_begin + static_cast<int64_t>(kg + j * KS) * kBc; };
   auto load_tile = [&](int stage, int j) {
-    const int64_t key0 = kv_begin + static_cast<int64_t>(kg + j * KS) * kBc;
     copy_kv_tile<HD>(k_tiles + stage * S::kTileElems, v_tiles + stage * S::kTileElems, k_base,
-                     v_base, p.kv_stride, key0, kv_begin, kv_end, group_tid, kGroupThreads);
+                     v_base, p.kv_stride, tile_key0(j), kv_begin, kv_end, group_tid, kGroupThreads);
     cp_async_commit();
   };
   for (int j = 0; j < STAGES - 1 && j < my_tiles; ++j) load_tile(j, j);
 
-  const int64_t row_a = q0 + rg * 16 + g;
-  // A row group wholly past the segment end still loads its share of the tiles and meets the
+  // Q fragments straight from global memory into registers (read once per block).
+  const int64_t warp_row0 = q0 + rg * 16, row_a = warp_row0 + g, row_b = row_a + 8;
+  // A row group wholly past the last query still loads its share of the tiles and meets the
   // barriers, but computes nothing.
-  const bool rows_idle = q0 + rg * 16 >= q_end;
+  const bool rows_idle = warp_row0 >= q_end;
   uint32_t qf[S::kPad / 16][4];
   load_q_fragments<HD>(qf, p.q + static_cast<int64_t>(head) * HD, p.q_stride, row_a, q_end, t4);
   float o[HD / 8][4];
@@ -560,16 +466,21 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
     }
     group_sync();
     if (!rows_idle) {
-      const int64_t key0 = kv_begin + static_cast<int64_t>(kg + j * KS) * kBc;
+      const int64_t key0 = tile_key0(j);
       float s[kBc / 8][4];
       tile_scores<HD>(s, qf, k_tiles + stage * S::kTileElems, lane);
-      const bool partial = key0 + kBc > kv_end;
+      // Scale into the log2 domain; mask keys past the end or (causal) past a row's diagonal,
+      // where the tile reaches them. Query i sits at absolute position past + i.
+      bool need_mask = key0 + kBc > kv_end;
+      if constexpr (kCausal) need_mask = need_mask || key0 + (kBc - 1) > past + warp_row0;
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int64_t key = key0 + nt * 8 + 2 * t4 + (e & 1);
-          s[nt][e] = !partial || key < kv_end ? s[nt][e] * p.scale_log2 : -INFINITY;
+          bool ok = key < kv_end;
+          if constexpr (kCausal) ok = ok && key <= past + (e < 2 ? row_a : row_b);
+          s[nt][e] = !need_mask || ok ? s[nt][e] * p.scale_log2 : -INFINITY;
         }
       softmax_tile<HD>(s, m_run, l_run, o);
       tile_pv<HD>(o, s, v_tiles + stage * S::kTileElems, lane);
@@ -585,8 +496,8 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
     // has m = -inf, l = 0 and o = 0 and weighs nothing.
     __syncthreads();  // every warp is done with its tiles before the memory is reused
     float* part = reinterpret_cast<float*>(smem);  // [KS][kRows][HD]
-    float* ml = part + KS * S::kRows * HD;         // [KS][kRows][2]: m, l
-    const int row0 = kg * S::kRows + rg * 16;
+    float* ml = part + KS * L::kRows * HD;         // [KS][kRows][2]: m, l
+    const int row0 = kg * L::kRows + rg * 16;
     float* mine = part + row0 * HD;
 #pragma unroll
     for (int d = 0; d < HD / 8; ++d) {
@@ -601,26 +512,26 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
       ml[(row0 + g + 8) * 2] = m_run[1], ml[(row0 + g + 8) * 2 + 1] = l_run[1];
     }
     __syncthreads();
-    constexpr int kThreadsPerRow = S::kThreads / S::kRows;
+    constexpr int kThreadsPerRow = L::kThreads / L::kRows;
     const int row = tid / kThreadsPerRow;
     const int64_t out_row = q0 + row;
     if (out_row >= q_end) return;
     float m_max = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < KS; ++k) m_max = fmaxf(m_max, ml[(k * S::kRows + row) * 2]);
+    for (int k = 0; k < KS; ++k) m_max = fmaxf(m_max, ml[(k * L::kRows + row) * 2]);
     float weight[KS], den = 0.f;
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
-      const float m_k = ml[(k * S::kRows + row) * 2];
+      const float m_k = ml[(k * L::kRows + row) * 2];
       weight[k] = m_k == -INFINITY ? 0.f : exp2_ftz(m_k - m_max);
-      den += weight[k] * ml[(k * S::kRows + row) * 2 + 1];
+      den += weight[k] * ml[(k * L::kRows + row) * 2 + 1];
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
     uint16_t* out_row_ptr = out_head + out_row * p.out_stride;
     for (int c = tid % kThreadsPerRow; c < HD; c += kThreadsPerRow) {
       float acc = 0.f;
 #pragma unroll
-      for (int k = 0; k < KS; ++k) acc += weight[k] * part[(k * S::kRows + row) * HD + c];
+      for (int k = 0; k < KS; ++k) acc += weight[k] * part[(k * L::kRows + row) * HD + c];
       out_row_ptr[c] = float_to_bf16(acc * inv);
     }
   }
@@ -629,38 +540,31 @@ __global__ void __launch_bounds__(RG* KS* kWarpSize) flash_group_kernel(FlashPar
 // The vision encoders' head dims (Qwen2/2.5-VL 80, Qwen3-VL 64 and 72; 16 for tiny test models).
 using VisionHeadDims = HeadDimList<16, 64, 72, 80>;
 
-// The two layouts vision segments use (pick_segment_kernel says where): 128 rows x 2 key groups,
-// 32 rows x 4 key groups. Key groups of 16 rows alone (the earlier key-split kernel) re-read a
-// 784-patch image's K/V once per 16 rows and took 44-55 us on an H100 where these take 26-29.
-template <int RG_, int KS_, int STAGES_>
-struct GroupLayout {
-  static constexpr int RG = RG_, KS = KS_, STAGES = STAGES_;
-};
-using Rows128Keys2 = GroupLayout<8, 2, 2>;
-using Rows32Keys4 = GroupLayout<2, 4, 1>;
-
-template <int HD, typename L>
-void launch_group(const FlashParams& p, int64_t rows, int n_segments, int n_heads, cudaStream_t s) {
-  using S = GroupShape<HD, L::RG, L::KS, L::STAGES>;
-  const dim3 grid(static_cast<unsigned>((rows + S::kRows - 1) / S::kRows + n_segments), n_heads);
-  launch_programmatic(flash_group_kernel<HD, L::RG, L::KS, L::STAGES>, grid, dim3(S::kThreads),
-                      S::kSmemBytes, s, p);
+template <int HD, typename L, bool kCausal>
+void launch_group(const FlashParams& p, dim3 grid, cudaStream_t s) {
+  launch_programmatic(flash_group_kernel<HD, L, kCausal>, grid, dim3(L::kThreads),
+                      GroupShape<HD, L>::kSmemBytes, s, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
-template <int HD, typename L>
+template <int HD, typename L, bool kCausal>
 void set_group_smem() {
-  IRIS_CUDA_CHECK(cudaFuncSetAttribute(
-      flash_group_kernel<HD, L::RG, L::KS, L::STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(GroupShape<HD, L::RG, L::KS, L::STAGES>::kSmemBytes)));
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_group_kernel<HD, L, kCausal>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(GroupShape<HD, L>::kSmemBytes)));
 }
 
-template <typename L>
-void dispatch_group(int head_dim, const FlashParams& p, int64_t rows, int n_segments, int n_heads,
-                    cudaStream_t s) {
-  VisionHeadDims::with(head_dim, [&](auto hd) {
-    launch_group<decltype(hd)::value, L>(p, rows, n_segments, n_heads, s);
-  });
+// launch_group for the head dim among Dims.
+template <typename Dims, typename L, bool kCausal>
+void dispatch_group(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t s) {
+  Dims::with(head_dim, [&](auto hd) { launch_group<decltype(hd)::value, L, kCausal>(p, grid, s); });
+}
+
+// Segments mode: an upper bound on the query tiles of all segments (block_range's count; surplus
+// blocks leave at once), by heads.
+dim3 segment_grid(int64_t rows, int rows_per_block, int n_segments, int n_heads) {
+  return dim3(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block + n_segments),
+              n_heads);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -669,11 +573,11 @@ void dispatch_group(int head_dim, const FlashParams& p, int64_t rows, int n_segm
 
 // 128 query rows per block, 32 per warp: each warp runs two m16 row tiles against every K and V
 // fragment it loads, so a K/V tile in shared memory feeds twice the MMAs per ldmatrix of the
-// 64-row kernel, and the two independent accumulator chains hide the MMA latency. Q is staged in
-// shared memory (fragments of 32 rows would not fit in registers beside the 32 x head_dim f32
-// output). Only tiles that cross the causal diagonal or the segment end pay for masking; a warp
-// skips tiles that lie wholly past its rows' diagonal and query rows past the segment end.
-// Used where there are enough 128-row tiles to fill the GPU twice over.
+// grouped kernel's 16-row warps, and the two independent accumulator chains hide the MMA latency. Q
+// is staged in shared memory (fragments of 32 rows would not fit in registers beside the 32 x
+// head_dim f32 output). Only tiles that cross the causal diagonal or the segment end pay for
+// masking; a warp skips tiles that lie wholly past its rows' diagonal and query rows past the
+// segment end. Used where there are enough 128-row tiles to fill the GPU twice over.
 constexpr int kWideBr = 128;
 constexpr int kWideRows = 32;  // per warp
 constexpr int kWideWarps = kWideBr / kWideRows;
@@ -884,7 +788,7 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
         }
       }
 
-      // O += P V, V's B fragments from a transposing ldmatrix (as in the 64-row kernel), each
+      // O += P V, V's B fragments from a transposing ldmatrix (as in the grouped kernel), each
       // used by both m-tiles.
 #pragma unroll
       for (int kk = 0; kk < BC / 16; ++kk) {
@@ -969,7 +873,7 @@ void set_wide_smem() {
 }
 
 // Causal prefill: the wide kernel wins once its 128-row tiles fill every SM about twice; below
-// that the 64-row kernel's twice-as-many blocks keep more SMs busy.
+// that the grouped kernel's 64-row blocks (twice as many) keep more SMs busy.
 bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int num_sms) {
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
 }
@@ -1278,14 +1182,14 @@ __global__ void kv_store_kernel(uint16_t* k_cache, uint16_t* v_cache, const uint
 void attention_init() {
   FlashHeadDims::each([](auto hd) {
     constexpr int HD = decltype(hd)::value;
-    set_flash_smem<HD, false>();
-    set_flash_smem<HD, true>();
+    set_group_smem<HD, Rows64, false>();
+    set_group_smem<HD, Rows64, true>();
     set_wide_smem<HD, false>();
     set_wide_smem<HD, true>();
   });
   VisionHeadDims::each([](auto hd) {
-    set_group_smem<decltype(hd)::value, Rows128Keys2>();
-    set_group_smem<decltype(hd)::value, Rows32Keys4>();
+    set_group_smem<decltype(hd)::value, Rows128Keys2, false>();
+    set_group_smem<decltype(hd)::value, Rows32Keys4, false>();
   });
 }
 
@@ -1311,21 +1215,19 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
   p.real_rows = real_rows;
   p.n_segments = n_segments;
   p.scale_log2 = scale * kLog2e;
-  // Grids hold an upper bound on the blocks (rows / tile + n_segments, block_range's count);
-  // surplus blocks leave at once.
   switch (pick_segment_kernel(total_rows, n_segments, n_heads, head_dim, scale, num_sms)) {
     case SegmentKernel::group_rows128:
-      return dispatch_group<Rows128Keys2>(head_dim, p, total_rows, n_segments, n_heads, s);
+      return dispatch_group<VisionHeadDims, Rows128Keys2, false>(
+          head_dim, p, segment_grid(total_rows, Rows128Keys2::kRows, n_segments, n_heads), s);
     case SegmentKernel::group_rows32:
-      return dispatch_group<Rows32Keys4>(head_dim, p, total_rows, n_segments, n_heads, s);
-    case SegmentKernel::wide: {
-      const int64_t tiles = (total_rows + kWideBr - 1) / kWideBr + n_segments;
-      return dispatch_wide<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
-    }
-    case SegmentKernel::rows64: {
-      const int64_t tiles = (total_rows + kBr - 1) / kBr + n_segments;
-      return dispatch_flash<false>(head_dim, p, dim3(static_cast<unsigned>(tiles), n_heads), s);
-    }
+      return dispatch_group<VisionHeadDims, Rows32Keys4, false>(
+          head_dim, p, segment_grid(total_rows, Rows32Keys4::kRows, n_segments, n_heads), s);
+    case SegmentKernel::wide:
+      return dispatch_wide<false>(head_dim, p,
+                                  segment_grid(total_rows, kWideBr, n_segments, n_heads), s);
+    case SegmentKernel::rows64:
+      return dispatch_group<FlashHeadDims, Rows64, false>(
+          head_dim, p, segment_grid(total_rows, Rows64::kRows, n_segments, n_heads), s);
   }
 }
 
@@ -1402,8 +1304,9 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   const int64_t wide_tiles = (tokens + kWideBr - 1) / kWideBr;
   if (use_wide(wide_tiles * n_q_heads, tokens, scale, num_sms))
     return dispatch_wide<true>(head_dim, p, dim3(n_q_heads, static_cast<unsigned>(wide_tiles)), s);
-  const int64_t q_tiles = (tokens + kBr - 1) / kBr;
-  dispatch_flash<true>(head_dim, p, dim3(n_q_heads, static_cast<unsigned>(q_tiles)), s);
+  const int64_t q_tiles = (tokens + Rows64::kRows - 1) / Rows64::kRows;
+  dispatch_group<FlashHeadDims, Rows64, true>(head_dim, p,
+                                              dim3(n_q_heads, static_cast<unsigned>(q_tiles)), s);
 }
 
 }  // namespace iris::cuda

@@ -359,9 +359,12 @@ void launch_rms_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t 
 
 namespace {
 
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 bool rope_vec_suits(const uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                     const float* cos, const float* sin, int head_dim) {
-  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
   return head_dim % 8 == 0 && aligned(qkv, 8) && aligned(cos, 16) && aligned(sin, 16) &&
          (q_norm_w == nullptr || aligned(q_norm_w, 8)) &&
          (k_norm_w == nullptr || aligned(k_norm_w, 8));
@@ -392,9 +395,8 @@ bool launch_qkv_norm_rope_kv_store(uint16_t* qkv, const uint16_t* q_norm_w,
                                    uint16_t* v_cache, const int32_t* past_len, int64_t max_len,
                                    cudaStream_t s) {
   if (tokens == 0) return true;
-  auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
-  if (!rope_vec_suits(qkv, q_norm_w, k_norm_w, cos, sin, head_dim) || !aligned8(k_cache) ||
-      !aligned8(v_cache))
+  if (!rope_vec_suits(qkv, q_norm_w, k_norm_w, cos, sin, head_dim) || !aligned(k_cache, 8) ||
+      !aligned(v_cache, 8))
     return false;
   CacheStore store;
   store.k_cache = k_cache;
