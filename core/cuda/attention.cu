@@ -132,9 +132,11 @@ __device__ __forceinline__ bool block_range(const FlashParams& p, int64_t& q0, i
     kv_end = min(past + min(q0 + BR, q_end), p.max_len);
     return true;
   } else {
-    // Blocks are numbered over the query tiles of all segments in order; the grid holds an
-    // upper bound (total/BR + n_segments) and surplus blocks leave at once.
-    int64_t b = blockIdx.x;
+    // Query tiles are numbered over all segments in order; the grid holds an upper bound
+    // (total/BR + n_segments) and surplus blocks leave at once. They come last in dispatch
+    // order (tiles are y, heads x), so a graph's call with a segment capacity of mostly empty
+    // segments does not interleave them with the real blocks of every head.
+    int64_t b = blockIdx.y;
     int seg = -1;
     for (int s = 0; s < p.n_segments; ++s) {
       const int64_t len = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
@@ -397,7 +399,7 @@ __global__ void __launch_bounds__(L::kThreads) flash_group_kernel(FlashParams p)
   // Launched as a programmatic dependent: nothing an earlier kernel writes is read before this.
   pdl_launch_dependents();
   pdl_wait();
-  const int head = kCausal ? blockIdx.x : blockIdx.y;
+  const int head = blockIdx.x;
   const int kv_head = head / p.kv_group;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int kg = warp / RG, rg = warp % RG;
@@ -560,11 +562,11 @@ void dispatch_group(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t 
   Dims::with(head_dim, [&](auto hd) { launch_group<decltype(hd)::value, L, kCausal>(p, grid, s); });
 }
 
-// Segments mode: an upper bound on the query tiles of all segments (block_range's count; surplus
-// blocks leave at once), by heads.
+// Segments mode: heads by an upper bound on the query tiles of all segments (block_range's
+// count; surplus blocks leave at once).
 dim3 segment_grid(int64_t rows, int rows_per_block, int n_segments, int n_heads) {
-  return dim3(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block + n_segments),
-              n_heads);
+  return dim3(n_heads,
+              static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block + n_segments));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -603,7 +605,7 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
   pdl_launch_dependents();
   pdl_wait();
 
-  const int head = kCausal ? blockIdx.x : blockIdx.y;
+  const int head = blockIdx.x;
   const int kv_head = head / p.kv_group;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t4 = lane % 4;
