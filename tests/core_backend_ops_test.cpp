@@ -724,8 +724,10 @@ TEST_F(BackendOps, AttentionCausal) {
       Tensor past = s.make_i32({1}, {static_cast<int32_t>(c.past)});
       Tensor out = s.make(Kind::act, {c.t, int64_t{c.nq} * c.hd}, rng.normal(c.t * c.nq * c.hd));
       s.be().kv_store(kc, vc, qkv, past, c.nq, c.nkv, c.hd);
-      s.be().attention_causal(out, qkv, kc, vc, past, c.nq, c.nkv, c.hd,
-                              1.f / std::sqrt(float(c.hd)));
+      // Twice: a decode call must leave its split-merge state (CUDA tickets) ready for the next.
+      for (int rep = 0; rep < 2; ++rep)
+        s.be().attention_causal(out, qkv, kc, vc, past, c.nq, c.nkv, c.hd,
+                                1.f / std::sqrt(float(c.hd)));
       return std::vector<Tensor>{out};
     });
   }

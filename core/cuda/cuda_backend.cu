@@ -133,7 +133,11 @@ class CudaBackend final : public Backend {
     scratch_.partial_sum = scratch_.partial_max + rows;
     scratch_.partial_out = scratch_.partial_sum + rows;
     scratch_.capacity_rows = rows;
-    scratch_.capacity_floats = static_cast<int64_t>(kDecodeScratchBytes / sizeof(float)) - 2 * rows;
+    scratch_.capacity_floats = rows * 128;
+    scratch_.tickets = reinterpret_cast<unsigned*>(scratch_.partial_out + scratch_.capacity_floats);
+    scratch_.capacity_tickets = kDecodeTickets;
+    IRIS_CUDA_CHECK(
+        cudaMemsetAsync(scratch_.tickets, 0, kDecodeTickets * sizeof(unsigned), stream_->get()));
     cuda::attention_init();
     cuda::gemv_init();
     cuda::set_programmatic_launch(prop.major >= 9);
@@ -563,10 +567,13 @@ class CudaBackend final : public Backend {
   // Trial outputs of accumulating GEMMs while their algorithms are timed (gemm.h): covers the
   // residual projections of a 4096-token prefill chunk and of an 8-image vision call.
   static constexpr size_t kGemmTuneScratchBytes = size_t{16} << 20;
-  // 64 query heads x 128 splits of head_dim 128 partials, plus their maxima and sums.
+  // 64 query heads x 128 splits of head_dim 128 partials, plus their maxima and sums, and the
+  // decode kernel's per-kv-head tickets.
   static constexpr int64_t kDecodeScratchRows = 64 * 128;
+  static constexpr int kDecodeTickets = 64;
   static constexpr size_t kDecodeScratchBytes =
-      (2 * kDecodeScratchRows + kDecodeScratchRows * 128) * sizeof(float);
+      (2 * kDecodeScratchRows + kDecodeScratchRows * 128) * sizeof(float) +
+      kDecodeTickets * sizeof(unsigned);
   // Rows that argmax_rows spreads over many blocks at once; more fall back to a block per row.
   static constexpr int64_t kArgmaxScratchRows = 4096;
 

@@ -88,13 +88,16 @@ void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
                      const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
                      int n_kv_heads, int head_dim, cudaStream_t s);
 
-// Split-K decode scratch: per (query head, split) partial outputs, maxima and sums, f32.
+// Split-K decode scratch: per (query head, split) partial outputs, maxima and sums, f32, and
+// one ticket counter per kv head, which must be zero before the first decode step.
 struct DecodeScratch {
   float* partial_out = nullptr;  // [n_q_heads * max_splits * head_dim]
   float* partial_max = nullptr;  // [n_q_heads * max_splits]
   float* partial_sum = nullptr;  // [n_q_heads * max_splits]
+  unsigned* tickets = nullptr;   // [capacity_tickets]
   int64_t capacity_floats = 0;   // size of partial_out
   int64_t capacity_rows = 0;     // size of partial_max and partial_sum
+  int capacity_tickets = 0;      // kv heads the decode kernel serves
 };
 // Causal GQA attention of `tokens` new queries against the caches; past_len lives on the device.
 // A single token with a supported shape takes the split-K decode kernels.
