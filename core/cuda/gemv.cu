@@ -57,8 +57,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   __shared__ float red[MAXM][kGemvWarps];
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int64_t K = p.k;
-  // The next GEMV of a decode step may launch now and queue its weight loads behind ours.
-  pdl_launch_dependents();
 
   // This warp's two weight rows: consecutive rows, or gate row j and up row I + j.
   int64_t rows[kRowsPerWarp];
@@ -180,7 +178,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r] = warp_sum(acc[m][r]);
 
-      // Every lane now holds every sum; lane m writes row m's outputs.
+  // The next kernel of the decode step may launch now and queue its weight loads behind our
+  // stores. Triggered at the start instead, its blocks took SM slots that this GEMV's own later
+  // blocks needed: on an H100, 28 back-to-back o_proj GEMVs (2048 x 2048) took 6.3 us each that
+  // way and 5.5 this way, a decoder layer's four GEMVs 48.5 us against 46.9.
+  pdl_launch_dependents();
+  // Every lane now holds every sum; lane m writes row m's outputs.
 #pragma unroll
   for (int m = 0; m < MAXM; ++m) {
     if (m >= p.m || lane != m) continue;
