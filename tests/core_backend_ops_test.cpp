@@ -708,6 +708,9 @@ TEST_F(BackendOps, AttentionCausal) {
       {64, 8, 128, 1024, 700, 1},     // group 8
       {8, 8, 128, 512, 100, 1},       // no GQA
       {8, 4, 64, 512, 300, 1},        // decode hd 64
+      {8, 4, 64, 512, 63, 1},         // decode: one split (its block writes the output)
+      {8, 4, 64, 512, 64, 1},         // decode: the first length with two splits
+      {72, 72, 16, 256, 100, 1},      // more kv heads than decode tickets: the flash kernel
       {4, 2, 72, 128, 50, 1},         // single token through the prefill kernel (hd 72)
       {16, 8, 128, 512, 0, 200},      // several query tiles
       {64, 8, 128, 1024, 0, 700},     // wide kernel: long prefill
