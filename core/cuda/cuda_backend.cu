@@ -133,8 +133,8 @@ class CudaBackend final : public Backend {
     scratch_.partial_sum = scratch_.partial_max + rows;
     scratch_.partial_out = scratch_.partial_sum + rows;
     scratch_.capacity_rows = rows;
-    scratch_.capacity_floats = rows * 128;
-    scratch_.tickets = reinterpret_cast<unsigned*>(scratch_.partial_out + scratch_.capacity_floats);
+    scratch_.capacity_floats = kDecodeScratchFloats;
+    scratch_.tickets = reinterpret_cast<unsigned*>(scratch_.partial_out + kDecodeScratchFloats);
     scratch_.capacity_tickets = kDecodeTickets;
     IRIS_CUDA_CHECK(
         cudaMemsetAsync(scratch_.tickets, 0, kDecodeTickets * sizeof(unsigned), stream_->get()));
@@ -570,9 +570,10 @@ class CudaBackend final : public Backend {
   // 64 query heads x 128 splits of head_dim 128 partials, plus their maxima and sums, and the
   // decode kernel's per-kv-head tickets.
   static constexpr int64_t kDecodeScratchRows = 64 * 128;
+  static constexpr int64_t kDecodeScratchFloats = kDecodeScratchRows * 128;
   static constexpr int kDecodeTickets = 64;
   static constexpr size_t kDecodeScratchBytes =
-      (2 * kDecodeScratchRows + kDecodeScratchRows * 128) * sizeof(float) +
+      (2 * kDecodeScratchRows + kDecodeScratchFloats) * sizeof(float) +
       kDecodeTickets * sizeof(unsigned);
   // Rows that argmax_rows spreads over many blocks at once; more fall back to a block per row.
   static constexpr int64_t kArgmaxScratchRows = 4096;
