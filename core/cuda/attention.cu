@@ -843,19 +843,22 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
   }
 }
 
-// Key tile of the wide kernel: 64 keys (fewer barriers, rescales and softmax rounds per key), but
-// 32 at head_dim 72 and 80, where 64-key score tiles spill tens of bytes per thread (ptxas,
-// sm_90). At head_dim 128 the 64-key tile spills ~140 bytes and still ran 10% faster than 32
-// keys on an H100 (causal, 4096 tokens). Vision takes larger tiles despite spilling: 128 keys at
-// head_dim 64 (~90 bytes; one 7056-patch image's attention 851 -> 705-715 us on an H100, 3136
-// patches 193 -> 180-183, 8 x 784 112 -> 110) and 64 at head_dim 72 (7056 patches 1235 -> 937
-// us, 3136 282 -> 225, 8 x 784 154 -> 126-129; 128 keys were slower again). Head_dim 80 is
-// unmeasured and keeps 32.
+// Key tile of the wide kernel, from H100 timings; larger tiles mean fewer barriers, rescales and
+// softmax rounds per key, at the price of spills where the score tile outgrows the registers
+// (ptxas, sm_90):
+// - 64 keys by default. At head_dim 128 this spills ~140 bytes and still ran 10% faster than 32
+//   keys (causal, 4096 tokens).
+// - Vision at head_dim 64: 128 keys (~90 bytes of spills). One 7056-patch image's attention
+//   851 -> 705-715 us, 3136 patches 193 -> 180-183, 8 x 784 112 -> 110.
+// - Vision at head_dim 72: 64 keys. 7056 patches 1235 -> 937 us (against 32 keys), 3136
+//   282 -> 225, 8 x 784 154 -> 126-129; 128 keys were slower again.
+// - 32 keys for causal head_dim 72 and for head_dim 80 (unmeasured with more), where 64-key tiles
+//   spill tens of bytes.
 template <int HD, bool kCausal>
 constexpr int wide_bc() {
-  if (HD == 64 && !kCausal) return 128;
-  if (HD == 72 && !kCausal) return 64;
-  return HD == 72 || HD == 80 ? 32 : 64;
+  if (!kCausal && HD == 64) return 128;
+  if (HD == 80 || (kCausal && HD == 72)) return 32;
+  return 64;
 }
 
 template <int HD, bool kCausal>

@@ -11,6 +11,7 @@
 #include <cuda_profiler_api.h>
 
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/device_utils.cuh"
 #include "core/cuda/gemm.h"
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
@@ -101,10 +102,6 @@ const uint16_t* cbf_opt(const Tensor& t) {
 }
 const int32_t* ci32(const Tensor& t) {
   return static_cast<const int32_t*>(t.data);
-}
-
-bool aligned(const void* p, size_t a) {
-  return reinterpret_cast<uintptr_t>(p) % a == 0;
 }
 
 class CudaBackend final : public Backend {
@@ -327,8 +324,9 @@ class CudaBackend final : public Backend {
     }
     const int64_t m = x.rows(), k = x.cols(), n = w.shape[0];
     // One kernel for a decode step: every block normalises the few x rows while staging them.
-    if (m > 0 && n > 0 && cuda::gemv_supported(m, n, k, x.data, w.data) && aligned(xn.data, 16) &&
-        aligned(norm_w.data, 16) && (!act.defined() || n % 2 == 0)) {
+    if (m > 0 && n > 0 && cuda::gemv_supported(m, n, k, x.data, w.data) &&
+        cuda::aligned16(xn.data) && cuda::aligned16(norm_w.data) &&
+        (!act.defined() || n % 2 == 0)) {
       cuda::launch_gemv_rms_norm(bf(y), bf(xn), act.defined() ? bf(act) : nullptr, cbf(x),
                                  cbf(norm_w), eps, cbf(w), m, n, k, stream());
       return;
@@ -634,7 +632,7 @@ class CudaBackend final : public Backend {
                " has no CUDA kernel (supported: 16, 64, 72, 80, 128)");
   }
   static void check_aligned(const Tensor& t, size_t bytes, const char* op, const char* what) {
-    IRIS_CHECK(aligned(t.data, bytes), op, ": ", what, " must be ", bytes,
+    IRIS_CHECK(cuda::aligned(t.data, bytes), op, ": ", what, " must be ", bytes,
                "-byte aligned (arena tensors and their row slices are)");
   }
   static void check_causal_shapes(const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,

@@ -1,8 +1,10 @@
-// Device-side helpers shared by the kernels: bf16 packing, 16-byte vector access, reductions.
+// Device-side helpers shared by the kernels: bf16 packing, 16-byte vector access, reductions,
+// programmatic-launch hooks, and the pointer alignment tests their launchers make.
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace iris::cuda {
@@ -117,8 +119,11 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+inline bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 inline bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+  return aligned(p, 16);
 }
 
 }  // namespace iris::cuda

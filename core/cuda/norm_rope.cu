@@ -359,10 +359,6 @@ void launch_rms_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t 
 
 namespace {
 
-bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 bool rope_vec_suits(const uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
                     const float* cos, const float* sin, int head_dim) {
   return head_dim % 8 == 0 && aligned(qkv, 8) && aligned(cos, 16) && aligned(sin, 16) &&
