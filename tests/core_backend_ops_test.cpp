@@ -529,7 +529,9 @@ TEST_F(BackendOps, AttentionSegments) {
   };
   // Kernels as pick_segment_kernel chooses them on an H100 (132 SMs): the grouped kernel with 32
   // rows x 4 key groups (the first five), with 128 rows x 2 key groups (the next four), the
-  // 64-row kernel for many short segments, and the wide kernel (the last three).
+  // 64-row kernel for many short segments, and the wide kernel (the last three) -- except that
+  // an sm_90a build runs every head_dim-64 case on the wgmma kernel, whose 128-key tiles and
+  // two alternating probability sets the last case works through (1, 2, 3 and 6 tiles).
   const Case cases[] = {
       {{5, 0, 32, 63}, 2, 16},     // tiny vision, a zero-length segment
       {{64, 0, 200, 37}, 16, 64},  // a segment of exactly one tile
@@ -542,9 +544,10 @@ TEST_F(BackendOps, AttentionSegments) {
       {{1024}, 16, 64},            // 128 rows x 2 key groups, 16 key tiles
       {std::vector<int32_t>(20, 200), 16, 64},  // many short segments: the 64-row kernel
       // The wide kernel:
-      {{600, 600, 600}, 24, 64},     // vision-like segments
-      {{700, 0, 900, 300}, 16, 80},  // hd 80 (odd k-step count), an empty segment
-      {{520, 530}, 32, 72},          // hd 72 padded to 80
+      {{600, 600, 600}, 24, 64},        // vision-like segments
+      {{700, 0, 900, 300}, 16, 80},     // hd 80 (odd k-step count), an empty segment
+      {{520, 530}, 32, 72},             // hd 72 padded to 80
+      {{129, 1, 383, 0, 700}, 16, 64},  // segment ends inside 128-key tiles
   };
   for (const Case& c : cases) {
     std::vector<int32_t> cu = {0};
@@ -579,6 +582,7 @@ TEST_F(BackendOps, AttentionSegmentsZeroThePaddingSegment) {
       {{200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 300}, 16, 64},  // 64-row kernel
       {{600, 600, 600, 300}, 24, 64},                                     // wide kernel
       {{520, 530, 0, 0, 250}, 32, 72},  // wide kernel, empty segments before the padding
+      {{1000, 24}, 16, 64},             // a 1024-row bucket (wgmma kernel on sm_90a)
   };
   for (const Case& c : cases) {
     std::vector<int32_t> cu = {0};

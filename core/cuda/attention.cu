@@ -1,7 +1,8 @@
-// Attention kernels: flash-attention style kernels on bf16 tensor cores (mma.sync m16n8k16,
-// f32 accumulation, online softmax in f32) for vision segments and causal prefill, and a split-K
-// flash-decoding kernel for single-token causal steps. Every kernel reads past_len from device
-// memory, so one captured graph serves every decode step.
+// Attention kernels: flash-attention style kernels on bf16 tensor cores (mma.sync m16n8k16, and
+// Hopper's warpgroup MMA for head_dim-64 vision segments; f32 accumulation, online softmax in
+// f32) for vision segments and causal prefill, and a split-K flash-decoding kernel for
+// single-token causal steps. Every kernel reads past_len from device memory, so one captured
+// graph serves every decode step.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -883,13 +884,302 @@ void set_wide_smem() {
                                        static_cast<int>(WideShape<HD, BC>::kSmemBytes)));
 }
 
+// ----------------------------------------------------------------------------------------------
+// Hopper flash attention (wgmma), head_dim 64, vision segments
+// ----------------------------------------------------------------------------------------------
+
+// One warpgroup per block runs 64 query rows against 128-key tiles with warpgroup MMAs: S = Q K^T
+// with Q and K from shared memory, O += P V with P from registers. The scores of tile j are
+// issued together with the PV product of tile j - 1, and the softmax of tile j runs while that
+// product is on the tensor cores (FlashAttention-3's intra-warpgroup overlap). Tiles are 128-byte
+// rows in the 128-byte swizzle that wgmma reads, filled by cp.async; three stages, because tile
+// j's K and tile j - 1's V are read together. Two blocks per SM. On an H100 (16 heads): one
+// 3136-patch image 182 -> 128 us against the wide mma.sync kernel, 7056 patches 717 -> 622,
+// 8 x 784 110 -> 96, a 1000-patch image padded to a 1024-row bucket 33 -> 17.
+// Needs code compiled for sm_90a (CMakeLists.txt turns 90 into 90a).
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major).
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
+                                                    uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
+      "25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%"
+      "48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, "
+      "0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (each warp's 16 rows in the mma.sync
+// A-fragment layout), B from shared memory MN-major (transposed).
+__device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const uint32_t (&a)[4],
+                                                      uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
+      "25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Shared-memory matrix descriptor of a tile of 128-byte rows in the 128-byte swizzle (8-row
+// groups 1024 bytes apart, the stride byte offset). The tile starts 1024-byte aligned. Both K-major
+// operands (Q, K) and the MN-major V use this layout: a row is one key's 64 columns.
+__device__ __forceinline__ uint64_t sw128_desc(const void* p) {
+  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) {
+  return row * 128 + ((chunk ^ (row & 7)) << 4);
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+constexpr int kWgHd = 64;
+constexpr int kWgBr = 64;   // query rows per block: one warpgroup
+constexpr int kWgBc = 128;  // keys per tile
+constexpr int kWgThreads = 128;
+constexpr int kWgStages = 3;
+constexpr int kWgTileBytes = kWgBc * kWgHd * 2;
+constexpr size_t kWgSmemBytes =
+    1024 /*alignment slack*/ + kWgBr * kWgHd * 2 + 2 /*K,V*/ * kWgStages * kWgTileBytes;
+
+__global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(16) unsigned char wg_smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(wg_smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* q_tile = smem;                                 // [64 rows][64]
+  unsigned char* k_tiles = smem + kWgBr * kWgHd * 2;            // [3][128 keys][64]
+  unsigned char* v_tiles = k_tiles + kWgStages * kWgTileBytes;  // [3][128 keys][64]
+  pdl_launch_dependents();
+  pdl_wait();
+  const int head = blockIdx.x;
+  const int kv_head = head / p.kv_group;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, t4 = lane % 4;
+  int64_t q0, q_end, kv_begin, kv_end;
+  int past = 0;
+  if (!block_range<false, kWgBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
+  if (zero_padding_rows<kWgHd>(p, head, kv_begin, q0, min(q0 + kWgBr, q_end), tid, kWgThreads))
+    return;
+  const int n_tiles = static_cast<int>((kv_end - kv_begin + kWgBc - 1) / kWgBc);
+  {
+    const uint16_t* q_head = p.q + static_cast<int64_t>(head) * kWgHd;
+    for (int i = tid; i < kWgBr * 8; i += kWgThreads) {
+      const int r = i / 8, c = i % 8;
+      const int64_t row = q0 + r;
+      const bool valid = row < q_end;
+      cp_async16(q_tile + sw128_offset(r, c), q_head + (valid ? row : q0) * p.q_stride + c * 8,
+                 valid ? 16 : 0);
+    }
+  }
+  const uint16_t* k_base = p.k + static_cast<int64_t>(kv_head) * kWgHd;
+  const uint16_t* v_base = p.v + static_cast<int64_t>(kv_head) * kWgHd;
+  // K of tile tile_k and V of tile tile_v (each if >= 0) into their stages, as one commit group;
+  // keys past the segment end are zero-filled.
+  auto load_tiles = [&](int tile_k, int tile_v) {
+    for (int i = tid; i < kWgBc * 8; i += kWgThreads) {
+      const int r = i / 8, c = i % 8;
+      if (tile_k >= 0) {
+        const int64_t key = kv_begin + static_cast<int64_t>(tile_k) * kWgBc + r;
+        const bool valid = key < kv_end;
+        cp_async16(k_tiles + (tile_k % kWgStages) * kWgTileBytes + sw128_offset(r, c),
+                   k_base + (valid ? key : kv_begin) * p.kv_stride + c * 8, valid ? 16 : 0);
+      }
+      if (tile_v >= 0) {
+        const int64_t key = kv_begin + static_cast<int64_t>(tile_v) * kWgBc + r;
+        const bool valid = key < kv_end;
+        cp_async16(v_tiles + (tile_v % kWgStages) * kWgTileBytes + sw128_offset(r, c),
+                   v_base + (valid ? key : kv_begin) * p.kv_stride + c * 8, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+  load_tiles(0, -1);  // commits Q too
+
+  float o[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const uint64_t q_desc = sw128_desc(q_tile);
+  float s[64];
+  // S = Q K^T of tile it into s, and O += P V of tile it: issued, not waited for. A k-step of 16
+  // columns is 32 bytes along a swizzled row of Q and K (descriptor +2), and 16 rows of V
+  // (+2048 bytes).
+  auto issue_scores = [&](int it) {
+    const uint64_t k_desc = sw128_desc(k_tiles + (it % kWgStages) * kWgTileBytes);
+#pragma unroll
+    for (int kk = 0; kk < kWgHd / 16; ++kk)
+      wgmma_m64n128k16_ss(s, q_desc + 2 * kk, k_desc + 2 * kk, kk > 0);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int it, const uint32_t(&pa)[8][4]) {
+    const uint64_t v_desc = sw128_desc(v_tiles + (it % kWgStages) * kWgTileBytes);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_m64n64k16_rs_tb(o, pa[kk], v_desc + kk * (2048 >> 4));
+    wgmma_commit();
+  };
+  // Online softmax of tile `it`'s scores in s (raw, unscaled): running max and sum, the rescale
+  // factor of the output so far (alpha), and the probabilities as bf16 A fragments in pn.
+  float alpha[2];
+  const float c = p.scale_log2;
+  auto softmax = [&](int it, uint32_t(&pn)[8][4]) {
+    const int64_t key0 = kv_begin + static_cast<int64_t>(it) * kWgBc;
+    if (key0 + kWgBc > kv_end) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key0 + j * 8 + 2 * t4 + (e & 1) >= kv_end) s[4 * j + e] = -INFINITY;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mj[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mj[j] = fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]);
+      float mx = mj[0];
+#pragma unroll
+      for (int j = 1; j < 16; ++j) mx = fmaxf(mx, mj[j]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * c;
+      alpha[r] = exp2_ftz(m_run[r] * c - m_scaled);
+      float sj[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        s[4 * j + 2 * r] = exp2_ftz(fmaf(s[4 * j + 2 * r], c, -m_scaled));
+        s[4 * j + 2 * r + 1] = exp2_ftz(fmaf(s[4 * j + 2 * r + 1], c, -m_scaled));
+        sj[j] = s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+      }
+      float sum = sj[0];
+#pragma unroll
+      for (int j = 1; j < 16; ++j) sum += sj[j];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run[r] = l_run[r] * alpha[r] + sum;
+      m_run[r] = m_new;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      pn[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+      pn[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      pn[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      pn[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  // Waits for tile it and starts loading tile it + 1 into stage (it + 1) % 3, which last held
+  // tile it - 2: its scores completed in iteration it - 2 and its PV product in it - 1. cp.async
+  // writes are generic-proxy stores, so they are fenced before wgmma reads them.
+  auto next_tile_ready = [&](int it) {
+    cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();
+    if (it == 0) load_tiles(-1, 0);
+    if (it + 1 < n_tiles) load_tiles(it + 1, it + 1);
+  };
+  // Tile it: its scores run on the tensor cores together with the previous tile's PV product
+  // (probabilities p_prev), and its softmax overlaps that product. The probabilities alternate
+  // between two register sets so that the ones in flight are never rewritten.
+  auto step = [&](int it, const uint32_t(&p_prev)[8][4], uint32_t(&p_next)[8][4]) {
+    next_tile_ready(it);
+    wgmma_fence();
+    issue_scores(it);
+    issue_pv(it - 1, p_prev);
+    wgmma_wait<1>();
+    softmax(it, p_next);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+  };
+  uint32_t p_even[8][4], p_odd[8][4];
+  next_tile_ready(0);
+  wgmma_fence();
+  issue_scores(0);
+  wgmma_wait<0>();
+  softmax(0, p_even);
+  int it = 1;
+  for (; it + 1 < n_tiles; it += 2) {
+    step(it, p_even, p_odd);
+    step(it + 1, p_odd, p_even);
+  }
+  if (it < n_tiles) {
+    step(it, p_even, p_odd);
+    next_tile_ready(n_tiles);
+    wgmma_fence();
+    issue_pv(it, p_odd);
+  } else {
+    next_tile_ready(n_tiles);
+    wgmma_fence();
+    issue_pv(it - 1, p_even);
+  }
+  wgmma_wait<0>();
+  const int64_t row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const float inv_a = l_run[0] > 0.f ? 1.f / l_run[0] : 0.f;
+  const float inv_b = l_run[1] > 0.f ? 1.f / l_run[1] : 0.f;
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * kWgHd;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = j * 8 + 2 * t4;
+    if (row_a < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_a * p.out_stride + c) =
+          pack_bf16x2(o[4 * j] * inv_a, o[4 * j + 1] * inv_a);
+    if (row_b < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + c) =
+          pack_bf16x2(o[4 * j + 2] * inv_b, o[4 * j + 3] * inv_b);
+  }
+#else
+  __trap();  // never launched: wgmma_attention_available() is false without sm_90a code
+#endif
+}
+
 // Causal prefill: the wide kernel wins once its 128-row tiles fill every SM about twice; below
 // that the grouped kernel's 64-row blocks (twice as many) keep more SMs busy.
 bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int num_sms) {
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
 }
 
-enum class SegmentKernel { group_rows128, group_rows32, wide, rows64 };
+enum class SegmentKernel { group_rows128, group_rows32, wide, rows64, wgmma64 };
+
+// Set once by attention_init: this build has sm_90a code and the device is compute capability 9.0.
+bool g_wgmma_attention = false;
 
 // Vision segments, from timings on an H100 (head_dim 64 and 72, 16 heads). Calls whose 128-row
 // tiles do not reach one per SM take the grouped kernel: 128 rows x 2 key groups above 512 rows
@@ -899,9 +1189,13 @@ enum class SegmentKernel { group_rows128, group_rows32, wide, rows64 };
 // graph's call passes the segment capacity (mostly empty segments), and it must choose as the
 // eager call on the same input does. Larger calls take the wide kernel where segments average
 // 256 rows or more (2 x 784 patches: 30 against 40 us, 1600: 53 against 74); shorter segments
-// would leave its 128-row tiles half empty.
+// would leave its 128-row tiles half empty. On sm_90a builds head_dim 64 takes the wgmma kernel
+// for every call: 16 heads, 256 rows 6.7 us (as the 32-row grouped kernel), a 256-row graph call
+// 7.2 (7.8), 512 rows 9.9 (17.4-18.4 for the others), 784 15.4 (25.3), 8 x 256 14.0 (13.9 wide).
 SegmentKernel pick_segment_kernel(int64_t rows, int n_segments, int n_heads, int head_dim,
                                   float scale, int num_sms) {
+  // The softmax of the wgmma kernel takes the row maximum of unscaled scores: scale > 0.
+  if (g_wgmma_attention && head_dim == kWgHd && scale > 0.f) return SegmentKernel::wgmma64;
   const int64_t blocks_128 = (rows + kWideBr - 1) / kWideBr * n_heads;
   if (VisionHeadDims::contains(head_dim) && blocks_128 <= num_sms)
     return rows > 512 ? SegmentKernel::group_rows128 : SegmentKernel::group_rows32;
@@ -1236,6 +1530,17 @@ void attention_init() {
     set_group_smem<decltype(hd)::value, Rows128Keys2, false>();
     set_group_smem<decltype(hd)::value, Rows32Keys4, false>();
   });
+#if defined(IRIS_CUDA_SM90A)
+  int device = 0;
+  cudaDeviceProp prop{};
+  IRIS_CUDA_CHECK(cudaGetDevice(&device));
+  IRIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  g_wgmma_attention = prop.major == 9 && prop.minor == 0;
+  if (g_wgmma_attention)
+    IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_wgmma_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kWgSmemBytes)));
+#endif
 }
 
 bool attention_head_dim_supported(int head_dim) {
@@ -1273,6 +1578,11 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
     case SegmentKernel::rows64:
       return dispatch_group<FlashHeadDims, Rows64, false>(
           head_dim, p, segment_grid(total_rows, Rows64::kRows, n_segments, n_heads), s);
+    case SegmentKernel::wgmma64:
+      launch_programmatic(flash_wgmma_kernel, segment_grid(total_rows, kWgBr, n_segments, n_heads),
+                          dim3(kWgThreads), kWgSmemBytes, s, p);
+      IRIS_CUDA_LAUNCH_CHECK();
+      return;
   }
 }
 
