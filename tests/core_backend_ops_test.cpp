@@ -698,6 +698,9 @@ TEST_F(BackendOps, QkvNormRopeKvStore) {
   }
 }
 
+// On sm_90a builds every head_dim-128 case with more than one token runs on the wgmma kernel
+// (64-key tiles; causal masks inside and across tiles, cached prefixes, groups 1 to 8); the
+// cases named after the wide kernel keep covering it elsewhere.
 TEST_F(BackendOps, AttentionCausal) {
   const CausalCase cases[] = {
       {4, 2, 16, 64, 0, 7},           // tiny prefill
