@@ -548,6 +548,7 @@ TEST_F(BackendOps, AttentionSegments) {
       {{700, 0, 900, 300}, 16, 80},     // hd 80 (odd k-step count), an empty segment
       {{520, 530}, 32, 72},             // hd 72 padded to 80
       {{129, 1, 383, 0, 700}, 16, 64},  // segment ends inside 128-key tiles
+      {{2100}, 4, 72},                  // a large hd-72 image: the wgmma kernel's 16-column tail
   };
   for (const Case& c : cases) {
     std::vector<int32_t> cu = {0};

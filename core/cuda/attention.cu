@@ -1,5 +1,5 @@
 // Attention kernels: flash-attention style kernels on bf16 tensor cores (mma.sync m16n8k16, and
-// Hopper's warpgroup MMA at head_dim 64 and 128; f32 accumulation, online softmax in
+// Hopper's warpgroup MMA at head_dim 64, 72 and 128; f32 accumulation, online softmax in
 // f32) for vision segments and causal prefill, and a split-K flash-decoding kernel for
 // single-token causal steps. Every kernel reads past_len from device memory, so one captured
 // graph serves every decode step.
@@ -885,7 +885,7 @@ void set_wide_smem() {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Hopper flash attention (wgmma): head_dim 64 vision segments, head_dim 128 causal prefill
+// Hopper flash attention (wgmma): head_dim 64/72 vision segments, head_dim 128 causal prefill
 // ----------------------------------------------------------------------------------------------
 
 // One warpgroup per block runs 64 query rows against 128-key tiles with warpgroup MMAs: S = Q K^T
@@ -896,14 +896,21 @@ void set_wide_smem() {
 // j's K and tile j - 1's V are read together. Two blocks per SM. On an H100 (16 heads): one
 // 3136-patch image 182 -> 128 us against the wide mma.sync kernel, 7056 patches 717 -> 622,
 // 8 x 784 110 -> 96, a 1000-patch image padded to a 1024-row bucket 33 -> 17. Head_dim 128 (the
-// causal decoder prefill) takes 64-key tiles, in two 64-column sub-tiles per row.
+// causal decoder prefill) takes 64-key tiles, in two 64-column sub-tiles per row; head_dim 72
+// (Qwen3-VL-4B/8B vision) 64-key tiles of one sub-tile plus a 16-column tail.
 // Needs code compiled for sm_90a (CMakeLists.txt turns 90 into 90a).
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in sm_90a code
+// wgmma exists only in sm_90a code; elsewhere (the host pass, plain sm_90 or other archs) these
+// trap, and the kernels that call them are never launched (g_wgmma_attention stays false).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define IRIS_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define IRIS_SM90A_ASM(...) __trap()
+#endif
 // D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major).
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
                                                     uint64_t desc_b, int accumulate) {
-  asm volatile(
+  IRIS_SM90A_ASM(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
@@ -925,7 +932,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (K-major).
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                    int accumulate) {
-  asm volatile(
+  IRIS_SM90A_ASM(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
@@ -941,7 +948,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 // A-fragment layout), B from shared memory MN-major (transposed).
 __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const uint32_t (&a)[4],
                                                       uint64_t desc_b) {
-  asm volatile(
+  IRIS_SM90A_ASM(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
@@ -954,17 +961,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 __device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  IRIS_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  IRIS_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  IRIS_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  IRIS_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Shared-memory matrix descriptor of a tile of 128-byte rows in the 128-byte swizzle (8-row
@@ -975,9 +982,23 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
 }
-// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile.
-__device__ __forceinline__ int sw128_offset(int row, int chunk) {
-  return row * 128 + ((chunk ^ (row & 7)) << 4);
+
+// D[64 x 8] += A[64 x 16] B[16 x 8]: head_dim 72's last eight output columns.
+__device__ __forceinline__ void wgmma_m64n8k16_rs_tb(float (&d)[4], const uint32_t (&a)[4],
+                                                     uint64_t desc_b) {
+  IRIS_SM90A_ASM(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, "
+      "1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Descriptor of an unswizzled tile of 8 x 16-byte core matrices: `lbo` bytes between core
+// matrices along K, `sbo` between them along M/N (K-major); for MN-major operands the roles swap.
+__device__ __forceinline__ uint64_t interleave_desc(const void* p, int lbo, int sbo) {
+  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32);
 }
 
 // Scores S = Q K^T of a 64-row x BC-key tile (overloads by width).
@@ -987,36 +1008,52 @@ __device__ __forceinline__ void wgmma_scores(float (&d)[64], uint64_t a, uint64_
 __device__ __forceinline__ void wgmma_scores(float (&d)[32], uint64_t a, uint64_t b, int acc) {
   wgmma_m64n64k16_ss(d, a, b, acc);
 }
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 constexpr int kWgBr = 64;  // query rows per block: one warpgroup
 constexpr int kWgThreads = 128;
 constexpr int kWgStages = 3;
 
-// Head dims 64 (vision) and 128 (the decoder): a row of Q, K or V is HD / 64 swizzled
-// sub-tiles of 128 bytes. Keys per tile: 128 at head_dim 64, 64 at 128, so that two blocks fit
-// an SM's shared memory and the score registers stay at 64 or fewer.
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) {
+  return row * 128 + ((chunk ^ (row & 7)) << 4);
+}
+
+// Head dims 64 and 72 (vision) and 128 (the decoder). A row of Q, K or V is HD / 64 swizzled
+// sub-tiles of 64 columns (128 bytes), then for head_dim 72 a tail of 16 columns (72..79 zero) in
+// unswizzled core matrices: row r, chunk c at (r / 8) * 256 + c * 128 + (r % 8) * 16. Keys per
+// tile: 128 at head_dim 64, 64 otherwise, so that two blocks fit an SM's shared memory and the
+// score registers stay at 64 or fewer.
 template <int HD>
 struct WgShape {
+  static constexpr int kSub = HD / 64;
+  static constexpr bool kTail = HD % 64 != 0;
+  static_assert(HD % 64 == 0 || HD % 64 == 8,
+                "64-column sub-tiles plus at most one 16-column tail");
   static constexpr int kBc = HD == 64 ? 128 : 64;
-  static constexpr int kQBytes = kWgBr * HD * 2;
-  static constexpr int kTileBytes = kBc * HD * 2;
+  static constexpr int kRowBytes = kSub * 128 + (kTail ? 32 : 0);
+  static constexpr int kLoadChunks = kRowBytes / 16;  // including the tail's zero chunk
+  static constexpr int kQBytes = kWgBr * kRowBytes;
+  static constexpr int kTileBytes = kBc * kRowBytes;
   static constexpr size_t kSmemBytes =
       1024 /*alignment slack*/ + kQBytes + 2 /*K,V*/ * kWgStages * kTileBytes;
+  // Byte offset of 16-byte chunk c (0 .. kLoadChunks - 1) of row r in a tile of `rows` rows.
+  __device__ static int chunk_offset(int rows, int r, int c) {
+    if (c < kSub * 8) return (c / 8) * rows * 128 + sw128_offset(r, c % 8);
+    return kSub * rows * 128 + (r / 8) * 256 + (c - kSub * 8) * 128 + (r % 8) * 16;
+  }
 };
 
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = WgShape<HD>;
-  constexpr int BC = S::kBc, kSub = HD / 64, kChunks = HD / 8;
+  constexpr int BC = S::kBc, kSub = S::kSub, kChunks = S::kLoadChunks, kRealChunks = HD / 8;
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(wg_smem_raw) + 1023) & ~uintptr_t{1023});
-  // Each tile is kSub sub-tiles [rows][64 columns], one after the other.
-  unsigned char* q_tile = smem;                                  // [kSub][64 rows][64]
-  unsigned char* k_tiles = smem + S::kQBytes;                    // [3][kSub][BC keys][64]
-  unsigned char* v_tiles = k_tiles + kWgStages * S::kTileBytes;  // [3][kSub][BC keys][64]
+  // Each tile is its kSub sub-tiles [rows][64 columns] and tail, one after the other.
+  unsigned char* q_tile = smem;
+  unsigned char* k_tiles = smem + S::kQBytes;                    // [3 stages]
+  unsigned char* v_tiles = k_tiles + kWgStages * S::kTileBytes;  // [3 stages]
   pdl_launch_dependents();
   pdl_wait();
   const int head = blockIdx.x;
@@ -1040,8 +1077,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
     for (int i = tid; i < kWgBr * kChunks; i += kWgThreads) {
       const int r = i / kChunks, c = i % kChunks;
       const int64_t row = q0 + r;
-      const bool valid = row < q_end;
-      cp_async16(q_tile + chunk_offset(kWgBr, r, c),
+      const bool valid = row < q_end && c < kRealChunks;
+      cp_async16(q_tile + S::chunk_offset(kWgBr, r, c),
                  q_head + (valid ? row : q0) * p.q_stride + c * 8, valid ? 16 : 0);
     }
   }
@@ -1054,14 +1091,14 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
       const int r = i / kChunks, c = i % kChunks;
       if (tile_k >= 0) {
         const int64_t key = kv_begin + static_cast<int64_t>(tile_k) * BC + r;
-        const bool valid = key < kv_end;
-        cp_async16(k_tiles + (tile_k % kWgStages) * S::kTileBytes + chunk_offset(BC, r, c),
+        const bool valid = key < kv_end && c < kRealChunks;
+        cp_async16(k_tiles + (tile_k % kWgStages) * S::kTileBytes + S::chunk_offset(BC, r, c),
                    k_base + (valid ? key : kv_begin) * p.kv_stride + c * 8, valid ? 16 : 0);
       }
       if (tile_v >= 0) {
         const int64_t key = kv_begin + static_cast<int64_t>(tile_v) * BC + r;
-        const bool valid = key < kv_end;
-        cp_async16(v_tiles + (tile_v % kWgStages) * S::kTileBytes + chunk_offset(BC, r, c),
+        const bool valid = key < kv_end && c < kRealChunks;
+        cp_async16(v_tiles + (tile_v % kWgStages) * S::kTileBytes + S::chunk_offset(BC, r, c),
                    v_base + (valid ? key : kv_begin) * p.kv_stride + c * 8, valid ? 16 : 0);
       }
     }
@@ -1070,6 +1107,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
   load_tiles(0, -1);  // commits Q too
 
   float o[kSub][32];
+  float o_tail[4] = {0.f, 0.f, 0.f, 0.f};  // head_dim 72: columns 64..71
 #pragma unroll
   for (int h = 0; h < kSub; ++h)
 #pragma unroll
@@ -1082,18 +1120,26 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
   auto issue_scores = [&](int it) {
     const unsigned char* ks = k_tiles + (it % kWgStages) * S::kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
+    for (int kk = 0; kk < kSub * 4; ++kk)
       wgmma_scores(s, sw128_desc(q_tile + (kk / 4) * kWgBr * 128) + 2 * (kk % 4),
                    sw128_desc(ks + (kk / 4) * BC * 128) + 2 * (kk % 4), kk > 0);
+    if constexpr (S::kTail)
+      wgmma_scores(s, interleave_desc(q_tile + kSub * kWgBr * 128, 128, 256),
+                   interleave_desc(ks + kSub * BC * 128, 128, 256), 1);
     wgmma_commit();
   };
   auto issue_pv = [&](int it, const uint32_t(&pa)[BC / 16][4]) {
     const unsigned char* vs = v_tiles + (it % kWgStages) * S::kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
+    for (int kk = 0; kk < BC / 16; ++kk) {
 #pragma unroll
       for (int h = 0; h < kSub; ++h)
         wgmma_m64n64k16_rs_tb(o[h], pa[kk], sw128_desc(vs + h * BC * 128) + kk * (2048 >> 4));
+      // The tail's 16 keys of this k-step are two core matrices 256 bytes apart.
+      if constexpr (S::kTail)
+        wgmma_m64n8k16_rs_tb(o_tail, pa[kk],
+                             interleave_desc(vs + kSub * BC * 128 + kk * 512, 256, 256));
+    }
     wgmma_commit();
   };
   // This thread's rows within the block's queries; query i sits at absolute position past + i.
@@ -1178,6 +1224,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
         o[h][4 * j + 2] *= alpha[1];
         o[h][4 * j + 3] *= alpha[1];
       }
+    o_tail[0] *= alpha[0], o_tail[1] *= alpha[0], o_tail[2] *= alpha[1], o_tail[3] *= alpha[1];
   };
   uint32_t p_even[BC / 16][4], p_odd[BC / 16][4];
   next_tile_ready(0);
@@ -1216,9 +1263,15 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
         *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + col) =
             pack_bf16x2(o[h][4 * j + 2] * inv_b, o[h][4 * j + 3] * inv_b);
     }
-#else
-  __trap();  // never launched: g_wgmma_attention is false without sm_90a code
-#endif
+  if constexpr (S::kTail) {
+    const int col = kSub * 64 + 2 * t4;
+    if (row_a < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_a * p.out_stride + col) =
+          pack_bf16x2(o_tail[0] * inv_a, o_tail[1] * inv_a);
+    if (row_b < q_end)
+      *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + col) =
+          pack_bf16x2(o_tail[2] * inv_b, o_tail[3] * inv_b);
+  }
 }
 
 template <int HD, bool kCausal>
@@ -1241,7 +1294,7 @@ bool use_wide(int64_t wide_blocks, int64_t rows_per_segment, float scale, int nu
   return scale > 0.f && wide_blocks >= 2 * static_cast<int64_t>(num_sms) && rows_per_segment >= 256;
 }
 
-enum class SegmentKernel { group_rows128, group_rows32, wide, rows64, wgmma64 };
+enum class SegmentKernel { group_rows128, group_rows32, wide, rows64, wgmma };
 
 // Set once by attention_init: this build has sm_90a code and the device is compute capability 9.0.
 bool g_wgmma_attention = false;
@@ -1256,11 +1309,17 @@ bool g_wgmma_attention = false;
 // 256 rows or more (2 x 784 patches: 30 against 40 us, 1600: 53 against 74); shorter segments
 // would leave its 128-row tiles half empty. On sm_90a builds head_dim 64 takes the wgmma kernel
 // for every call: 16 heads, 256 rows 6.7 us (as the 32-row grouped kernel), a 256-row graph call
-// 7.2 (7.8), 512 rows 9.9 (17.4-18.4 for the others), 784 15.4 (25.3), 8 x 256 14.0 (13.9 wide).
+// 7.2 (7.8), 512 rows 9.9 (17.4-18.4 for the others), 784 15.4 (25.3), 8 x 256 14.0 (13.9 wide);
+// head_dim 72 for segments of 2048 rows and more.
 SegmentKernel pick_segment_kernel(int64_t rows, int n_segments, int n_heads, int head_dim,
                                   float scale, int num_sms) {
   // The softmax of the wgmma kernel takes the row maximum of unscaled scores: scale > 0.
-  if (g_wgmma_attention && head_dim == 64 && scale > 0.f) return SegmentKernel::wgmma64;
+  if (g_wgmma_attention && scale > 0.f) {
+    if (head_dim == 64) return SegmentKernel::wgmma;
+    // At head_dim 72 its 64-key tiles win on large images only: 3136 patches 225 -> 187 us,
+    // 7056 913 -> 928 (even); 8 x 256 16 -> 23, 4 x 1024 86 -> 95, 784 29 -> 29.
+    if (head_dim == 72 && rows / n_segments >= 2048) return SegmentKernel::wgmma;
+  }
   const int64_t blocks_128 = (rows + kWideBr - 1) / kWideBr * n_heads;
   if (VisionHeadDims::contains(head_dim) && blocks_128 <= num_sms)
     return rows > 512 ? SegmentKernel::group_rows128 : SegmentKernel::group_rows32;
@@ -1603,6 +1662,7 @@ void attention_init() {
   g_wgmma_attention = prop.major == 9 && prop.minor == 0;
   if (g_wgmma_attention) {
     set_wgmma_smem<64, false>();
+    set_wgmma_smem<72, false>();
     set_wgmma_smem<128, true>();
   }
 #endif
@@ -1643,8 +1703,11 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
     case SegmentKernel::rows64:
       return dispatch_group<FlashHeadDims, Rows64, false>(
           head_dim, p, segment_grid(total_rows, Rows64::kRows, n_segments, n_heads), s);
-    case SegmentKernel::wgmma64:
-      return launch_wgmma<64, false>(p, segment_grid(total_rows, kWgBr, n_segments, n_heads), s);
+    case SegmentKernel::wgmma: {
+      const dim3 grid = segment_grid(total_rows, kWgBr, n_segments, n_heads);
+      return head_dim == 64 ? launch_wgmma<64, false>(p, grid, s)
+                            : launch_wgmma<72, false>(p, grid, s);
+    }
   }
 }
 
