@@ -171,6 +171,20 @@ __device__ __forceinline__ bool zero_padding_rows(const FlashParams& p, int head
   return true;
 }
 
+// The query rows and keys of this block (block_range), after a padding segment's block has
+// written its zeros; false when the block has nothing to attend.
+template <int HD, bool kCausal, int BR>
+__device__ __forceinline__ bool attended_range(const FlashParams& p, int head, int threads,
+                                               int64_t& q0, int64_t& q_end, int64_t& kv_begin,
+                                               int64_t& kv_end, int& past) {
+  if (!block_range<kCausal, BR>(p, q0, q_end, kv_begin, kv_end, past)) return false;
+  if constexpr (!kCausal) {
+    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + BR, q_end), threadIdx.x, threads))
+      return false;
+  }
+  return true;
+}
+
 // Per-warp pieces of the 16-row flash kernel (flash_group_kernel): a
 // warp holds 16 query rows as mma A-fragments and runs them against one kBc-key K/V tile in
 // shared memory (row stride FlashShape<HD>::kLd) at a time.
@@ -407,11 +421,9 @@ __global__ void __launch_bounds__(L::kThreads) flash_group_kernel(FlashParams p)
   const int g = lane / 4, t4 = lane % 4;  // mma fragment coordinates: row group, column pair
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!block_range<kCausal, L::kRows>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if constexpr (!kCausal) {
-    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + L::kRows, q_end), tid, L::kThreads))
-      return;
-  }
+  if (!attended_range<HD, kCausal, L::kRows>(p, head, L::kThreads, q0, q_end, kv_begin, kv_end,
+                                             past))
+    return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + kBc - 1) / kBc);
   const int my_tiles = n_tiles > kg ? (n_tiles - kg + KS - 1) / KS : 0;
 
@@ -613,11 +625,9 @@ __global__ void __launch_bounds__(kWideThreads) flash_wide_kernel(FlashParams p)
 
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!block_range<kCausal, kWideBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if constexpr (!kCausal) {
-    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kWideBr, q_end), tid, kWideThreads))
-      return;
-  }
+  if (!attended_range<HD, kCausal, kWideBr>(p, head, kWideThreads, q0, q_end, kv_begin, kv_end,
+                                            past))
+    return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + BC - 1) / BC);
 
   // Zero the padding columns [HD, kPad) of Q and K once; cp.async never writes them.
@@ -1062,16 +1072,10 @@ __global__ void __launch_bounds__(kWgThreads, 2) flash_wgmma_kernel(FlashParams 
   const int g = lane / 4, t4 = lane % 4;
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!block_range<kCausal, kWgBr>(p, q0, q_end, kv_begin, kv_end, past)) return;
-  if constexpr (!kCausal) {
-    if (zero_padding_rows<HD>(p, head, kv_begin, q0, min(q0 + kWgBr, q_end), tid, kWgThreads))
-      return;
-  }
+  if (!attended_range<HD, kCausal, kWgBr>(p, head, kWgThreads, q0, q_end, kv_begin, kv_end, past))
+    return;
   const int n_tiles = static_cast<int>((kv_end - kv_begin + BC - 1) / BC);
-  // Byte offset of 16-byte chunk c16 (0 .. HD/8 - 1) of row r in a tile of `rows` rows.
-  auto chunk_offset = [](int rows, int r, int c16) {
-    return (c16 / 8) * rows * 128 + sw128_offset(r, c16 % 8);
-  };
+
   {
     const uint16_t* q_head = p.q + static_cast<int64_t>(head) * HD;
     for (int i = tid; i < kWgBr * kChunks; i += kWgThreads) {
