@@ -5,11 +5,13 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 
 #include "apps/commands.h"
@@ -107,6 +109,84 @@ double text_weight_bytes(const TextConfig& t, size_t elem) {
   return elem * (t.num_hidden_layers * per_layer + H + double(t.vocab_size) * H);
 }
 
+// Attention alone at the model's shapes, outside the model (it is the same op eager or in a
+// graph): vision segments of one image per side and `n_multi` images of side_small, and the
+// decoder's causal prefill of `prefill` tokens. Inputs are zeros: the kernels' work does not
+// depend on the values. FLOPs count QK^T and PV (causal: the keys each query sees).
+struct AttentionFigure {
+  std::string name;
+  double us, tflops;
+};
+// Calls per timed sample: one call is short beside the synchronisation that ends a sample.
+constexpr int kAttentionReps = 10;
+std::vector<AttentionFigure> measure_attention(Backend& be, const ModelConfig& cfg,
+                                               const std::vector<std::vector<int32_t>>& images,
+                                               const std::vector<std::string>& names,
+                                               int64_t prefill, int iters) {
+  const VisionConfig& v = cfg.vision;
+  const TextConfig& t = cfg.text;
+  int64_t max_rows = 0;
+  for (const auto& lens : images)
+    max_rows = std::max<int64_t>(max_rows, std::accumulate(lens.begin(), lens.end(), int64_t{0}));
+  const int64_t vis_width = int64_t{v.num_heads} * v.head_dim();
+  Arena plan;
+  plan.alloc(be.compute_dtype(), {max_rows, 3 * vis_width});
+  plan.alloc(be.compute_dtype(), {max_rows, vis_width});
+  plan.alloc(DType::i32, {65});
+  plan.alloc(be.compute_dtype(), {prefill, t.qkv_width()});
+  plan.alloc(be.compute_dtype(), {prefill, t.q_width()});
+  plan.alloc(be.compute_dtype(), {prefill, t.kv_width()});
+  plan.alloc(be.compute_dtype(), {prefill, t.kv_width()});
+  plan.alloc(DType::i32, {1});
+  Arena a(be, plan.used());
+  const Tensor vqkv = a.alloc(be.compute_dtype(), {max_rows, 3 * vis_width}),
+               vout = a.alloc(be.compute_dtype(), {max_rows, vis_width}),
+               cu = a.alloc(DType::i32, {65});
+  const Tensor tqkv = a.alloc(be.compute_dtype(), {prefill, t.qkv_width()}),
+               tout = a.alloc(be.compute_dtype(), {prefill, t.q_width()}),
+               kc = a.alloc(be.compute_dtype(), {prefill, t.kv_width()}),
+               vc = a.alloc(be.compute_dtype(), {prefill, t.kv_width()}),
+               past = a.alloc(DType::i32, {1});
+  for (const Tensor& x : {vqkv, tqkv, kc, vc, past}) be.fill_zero(x);
+  std::vector<AttentionFigure> out;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const auto& lens = images[i];
+    IRIS_CHECK(lens.size() < 65, "bench: at most 64 images per attention call");
+    std::vector<int32_t> offsets = {0};
+    double flops = 0;
+    for (int32_t len : lens) {
+      offsets.push_back(offsets.back() + len);
+      flops += 4.0 * double(len) * len * vis_width;
+    }
+    const int64_t rows = offsets.back();
+    const Tensor cu_i = cu.slice(0, static_cast<int64_t>(offsets.size()));
+    be.write(cu_i, offsets.data(), DType::i32);
+    const Tensor q = vqkv.slice(0, rows), o = vout.slice(0, rows);
+    const double s =
+        time_median(be, iters,
+                    [&] {
+                      for (int r = 0; r < kAttentionReps; ++r)
+                        be.attention_segments(o, q, cu_i, static_cast<int>(lens.size()),
+                                              v.num_heads, v.head_dim(),
+                                              1.f / std::sqrt(float(v.head_dim())), Tensor());
+                    }) /
+        kAttentionReps;
+    out.push_back({"vision " + names[i], s * 1e6, flops / s / 1e12});
+  }
+  const double s =
+      time_median(be, iters,
+                  [&] {
+                    for (int r = 0; r < kAttentionReps; ++r)
+                      be.attention_causal(tout, tqkv, kc, vc, past, t.num_attention_heads,
+                                          t.num_key_value_heads, t.head_dim,
+                                          1.f / std::sqrt(float(t.head_dim)));
+                  }) /
+      kAttentionReps;
+  const double causal_flops = 4.0 * t.q_width() * double(prefill) * (prefill + 1) / 2;
+  out.push_back({"prefill " + std::to_string(prefill), s * 1e6, causal_flops / s / 1e12});
+  return out;
+}
+
 struct Row {
   std::string name;
   double value;
@@ -135,7 +215,7 @@ int run_bench_command(int argc, char** argv) {
   app.add_flag("--quick", quick, "smaller shapes (for smoke tests on the CPU)");
   app.add_option("--only", only, "figures to measure (default: all)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft"}));
+      ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention"}));
   app.add_option("--profile", profile_case,
                  "case to bracket once for a profiler started with collection off (ncu "
                  "--profile-from-start off): a vision case such as 'graphs 1x256', or 'eager "
@@ -316,6 +396,20 @@ int run_bench_command(int argc, char** argv) {
     return r;
   };
 
+  if (wanted("attention")) {
+    auto patches = [&](int64_t side) { return static_cast<int32_t>((side / P) * (side / P)); };
+    const auto figures = measure_attention(
+        *be, cfg,
+        {{patches(side_mid)},
+         {patches(side_big)},
+         std::vector<int32_t>(n_multi, patches(side_small))},
+        {"1x" + s2, "1x" + s3, std::to_string(n_multi) + "x" + s1}, prefill_long, iters);
+    for (const auto& f : figures) {
+      rows.push_back(
+          {"attention " + f.name + " time", f.us, "us", f.tflops / hw.gemm_tflops, "GEMM"});
+      results["attention"][f.name] = {{"us", f.us}, {"tflops", f.tflops}};
+    }
+  }
   results["eager"] = measure("eager");
   const size_t in_use_before_graphs = be->device_memory_in_use();
   GraphConfigs gc = parse_graph_configs(
