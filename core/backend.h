@@ -45,6 +45,15 @@ class Backend {
   // The stream ops are issued on (a cudaStream_t on CUDA); null where there is none. CUDA graph
   // capture records this stream.
   virtual void* native_stream() { return nullptr; }
+  // Side work: ops issued between begin_side_work() and end_side_work() start after everything
+  // issued before begin_side_work() and may run concurrently with the ops issued after it (a
+  // second CUDA stream, a parallel branch of a captured graph). join_side_work() makes later ops
+  // wait for all side work. Side ops must not touch buffers that the main ops meanwhile use;
+  // the GEMMs there get a workspace of their own, and the decode ops (attention_causal,
+  // argmax_rows) are refused. synchronize() waits for both. On the CPU everything runs in order.
+  virtual void begin_side_work() {}
+  virtual void end_side_work() {}
+  virtual void join_side_work() {}
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
   // Runs `enqueue` and waits for its work; returns the milliseconds the device spent from the

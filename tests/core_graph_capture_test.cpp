@@ -277,6 +277,71 @@ TEST_F(CudaGraphs, DestroyingAGraphInFlightNeitherWaitsNorFails) {
   EXPECT_EQ(read_f32(*be_, buf.y.slice(0, 4)), (std::vector<float>{0, 0, 0, 0}));
 }
 
+// Side work starts after the main work before it and is joined before the main work after the
+// join, eagerly and in a captured graph (where it is a parallel branch).
+TEST_F(CudaGraphs, SideWorkIsOrderedByItsForkAndJoinEagerAndCaptured) {
+  const int64_t n = 1 << 20;  // long enough for the two streams to overlap
+  const DType dt = be_->compute_dtype();
+  Arena plan;
+  for (int i = 0; i < 5; ++i) plan.alloc(dt, {n});
+  Arena arena(*be_, plan.used());
+  Tensor a = arena.alloc(dt, {n}), b = arena.alloc(dt, {n}), y = arena.alloc(dt, {n}),
+         z = arena.alloc(dt, {n}), w = arena.alloc(dt, {n});
+  auto body = [&] {
+    be_->add(y, a, b);
+    be_->begin_side_work();
+    be_->add(z, y, a);  // reads the main stream's y
+    be_->add(z, z, z);
+    be_->end_side_work();
+    be_->add(w, a, a);
+    for (int i = 0; i < 8; ++i) be_->add(w, w, a);
+    be_->join_side_work();
+    be_->add(y, z, w);  // reads the side's z
+  };
+  // y = 2 (2a + b) + 10a = 14a + 2b
+  auto expect = [&](float av, float bv) {
+    const std::vector<float> got = read_f32(*be_, y.slice(0, 4)),
+                             tail = read_f32(*be_, y.slice(n - 4, n));
+    const float want = 14 * av + 2 * bv;
+    EXPECT_EQ(got, std::vector<float>(4, want));
+    EXPECT_EQ(tail, std::vector<float>(4, want));
+  };
+  const std::vector<float> ones(static_cast<size_t>(n), 1.f), twos(static_cast<size_t>(n), 2.f),
+      halves(static_cast<size_t>(n), 0.5f);
+  be_->write(a, ones.data(), DType::f32);
+  be_->write(b, twos.data(), DType::f32);
+  body();
+  expect(1.f, 2.f);
+  for (CaptureMode mode : {CaptureMode::thread_local_mode, CaptureMode::relaxed}) {
+    auto api = make_cuda_graph_api(mode);
+    be_->fill_zero(y);
+    CapturedGraph g(*api, *be_, "fork and join", body);
+    be_->write(a, halves.data(), DType::f32);
+    g.launch();
+    expect(0.5f, 2.f);
+    be_->write(a, ones.data(), DType::f32);
+  }
+}
+
+TEST_F(CudaGraphs, SideWorkRefusesDecodeOpsAndMisnesting) {
+  const DType dt = be_->compute_dtype();
+  Arena plan;
+  plan.alloc(dt, {2, 8});
+  plan.alloc(DType::i32, {2});
+  Arena arena(*be_, plan.used());
+  Tensor x = arena.alloc(dt, {2, 8}), ids = arena.alloc(DType::i32, {2});
+  be_->fill_zero(x);
+  EXPECT_THROW(be_->end_side_work(), Error);
+  be_->begin_side_work();
+  EXPECT_THROW(be_->begin_side_work(), Error);
+  EXPECT_THROW(be_->argmax_rows(ids, x), Error);
+  EXPECT_THROW(be_->join_side_work(), Error);
+  be_->end_side_work();
+  be_->join_side_work();
+  be_->argmax_rows(ids, x);
+  be_->synchronize();
+}
+
 TEST_F(CudaGraphs, RejectsABackendWithoutAStream) {
   auto api = make_cuda_graph_api();
   auto cpu = make_cpu_backend();

@@ -190,10 +190,11 @@ void VisionEncoder::upload(const float* pixel_values, const VisionInputs& in) {
 }
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
-                               bool post_shuffle, const Tensor& out) {
+                               bool post_shuffle, const Tensor& out, bool beside_layers) {
   const int64_t Sm = rows / cfg_.merge_unit(), M = cfg_.merged_dim();
   const float eps = cfg_.layer_norm_eps;
   Tensor normed = merged_norm_.slice(0, Sm);
+  backend_.join_side_work();  // the mergers share normed and hidden
   if (post_shuffle) {
     backend_.layer_norm(normed, x.slice(0, rows).view({Sm, M}), m.norm_w, m.norm_b, eps);
   } else {
@@ -201,14 +202,19 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
                         eps);
   }
   Tensor hidden = merger_hidden_.slice(0, Sm);
+  // A deepstack merger's output feeds only the decoder, so once its norm has read x (which the
+  // next layer updates in place) its two GEMMs run beside the remaining layers. At one small
+  // image they are weight-streaming GEMMs beside latency-bound layers.
+  if (beside_layers) backend_.begin_side_work();
   backend_.linear(hidden, normed, m.fc1_w, m.fc1_b, false);
   backend_.gelu_erf(hidden, hidden);
   backend_.linear(out.slice(0, Sm), hidden, m.fc2_w, m.fc2_b, false);
+  if (beside_layers) backend_.end_side_work();
 }
 
 VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
   run_embed(S);
-  for (int l = 0; l < cfg_.depth; ++l) run_block(l, S, n_segments);
+  for (int l = 0; l < cfg_.depth; ++l) run_block(l, S, n_segments, true);
   return run_finish(S);
 }
 
@@ -220,7 +226,7 @@ void VisionEncoder::run_embed(int64_t S) {
   backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
 }
 
-void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
+void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_beside_layers) {
   const int nh = cfg_.num_heads, hd = cfg_.head_dim();
   const float eps = cfg_.layer_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -241,12 +247,12 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   const auto tap = std::find(taps.begin(), taps.end(), l);
   if (tap != taps.end()) {
     const size_t k = static_cast<size_t>(tap - taps.begin());
-    run_merger(w_.deepstack_mergers[k], x, S, true, deepstack_[k]);
+    run_merger(w_.deepstack_mergers[k], x, S, true, deepstack_[k], merger_beside_layers);
   }
 }
 
 VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
-  run_merger(w_.merger, x_, S, false, embeds_);
+  run_merger(w_.merger, x_, S, false, embeds_, false);
   const int64_t Sm = S / cfg_.merge_unit();
   Output out;
   out.embeds = embeds_.slice(0, Sm);

@@ -80,9 +80,13 @@ class VisionEncoder {
   // in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding included).
   Output run(int64_t rows, int n_segments);
   // run() in pieces, for per-layer graphs: the patch and position embedding, one block (with its
-  // DeepStack tap), then the main merger. run() == embed, every block in order, finish.
+  // DeepStack tap), then the main merger. run() == embed, every block in order, finish, except
+  // that run() overlaps each DeepStack merger with the blocks after it (side work), which a
+  // block captured as a graph of its own cannot leave unjoined: run_block's merger is in order.
   void run_embed(int64_t rows);
-  void run_block(int layer, int64_t rows, int n_segments);
+  void run_block(int layer, int64_t rows, int n_segments) {
+    run_block(layer, rows, n_segments, false);
+  }
   Output run_finish(int64_t rows);
   // Convenience: upload + run; the outputs are trimmed to the real merged rows.
   Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
@@ -94,8 +98,11 @@ class VisionEncoder {
 
  private:
   void allocate(Arena& arena);
+  void run_block(int layer, int64_t rows, int n_segments, bool merger_beside_layers);
+  // beside_layers: the merger's GEMMs run as side work (Backend::begin_side_work), joined by the
+  // next merger's start.
   void run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows, bool post_shuffle,
-                  const Tensor& out);
+                  const Tensor& out, bool beside_layers);
 
   Backend& backend_;
   VisionConfig cfg_;

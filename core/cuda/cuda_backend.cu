@@ -125,6 +125,13 @@ class CudaBackend final : public Backend {
     argmax_keys_.reset(allocate(kArgmaxScratchRows * sizeof(unsigned long long)));
     gemm_ = std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes,
                                            tune_scratch_.get(), kGemmTuneScratchBytes);
+    side_stream_ = std::make_unique<Stream>();
+    side_fork_ = std::make_unique<Event>();
+    side_done_ = std::make_unique<Event>();
+    side_workspace_.reset(allocate(kGemmWorkspaceBytes));
+    side_tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
+    side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
+                                                side_tune_scratch_.get(), kGemmTuneScratchBytes);
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
     scratch_.partial_sum = scratch_.partial_max + rows;
@@ -142,10 +149,36 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     // Queued work may still use the buffers that the members below release.
+    if (side_stream_) cudaStreamSynchronize(side_stream_->get());
     if (stream_) cudaStreamSynchronize(stream_->get());
   }
 
-  cudaStream_t stream() const { return stream_->get(); }
+  cudaStream_t stream() const { return on_side_ ? side_stream_->get() : stream_->get(); }
+  cuda::LtGemm& gemm() const { return on_side_ ? *side_gemm_ : *gemm_; }
+
+  void begin_side_work() override {
+    bind();
+    IRIS_CHECK(!on_side_, "begin_side_work: side work is already open");
+    IRIS_CUDA_CHECK(cudaEventRecord(side_fork_->get(), stream_->get()));
+    IRIS_CUDA_CHECK(cudaStreamWaitEvent(side_stream_->get(), side_fork_->get(), 0));
+    on_side_ = true;
+  }
+
+  void end_side_work() override {
+    bind();
+    IRIS_CHECK(on_side_, "end_side_work without begin_side_work");
+    IRIS_CUDA_CHECK(cudaEventRecord(side_done_->get(), side_stream_->get()));
+    on_side_ = false;
+    side_pending_ = true;
+  }
+
+  void join_side_work() override {
+    bind();
+    IRIS_CHECK(!on_side_, "join_side_work while side work is open (call end_side_work first)");
+    if (!side_pending_) return;
+    IRIS_CUDA_CHECK(cudaStreamWaitEvent(stream_->get(), side_done_->get(), 0));
+    side_pending_ = false;
+  }
 
   Device device() const override { return Device::cuda; }
   std::string name() const override { return name_; }
@@ -244,12 +277,12 @@ class CudaBackend final : public Backend {
 
   void synchronize() override {
     bind();
-    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    IRIS_CUDA_CHECK(cudaStreamSynchronize(side_stream_->get()));
+    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream_->get()));
   }
 
   void profiler_collect(bool on) override {
-    bind();
-    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    synchronize();
     if (on) {
       IRIS_CUDA_CHECK(cudaProfilerStart());
     } else {
@@ -269,7 +302,8 @@ class CudaBackend final : public Backend {
     return ms;
   }
 
-  void* native_stream() override { return stream(); }
+  // Graph capture starts and ends on the main stream; side work joins it through events.
+  void* native_stream() override { return stream_->get(); }
   size_t device_memory_in_use() override {
     size_t free_bytes = 0, total_bytes = 0;
     IRIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -288,7 +322,7 @@ class CudaBackend final : public Backend {
       cuda::launch_gemv(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, stream());
       return;
     }
-    gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, false, stream());
+    gemm().run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, accumulate, false, stream());
   }
 
   void linear_gelu_tanh(const Tensor& y, const Tensor& x, const Tensor& w,
@@ -305,8 +339,8 @@ class CudaBackend final : public Backend {
     }
     // cuBLASLt's GELU epilogue: the activation is applied to the f32 sum before the one rounding,
     // which saves a kernel and a round trip of the [M, N] activation through memory.
-    if (gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, true, stream())) return;
-    gemm_->run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, false, stream());
+    if (gemm().run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, true, stream())) return;
+    gemm().run(bf(y), cbf(x), cbf(w), cbf_opt(bias), m, n, k, false, false, stream());
     cuda::launch_gelu_tanh(bf(y), cbf(y), y.numel(), stream());
   }
 
@@ -498,6 +532,7 @@ class CudaBackend final : public Backend {
     check_aligned(k_cache, 16, "attention_causal", "k_cache");
     check_aligned(v_cache, 16, "attention_causal", "v_cache");
     check_aligned(out, 4, "attention_causal", "out");
+    main_only("attention_causal");
     cuda::launch_attention_causal(bf(out), cbf(qkv), cbf(k_cache), cbf(v_cache), ci32(past_len),
                                   qkv.rows(), k_cache.rows(), n_q_heads, n_kv_heads, head_dim,
                                   scale, scratch_, num_sms_, stream());
@@ -553,6 +588,7 @@ class CudaBackend final : public Backend {
     check_index(out, "argmax_rows", "out");
     IRIS_CHECK(out.numel() == x.rows() && x.cols() > 0, "argmax_rows: out ", out.shape_str(),
                " should have one entry per row of x ", x.shape_str());
+    main_only("argmax_rows");
     cuda::launch_argmax_rows(static_cast<int32_t*>(out.data), cbf(x), x.rows(), x.cols(),
                              static_cast<unsigned long long*>(argmax_keys_.get()),
                              kArgmaxScratchRows, stream());
@@ -652,6 +688,13 @@ class CudaBackend final : public Backend {
     IRIS_CHECK(past_len.numel() >= 1, op, ": past_len is empty");
   }
 
+  // Ops whose scratch buffers exist once, for the main stream.
+  void main_only(const char* op) const {
+    IRIS_CHECK(!on_side_, op,
+               " cannot run as side work: its scratch buffers belong to the main "
+               "stream");
+  }
+
   int device_;
   std::string name_;
   int num_sms_ = 0;
@@ -665,7 +708,14 @@ class CudaBackend final : public Backend {
   DeviceBuffer decode_buffer_;
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
-  std::unique_ptr<cuda::LtGemm> gemm_;  // destroyed first: it uses workspace_
+  std::unique_ptr<Stream> side_stream_;
+  std::unique_ptr<Event> side_fork_, side_done_;
+  bool on_side_ = false, side_pending_ = false;
+  DeviceBuffer side_workspace_;
+  DeviceBuffer side_tune_scratch_;
+  // Destroyed before the workspaces they use.
+  std::unique_ptr<cuda::LtGemm> gemm_;
+  std::unique_ptr<cuda::LtGemm> side_gemm_;
 };
 
 }  // namespace
