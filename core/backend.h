@@ -164,6 +164,27 @@ class Backend {
   }
 };
 
+// Side work for a scope: begun on construction (when `active`), ended on destruction, also when
+// an op inside throws, so that a failed call does not leave later ops on the side stream.
+class SideWorkScope {
+ public:
+  SideWorkScope(Backend& be, bool active) : be_(active ? &be : nullptr) {
+    if (be_) be_->begin_side_work();
+  }
+  ~SideWorkScope() {
+    if (be_ == nullptr) return;
+    try {
+      be_->end_side_work();
+    } catch (...) {  // a destructor never throws; the error that unwound here is the one to see
+    }
+  }
+  SideWorkScope(const SideWorkScope&) = delete;
+  SideWorkScope& operator=(const SideWorkScope&) = delete;
+
+ private:
+  Backend* be_;
+};
+
 std::unique_ptr<Backend> make_cpu_backend();
 // Throws a clear error when Iris was built without CUDA or no GPU is present.
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);

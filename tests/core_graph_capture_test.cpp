@@ -339,6 +339,17 @@ TEST_F(CudaGraphs, SideWorkRefusesDecodeOpsAndMisnesting) {
   be_->end_side_work();
   be_->join_side_work();
   be_->argmax_rows(ids, x);
+  // An op that throws inside a scope leaves later ops on the main stream.
+  EXPECT_THROW(
+      {
+        const SideWorkScope side(*be_, true);
+        be_->argmax_rows(ids, x);
+      },
+      Error);
+  be_->argmax_rows(ids, x);
+  be_->begin_side_work();
+  be_->end_side_work();
+  be_->join_side_work();
   be_->synchronize();
 }
 

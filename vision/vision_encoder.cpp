@@ -205,11 +205,10 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
   // A deepstack merger's output feeds only the decoder, so once its norm has read x (which the
   // next layer updates in place) its two GEMMs run beside the remaining layers. At one small
   // image they are weight-streaming GEMMs beside latency-bound layers.
-  if (beside_layers) backend_.begin_side_work();
+  const SideWorkScope side(backend_, beside_layers);
   backend_.linear(hidden, normed, m.fc1_w, m.fc1_b, false);
   backend_.gelu_erf(hidden, hidden);
   backend_.linear(out.slice(0, Sm), hidden, m.fc2_w, m.fc2_b, false);
-  if (beside_layers) backend_.end_side_work();
 }
 
 VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
