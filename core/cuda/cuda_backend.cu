@@ -129,9 +129,10 @@ class CudaBackend final : public Backend {
     side_fork_ = std::make_unique<Event>();
     side_done_ = std::make_unique<Event>();
     side_workspace_.reset(allocate(kGemmWorkspaceBytes));
-    side_tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
+    // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
+    // scratch only receives trial outputs that nothing reads, so the two share it.
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
-                                                side_tune_scratch_.get(), kGemmTuneScratchBytes);
+                                                tune_scratch_.get(), kGemmTuneScratchBytes);
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
     scratch_.partial_sum = scratch_.partial_max + rows;
@@ -712,7 +713,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
   DeviceBuffer side_workspace_;
-  DeviceBuffer side_tune_scratch_;
   // Destroyed before the workspaces they use.
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
