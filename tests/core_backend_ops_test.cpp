@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -565,6 +566,44 @@ TEST_F(BackendOps, AttentionSegments) {
                                         c.hd, 1.f / std::sqrt(float(c.hd)), Tensor());
               return std::vector<Tensor>{out};
             });
+  }
+}
+
+// Keys past a segment's end inside its last key tile belong to the next image. Their weight is
+// exactly 0, but 0 * inf is NaN on the tensor cores, so a kernel must not multiply them at all:
+// with the next image's V rows infinite (or NaN), this image's rows still match the oracle.
+TEST_F(BackendOps, AttentionSegmentsIgnoreNonFiniteNeighbours) {
+  struct Case {
+    std::vector<int32_t> lengths;
+    int heads, hd;
+  };
+  const Case cases[] = {
+      {{200, 300}, 16, 64},  // wgmma kernel on sm_90a: the first image ends inside a 128-key tile
+      {{100, 156}, 4, 64},   // grouped kernel, 32-row blocks
+      {{700, 324}, 16, 72},  // grouped kernel, 128-row blocks
+      {{2100, 900}, 4, 72},  // wgmma kernel at head_dim 72
+  };
+  for (const Case& c : cases) {
+    const int32_t first = c.lengths[0];
+    const int64_t rows = first + c.lengths[1], hidden = int64_t{c.heads} * c.hd;
+    Rng rng(62);
+    std::vector<float> qkv_v = rng.normal(rows * 3 * hidden);
+    for (int64_t r = first; r < rows; ++r)
+      for (int64_t i = 0; i < hidden; ++i)
+        qkv_v[r * 3 * hidden + 2 * hidden + i] =
+            (i % 2 == 0) ? INFINITY : std::numeric_limits<float>::quiet_NaN();
+    const std::vector<int32_t> cu = {0, first, static_cast<int32_t>(rows)};
+    compare(
+        "attention_segments beside non-finite V, S=" + std::to_string(rows) + " heads " +
+            std::to_string(c.heads) + " hd " + std::to_string(c.hd),
+        kAttention, [&](Side& s) {
+          Tensor qkv = s.make(Kind::act, {rows, 3 * hidden}, qkv_v);
+          Tensor cu_t = s.make_i32({3}, cu);
+          Tensor out = s.make(Kind::act, {rows, hidden}, std::vector<float>(rows * hidden, 0.f));
+          s.be().attention_segments(out, qkv, cu_t, 2, c.heads, c.hd, 1.f / std::sqrt(float(c.hd)),
+                                    Tensor());
+          return std::vector<Tensor>{out.slice(0, first)};  // the finite image only
+        });
   }
 }
 
