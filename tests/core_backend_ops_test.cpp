@@ -783,6 +783,38 @@ TEST_F(BackendOps, AttentionCausal) {
   }
 }
 
+// Cache rows past the causal limit may hold anything (a previous, longer sequence; memory never
+// written). Keys there get weight 0, but 0 * NaN is NaN: the prefill kernels must keep them out
+// of the product, not only out of the softmax.
+TEST_F(BackendOps, AttentionCausalIgnoresNonFiniteCacheRowsPastTheLimit) {
+  const CausalCase cases[] = {
+      {16, 8, 128, 512, 0, 100},      // prefill ending inside a key tile
+      {16, 8, 128, 512, 40, 33},      // chunked prefill
+      {32, 8, 128, 2048, 300, 1100},  // several query tiles after a cached prefix
+      {4, 2, 16, 64, 5, 3},           // the mma.sync kernels
+  };
+  for (const CausalCase& c : cases) {
+    compare("attention_causal beside non-finite cache rows " + causal_name(c), kAttention,
+            [&](Side& s) {
+              Rng rng(81);
+              const int64_t width = int64_t{c.nkv} * c.hd, qkv_w = int64_t{c.nq + 2 * c.nkv} * c.hd;
+              std::vector<float> cache = cache_values(rng, c);
+              for (int64_t i = (c.past + c.t) * width; i < c.max_len * width; ++i)
+                cache[i] = (i % 2 == 0) ? std::numeric_limits<float>::quiet_NaN() : INFINITY;
+              Tensor qkv = s.make(Kind::act, {c.t, qkv_w}, rng.normal(c.t * qkv_w));
+              Tensor kc = s.make(Kind::act, {c.max_len, width}, cache);
+              Tensor vc = s.make(Kind::act, {c.max_len, width}, cache);
+              Tensor past = s.make_i32({1}, {static_cast<int32_t>(c.past)});
+              Tensor out = s.make(Kind::act, {c.t, int64_t{c.nq} * c.hd},
+                                  std::vector<float>(c.t * c.nq * c.hd, 0.f));
+              s.be().kv_store(kc, vc, qkv, past, c.nq, c.nkv, c.hd);
+              s.be().attention_causal(out, qkv, kc, vc, past, c.nq, c.nkv, c.hd,
+                                      1.f / std::sqrt(float(c.hd)));
+              return std::vector<Tensor>{out};
+            });
+  }
+}
+
 // ---- gathers, scatters, reductions ----
 
 TEST_F(BackendOps, Embedding) {

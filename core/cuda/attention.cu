@@ -929,12 +929,9 @@ struct WgShape {
   static constexpr int kQBytes = kWgBr * kRowBytes;
   static constexpr int kTileBytes = kBc * kRowBytes;
   static constexpr size_t kPipeBytes = kQBytes + 2 /*K,V*/ * kWgStages * kTileBytes;
-  // The TMA variant's mbarriers only: at head_dim 128 another 48 bytes would leave room for one
-  // block per SM instead of two.
-  static constexpr size_t smem_bytes(bool tma) {
-    return 1024 /*alignment slack*/ + kPipeBytes +
-           (tma ? 2 * kWgStages * sizeof(uint64_t) /*mbarriers*/ : 0);
-  }
+  // The TMA variant's mbarriers live in the alignment slack (flash_wgmma_kernel): at head_dim
+  // 128 another 48 bytes would leave room for one block per SM instead of two.
+  static constexpr size_t kSmemBytes = 1024 /*alignment slack*/ + kPipeBytes;
   // Byte offset of 16-byte chunk c (0 .. kLoadChunks - 1) of row r in a tile of `rows` rows.
   __device__ static int chunk_offset(int rows, int r, int c) {
     if (c < kSub * 8) return (c / 8) * rows * 128 + sw128_offset(r, c % 8);
@@ -942,20 +939,22 @@ struct WgShape {
   }
 };
 
-// kTma (head_dim 64 segments): K and V tiles arrive by TMA (k_map, v_map: boxes of 64 columns x
-// 128 keys of the K and V columns, in the 128-byte swizzle), each stage on its own mbarrier, so
-// that two tiles are in flight while one is multiplied; with cp.async a wait covers every copy
-// in flight, which kept only one tile ahead. Keys past the block's end are then the next
-// segment's (or zeros past the tensor): their scores are masked to -inf and their V rows zeroed
-// in shared memory, so the result is the same bits as with zero-filled copies. On an H100 (16
-// heads, `iris bench --only attention`): 3136 patches 132 -> 108 us, 7056 639 -> 516, 8 x 784
-// 97 -> 87. The causal head_dim-128 prefill keeps cp.async: its keys past the limit are KV-cache
-// rows that may hold anything.
+// kTma (head_dim 64 segments, head_dim 128 causal): K and V tiles arrive by TMA (k_map, v_map:
+// boxes of 64 columns x 128 keys of the K and V columns, in the 128-byte swizzle), each stage on
+// its own mbarrier, so that two tiles are in flight while one is multiplied; with cp.async a wait
+// covers every copy in flight, which kept only one tile ahead. Keys past the block's end are then
+// the next segment's (or zeros past the tensor): their scores are masked to -inf and their V rows
+// zeroed in shared memory, so the result is the same bits as with zero-filled copies. On an H100
+// (16 heads, `iris bench --only attention`): 3136 patches 132 -> 108 us, 7056 639 -> 516, 8 x 784
+// 97 -> 87. The causal head_dim-128 prefill loads K and V (two 64-column boxes per tile) from
+// the KV cache the same way: there the keys past the limit are cache rows that may hold anything,
+// which the masked scores and zeroed V rows keep out as well.
 template <int HD, bool kCausal, bool kTma>
 __global__ void __launch_bounds__(kWgThreads, 2)
     flash_wgmma_kernel(const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, FlashParams p) {
-  static_assert(!kTma || (HD == 64 && !kCausal), "TMA tiles: head_dim 64 segments");
+  static_assert(!kTma || (HD == 64 && !kCausal) || (HD == 128 && kCausal),
+                "TMA tiles: head_dim 64 segments and the head_dim 128 causal prefill");
   using S = WgShape<HD>;
   constexpr int BC = S::kBc, kSub = S::kSub, kChunks = S::kLoadChunks, kRealChunks = HD / 8;
   extern __shared__ __align__(16) unsigned char wg_smem_raw[];
@@ -963,9 +962,13 @@ __global__ void __launch_bounds__(kWgThreads, 2)
       (reinterpret_cast<uintptr_t>(wg_smem_raw) + 1023) & ~uintptr_t{1023});
   // Each tile is its kSub sub-tiles [rows][64 columns] and tail, one after the other.
   unsigned char* q_tile = smem;
-  unsigned char* k_tiles = smem + S::kQBytes;                            // [3 stages]
-  unsigned char* v_tiles = k_tiles + kWgStages * S::kTileBytes;          // [3 stages]
-  uint64_t* k_full = reinterpret_cast<uint64_t*>(smem + S::kPipeBytes);  // kTma: per stage
+  unsigned char* k_tiles = smem + S::kQBytes;                    // [3 stages]
+  unsigned char* v_tiles = k_tiles + kWgStages * S::kTileBytes;  // [3 stages]
+  // kTma: a barrier per K and per V stage, in the slack before the aligned tiles where it has
+  // room for them (it is 16-byte aligned at least), else in the slack after them.
+  constexpr int kBarrierBytes = 2 * kWgStages * sizeof(uint64_t);
+  uint64_t* k_full = reinterpret_cast<uint64_t*>(
+      smem - wg_smem_raw >= kBarrierBytes ? smem - kBarrierBytes : smem + S::kPipeBytes);
   uint64_t* v_full = k_full + kWgStages;
   pdl_launch_dependents();
   pdl_wait();
@@ -1012,16 +1015,16 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     cp_async_commit();
   };
   // kTma: tile t's K (or V) lands in stage t % 3 and completes phase (t / 3) % 2 of its barrier.
-  auto load_k_tma = [&](int t) {
-    mbarrier_arrive_expect_tx(&k_full[t % kWgStages], S::kTileBytes);
-    tma_load_2d(k_tiles + (t % kWgStages) * S::kTileBytes, &k_map, &k_full[t % kWgStages],
-                kv_head * HD, static_cast<int>(kv_begin) + t * BC);
+  // A tile is its kSub boxes of 64 columns, one per sub-tile.
+  auto load_tma = [&](unsigned char* tiles, const CUtensorMap& map, uint64_t* full, int t) {
+    mbarrier_arrive_expect_tx(&full[t % kWgStages], S::kTileBytes);
+#pragma unroll
+    for (int h = 0; h < kSub; ++h)
+      tma_load_2d(tiles + (t % kWgStages) * S::kTileBytes + h * BC * 128, &map,
+                  &full[t % kWgStages], kv_head * HD + h * 64, static_cast<int>(kv_begin) + t * BC);
   };
-  auto load_v_tma = [&](int t) {
-    mbarrier_arrive_expect_tx(&v_full[t % kWgStages], S::kTileBytes);
-    tma_load_2d(v_tiles + (t % kWgStages) * S::kTileBytes, &v_map, &v_full[t % kWgStages],
-                kv_head * HD, static_cast<int>(kv_begin) + t * BC);
-  };
+  auto load_k_tma = [&](int t) { load_tma(k_tiles, k_map, k_full, t); };
+  auto load_v_tma = [&](int t) { load_tma(v_tiles, v_map, v_full, t); };
   if constexpr (kTma) {
     cp_async_commit();  // Q
     if (tid == 0) {
@@ -1149,7 +1152,9 @@ __global__ void __launch_bounds__(kWgThreads, 2)
         const int valid = static_cast<int>(kv_end - (kv_begin + static_cast<int64_t>(t) * BC));
         if (valid < BC) {
           uint4* vs = reinterpret_cast<uint4*>(v_tiles + (t % kWgStages) * S::kTileBytes);
-          for (int i = valid * 8 + tid; i < BC * 8; i += kWgThreads) vs[i] = make_uint4(0, 0, 0, 0);
+          const int per_sub = (BC - valid) * 8;  // 16-byte chunks past the end, per sub-tile
+          for (int i = tid; i < kSub * per_sub; i += kWgThreads)
+            vs[(i / per_sub) * BC * 8 + valid * 8 + i % per_sub] = make_uint4(0, 0, 0, 0);
           fence_async_shared();  // generic stores, read by wgmma through the async proxy
         }
       }
@@ -1266,7 +1271,7 @@ void launch_wgmma(const FlashParams& p, dim3 grid, cudaStream_t s, int64_t kv_ro
     v_map = tile_map(p.v, kv_rows, kv_cols, p.kv_stride, WgShape<HD>::kBc);
   }
   launch_programmatic(flash_wgmma_kernel<HD, kCausal, kTma>, grid, dim3(kWgThreads),
-                      WgShape<HD>::smem_bytes(kTma), s, k_map, v_map, p);
+                      WgShape<HD>::kSmemBytes, s, k_map, v_map, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1274,7 +1279,7 @@ template <int HD, bool kCausal, bool kTma = false>
 void set_wgmma_smem() {
   IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_wgmma_kernel<HD, kCausal, kTma>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(WgShape<HD>::smem_bytes(kTma))));
+                                       static_cast<int>(WgShape<HD>::kSmemBytes)));
 }
 
 // Causal prefill: the wide kernel wins once its 128-row tiles fill every SM about twice; below
@@ -1654,6 +1659,7 @@ void attention_init() {
     set_wgmma_smem<64, false, true>();
     set_wgmma_smem<72, false>();
     set_wgmma_smem<128, true>();
+    set_wgmma_smem<128, true, true>();
     // The tensor-map encoder is a driver entry point that the runtime hands out, so Iris needs
     // no link against libcuda.
     void* fn = nullptr;
@@ -1789,7 +1795,10 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   // 26 -> 16 against the 64-row kernel, 33 tokens 5.2 -> 4.8.
   if (g_wgmma_attention && head_dim == 128 && scale > 0.f) {
     const int64_t q_tiles = (tokens + kWgBr - 1) / kWgBr;
-    return launch_wgmma<128, true>(p, dim3(n_q_heads, static_cast<unsigned>(q_tiles)), s);
+    const dim3 grid(n_q_heads, static_cast<unsigned>(q_tiles));
+    if (g_encode_tiled != nullptr && aligned16(k_cache) && aligned16(v_cache))
+      return launch_wgmma<128, true, true>(p, grid, s, max_len, p.kv_stride);
+    return launch_wgmma<128, true>(p, grid, s);
   }
   const int64_t wide_tiles = (tokens + kWideBr - 1) / kWideBr;
   if (use_wide(wide_tiles * n_q_heads, tokens, scale, num_sms))
