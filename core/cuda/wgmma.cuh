@@ -1,6 +1,6 @@
-// Hopper building blocks shared by the attention and GEMM kernels: cp.async copies into shared
-// memory, warpgroup MMAs (wgmma) on bf16 with f32 accumulation, and the descriptors of
-// 128-byte-swizzled tiles that wgmma reads.
+// Hopper (sm_90a) building blocks of the attention kernels: cp.async copies into shared memory,
+// warpgroup MMAs (wgmma) on bf16 with f32 accumulation, the descriptors of the tiles that wgmma
+// reads, and TMA tile copies that complete on mbarriers.
 #pragma once
 
 #include <cstdint>
