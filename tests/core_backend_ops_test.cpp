@@ -578,10 +578,13 @@ TEST_F(BackendOps, AttentionSegmentsIgnoreNonFiniteNeighbours) {
     int heads, hd;
   };
   const Case cases[] = {
-      {{200, 300}, 16, 64},  // wgmma kernel on sm_90a: the first image ends inside a 128-key tile
-      {{100, 156}, 4, 64},   // grouped kernel, 32-row blocks
-      {{700, 324}, 16, 72},  // grouped kernel, 128-row blocks
-      {{2100, 900}, 4, 72},  // wgmma kernel at head_dim 72
+      // head_dim 64 takes the wgmma kernel (TMA tiles) on sm_90a, the grouped one elsewhere;
+      // the first image ends inside a 128-key tile
+      {{200, 300}, 16, 64},  {{100, 156}, 4, 64},
+      {{700, 324}, 16, 72},   // grouped kernel, 128-row blocks
+      {{300, 200}, 4, 72},    // grouped kernel, 32-row blocks
+      {{2100, 2100}, 4, 72},  // wgmma kernel at head_dim 72 (2048+ rows per segment)
+      {{600, 600}, 24, 72},   // wide kernel
   };
   for (const Case& c : cases) {
     const int32_t first = c.lengths[0];
