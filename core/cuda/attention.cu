@@ -1262,6 +1262,12 @@ CUtensorMap tile_map(const uint16_t* base, int64_t rows, int64_t cols, int64_t s
   return map;
 }
 
+// Whether K and V can be read by TMA: an encoder, and 16-byte aligned bases and rows (the
+// tensor-map rules).
+bool tma_tiles_possible(const FlashParams& p) {
+  return g_encode_tiled != nullptr && aligned16(p.k) && aligned16(p.v) && p.kv_stride % 8 == 0;
+}
+
 template <int HD, bool kCausal, bool kTma = false>
 void launch_wgmma(const FlashParams& p, dim3 grid, cudaStream_t s, int64_t kv_rows = 0,
                   int kv_cols = 0) {
@@ -1710,8 +1716,7 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
     case SegmentKernel::wgmma: {
       const dim3 grid = segment_grid(total_rows, kWgBr, n_segments, n_heads);
       if (head_dim != 64) return launch_wgmma<72, false>(p, grid, s);
-      // TMA needs 16-byte aligned K and V columns and rows (they are: hidden is a multiple of 64).
-      if (g_encode_tiled != nullptr && aligned16(p.k) && aligned16(p.v) && p.kv_stride % 8 == 0)
+      if (tma_tiles_possible(p))
         return launch_wgmma<64, false, true>(p, grid, s, total_rows, hidden);
       return launch_wgmma<64, false>(p, grid, s);
     }
@@ -1796,7 +1801,7 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   if (g_wgmma_attention && head_dim == 128 && scale > 0.f) {
     const int64_t q_tiles = (tokens + kWgBr - 1) / kWgBr;
     const dim3 grid(n_q_heads, static_cast<unsigned>(q_tiles));
-    if (g_encode_tiled != nullptr && aligned16(k_cache) && aligned16(v_cache))
+    if (tma_tiles_possible(p))
       return launch_wgmma<128, true, true>(p, grid, s, max_len, p.kv_stride);
     return launch_wgmma<128, true>(p, grid, s);
   }
