@@ -455,8 +455,10 @@ int run_bench_command(int argc, char** argv) {
   // figures above are taken a minute apart, and a host that slows down in between (other
   // tenants, clock changes) would skew their ratio; within a pair both sides see the same host.
   const int64_t paired_decode_steps = std::max<int64_t>(1, decode_steps / 4);
+  // The ratio is the median of the pairs' quotients; each side's median time goes beside it, so
+  // that a reader can set it against the single figures above.
   auto paired_speedup = [&](const std::function<void()>& run) {
-    std::vector<double> ratios;
+    std::vector<double> ratios, eager_ms, graphs_ms;
     for (int i = 0; i < iters; ++i) {
       double seconds[2];
       for (const bool with_graphs : {false, true}) {
@@ -474,9 +476,16 @@ int run_bench_command(int argc, char** argv) {
         seconds[with_graphs] = seconds_since(t0);
       }
       ratios.push_back(seconds[0] / seconds[1]);
+      eager_ms.push_back(seconds[0] * 1e3);
+      graphs_ms.push_back(seconds[1] * 1e3);
     }
-    std::sort(ratios.begin(), ratios.end());
-    return ratios[ratios.size() / 2];
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    return json{{"ratio", median(ratios)},
+                {"eager_ms", median(eager_ms)},
+                {"graphs_ms", median(graphs_ms)}};
   };
   if (wanted("vision")) {
     const std::vector<GridTHW> tiny = {grid_of(side_tiny)};
@@ -535,12 +544,20 @@ int run_bench_command(int argc, char** argv) {
                   mode, n_multi, results[mode]["vision_multi_over_single"].get<double>(), iters);
   const json& paired = results["paired_speedup"];
   if (wanted("decode"))
-    std::printf("graphs vs eager: decode %.2fx (median of %d alternating pairs of %lld steps)\n",
-                paired["decode"].get<double>(), iters, static_cast<long long>(paired_decode_steps));
-  if (wanted("vision"))
-    std::printf("graphs vs eager: vision 1x%lld %.2fx (median of %d alternating pairs)\n",
-                static_cast<long long>(side_tiny),
-                paired["vision_1x" + std::to_string(side_tiny)].get<double>(), iters);
+    std::printf(
+        "graphs vs eager: decode %.2fx (eager %.2f ms, graphs %.2f ms; median of %d alternating "
+        "pairs of %lld steps)\n",
+        paired["decode"]["ratio"].get<double>(), paired["decode"]["eager_ms"].get<double>(),
+        paired["decode"]["graphs_ms"].get<double>(), iters,
+        static_cast<long long>(paired_decode_steps));
+  if (wanted("vision")) {
+    const json& v = paired["vision_1x" + std::to_string(side_tiny)];
+    std::printf(
+        "graphs vs eager: vision 1x%lld %.2fx (eager %.2f ms, graphs %.2f ms; median of %d "
+        "alternating pairs)\n",
+        static_cast<long long>(side_tiny), v["ratio"].get<double>(), v["eager_ms"].get<double>(),
+        v["graphs_ms"].get<double>(), iters);
+  }
   std::printf("graphs hold %.1f MiB\n", graph_mib);
   if (!peer_results.is_null()) {
     const json& best = results["graphs"];
