@@ -82,8 +82,9 @@ int run_generate_command(int argc, char** argv) {
                  "for parity checks against other implementations");
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
-               "run eagerly on the GPU (graphs are on by "
-               "default there)");
+               "run eagerly on the GPU; graphs are on by default there (cuda_graph_impl local, "
+               "inference_cuda_graph_scope block, vision_cuda_graph_impl local) unless a graph "
+               "flag below is given");
   // Every CUDA graph config key is a flag of the same name (lists comma-separated); they are
   // validated on every backend so a bad combination fails the same way everywhere.
   std::map<std::string, std::string> graph_values;
@@ -91,9 +92,7 @@ int run_generate_command(int argc, char** argv) {
     const std::string flag = graph_config_flag_name(key);
     auto* opt = app.add_option_function<std::string>(
         flag, [&graph_values, key](const std::string& v) { graph_values[key] = v; },
-        is_deprecated_graph_config_key(key) ? "CUDA graph setting (deprecated, migrated with a "
-                                              "warning)"
-                                            : "CUDA graph setting");
+        graph_config_key_help(key));
     if (key == "enable_cuda_graph" || key == "external_cuda_graph") opt->expected(0, 1);
   }
   try {

@@ -596,6 +596,78 @@ bool is_deprecated_graph_config_key(std::string_view key) {
   return k->deprecated;
 }
 
+GraphKeyDoc graph_config_key_doc(std::string_view key) {
+  const std::string k = normalize_key(key);
+  IRIS_CHECK(find_key(k), kPrefix, "unknown key '", key, "'; valid keys: ", all_keys_text());
+  auto one_of = [](const auto& choices) {
+    std::string out = "one of ";
+    for (const auto& c : choices) out += (out.size() > 7 ? "|" : "") + std::string(c.name);
+    return out;
+  };
+  auto list_of = [](const auto& choices) {
+    std::string out = "list of ";
+    for (const auto& c : choices) out += (out.size() > 8 ? "|" : "") + std::string(c.name);
+    return out;
+  };
+  GraphKeyDoc d;
+  if (k == "cuda_graph_impl") {
+    d = {one_of(kImpls),
+         "language decoder graphs (deprecated transformer_engine migrates to local)"};
+  } else if (k == "cuda_graph_modules") {
+    d = {list_of(kModules),
+         "parts of each decoder layer a training graph captures; empty: the whole layer (checked "
+         "now; inference graphs take whole layers)"};
+  } else if (k == "inference_cuda_graph_scope") {
+    d = {one_of(kInferenceScopes),
+         "decode-step graphs: block = one graph per step, layer = one per decoder layer; impl "
+         "local allows layer (its default) or block, other impls only none"};
+  } else if (k == "cuda_graph_warmup_steps") {
+    d = {"integer", "eager calls before a graph is captured (the vision graphs use it too)"};
+  } else if (k == "vision_cuda_graph_impl") {
+    d = {one_of(kVisionImpls), "vision encoder graphs"};
+  } else if (k == "vision_cuda_graph_modules") {
+    d = {list_of(kVisionModules),
+         "parts of each vision block a training graph captures; empty: the whole block (checked "
+         "now; inference graphs take whole blocks)"};
+  } else if (k == "vision_inference_cuda_graph_scope") {
+    d = {one_of(kVisionScopes),
+         "block = one graph for the whole encoder, mergers included; layer = one per block"};
+  } else if (k == "max_vision_cuda_graph_seq_length") {
+    d = {"integer",
+         "most patches of one encoder call (summed over its images) that the graphs hold; 0: "
+         "derived from the model and its inputs"};
+  } else if (k == "vision_cuda_graph_buckets") {
+    d = {"list of integers", str_cat("padded lengths, ascending; empty: powers of two from ",
+                                     kFirstDefaultBucket, ", then the maximum")};
+  } else if (k == "vision_cuda_graph_overflow") {
+    d = {one_of(kOverflows),
+         "a call above the largest bucket: eager runs it without a graph (with a warning), "
+         "error refuses it"};
+  } else if (k == "enable_cuda_graph" || k == "external_cuda_graph") {
+    d = {"boolean", "deprecated: true migrates to cuda_graph_impl local"};
+  } else if (k == "cuda_graph_scope") {
+    d = {"list",
+         "deprecated name of cuda_graph_modules; full_iteration, full_iteration_inference and "
+         "full migrate to impl and scope settings"};
+  } else {
+    d = {"list", "deprecated (Megatron-Bridge) name of vision_cuda_graph_modules"};
+  }
+  if (!find_key(k)->deprecated) {
+    // The default is what an empty input resolves to, so that the text cannot drift from it.
+    const std::string all = describe(parse_graph_configs({}));
+    const size_t at = all.find(k + ": ");
+    const size_t from = at + k.size() + 2;
+    d.default_value = all.substr(from, all.find('\n', from) - from);
+  }
+  return d;
+}
+
+std::string graph_config_key_help(std::string_view key) {
+  const GraphKeyDoc d = graph_config_key_doc(key);
+  if (is_deprecated_graph_config_key(key)) return str_cat(d.doc, " (", d.type, ")");
+  return str_cat(d.doc, " (", d.type, ", default ", d.default_value, ")");
+}
+
 std::string graph_config_flag_name(std::string_view key) {
   std::string flag = "--" + normalize_key(key);
   std::replace(flag.begin(), flag.end(), '_', '-');

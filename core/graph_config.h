@@ -112,6 +112,15 @@ void finalize_graph_configs(GraphConfigs& cfg, const GraphModelTraits& model);
 // Every accepted key, new ones first, then the deprecated ones; for wiring CLI flags.
 const std::vector<std::string>& graph_config_keys();
 bool is_deprecated_graph_config_key(std::string_view key);
+// What a key sets, for help texts and the recipe schema.
+struct GraphKeyDoc {
+  std::string type;           // "one of none|local", "list of attn|mlp", "integer", ...
+  std::string doc;            // what it sets
+  std::string default_value;  // as describe() prints it; empty for deprecated keys
+};
+GraphKeyDoc graph_config_key_doc(std::string_view key);
+// One line for a CLI's help: doc, type and default.
+std::string graph_config_key_help(std::string_view key);
 // "cuda_graph_impl" -> "--cuda-graph-impl".
 std::string graph_config_flag_name(std::string_view key);
 

@@ -126,6 +126,8 @@ TEST(AppGenerate, HelpListsFlagsWithDefaults) {
         "--json", "--cuda-graph-impl", "--vision-cuda-graph-buckets", "--no-cuda-graphs"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   EXPECT_NE(r.out.find("INT=128"), std::string::npos);
+  // Graph flags say what they take, not only that they are graph settings.
+  EXPECT_NE(r.out.find("one of none|local|full_iteration"), std::string::npos) << r.out;
 }
 
 void expect_error(const RunResult& r, const std::string& needle) {

@@ -772,6 +772,43 @@ TEST(GraphConfigFlags, KeysAndFlagNames) {
   EXPECT_THROW(is_deprecated_graph_config_key("cuda_graph"), Error);
 }
 
+TEST(GraphConfigFlags, HelpNamesValuesAndDefaults) {
+  for (const auto& k : graph_config_keys()) {
+    const std::string help = graph_config_key_help(k);
+    EXPECT_EQ(help.rfind("deprecated", 0) == 0, is_deprecated_graph_config_key(k))
+        << k << ": " << help;
+    // Every value a doc's type names parses.
+    const GraphKeyDoc doc = graph_config_key_doc(k);
+    if (doc.type.rfind("one of ", 0) == 0 && !is_deprecated_graph_config_key(k)) {
+      std::string values = doc.type.substr(7);
+      for (size_t at = 0; at <= values.size();) {
+        const size_t bar = std::min(values.find('|', at), values.size());
+        const std::string value = values.substr(at, bar - at);
+        GraphConfigInput in = {{k, value}};
+        // A decoder scope other than none needs impl local.
+        if (k == "inference_cuda_graph_scope" && value != "none")
+          in.insert(in.begin(), {"cuda_graph_impl", "local"});
+        EXPECT_NO_THROW(parse_graph_configs(in)) << k << "=" << value;
+        at = bar + 1;
+      }
+    }
+  }
+  auto expect_mentions = [](const std::string& key, std::vector<std::string> words) {
+    const std::string help = graph_config_key_help(key);
+    for (const auto& w : words) EXPECT_NE(help.find(w), std::string::npos) << key << ": " << help;
+  };
+  expect_mentions("cuda_graph_impl", {"one of none|local|full_iteration, default none"});
+  expect_mentions("--vision-cuda-graph-impl", {"one of none|local, default none"});
+  expect_mentions("cuda_graph_modules", {"list of attn|mlp|moe|moe_router|moe_preprocess"});
+  expect_mentions("vision_cuda_graph_modules", {"list of attn|mlp, default []"});
+  expect_mentions("inference_cuda_graph_scope", {"one of none|layer|block"});
+  expect_mentions("vision_inference_cuda_graph_scope", {"one of layer|block, default block"});
+  expect_mentions("vision_cuda_graph_overflow", {"one of eager|error, default eager"});
+  expect_mentions("vision_cuda_graph_buckets", {"powers of two from 256"});
+  expect_mentions("cuda_graph_warmup_steps", {"integer, default 3"});
+  EXPECT_THROW(graph_config_key_help("cuda_graph"), Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bucket choice at run time
 

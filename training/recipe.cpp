@@ -930,44 +930,12 @@ std::vector<RecipeKey> recipe_schema() {
     if (f.key == "model.hf_dir")
       out.push_back({"model.config", "path or map", "null", kModelConfigDoc});
   }
-  // Types and docs of the graph keys; core/graph_config.h is the authority on their values.
-  static const std::map<std::string, std::pair<std::string, std::string>> kGraphDocs = {
-      {"cuda_graph_impl",
-       {"one of none|local|full_iteration",
-        "language decoder graphs (deprecated "
-        "transformer_engine migrates to local)"}},
-      {"cuda_graph_modules",
-       {"list of attn|mlp|moe|moe_router|moe_preprocess",
-        "parts of each decoder layer captured; empty: the whole layer"}},
-      {"inference_cuda_graph_scope",
-       {"one of none|layer|block", "inference granularity of the language graphs"}},
-      {"cuda_graph_warmup_steps",
-       {"integer", "eager steps before capture (the vision engine uses it too)"}},
-      {"vision_cuda_graph_impl", {"one of none|local", "vision encoder graphs"}},
-      {"vision_cuda_graph_modules",
-       {"list of attn|mlp", "parts of each vision block captured; empty: the whole block"}},
-      {"vision_inference_cuda_graph_scope",
-       {"one of layer|block", "block captures the whole encoder, mergers included"}},
-      {"max_vision_cuda_graph_seq_length",
-       {"integer", "patches of one encoder call the graphs hold; 0: derived from the model"}},
-      {"vision_cuda_graph_buckets",
-       {"list of integers",
-        "padded lengths, ascending; empty: powers of two from 256, then the "
-        "maximum"}},
-      {"vision_cuda_graph_overflow",
-       {"one of eager|error", "what a call above the largest bucket does"}},
-  };
-  const GraphConfigs defaults = parse_graph_configs({});
-  const YAML::Node described = YAML::Load(describe(defaults));
   for (const std::string& k : graph_config_keys()) {
     if (is_deprecated_graph_config_key(k)) continue;
-    YAML::Emitter e;
-    e << YAML::Flow << described[k];
-    const auto doc = kGraphDocs.find(k);
-    const std::string flag = " (flag " + graph_config_flag_name(k) + " of iris generate)";
-    out.push_back(
-        {"cuda_graph." + k, doc != kGraphDocs.end() ? doc->second.first : "see core/graph_config.h",
-         e.c_str(), (doc != kGraphDocs.end() ? doc->second.second : "CUDA graph setting") + flag});
+    const GraphKeyDoc doc = graph_config_key_doc(k);
+    out.push_back({"cuda_graph." + k, doc.type,
+                   doc.default_value.empty() ? "[]" : doc.default_value,
+                   doc.doc + " (flag " + graph_config_flag_name(k) + " of iris generate)"});
   }
   return out;
 }
