@@ -32,11 +32,17 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Median of `iters` timed runs of fn (after one warm-up), in seconds.
+// Median of `iters` timed runs of fn, in seconds. The warm-up repeats fn for at least 100 ms: a
+// GPU left idle (during graph capture, say) drops its clocks and takes a while to raise them, and
+// one warm-up call of a 1 ms phase was not enough (an H100 run timed graphs vision 1x256 at
+// 5.49 ms while its device span, taken next, was 1.34 ms).
 template <typename F>
 double time_median(Backend& be, int iters, F&& fn) {
-  fn();
-  be.synchronize();
+  const auto warm0 = Clock::now();
+  do {
+    fn();
+    be.synchronize();
+  } while (seconds_since(warm0) < 0.1);
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     const auto t0 = Clock::now();
@@ -46,6 +52,53 @@ double time_median(Backend& be, int iters, F&& fn) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Alternating pairs of two timed runs (first, second), in ms: the median of the quotients
+// second / first, and each side's median and range. The pairs keep a slow drift of the host out
+// of the quotient, but not stalls: on a shared GPU machine the host-bound eager side has been
+// seen to swing from 1.4 to 5 ms within one set of pairs, which made a ratio look met that was
+// not. So a side whose slowest run exceeds 1.5x its fastest marks the set unstable, and the
+// printed line says so.
+json paired_stats(const std::vector<double>& first_ms, const std::vector<double>& second_ms) {
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<double> quotients;
+  for (size_t i = 0; i < first_ms.size(); ++i) quotients.push_back(second_ms[i] / first_ms[i]);
+  auto side = [&](const std::vector<double>& v) {
+    const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+    return json{{"median_ms", median(v)}, {"min_ms", *lo}, {"max_ms", *hi}};
+  };
+  const json a = side(first_ms), b = side(second_ms);
+  const bool unstable = a["max_ms"].get<double>() > 1.5 * a["min_ms"].get<double>() ||
+                        b["max_ms"].get<double>() > 1.5 * b["min_ms"].get<double>();
+  return json{{"second_over_first", median(quotients)},
+              {"first", a},
+              {"second", b},
+              {"pairs", first_ms.size()},
+              {"unstable", unstable}};
+}
+
+// "(eager 1.44 ms [1.40-1.52], graphs 1.28 ms [1.27-1.30]; median of 5 alternating pairs)".
+std::string describe_pairs(const json& p, const std::string& first, const std::string& second,
+                           const std::string& unit_note = "") {
+  auto side = [](const std::string& name, const json& s) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%s %.2f ms [%.2f-%.2f]", name.c_str(),
+                  s["median_ms"].get<double>(), s["min_ms"].get<double>(),
+                  s["max_ms"].get<double>());
+    return std::string(buf);
+  };
+  std::string out = "(" + side(first, p["first"]) + ", " + side(second, p["second"]) +
+                    "; median of " + std::to_string(p["pairs"].get<size_t>()) +
+                    " alternating pairs" + unit_note + ")";
+  if (p["unstable"].get<bool>())
+    out +=
+        "\n  UNSTABLE: a side's slowest run is over 1.5x its fastest (host stalls); do not "
+        "rely on this ratio, rerun on a quiet machine";
+  return out;
 }
 
 struct HardwareLimits {
@@ -323,20 +376,19 @@ int run_bench_command(int argc, char** argv) {
       vision_case(std::to_string(n_multi) + "x" + s1, multi);
       // The multi-image ratio from alternating pairs: the two figures above are taken seconds
       // apart, and a host stall during one of them alone would skew their quotient.
-      std::vector<double> ratios;
+      std::vector<double> single_ms, multi_ms;
       for (int i = 0; i < iters; ++i) {
-        double seconds[2];
         for (const int k : {0, 1}) {
           be->synchronize();
           const auto t0 = Clock::now();
           model.encode_images(pixels.data(), k == 0 ? one : multi);
           be->synchronize();
-          seconds[k] = seconds_since(t0);
+          (k == 0 ? single_ms : multi_ms).push_back(seconds_since(t0) * 1e3);
         }
-        ratios.push_back(seconds[1] / seconds[0]);
       }
-      std::sort(ratios.begin(), ratios.end());
-      r["vision_multi_over_single"] = ratios[ratios.size() / 2];
+      const json pairs = paired_stats(single_ms, multi_ms);
+      r["vision_multi_over_single"] = pairs["second_over_first"];
+      r["vision_multi_over_single_pairs"] = pairs;
     }
 
     model.encode_images(nullptr, {});
@@ -455,12 +507,11 @@ int run_bench_command(int argc, char** argv) {
   // figures above are taken a minute apart, and a host that slows down in between (other
   // tenants, clock changes) would skew their ratio; within a pair both sides see the same host.
   const int64_t paired_decode_steps = std::max<int64_t>(1, decode_steps / 4);
-  // The ratio is the median of the pairs' quotients; each side's median time goes beside it, so
-  // that a reader can set it against the single figures above.
+  // Each side's median time and range go beside the ratio (paired_stats), so that a reader can
+  // set it against the single figures above and see whether the host held still.
   auto paired_speedup = [&](const std::function<void()>& run) {
-    std::vector<double> ratios, eager_ms, graphs_ms;
+    std::vector<double> graphs_ms, eager_ms;
     for (int i = 0; i < iters; ++i) {
-      double seconds[2];
       for (const bool with_graphs : {false, true}) {
         if (with_graphs) {
           model.attach_graphs(&helper);
@@ -473,19 +524,13 @@ int run_bench_command(int argc, char** argv) {
         const auto t0 = Clock::now();
         run();
         be->synchronize();
-        seconds[with_graphs] = seconds_since(t0);
+        (with_graphs ? graphs_ms : eager_ms).push_back(seconds_since(t0) * 1e3);
       }
-      ratios.push_back(seconds[0] / seconds[1]);
-      eager_ms.push_back(seconds[0] * 1e3);
-      graphs_ms.push_back(seconds[1] * 1e3);
     }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
-    return json{{"ratio", median(ratios)},
-                {"eager_ms", median(eager_ms)},
-                {"graphs_ms", median(graphs_ms)}};
+    // graphs first, so that second / first is the speed-up of graphs over eager.
+    json p = paired_stats(graphs_ms, eager_ms);
+    p["ratio"] = p["second_over_first"];
+    return p;
   };
   if (wanted("vision")) {
     const std::vector<GridTHW> tiny = {grid_of(side_tiny)};
@@ -539,24 +584,24 @@ int run_bench_command(int argc, char** argv) {
     std::printf("\n");
   }
   if (wanted("vision"))
-    for (const char* mode : {"eager", "graphs"})
-      std::printf("%s: %d-image / 1-image vision time %.2fx (median of %d alternating pairs)\n",
-                  mode, n_multi, results[mode]["vision_multi_over_single"].get<double>(), iters);
+    for (const char* mode : {"eager", "graphs"}) {
+      const json& p = results[mode]["vision_multi_over_single_pairs"];
+      std::printf("%s: %d-image / 1-image vision time %.2fx %s\n", mode, n_multi,
+                  p["second_over_first"].get<double>(),
+                  describe_pairs(p, "1 image", std::to_string(n_multi) + " images").c_str());
+    }
   const json& paired = results["paired_speedup"];
-  if (wanted("decode"))
-    std::printf(
-        "graphs vs eager: decode %.2fx (eager %.2f ms, graphs %.2f ms; median of %d alternating "
-        "pairs of %lld steps)\n",
-        paired["decode"]["ratio"].get<double>(), paired["decode"]["eager_ms"].get<double>(),
-        paired["decode"]["graphs_ms"].get<double>(), iters,
-        static_cast<long long>(paired_decode_steps));
+  if (wanted("decode")) {
+    const json& p = paired["decode"];
+    std::printf("graphs vs eager: decode %.2fx %s\n", p["ratio"].get<double>(),
+                describe_pairs(p, "graphs", "eager",
+                               " of " + std::to_string(paired_decode_steps) + " steps")
+                    .c_str());
+  }
   if (wanted("vision")) {
-    const json& v = paired["vision_1x" + std::to_string(side_tiny)];
-    std::printf(
-        "graphs vs eager: vision 1x%lld %.2fx (eager %.2f ms, graphs %.2f ms; median of %d "
-        "alternating pairs)\n",
-        static_cast<long long>(side_tiny), v["ratio"].get<double>(), v["eager_ms"].get<double>(),
-        v["graphs_ms"].get<double>(), iters);
+    const json& p = paired["vision_1x" + std::to_string(side_tiny)];
+    std::printf("graphs vs eager: vision 1x%lld %.2fx %s\n", static_cast<long long>(side_tiny),
+                p["ratio"].get<double>(), describe_pairs(p, "graphs", "eager").c_str());
   }
   std::printf("graphs hold %.1f MiB\n", graph_mib);
   if (!peer_results.is_null()) {
