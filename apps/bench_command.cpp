@@ -33,9 +33,9 @@ double seconds_since(Clock::time_point t0) {
 }
 
 // Median of `iters` timed runs of fn, in seconds. The warm-up repeats fn for at least 100 ms: a
-// GPU left idle (during graph capture, say) drops its clocks and takes a while to raise them, and
-// one warm-up call of a 1 ms phase was not enough (an H100 run timed graphs vision 1x256 at
-// 5.49 ms while its device span, taken next, was 1.34 ms).
+// GPU left idle (during graph capture, say) can drop its clocks and take a while to raise them;
+// with one warm-up call of a 1 ms phase, an H100 run timed graphs vision 1x256 at 5.49 ms while
+// its device span, taken next, was 1.34 ms.
 template <typename F>
 double time_median(Backend& be, int iters, F&& fn) {
   const auto warm0 = Clock::now();
