@@ -599,16 +599,13 @@ bool is_deprecated_graph_config_key(std::string_view key) {
 GraphKeyDoc graph_config_key_doc(std::string_view key) {
   const std::string k = normalize_key(key);
   IRIS_CHECK(find_key(k), kPrefix, "unknown key '", key, "'; valid keys: ", all_keys_text());
-  auto one_of = [](const auto& choices) {
-    std::string out = "one of ";
-    for (const auto& c : choices) out += (out.size() > 7 ? "|" : "") + std::string(c.name);
+  auto names = [](const auto& choices) {
+    std::string out;
+    for (const auto& c : choices) out += (out.empty() ? "" : "|") + std::string(c.name);
     return out;
   };
-  auto list_of = [](const auto& choices) {
-    std::string out = "list of ";
-    for (const auto& c : choices) out += (out.size() > 8 ? "|" : "") + std::string(c.name);
-    return out;
-  };
+  auto one_of = [&](const auto& choices) { return "one of " + names(choices); };
+  auto list_of = [&](const auto& choices) { return "list of " + names(choices); };
   GraphKeyDoc d;
   if (k == "cuda_graph_impl") {
     d = {one_of(kImpls),
@@ -649,15 +646,23 @@ GraphKeyDoc graph_config_key_doc(std::string_view key) {
     d = {"list",
          "deprecated name of cuda_graph_modules; full_iteration, full_iteration_inference and "
          "full migrate to impl and scope settings"};
-  } else {
+  } else if (k == "vision_cuda_graph_scope") {
     d = {"list", "deprecated (Megatron-Bridge) name of vision_cuda_graph_modules"};
+  } else {
+    IRIS_FAIL(kPrefix, "key '", k, "' has no documentation; add it to graph_config_key_doc");
   }
   if (!find_key(k)->deprecated) {
-    // The default is what an empty input resolves to, so that the text cannot drift from it.
+    // The default is what an empty input resolves to (describe() prints one `key: value` line
+    // per key), so that the text cannot drift from it.
     const std::string all = describe(parse_graph_configs({}));
-    const size_t at = all.find(k + ": ");
-    const size_t from = at + k.size() + 2;
-    d.default_value = all.substr(from, all.find('\n', from) - from);
+    const std::string prefix = k + ": ";
+    for (size_t line = 0; line < all.size();) {
+      const size_t end = all.find('\n', line);
+      if (all.compare(line, prefix.size(), prefix) == 0)
+        d.default_value = all.substr(line + prefix.size(), end - line - prefix.size());
+      line = end + 1;
+    }
+    IRIS_CHECK(!d.default_value.empty(), kPrefix, "describe() prints no line for key '", k, "'");
   }
   return d;
 }

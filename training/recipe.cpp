@@ -933,8 +933,7 @@ std::vector<RecipeKey> recipe_schema() {
   for (const std::string& k : graph_config_keys()) {
     if (is_deprecated_graph_config_key(k)) continue;
     const GraphKeyDoc doc = graph_config_key_doc(k);
-    out.push_back({"cuda_graph." + k, doc.type,
-                   doc.default_value.empty() ? "[]" : doc.default_value,
+    out.push_back({"cuda_graph." + k, doc.type, doc.default_value,
                    doc.doc + " (flag " + graph_config_flag_name(k) + " of iris generate)"});
   }
   return out;
