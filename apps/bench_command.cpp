@@ -56,10 +56,10 @@ double time_median(Backend& be, int iters, F&& fn) {
 
 // Alternating pairs of two timed runs (first, second), in ms: the median of the quotients
 // second / first, and each side's median and range. The pairs keep a slow drift of the host out
-// of the quotient, but not stalls: on a shared GPU machine the host-bound eager side has been
-// seen to swing from 1.4 to 5 ms within one set of pairs, which made a ratio look met that was
-// not. So a side whose slowest run exceeds 1.5x its fastest marks the set unstable, and the
-// printed line says so.
+// of the quotient, but not stalls: on a shared H100 machine one side has been seen to double
+// within a set (one image with graphs, 2.40-4.79 ms), and a stalled host has printed vision 1x256
+// graphs-vs-eager 1.58x where steady runs give 1.12-1.22x. So a side whose slowest run exceeds
+// 1.5x its fastest marks the set unstable, and the printed line says so.
 json paired_stats(const std::vector<double>& first_ms, const std::vector<double>& second_ms) {
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -81,7 +81,7 @@ json paired_stats(const std::vector<double>& first_ms, const std::vector<double>
               {"unstable", unstable}};
 }
 
-// "(eager 1.44 ms [1.40-1.52], graphs 1.28 ms [1.27-1.30]; median of 5 alternating pairs)".
+// "(graphs 1.31 ms [1.30-1.33], eager 1.47 ms [1.46-1.56]; median of 5 alternating pairs)".
 std::string describe_pairs(const json& p, const std::string& first, const std::string& second,
                            const std::string& unit_note = "") {
   auto side = [](const std::string& name, const json& s) {
