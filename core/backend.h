@@ -125,6 +125,10 @@ class Backend {
   }
   // Causal GQA attention for T new queries at absolute rows past_len[0] + i, over cache rows
   // [0, past_len[0] + i]. out[T, n_q*head_dim]; query head h reads kv head h / (n_q / n_kv).
+  // With T = 1 the CUDA kernel reads past_len and the cache rows below past_len[0] while the ops
+  // just before it may still run: write those by copies or in earlier steps (as the decoder
+  // does: each step uploads past_len, and the new row past_len[0] may come from the op just
+  // before), never in the few ops before this call.
   virtual void attention_causal(const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
                                 const Tensor& v_cache, const Tensor& past_len, int n_q_heads,
                                 int n_kv_heads, int head_dim, float scale) = 0;

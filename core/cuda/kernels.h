@@ -100,7 +100,9 @@ struct DecodeScratch {
   int capacity_tickets = 0;      // kv heads the decode kernel serves
 };
 // Causal GQA attention of `tokens` new queries against the caches; past_len lives on the device.
-// A single token with a supported shape takes the split-K decode kernel.
+// A single token with a supported shape takes the split-K decode kernel, which reads past_len and
+// the cache rows below it before waiting for the kernel just before it (Backend::
+// attention_causal states the contract).
 void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t* k_cache,
                              const uint16_t* v_cache, const int32_t* past_len, int64_t tokens,
                              int64_t max_len, int n_q_heads, int n_kv_heads, int head_dim,
