@@ -1409,29 +1409,24 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attention_kernel(Decode
   const uint16_t* k_base = p.k_cache + static_cast<int64_t>(kv_head) * HD + c;
   const uint16_t* v_base = p.v_cache + static_cast<int64_t>(kv_head) * HD + c;
 
+  // Row u of a pass starting at key k0 sits in kv[u] and vv[u]; keys past `limit` load zeros.
   uint4 kv[kDecodeLoads], vv[kDecodeLoads];
+  auto load_row = [&](int u, int key, int limit) {
+    const int64_t off = static_cast<int64_t>(key) * p.kv_stride;
+    const bool valid = key < limit;
+    kv[u] = valid ? *reinterpret_cast<const uint4*>(k_base + off) : make_uint4(0, 0, 0, 0);
+    vv[u] = valid ? *reinterpret_cast<const uint4*>(v_base + off) : make_uint4(0, 0, 0, 0);
+  };
   auto load_pass = [&](int k0, int limit) {
 #pragma unroll
-    for (int u = 0; u < kDecodeLoads; ++u) {
-      const int key = k0 + u * kRowsPerLoad + row;
-      const int64_t off = static_cast<int64_t>(key) * p.kv_stride;
-      const bool valid = key < limit;
-      kv[u] = valid ? *reinterpret_cast<const uint4*>(k_base + off) : make_uint4(0, 0, 0, 0);
-      vv[u] = valid ? *reinterpret_cast<const uint4*>(v_base + off) : make_uint4(0, 0, 0, 0);
-    }
+    for (int u = 0; u < kDecodeLoads; ++u) load_row(u, k0 + u * kRowsPerLoad + row, limit);
   };
   int k0 = begin + warp * kWarpKeys;
   load_pass(k0, min(end, past));
   pdl_wait();
 #pragma unroll
-  for (int u = 0; u < kDecodeLoads; ++u) {
-    const int key = k0 + u * kRowsPerLoad + row;
-    if (key == past && key < end) {
-      const int64_t off = static_cast<int64_t>(key) * p.kv_stride;
-      kv[u] = *reinterpret_cast<const uint4*>(k_base + off);
-      vv[u] = *reinterpret_cast<const uint4*>(v_base + off);
-    }
-  }
+  for (int u = 0; u < kDecodeLoads; ++u)
+    if (k0 + u * kRowsPerLoad + row == past) load_row(u, past, end);
 
   float qf[MAXG][8];
 #pragma unroll
