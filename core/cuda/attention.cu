@@ -888,25 +888,17 @@ void set_wide_smem() {
 // Hopper flash attention (wgmma): head_dim 64/72 vision segments, head_dim 128 causal prefill
 // ----------------------------------------------------------------------------------------------
 
-// One warpgroup per block runs 64 query rows against 128-key tiles with warpgroup MMAs: S = Q K^T
+// One warpgroup per block runs 64 query rows against 64-key tiles with warpgroup MMAs: S = Q K^T
 // with Q and K from shared memory, O += P V with P from registers. The scores of tile j are
 // issued together with the PV product of tile j - 1, and the softmax of tile j runs while that
 // product is on the tensor cores (FlashAttention-3's intra-warpgroup overlap). Tiles are 128-byte
 // rows in the 128-byte swizzle that wgmma reads, filled by cp.async; three stages, because tile
-// j's K and tile j - 1's V are read together. Two blocks per SM. On an H100 (16 heads): one
-// 3136-patch image 182 -> 128 us against the wide mma.sync kernel, 7056 patches 717 -> 622,
-// 8 x 784 110 -> 96, a 1000-patch image padded to a 1024-row bucket 33 -> 17. Head_dim 128 (the
-// causal decoder prefill) takes 64-key tiles, in two 64-column sub-tiles per row; head_dim 72
-// (Qwen3-VL-4B/8B vision) 64-key tiles of one sub-tile plus a 16-column tail.
+// j's K and tile j - 1's V are read together. On an H100 (16 heads): one 3136-patch image
+// 182 -> 128 us against the wide mma.sync kernel, 7056 patches 717 -> 622, 8 x 784 110 -> 96, a
+// 1000-patch image padded to a 1024-row bucket 33 -> 17 (with 128-key tiles and two blocks per
+// SM at head_dim 64, before TMA). Head_dim 128 (the causal decoder prefill) has two 64-column
+// sub-tiles per row; head_dim 72 (Qwen3-VL-4B/8B vision) one sub-tile plus a 16-column tail.
 // Needs code compiled for sm_90a (CMakeLists.txt turns 90 into 90a).
-
-// Scores S = Q K^T of a 64-row x BC-key tile (overloads by width).
-__device__ __forceinline__ void wgmma_scores(float (&d)[64], uint64_t a, uint64_t b, int acc) {
-  wgmma_m64n128k16_ss(d, a, b, acc);
-}
-__device__ __forceinline__ void wgmma_scores(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-  wgmma_m64n64k16_ss(d, a, b, acc);
-}
 
 constexpr int kWgBr = 64;  // query rows per block: one warpgroup
 constexpr int kWgThreads = 128;
@@ -914,16 +906,20 @@ constexpr int kWgStages = 3;
 
 // Head dims 64 and 72 (vision) and 128 (the decoder). A row of Q, K or V is HD / 64 swizzled
 // sub-tiles of 64 columns (128 bytes), then for head_dim 72 a tail of 16 columns (72..79 zero) in
-// unswizzled core matrices: row r, chunk c at (r / 8) * 256 + c * 128 + (r % 8) * 16. Keys per
-// tile: 128 at head_dim 64, 64 otherwise, so that two blocks fit an SM's shared memory and the
-// score registers stay at 64 or fewer.
+// unswizzled core matrices: row r, chunk c at (r / 8) * 256 + c * 128 + (r % 8) * 16.
+// Head_dim 64 fits three blocks in an SM's shared memory, 128 two; a third block hides more of
+// each block's latency between its dependent steps than wider tiles do. 8 x 784 patches at
+// head_dim 64 took 87 us with 128-key tiles and two blocks per SM, 76 with 64-key tiles and three
+// (H100, `iris bench --only attention`); 3136 patches 106 -> 101, 7056 498 -> 496. Head_dim 72
+// stays at two blocks (not measured at three).
 template <int HD>
 struct WgShape {
   static constexpr int kSub = HD / 64;
   static constexpr bool kTail = HD % 64 != 0;
   static_assert(HD % 64 == 0 || HD % 64 == 8,
                 "64-column sub-tiles plus at most one 16-column tail");
-  static constexpr int kBc = HD == 64 ? 128 : 64;
+  static constexpr int kBc = 64;
+  static constexpr int kBlocksPerSm = HD == 64 ? 3 : 2;
   static constexpr int kRowBytes = kSub * 128 + (kTail ? 32 : 0);
   static constexpr int kLoadChunks = kRowBytes / 16;  // including the tail's zero chunk
   static constexpr int kQBytes = kWgBr * kRowBytes;
@@ -940,7 +936,7 @@ struct WgShape {
 };
 
 // kTma (head_dim 64 segments, head_dim 128 causal): K and V tiles arrive by TMA (k_map, v_map:
-// boxes of 64 columns x 128 keys of the K and V columns, in the 128-byte swizzle), each stage on
+// boxes of 64 columns x 64 keys of the K and V columns, in the 128-byte swizzle), each stage on
 // its own mbarrier, so that two tiles are in flight while one is multiplied; with cp.async a wait
 // covers every copy in flight, which kept only one tile ahead. Keys past the block's end are then
 // the next segment's (or zeros past the tensor): their scores are masked to -inf and their V rows
@@ -950,7 +946,7 @@ struct WgShape {
 // the KV cache the same way: there the keys past the limit are cache rows that may hold anything,
 // which the masked scores and zeroed V rows keep out as well.
 template <int HD, bool kCausal, bool kTma>
-__global__ void __launch_bounds__(kWgThreads, 2)
+__global__ void __launch_bounds__(kWgThreads, WgShape<HD>::kBlocksPerSm)
     flash_wgmma_kernel(const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, FlashParams p) {
   static_assert(!kTma || (HD == 64 && !kCausal) || (HD == 128 && kCausal),
@@ -1057,11 +1053,11 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     const unsigned char* ks = k_tiles + (it % kWgStages) * S::kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < kSub * 4; ++kk)
-      wgmma_scores(s, sw128_desc(q_tile + (kk / 4) * kWgBr * 128) + 2 * (kk % 4),
-                   sw128_desc(ks + (kk / 4) * BC * 128) + 2 * (kk % 4), kk > 0);
+      wgmma_m64n64k16_ss(s, sw128_desc(q_tile + (kk / 4) * kWgBr * 128) + 2 * (kk % 4),
+                         sw128_desc(ks + (kk / 4) * BC * 128) + 2 * (kk % 4), kk > 0);
     if constexpr (S::kTail)
-      wgmma_scores(s, interleave_desc(q_tile + kSub * kWgBr * 128, 128, 256),
-                   interleave_desc(ks + kSub * BC * 128, 128, 256), 1);
+      wgmma_m64n64k16_ss(s, interleave_desc(q_tile + kSub * kWgBr * 128, 128, 256),
+                         interleave_desc(ks + kSub * BC * 128, 128, 256), 1);
     wgmma_commit();
   };
   auto issue_pv = [&](int it, const uint32_t(&pa)[BC / 16][4]) {

@@ -39,19 +39,6 @@ __device__ __forceinline__ void cp_async_wait() {
       "+f"((d)[(o) + 20]), "+f"((d)[(o) + 21]), "+f"((d)[(o) + 22]), "+f"((d)[(o) + 23]), \
       "+f"((d)[(o) + 24]), "+f"((d)[(o) + 25]), "+f"((d)[(o) + 26]), "+f"((d)[(o) + 27]), \
       "+f"((d)[(o) + 28]), "+f"((d)[(o) + 29]), "+f"((d)[(o) + 30]), "+f"((d)[(o) + 31])
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (K-major).
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
-                                                    uint64_t desc_b, int accumulate) {
-  IRIS_SM90A_ASM(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
-      "25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%"
-      "48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, "
-      "0;\n}\n"
-      : IRIS_WGMMA_ACC32(d, 0), IRIS_WGMMA_ACC32(d, 32)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (K-major).
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                    int accumulate) {
