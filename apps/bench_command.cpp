@@ -20,6 +20,7 @@
 #include "bridge/random_weights.h"
 #include "bridge/vision_cuda_graph_helper.h"
 #include "core/arena.h"
+#include "core/graph_capture.h"
 #include "core/graph_config.h"
 
 namespace iris {
@@ -131,20 +132,43 @@ HardwareLimits measure_limits(Backend& be, bool quick, int iters) {
   return h;
 }
 
+// The vision tower's GEMMs for S patches: y[m,n] = x[m,k] w[n,k]^T + bias. fc1 carries the tanh
+// GELU in its epilogue; the attention projection and fc2 add into the residual stream.
+struct GemmShape {
+  int64_t m, n, k;
+  bool gelu_tanh = false, accumulate = false;
+  double flops() const { return 2.0 * double(m) * n * k; }
+};
+struct VisionGemms {
+  GemmShape patch_embed;
+  std::vector<GemmShape> block;  // qkv, proj, fc1, fc2
+  int blocks;
+  std::vector<GemmShape> merger;  // fc1, fc2
+  int mergers;                    // the final merger and the deepstack ones
+  double flops() const {
+    double f = patch_embed.flops();
+    for (const GemmShape& g : block) f += blocks * g.flops();
+    for (const GemmShape& g : merger) f += mergers * g.flops();
+    return f;
+  }
+};
+VisionGemms vision_gemms(const VisionConfig& v, int64_t S) {
+  const int64_t D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
+                merged_rows = S / v.merge_unit();
+  return {{S, D, v.patch_dim()},
+          {{S, 3 * D, D}, {S, D, D, false, true}, {S, I, D, true, false}, {S, D, I, false, true}},
+          v.depth,
+          {{merged_rows, M, M}, {merged_rows, v.out_hidden_size, M}},
+          1 + static_cast<int>(v.deepstack_visual_indexes.size())};
+}
+
 // Forward FLOPs of the vision tower for the given grids (GEMMs + attention), 2 per MAC.
 double vision_flops(const VisionConfig& v, const std::vector<GridTHW>& grids) {
-  const double D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
-               out = v.out_hidden_size;
-  double f = 0, S = 0;
+  double f = vision_gemms(v, count_patches(grids)).flops();
   for (const auto& g : grids) {
     const double s = double(g[0]) * g[1] * g[2];
-    S += s;
-    f += v.depth * 4.0 * s * s * D;  // QK^T and PV within the image
+    f += v.depth * 4.0 * s * s * v.hidden_size;  // QK^T and PV within the image
   }
-  f += S * 2.0 * v.patch_dim() * D;
-  f += v.depth * S * 2.0 * (3 * D * D + D * D + 2 * D * I);
-  const double mergers = 1.0 + double(v.deepstack_visual_indexes.size());
-  f += mergers * (S / 4) * 2.0 * (M * M + M * out);
   return f;
 }
 
@@ -241,6 +265,74 @@ std::vector<AttentionFigure> measure_attention(Backend& be, const ModelConfig& c
   return out;
 }
 
+// The vision tower's GEMMs alone for each patch count, in the encoder's order and number, replayed
+// as one CUDA graph (launched one by one, the small GEMMs of one image would time the host) on
+// random bf16 operands (GEMM power, and so the clock, depends on the data): the time the encoder
+// cannot go below while its GEMMs run through cuBLASLt one after another. One weight set serves
+// every layer, so the small shapes may find their weights in L2 where the model would not: a
+// floor, if anything low.
+struct GemmFigure {
+  std::string name;
+  double ms, tflops;
+};
+std::vector<GemmFigure> measure_vision_gemms(Backend& be, const VisionConfig& v,
+                                             const std::vector<int64_t>& patches,
+                                             const std::vector<std::string>& names, int iters) {
+  int64_t x_elems = 0, w_elems = 0, y_elems = 0, max_n = 0;
+  for (int64_t S : patches) {
+    const VisionGemms gemms = vision_gemms(v, S);
+    std::vector<GemmShape> all = gemms.block;
+    all.push_back(gemms.patch_embed);
+    all.insert(all.end(), gemms.merger.begin(), gemms.merger.end());
+    for (const GemmShape& g : all) {
+      x_elems = std::max(x_elems, g.m * g.k), w_elems = std::max(w_elems, g.n * g.k);
+      y_elems = std::max(y_elems, g.m * g.n), max_n = std::max(max_n, g.n);
+    }
+  }
+  const DType dt = be.compute_dtype();
+  Arena plan;
+  for (int64_t n : {x_elems, w_elems, max_n, y_elems}) plan.alloc(dt, {n});
+  Arena a(be, plan.used());
+  const Tensor x = a.alloc(dt, {x_elems}), w = a.alloc(dt, {w_elems}), bias = a.alloc(dt, {max_n}),
+               y = a.alloc(dt, {y_elems});
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  for (const Tensor* t : {&x, &w, &bias, &y}) {
+    std::vector<float> host(static_cast<size_t>(t->numel()));
+    const float scale = t == &w ? 0.03f : 1.f;  // keeps fc2's outputs (K = 4096) in range
+    for (float& e : host) e = uni(rng) * scale;
+    be.write(*t, host.data(), DType::f32);
+  }
+  const auto api = make_graph_api(be);
+  std::vector<GemmFigure> out;
+  for (size_t i = 0; i < patches.size(); ++i) {
+    const VisionGemms gemms = vision_gemms(v, patches[i]);
+    auto run = [&](const GemmShape& g) {
+      const Tensor xs = x.slice(0, g.m * g.k).view({g.m, g.k}),
+                   ws = w.slice(0, g.n * g.k).view({g.n, g.k}), bs = bias.slice(0, g.n),
+                   ys = y.slice(0, g.m * g.n).view({g.m, g.n});
+      if (g.gelu_tanh)
+        be.linear_gelu_tanh(ys, xs, ws, bs);
+      else
+        be.linear(ys, xs, ws, bs, g.accumulate);
+    };
+    auto encoder_gemms = [&] {
+      run(gemms.patch_embed);
+      for (int b = 0; b < gemms.blocks; ++b)
+        for (const GemmShape& g : gemms.block) run(g);
+      for (int m = 0; m < gemms.mergers; ++m)
+        for (const GemmShape& g : gemms.merger) run(g);
+    };
+    encoder_gemms();  // picks each shape's algorithm, which a capture cannot time
+    be.synchronize();
+    CapturedGraph graph(*api, be, "vision GEMMs " + names[i], encoder_gemms);
+    const double s = time_median(be, iters, [&] { graph.launch(); });
+    const double flops = gemms.flops();
+    out.push_back({names[i], s * 1e3, flops / s / 1e12});
+  }
+  return out;
+}
+
 struct Row {
   std::string name;
   double value;
@@ -269,7 +361,7 @@ int run_bench_command(int argc, char** argv) {
   app.add_flag("--quick", quick, "smaller shapes (for smoke tests on the CPU)");
   app.add_option("--only", only, "figures to measure (default: all)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention"}));
+      ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention", "gemm"}));
   app.add_option("--profile", profile_case,
                  "case to bracket once for a profiler started with collection off (ncu "
                  "--profile-from-start off): a vision case such as 'graphs 1x256', or 'eager "
@@ -478,6 +570,20 @@ int run_bench_command(int argc, char** argv) {
       results["attention"][f.name] = {{"us", f.us}, {"tflops", f.tflops}};
     }
   }
+  const std::string multi_name = std::to_string(n_multi) + "x" + s1;
+  if (wanted("gemm")) {
+    const std::vector<GridTHW> one = {grid_of(side_small)}, multi(n_multi, grid_of(side_small));
+    const auto figures =
+        measure_vision_gemms(*be, cfg.vision,
+                             {count_patches(one), count_patches({grid_of(side_mid)}),
+                              count_patches({grid_of(side_big)}), count_patches(multi)},
+                             {"1x" + s1, "1x" + s2, "1x" + s3, multi_name}, iters);
+    for (const auto& f : figures) {
+      rows.push_back(
+          {"GEMMs vision " + f.name + " time", f.ms, "ms", f.tflops / hw.gemm_tflops, "GEMM"});
+      results["vision_gemms"][f.name] = {{"ms", f.ms}, {"tflops", f.tflops}};
+    }
+  }
   results["eager"] = measure("eager");
   const size_t in_use_before_graphs = be->device_memory_in_use();
   GraphConfigs gc = parse_graph_configs(
@@ -596,6 +702,12 @@ int run_bench_command(int argc, char** argv) {
                   p["second_over_first"].get<double>(),
                   describe_pairs(p, "1 image", std::to_string(n_multi) + " images").c_str());
     }
+  // What the multi-image encode cannot go below whatever the rest of it costs: its GEMMs alone.
+  if (wanted("vision") && wanted("gemm")) {
+    const json& g = results["vision_gemms"];
+    std::printf("vision GEMMs alone (one graph of them): 1 image %.2f ms, %d images %.2f ms\n",
+                g["1x" + s1]["ms"].get<double>(), n_multi, g[multi_name]["ms"].get<double>());
+  }
   const json& paired = results["paired_speedup"];
   if (wanted("decode")) {
     const json& p = paired["decode"];
