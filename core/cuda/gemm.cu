@@ -2,6 +2,7 @@
 
 #include <limits>
 #include <vector>
+
 #include "core/cuda/cuda_check.h"
 
 namespace iris::cuda {
