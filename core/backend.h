@@ -166,6 +166,132 @@ class Backend {
     linear(y, xn, w, Tensor(), false);
     if (act.defined()) swiglu(act, y);
   }
+
+  // ---- Training ops --------------------------------------------------------------------------
+  // The forwards below save what their backwards need; the backwards run in reverse order (llm.c
+  // style). Dtypes: activations and their gradients are in the compute dtype unless a parameter
+  // says "f32 or compute"; statistics (mean, rstd, lse, dsum) are f32; parameter gradients (dw,
+  // db, dtable, norm-weight gradients) are f32 and always accumulate (+=), so that micro-batches
+  // add up and a frozen parameter is skipped by passing an undefined tensor, which also skips its
+  // weight-gradient work. "Overwrites dx" means every element of dx is written. Every backward is
+  // deterministic: the same inputs give the same bits (no float atomics).
+
+  // dst = src converted to dst's dtype (same element count; f32 <-> compute dtype).
+  virtual void convert(const Tensor& dst, const Tensor& src) = 0;
+
+  // dx[M,K] = dy[M,N] . w[N,K] (+ dx when accumulate). dx: f32 or compute. dx must not alias dy.
+  virtual void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,
+                                     bool accumulate) = 0;
+  // dw[N,K] += dy[M,N]^T . x[M,K] and, when db is defined, db[N] += sum over rows of dy; dw and db
+  // f32. dw may be undefined (db alone).
+  virtual void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
+                                      const Tensor& x) = 0;
+
+  // layer_norm that also saves mean[R] and rstd[R] (f32). y must not alias x.
+  virtual void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                const Tensor& x, const Tensor& w, const Tensor& b, float eps) = 0;
+  // dx[R,C] (f32) += d/dx; dw, db (f32 [C], optional) += d/dw, d/db. dy: f32 or compute.
+  virtual void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db,
+                                   const Tensor& dy, const Tensor& x, const Tensor& mean,
+                                   const Tensor& rstd, const Tensor& w) = 0;
+  // rms_norm that also saves rstd[R] (f32). y must not alias x.
+  virtual void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x,
+                              const Tensor& w, float eps) = 0;
+  // dx[R,C] (f32) += d/dx; dw (f32 [C], optional) += d/dw. dy: f32 or compute.
+  virtual void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                                 const Tensor& x, const Tensor& rstd, const Tensor& w) = 0;
+
+  // qkv_norm_rope out of place: out = rope(norm(in)) on the q and k heads, v heads copied; when
+  // q_norm_w/k_norm_w are defined, rstd f32 [T, n_q + n_kv] saves each head's 1/rms (and out
+  // must not alias in). Without norms rstd is undefined and out may alias in (the backward then
+  // needs only the tables).
+  virtual void qkv_norm_rope_train(const Tensor& out, const Tensor& rstd, const Tensor& in,
+                                   const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
+                                   const Tensor& cos, const Tensor& sin, int n_q_heads,
+                                   int n_kv_heads, int head_dim,
+                                   bool round_tables_to_compute_dtype) = 0;
+  // Overwrites din[T, width] (v heads: dout as is); din may alias dout. dq_norm_w, dk_norm_w
+  // (f32 [head_dim], optional) +=. in and rstd are read only when the norms are present.
+  virtual void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w,
+                                      const Tensor& dk_norm_w, const Tensor& dout,
+                                      const Tensor& in, const Tensor& rstd,
+                                      const Tensor& q_norm_w, const Tensor& k_norm_w,
+                                      const Tensor& cos, const Tensor& sin, int n_q_heads,
+                                      int n_kv_heads, int head_dim,
+                                      bool round_tables_to_compute_dtype) = 0;
+
+  // Attention within segments, optionally causal, with GQA (query head h reads kv head
+  // h / (n_q / n_kv)): out[T, n_q*head_dim] from qkv[T, (n_q + 2 n_kv)*head_dim]; row i attends
+  // to the rows j of its segment [cu[s], cu[s+1]) (j <= i when causal). Saves lse f32 [T, n_q]
+  // (natural-log log-sum-exp of the scaled scores). Rows past cu_seqlens[n_segments], and the
+  // rows of segments that start at or past real_rows[0] (when real_rows is defined: padding),
+  // get zero output and zero lse. Softmax in f32.
+  virtual void attention_train(const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                               const Tensor& cu_seqlens, int n_segments, int n_q_heads,
+                               int n_kv_heads, int head_dim, float scale, bool causal,
+                               const Tensor& real_rows) = 0;
+  // Overwrites dqkv[T, width] (zero rows where the forward wrote zeros) and the scratch
+  // dsum f32 [T, n_q] (rowwise dout . out).
+  virtual void attention_backward(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
+                                  const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                                  const Tensor& cu_seqlens, int n_segments, int n_q_heads,
+                                  int n_kv_heads, int head_dim, float scale, bool causal,
+                                  const Tensor& real_rows) = 0;
+
+  // Overwrite dx; dx may alias dy. x is the activation's input.
+  virtual void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
+  virtual void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
+  // Overwrites dgate_up[M, 2I] from dy[M, I] and the forward's input gate_up[M, 2I].
+  virtual void swiglu_backward(const Tensor& dgate_up, const Tensor& dy,
+                               const Tensor& gate_up) = 0;
+
+  // dtable[ids[t], :] (f32) += dy[t, :] for every t with ids[t] != skip_id (rows the vision
+  // scatter replaced get no embedding gradient; -1 skips none). dy: f32 or compute. Rows with
+  // the same id add up in token order.
+  virtual void embedding_backward(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                                  int32_t skip_id) = 0;
+  // dst[i, :] = src[index[i], :]; dst and src f32 or compute, converted.
+  virtual void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) = 0;
+  // dtable (f32) [index[s,k], :] += weight[s,k] * dy[s, :] (k < 4): the backward of
+  // add_interpolated_rows. dy: f32 or compute. Contributions to one row add up in (s, k) order.
+  virtual void add_interpolated_rows_backward(const Tensor& dtable, const Tensor& dy,
+                                              const Tensor& index, const Tensor& weight) = 0;
+
+  // lm_head + cross-entropy over labelled rows: logits = x[N,H] . w[V,H]^T in f32, at most
+  // chunk_rows rows at a time (never [N, V] at once). loss_sum f32 [1] += sum over rows of
+  // (logsumexp(logits) - logits[target]); targets i32 [N] in [0, V). When dx is defined, the
+  // backward of grad_scale[0] * loss runs too: dx[N,H] is overwritten and dw (f32 [V,H],
+  // optional) +=. grad_scale is f32 [1] on this backend (a per-step value a graph reads).
+  // workspace: a tensor (any dtype) of this backend of at least
+  // lm_head_loss_workspace_bytes(chunk_rows, H, V) bytes.
+  virtual size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
+                                              int64_t vocab) const = 0;
+  virtual void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw,
+                            const Tensor& x, const Tensor& w, const Tensor& targets,
+                            const Tensor& grad_scale, const Tensor& workspace,
+                            int64_t chunk_rows) = 0;
+
+  // The optimizer over many tensors held in flat f32 buffers (params = master weights, grads,
+  // exp_avg, exp_avg_sq, all the same length). spans i64 [n, 3]: tensor i is elements
+  // [spans[i,0], spans[i,0] + spans[i,1]) of each flat buffer, and starts at element spans[i,2]
+  // of `weights` (the compute-dtype working copy the model reads; undefined where the params
+  // are that copy). hyper f32 [n, 2]: weight decay and lr scale; a tensor whose lr scale is 0 is
+  // frozen: neither its norm, its state nor its step count is touched.
+  //
+  // grad_norm_clip: grad_stats f32 [2] = {L2 norm over the unfrozen gradients (squares summed
+  // in f64 in a fixed order), clip coefficient max_norm / (norm + 1e-6) when that is below 1,
+  // else 1 (always 1 when max_norm <= 0)}.
+  virtual void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
+                              const Tensor& hyper, float max_norm) = 0;
+  // One torch.optim.AdamW step (foreach form: decoupled decay p *= 1 - lr * wd, bias-corrected
+  // moments) of every unfrozen tensor with gradient grads * grad_stats[1], lr = lr[0] times the
+  // tensor's lr scale, and its step count steps i64 [n] incremented here; then the tensor's
+  // slice of `weights` is rewritten from the updated params. lr f32 [1] and grad_stats live on
+  // this backend so that a captured step reads the step's values.
+  virtual void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
+                          const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
+                          const Tensor& hyper, const Tensor& steps, const Tensor& lr,
+                          const Tensor& grad_stats, float beta1, float beta2, float eps) = 0;
 };
 
 // Side work for a scope: begun on construction (when `active`), ended on destruction, also when
