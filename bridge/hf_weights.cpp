@@ -123,13 +123,18 @@ std::vector<std::string> name_candidates(const std::string& name) {
 }  // namespace
 
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg) {
+  return allocate_weights(backend, cfg, backend.compute_dtype());
+}
+
+std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
+                                               DType dtype) {
   auto w = std::make_unique<ModelWeights>();
   Planner p;
   declare(cfg, *w, p);
   Arena plan;
-  for (auto& [t, dims] : p.tensors) plan.alloc(backend.compute_dtype(), dims);
+  for (auto& [t, dims] : p.tensors) plan.alloc(dtype, dims);
   w->arena = Arena(backend, plan.used());
-  for (auto& [t, dims] : p.tensors) *t = w->arena.alloc(backend.compute_dtype(), dims);
+  for (auto& [t, dims] : p.tensors) *t = w->arena.alloc(dtype, dims);
   if (w->tied_lm_head) w->text.lm_head = w->text.embed;
   return w;
 }

@@ -33,6 +33,10 @@ struct ModelWeights {
 
 // Allocates every weight tensor of the model on the backend and returns the binding table.
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg);
+// The same in another dtype: f32 gradients, master weights and optimizer moments. Weights of one
+// config and dtype share one layout, so their arenas can be walked as flat buffers together.
+std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
+                                               DType dtype);
 
 // Fills the weights from a checkpoint directory; every tensor's presence, dtype and shape are
 // checked, and errors name the file, the tensor and the expected and actual shapes.

@@ -26,6 +26,8 @@ class Arena {
   bool planning() const { return backend_ == nullptr; }
   size_t used() const { return used_; }
   size_t capacity() const { return capacity_; }
+  // The first byte of the allocation (null while planning), for flat views over all tensors.
+  void* base() const { return base_; }
   // Every alloc() call ever made; a test asserts that it stays flat across decode steps.
   size_t allocation_count() const { return allocation_count_; }
 

@@ -190,14 +190,15 @@ class Backend {
   // layer_norm that also saves mean[R] and rstd[R] (f32). y must not alias x.
   virtual void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                 const Tensor& x, const Tensor& w, const Tensor& b, float eps) = 0;
-  // dx[R,C] (f32) += d/dx; dw, db (f32 [C], optional) += d/dw, d/db. dy: f32 or compute.
+  // dx[R,C] (f32, optional) += d/dx; dw, db (f32 [C], optional) += d/dw, d/db. dy: f32 or
+  // compute.
   virtual void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db,
                                    const Tensor& dy, const Tensor& x, const Tensor& mean,
                                    const Tensor& rstd, const Tensor& w) = 0;
   // rms_norm that also saves rstd[R] (f32). y must not alias x.
-  virtual void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x,
-                              const Tensor& w, float eps) = 0;
-  // dx[R,C] (f32) += d/dx; dw (f32 [C], optional) += d/dw. dy: f32 or compute.
+  virtual void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                              float eps) = 0;
+  // dx[R,C] (f32, optional) += d/dx; dw (f32 [C], optional) += d/dw. dy: f32 or compute.
   virtual void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
                                  const Tensor& x, const Tensor& rstd, const Tensor& w) = 0;
 
@@ -213,11 +214,10 @@ class Backend {
   // Overwrites din[T, width] (v heads: dout as is); din may alias dout. dq_norm_w, dk_norm_w
   // (f32 [head_dim], optional) +=. in and rstd are read only when the norms are present.
   virtual void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w,
-                                      const Tensor& dk_norm_w, const Tensor& dout,
-                                      const Tensor& in, const Tensor& rstd,
-                                      const Tensor& q_norm_w, const Tensor& k_norm_w,
-                                      const Tensor& cos, const Tensor& sin, int n_q_heads,
-                                      int n_kv_heads, int head_dim,
+                                      const Tensor& dk_norm_w, const Tensor& dout, const Tensor& in,
+                                      const Tensor& rstd, const Tensor& q_norm_w,
+                                      const Tensor& k_norm_w, const Tensor& cos, const Tensor& sin,
+                                      int n_q_heads, int n_kv_heads, int head_dim,
                                       bool round_tables_to_compute_dtype) = 0;
 
   // Attention within segments, optionally causal, with GQA (query head h reads kv head
@@ -242,8 +242,7 @@ class Backend {
   virtual void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
   virtual void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
   // Overwrites dgate_up[M, 2I] from dy[M, I] and the forward's input gate_up[M, 2I].
-  virtual void swiglu_backward(const Tensor& dgate_up, const Tensor& dy,
-                               const Tensor& gate_up) = 0;
+  virtual void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) = 0;
 
   // dtable[ids[t], :] (f32) += dy[t, :] for every t with ids[t] != skip_id (rows the vision
   // scatter replaced get no embedding gradient; -1 skips none). dy: f32 or compute. Rows with

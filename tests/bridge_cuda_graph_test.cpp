@@ -118,6 +118,102 @@ class TracingBackend final : public Backend {
     in_.synchronize();
   }
   void* native_stream() override { return in_.native_stream(); }
+  // Training ops: forwarded as they are.
+  void convert(const Tensor& dst, const Tensor& src) override { in_.convert(dst, src); }
+  void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,
+                             bool accumulate) override {
+    in_.linear_backward_input(dx, dy, w, accumulate);
+  }
+  void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
+                              const Tensor& x) override {
+    in_.linear_backward_weight(dw, db, dy, x);
+  }
+  void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                        const Tensor& w, const Tensor& b, float eps) override {
+    in_.layer_norm_train(y, mean, rstd, x, w, b, eps);
+  }
+  void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
+                           const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                           const Tensor& w) override {
+    in_.layer_norm_backward(dx, dw, db, dy, x, mean, rstd, w);
+  }
+  void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                      float eps) override {
+    in_.rms_norm_train(y, rstd, x, w, eps);
+  }
+  void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
+                         const Tensor& rstd, const Tensor& w) override {
+    in_.rms_norm_backward(dx, dw, dy, x, rstd, w);
+  }
+  void qkv_norm_rope_train(const Tensor& out, const Tensor& rstd, const Tensor& in,
+                           const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
+                           const Tensor& cos, const Tensor& sin, int n_q_heads, int n_kv_heads,
+                           int head_dim, bool round_tables_to_compute_dtype) override {
+    in_.qkv_norm_rope_train(out, rstd, in, q_norm_w, k_norm_w, eps, cos, sin, n_q_heads, n_kv_heads,
+                            head_dim, round_tables_to_compute_dtype);
+  }
+  void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w, const Tensor& dk_norm_w,
+                              const Tensor& dout, const Tensor& in, const Tensor& rstd,
+                              const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& cos,
+                              const Tensor& sin, int n_q_heads, int n_kv_heads, int head_dim,
+                              bool round_tables_to_compute_dtype) override {
+    in_.qkv_norm_rope_backward(din, dq_norm_w, dk_norm_w, dout, in, rstd, q_norm_w, k_norm_w, cos,
+                               sin, n_q_heads, n_kv_heads, head_dim, round_tables_to_compute_dtype);
+  }
+  void attention_train(const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                       const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
+                       int head_dim, float scale, bool causal, const Tensor& real_rows) override {
+    in_.attention_train(out, lse, qkv, cu_seqlens, n_segments, n_q_heads, n_kv_heads, head_dim,
+                        scale, causal, real_rows);
+  }
+  void attention_backward(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
+                          const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                          const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
+                          int head_dim, float scale, bool causal,
+                          const Tensor& real_rows) override {
+    in_.attention_backward(dqkv, dsum, dout, out, lse, qkv, cu_seqlens, n_segments, n_q_heads,
+                           n_kv_heads, head_dim, scale, causal, real_rows);
+  }
+  void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    in_.gelu_tanh_backward(dx, dy, x);
+  }
+  void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    in_.gelu_erf_backward(dx, dy, x);
+  }
+  void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
+    in_.swiglu_backward(dgate_up, dy, gate_up);
+  }
+  void embedding_backward(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                          int32_t skip_id) override {
+    in_.embedding_backward(dtable, dy, ids, skip_id);
+  }
+  void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) override {
+    in_.gather_rows(dst, src, index);
+  }
+  void add_interpolated_rows_backward(const Tensor& dtable, const Tensor& dy, const Tensor& index,
+                                      const Tensor& weight) override {
+    in_.add_interpolated_rows_backward(dtable, dy, index, weight);
+  }
+  size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
+                                      int64_t vocab) const override {
+    return in_.lm_head_loss_workspace_bytes(chunk_rows, hidden, vocab);
+  }
+  void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw, const Tensor& x,
+                    const Tensor& w, const Tensor& targets, const Tensor& grad_scale,
+                    const Tensor& workspace, int64_t chunk_rows) override {
+    in_.lm_head_loss(loss_sum, dx, dw, x, w, targets, grad_scale, workspace, chunk_rows);
+  }
+  void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
+                      const Tensor& hyper, float max_norm) override {
+    in_.grad_norm_clip(grad_stats, grads, spans, hyper, max_norm);
+  }
+  void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
+                  const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
+                  const Tensor& hyper, const Tensor& steps, const Tensor& lr,
+                  const Tensor& grad_stats, float beta1, float beta2, float eps) override {
+    in_.adamw_step(params, grads, exp_avg, exp_avg_sq, weights, spans, hyper, steps, lr, grad_stats,
+                   beta1, beta2, eps);
+  }
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b,
               bool acc) override {
     in_.linear(y, x, w, b, acc);

@@ -11,7 +11,7 @@
 
 #include "bridge/hf_weights.h"
 #include "test_util.h"
-#include "training/backward_ops.h"
+#include "core/cpu/cpu_train_ops.h"
 #include "training/lr_schedule.h"
 #include "training/optimizer.h"
 #include "training/train_model.h"
@@ -334,7 +334,8 @@ TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
   ac.clip_grad_norm = 1.0f;
   AdamW opt(*be, cfg, *params, *grads, ac);
   const double norm = opt.step(1e-3f);
-  EXPECT_NEAR(norm, std::sqrt(ss), 1e-9 * std::sqrt(ss));
+  // Summed in f64, returned as f32 (as torch's clip_grad_norm_ returns it): one f32 rounding.
+  EXPECT_NEAR(norm, std::sqrt(ss), 6e-8 * std::sqrt(ss));
   ASSERT_GT(norm, 1.0);
   EXPECT_NEAR(grad_norm(*grads), 1.0 / (1.0 + 1e-6 / norm), 1e-5);
   // Frozen parts are left out of the norm.

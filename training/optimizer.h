@@ -29,20 +29,25 @@ struct AdamWConfig {
   float lr_scale(ModelPart part) const;
 };
 
-// L2 norm over the gradients of every parameter that is not frozen (summed in f64).
+// L2 norm over the gradients of every parameter that is not frozen (summed in f64; CPU tensors).
 double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 
+// AdamW through the Backend's multi-tensor ops: the master weights, gradients and both moments are
+// f32 ModelWeights of one config, hence one layout, and are updated as flat buffers in one launch.
+// On the CPU the master weights are the weights the model reads; on CUDA a bf16 working copy is
+// rewritten from them by the same kernel.
 class AdamW {
  public:
-  // params and grads: f32 ModelWeights on the CPU backend built from `cfg` (same bindings).
-  AdamW(Backend& cpu, const ModelConfig& cfg, ModelWeights& params, ModelWeights& grads,
-        const AdamWConfig& config);
+  // master and grads: f32 ModelWeights on `backend` built from `cfg` (same bindings). working:
+  // the compute-dtype weights the model reads, or null where they are `master` itself.
+  AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
+        const AdamWConfig& config, ModelWeights* working = nullptr);
 
-  // Clips the gradients in place to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale
-  // by max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
+  // Clips the gradients to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale by
+  // max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
   // frozen, each with lr times its part's lr_scale. Returns the global gradient norm before
-  // clipping. Frozen parameters, their moments
-  // and their step counts are left untouched.
+  // clipping (this reads it back, waiting for the device). Frozen parameters, their moments and
+  // their step counts are left untouched.
   double step(float lr, const FreezeSpec& frozen = {});
 
   // Updates taken (calls to step()).
@@ -53,17 +58,25 @@ class AdamW {
 
   // The state as safetensors: exp_avg.<hf name>, exp_avg_sq.<hf name> (f32) and step.<hf name>
   // (i64 [1]) per parameter; the update count in the metadata. load() restores it bit-exactly and
-  // checks that every tensor is present with the right shape.
+  // checks that every tensor is present with the right shape. The file does not depend on the
+  // backend: a state saved on one device loads on another.
   void save(const std::string& path) const;
   void load(const std::string& path);
 
  private:
+  void write_hyper(const FreezeSpec& frozen);
+
   Backend& be_;
   AdamWConfig config_;
-  ModelWeights& params_;
+  ModelWeights& master_;
   ModelWeights& grads_;
+  ModelWeights* working_;
   std::unique_ptr<ModelWeights> m_, v_;
-  std::vector<int64_t> param_steps_;  // per binding, like torch's state["step"]
+  Arena tables_;  // spans, hyper, steps, lr, grad_stats on the backend
+  Tensor spans_, hyper_, steps_dev_, lr_, grad_stats_;
+  Tensor flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_;
+  FreezeSpec hyper_frozen_;
+  bool hyper_written_ = false;
   int64_t steps_ = 0;
 };
 

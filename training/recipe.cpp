@@ -124,6 +124,11 @@ std::vector<Field> fields(Recipe& r) {
       {"train.max_vision_patches", &t.max_vision_patches,
        "vision patches of one sample the activation memory is planned for (samples above it are "
        "skipped); 0: mock data's exact count, else seq_length x 4 (the most a sample can hold)"},
+      {"train.device",
+       &t.device,
+       "where training runs: cuda (bf16 with fp32 master weights), cpu (fp32), or auto (cuda "
+       "when a GPU is present)",
+       {"auto", "cpu", "cuda"}},
       {"optimizer.lr", &o.lr, "peak learning rate"},
       {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
       {"optimizer.vision_lr", &o.vision_lr,

@@ -58,6 +58,8 @@ struct TrainRecipe {
   // Vision patch rows of one sample that the activation memory is planned for; 0 derives it
   // (recipe_max_vision_patches). Samples above it are skipped.
   int64_t max_vision_patches = 0;
+  // auto | cpu | cuda: where the step runs (auto: the GPU when one is present).
+  std::string device = "auto";
 };
 
 struct OptimizerRecipe {

@@ -8,25 +8,15 @@
 #include "bridge/rope_index.h"
 #include "core/dtype.h"
 #include "language/mrope.h"
-#include "training/backward_ops.h"
 
 namespace iris {
 namespace {
 
 constexpr int32_t kIgnoreIndex = -100;
 
-float* f(const Tensor& t) {
-  return t.as<float>();
-}
-const float* cf(const Tensor& t) {
-  return t.defined() ? t.as<float>() : nullptr;
-}
-// A gradient tensor, or null when its part is frozen (which also skips the weight-gradient GEMM).
-float* g_or_null(const Tensor& t, bool trainable) {
-  return trainable ? t.as<float>() : nullptr;
-}
-int32_t* i32(const Tensor& t) {
-  return t.as<int32_t>();
+// A gradient tensor, or none when its part is frozen (which also skips the weight-gradient work).
+Tensor g_or_none(const Tensor& t, bool trainable) {
+  return trainable ? t : Tensor();
 }
 
 bool starts_with(const std::string& s, const char* prefix) {
@@ -59,16 +49,14 @@ bool FreezeSpec::frozen(const std::string& name) const {
   return false;
 }
 
-TrainableQwen3VL::TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWeights& params,
+TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
                                    const TrainLimits& limits)
-    : be_(cpu), cfg_(cfg), params_(params), limits_(limits) {
-  IRIS_CHECK(cpu.device() == Device::cpu && cpu.compute_dtype() == DType::f32,
-             "TrainableQwen3VL runs on the fp32 CPU backend (make_cpu_backend()), got ",
-             cpu.name());
-  IRIS_CHECK(params.text.embed.defined() && params.text.embed.dtype == DType::f32 &&
-                 params.text.embed.device == Device::cpu,
-             "training parameters must be f32 on the CPU backend: load them with "
-             "load_weights(*make_cpu_backend(), ...)");
+    : be_(backend), cfg_(cfg), params_(params), limits_(limits) {
+  IRIS_CHECK(params.text.embed.defined() && params.text.embed.dtype == backend.compute_dtype() &&
+                 params.text.embed.device == backend.device(),
+             "training parameters must live on the ", backend.name(),
+             " backend in its compute "
+             "dtype: allocate or load them with that backend");
   const VisionConfig& v = cfg.vision;
   const TextConfig& t = cfg.text;
   IRIS_CHECK(limits.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
@@ -76,6 +64,7 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWe
              "TrainLimits.max_patches (", limits.max_patches, ") must be a multiple of ",
              v.merge_unit());
   IRIS_CHECK(limits.max_images >= 0, "TrainLimits.max_images must not be negative");
+  IRIS_CHECK(limits.max_samples > 0, "TrainLimits.max_samples must be positive");
   IRIS_CHECK(limits.loss_chunk_rows > 0, "TrainLimits.loss_chunk_rows must be positive");
   IRIS_CHECK(v.out_hidden_size == t.hidden_size, "vision out_hidden_size ", v.out_hidden_size,
              " differs from the text hidden size ", t.hidden_size);
@@ -84,23 +73,19 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWe
              " decoder layers to inject them into");
   for (int tap : v.deepstack_visual_indexes)
     IRIS_CHECK(tap >= 0 && tap < v.depth, "DeepStack tap ", tap, " is not a vision block index");
-  IRIS_CHECK(t.head_dim % 2 == 0 && t.head_dim <= train::kMaxHeadDim && v.head_dim() % 2 == 0 &&
-                 v.head_dim() <= train::kMaxHeadDim,
-             "head dims must be even and at most ", train::kMaxHeadDim);
-  grads_ = allocate_weights(cpu, cfg);
-  embed_row_touched_.assign(static_cast<size_t>(t.vocab_size), 0);
-  touched_embed_rows_.reserve(static_cast<size_t>(t.vocab_size));
-  zero_grads();
+  IRIS_CHECK(t.head_dim % 2 == 0 && v.head_dim() % 2 == 0, "head dims must be even");
+  grads_ = allocate_weights(backend, cfg, DType::f32);
   Arena plan;
   allocate(plan);
-  arena_ = Arena(cpu, plan.used());
+  arena_ = Arena(backend, plan.used());
   allocate(arena_);
+  zero_grads();
 }
 
 void TrainableQwen3VL::allocate(Arena& a) {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
-  const DType F = DType::f32, I32 = DType::i32;
+  const DType F = DType::f32, I32 = DType::i32, A = be_.compute_dtype();
   const int64_t L = limits_.max_seq_len, H = t.hidden_size;
   const int64_t S = limits_.max_patches, Sm = S / v.merge_unit(), D = v.hidden_size,
                 M = v.merged_dim(), Iv = v.intermediate_size, nh = v.num_heads;
@@ -112,96 +97,100 @@ void TrainableQwen3VL::allocate(Arena& a) {
   targets_ = a.alloc(I32, {L});
   cos_ = a.alloc(F, {L, t.head_dim});
   sin_ = a.alloc(F, {L, t.head_dim});
-  text_cu_ = a.alloc(I32, {2});
+  text_cu_ = a.alloc(I32, {limits_.max_samples + 1});
+  grad_scale_ = a.alloc(F, {1});
+  loss_sum_ = a.alloc(F, {1});
+  pixels_ = a.alloc(A, {S, v.patch_dim()});
+  v_cos_ = a.alloc(F, {S, v.head_dim()});
+  v_sin_ = a.alloc(F, {S, v.head_dim()});
+  pos_index_ = a.alloc(I32, {S, 4});
+  pos_weight_ = a.alloc(F, {S, 4});
+  v_cu_ = a.alloc(I32, {limits_.max_images + 1});
 
   vx_.clear();
-  for (int l = 0; l <= v.depth; ++l) vx_.push_back(a.alloc(F, {S, D}));
+  for (int l = 0; l <= v.depth; ++l) vx_.push_back(a.alloc(A, {S, D}));
   vb_.assign(static_cast<size_t>(v.depth), {});
   for (auto& b : vb_) {
-    b.ln1 = a.alloc(F, {S, D});
+    b.ln1 = a.alloc(A, {S, D});
     b.mean1 = a.alloc(F, {S});
     b.rstd1 = a.alloc(F, {S});
-    b.qkv = a.alloc(F, {S, 3 * D});
+    b.qkv = a.alloc(A, {S, 3 * D});
     b.lse = a.alloc(F, {S, nh});
-    b.attn = a.alloc(F, {S, D});
-    b.x_mid = a.alloc(F, {S, D});
-    b.ln2 = a.alloc(F, {S, D});
+    b.attn = a.alloc(A, {S, D});
+    b.x_mid = a.alloc(A, {S, D});
+    b.ln2 = a.alloc(A, {S, D});
     b.mean2 = a.alloc(F, {S});
     b.rstd2 = a.alloc(F, {S});
-    b.fc1 = a.alloc(F, {S, Iv});
-    b.act = a.alloc(F, {S, Iv});
+    b.fc1 = a.alloc(A, {S, Iv});
+    b.act = a.alloc(A, {S, Iv});
   }
   auto merger = [&](MergerActs& m, int64_t norm_rows) {
-    m.ln = a.alloc(F, {Sm, M});
+    m.ln = a.alloc(A, {Sm, M});
     m.mean = a.alloc(F, {norm_rows});
     m.rstd = a.alloc(F, {norm_rows});
-    m.fc1 = a.alloc(F, {Sm, M});
-    m.act = a.alloc(F, {Sm, M});
-    m.out = a.alloc(F, {Sm, out});
+    m.fc1 = a.alloc(A, {Sm, M});
+    m.act = a.alloc(A, {Sm, M});
+    m.out = a.alloc(A, {Sm, out});
   };
   merger(merger_, S);
   ds_.assign(v.deepstack_visual_indexes.size(), {});
   for (auto& m : ds_) merger(m, Sm);
 
   tx_.clear();
-  for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(F, {L, H}));
+  for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {L, H}));
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
   for (auto& x : tl_) {
-    x.rms1 = a.alloc(F, {L, H});
+    x.rms1 = a.alloc(A, {L, H});
     x.rstd1 = a.alloc(F, {L});
-    x.qkv_lin = a.alloc(F, {L, t.qkv_width()});
+    x.qkv_lin = a.alloc(A, {L, t.qkv_width()});
     x.qk_rstd = a.alloc(F, {L, nqk});
-    x.qkv = a.alloc(F, {L, t.qkv_width()});
-    x.attn = a.alloc(F, {L, t.q_width()});
+    x.qkv = a.alloc(A, {L, t.qkv_width()});
+    x.attn = a.alloc(A, {L, t.q_width()});
     x.lse = a.alloc(F, {L, t.num_attention_heads});
-    x.x_mid = a.alloc(F, {L, H});
-    x.rms2 = a.alloc(F, {L, H});
+    x.x_mid = a.alloc(A, {L, H});
+    x.rms2 = a.alloc(A, {L, H});
     x.rstd2 = a.alloc(F, {L});
-    x.gate_up = a.alloc(F, {L, 2 * int64_t(t.intermediate_size)});
-    x.act = a.alloc(F, {L, t.intermediate_size});
+    x.gate_up = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
+    x.act = a.alloc(A, {L, t.intermediate_size});
   }
-  final_ = a.alloc(F, {L, H});
+  final_ = a.alloc(A, {L, H});
   final_rstd_ = a.alloc(F, {L});
-  xlab_ = a.alloc(F, {L, H});
-  dxlab_ = a.alloc(F, {L, H});
+  xlab_ = a.alloc(A, {L, H});
+  dxlab_ = a.alloc(A, {L, H});
   loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
-  logits_ = a.alloc(F, {train::lm_head_scratch_floats(loss_chunk_, H, t.vocab_size)});
-  pending_capacity_ = std::max<int64_t>(limits_.deferred_head_rows, 0);
-  if (pending_capacity_ > 0) {
-    pending_dl_ = a.alloc(F, {pending_capacity_, t.vocab_size});
-    pending_x_ = a.alloc(F, {pending_capacity_, H});
-  }
+  const size_t ws = be_.lm_head_loss_workspace_bytes(loss_chunk_, H, t.vocab_size);
+  loss_workspace_ = a.alloc(F, {static_cast<int64_t>((ws + sizeof(float) - 1) / sizeof(float))});
 
+  // Where the compute dtype is f32 the GEMMs read the f32 residual gradient itself.
+  const bool f32_compute = A == F;
   t_dres_ = a.alloc(F, {L, H});
-  t_dtmp_ = a.alloc(F, {L, H});
-  t_dattn_ = a.alloc(F, {L, t.q_width()});
-  t_dqkv_ = a.alloc(F, {L, t.qkv_width()});
-  t_dgu_ = a.alloc(F, {L, 2 * int64_t(t.intermediate_size)});
-  t_dact_ = a.alloc(F, {L, t.intermediate_size});
+  t_dres_c_ = f32_compute ? t_dres_ : a.alloc(A, {L, H});
+  t_dtmp_ = a.alloc(A, {L, H});
+  t_dattn_ = a.alloc(A, {L, t.q_width()});
+  t_dqkv_ = a.alloc(A, {L, t.qkv_width()});
+  t_dgu_ = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
+  t_dact_ = a.alloc(A, {L, t.intermediate_size});
   t_dsum_ = a.alloc(F, {L, t.num_attention_heads});
   v_dres_ = a.alloc(F, {S, D});
-  v_dtmp_ = a.alloc(F, {S, D});
-  v_dattn_ = a.alloc(F, {S, D});
-  v_dqkv_ = a.alloc(F, {S, 3 * D});
-  v_dfc_ = a.alloc(F, {S, Iv});
+  v_dres_c_ = f32_compute ? v_dres_ : a.alloc(A, {S, D});
+  v_dtmp_ = a.alloc(A, {S, D});
+  v_dattn_ = a.alloc(A, {S, D});
+  v_dqkv_ = a.alloc(A, {S, 3 * D});
+  v_dfc_ = a.alloc(A, {S, Iv});
   v_dsum_ = a.alloc(F, {S, nh});
-  m_da_ = a.alloc(F, {Sm, M});
-  m_dln_ = a.alloc(F, {Sm, M});
-  d_embeds_ = a.alloc(F, {Sm, out});
+  m_da_ = a.alloc(A, {Sm, M});
+  m_dln_ = a.alloc(A, {Sm, M});
+  d_embeds_ = a.alloc(A, {Sm, out});
   d_ds_.clear();
   for (size_t k = 0; k < v.deepstack_visual_indexes.size(); ++k)
-    d_ds_.push_back(a.alloc(F, {Sm, out}));
+    d_ds_.push_back(a.alloc(A, {Sm, out}));
 }
 
 void TrainableQwen3VL::zero_grads() {
-  pending_rows_ = 0;
-  for (int32_t row : touched_embed_rows_) embed_row_touched_[static_cast<size_t>(row)] = 0;
-  touched_embed_rows_.clear();
-  head_grad_dense_ = false;
-  // Fused tensors (q/k/v, gate/up) carry several bindings; the one at row 0 covers the whole.
-  for (const WeightBinding& b : grads_->bindings)
-    if (b.row_offset == 0) be_.fill_zero(*b.target);
+  // Weights of one config share one layout in every dtype, so the gradients are one flat span.
+  be_.fill_zero(Tensor(grads_->arena.base(), DType::f32, be_.device(),
+                       {static_cast<int64_t>(grads_->arena.capacity() / sizeof(float))}));
 }
 
 void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_model) {
@@ -211,392 +200,422 @@ void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_
       be_.fill_zero(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]));
 }
 
-LossStats TrainableQwen3VL::forward(const TrainSample& s) {
-  return run(s, false, 0.0f);
+LossStats TrainableQwen3VL::forward(const std::vector<const TrainSample*>& batch) {
+  return run(batch, false, 0.0f);
 }
 
-LossStats TrainableQwen3VL::forward_backward(const TrainSample& s, float grad_scale) {
-  return run(s, true, grad_scale);
+LossStats TrainableQwen3VL::forward_backward(const std::vector<const TrainSample*>& batch,
+                                             float grad_scale) {
+  return run(batch, true, grad_scale);
 }
 
-void TrainableQwen3VL::prepare(const TrainSample& s) {
+void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
-  const int64_t L = static_cast<int64_t>(s.ids.size());
-  IRIS_CHECK(L > 0, "the training sample has no tokens");
-  IRIS_CHECK(L <= limits_.max_seq_len, "the training sample has ", L,
-             " tokens, more than TrainLimits.max_seq_len = ", limits_.max_seq_len,
-             " (raise it or truncate the sample)");
-  IRIS_CHECK(s.labels.size() == s.ids.size(), "the sample has ", s.labels.size(), " labels for ", L,
-             " tokens; labels must align with ids (unshifted, -100 = none)");
-  IRIS_CHECK(static_cast<int>(s.grids.size()) <= limits_.max_images, "the sample has ",
-             s.grids.size(), " images, more than TrainLimits.max_images = ", limits_.max_images);
-  const int64_t S = count_patches(s.grids);
-  IRIS_CHECK(S <= limits_.max_patches, "the sample's images have ", S,
-             " patches, more than TrainLimits.max_patches = ", limits_.max_patches);
-  IRIS_CHECK(static_cast<int64_t>(s.pixel_values.size()) == S * v.patch_dim(), "the sample has ",
-             s.pixel_values.size(), " pixel values; its grids need ", S, " patches x ",
-             v.patch_dim());
-  int64_t n_pad = 0;
-  for (int64_t i = 0; i < L; ++i) {
-    IRIS_CHECK(s.ids[i] != cfg_.video_token_id,
-               "video tokens are not supported in training samples (position ", i, ")");
-    if (s.ids[i] == cfg_.image_token_id) i32(pad_rows_)[n_pad++] = static_cast<int32_t>(i);
+  IRIS_CHECK(!batch.empty(), "the micro-batch has no samples");
+  IRIS_CHECK(static_cast<int>(batch.size()) <= limits_.max_samples, "the micro-batch has ",
+             batch.size(), " samples, more than the ", limits_.max_samples, " planned");
+  int64_t L = 0, S = 0;
+  size_t n_images = 0;
+  for (const TrainSample* s : batch) {
+    const int64_t n = static_cast<int64_t>(s->ids.size());
+    IRIS_CHECK(n > 0, "a training sample has no tokens");
+    IRIS_CHECK(s->labels.size() == s->ids.size(), "the sample has ", s->labels.size(),
+               " labels for ", n, " tokens; labels must align with ids (unshifted, -100 = none)");
+    const int64_t patches = count_patches(s->grids);
+    IRIS_CHECK(static_cast<int64_t>(s->pixel_values.size()) == patches * v.patch_dim(),
+               "the sample has ", s->pixel_values.size(), " pixel values; its grids need ", patches,
+               " patches x ", v.patch_dim());
+    L += n;
+    S += patches;
+    n_images += s->grids.size();
   }
-  IRIS_CHECK(n_pad * v.merge_unit() == S, "the sample has ", n_pad,
-             " <|image_pad|> tokens but its images produce ", S / v.merge_unit(),
-             " merged embeddings");
-  // HF shift: position i predicts labels[i + 1]; labels[0] is never a target.
-  int64_t n_label = 0;
-  for (int64_t i = 0; i + 1 < L; ++i) {
-    const int32_t y = s.labels[i + 1];
-    if (y == kIgnoreIndex) continue;
-    IRIS_CHECK(y >= 0 && y < t.vocab_size, "label ", y, " at position ", i + 1,
-               " is outside the vocabulary of ", t.vocab_size, " (use -100 for no label)");
-    i32(label_rows_)[n_label] = static_cast<int32_t>(i);
-    i32(targets_)[n_label++] = y;
-  }
-  std::memcpy(ids_.data, s.ids.data(), sizeof(int32_t) * L);
-  i32(text_cu_)[0] = 0;
-  i32(text_cu_)[1] = static_cast<int32_t>(L);
-  const RopeIndex rope =
-      compute_rope_index(s.ids, s.grids, cfg_.image_token_id, v.spatial_merge_size);
-  mrope_tables(t, rope.positions.data(), L, f(cos_), f(sin_));
-  if (S > 0) {
-    vin_ = plan_vision_inputs(v, s.grids);
-    n_segments_ = vin_.n_segments;
+  IRIS_CHECK(L <= limits_.max_seq_len, "the micro-batch has ", L,
+             " tokens, more than the planned maximum of ", limits_.max_seq_len,
+             " (raise train.seq_length or truncate the samples)");
+  IRIS_CHECK(static_cast<int64_t>(n_images) <= limits_.max_images, "the micro-batch has ", n_images,
+             " images, more than the planned ", limits_.max_images);
+  IRIS_CHECK(S <= limits_.max_patches, "the micro-batch's images have ", S,
+             " patches, more than the planned maximum of ", limits_.max_patches,
+             " (train.max_vision_patches)");
+
+  const int hd = t.head_dim;
+  h_ids_.resize(static_cast<size_t>(L));
+  h_pad_rows_.clear();
+  h_label_rows_.clear();
+  h_targets_.clear();
+  h_text_cu_.assign(1, 0);
+  h_cos_.resize(static_cast<size_t>(L * hd));
+  h_sin_.resize(static_cast<size_t>(L * hd));
+  h_pixels_.clear();
+  std::vector<GridTHW> grids;
+  int64_t row = 0;
+  for (const TrainSample* s : batch) {
+    const int64_t n = static_cast<int64_t>(s->ids.size());
+    int64_t n_pad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      IRIS_CHECK(s->ids[i] != cfg_.video_token_id,
+                 "video tokens are not supported in training samples (position ", i, ")");
+      if (s->ids[i] == cfg_.image_token_id) {
+        h_pad_rows_.push_back(static_cast<int32_t>(row + i));
+        ++n_pad;
+      }
+    }
+    IRIS_CHECK(n_pad * v.merge_unit() == count_patches(s->grids), "the sample has ", n_pad,
+               " <|image_pad|> tokens but its images produce ",
+               count_patches(s->grids) / v.merge_unit(), " merged embeddings");
+    // HF shift: position i predicts labels[i + 1]; labels[0] is never a target, and no target
+    // crosses into the next sample.
+    for (int64_t i = 0; i + 1 < n; ++i) {
+      const int32_t y = s->labels[i + 1];
+      if (y == kIgnoreIndex) continue;
+      IRIS_CHECK(y >= 0 && y < t.vocab_size, "label ", y, " at position ", i + 1,
+                 " is outside the vocabulary of ", t.vocab_size, " (use -100 for no label)");
+      h_label_rows_.push_back(static_cast<int32_t>(row + i));
+      h_targets_.push_back(y);
+    }
+    std::copy(s->ids.begin(), s->ids.end(), h_ids_.begin() + row);
+    const RopeIndex rope =
+        compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
+    mrope_tables(t, rope.positions.data(), n, h_cos_.data() + row * hd, h_sin_.data() + row * hd);
+    h_pixels_.insert(h_pixels_.end(), s->pixel_values.begin(), s->pixel_values.end());
+    grids.insert(grids.end(), s->grids.begin(), s->grids.end());
+    row += n;
+    h_text_cu_.push_back(static_cast<int32_t>(row));
   }
   L_ = L;
   S_ = S;
-  n_pad_ = n_pad;
-  n_label_ = n_label;
+  n_pad_ = static_cast<int64_t>(h_pad_rows_.size());
+  n_label_ = static_cast<int64_t>(h_label_rows_.size());
+  n_text_segments_ = static_cast<int>(batch.size());
+  h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 1, h_text_cu_.back());
+
+  be_.write(ids_.slice(0, L), h_ids_.data(), DType::i32);
+  be_.write(cos_.slice(0, L), h_cos_.data(), DType::f32);
+  be_.write(sin_.slice(0, L), h_sin_.data(), DType::f32);
+  be_.write(text_cu_, h_text_cu_.data(), DType::i32);
+  if (n_pad_ > 0) be_.write(pad_rows_.slice(0, n_pad_), h_pad_rows_.data(), DType::i32);
+  if (n_label_ > 0) {
+    be_.write(label_rows_.slice(0, n_label_), h_label_rows_.data(), DType::i32);
+    be_.write(targets_.slice(0, n_label_), h_targets_.data(), DType::i32);
+  }
+  if (S > 0) {
+    const VisionInputs vin = plan_vision_inputs(v, grids, 0, limits_.max_images);
+    n_segments_ = vin.n_segments;
+    be_.write(pixels_.slice(0, S), h_pixels_.data(), DType::f32);
+    be_.write(v_cos_.slice(0, S), vin.cos.data(), DType::f32);
+    be_.write(v_sin_.slice(0, S), vin.sin.data(), DType::f32);
+    be_.write(pos_index_.slice(0, S), vin.pos_index.data(), DType::i32);
+    be_.write(pos_weight_.slice(0, S), vin.pos_weight.data(), DType::f32);
+    be_.write(v_cu_, vin.cu_seqlens.data(), DType::i32);
+  }
 }
 
-LossStats TrainableQwen3VL::run(const TrainSample& s, bool backward, float grad_scale) {
-  prepare(s);
+LossStats TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
+                                float grad_scale) {
+  prepare(batch);
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_ > 0 && (lm || vision_grads);
-  if (S_ > 0) vision_forward(s.pixel_values.data());
+  be_.write(grad_scale_, &grad_scale, DType::f32);
+  be_.fill_zero(loss_sum_);
+  if (S_ > 0) vision_forward();
   text_forward();
-  LossStats st;
-  st.loss_sum = loss_and_head_backward(backward, grad_scale);
-  st.n_tokens = n_label_;
+  loss(backward);
   if (backward) {
     text_backward();
-    if (vision_grads) vision_backward(s.pixel_values.data());
+    if (vision_grads) vision_backward();
   }
+  LossStats st;
+  float loss_sum = 0.0f;
+  be_.read(&loss_sum, DType::f32, loss_sum_);
+  st.loss_sum = loss_sum;
+  st.n_tokens = n_label_;
   return st;
+}
+
+Tensor TrainableQwen3VL::residual_grad_for_gemm(const Tensor& dres, const Tensor& copy) {
+  if (copy.data == dres.data) return dres;
+  be_.convert(copy, dres);
+  return copy;
 }
 
 // ---- Vision ------------------------------------------------------------------------------------
 
-void TrainableQwen3VL::vision_forward(const float* pixels) {
-  using namespace train;
+void TrainableQwen3VL::vision_forward() {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
-  const int64_t S = S_, D = v.hidden_size, Iv = v.intermediate_size;
+  const int64_t S = S_;
   const int nh = v.num_heads, hd = v.head_dim();
   const float eps = v.layer_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int32_t* cu = vin_.cu_seqlens.data();
+  const Tensor cos = v_cos_.slice(0, S), sin = v_sin_.slice(0, S);
 
-  linear_forward(f(vx_[0]), pixels, cf(w.patch_w), cf(w.patch_b), S, v.patch_dim(), D, false);
-  pos_embed_forward(f(vx_[0]), cf(w.pos_embed), vin_.pos_index.data(), vin_.pos_weight.data(), S,
-                    D);
+  be_.linear(vx_[0].slice(0, S), pixels_.slice(0, S), w.patch_w, w.patch_b, false);
+  be_.add_interpolated_rows(vx_[0].slice(0, S), w.pos_embed, pos_index_.slice(0, S),
+                            pos_weight_.slice(0, S));
   const auto& taps = v.deepstack_visual_indexes;
   for (int l = 0; l < v.depth; ++l) {
     const VisionBlockWeights& bw = w.blocks[l];
     VisionBlockActs& a = vb_[l];
-    const float* x = cf(vx_[l]);
-    layernorm_forward(f(a.ln1), f(a.mean1), f(a.rstd1), x, cf(bw.norm1_w), cf(bw.norm1_b), S, D,
-                      eps);
-    linear_forward(f(a.qkv), f(a.ln1), cf(bw.qkv_w), cf(bw.qkv_b), S, D, 3 * D, false);
+    const Tensor x = vx_[l].slice(0, S);
+    const Tensor qkv = a.qkv.slice(0, S), attn = a.attn.slice(0, S), x_mid = a.x_mid.slice(0, S);
+    be_.layer_norm_train(a.ln1.slice(0, S), a.mean1.slice(0, S), a.rstd1.slice(0, S), x, bw.norm1_w,
+                         bw.norm1_b, eps);
+    be_.linear(qkv, a.ln1.slice(0, S), bw.qkv_w, bw.qkv_b, false);
     // The vision RoPE has no q/k norm, so it rotates in place; its backward needs only the tables.
-    qk_norm_rope_forward(f(a.qkv), nullptr, f(a.qkv), nullptr, nullptr, vin_.cos.data(),
-                         vin_.sin.data(), S, nh, nh, hd, 0.0f);
-    attention_forward(f(a.attn), f(a.lse), f(a.qkv), S, nh, nh, hd, scale, cu, n_segments_, false);
-    std::memcpy(f(a.x_mid), x, sizeof(float) * S * D);
-    linear_forward(f(a.x_mid), f(a.attn), cf(bw.proj_w), cf(bw.proj_b), S, D, D, true);
-    layernorm_forward(f(a.ln2), f(a.mean2), f(a.rstd2), f(a.x_mid), cf(bw.norm2_w), cf(bw.norm2_b),
-                      S, D, eps);
-    linear_forward(f(a.fc1), f(a.ln2), cf(bw.fc1_w), cf(bw.fc1_b), S, D, Iv, false);
-    gelu_tanh_forward(f(a.act), f(a.fc1), S * Iv);
-    float* y = f(vx_[l + 1]);
-    std::memcpy(y, f(a.x_mid), sizeof(float) * S * D);
-    linear_forward(y, f(a.act), cf(bw.fc2_w), cf(bw.fc2_b), S, Iv, D, true);
+    be_.qkv_norm_rope_train(qkv, Tensor(), qkv, Tensor(), Tensor(), 0.0f, cos, sin, nh, nh, hd,
+                            false);
+    be_.attention_train(attn, a.lse.slice(0, S), qkv, v_cu_, n_segments_, nh, nh, hd, scale, false,
+                        Tensor());
+    be_.copy(x_mid, x);
+    be_.linear(x_mid, attn, bw.proj_w, bw.proj_b, true);
+    be_.layer_norm_train(a.ln2.slice(0, S), a.mean2.slice(0, S), a.rstd2.slice(0, S), x_mid,
+                         bw.norm2_w, bw.norm2_b, eps);
+    be_.linear(a.fc1.slice(0, S), a.ln2.slice(0, S), bw.fc1_w, bw.fc1_b, false);
+    be_.gelu_tanh(a.act.slice(0, S), a.fc1.slice(0, S));
+    const Tensor y = vx_[l + 1].slice(0, S);
+    be_.copy(y, x_mid);
+    be_.linear(y, a.act.slice(0, S), bw.fc2_w, bw.fc2_b, true);
     const auto tap = std::find(taps.begin(), taps.end(), l);
     if (tap != taps.end()) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
-      merger_forward(w.deepstack_mergers[k], ds_[k], y, true);
+      merger_forward(w.deepstack_mergers[k], ds_[k], vx_[l + 1], true);
     }
   }
-  merger_forward(w.merger, merger_, f(vx_[v.depth]), false);
+  merger_forward(w.merger, merger_, vx_[v.depth], false);
 }
 
-void TrainableQwen3VL::merger_forward(const PatchMergerWeights& w, MergerActs& a, const float* x,
+void TrainableQwen3VL::merger_forward(const PatchMergerWeights& w, MergerActs& a, const Tensor& x,
                                       bool post) {
-  using namespace train;
   const VisionConfig& v = cfg_.vision;
   const int64_t Sm = S_ / v.merge_unit(), M = v.merged_dim();
   // Post-shuffle (DeepStack) normalises the concatenated 2x2 window; pre-shuffle (the main
   // merger) normalises each patch and concatenates afterwards. Both are the same memory.
+  const Tensor ln = a.ln.slice(0, Sm);
   if (post) {
-    layernorm_forward(f(a.ln), f(a.mean), f(a.rstd), x, cf(w.norm_w), cf(w.norm_b), Sm, M,
-                      v.layer_norm_eps);
+    be_.layer_norm_train(ln, a.mean.slice(0, Sm), a.rstd.slice(0, Sm), x.slice(0, S_).view({Sm, M}),
+                         w.norm_w, w.norm_b, v.layer_norm_eps);
   } else {
-    layernorm_forward(f(a.ln), f(a.mean), f(a.rstd), x, cf(w.norm_w), cf(w.norm_b), S_,
-                      v.hidden_size, v.layer_norm_eps);
+    be_.layer_norm_train(ln.view({S_, v.hidden_size}), a.mean.slice(0, S_), a.rstd.slice(0, S_),
+                         x.slice(0, S_), w.norm_w, w.norm_b, v.layer_norm_eps);
   }
-  linear_forward(f(a.fc1), f(a.ln), cf(w.fc1_w), cf(w.fc1_b), Sm, M, M, false);
-  gelu_erf_forward(f(a.act), f(a.fc1), Sm * M);
-  linear_forward(f(a.out), f(a.act), cf(w.fc2_w), cf(w.fc2_b), Sm, M, v.out_hidden_size, false);
+  be_.linear(a.fc1.slice(0, Sm), ln, w.fc1_w, w.fc1_b, false);
+  be_.gelu_erf(a.act.slice(0, Sm), a.fc1.slice(0, Sm));
+  be_.linear(a.out.slice(0, Sm), a.act.slice(0, Sm), w.fc2_w, w.fc2_b, false);
 }
 
 void TrainableQwen3VL::merger_backward(const PatchMergerWeights& w, PatchMergerWeights* g,
-                                       const MergerActs& a, const float* x, const float* dout,
-                                       float* dx, bool post) {
-  using namespace train;
-  if (!g && !dx) return;
+                                       const MergerActs& a, const Tensor& x, const Tensor& dout,
+                                       const Tensor& dx, bool post) {
+  if (!g && !dx.defined()) return;
   const VisionConfig& v = cfg_.vision;
   const int64_t Sm = S_ / v.merge_unit(), M = v.merged_dim();
-  const bool gw = g != nullptr;
-  linear_backward(f(m_da_), gw ? f(g->fc2_w) : nullptr, gw ? f(g->fc2_b) : nullptr, dout, f(a.act),
-                  cf(w.fc2_w), Sm, M, v.out_hidden_size, false);
-  gelu_erf_backward(f(m_da_), f(m_da_), f(a.fc1), Sm * M);
-  linear_backward(f(m_dln_), gw ? f(g->fc1_w) : nullptr, gw ? f(g->fc1_b) : nullptr, f(m_da_),
-                  f(a.ln), cf(w.fc1_w), Sm, M, M, false);
-  const int64_t rows = post ? Sm : S_, cols = post ? M : v.hidden_size;
-  layernorm_backward(dx, gw ? f(g->norm_w) : nullptr, gw ? f(g->norm_b) : nullptr, f(m_dln_), x,
-                     f(a.mean), f(a.rstd), cf(w.norm_w), rows, cols);
+  const Tensor da = m_da_.slice(0, Sm), dln = m_dln_.slice(0, Sm), dy = dout.slice(0, Sm);
+  // Overwrites da; accumulates fc2's weight and bias gradients.
+  be_.linear_backward_input(da, dy, w.fc2_w, false);
+  if (g) be_.linear_backward_weight(g->fc2_w, g->fc2_b, dy, a.act.slice(0, Sm));
+  be_.gelu_erf_backward(da, da, a.fc1.slice(0, Sm));
+  // Overwrites dln; accumulates fc1's gradients.
+  be_.linear_backward_input(dln, da, w.fc1_w, false);
+  if (g) be_.linear_backward_weight(g->fc1_w, g->fc1_b, da, a.ln.slice(0, Sm));
+  // Accumulates into dx (the residual gradient) and the norm's gradients.
+  const Tensor dnw = g ? g->norm_w : Tensor(), dnb = g ? g->norm_b : Tensor();
+  if (post) {
+    be_.layer_norm_backward(dx.defined() ? dx.slice(0, S_).view({Sm, M}) : Tensor(), dnw, dnb, dln,
+                            x.slice(0, S_).view({Sm, M}), a.mean.slice(0, Sm), a.rstd.slice(0, Sm),
+                            w.norm_w);
+  } else {
+    be_.layer_norm_backward(dx.defined() ? dx.slice(0, S_) : Tensor(), dnw, dnb,
+                            dln.view({S_, v.hidden_size}), x.slice(0, S_), a.mean.slice(0, S_),
+                            a.rstd.slice(0, S_), w.norm_w);
+  }
 }
 
-void TrainableQwen3VL::vision_backward(const float* pixels) {
-  using namespace train;
+void TrainableQwen3VL::vision_backward() {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
   VisionWeights& g = grads_->vision;
-  const int64_t S = S_, D = v.hidden_size, Iv = v.intermediate_size;
+  const int64_t S = S_;
   const int nh = v.num_heads, hd = v.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int32_t* cu = vin_.cu_seqlens.data();
   const bool tower = !frozen_.vision_tower;
   const auto& taps = v.deepstack_visual_indexes;
+  const Tensor cos = v_cos_.slice(0, S), sin = v_sin_.slice(0, S);
   auto merger_grads = [&](PatchMergerWeights& m) { return frozen_.merger ? nullptr : &m; };
 
-  float* dres = tower ? f(v_dres_) : nullptr;
-  if (tower) std::fill(dres, dres + S * D, 0.0f);
-  merger_backward(w.merger, merger_grads(g.merger), merger_, f(vx_[v.depth]), f(d_embeds_), dres,
-                  false);
+  const Tensor dres = tower ? v_dres_.slice(0, S) : Tensor();
+  if (tower) be_.fill_zero(dres);
+  merger_backward(w.merger, merger_grads(g.merger), merger_, vx_[v.depth], d_embeds_, dres, false);
   if (!tower) {
     for (size_t k = 0; k < taps.size(); ++k)
       merger_backward(w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      f(vx_[taps[k] + 1]), f(d_ds_[k]), nullptr, true);
+                      vx_[taps[k] + 1], d_ds_[k], Tensor(), true);
     return;
   }
+  const Tensor dres_c = v_dres_c_.slice(0, S);
+  const Tensor dtmp = v_dtmp_.slice(0, S), dfc = v_dfc_.slice(0, S), dattn = v_dattn_.slice(0, S),
+               dqkv = v_dqkv_.slice(0, S);
   for (int l = v.depth - 1; l >= 0; --l) {
     // dres holds d(output of block l); DeepStack taps read that output too.
     const auto tap = std::find(taps.begin(), taps.end(), l);
     if (tap != taps.end()) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
       merger_backward(w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      f(vx_[l + 1]), f(d_ds_[k]), dres, true);
+                      vx_[l + 1], d_ds_[k], dres, true);
     }
     const VisionBlockWeights& bw = w.blocks[l];
     VisionBlockWeights& bg = g.blocks[l];
     const VisionBlockActs& a = vb_[l];
-    linear_backward(f(v_dfc_), f(bg.fc2_w), f(bg.fc2_b), dres, f(a.act), cf(bw.fc2_w), S, Iv, D,
-                    false);
-    gelu_tanh_backward(f(v_dfc_), f(v_dfc_), f(a.fc1), S * Iv);
-    linear_backward(f(v_dtmp_), f(bg.fc1_w), f(bg.fc1_b), f(v_dfc_), f(a.ln2), cf(bw.fc1_w), S, D,
-                    Iv, false);
-    layernorm_backward(dres, f(bg.norm2_w), f(bg.norm2_b), f(v_dtmp_), f(a.x_mid), f(a.mean2),
-                       f(a.rstd2), cf(bw.norm2_w), S, D);
-    linear_backward(f(v_dattn_), f(bg.proj_w), f(bg.proj_b), dres, f(a.attn), cf(bw.proj_w), S, D,
-                    D, false);
-    attention_backward(f(v_dqkv_), f(v_dsum_), f(v_dattn_), f(a.attn), f(a.lse), f(a.qkv), S, nh,
-                       nh, hd, scale, cu, n_segments_, false);
-    qk_norm_rope_backward(f(v_dqkv_), nullptr, nullptr, f(v_dqkv_), nullptr, nullptr, nullptr,
-                          nullptr, vin_.cos.data(), vin_.sin.data(), S, nh, nh, hd);
-    linear_backward(f(v_dtmp_), f(bg.qkv_w), f(bg.qkv_b), f(v_dqkv_), f(a.ln1), cf(bw.qkv_w), S, D,
-                    3 * D, false);
-    layernorm_backward(dres, f(bg.norm1_w), f(bg.norm1_b), f(v_dtmp_), f(vx_[l]), f(a.mean1),
-                       f(a.rstd1), cf(bw.norm1_w), S, D);
+    Tensor dy = residual_grad_for_gemm(dres, dres_c);
+    // MLP: overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
+    be_.linear_backward_input(dfc, dy, bw.fc2_w, false);
+    be_.linear_backward_weight(bg.fc2_w, bg.fc2_b, dy, a.act.slice(0, S));
+    be_.gelu_tanh_backward(dfc, dfc, a.fc1.slice(0, S));
+    be_.linear_backward_input(dtmp, dfc, bw.fc1_w, false);
+    be_.linear_backward_weight(bg.fc1_w, bg.fc1_b, dfc, a.ln2.slice(0, S));
+    be_.layer_norm_backward(dres, bg.norm2_w, bg.norm2_b, dtmp, a.x_mid.slice(0, S),
+                            a.mean2.slice(0, S), a.rstd2.slice(0, S), bw.norm2_w);
+    // Attention: overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and
+    // dres.
+    dy = residual_grad_for_gemm(dres, dres_c);
+    be_.linear_backward_input(dattn, dy, bw.proj_w, false);
+    be_.linear_backward_weight(bg.proj_w, bg.proj_b, dy, a.attn.slice(0, S));
+    be_.attention_backward(dqkv, v_dsum_.slice(0, S), dattn, a.attn.slice(0, S), a.lse.slice(0, S),
+                           a.qkv.slice(0, S), v_cu_, n_segments_, nh, nh, hd, scale, false,
+                           Tensor());
+    be_.qkv_norm_rope_backward(dqkv, Tensor(), Tensor(), dqkv, Tensor(), Tensor(), Tensor(),
+                               Tensor(), cos, sin, nh, nh, hd, false);
+    be_.linear_backward_input(dtmp, dqkv, bw.qkv_w, false);
+    be_.linear_backward_weight(bg.qkv_w, bg.qkv_b, dqkv, a.ln1.slice(0, S));
+    be_.layer_norm_backward(dres, bg.norm1_w, bg.norm1_b, dtmp, vx_[l].slice(0, S),
+                            a.mean1.slice(0, S), a.rstd1.slice(0, S), bw.norm1_w);
   }
-  pos_embed_backward(f(g.pos_embed), dres, vin_.pos_index.data(), vin_.pos_weight.data(), S, D);
-  linear_backward(nullptr, f(g.patch_w), f(g.patch_b), dres, pixels, cf(w.patch_w), S,
-                  v.patch_dim(), D, false);
+  // Embeddings: accumulate the position table's and the patch projection's gradients.
+  be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
+                                     pos_weight_.slice(0, S));
+  be_.linear_backward_weight(g.patch_w, g.patch_b, residual_grad_for_gemm(dres, dres_c),
+                             pixels_.slice(0, S));
 }
 
 // ---- Text --------------------------------------------------------------------------------------
 
 void TrainableQwen3VL::text_forward() {
-  using namespace train;
   const TextConfig& t = cfg_.text;
   const DecoderWeights& w = params_.text;
-  const int64_t L = L_, H = t.hidden_size, It = t.intermediate_size;
+  const int64_t L = L_;
   const int nq = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
   const float eps = t.rms_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Tensor cos = cos_.slice(0, L), sin = sin_.slice(0, L), pads = pad_rows_.slice(0, n_pad_);
 
-  embedding_forward(f(tx_[0]), cf(w.embed), i32(ids_), L, H, t.vocab_size);
-  if (n_pad_ > 0) scatter_rows(f(tx_[0]), f(merger_.out), i32(pad_rows_), n_pad_, H, false);
+  be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
+  if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, L), merger_.out.slice(0, n_pad_), pads, false);
   for (int l = 0; l < t.num_hidden_layers; ++l) {
     const DecoderLayerWeights& lw = w.layers[l];
     TextLayerActs& a = tl_[l];
-    const float* x = cf(tx_[l]);
-    rmsnorm_forward(f(a.rms1), f(a.rstd1), x, cf(lw.input_norm_w), L, H, eps);
-    linear_forward(f(a.qkv_lin), f(a.rms1), cf(lw.qkv_w), nullptr, L, H, t.qkv_width(), false);
-    qk_norm_rope_forward(f(a.qkv), f(a.qk_rstd), f(a.qkv_lin), cf(lw.q_norm_w), cf(lw.k_norm_w),
-                         f(cos_), f(sin_), L, nq, nkv, hd, eps);
-    attention_forward(f(a.attn), f(a.lse), f(a.qkv), L, nq, nkv, hd, scale, i32(text_cu_), 1, true);
-    std::memcpy(f(a.x_mid), x, sizeof(float) * L * H);
-    linear_forward(f(a.x_mid), f(a.attn), cf(lw.o_w), nullptr, L, t.q_width(), H, true);
-    rmsnorm_forward(f(a.rms2), f(a.rstd2), f(a.x_mid), cf(lw.post_norm_w), L, H, eps);
-    linear_forward(f(a.gate_up), f(a.rms2), cf(lw.gate_up_w), nullptr, L, H, 2 * It, false);
-    swiglu_forward(f(a.act), f(a.gate_up), L, It);
-    float* y = f(tx_[l + 1]);
-    std::memcpy(y, f(a.x_mid), sizeof(float) * L * H);
-    linear_forward(y, f(a.act), cf(lw.down_w), nullptr, L, It, H, true);
+    const Tensor x = tx_[l].slice(0, L), x_mid = a.x_mid.slice(0, L), attn = a.attn.slice(0, L);
+    be_.rms_norm_train(a.rms1.slice(0, L), a.rstd1.slice(0, L), x, lw.input_norm_w, eps);
+    be_.linear(a.qkv_lin.slice(0, L), a.rms1.slice(0, L), lw.qkv_w, Tensor(), false);
+    be_.qkv_norm_rope_train(a.qkv.slice(0, L), a.qk_rstd.slice(0, L), a.qkv_lin.slice(0, L),
+                            lw.q_norm_w, lw.k_norm_w, eps, cos, sin, nq, nkv, hd, true);
+    be_.attention_train(attn, a.lse.slice(0, L), a.qkv.slice(0, L), text_cu_, n_text_segments_, nq,
+                        nkv, hd, scale, true, Tensor());
+    be_.copy(x_mid, x);
+    be_.linear(x_mid, attn, lw.o_w, Tensor(), true);
+    be_.rms_norm_train(a.rms2.slice(0, L), a.rstd2.slice(0, L), x_mid, lw.post_norm_w, eps);
+    be_.linear(a.gate_up.slice(0, L), a.rms2.slice(0, L), lw.gate_up_w, Tensor(), false);
+    be_.swiglu(a.act.slice(0, L), a.gate_up.slice(0, L));
+    const Tensor y = tx_[l + 1].slice(0, L);
+    be_.copy(y, x_mid);
+    be_.linear(y, a.act.slice(0, L), lw.down_w, Tensor(), true);
     if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-      scatter_rows(y, f(ds_[l].out), i32(pad_rows_), n_pad_, H, true);
+      be_.scatter_rows(y, ds_[l].out.slice(0, n_pad_), pads, true);
   }
-  rmsnorm_forward(f(final_), f(final_rstd_), f(tx_[t.num_hidden_layers]), cf(w.norm_w), L, H, eps);
+  be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
+                     tx_[t.num_hidden_layers].slice(0, L), w.norm_w, eps);
 }
 
-double TrainableQwen3VL::loss_and_head_backward(bool backward, float grad_scale) {
-  const TextConfig& t = cfg_.text;
-  const int64_t H = t.hidden_size;
-  if (n_label_ == 0) return 0.0;
-  train::gather_rows(f(xlab_), f(final_), i32(label_rows_), n_label_, H);
+void TrainableQwen3VL::loss(bool backward) {
+  if (n_label_ == 0) return;
+  const Tensor xlab = xlab_.slice(0, n_label_);
+  be_.gather_rows(xlab, final_.slice(0, L_), label_rows_.slice(0, n_label_));
   const bool lm = !frozen_.language_model;
-  // Rows are held back while they fit; a sample with more labelled rows than the whole capacity
-  // applies its own after the held-back ones, which keeps the order of the sums.
-  if (backward && lm && n_label_ <= pending_capacity_) {
-    if (pending_rows_ + n_label_ > pending_capacity_) flush_head_grad();
-    const double loss = train::lm_head_cross_entropy(
-        f(dxlab_), nullptr, f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H,
-        t.vocab_size, grad_scale, f(logits_), logits_.numel(), loss_chunk_,
-        f(pending_dl_) + pending_rows_ * t.vocab_size);
-    std::memcpy(f(pending_x_) + pending_rows_ * H, f(xlab_), sizeof(float) * n_label_ * H);
-    pending_rows_ += n_label_;
-    return loss;
-  }
-  if (backward) flush_head_grad();
-  if (backward && lm) head_grad_dense_ = true;
-  return train::lm_head_cross_entropy(
-      backward ? f(dxlab_) : nullptr, backward ? g_or_null(grads_->text.lm_head, lm) : nullptr,
-      f(xlab_), cf(params_.text.lm_head), i32(targets_), n_label_, H, t.vocab_size, grad_scale,
-      f(logits_), logits_.numel(), loss_chunk_);
-}
-
-void TrainableQwen3VL::flush_head_grad() {
-  if (pending_rows_ == 0) return;
-  const TextConfig& t = cfg_.text;
-  train::lm_head_weight_grad(f(grads_->text.lm_head), f(pending_dl_), f(pending_x_), pending_rows_,
-                             t.hidden_size, t.vocab_size);
-  pending_rows_ = 0;
-  head_grad_dense_ = true;
+  // Overwrites dxlab; accumulates the lm_head's gradient (the embedding's, when tied).
+  be_.lm_head_loss(loss_sum_, backward ? dxlab_.slice(0, n_label_) : Tensor(),
+                   backward ? g_or_none(grads_->text.lm_head, lm) : Tensor(), xlab,
+                   params_.text.lm_head, targets_.slice(0, n_label_), grad_scale_, loss_workspace_,
+                   loss_chunk_);
 }
 
 void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
   IRIS_CHECK(&sum != this && &sum.params_ == &params_,
              "move_grads_into needs another replica of the same parameters");
-  const TextConfig& t = cfg_.text;
-  const int64_t H = t.hidden_size;
-  if (pending_rows_ > 0) {
-    train::lm_head_weight_grad(f(sum.grads_->text.lm_head), f(pending_dl_), f(pending_x_),
-                               pending_rows_, H, t.vocab_size);
-    pending_rows_ = 0;
-    sum.head_grad_dense_ = true;
-  }
-  const Tensor* embed = &grads_->text.embed;
-  const Tensor* head = grads_->tied_lm_head ? embed : &grads_->text.lm_head;
-  for (size_t i = 0; i < grads_->bindings.size(); ++i) {
-    const WeightBinding& b = grads_->bindings[i];
-    if (b.row_offset != 0) continue;  // fused tensors: the binding at row 0 covers the whole
-    float* src = f(*b.target);
-    float* dst = f(*sum.grads_->bindings[i].target);
-    if (!head_grad_dense_ && b.target == embed) {
-      for (int32_t row : touched_embed_rows_) {
-        float* s = src + int64_t(row) * H;
-        float* d = dst + int64_t(row) * H;
-        for (int64_t c = 0; c < H; ++c) d[c] += s[c];
-        std::fill(s, s + H, 0.0f);
-        if (!sum.embed_row_touched_[static_cast<size_t>(row)]) {
-          sum.embed_row_touched_[static_cast<size_t>(row)] = 1;
-          sum.touched_embed_rows_.push_back(row);
-        }
-      }
-      continue;
-    }
-    if (!head_grad_dense_ && b.target == head) continue;  // an untied lm_head with no rows yet
-    const int64_t n = b.target->numel();
+  IRIS_CHECK(be_.device() == Device::cpu && sum.be_.device() == Device::cpu,
+             "move_grads_into sums replicas on the CPU");
+  const int64_t n = static_cast<int64_t>(grads_->arena.capacity() / sizeof(float));
+  float* src = static_cast<float*>(grads_->arena.base());
+  float* dst = static_cast<float*>(sum.grads_->arena.base());
 #pragma omp parallel for schedule(static) if (n > (int64_t(1) << 16))
-    for (int64_t k = 0; k < n; ++k) {
-      dst[k] += src[k];
-      src[k] = 0.0f;
-    }
+  for (int64_t k = 0; k < n; ++k) {
+    dst[k] += src[k];
+    src[k] = 0.0f;
   }
-  for (int32_t row : touched_embed_rows_) embed_row_touched_[static_cast<size_t>(row)] = 0;
-  touched_embed_rows_.clear();
-  if (head_grad_dense_) sum.head_grad_dense_ = true;
-  head_grad_dense_ = false;
 }
 
 void TrainableQwen3VL::text_backward() {
-  using namespace train;
   const TextConfig& t = cfg_.text;
   const DecoderWeights& w = params_.text;
   DecoderWeights& g = grads_->text;
   const bool lm = !frozen_.language_model;
-  const int64_t L = L_, H = t.hidden_size, It = t.intermediate_size;
+  const int64_t L = L_;
   const int nq = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Tensor cos = cos_.slice(0, L), sin = sin_.slice(0, L), pads = pad_rows_.slice(0, n_pad_);
 
-  float* dres = f(t_dres_);
-  float* dtmp = f(t_dtmp_);
-  std::fill(dres, dres + L * H, 0.0f);
-  std::fill(dtmp, dtmp + L * H, 0.0f);
-  scatter_rows(dtmp, f(dxlab_), i32(label_rows_), n_label_, H, false);
-  rmsnorm_backward(dres, g_or_null(g.norm_w, lm), dtmp, f(tx_[t.num_hidden_layers]), f(final_rstd_),
-                   cf(w.norm_w), L, H);
+  const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
+  const Tensor dtmp = t_dtmp_.slice(0, L), dact = t_dact_.slice(0, L), dgu = t_dgu_.slice(0, L),
+               dattn = t_dattn_.slice(0, L), dqkv = t_dqkv_.slice(0, L);
+  be_.fill_zero(dres);
+  be_.fill_zero(dtmp);
+  be_.scatter_rows(dtmp, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
+  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), dtmp, tx_[t.num_hidden_layers].slice(0, L),
+                        final_rstd_.slice(0, L), w.norm_w);
   for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
     // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after layer l).
     if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-      gather_rows(f(d_ds_[l]), dres, i32(pad_rows_), n_pad_, H);
+      be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres, pads);
     const DecoderLayerWeights& lw = w.layers[l];
     DecoderLayerWeights& lg = g.layers[l];
     const TextLayerActs& a = tl_[l];
-    linear_backward(f(t_dact_), g_or_null(lg.down_w, lm), nullptr, dres, f(a.act), cf(lw.down_w), L,
-                    It, H, false);
-    swiglu_backward(f(t_dgu_), f(t_dact_), f(a.gate_up), L, It);
-    linear_backward(dtmp, g_or_null(lg.gate_up_w, lm), nullptr, f(t_dgu_), f(a.rms2),
-                    cf(lw.gate_up_w), L, H, 2 * It, false);
-    rmsnorm_backward(dres, g_or_null(lg.post_norm_w, lm), dtmp, f(a.x_mid), f(a.rstd2),
-                     cf(lw.post_norm_w), L, H);
-    linear_backward(f(t_dattn_), g_or_null(lg.o_w, lm), nullptr, dres, f(a.attn), cf(lw.o_w), L,
-                    t.q_width(), H, false);
-    attention_backward(f(t_dqkv_), f(t_dsum_), f(t_dattn_), f(a.attn), f(a.lse), f(a.qkv), L, nq,
-                       nkv, hd, scale, i32(text_cu_), 1, true);
-    qk_norm_rope_backward(f(t_dqkv_), g_or_null(lg.q_norm_w, lm), g_or_null(lg.k_norm_w, lm),
-                          f(t_dqkv_), f(a.qkv_lin), f(a.qk_rstd), cf(lw.q_norm_w), cf(lw.k_norm_w),
-                          f(cos_), f(sin_), L, nq, nkv, hd);
-    linear_backward(dtmp, g_or_null(lg.qkv_w, lm), nullptr, f(t_dqkv_), f(a.rms1), cf(lw.qkv_w), L,
-                    H, t.qkv_width(), false);
-    rmsnorm_backward(dres, g_or_null(lg.input_norm_w, lm), dtmp, f(tx_[l]), f(a.rstd1),
-                     cf(lw.input_norm_w), L, H);
+    // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and
+    // dres.
+    Tensor dy = residual_grad_for_gemm(dres, dres_c);
+    be_.linear_backward_input(dact, dy, lw.down_w, false);
+    if (lm) be_.linear_backward_weight(lg.down_w, Tensor(), dy, a.act.slice(0, L));
+    be_.swiglu_backward(dgu, dact, a.gate_up.slice(0, L));
+    be_.linear_backward_input(dtmp, dgu, lw.gate_up_w, false);
+    if (lm) be_.linear_backward_weight(lg.gate_up_w, Tensor(), dgu, a.rms2.slice(0, L));
+    be_.rms_norm_backward(dres, g_or_none(lg.post_norm_w, lm), dtmp, a.x_mid.slice(0, L),
+                          a.rstd2.slice(0, L), lw.post_norm_w);
+    // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
+    // gradients and dres.
+    dy = residual_grad_for_gemm(dres, dres_c);
+    be_.linear_backward_input(dattn, dy, lw.o_w, false);
+    if (lm) be_.linear_backward_weight(lg.o_w, Tensor(), dy, a.attn.slice(0, L));
+    be_.attention_backward(dqkv, t_dsum_.slice(0, L), dattn, a.attn.slice(0, L), a.lse.slice(0, L),
+                           a.qkv.slice(0, L), text_cu_, n_text_segments_, nq, nkv, hd, scale, true,
+                           Tensor());
+    be_.qkv_norm_rope_backward(dqkv, g_or_none(lg.q_norm_w, lm), g_or_none(lg.k_norm_w, lm), dqkv,
+                               a.qkv_lin.slice(0, L), a.qk_rstd.slice(0, L), lw.q_norm_w,
+                               lw.k_norm_w, cos, sin, nq, nkv, hd, true);
+    be_.linear_backward_input(dtmp, dqkv, lw.qkv_w, false);
+    if (lm) be_.linear_backward_weight(lg.qkv_w, Tensor(), dqkv, a.rms1.slice(0, L));
+    be_.rms_norm_backward(dres, g_or_none(lg.input_norm_w, lm), dtmp, tx_[l].slice(0, L),
+                          a.rstd1.slice(0, L), lw.input_norm_w);
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.
-  if (lm) {
-    embedding_backward(f(g.embed), dres, i32(ids_), L, H, cfg_.image_token_id);
-    for (int64_t i = 0; i < L; ++i) {
-      const int32_t id = i32(ids_)[i];
-      if (id == cfg_.image_token_id || embed_row_touched_[static_cast<size_t>(id)]) continue;
-      embed_row_touched_[static_cast<size_t>(id)] = 1;
-      touched_embed_rows_.push_back(id);
-    }
-  }
-  if (n_pad_ > 0) gather_rows(f(d_embeds_), dres, i32(pad_rows_), n_pad_, H);
+  if (lm) be_.embedding_backward(g.embed, dres, ids_.slice(0, L), cfg_.image_token_id);
+  if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres, pads);
 }
 
 }  // namespace iris

@@ -1,11 +1,16 @@
-// Qwen3-VL as a trainable model on the fp32 CPU reference: a forward that keeps every activation
-// its backward needs, and a hand-written backward (training/backward_ops.h) in reverse order.
-// The parameters are a ModelWeights of f32 tensors on the CPU backend and double as the optimizer's
-// master weights; the gradients are a second ModelWeights with the same binding table, so the
-// gradient of HF tensor X is found under the same name.
+// Qwen3-VL as a trainable model on any Backend: a forward that keeps every activation its backward
+// needs, and the backward as an explicit, ordered list of Backend training ops (core/backend.h).
+// On the CPU backend everything is fp32 and this is the oracle; on CUDA the weights the forward
+// reads and the activations are bf16, while statistics, the residual-stream gradient and every
+// parameter gradient are f32.
+//
+// A micro-batch packs several samples: their tokens are concatenated as causal segments of one
+// sequence (each with its own M-RoPE positions), their images as vision segments. The gradients
+// are a ModelWeights of f32 tensors on the backend with the binding table of the parameters, so
+// the gradient of HF tensor X is found under the same name.
 //
 // Memory is planned once from TrainLimits: one arena holds every activation, the backward's
-// scratch and the chunked logits; a step allocates no tensors.
+// scratch and the loss's workspace; a step allocates nothing.
 #pragma once
 
 #include <cstdint>
@@ -36,24 +41,20 @@ struct LossStats {
   int64_t n_tokens = 0;  // labelled tokens (mean loss = loss_sum / n_tokens)
 };
 
+// The largest micro-batch the model is planned for (all its samples together).
 struct TrainLimits {
-  int64_t max_seq_len = 2048;   // tokens of one sample
-  int64_t max_patches = 16384;  // vision patch rows of one sample (before the 2x2 merge)
-  int max_images = 16;          // images (vision attention segments) of one sample
-  // Rows of [rows, vocab] logits materialised at once by the loss; the larger, the fewer passes
-  // over the lm_head gradient, at rows * vocab * 4 bytes.
+  int64_t max_seq_len = 2048;   // tokens
+  int64_t max_patches = 16384;  // vision patch rows (before the 2x2 merge)
+  int max_images = 16;          // images (vision attention segments)
+  int max_samples = 1;          // samples packed into one micro-batch (causal segments)
+  // Rows of [rows, vocab] f32 logits materialised at once by the loss; the larger, the fewer
+  // passes over the lm_head weight and its gradient.
   int64_t loss_chunk_rows = 32;
-  // Labelled rows whose lm_head weight gradient is held back and applied in one pass (0: each
-  // sample applies its own; so does a sample with more labelled rows than this). A small model's
-  // step is dominated by streaming the [vocab, hidden] gradient once per sample; rows * vocab * 4
-  // bytes buys doing it once per this many rows.
-  int64_t deferred_head_rows = 0;
 };
 
-// Which parts get no gradient, named like Qwen's fine-tuning flags (tune_mm_vision = vision
-// tower: patch_embed, pos_embed, blocks; tune_mm_mlp = merger and DeepStack mergers; tune_mm_llm
-// = the language model with its embedding and lm_head).
-// The three parts Qwen's fine-tuning scripts freeze or give their own learning rate.
+// The three parts Qwen's fine-tuning scripts freeze or give their own learning rate
+// (tune_mm_vision = vision tower: patch_embed, pos_embed, blocks; tune_mm_mlp = merger and
+// DeepStack mergers; tune_mm_llm = the language model with its embedding and lm_head).
 enum class ModelPart { vision_tower, merger, language_model };
 
 // The part the HF tensor `hf_name` belongs to (unknown names are an error).
@@ -69,32 +70,29 @@ struct FreezeSpec {
 
 class TrainableQwen3VL {
  public:
-  // params: f32 weights on the CPU backend `cpu` (allocate_weights/load_weights with
-  // make_cpu_backend()); kept by reference and updated in place by the optimizer.
-  TrainableQwen3VL(Backend& cpu, const ModelConfig& cfg, ModelWeights& params,
+  // params: the weights the forward reads, in the backend's compute dtype (allocate_weights /
+  // load_weights on `backend`); kept by reference (the optimizer rewrites them in place).
+  TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
                    const TrainLimits& limits);
 
-  // Loss only.
-  LossStats forward(const TrainSample& s);
+  // Loss of a micro-batch (samples packed as described above).
+  LossStats forward(const std::vector<const TrainSample*>& micro_batch);
   // Loss, and grads += grad_scale * d(loss_sum)/dparam for every parameter that is not frozen.
   // grad_scale = 1 / (labelled tokens of the global batch) gives the gradient of the mean loss.
-  LossStats forward_backward(const TrainSample& s, float grad_scale);
-
-  // The gradients, with any held-back lm_head rows applied first.
-  ModelWeights& grads() {
-    flush_head_grad();
-    return *grads_;
+  LossStats forward_backward(const std::vector<const TrainSample*>& micro_batch, float grad_scale);
+  // One sample as a micro-batch.
+  LossStats forward(const TrainSample& s) { return forward({&s}); }
+  LossStats forward_backward(const TrainSample& s, float grad_scale) {
+    return forward_backward({&s}, grad_scale);
   }
-  // Applies the lm_head weight gradient of held-back rows (TrainLimits.deferred_head_rows); call
-  // before reading the gradients through anything but grads() (an optimizer step).
-  void flush_head_grad();
+
+  ModelWeights& grads() { return *grads_; }
   ModelWeights& params() { return params_; }
+  Backend& backend() const { return be_; }
   void zero_grads();
-  // Sample-parallel training runs one replica per thread, each with its own activations and
+  // Sample-parallel CPU training runs one replica per thread, each with its own activations and
   // gradients over the shared parameters. This adds this replica's gradients into `sum`'s and
-  // leaves this replica's at zero. Held-back lm_head rows are applied straight into `sum`, and the
-  // embedding's gradient is added only on the rows this replica's samples touched, so the
-  // [vocab, hidden] tensor is not streamed once per replica.
+  // leaves this replica's at zero (CPU backend only).
   void move_grads_into(TrainableQwen3VL& sum);
   // Frozen parts keep a zero gradient and skip their weight-gradient GEMMs; backpropagation still
   // runs through a frozen part when a trainable part lies before it.
@@ -117,17 +115,20 @@ class TrainableQwen3VL {
   };
 
   void allocate(Arena& a);
-  LossStats run(const TrainSample& s, bool backward, float grad_scale);
-  void prepare(const TrainSample& s);
-  void vision_forward(const float* pixels);
-  void merger_forward(const PatchMergerWeights& w, MergerActs& a, const float* x, bool post);
+  LossStats run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale);
+  void prepare(const std::vector<const TrainSample*>& batch);
+  void vision_forward();
+  void merger_forward(const PatchMergerWeights& w, MergerActs& a, const Tensor& x, bool post);
   void text_forward();
-  double loss_and_head_backward(bool backward, float grad_scale);
+  void loss(bool backward);
   void text_backward();
-  void vision_backward(const float* pixels);
-  // d(out) -> merger weight grads (g null: frozen) and, when dx is non-null, dx += d(input).
+  void vision_backward();
+  // d(out) -> merger weight grads (g null: frozen) and, when dx is defined, dx += d(input).
   void merger_backward(const PatchMergerWeights& w, PatchMergerWeights* g, const MergerActs& a,
-                       const float* x, const float* dout, float* dx, bool post);
+                       const Tensor& x, const Tensor& dout, const Tensor& dx, bool post);
+  // The compute-dtype copy of the f32 residual gradient that the GEMMs read (the gradient itself
+  // where the compute dtype is f32).
+  Tensor residual_grad_for_gemm(const Tensor& dres, const Tensor& copy);
 
   Backend& be_;
   ModelConfig cfg_;
@@ -137,17 +138,21 @@ class TrainableQwen3VL {
   FreezeSpec frozen_;
   Arena arena_;
 
-  // The current sample's shape.
+  // The current micro-batch's shape.
   int64_t L_ = 0;        // tokens
   int64_t S_ = 0;        // vision patch rows
   int64_t n_pad_ = 0;    // image-pad tokens (= S_ / merge_unit)
   int64_t n_label_ = 0;  // positions whose next token is labelled
   int n_segments_ = 0;   // vision attention segments
-  VisionInputs vin_;     // host-planned RoPE tables, interpolation and cu_seqlens
+  int n_text_segments_ = 0;
 
+  // Host staging, sized once.
+  std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_;
+  std::vector<float> h_cos_, h_sin_, h_pixels_;
   // Inputs.
-  Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_;
-  // Vision activations: x_[l] is the input of block l, x_[depth] the tower's output.
+  Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_;
+  Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_;
+  // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
   std::vector<VisionBlockActs> vb_;
   MergerActs merger_;
@@ -156,20 +161,12 @@ class TrainableQwen3VL {
   // tx_[n_layers] the input of the final norm.
   std::vector<Tensor> tx_;
   std::vector<TextLayerActs> tl_;
-  Tensor final_, final_rstd_, xlab_, dxlab_;
-  Tensor logits_;  // the loss's scratch: loss_chunk_ rows of logits at a time
+  Tensor final_, final_rstd_, xlab_, dxlab_, loss_workspace_;
   int64_t loss_chunk_ = 0;
-  // Held-back lm_head gradient rows: d(logits) and the final-norm rows they multiply.
-  Tensor pending_dl_, pending_x_;
-  int64_t pending_rows_ = 0, pending_capacity_ = 0;
-  // What move_grads_into must add: whether the lm_head's gradient (the embedding's, when tied)
-  // was written densely since the last zeroing, and which embedding rows the samples touched.
-  bool head_grad_dense_ = false;
-  std::vector<uint8_t> embed_row_touched_;
-  std::vector<int32_t> touched_embed_rows_;
-  // Backward scratch.
-  Tensor t_dres_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
-  Tensor v_dres_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
+  // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype
+  // copies for the GEMMs.
+  Tensor t_dres_, t_dres_c_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
+  Tensor v_dres_, v_dres_c_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
   std::vector<Tensor> d_ds_;
 };
 

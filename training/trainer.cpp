@@ -120,15 +120,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// forward_backward of every sample of the batch, sample i on replica i % replicas.size(). With
-// several replicas each runs on a thread of its own, and the ops inside run on that one thread.
+// forward_backward of every micro-batch, micro-batch i on replica i % replicas.size(). With
+// several replicas (CPU only) each runs on a thread of its own, and the ops inside run on that one
+// thread.
 void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
-                     const std::vector<TrainSample>& batch, float grad_scale,
-                     std::vector<LossStats>& stats) {
+                     const std::vector<std::vector<const TrainSample*>>& micro_batches,
+                     float grad_scale, std::vector<LossStats>& stats) {
   const auto n = static_cast<int64_t>(replicas.size());
   if (n == 1) {
-    for (size_t i = 0; i < batch.size(); ++i)
-      stats[i] = replicas[0]->forward_backward(batch[i], grad_scale);
+    for (size_t i = 0; i < micro_batches.size(); ++i)
+      stats[i] = replicas[0]->forward_backward(micro_batches[i], grad_scale);
     return;
   }
   // An exception must not leave an OpenMP region; the first one is rethrown after it.
@@ -139,8 +140,9 @@ void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& repli
     // The runtime may give fewer threads than asked for; a thread then takes several replicas.
     for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
       try {
-        for (auto i = static_cast<size_t>(k); i < batch.size(); i += static_cast<size_t>(n))
-          stats[i] = replicas[static_cast<size_t>(k)]->forward_backward(batch[i], grad_scale);
+        for (auto i = static_cast<size_t>(k); i < micro_batches.size(); i += static_cast<size_t>(n))
+          stats[i] =
+              replicas[static_cast<size_t>(k)]->forward_backward(micro_batches[i], grad_scale);
       } catch (...) {
         errors[static_cast<size_t>(k)] = std::current_exception();
       }
@@ -148,6 +150,17 @@ void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& repli
   }
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+// The Binding's memory: rows [row_offset, row_offset + hf_shape[0]) of its target.
+Tensor bound(const WeightBinding& b) {
+  return b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
+}
+
+// Copies every tensor of `src` (f32, on the host) into `dst` on `be` (converted to dst's dtype).
+void upload_weights(Backend& be, ModelWeights& dst, const ModelWeights& src) {
+  for (size_t i = 0; i < src.bindings.size(); ++i)
+    be.write(bound(dst.bindings[i]), bound(src.bindings[i]).data, DType::f32);
 }
 
 }  // namespace
@@ -197,7 +210,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
              state.iteration, ", past train.train_iters ", r.train.train_iters,
              "; raise train.train_iters to train further");
 
-  // Model.
+  // Model. The host copy of the f32 weights is what checkpoints are written from; on the GPU the
+  // master weights live on the device and are copied back before each save.
+  const bool on_gpu = r.train.device == "cuda" || (r.train.device == "auto" && cuda_available());
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::string config_text;
   ModelConfig cfg;
@@ -251,39 +266,26 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     eval_data = std::make_unique<Dataset>(ec, tok, pp);
   }
 
+  // One micro-batch packs micro_batch_size samples; the activation memory is planned for the
+  // largest one.
+  const int64_t micro = r.train.micro_batch_size;
   TrainLimits limits;
-  limits.max_seq_len = r.train.seq_length;
-  // One pass over the lm_head gradient per ~256 labelled rows instead of one per sample: for the
-  // demo's model that pass is most of a step (a [151936, 128] f32 read-modify-write per sample).
-  limits.deferred_head_rows = 256;
-  limits.max_patches = recipe_max_vision_patches(r);
+  limits.max_samples = static_cast<int>(micro);
+  limits.max_seq_len = r.train.seq_length * micro;
+  limits.max_patches = recipe_max_vision_patches(r) * micro;
   const int64_t factor = int64_t(pp.patch_size) * pp.merge_size;
   const int64_t min_image_tokens = std::max<int64_t>(1, pp.min_pixels / (factor * factor));
-  limits.max_images = static_cast<int>(
-      std::min<int64_t>({r.train.seq_length / min_image_tokens + 1, r.train.seq_length, 1 << 20}));
-  // A small model's ops are too small to split across threads without most of the time going to
-  // barriers, so each thread trains whole samples on a replica of its own (activations and
-  // gradients; the parameters are shared) and the replicas' gradients are summed before the
-  // optimizer step. A large model keeps one replica and splits each op instead: a replica costs
-  // a second copy of the gradients.
+  limits.max_images = static_cast<int>(std::min<int64_t>(
+      {(r.train.seq_length / min_image_tokens + 1) * micro, limits.max_seq_len, 1 << 20}));
+  // The lm_head's weight and gradient are streamed once per chunk of labelled rows: on the CPU
+  // that pass is most of a small model's step, so the chunk covers a micro-batch's labels.
+  limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   int64_t n_params = 0;
   for (const WeightBinding& b : params->bindings) {
     int64_t n = 1;
     for (int64_t d : b.hf_shape) n *= d;
     n_params += n;
   }
-  constexpr int64_t kReplicaGradientBudget = int64_t(1) << 30;
-  const int n_replicas =
-      n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget
-          ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), r.train.global_batch_size))
-          : 1;
-  std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
-  for (int k = 0; k < n_replicas; ++k) {
-    replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
-    replicas.back()->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
-                                r.train.freeze_language_model);
-  }
-  TrainableQwen3VL& model = *replicas[0];
 
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(r.optimizer.betas[0]);
@@ -295,7 +297,38 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     ac.vision_tower_lr_scale = static_cast<float>(r.optimizer.vision_lr / r.optimizer.lr);
   if (r.optimizer.merger_lr > 0)
     ac.merger_lr_scale = static_cast<float>(r.optimizer.merger_lr / r.optimizer.lr);
-  AdamW opt(*cpu, cfg, *params, model.grads(), ac);
+
+  std::unique_ptr<Backend> gpu;
+  std::unique_ptr<ModelWeights> master, working;  // on the GPU: f32 master and bf16 weights
+  std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
+  int n_replicas = 1;
+  if (on_gpu) {
+    gpu = make_cuda_backend(0);
+    master = allocate_weights(*gpu, cfg, DType::f32);
+    working = allocate_weights(*gpu, cfg);
+    upload_weights(*gpu, *master, *params);
+    upload_weights(*gpu, *working, *params);
+    replicas.push_back(std::make_unique<TrainableQwen3VL>(*gpu, cfg, *working, limits));
+  } else {
+    // A small model's ops are too small to split across threads without most of the time going
+    // to barriers, so each thread trains whole micro-batches on a replica of its own
+    // (activations and gradients; the parameters are shared) and the replicas' gradients are
+    // summed before the optimizer step. A large model keeps one replica and splits each op
+    // instead: a replica costs a second copy of the gradients.
+    constexpr int64_t kReplicaGradientBudget = int64_t(1) << 30;
+    const int64_t n_micro = r.train.global_batch_size / micro;
+    n_replicas = n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget
+                     ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
+                     : 1;
+    for (int k = 0; k < n_replicas; ++k)
+      replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
+  }
+  for (auto& m : replicas)
+    m->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
+                  r.train.freeze_language_model);
+  TrainableQwen3VL& model = *replicas[0];
+  Backend& be = model.backend();
+  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get());
   if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
   const LrSchedule schedule(
       parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
@@ -318,8 +351,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                       " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
                       " parameters, global batch ", r.train.global_batch_size, " = ",
                       r.train.micro_batch_size, " x ", r.accumulation_steps,
-                      " accumulation steps, activation arena ", model.arena_bytes() / (1024 * 1024),
-                      " MiB", n_replicas > 1 ? str_cat(" x ", n_replicas, " sample threads") : "",
+                      " accumulation steps, on ", be.name(), ", activation arena ",
+                      model.arena_bytes() / (1024 * 1024), " MiB",
+                      n_replicas > 1 ? str_cat(" x ", n_replicas, " micro-batch threads") : "",
                       ", run directory ", run_dir));
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
@@ -342,6 +376,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     result.last_checkpoint =
         commit_checkpoint(run_dir, iteration, r.checkpoint.keep_last, [&](const std::string& dir) {
           const fs::path d(dir);
+          if (on_gpu)
+            for (size_t i = 0; i < params->bindings.size(); ++i)
+              gpu->read(bound(params->bindings[i]).data, DType::f32, bound(master->bindings[i]));
           save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
           opt.save((d / kOptimizerFile).string());
           write_file_atomic((d / "config.json").string(), config_text);
@@ -373,12 +410,16 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     EvalMetrics em;
     em.iteration = iteration;
     double loss_sum = 0;
-    for (int64_t b = 0; b < r.train.eval_iters * r.train.global_batch_size; ++b) {
-      const TrainSample s = next_sample(*eval_data);
-      const LossStats ls = model.forward(s);
+    std::vector<TrainSample> eval_batch;
+    for (int64_t b = 0; b < r.train.eval_iters * r.train.global_batch_size; b += micro) {
+      eval_batch.clear();
+      for (int64_t i = 0; i < micro; ++i) eval_batch.push_back(next_sample(*eval_data));
+      std::vector<const TrainSample*> mb;
+      for (const TrainSample& s : eval_batch) mb.push_back(&s);
+      const LossStats ls = model.forward(mb);
       loss_sum += ls.loss_sum;
       em.labelled_tokens += ls.n_tokens;
-      ++em.samples;
+      em.samples += micro;
     }
     em.loss = em.labelled_tokens > 0 ? loss_sum / em.labelled_tokens : 0.0;
     log.log_eval(em);
@@ -389,7 +430,8 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   auto interval_start = std::chrono::steady_clock::now();
   std::vector<TrainSample> batch;
   batch.reserve(static_cast<size_t>(r.train.global_batch_size));
-  std::vector<LossStats> batch_stats(static_cast<size_t>(r.train.global_batch_size));
+  std::vector<std::vector<const TrainSample*>> micro_batches;
+  std::vector<LossStats> batch_stats;
   log.progress(state.iteration);
   for (int64_t it = state.iteration + 1; it <= r.train.train_iters; ++it) {
     batch.clear();
@@ -403,17 +445,22 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
 
     model.zero_grads();
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
-    // Sample i runs on replica i % n_replicas, each replica's samples in order, and the replicas
-    // are summed in order: the result depends on the thread count but not on timing.
-    run_on_replicas(replicas, batch, grad_scale, batch_stats);
+    micro_batches.assign(static_cast<size_t>(r.train.global_batch_size / micro), {});
+    for (size_t i = 0; i < batch.size(); ++i)
+      micro_batches[i / static_cast<size_t>(micro)].push_back(&batch[i]);
+    batch_stats.assign(micro_batches.size(), {});
+    // Micro-batch i runs on replica i % n_replicas, each replica's in order, and the replicas are
+    // summed in order: the result depends on the thread count but not on timing.
+    run_on_replicas(replicas, micro_batches, grad_scale, batch_stats);
     for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
     double loss_sum = 0;
     int64_t counted = 0;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const TrainSample& s = batch[i];
-      const LossStats& ls = batch_stats[i];
+    for (const LossStats& ls : batch_stats) {
       loss_sum += ls.loss_sum;
       counted += ls.n_tokens;
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
       interval.flops += training_flops(
           cfg, {static_cast<int64_t>(s.ids.size()), labelled_tokens(s.labels), s.grids}, parts);
@@ -426,7 +473,6 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                "; lower optimizer.lr or check the data (the last checkpoint is ",
                result.last_checkpoint.empty() ? "none" : result.last_checkpoint, ")");
     const float lr = schedule.at(it - 1);
-    model.flush_head_grad();
     const double gnorm = opt.step(lr, model.frozen());
 
     state.iteration = it;

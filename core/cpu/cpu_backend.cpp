@@ -9,6 +9,7 @@
 
 #include "core/backend.h"
 #include "core/cpu/cpu_gemm.h"
+#include "core/cpu/cpu_train_ops.h"
 
 namespace iris {
 namespace {
@@ -383,7 +384,389 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // ---- Training ops: the fp32 kernels of core/cpu/cpu_train_ops.h ----
+
+  void convert(const Tensor& dst, const Tensor& src) override {
+    check_f32(dst, "convert destination");
+    check_f32(src, "convert source");
+    copy(dst, src);
+  }
+
+  void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,
+                             bool accumulate) override {
+    check_f32(dx, "linear_backward_input dx");
+    check_f32(dy, "linear_backward_input dy");
+    check_f32(w, "linear_backward_input weight");
+    const int64_t M = dy.rows(), N = dy.cols(), K = w.dim(1);
+    IRIS_CHECK(w.ndim == 2 && w.dim(0) == N && dx.rows() == M && dx.cols() == K,
+               "linear_backward_input: dy ", dy.shape_str(), ", weight ", w.shape_str(), ", dx ",
+               dx.shape_str());
+    IRIS_CHECK(dx.data != dy.data, "linear_backward_input: dx aliases dy");
+    cpu::sgemm_xw(M, K, N, dy.as<float>(), w.as<float>(), dx.as<float>(), accumulate ? 1.0f : 0.0f);
+  }
+
+  void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
+                              const Tensor& x) override {
+    check_f32(dy, "linear_backward_weight dy");
+    check_f32(x, "linear_backward_weight x");
+    const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
+    IRIS_CHECK(x.rows() == M, "linear_backward_weight: dy ", dy.shape_str(), " and x ",
+               x.shape_str(), " differ in rows");
+    if (dw.defined()) {
+      check_f32(dw, "linear_backward_weight dw");
+      IRIS_CHECK(dw.rows() == N && dw.cols() == K, "linear_backward_weight: dw ", dw.shape_str(),
+                 " should be [", N, ", ", K, "]");
+    }
+    if (db.defined()) {
+      check_f32(db, "linear_backward_weight db");
+      IRIS_CHECK(db.numel() == N, "linear_backward_weight: db ", db.shape_str(), " should have ",
+                 N);
+    }
+    train::linear_backward(nullptr, dw.defined() ? dw.as<float>() : nullptr,
+                           db.defined() ? db.as<float>() : nullptr, dy.as<float>(), x.as<float>(),
+                           nullptr, M, K, N, false);
+  }
+
+  void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                        const Tensor& w, const Tensor& b, float eps) override {
+    for (const Tensor* t : {&y, &mean, &rstd, &x, &w, &b}) check_f32(*t, "layer_norm_train");
+    const int64_t R = x.rows(), C = x.cols();
+    check_rows_cols(y, R, C, "layer_norm_train output");
+    IRIS_CHECK(mean.numel() == R && rstd.numel() == R && w.numel() == C && b.numel() == C,
+               "layer_norm_train: statistics or weights do not match ", x.shape_str());
+    IRIS_CHECK(y.data != x.data, "layer_norm_train: y aliases x");
+    train::layernorm_forward(y.as<float>(), mean.as<float>(), rstd.as<float>(), x.as<float>(),
+                             w.as<float>(), b.as<float>(), R, C, eps);
+  }
+
+  void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
+                           const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                           const Tensor& w) override {
+    for (const Tensor* t : {&dy, &x, &mean, &rstd, &w}) check_f32(*t, "layer_norm_backward");
+    const int64_t R = x.rows(), C = x.cols();
+    if (dx.defined()) check_rows_cols(dx, R, C, "layer_norm_backward dx");
+    check_rows_cols(dy, R, C, "layer_norm_backward dy");
+    check_opt_param_grad(dw, C, "layer_norm_backward dw");
+    check_opt_param_grad(db, C, "layer_norm_backward db");
+    train::layernorm_backward(opt(dx), opt(dw), opt(db), dy.as<float>(), x.as<float>(),
+                              mean.as<float>(), rstd.as<float>(), w.as<float>(), R, C);
+  }
+
+  void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                      float eps) override {
+    for (const Tensor* t : {&y, &rstd, &x, &w}) check_f32(*t, "rms_norm_train");
+    const int64_t R = x.rows(), C = x.cols();
+    check_rows_cols(y, R, C, "rms_norm_train output");
+    IRIS_CHECK(rstd.numel() == R && w.numel() == C,
+               "rms_norm_train: statistics or weight do not match ", x.shape_str());
+    IRIS_CHECK(y.data != x.data, "rms_norm_train: y aliases x");
+    train::rmsnorm_forward(y.as<float>(), rstd.as<float>(), x.as<float>(), w.as<float>(), R, C,
+                           eps);
+  }
+
+  void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
+                         const Tensor& rstd, const Tensor& w) override {
+    for (const Tensor* t : {&dy, &x, &rstd, &w}) check_f32(*t, "rms_norm_backward");
+    const int64_t R = x.rows(), C = x.cols();
+    if (dx.defined()) check_rows_cols(dx, R, C, "rms_norm_backward dx");
+    check_rows_cols(dy, R, C, "rms_norm_backward dy");
+    check_opt_param_grad(dw, C, "rms_norm_backward dw");
+    train::rmsnorm_backward(opt(dx), opt(dw), dy.as<float>(), x.as<float>(), rstd.as<float>(),
+                            w.as<float>(), R, C);
+  }
+
+  void qkv_norm_rope_train(const Tensor& out, const Tensor& rstd, const Tensor& in,
+                           const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
+                           const Tensor& cos, const Tensor& sin, int nq, int nkv, int hd,
+                           bool /*round_tables: f32 is the compute dtype here*/) override {
+    check_f32(out, "qkv_norm_rope_train output");
+    check_f32(in, "qkv_norm_rope_train input");
+    const int64_t T = in.rows();
+    check_qkv_rope(in, cos, sin, nq, nkv, hd, "qkv_norm_rope_train");
+    check_rows_cols(out, T, in.cols(), "qkv_norm_rope_train output");
+    const bool norms = q_norm_w.defined();
+    IRIS_CHECK(norms == k_norm_w.defined(), "qkv_norm_rope_train: give both q and k norms or none");
+    if (norms) {
+      check_f32(rstd, "qkv_norm_rope_train rstd");
+      IRIS_CHECK(rstd.numel() == T * (nq + nkv) && q_norm_w.numel() == hd && k_norm_w.numel() == hd,
+                 "qkv_norm_rope_train: rstd ", rstd.shape_str(), " or norm weights do not match");
+      IRIS_CHECK(out.data != in.data, "qkv_norm_rope_train: out aliases in with q/k norms");
+    }
+    train::qk_norm_rope_forward(out.as<float>(), norms ? rstd.as<float>() : nullptr, in.as<float>(),
+                                opt_in(q_norm_w), opt_in(k_norm_w), cos.as<float>(),
+                                sin.as<float>(), T, nq, nkv, hd, eps);
+  }
+
+  void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w, const Tensor& dk_norm_w,
+                              const Tensor& dout, const Tensor& in, const Tensor& rstd,
+                              const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& cos,
+                              const Tensor& sin, int nq, int nkv, int hd,
+                              bool /*round_tables*/) override {
+    check_f32(din, "qkv_norm_rope_backward din");
+    check_f32(dout, "qkv_norm_rope_backward dout");
+    const int64_t T = dout.rows();
+    check_qkv_rope(dout, cos, sin, nq, nkv, hd, "qkv_norm_rope_backward");
+    check_rows_cols(din, T, dout.cols(), "qkv_norm_rope_backward din");
+    const bool norms = q_norm_w.defined();
+    if (norms) {
+      check_f32(in, "qkv_norm_rope_backward input");
+      check_f32(rstd, "qkv_norm_rope_backward rstd");
+      IRIS_CHECK(in.numel() == dout.numel() && rstd.numel() == T * (nq + nkv),
+                 "qkv_norm_rope_backward: saved input or rstd do not match ", dout.shape_str());
+    }
+    check_opt_param_grad(dq_norm_w, hd, "qkv_norm_rope_backward dq_norm_w");
+    check_opt_param_grad(dk_norm_w, hd, "qkv_norm_rope_backward dk_norm_w");
+    train::qk_norm_rope_backward(
+        din.as<float>(), opt(dq_norm_w), opt(dk_norm_w), dout.as<float>(),
+        norms ? in.as<float>() : nullptr, norms ? rstd.as<float>() : nullptr, opt_in(q_norm_w),
+        opt_in(k_norm_w), cos.as<float>(), sin.as<float>(), T, nq, nkv, hd);
+  }
+
+  void attention_train(const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                       const Tensor& cu_seqlens, int n_segments, int nq, int nkv, int hd,
+                       float scale, bool causal, const Tensor& real_rows) override {
+    check_f32(out, "attention_train output");
+    check_f32(lse, "attention_train lse");
+    check_f32(qkv, "attention_train qkv");
+    const int64_t T = qkv.rows();
+    const int n_used = used_segments(cu_seqlens, n_segments, real_rows, T, "attention_train");
+    IRIS_CHECK(qkv.cols() == int64_t(nq + 2 * nkv) * hd && out.rows() == T &&
+                   out.cols() == int64_t(nq) * hd && lse.numel() == T * nq,
+               "attention_train: qkv ", qkv.shape_str(), ", out ", out.shape_str(), ", lse ",
+               lse.shape_str(), " do not match ", nq, "+2x", nkv, " heads of ", hd);
+    train::attention_forward(out.as<float>(), lse.as<float>(), qkv.as<float>(), T, nq, nkv, hd,
+                             scale, cu_seqlens.as<int32_t>(), n_used, causal);
+  }
+
+  void attention_backward(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
+                          const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                          const Tensor& cu_seqlens, int n_segments, int nq, int nkv, int hd,
+                          float scale, bool causal, const Tensor& real_rows) override {
+    for (const Tensor* t : {&dqkv, &dsum, &dout, &out, &lse, &qkv})
+      check_f32(*t, "attention_backward");
+    const int64_t T = qkv.rows();
+    const int n_used = used_segments(cu_seqlens, n_segments, real_rows, T, "attention_backward");
+    IRIS_CHECK(dqkv.numel() == qkv.numel() && dout.numel() == out.numel() &&
+                   out.numel() == T * nq * hd && lse.numel() == T * nq && dsum.numel() == T * nq,
+               "attention_backward: shapes do not match qkv ", qkv.shape_str());
+    train::attention_backward(dqkv.as<float>(), dsum.as<float>(), dout.as<float>(), out.as<float>(),
+                              lse.as<float>(), qkv.as<float>(), T, nq, nkv, hd, scale,
+                              cu_seqlens.as<int32_t>(), n_used, causal);
+  }
+
+  void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    check_elementwise_backward(dx, dy, x, "gelu_tanh_backward");
+    train::gelu_tanh_backward(dx.as<float>(), dy.as<float>(), x.as<float>(), x.numel());
+  }
+  void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    check_elementwise_backward(dx, dy, x, "gelu_erf_backward");
+    train::gelu_erf_backward(dx.as<float>(), dy.as<float>(), x.as<float>(), x.numel());
+  }
+  void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
+    for (const Tensor* t : {&dgate_up, &dy, &gate_up}) check_f32(*t, "swiglu_backward");
+    const int64_t M = dy.rows(), I = dy.cols();
+    check_rows_cols(gate_up, M, 2 * I, "swiglu_backward gate_up");
+    check_rows_cols(dgate_up, M, 2 * I, "swiglu_backward dgate_up");
+    train::swiglu_backward(dgate_up.as<float>(), dy.as<float>(), gate_up.as<float>(), M, I);
+  }
+
+  void embedding_backward(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                          int32_t skip_id) override {
+    check_f32(dtable, "embedding_backward dtable");
+    check_f32(dy, "embedding_backward dy");
+    check_i32(ids, "embedding_backward ids");
+    const int64_t T = ids.numel(), H = dtable.cols(), V = dtable.rows();
+    check_rows_cols(dy, T, H, "embedding_backward dy");
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t id = ids.as<int32_t>()[t];
+      IRIS_CHECK(id == skip_id || (id >= 0 && id < V), "embedding_backward: id ", id,
+                 " outside the table of ", V, " rows");
+    }
+    train::embedding_backward(dtable.as<float>(), dy.as<float>(), ids.as<int32_t>(), T, H, skip_id);
+  }
+
+  void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) override {
+    check_f32(dst, "gather_rows destination");
+    check_f32(src, "gather_rows source");
+    check_i32(index, "gather_rows index");
+    const int64_t N = index.numel(), H = src.cols();
+    check_rows_cols(dst, N, H, "gather_rows destination");
+    for (int64_t i = 0; i < N; ++i) {
+      const int32_t r = index.as<int32_t>()[i];
+      IRIS_CHECK(r >= 0 && r < src.rows(), "gather_rows: index ", r, " outside ", src.rows(),
+                 " rows");
+    }
+    train::gather_rows(dst.as<float>(), src.as<float>(), index.as<int32_t>(), N, H);
+  }
+
+  void add_interpolated_rows_backward(const Tensor& dtable, const Tensor& dy, const Tensor& index,
+                                      const Tensor& weight) override {
+    check_f32(dtable, "add_interpolated_rows_backward dtable");
+    check_f32(dy, "add_interpolated_rows_backward dy");
+    check_i32(index, "add_interpolated_rows_backward index");
+    check_f32(weight, "add_interpolated_rows_backward weight");
+    const int64_t S = dy.rows(), D = dy.cols();
+    IRIS_CHECK(dtable.cols() == D && index.numel() == 4 * S && weight.numel() == 4 * S,
+               "add_interpolated_rows_backward: dtable ", dtable.shape_str(), ", dy ",
+               dy.shape_str(), ", index ", index.shape_str());
+    for (int64_t i = 0; i < 4 * S; ++i) {
+      const int32_t r = index.as<int32_t>()[i];
+      IRIS_CHECK(r >= 0 && r < dtable.rows(), "add_interpolated_rows_backward: index ", r,
+                 " outside ", dtable.rows(), " rows");
+    }
+    train::pos_embed_backward(dtable.as<float>(), dy.as<float>(), index.as<int32_t>(),
+                              weight.as<float>(), S, D);
+  }
+
+  size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
+                                      int64_t vocab) const override {
+    return static_cast<size_t>(train::lm_head_scratch_floats(chunk_rows, hidden, vocab)) *
+           sizeof(float);
+  }
+
+  void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw, const Tensor& x,
+                    const Tensor& w, const Tensor& targets, const Tensor& grad_scale,
+                    const Tensor& workspace, int64_t chunk_rows) override {
+    check_f32(loss_sum, "lm_head_loss loss_sum");
+    check_f32(x, "lm_head_loss rows");
+    check_f32(w, "lm_head_loss weight");
+    check_i32(targets, "lm_head_loss targets");
+    check_cpu(workspace, "lm_head_loss workspace");
+    const int64_t N = x.rows(), H = x.cols(), V = w.rows();
+    IRIS_CHECK(w.cols() == H && targets.numel() == N && loss_sum.numel() == 1,
+               "lm_head_loss: rows ", x.shape_str(), ", weight ", w.shape_str(), ", targets ",
+               targets.shape_str());
+    float scale = 0.0f;
+    if (dx.defined()) {
+      check_f32(dx, "lm_head_loss dx");
+      check_f32(grad_scale, "lm_head_loss grad_scale");
+      check_rows_cols(dx, N, H, "lm_head_loss dx");
+      scale = grad_scale.as<float>()[0];
+    }
+    check_opt_param_grad(dw, V * H, "lm_head_loss dw");
+    const auto floats = static_cast<int64_t>(workspace.nbytes() / sizeof(float));
+    const double loss = train::lm_head_cross_entropy(
+        dx.defined() ? dx.as<float>() : nullptr, dx.defined() ? opt(dw) : nullptr, x.as<float>(),
+        w.as<float>(), targets.as<int32_t>(), N, H, V, scale, static_cast<float*>(workspace.data),
+        floats, chunk_rows);
+    loss_sum.as<float>()[0] += static_cast<float>(loss);
+  }
+
+  void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
+                      const Tensor& hyper, float max_norm) override {
+    check_f32(grad_stats, "grad_norm_clip grad_stats");
+    check_f32(grads, "grad_norm_clip grads");
+    const int64_t n = check_spans(spans, hyper, grads.numel(), "grad_norm_clip");
+    const int64_t* sp = spans.as<int64_t>();
+    const float* hp = hyper.as<float>();
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i)
+      if (hp[2 * i + 1] != 0.0f)
+        ss += train::sum_of_squares(grads.as<float>() + sp[3 * i], sp[3 * i + 1]);
+    const double norm = std::sqrt(ss);
+    // torch computes the clip coefficient in f32 from the f32 norm.
+    float coef = max_norm > 0.0f ? max_norm / (static_cast<float>(norm) + 1e-6f) : 1.0f;
+    if (!(coef < 1.0f)) coef = 1.0f;
+    grad_stats.as<float>()[0] = static_cast<float>(norm);
+    grad_stats.as<float>()[1] = coef;
+  }
+
+  void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
+                  const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
+                  const Tensor& hyper, const Tensor& steps, const Tensor& lr,
+                  const Tensor& grad_stats, float beta1, float beta2, float eps) override {
+    for (const Tensor* t : {&params, &grads, &exp_avg, &exp_avg_sq, &lr, &grad_stats})
+      check_f32(*t, "adamw_step");
+    IRIS_CHECK(grads.numel() == params.numel() && exp_avg.numel() == params.numel() &&
+                   exp_avg_sq.numel() == params.numel(),
+               "adamw_step: flat buffers of different lengths");
+    IRIS_CHECK(!weights.defined(),
+               "adamw_step: on the CPU the params are the weights (pass no working copy)");
+    const int64_t n = check_spans(spans, hyper, params.numel(), "adamw_step");
+    check_cpu(steps, "adamw_step steps");
+    IRIS_CHECK(steps.dtype == DType::i64 && steps.numel() == n, "adamw_step: steps ",
+               steps.shape_str(), " should be i64 [", n, "]");
+    const int64_t* sp = spans.as<int64_t>();
+    const float* hp = hyper.as<float>();
+    int64_t* st = steps.as<int64_t>();
+    const float scheduled_lr = lr.as<float>()[0], clip_coef = grad_stats.as<float>()[1];
+    for (int64_t i = 0; i < n; ++i) {
+      const float scale = hp[2 * i + 1];
+      if (scale == 0.0f) continue;
+      const int64_t off = sp[3 * i], len = sp[3 * i + 1];
+      train::adamw_tensor(params.as<float>() + off, grads.as<float>() + off,
+                          exp_avg.as<float>() + off, exp_avg_sq.as<float>() + off, len,
+                          scheduled_lr, scale, hp[2 * i], ++st[i], clip_coef, beta1, beta2, eps);
+    }
+  }
+
  private:
+  static float* opt(const Tensor& t) {
+    return t.defined() ? t.as<float>() : nullptr;
+  }
+  static const float* opt_in(const Tensor& t) {
+    return t.defined() ? t.as<float>() : nullptr;
+  }
+
+  static void check_rows_cols(const Tensor& t, int64_t rows, int64_t cols, const char* what) {
+    IRIS_CHECK(t.rows() == rows && t.cols() == cols, what, " is ", t.shape_str(), ", expected [",
+               rows, ", ", cols, "]");
+  }
+  static void check_opt_param_grad(const Tensor& g, int64_t n, const char* what) {
+    if (!g.defined()) return;
+    check_f32(g, what);
+    IRIS_CHECK(g.numel() == n, what, " is ", g.shape_str(), ", expected ", n, " elements");
+  }
+  static void check_qkv_rope(const Tensor& qkv, const Tensor& cos, const Tensor& sin, int nq,
+                             int nkv, int hd, const char* what) {
+    check_f32(cos, what);
+    check_f32(sin, what);
+    IRIS_CHECK(hd % 2 == 0 && hd <= train::kMaxHeadDim &&
+                   qkv.cols() == int64_t(nq + 2 * nkv) * hd && cos.numel() == qkv.rows() * hd &&
+                   sin.numel() == qkv.rows() * hd,
+               what, ": qkv ", qkv.shape_str(), " or tables ", cos.shape_str(), " do not match ",
+               nq, "+2x", nkv, " heads of ", hd);
+  }
+  static void check_elementwise_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                         const char* what) {
+    for (const Tensor* t : {&dx, &dy, &x}) check_f32(*t, what);
+    IRIS_CHECK(dx.numel() == x.numel() && dy.numel() == x.numel(), what, ": ", dx.shape_str(), " ",
+               dy.shape_str(), " ", x.shape_str());
+  }
+  // Segments that hold real rows: those before the first that starts at or past real_rows[0].
+  static int used_segments(const Tensor& cu, int n_segments, const Tensor& real_rows, int64_t T,
+                           const char* what) {
+    check_i32(cu, what);
+    IRIS_CHECK(n_segments >= 0 && cu.numel() >= n_segments + 1, what, ": cu_seqlens ",
+               cu.shape_str(), " for ", n_segments, " segments");
+    const int32_t* c = cu.as<int32_t>();
+    IRIS_CHECK(c[0] == 0 && c[n_segments] <= T, what,
+               ": cu_seqlens must start at 0 and end by row ", T);
+    int n = n_segments;
+    if (real_rows.defined()) {
+      check_i32(real_rows, what);
+      const int32_t real = real_rows.as<int32_t>()[0];
+      n = 0;
+      while (n < n_segments && c[n] < real) ++n;
+    }
+    return n;
+  }
+  static int64_t check_spans(const Tensor& spans, const Tensor& hyper, int64_t flat,
+                             const char* what) {
+    check_cpu(spans, what);
+    check_f32(hyper, what);
+    IRIS_CHECK(spans.dtype == DType::i64 && spans.cols() == 3 && hyper.cols() == 2 &&
+                   hyper.rows() == spans.rows(),
+               what, ": spans ", spans.shape_str(), " should be i64 [n, 3] and hyper f32 [n, 2]");
+    const int64_t n = spans.rows();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t off = spans.as<int64_t>()[3 * i], len = spans.as<int64_t>()[3 * i + 1];
+      IRIS_CHECK(off >= 0 && len >= 0 && off + len <= flat, what, ": tensor ", i, " spans [", off,
+                 ", ", off + len, ") outside the flat buffer of ", flat);
+    }
+    return n;
+  }
+
   template <typename F>
   void unary(const Tensor& y, const Tensor& x, F f) {
     check_f32(y, "activation output");

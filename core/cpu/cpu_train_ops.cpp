@@ -1,4 +1,4 @@
-#include "training/backward_ops.h"
+#include "core/cpu/cpu_train_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include <omp.h>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -1327,6 +1327,109 @@ void lm_head_weight_grad(float* dw, const float* dl, const float* x, int64_t N, 
   }
 #endif
   cpu::sgemm_xtw(V, H, N, dl, x, dw, 1.0f);
+}
+
+namespace {
+
+// AdamW on elements [b, e), in the order of torch's foreach kernels. decay is exactly 1 without
+// weight decay, so the multiply needs no branch. torch.lerp has two forms, chosen by the weight.
+struct AdamWScalars {
+  float decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+inline void adamw_element(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+  const float mk =
+      s.one_minus_b1 < 0.5f ? m + s.one_minus_b1 * (g - m) : g - (g - m) * (1.0f - s.one_minus_b1);
+  const float vk = v * s.b2 + s.one_minus_b2 * (g * g);
+  p = p * s.decay + s.neg_step_size * (mk / (std::sqrt(vk) / s.bc2_sqrt + s.eps));
+  m = mk;
+  v = vk;
+}
+
+// The square root keeps the compiler from vectorising the scalar loop (errno semantics), and the
+// update is a third of a tiny model's training step, so x86 runs four lanes with SSE. Each lane
+// performs the scalar element's IEEE operations in the same order: results are bit-identical.
+void adamw_range(float* p, const float* g, float* m, float* v, int64_t b, int64_t e,
+                 const AdamWScalars& s) {
+  int64_t k = b;
+#ifdef __SSE2__
+  const __m128 w = _mm_set1_ps(s.one_minus_b1), omw = _mm_set1_ps(1.0f - s.one_minus_b1),
+               b2 = _mm_set1_ps(s.b2), w2 = _mm_set1_ps(s.one_minus_b2),
+               bc2 = _mm_set1_ps(s.bc2_sqrt), eps = _mm_set1_ps(s.eps),
+               decay = _mm_set1_ps(s.decay), step = _mm_set1_ps(s.neg_step_size);
+  const bool low = s.one_minus_b1 < 0.5f;
+  for (; k + 4 <= e; k += 4) {
+    const __m128 gk = _mm_loadu_ps(g + k), mk0 = _mm_loadu_ps(m + k);
+    const __m128 mk = low ? _mm_add_ps(mk0, _mm_mul_ps(w, _mm_sub_ps(gk, mk0)))
+                          : _mm_sub_ps(gk, _mm_mul_ps(_mm_sub_ps(gk, mk0), omw));
+    const __m128 vk =
+        _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v + k), b2), _mm_mul_ps(w2, _mm_mul_ps(gk, gk)));
+    const __m128 denom = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vk), bc2), eps);
+    const __m128 pk =
+        _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(p + k), decay), _mm_mul_ps(step, _mm_div_ps(mk, denom)));
+    _mm_storeu_ps(p + k, pk);
+    _mm_storeu_ps(m + k, mk);
+    _mm_storeu_ps(v + k, vk);
+  }
+#endif
+  for (; k < e; ++k) adamw_element(p[k], m[k], v[k], g[k], s);
+}
+
+void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s) {
+#pragma omp parallel if (n > kParallelGrain)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    adamw_range(p, g, m, v, n * tid / nt, n * (tid + 1) / nt, s);
+  }
+}
+
+}  // namespace
+
+// Per-thread partial sums combined in thread order: an OpenMP reduction combines in arrival
+// order, and a norm that differs in the last bit between runs would break bit-exact resumption
+// (it sets the clipping coefficient).
+double sum_of_squares(const float* p, int64_t n) {
+  double partial[kMaxThreads] = {};
+  const int n_threads = std::min(omp_get_max_threads(), kMaxThreads);
+#pragma omp parallel num_threads(n_threads) if (n > kParallelGrain)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    // Eight independent accumulators: one f64 sum would be bound by the add latency.
+    double acc[8] = {};
+    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+      for (int k = 0; k < 8; ++k) acc[k] += double(p[i + k]) * double(p[i + k]);
+    for (; i < e; ++i) acc[0] += double(p[i]) * double(p[i]);
+    double s = 0.0;
+    for (double a : acc) s += a;
+    partial[tid] = s;
+  }
+  double total = 0.0;
+  for (int k = 0; k < n_threads; ++k) total += partial[k];
+  return total;
+}
+
+void adamw_tensor(float* p, float* g, float* m, float* v, int64_t n, float scheduled_lr,
+                  float lr_scale, float weight_decay, int64_t t, float clip_coef, float b1,
+                  float b2, float eps) {
+  // A scale of exactly 1 keeps the f32 learning rate bit for bit (the HF golden trajectory).
+  const float lr =
+      lr_scale == 1.0f ? scheduled_lr : static_cast<float>(double(scheduled_lr) * lr_scale);
+  const float one_minus_b1 = static_cast<float>(1.0 - double(b1));
+  const float one_minus_b2 = static_cast<float>(1.0 - double(b2));
+  // Scalars as torch's foreach AdamW forms them: Python doubles, cast to f32 in the kernel.
+  const float decay = static_cast<float>(1.0 - double(lr) * double(weight_decay));
+  const double bc1 = 1.0 - std::pow(double(b1), double(t));
+  const double bc2 = 1.0 - std::pow(double(b2), double(t));
+  const float neg_step_size = static_cast<float>(-(double(lr) / bc1));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  if (clip_coef < 1.0f) {
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+    for (int64_t k = 0; k < n; ++k) g[k] *= clip_coef;
+  }
+  adamw_update(p, g, m, v, n,
+               {decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size});
 }
 
 }  // namespace iris::train

@@ -1,7 +1,8 @@
-// Forward and backward passes of every Qwen3-VL op in fp32 on the CPU, written as plain functions
-// over raw row-major arrays (llm.c style) so that a training step is an explicit, ordered list of
-// calls. The forwards reproduce the math of core/cpu/cpu_backend.cpp (the inference oracle) and
-// additionally save what their backward needs (normalisation statistics, softmax log-sum-exp).
+// The CPU backend's training kernels: forward and backward passes of every Qwen3-VL op and the
+// optimizer in fp32, written as plain functions over raw row-major arrays (llm.c style). Model
+// code reaches them only through the Backend's training ops. The forwards reproduce the math of
+// core/cpu/cpu_backend.cpp (the inference oracle) and additionally save what their backward needs
+// (normalisation statistics, softmax log-sum-exp).
 //
 // Gradient conventions, stated again on each function:
 //  - "overwrites d<x>": the function writes every element of d<x>.
@@ -139,5 +140,18 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
 // same order (on the AVX2 path) and streams dw once instead of once per sample.
 void lm_head_weight_grad(float* dw, const float* dl, const float* x, int64_t N, int64_t H,
                          int64_t V);
+
+// ---- Optimizer ----------------------------------------------------------------------------------
+// Sum of squares of p[0, n) in f64, per-thread partials combined in thread order (an OpenMP
+// reduction combines in arrival order, and a norm that differs in the last bit between runs would
+// break bit-exact resumption: it sets the clipping coefficient).
+double sum_of_squares(const float* p, int64_t n);
+// One torch.optim.AdamW step (foreach form) of a tensor of n elements: its gradient is first
+// scaled by clip_coef when that is below 1 (in place), the learning rate is scheduled_lr times
+// lr_scale, weight_decay applies as p *= 1 - lr * wd, and `step` is the tensor's step count after
+// this update (for the bias corrections).
+void adamw_tensor(float* p, float* g, float* m, float* v, int64_t n, float scheduled_lr,
+                  float lr_scale, float weight_decay, int64_t step, float clip_coef, float beta1,
+                  float beta2, float eps);
 
 }  // namespace iris::train
