@@ -66,3 +66,11 @@ echo "killed at checkpoint $(cat /tmp/run_kill/latest 2>/dev/null)"
 build-gpu/iris train "${common[@]}" train.train_iters=$kill_steps checkpoint.save_interval=10 \
   train.device=cuda checkpoint.dir=/tmp/run_kill logging.log_interval=1 >/dev/null 2>&1
 python3 tools/compare_loss_curves.py --exact /tmp/run_ref/metrics.jsonl /tmp/run_kill/metrics.jsonl
+if [ "${RUN_2B:-1}" = 1 ]; then
+  echo "== 2B geometry, full fine-tuning, one 896x896 image and 3072 text tokens per sample"
+  build-gpu/iris train --recipe recipes/qwen3vl_2b_pretrain_mock.yaml train.device=cuda \
+    'data.mock_image_sizes=[[896,896]]' data.mock_text_tokens=3072 train.freeze_vision_tower=false \
+    train.freeze_language_model=false train.global_batch_size=${GLOBAL_2B:-4} train.train_iters=${ITERS_2B:-4} \
+    checkpoint.dir=/tmp/run_2b 2>&1 | tee "$out/train_2b.log" | grep -vE '^\s*$' | tail -n 12
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+fi

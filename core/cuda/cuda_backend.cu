@@ -10,11 +10,14 @@
 
 #include <cuda_profiler_api.h>
 
+#include "core/cuda/attention_train.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/gemm.h"
+#include "core/cuda/gemm_train.h"
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
+#include "core/cuda/train_kernels.h"
 
 namespace iris {
 namespace {
@@ -79,7 +82,7 @@ using DeviceBuffer = std::unique_ptr<void, DeviceFree>;
 
 // core/dtype's convert_elements with multi-threaded loops for the pairs weights and activations
 // go through (f32 <-> bf16).
-void convert(void* dst, DType to, const void* src, DType from, int64_t n) {
+void convert_host(void* dst, DType to, const void* src, DType from, int64_t n) {
   if (from == DType::f32 && to == DType::bf16) {
     cuda::convert_f32_to_bf16(static_cast<uint16_t*>(dst), static_cast<const float*>(src), n);
     return;
@@ -143,7 +146,15 @@ class CudaBackend final : public Backend {
     scratch_.capacity_tickets = kDecodeTickets;
     IRIS_CUDA_CHECK(
         cudaMemsetAsync(scratch_.tickets, 0, kDecodeTickets * sizeof(unsigned), stream_->get()));
+    // Training: its GEMMs share the main stream's workspace and tuning scratch (one op at a time),
+    // and one scratch buffer serves the deterministic reductions.
+    train_gemm_ = std::make_unique<cuda::LtTrainGemm>(workspace_.get(), kGemmWorkspaceBytes,
+                                                      tune_scratch_.get(), kGemmTuneScratchBytes);
+    train_scratch_bytes_ =
+        cuda::train_scratch_bytes(kTrainMaxCols, kTrainMaxLossRows, kTrainMaxTensors);
+    train_scratch_.reset(allocate(train_scratch_bytes_));
     cuda::attention_init();
+    cuda::attention_train_init();
     cuda::gemv_init();
     cuda::set_programmatic_launch(prop.major >= 9);
   }
@@ -226,7 +237,8 @@ class CudaBackend final : public Backend {
         staging_offset_ = 0;
       }
       char* stage = staging_->data() + staging_half_ * kStagingChunk + staging_offset_;
-      convert(stage, dst.dtype, static_cast<const char*>(host_src) + i * src_elem, src_dtype, m);
+      convert_host(stage, dst.dtype, static_cast<const char*>(host_src) + i * src_elem, src_dtype,
+                   m);
       IRIS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.data) + i * elem, stage, bytes,
                                       cudaMemcpyHostToDevice, stream()));
       IRIS_CUDA_CHECK(cudaEventRecord(staging_events_[staging_half_]->get(), stream()));
@@ -252,8 +264,8 @@ class CudaBackend final : public Backend {
           cudaMemcpyAsync(staging_->data(), static_cast<const char*>(src.data) + i * elem,
                           static_cast<size_t>(m) * elem, cudaMemcpyDeviceToHost, stream()));
       IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
-      convert(static_cast<char*>(host_dst) + i * dst_elem, dst_dtype, staging_->data(), src.dtype,
-              m);
+      convert_host(static_cast<char*>(host_dst) + i * dst_elem, dst_dtype, staging_->data(),
+                   src.dtype, m);
       i += m;
     }
   }
@@ -595,7 +607,436 @@ class CudaBackend final : public Backend {
                              kArgmaxScratchRows, stream());
   }
 
+  // ---- Training ops (core/backend.h): kernels of train_kernels.cu, attention_train.cu and
+  // gemm_train.cu. They run on the main stream only.
+
+  void convert(const Tensor& dst, const Tensor& src) override {
+    bind();
+    main_only("convert");
+    check_device(dst, "convert");
+    check_device(src, "convert");
+    IRIS_CHECK(dst.numel() == src.numel(), "convert: ", src.shape_str(), " -> ", dst.shape_str());
+    if (dst.dtype == src.dtype) {
+      copy(dst, src);
+    } else if (dst.dtype == DType::bf16 && src.dtype == DType::f32) {
+      cuda::launch_convert_f32_to_bf16(bf(dst), static_cast<const float*>(src.data), dst.numel(),
+                                       stream());
+    } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
+      cuda::launch_convert_bf16_to_f32(f32(dst), cbf(src), dst.numel(), stream());
+    } else {
+      IRIS_FAIL("convert: ", src.shape_str(), " -> ", dst.shape_str(), " (only f32 <-> bf16)");
+    }
+  }
+
+  void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,
+                             bool accumulate) override {
+    bind();
+    main_only("linear_backward_input");
+    check_act(dy, "linear_backward_input", "dy");
+    check_act(w, "linear_backward_input", "weight");
+    check_act_or_f32(dx, "linear_backward_input", "dx");
+    const int64_t M = dy.rows(), N = dy.cols(), K = w.dim(1);
+    IRIS_CHECK(w.ndim == 2 && w.dim(0) == N && dx.rows() == M && dx.cols() == K,
+               "linear_backward_input: dy ", dy.shape_str(), ", weight ", w.shape_str(), ", dx ",
+               dx.shape_str());
+    IRIS_CHECK(dx.data != dy.data, "linear_backward_input: dx aliases dy");
+    if (M == 0 || K == 0) return;
+    train_gemm_->backward_input(dx.data, dx.dtype == DType::f32, cbf(dy), cbf(w), M, N, K,
+                                accumulate, stream());
+  }
+
+  void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
+                              const Tensor& x) override {
+    bind();
+    main_only("linear_backward_weight");
+    check_act(dy, "linear_backward_weight", "dy");
+    check_act(x, "linear_backward_weight", "x");
+    const int64_t M = dy.rows(), N = dy.cols(), K = x.cols();
+    IRIS_CHECK(x.rows() == M, "linear_backward_weight: dy ", dy.shape_str(), " and x ",
+               x.shape_str(), " differ in rows");
+    if (dw.defined()) {
+      check_f32(dw, "linear_backward_weight", "dw");
+      IRIS_CHECK(dw.rows() == N && dw.cols() == K, "linear_backward_weight: dw ", dw.shape_str(),
+                 " should be [", N, ", ", K, "]");
+    }
+    if (db.defined()) {
+      check_f32(db, "linear_backward_weight", "db");
+      IRIS_CHECK(db.numel() == N, "linear_backward_weight: db ", db.shape_str(), " should have ",
+                 N);
+    }
+    if (!dw.defined() && !db.defined()) return;
+    train_gemm_->backward_weight(opt_f32(dw), opt_f32(db), cbf(dy), cbf(x), M, N, K, stream());
+  }
+
+  void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                        const Tensor& w, const Tensor& b, float eps) override {
+    bind();
+    main_only("layer_norm_train");
+    check_rowwise(y, x, w, "layer_norm_train");
+    check_act(b, "layer_norm_train", "bias");
+    check_stats(mean, x.rows(), "layer_norm_train", "mean");
+    check_stats(rstd, x.rows(), "layer_norm_train", "rstd");
+    IRIS_CHECK(y.data != x.data, "layer_norm_train: y aliases x");
+    cuda::launch_layer_norm_train(bf(y), f32(mean), f32(rstd), cbf(x), cbf(w), cbf(b), x.rows(),
+                                  x.cols(), eps, stream());
+  }
+
+  void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
+                           const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                           const Tensor& w) override {
+    bind();
+    main_only("layer_norm_backward");
+    const int64_t R = x.rows(), C = x.cols();
+    check_norm_backward(dx, dy, x, w, R, C, "layer_norm_backward");
+    check_stats(mean, R, "layer_norm_backward", "mean");
+    check_stats(rstd, R, "layer_norm_backward", "rstd");
+    check_param_grad(dw, C, "layer_norm_backward", "dw");
+    check_param_grad(db, C, "layer_norm_backward", "db");
+    cuda::launch_layer_norm_backward(opt_f32(dx), opt_f32(dw), opt_f32(db), dy.data,
+                                     dy.dtype == DType::f32, cbf(x), cf32(mean), cf32(rstd), cbf(w),
+                                     R, C, train_scratch(), train_scratch_floats(), stream());
+  }
+
+  void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                      float eps) override {
+    bind();
+    main_only("rms_norm_train");
+    check_rowwise(y, x, w, "rms_norm_train");
+    check_stats(rstd, x.rows(), "rms_norm_train", "rstd");
+    IRIS_CHECK(y.data != x.data, "rms_norm_train: y aliases x");
+    cuda::launch_rms_norm_train(bf(y), f32(rstd), cbf(x), cbf(w), x.rows(), x.cols(), eps,
+                                stream());
+  }
+
+  void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
+                         const Tensor& rstd, const Tensor& w) override {
+    bind();
+    main_only("rms_norm_backward");
+    const int64_t R = x.rows(), C = x.cols();
+    check_norm_backward(dx, dy, x, w, R, C, "rms_norm_backward");
+    check_stats(rstd, R, "rms_norm_backward", "rstd");
+    check_param_grad(dw, C, "rms_norm_backward", "dw");
+    cuda::launch_rms_norm_backward(opt_f32(dx), opt_f32(dw), dy.data, dy.dtype == DType::f32,
+                                   cbf(x), cf32(rstd), cbf(w), R, C, train_scratch(),
+                                   train_scratch_floats(), stream());
+  }
+
+  void qkv_norm_rope_train(const Tensor& out, const Tensor& rstd, const Tensor& in,
+                           const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
+                           const Tensor& cos, const Tensor& sin, int nq, int nkv, int hd,
+                           bool round_tables) override {
+    bind();
+    main_only("qkv_norm_rope_train");
+    check_act(out, "qkv_norm_rope_train", "out");
+    check_qkv_norm_rope(in, q_norm_w, k_norm_w, cos, sin, nq, nkv, hd);
+    IRIS_CHECK(out.numel() == in.numel(), "qkv_norm_rope_train: out ", out.shape_str(), " vs in ",
+               in.shape_str());
+    const bool norms = q_norm_w.defined() || k_norm_w.defined();
+    if (norms) {
+      IRIS_CHECK(out.data != in.data, "qkv_norm_rope_train: out aliases in with q/k norms");
+      if (rstd.defined()) check_stats(rstd, in.rows() * (nq + nkv), "qkv_norm_rope_train", "rstd");
+    }
+    cuda::launch_qkv_norm_rope_train(bf(out), norms ? opt_f32(rstd) : nullptr, cbf(in),
+                                     cbf_opt(q_norm_w), cbf_opt(k_norm_w), eps, cf32(cos),
+                                     cf32(sin), in.rows(), nq, nkv, hd, round_tables, stream());
+  }
+
+  void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w, const Tensor& dk_norm_w,
+                              const Tensor& dout, const Tensor& in, const Tensor& rstd,
+                              const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& cos,
+                              const Tensor& sin, int nq, int nkv, int hd,
+                              bool round_tables) override {
+    bind();
+    main_only("qkv_norm_rope_backward");
+    check_act(din, "qkv_norm_rope_backward", "din");
+    check_qkv_norm_rope(dout, q_norm_w, k_norm_w, cos, sin, nq, nkv, hd);
+    IRIS_CHECK(din.numel() == dout.numel(), "qkv_norm_rope_backward: din ", din.shape_str(),
+               " vs dout ", dout.shape_str());
+    const bool norms = q_norm_w.defined() || k_norm_w.defined();
+    if (norms) {
+      check_act(in, "qkv_norm_rope_backward", "saved input");
+      IRIS_CHECK(in.numel() == dout.numel(), "qkv_norm_rope_backward: saved input ",
+                 in.shape_str());
+      check_stats(rstd, dout.rows() * (nq + nkv), "qkv_norm_rope_backward", "rstd");
+    }
+    check_param_grad(dq_norm_w, hd, "qkv_norm_rope_backward", "dq_norm_w");
+    check_param_grad(dk_norm_w, hd, "qkv_norm_rope_backward", "dk_norm_w");
+    cuda::launch_qkv_norm_rope_backward(
+        bf(din), opt_f32(dq_norm_w), opt_f32(dk_norm_w), cbf(dout), norms ? cbf(in) : nullptr,
+        norms ? cf32(rstd) : nullptr, cbf_opt(q_norm_w), cbf_opt(k_norm_w), cf32(cos), cf32(sin),
+        dout.rows(), nq, nkv, hd, round_tables, train_scratch(), train_scratch_floats(), stream());
+  }
+
+  void attention_train(const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                       const Tensor& cu_seqlens, int n_segments, int nq, int nkv, int hd,
+                       float scale, bool causal, const Tensor& real_rows) override {
+    bind();
+    main_only("attention_train");
+    check_attention_train(out, qkv, cu_seqlens, n_segments, nq, nkv, hd, real_rows,
+                          "attention_train");
+    check_stats(lse, qkv.rows() * nq, "attention_train", "lse");
+    cuda::launch_attention_train_forward(bf(out), f32(lse), cbf(qkv), ci32(cu_seqlens),
+                                         real_rows.defined() ? ci32(real_rows) : nullptr,
+                                         n_segments, qkv.rows(), nq, nkv, hd, scale, causal,
+                                         num_sms_, stream());
+  }
+
+  void attention_backward(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
+                          const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                          const Tensor& cu_seqlens, int n_segments, int nq, int nkv, int hd,
+                          float scale, bool causal, const Tensor& real_rows) override {
+    bind();
+    main_only("attention_backward");
+    check_attention_train(out, qkv, cu_seqlens, n_segments, nq, nkv, hd, real_rows,
+                          "attention_backward");
+    check_act(dqkv, "attention_backward", "dqkv");
+    check_act(dout, "attention_backward", "dout");
+    IRIS_CHECK(dqkv.numel() == qkv.numel() && dout.numel() == out.numel(),
+               "attention_backward: dqkv ", dqkv.shape_str(), " or dout ", dout.shape_str(),
+               " does not match");
+    check_stats(lse, qkv.rows() * nq, "attention_backward", "lse");
+    check_stats(dsum, qkv.rows() * nq, "attention_backward", "dsum");
+    cuda::launch_attention_train_backward(
+        bf(dqkv), f32(dsum), cbf(dout), cbf(out), cf32(lse), cbf(qkv), ci32(cu_seqlens),
+        real_rows.defined() ? ci32(real_rows) : nullptr, n_segments, qkv.rows(), nq, nkv, hd, scale,
+        causal, num_sms_, stream());
+  }
+
+  void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    bind();
+    main_only("gelu_tanh_backward");
+    check_elementwise_backward(dx, dy, x, "gelu_tanh_backward");
+    cuda::launch_gelu_tanh_backward(bf(dx), cbf(dy), cbf(x), x.numel(), stream());
+  }
+  void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    bind();
+    main_only("gelu_erf_backward");
+    check_elementwise_backward(dx, dy, x, "gelu_erf_backward");
+    cuda::launch_gelu_erf_backward(bf(dx), cbf(dy), cbf(x), x.numel(), stream());
+  }
+  void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
+    bind();
+    main_only("swiglu_backward");
+    check_act(dgate_up, "swiglu_backward", "dgate_up");
+    check_act(dy, "swiglu_backward", "dy");
+    check_act(gate_up, "swiglu_backward", "gate_up");
+    const int64_t M = dy.rows(), I = dy.cols();
+    IRIS_CHECK(gate_up.rows() == M && gate_up.cols() == 2 * I && dgate_up.numel() == M * 2 * I,
+               "swiglu_backward: dy ", dy.shape_str(), ", gate_up ", gate_up.shape_str());
+    cuda::launch_swiglu_backward(bf(dgate_up), cbf(dy), cbf(gate_up), M, I, stream());
+  }
+
+  void embedding_backward(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                          int32_t skip_id) override {
+    bind();
+    main_only("embedding_backward");
+    check_f32(dtable, "embedding_backward", "dtable");
+    check_act_or_f32(dy, "embedding_backward", "dy");
+    check_index(ids, "embedding_backward", "ids");
+    const int64_t T = ids.numel(), H = dtable.cols();
+    IRIS_CHECK(dy.rows() == T && dy.cols() == H, "embedding_backward: dy ", dy.shape_str(),
+               " should be [", T, ", ", H, "]");
+    cuda::launch_embedding_backward(f32(dtable), dy.data, dy.dtype == DType::f32, ci32(ids), T,
+                                    dtable.rows(), H, skip_id, stream());
+  }
+
+  void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) override {
+    bind();
+    main_only("gather_rows");
+    check_act_or_f32(dst, "gather_rows", "destination");
+    check_act_or_f32(src, "gather_rows", "source");
+    check_index(index, "gather_rows", "index");
+    IRIS_CHECK(dst.rows() == index.numel() && dst.cols() == src.cols(), "gather_rows: dst ",
+               dst.shape_str(), ", src ", src.shape_str(), ", index ", index.shape_str());
+    cuda::launch_gather_rows(dst.data, dst.dtype == DType::f32, src.data, src.dtype == DType::f32,
+                             ci32(index), index.numel(), src.rows(), src.cols(), stream());
+  }
+
+  void add_interpolated_rows_backward(const Tensor& dtable, const Tensor& dy, const Tensor& index,
+                                      const Tensor& weight) override {
+    bind();
+    main_only("add_interpolated_rows_backward");
+    check_f32(dtable, "add_interpolated_rows_backward", "dtable");
+    check_act_or_f32(dy, "add_interpolated_rows_backward", "dy");
+    check_index(index, "add_interpolated_rows_backward", "index");
+    check_f32(weight, "add_interpolated_rows_backward", "weight");
+    const int64_t S = dy.rows();
+    IRIS_CHECK(dtable.cols() == dy.cols() && index.numel() == 4 * S && weight.numel() == 4 * S,
+               "add_interpolated_rows_backward: dtable ", dtable.shape_str(), ", dy ",
+               dy.shape_str(), ", index ", index.shape_str());
+    cuda::launch_add_interpolated_rows_backward(f32(dtable), dy.data, dy.dtype == DType::f32,
+                                                ci32(index), cf32(weight), S, dtable.rows(),
+                                                dy.cols(), stream());
+  }
+
+  size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
+                                      int64_t vocab) const override {
+    (void)hidden;
+    // f32 logits, then bf16 d(logits), each 256-byte aligned.
+    return align256(size_t(chunk_rows) * size_t(vocab) * sizeof(float)) +
+           align256(size_t(chunk_rows) * size_t(vocab) * sizeof(uint16_t));
+  }
+
+  void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw, const Tensor& x,
+                    const Tensor& w, const Tensor& targets, const Tensor& grad_scale,
+                    const Tensor& workspace, int64_t chunk_rows) override {
+    bind();
+    main_only("lm_head_loss");
+    check_f32(loss_sum, "lm_head_loss", "loss_sum");
+    check_act(x, "lm_head_loss", "rows");
+    check_act(w, "lm_head_loss", "weight");
+    check_index(targets, "lm_head_loss", "targets");
+    check_device(workspace, "lm_head_loss");
+    const int64_t N = x.rows(), H = x.cols(), V = w.rows();
+    IRIS_CHECK(w.cols() == H && targets.numel() == N && loss_sum.numel() == 1,
+               "lm_head_loss: rows ", x.shape_str(), ", weight ", w.shape_str(), ", targets ",
+               targets.shape_str());
+    IRIS_CHECK(chunk_rows > 0 && chunk_rows <= kTrainMaxLossRows, "lm_head_loss: chunk_rows ",
+               chunk_rows, " outside [1, ", kTrainMaxLossRows, "]");
+    IRIS_CHECK(workspace.nbytes() >= lm_head_loss_workspace_bytes(chunk_rows, H, V),
+               "lm_head_loss: workspace of ", workspace.nbytes(), " bytes, ",
+               lm_head_loss_workspace_bytes(chunk_rows, H, V), " needed");
+    const bool backward = dx.defined();
+    if (backward) {
+      check_act(dx, "lm_head_loss", "dx");
+      check_f32(grad_scale, "lm_head_loss", "grad_scale");
+      IRIS_CHECK(dx.rows() == N && dx.cols() == H, "lm_head_loss: dx ", dx.shape_str());
+    }
+    check_param_grad(dw, V * H, "lm_head_loss", "dw");
+    float* logits = static_cast<float*>(workspace.data);
+    uint16_t* dlogits = reinterpret_cast<uint16_t*>(static_cast<char*>(workspace.data) +
+                                                    align256(size_t(chunk_rows) * size_t(V) * 4));
+    for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, N - r0);
+      const uint16_t* xc = cbf(x) + r0 * H;
+      train_gemm_->forward_f32(logits, xc, cbf(w), n, V, H, stream());
+      cuda::launch_cross_entropy(f32(loss_sum), backward ? dlogits : nullptr, logits,
+                                 ci32(targets) + r0, backward ? cf32(grad_scale) : nullptr, n, V,
+                                 train_scratch(), train_scratch_floats(), stream());
+      if (!backward) continue;
+      // dx rows = d(logits) . w; the weight gradient += d(logits)^T . x rows.
+      train_gemm_->backward_input(bf(dx) + r0 * H, false, dlogits, cbf(w), n, V, H, false,
+                                  stream());
+      if (dw.defined())
+        train_gemm_->backward_weight(f32(dw), nullptr, dlogits, xc, n, V, H, stream());
+    }
+  }
+
+  void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
+                      const Tensor& hyper, float max_norm) override {
+    bind();
+    main_only("grad_norm_clip");
+    check_f32(grad_stats, "grad_norm_clip", "grad_stats");
+    check_f32(grads, "grad_norm_clip", "grads");
+    const int64_t n = check_spans(spans, hyper, "grad_norm_clip");
+    cuda::launch_grad_norm_clip(f32(grad_stats), cf32(grads),
+                                static_cast<const int64_t*>(spans.data), cf32(hyper), n, max_norm,
+                                train_scratch(), train_scratch_floats(), stream());
+  }
+
+  void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
+                  const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
+                  const Tensor& hyper, const Tensor& steps, const Tensor& lr,
+                  const Tensor& grad_stats, float beta1, float beta2, float eps) override {
+    bind();
+    main_only("adamw_step");
+    for (const Tensor* t : {&params, &grads, &exp_avg, &exp_avg_sq, &lr, &grad_stats})
+      check_f32(*t, "adamw_step", "buffer");
+    IRIS_CHECK(grads.numel() == params.numel() && exp_avg.numel() == params.numel() &&
+                   exp_avg_sq.numel() == params.numel(),
+               "adamw_step: flat buffers of different lengths");
+    if (weights.defined()) check_act(weights, "adamw_step", "weights");
+    const int64_t n = check_spans(spans, hyper, "adamw_step");
+    check_device(steps, "adamw_step");
+    IRIS_CHECK(steps.dtype == DType::i64 && steps.numel() == n, "adamw_step: steps ",
+               steps.shape_str(), " should be i64 [", n, "]");
+    cuda::launch_adamw_step(f32(params), cf32(grads), f32(exp_avg), f32(exp_avg_sq),
+                            weights.defined() ? bf(weights) : nullptr,
+                            static_cast<const int64_t*>(spans.data), cf32(hyper),
+                            static_cast<int64_t*>(steps.data), cf32(lr), cf32(grad_stats), n, beta1,
+                            beta2, eps, train_scratch(), train_scratch_floats(), stream());
+  }
+
  private:
+  // The training scratch serves norm widths up to this many columns, loss chunks up to this many
+  // rows and optimizers over up to this many tensors (Qwen3-VL-8B has about 700).
+  static constexpr int64_t kTrainMaxCols = 16384;
+  static constexpr int64_t kTrainMaxLossRows = 4096;
+  static constexpr int64_t kTrainMaxTensors = 8192;
+
+  static size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+  static float* f32(const Tensor& t) { return static_cast<float*>(t.data); }
+  static const float* cf32(const Tensor& t) { return static_cast<const float*>(t.data); }
+  static float* opt_f32(const Tensor& t) { return t.defined() ? f32(t) : nullptr; }
+  float* train_scratch() const { return static_cast<float*>(train_scratch_.get()); }
+  int64_t train_scratch_floats() const {
+    return static_cast<int64_t>(train_scratch_bytes_ / sizeof(float));
+  }
+  static void check_f32(const Tensor& t, const char* op, const char* what) {
+    check_device(t, op);
+    IRIS_CHECK(t.dtype == DType::f32, op, ": ", what, " must be f32, got ", t.shape_str());
+  }
+  static void check_act_or_f32(const Tensor& t, const char* op, const char* what) {
+    check_device(t, op);
+    IRIS_CHECK(t.dtype == DType::f32 || t.dtype == DType::bf16, op, ": ", what,
+               " must be f32 or bf16, got ", t.shape_str());
+  }
+  static void check_stats(const Tensor& t, int64_t n, const char* op, const char* what) {
+    check_f32(t, op, what);
+    IRIS_CHECK(t.numel() == n, op, ": ", what, " ", t.shape_str(), " should have ", n, " elements");
+  }
+  static void check_param_grad(const Tensor& g, int64_t n, const char* op, const char* what) {
+    if (!g.defined()) return;
+    check_stats(g, n, op, what);
+  }
+  static void check_norm_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                  const Tensor& w, int64_t R, int64_t C, const char* op) {
+    check_act(x, op, "x");
+    check_act(w, op, "weight");
+    check_act_or_f32(dy, op, "dy");
+    IRIS_CHECK(dy.rows() == R && dy.cols() == C && w.numel() == C, op, ": dy ", dy.shape_str(),
+               " or weight ", w.shape_str(), " does not match x ", x.shape_str());
+    if (dx.defined()) {
+      check_f32(dx, op, "dx");
+      IRIS_CHECK(dx.rows() == R && dx.cols() == C, op, ": dx ", dx.shape_str());
+    }
+  }
+  static void check_elementwise_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                         const char* op) {
+    check_act(dx, op, "dx");
+    check_act(dy, op, "dy");
+    check_act(x, op, "x");
+    IRIS_CHECK(dx.numel() == x.numel() && dy.numel() == x.numel(), op, ": ", dx.shape_str(), " ",
+               dy.shape_str(), " ", x.shape_str());
+  }
+  static void check_attention_train(const Tensor& out, const Tensor& qkv, const Tensor& cu,
+                                    int n_segments, int nq, int nkv, int hd,
+                                    const Tensor& real_rows, const char* op) {
+    check_act(out, op, "out");
+    check_act(qkv, op, "qkv");
+    check_index(cu, op, "cu_seqlens");
+    if (real_rows.defined()) check_index(real_rows, op, "real_rows");
+    IRIS_CHECK(
+        hd % 2 == 0 && hd <= cuda::kAttentionTrainMaxHeadDim && nq > 0 && nkv > 0 && nq % nkv == 0,
+        op, ": ", nq, " query heads over ", nkv, " kv heads of ", hd, " (head_dim even, at most ",
+        cuda::kAttentionTrainMaxHeadDim, ")");
+    IRIS_CHECK(qkv.cols() == int64_t(nq + 2 * nkv) * hd && out.rows() == qkv.rows() &&
+                   out.cols() == int64_t(nq) * hd,
+               op, ": qkv ", qkv.shape_str(), ", out ", out.shape_str());
+    IRIS_CHECK(n_segments >= 0 && cu.numel() >= n_segments + 1, op, ": cu_seqlens ", cu.shape_str(),
+               " for ", n_segments, " segments");
+  }
+  static int64_t check_spans(const Tensor& spans, const Tensor& hyper, const char* op) {
+    check_device(spans, op);
+    check_f32(hyper, op, "hyper");
+    IRIS_CHECK(spans.dtype == DType::i64 && spans.cols() == 3 && hyper.cols() == 2 &&
+                   hyper.rows() == spans.rows(),
+               op, ": spans ", spans.shape_str(), " should be i64 [n, 3] and hyper f32 [n, 2]");
+    IRIS_CHECK(spans.rows() <= kTrainMaxTensors, op, ": ", spans.rows(), " tensors, more than the ",
+               kTrainMaxTensors, " planned");
+    return spans.rows();
+  }
+
   static constexpr size_t kStagingChunk = size_t{8} << 20;
   // cuBLASLt's recommendation for Hopper.
   static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
@@ -713,7 +1154,10 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
   DeviceBuffer side_workspace_;
+  DeviceBuffer train_scratch_;
+  size_t train_scratch_bytes_ = 0;
   // Destroyed before the workspaces they use.
+  std::unique_ptr<cuda::LtTrainGemm> train_gemm_;
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
 };

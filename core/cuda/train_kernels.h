@@ -1,0 +1,138 @@
+// Host-side launchers of the CUDA backend's training kernels (train_kernels.cu): the forwards
+// that save statistics, the backwards, the cross-entropy over a logits chunk and the optimizer.
+// Same conventions as kernels.h: bf16 travels as uint16_t bits, every launcher enqueues on
+// `stream` without synchronising or allocating (graph-capturable). Parameters typed `const void*`
+// with a `bool ..._f32` flag are f32 when the flag is set, bf16 otherwise.
+//
+// Determinism: no float atomics anywhere. Reductions over rows into per-column results (norm
+// weight gradients) run on a fixed number of partial blocks (kTrainReducePartials, independent of
+// the row count) that write to `scratch`, then a second kernel adds the partials in order; the
+// gradient norm and the loss sum likewise. Launchers taking `scratch` (f32, 16-byte aligned, of
+// `scratch_floats` floats) check its size on the host; two launches sharing one scratch buffer
+// must not run concurrently (e.g. on two streams).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace iris::cuda {
+
+// ---- scratch sizes (floats) ----
+constexpr int kTrainReducePartials = 128;  // partial blocks of the norm column reductions
+constexpr int kQkNormPartials = 512;       // partial blocks of the q/k norm weight gradients
+constexpr int kOptimizerBlocks = 1024;     // fixed grid of grad_norm_clip (and adamw)
+// layer_norm_backward / rms_norm_backward with dw or db: 2 * kTrainReducePartials * cols.
+int64_t norm_backward_scratch_floats(int64_t cols);
+// qkv_norm_rope_backward with a norm-weight gradient: 2 * kQkNormPartials * head_dim.
+int64_t qkv_norm_rope_backward_scratch_floats(int head_dim);
+// grad_norm_clip: kOptimizerBlocks doubles.
+int64_t grad_norm_scratch_floats();
+// adamw_step: 4 floats per tensor.
+int64_t adamw_scratch_floats(int64_t n_tensors);
+// cross_entropy: one float per row.
+int64_t cross_entropy_scratch_floats(int64_t rows);
+// Bytes of one scratch buffer serving every launcher here for norm widths up to max_cols (and
+// any head_dim), cross-entropy chunks up to max_ce_rows rows and optimizers over up to max_tensors.
+size_t train_scratch_bytes(int64_t max_cols, int64_t max_ce_rows, int64_t max_tensors);
+
+// ---- conversion ----
+void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
+void launch_convert_bf16_to_f32(float* dst, const uint16_t* src, int64_t n, cudaStream_t s);
+
+// ---- norms ----
+// launch_layer_norm (same kernels, same bits of y) that also saves mean[rows], rstd[rows] (f32).
+// y must not alias x.
+void launch_layer_norm_train(uint16_t* y, float* mean, float* rstd, const uint16_t* x,
+                             const uint16_t* w, const uint16_t* b, int64_t rows, int64_t cols,
+                             float eps, cudaStream_t s);
+// dx[rows, cols] f32 += d/dx; dw, db f32 [cols] += d/dw, d/db. Each of dx, dw, db may be null
+// (skipped); scratch is needed only with dw or db.
+void launch_layer_norm_backward(float* dx, float* dw, float* db, const void* dy, bool dy_f32,
+                                const uint16_t* x, const float* mean, const float* rstd,
+                                const uint16_t* w, int64_t rows, int64_t cols, float* scratch,
+                                int64_t scratch_floats, cudaStream_t s);
+// launch_rms_norm (same kernels, same bits of y) that also saves rstd[rows] (f32).
+void launch_rms_norm_train(uint16_t* y, float* rstd, const uint16_t* x, const uint16_t* w,
+                           int64_t rows, int64_t cols, float eps, cudaStream_t s);
+// dx f32 += d/dx; dw f32 [cols] += d/dw; either may be null (scratch needed only with dw).
+void launch_rms_norm_backward(float* dx, float* dw, const void* dy, bool dy_f32, const uint16_t* x,
+                              const float* rstd, const uint16_t* w, int64_t rows, int64_t cols,
+                              float* scratch, int64_t scratch_floats, cudaStream_t s);
+
+// ---- q/k norm + RoPE ----
+// out[T, (nq + 2 nkv) hd] = launch_qkv_norm_rope(in) out of place (same kernels and bits); v heads
+// copied. With q_norm_w / k_norm_w, rstd[T, nq + nkv] (may be null) receives each normed head's
+// 1/rms and out must not alias in; without norms out may alias in. head_dim even, <= 256.
+void launch_qkv_norm_rope_train(uint16_t* out, float* rstd, const uint16_t* in,
+                                const uint16_t* q_norm_w, const uint16_t* k_norm_w, float eps,
+                                const float* cos, const float* sin, int64_t tokens, int n_q_heads,
+                                int n_kv_heads, int head_dim, bool round_tables, cudaStream_t s);
+// Overwrites din (bf16; may alias dout): the adjoint of the rotation (with the bf16-rounded
+// tables when round_tables), then of the per-head RMSNorm for heads with a norm weight; v heads
+// copied. dq_norm_w / dk_norm_w f32 [hd] += (each may be null; scratch needed when one is set
+// together with its norm weight). in and rstd are read only for normed heads.
+void launch_qkv_norm_rope_backward(uint16_t* din, float* dq_norm_w, float* dk_norm_w,
+                                   const uint16_t* dout, const uint16_t* in, const float* rstd,
+                                   const uint16_t* q_norm_w, const uint16_t* k_norm_w,
+                                   const float* cos, const float* sin, int64_t tokens,
+                                   int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
+                                   float* scratch, int64_t scratch_floats, cudaStream_t s);
+
+// ---- activations (bf16; dx may alias dy) ----
+void launch_gelu_tanh_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
+                               cudaStream_t s);
+void launch_gelu_erf_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
+                              cudaStream_t s);
+// dgate_up[rows, 2 inter] from dy[rows, inter] and gate_up[rows, 2 inter] (may alias dgate_up).
+void launch_swiglu_backward(uint16_t* dgate_up, const uint16_t* dy, const uint16_t* gate_up,
+                            int64_t rows, int64_t inter, cudaStream_t s);
+
+// ---- rows ----
+// dtable[ids[t], :] (f32 [vocab, cols]) += dy[t, :] for ids[t] != skip_id and in [0, vocab);
+// rows with the same id add in token order (one block per first occurrence; O(T^2) id scan).
+void launch_embedding_backward(float* dtable, const void* dy, bool dy_f32, const int32_t* ids,
+                               int64_t tokens, int64_t vocab, int64_t cols, int32_t skip_id,
+                               cudaStream_t s);
+// dst[i, :] = src[index[i], :] converted; indices outside [0, src_rows) give zero rows.
+void launch_gather_rows(void* dst, bool dst_f32, const void* src, bool src_f32,
+                        const int32_t* index, int64_t rows, int64_t src_rows, int64_t cols,
+                        cudaStream_t s);
+// dtable (f32 [table_rows, cols]) [index[s,k], :] += weight[s,k] * dy[s, :] for s < rows, k < 4,
+// in (s, k) order per table row; indices outside [0, table_rows) skipped.
+void launch_add_interpolated_rows_backward(float* dtable, const void* dy, bool dy_f32,
+                                           const int32_t* index, const float* weight, int64_t rows,
+                                           int64_t table_rows, int64_t cols, cudaStream_t s);
+
+// ---- cross-entropy over an f32 logits chunk ----
+// loss_sum[0] += sum over rows of (logsumexp(logits[r]) - logits[r, targets[r]]) (per-row losses
+// in scratch, summed in f64 in a fixed order); when dlogits is not null, dlogits bf16 [rows,
+// vocab] = grad_scale[0] * (softmax - onehot(target)). dlogits must not alias logits. A target
+// outside [0, vocab) gives a zero loss and a zero gradient row. Needs
+// cross_entropy_scratch_floats(rows).
+void launch_cross_entropy(float* loss_sum, uint16_t* dlogits, const float* logits,
+                          const int32_t* targets, const float* grad_scale, int64_t rows,
+                          int64_t vocab, float* scratch, int64_t scratch_floats, cudaStream_t s);
+
+// ---- optimizer over flat f32 buffers (Backend::grad_norm_clip / adamw_step) ----
+// spans i64 [n, 3] = {offset, numel, offset into weights}; hyper f32 [n, 2] = {weight decay, lr
+// scale}, scale 0 = frozen (skipped). grad_stats[2] = {L2 norm of the unfrozen gradients (f64
+// squares, fixed-order sum), clip coef min(max_norm / (float(norm) + 1e-6f), 1) (1 when max_norm
+// <= 0)}. Needs grad_norm_scratch_floats() (8-byte aligned).
+void launch_grad_norm_clip(float* grad_stats, const float* grads, const int64_t* spans,
+                           const float* hyper, int64_t n_tensors, float max_norm, float* scratch,
+                           int64_t scratch_floats, cudaStream_t s);
+// One torch foreach AdamW step (training/optimizer.cpp's arithmetic, IEEE ops in the same order)
+// of every unfrozen tensor: steps[i] += 1 on the device, gradient times grad_stats[1] when that
+// is below 1 (grads itself is not modified), lr = lr[0] times the lr scale; then weights (bf16,
+// may be null) [spans[i,2] + k] = bf16(params[spans[i,0] + k]). Two launches (step counts and
+// per-tensor scalars into scratch, then one multi-tensor update). Needs
+// adamw_scratch_floats(n_tensors).
+void launch_adamw_step(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
+                       uint16_t* weights, const int64_t* spans, const float* hyper, int64_t* steps,
+                       const float* lr, const float* grad_stats, int64_t n_tensors, float beta1,
+                       float beta2, float eps, float* scratch, int64_t scratch_floats,
+                       cudaStream_t s);
+
+}  // namespace iris::cuda
