@@ -54,6 +54,10 @@ class Backend {
   virtual void begin_side_work() {}
   virtual void end_side_work() {}
   virtual void join_side_work() {}
+  // Whether GEMM algorithms may be chosen by timing candidates (the default: fastest, but two
+  // processes may pick differently and round differently). Training turns it off so that a run
+  // resumed in a new process continues bit for bit. Affects GEMM shapes first seen afterwards.
+  virtual void set_gemm_autotune(bool on) { (void)on; }
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
   // Runs `enqueue` and waits for its work; returns the milliseconds the device spent from the
@@ -283,10 +287,10 @@ class Backend {
   virtual void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
                               const Tensor& hyper, float max_norm) = 0;
   // One torch.optim.AdamW step (foreach form: decoupled decay p *= 1 - lr * wd, bias-corrected
-  // moments) of every unfrozen tensor with gradient grads * grad_stats[1], lr = lr[0] times the
-  // tensor's lr scale, and its step count steps i64 [n] incremented here; then the tensor's
-  // slice of `weights` is rewritten from the updated params. lr f32 [1] and grad_stats live on
-  // this backend so that a captured step reads the step's values.
+  // moments) of every unfrozen tensor with gradient grads * grad_stats[1] (grads are only read), lr
+  // = lr[0] times the tensor's lr scale, and its step count steps i64 [n] incremented here; then
+  // the tensor's slice of `weights` is rewritten from the updated params. lr f32 [1] and grad_stats
+  // live on this backend so that a captured step reads the step's values.
   virtual void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
                           const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
                           const Tensor& hyper, const Tensor& steps, const Tensor& lr,

@@ -36,13 +36,14 @@ if [ "${RUN_CTEST:-0}" = 1 ]; then
   OMP_NUM_THREADS=2 ctest --test-dir build-gpu -j8 >"$out/ctest.log" 2>&1
   tail -4 "$out/ctest.log"; grep -E '\(Failed\)|Timeout|Exception' "$out/ctest.log" | head
 fi
-echo "== tiny shapes recipe, $steps steps, CPU and CUDA"
 data=/tmp/iris_shapes
 build-gpu/iris data shapes --out $data --n 20000 --seed 1 >/dev/null
 common=(--recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=$steps
   data.train_files=[$data/train.jsonl] data.eval_files=[$data/heldout.jsonl]
   logging.log_interval=10 train.eval_interval=0 checkpoint.save_interval=0)
-rm -rf /tmp/run_cpu /tmp/run_cuda /tmp/run_kill
+rm -rf /tmp/run_cpu /tmp/run_cuda /tmp/run_kill /tmp/run_ref
+if [ "${RUN_CURVES:-1}" = 1 ]; then
+echo "== tiny shapes recipe, $steps steps, CPU and CUDA"
 ( time build-gpu/iris train "${common[@]}" train.device=cpu checkpoint.dir=/tmp/run_cpu >"$out/train_cpu.log" 2>&1 ) 2>>"$out/train_cpu.log" &
 ( time build-gpu/iris train "${common[@]}" train.device=cuda checkpoint.dir=/tmp/run_cuda >"$out/train_cuda.log" 2>&1 ) 2>>"$out/train_cuda.log"
 wait
@@ -50,6 +51,7 @@ tail -n 4 "$out/train_cuda.log"; tail -n 4 "$out/train_cpu.log"
 cp /tmp/run_cpu/metrics.jsonl "$out/metrics_cpu.jsonl" 2>/dev/null
 cp /tmp/run_cuda/metrics.jsonl "$out/metrics_cuda.jsonl" 2>/dev/null
 python3 tools/compare_loss_curves.py /tmp/run_cpu/metrics.jsonl /tmp/run_cuda/metrics.jsonl
+fi
 echo "== kill -9 and resume on CUDA"
 kill_steps=40
 build-gpu/iris train "${common[@]}" train.train_iters=$kill_steps checkpoint.save_interval=10 \
@@ -66,6 +68,17 @@ echo "killed at checkpoint $(cat /tmp/run_kill/latest 2>/dev/null)"
 build-gpu/iris train "${common[@]}" train.train_iters=$kill_steps checkpoint.save_interval=10 \
   train.device=cuda checkpoint.dir=/tmp/run_kill logging.log_interval=1 >/dev/null 2>&1
 python3 tools/compare_loss_curves.py --exact /tmp/run_ref/metrics.jsonl /tmp/run_kill/metrics.jsonl
+if [ "${RUN_DEMO:-1}" = 1 ]; then
+  echo "== the demo's training on CUDA (the recipe as it is), export, held-out accuracy"
+  rm -rf /tmp/run_demo
+  start=$(date +%s.%N)
+  build-gpu/iris train "${common[@]}" train.train_iters=2000 checkpoint.save_interval=500 \
+    train.eval_interval=500 train.device=cuda checkpoint.dir=/tmp/run_demo >"$out/demo_train.log" 2>&1
+  echo "training took $(echo "$(date +%s.%N) - $start" | bc) s"
+  grep -E "eval at|done:" "$out/demo_train.log" | tail -n 6
+  build-gpu/iris export /tmp/run_demo /tmp/run_demo/hf >/dev/null
+  build-gpu/iris data shapes-eval -m /tmp/run_demo/hf --heldout $data/heldout.jsonl --limit 400 2>&1 | tail -n 4
+fi
 if [ "${RUN_2B:-1}" = 1 ]; then
   echo "== 2B geometry, full fine-tuning, one 896x896 image and 3072 text tokens per sample"
   build-gpu/iris train --recipe recipes/qwen3vl_2b_pretrain_mock.yaml train.device=cuda \

@@ -319,6 +319,7 @@ TEST(CudaGoldenGradients, EveryParameterGradientWithinTwoPercentOfHF) {
     }
     const double rel = std::sqrt(num / std::max(den, 1e-300));
     EXPECT_LE(rel, kCudaGradRelL2) << b.hf_name;
+    if (rel > 0.01) std::printf("  %-60s relative L2 %.4f\n", b.hf_name.c_str(), rel);
     if (rel > worst) {
       worst = rel;
       worst_name = b.hf_name;

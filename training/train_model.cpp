@@ -166,7 +166,10 @@ void TrainableQwen3VL::allocate(Arena& a) {
   const bool f32_compute = A == F;
   t_dres_ = a.alloc(F, {L, H});
   t_dres_c_ = f32_compute ? t_dres_ : a.alloc(A, {L, H});
-  t_dtmp_ = a.alloc(A, {L, H});
+  // The input-side gradients that feed the norms' backwards stay f32: one bf16 rounding fewer on
+  // the residual path (the CUDA golden gradients gained from it).
+  t_dtmp_ = a.alloc(F, {L, H});
+  t_dloss_ = f32_compute ? t_dtmp_ : a.alloc(A, {L, H});
   t_dattn_ = a.alloc(A, {L, t.q_width()});
   t_dqkv_ = a.alloc(A, {L, t.qkv_width()});
   t_dgu_ = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
@@ -174,13 +177,13 @@ void TrainableQwen3VL::allocate(Arena& a) {
   t_dsum_ = a.alloc(F, {L, t.num_attention_heads});
   v_dres_ = a.alloc(F, {S, D});
   v_dres_c_ = f32_compute ? v_dres_ : a.alloc(A, {S, D});
-  v_dtmp_ = a.alloc(A, {S, D});
+  v_dtmp_ = a.alloc(F, {S, D});
   v_dattn_ = a.alloc(A, {S, D});
   v_dqkv_ = a.alloc(A, {S, 3 * D});
   v_dfc_ = a.alloc(A, {S, Iv});
   v_dsum_ = a.alloc(F, {S, nh});
   m_da_ = a.alloc(A, {Sm, M});
-  m_dln_ = a.alloc(A, {Sm, M});
+  m_dln_ = a.alloc(F, {Sm, M});
   d_embeds_ = a.alloc(A, {Sm, out});
   d_ds_.clear();
   for (size_t k = 0; k < v.deepstack_visual_indexes.size(); ++k)
@@ -574,10 +577,11 @@ void TrainableQwen3VL::text_backward() {
   const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
   const Tensor dtmp = t_dtmp_.slice(0, L), dact = t_dact_.slice(0, L), dgu = t_dgu_.slice(0, L),
                dattn = t_dattn_.slice(0, L), dqkv = t_dqkv_.slice(0, L);
+  const Tensor dloss = t_dloss_.slice(0, L);
   be_.fill_zero(dres);
-  be_.fill_zero(dtmp);
-  be_.scatter_rows(dtmp, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
-  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), dtmp, tx_[t.num_hidden_layers].slice(0, L),
+  be_.fill_zero(dloss);
+  be_.scatter_rows(dloss, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
+  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), dloss, tx_[t.num_hidden_layers].slice(0, L),
                         final_rstd_.slice(0, L), w.norm_w);
   for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
     // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after layer l).

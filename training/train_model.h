@@ -165,7 +165,7 @@ class TrainableQwen3VL {
   int64_t loss_chunk_ = 0;
   // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype
   // copies for the GEMMs.
-  Tensor t_dres_, t_dres_c_, t_dtmp_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
+  Tensor t_dres_, t_dres_c_, t_dtmp_, t_dloss_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
   Tensor v_dres_, v_dres_c_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
   std::vector<Tensor> d_ds_;
 };

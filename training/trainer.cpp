@@ -304,6 +304,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   int n_replicas = 1;
   if (on_gpu) {
     gpu = make_cuda_backend(0);
+    gpu->set_gemm_autotune(false);
     master = allocate_weights(*gpu, cfg, DType::f32);
     working = allocate_weights(*gpu, cfg);
     upload_weights(*gpu, *master, *params);
@@ -492,7 +493,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       interval.learning_rate = lr;
       interval.grad_norm = gnorm;
       interval.seconds = seconds_since(interval_start);
-      interval.memory_bytes = peak_host_memory_bytes();
+      // On the GPU memory is planned up front, so what the device holds now is its peak.
+      interval.memory_bytes =
+          on_gpu ? static_cast<int64_t>(gpu->device_memory_in_use()) : peak_host_memory_bytes();
       log.log(interval);
       interval = StepMetrics{};
       interval_loss_sum = 0;

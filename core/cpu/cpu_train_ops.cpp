@@ -1333,11 +1333,14 @@ namespace {
 
 // AdamW on elements [b, e), in the order of torch's foreach kernels. decay is exactly 1 without
 // weight decay, so the multiply needs no branch. torch.lerp has two forms, chosen by the weight.
+// clip: the gradient clipping coefficient, applied on load when below 1 (the same float multiply
+// as torch's in-place scaling, without writing the gradients).
 struct AdamWScalars {
-  float decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+  float decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size, clip;
 };
 
-inline void adamw_element(float& p, float& m, float& v, float g, const AdamWScalars& s) {
+inline void adamw_element(float& p, float& m, float& v, float g_in, const AdamWScalars& s) {
+  const float g = s.clip < 1.0f ? g_in * s.clip : g_in;
   const float mk =
       s.one_minus_b1 < 0.5f ? m + s.one_minus_b1 * (g - m) : g - (g - m) * (1.0f - s.one_minus_b1);
   const float vk = v * s.b2 + s.one_minus_b2 * (g * g);
@@ -1356,10 +1359,12 @@ void adamw_range(float* p, const float* g, float* m, float* v, int64_t b, int64_
   const __m128 w = _mm_set1_ps(s.one_minus_b1), omw = _mm_set1_ps(1.0f - s.one_minus_b1),
                b2 = _mm_set1_ps(s.b2), w2 = _mm_set1_ps(s.one_minus_b2),
                bc2 = _mm_set1_ps(s.bc2_sqrt), eps = _mm_set1_ps(s.eps),
-               decay = _mm_set1_ps(s.decay), step = _mm_set1_ps(s.neg_step_size);
-  const bool low = s.one_minus_b1 < 0.5f;
+               decay = _mm_set1_ps(s.decay), step = _mm_set1_ps(s.neg_step_size),
+               clip = _mm_set1_ps(s.clip);
+  const bool low = s.one_minus_b1 < 0.5f, clipped = s.clip < 1.0f;
   for (; k + 4 <= e; k += 4) {
-    const __m128 gk = _mm_loadu_ps(g + k), mk0 = _mm_loadu_ps(m + k);
+    const __m128 g0 = _mm_loadu_ps(g + k), mk0 = _mm_loadu_ps(m + k);
+    const __m128 gk = clipped ? _mm_mul_ps(g0, clip) : g0;
     const __m128 mk = low ? _mm_add_ps(mk0, _mm_mul_ps(w, _mm_sub_ps(gk, mk0)))
                           : _mm_sub_ps(gk, _mm_mul_ps(_mm_sub_ps(gk, mk0), omw));
     const __m128 vk =
@@ -1410,7 +1415,7 @@ double sum_of_squares(const float* p, int64_t n) {
   return total;
 }
 
-void adamw_tensor(float* p, float* g, float* m, float* v, int64_t n, float scheduled_lr,
+void adamw_tensor(float* p, const float* g, float* m, float* v, int64_t n, float scheduled_lr,
                   float lr_scale, float weight_decay, int64_t t, float clip_coef, float b1,
                   float b2, float eps) {
   // A scale of exactly 1 keeps the f32 learning rate bit for bit (the HF golden trajectory).
@@ -1424,12 +1429,8 @@ void adamw_tensor(float* p, float* g, float* m, float* v, int64_t n, float sched
   const double bc2 = 1.0 - std::pow(double(b2), double(t));
   const float neg_step_size = static_cast<float>(-(double(lr) / bc1));
   const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  if (clip_coef < 1.0f) {
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
-    for (int64_t k = 0; k < n; ++k) g[k] *= clip_coef;
-  }
   adamw_update(p, g, m, v, n,
-               {decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size});
+               {decay, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size, clip_coef});
 }
 
 }  // namespace iris::train

@@ -146,11 +146,11 @@ void lm_head_weight_grad(float* dw, const float* dl, const float* x, int64_t N, 
 // reduction combines in arrival order, and a norm that differs in the last bit between runs would
 // break bit-exact resumption: it sets the clipping coefficient).
 double sum_of_squares(const float* p, int64_t n);
-// One torch.optim.AdamW step (foreach form) of a tensor of n elements: its gradient is first
-// scaled by clip_coef when that is below 1 (in place), the learning rate is scheduled_lr times
-// lr_scale, weight_decay applies as p *= 1 - lr * wd, and `step` is the tensor's step count after
-// this update (for the bias corrections).
-void adamw_tensor(float* p, float* g, float* m, float* v, int64_t n, float scheduled_lr,
+// One torch.optim.AdamW step (foreach form) of a tensor of n elements: its gradient is scaled by
+// clip_coef when that is below 1 (as it is read; g is not written), the learning rate is
+// scheduled_lr times lr_scale, weight_decay applies as p *= 1 - lr * wd, and `step` is the tensor's
+// step count after this update (for the bias corrections).
+void adamw_tensor(float* p, const float* g, float* m, float* v, int64_t n, float scheduled_lr,
                   float lr_scale, float weight_decay, int64_t step, float clip_coef, float beta1,
                   float beta2, float eps);
 

@@ -315,6 +315,12 @@ class CudaBackend final : public Backend {
     return ms;
   }
 
+  void set_gemm_autotune(bool on) override {
+    gemm_->set_tuning(on);
+    side_gemm_->set_tuning(on);
+    train_gemm_->set_tuning(on);
+  }
+
   // Graph capture starts and ends on the main stream; side work joins it through events.
   void* native_stream() override { return stream_->get(); }
   size_t device_memory_in_use() override {

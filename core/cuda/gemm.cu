@@ -170,7 +170,7 @@ const LtGemm::Plan& LtGemm::plan(const Key& key, uint16_t* y, const uint16_t* x,
   const bool fits_scratch = !accumulate || m * n * static_cast<int64_t>(sizeof(uint16_t)) <=
                                                static_cast<int64_t>(tune_scratch_bytes_);
   int chosen = 0;
-  if (found > 1 && capture == cudaStreamCaptureStatusNone && fits_scratch)
+  if (tuning_ && found > 1 && capture == cudaStreamCaptureStatusNone && fits_scratch)
     chosen = fastest(p, results, found, y, x, w, bias, accumulate, stream);
   p.algo = results[chosen].algo;
   return plans_.emplace(key, p).first->second;

@@ -26,6 +26,10 @@ class LtGemm {
   // algorithm for that GELU epilogue (the caller runs the unfused ops); any other failure throws.
   bool run(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
            int64_t n, int64_t k, bool accumulate, bool gelu, cudaStream_t stream);
+  // With tuning off, plans made afterwards take the heuristic's first candidate: the choice then
+  // depends only on the GPU, the library and the shape, not on a timing race, so another process
+  // (a resumed training run) computes the same bits.
+  void set_tuning(bool on) { tuning_ = on; }
 
  private:
   // The algorithm depends on the shape, the epilogue and the operands' alignment (a pointer
@@ -51,6 +55,7 @@ class LtGemm {
   size_t tune_scratch_bytes_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   std::map<Key, Plan> plans_;
+  bool tuning_ = true;
 };
 
 }  // namespace iris::cuda
