@@ -52,6 +52,8 @@ class AdamW {
 
   // Updates taken (calls to step()).
   int64_t steps() const { return steps_; }
+  // Bytes of the moments (the master weights and gradients belong to their owners).
+  size_t state_bytes() const { return m_->arena.capacity() + v_->arena.capacity(); }
   const AdamWConfig& config() const { return config_; }
   ModelWeights& exp_avg() { return *m_; }
   ModelWeights& exp_avg_sq() { return *v_; }

@@ -356,6 +356,17 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                       model.arena_bytes() / (1024 * 1024), " MiB",
                       n_replicas > 1 ? str_cat(" x ", n_replicas, " micro-batch threads") : "",
                       ", run directory ", run_dir));
+  {
+    // The memory planned for the run, by category; nothing is allocated once steps begin.
+    const auto mib = [](size_t b) { return str_cat(b / (size_t(1) << 20), " MiB"); };
+    std::string plan = str_cat("memory on ", be.name(), ": weights ",
+                               mib((on_gpu ? working : params)->arena.capacity()));
+    if (on_gpu) plan += str_cat(", f32 master weights ", mib(master->arena.capacity()));
+    plan += str_cat(", gradients ", mib(model.grads().arena.capacity()), " x ", n_replicas,
+                    ", AdamW moments ", mib(opt.state_bytes()), ", activations and workspace ",
+                    mib(model.arena_bytes()), " x ", n_replicas);
+    log.message(plan);
+  }
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
                         " threads and this run has ", omp_get_max_threads(),
