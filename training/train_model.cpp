@@ -110,7 +110,10 @@ void TrainableQwen3VL::allocate(Arena& a) {
   vx_.clear();
   for (int l = 0; l <= v.depth; ++l) vx_.push_back(a.alloc(A, {S, D}));
   vb_.assign(static_cast<size_t>(v.depth), {});
-  for (auto& b : vb_) {
+  for (size_t l = 0; l < vb_.size(); ++l) {
+    VisionBlockBuffers& b = vb_[l];
+    b.x_in = vx_[l];
+    b.x_out = vx_[l + 1];
     b.ln1 = a.alloc(A, {S, D});
     b.mean1 = a.alloc(F, {S});
     b.rstd1 = a.alloc(F, {S});
@@ -124,7 +127,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
     b.fc1 = a.alloc(A, {S, Iv});
     b.act = a.alloc(A, {S, Iv});
   }
-  auto merger = [&](MergerActs& m, int64_t norm_rows) {
+  auto merger = [&](MergerBuffers& m, int64_t norm_rows) {
     m.ln = a.alloc(A, {Sm, M});
     m.mean = a.alloc(F, {norm_rows});
     m.rstd = a.alloc(F, {norm_rows});
@@ -337,101 +340,65 @@ LossStats TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bo
   return st;
 }
 
-Tensor TrainableQwen3VL::residual_grad_for_gemm(const Tensor& dres, const Tensor& copy) {
-  if (copy.data == dres.data) return dres;
-  be_.convert(copy, dres);
-  return copy;
+// ---- Vision ------------------------------------------------------------------------------------
+
+VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
+  const int64_t S = S_;
+  const VisionBlockBuffers& p = vb_[static_cast<size_t>(l)];
+  VisionBlockBuffers b;
+  for (auto [dst, src] : {std::pair{&b.x_in, &p.x_in},
+                          {&b.ln1, &p.ln1},
+                          {&b.mean1, &p.mean1},
+                          {&b.rstd1, &p.rstd1},
+                          {&b.qkv, &p.qkv},
+                          {&b.lse, &p.lse},
+                          {&b.attn, &p.attn},
+                          {&b.x_mid, &p.x_mid},
+                          {&b.ln2, &p.ln2},
+                          {&b.mean2, &p.mean2},
+                          {&b.rstd2, &p.rstd2},
+                          {&b.fc1, &p.fc1},
+                          {&b.act, &p.act},
+                          {&b.x_out, &p.x_out}})
+    *dst = src->slice(0, S);
+  return b;
 }
 
-// ---- Vision ------------------------------------------------------------------------------------
+VisionSegments TrainableQwen3VL::vision_segments() const {
+  return VisionSegments{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_, Tensor()};
+}
+
+VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
+  const int64_t S = S_;
+  return VisionGradScratch{v_dres_.slice(0, S),
+                           v_dres_c_.slice(0, S),
+                           v_dtmp_.slice(0, S),
+                           v_dfc_.slice(0, S),
+                           v_dattn_.slice(0, S),
+                           v_dqkv_.slice(0, S),
+                           v_dsum_.slice(0, S),
+                           m_da_,
+                           m_dln_};
+}
 
 void TrainableQwen3VL::vision_forward() {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
   const int64_t S = S_;
-  const int nh = v.num_heads, hd = v.head_dim();
-  const float eps = v.layer_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const Tensor cos = v_cos_.slice(0, S), sin = v_sin_.slice(0, S);
-
   be_.linear(vx_[0].slice(0, S), pixels_.slice(0, S), w.patch_w, w.patch_b, false);
   be_.add_interpolated_rows(vx_[0].slice(0, S), w.pos_embed, pos_index_.slice(0, S),
                             pos_weight_.slice(0, S));
+  const VisionSegments seg = vision_segments();
   const auto& taps = v.deepstack_visual_indexes;
   for (int l = 0; l < v.depth; ++l) {
-    const VisionBlockWeights& bw = w.blocks[l];
-    VisionBlockActs& a = vb_[l];
-    const Tensor x = vx_[l].slice(0, S);
-    const Tensor qkv = a.qkv.slice(0, S), attn = a.attn.slice(0, S), x_mid = a.x_mid.slice(0, S);
-    be_.layer_norm_train(a.ln1.slice(0, S), a.mean1.slice(0, S), a.rstd1.slice(0, S), x, bw.norm1_w,
-                         bw.norm1_b, eps);
-    be_.linear(qkv, a.ln1.slice(0, S), bw.qkv_w, bw.qkv_b, false);
-    // The vision RoPE has no q/k norm, so it rotates in place; its backward needs only the tables.
-    be_.qkv_norm_rope_train(qkv, Tensor(), qkv, Tensor(), Tensor(), 0.0f, cos, sin, nh, nh, hd,
-                            false);
-    be_.attention_train(attn, a.lse.slice(0, S), qkv, v_cu_, n_segments_, nh, nh, hd, scale, false,
-                        Tensor());
-    be_.copy(x_mid, x);
-    be_.linear(x_mid, attn, bw.proj_w, bw.proj_b, true);
-    be_.layer_norm_train(a.ln2.slice(0, S), a.mean2.slice(0, S), a.rstd2.slice(0, S), x_mid,
-                         bw.norm2_w, bw.norm2_b, eps);
-    be_.linear(a.fc1.slice(0, S), a.ln2.slice(0, S), bw.fc1_w, bw.fc1_b, false);
-    be_.gelu_tanh(a.act.slice(0, S), a.fc1.slice(0, S));
-    const Tensor y = vx_[l + 1].slice(0, S);
-    be_.copy(y, x_mid);
-    be_.linear(y, a.act.slice(0, S), bw.fc2_w, bw.fc2_b, true);
+    vision_block_forward(be_, v, w.blocks[l], vision_block(l), seg);
     const auto tap = std::find(taps.begin(), taps.end(), l);
     if (tap != taps.end()) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
-      merger_forward(w.deepstack_mergers[k], ds_[k], vx_[l + 1], true);
+      merger_forward(be_, v, w.deepstack_mergers[k], ds_[k], vx_[l + 1], S, true);
     }
   }
-  merger_forward(w.merger, merger_, vx_[v.depth], false);
-}
-
-void TrainableQwen3VL::merger_forward(const PatchMergerWeights& w, MergerActs& a, const Tensor& x,
-                                      bool post) {
-  const VisionConfig& v = cfg_.vision;
-  const int64_t Sm = S_ / v.merge_unit(), M = v.merged_dim();
-  // Post-shuffle (DeepStack) normalises the concatenated 2x2 window; pre-shuffle (the main
-  // merger) normalises each patch and concatenates afterwards. Both are the same memory.
-  const Tensor ln = a.ln.slice(0, Sm);
-  if (post) {
-    be_.layer_norm_train(ln, a.mean.slice(0, Sm), a.rstd.slice(0, Sm), x.slice(0, S_).view({Sm, M}),
-                         w.norm_w, w.norm_b, v.layer_norm_eps);
-  } else {
-    be_.layer_norm_train(ln.view({S_, v.hidden_size}), a.mean.slice(0, S_), a.rstd.slice(0, S_),
-                         x.slice(0, S_), w.norm_w, w.norm_b, v.layer_norm_eps);
-  }
-  be_.linear(a.fc1.slice(0, Sm), ln, w.fc1_w, w.fc1_b, false);
-  be_.gelu_erf(a.act.slice(0, Sm), a.fc1.slice(0, Sm));
-  be_.linear(a.out.slice(0, Sm), a.act.slice(0, Sm), w.fc2_w, w.fc2_b, false);
-}
-
-void TrainableQwen3VL::merger_backward(const PatchMergerWeights& w, PatchMergerWeights* g,
-                                       const MergerActs& a, const Tensor& x, const Tensor& dout,
-                                       const Tensor& dx, bool post) {
-  if (!g && !dx.defined()) return;
-  const VisionConfig& v = cfg_.vision;
-  const int64_t Sm = S_ / v.merge_unit(), M = v.merged_dim();
-  const Tensor da = m_da_.slice(0, Sm), dln = m_dln_.slice(0, Sm), dy = dout.slice(0, Sm);
-  // Overwrites da; accumulates fc2's weight and bias gradients.
-  be_.linear_backward_input(da, dy, w.fc2_w, false);
-  if (g) be_.linear_backward_weight(g->fc2_w, g->fc2_b, dy, a.act.slice(0, Sm));
-  be_.gelu_erf_backward(da, da, a.fc1.slice(0, Sm));
-  // Overwrites dln; accumulates fc1's gradients.
-  be_.linear_backward_input(dln, da, w.fc1_w, false);
-  if (g) be_.linear_backward_weight(g->fc1_w, g->fc1_b, da, a.ln.slice(0, Sm));
-  // Accumulates into dx (the residual gradient) and the norm's gradients.
-  const Tensor dnw = g ? g->norm_w : Tensor(), dnb = g ? g->norm_b : Tensor();
-  if (post) {
-    be_.layer_norm_backward(dx.defined() ? dx.slice(0, S_).view({Sm, M}) : Tensor(), dnw, dnb, dln,
-                            x.slice(0, S_).view({Sm, M}), a.mean.slice(0, Sm), a.rstd.slice(0, Sm),
-                            w.norm_w);
-  } else {
-    be_.layer_norm_backward(dx.defined() ? dx.slice(0, S_) : Tensor(), dnw, dnb,
-                            dln.view({S_, v.hidden_size}), x.slice(0, S_), a.mean.slice(0, S_),
-                            a.rstd.slice(0, S_), w.norm_w);
-  }
+  merger_forward(be_, v, w.merger, merger_, vx_[v.depth], S, false);
 }
 
 void TrainableQwen3VL::vision_backward() {
@@ -439,65 +406,37 @@ void TrainableQwen3VL::vision_backward() {
   const VisionWeights& w = params_.vision;
   VisionWeights& g = grads_->vision;
   const int64_t S = S_;
-  const int nh = v.num_heads, hd = v.head_dim();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const bool tower = !frozen_.vision_tower;
   const auto& taps = v.deepstack_visual_indexes;
-  const Tensor cos = v_cos_.slice(0, S), sin = v_sin_.slice(0, S);
+  const VisionSegments seg = vision_segments();
+  const VisionGradScratch scratch = vision_grad_scratch();
   auto merger_grads = [&](PatchMergerWeights& m) { return frozen_.merger ? nullptr : &m; };
 
-  const Tensor dres = tower ? v_dres_.slice(0, S) : Tensor();
+  const Tensor dres = tower ? scratch.dres : Tensor();
   if (tower) be_.fill_zero(dres);
-  merger_backward(w.merger, merger_grads(g.merger), merger_, vx_[v.depth], d_embeds_, dres, false);
+  merger_backward(be_, v, w.merger, merger_grads(g.merger), merger_, vx_[v.depth], S, false,
+                  d_embeds_, dres, scratch);
   if (!tower) {
     for (size_t k = 0; k < taps.size(); ++k)
-      merger_backward(w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      vx_[taps[k] + 1], d_ds_[k], Tensor(), true);
+      merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
+                      vx_[taps[k] + 1], S, true, d_ds_[k], Tensor(), scratch);
     return;
   }
-  const Tensor dres_c = v_dres_c_.slice(0, S);
-  const Tensor dtmp = v_dtmp_.slice(0, S), dfc = v_dfc_.slice(0, S), dattn = v_dattn_.slice(0, S),
-               dqkv = v_dqkv_.slice(0, S);
   for (int l = v.depth - 1; l >= 0; --l) {
     // dres holds d(output of block l); DeepStack taps read that output too.
     const auto tap = std::find(taps.begin(), taps.end(), l);
     if (tap != taps.end()) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
-      merger_backward(w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      vx_[l + 1], d_ds_[k], dres, true);
+      merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
+                      vx_[l + 1], S, true, d_ds_[k], dres, scratch);
     }
-    const VisionBlockWeights& bw = w.blocks[l];
-    VisionBlockWeights& bg = g.blocks[l];
-    const VisionBlockActs& a = vb_[l];
-    Tensor dy = residual_grad_for_gemm(dres, dres_c);
-    // MLP: overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
-    be_.linear_backward_input(dfc, dy, bw.fc2_w, false);
-    be_.linear_backward_weight(bg.fc2_w, bg.fc2_b, dy, a.act.slice(0, S));
-    be_.gelu_tanh_backward(dfc, dfc, a.fc1.slice(0, S));
-    be_.linear_backward_input(dtmp, dfc, bw.fc1_w, false);
-    be_.linear_backward_weight(bg.fc1_w, bg.fc1_b, dfc, a.ln2.slice(0, S));
-    be_.layer_norm_backward(dres, bg.norm2_w, bg.norm2_b, dtmp, a.x_mid.slice(0, S),
-                            a.mean2.slice(0, S), a.rstd2.slice(0, S), bw.norm2_w);
-    // Attention: overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and
-    // dres.
-    dy = residual_grad_for_gemm(dres, dres_c);
-    be_.linear_backward_input(dattn, dy, bw.proj_w, false);
-    be_.linear_backward_weight(bg.proj_w, bg.proj_b, dy, a.attn.slice(0, S));
-    be_.attention_backward(dqkv, v_dsum_.slice(0, S), dattn, a.attn.slice(0, S), a.lse.slice(0, S),
-                           a.qkv.slice(0, S), v_cu_, n_segments_, nh, nh, hd, scale, false,
-                           Tensor());
-    be_.qkv_norm_rope_backward(dqkv, Tensor(), Tensor(), dqkv, Tensor(), Tensor(), Tensor(),
-                               Tensor(), cos, sin, nh, nh, hd, false);
-    be_.linear_backward_input(dtmp, dqkv, bw.qkv_w, false);
-    be_.linear_backward_weight(bg.qkv_w, bg.qkv_b, dqkv, a.ln1.slice(0, S));
-    be_.layer_norm_backward(dres, bg.norm1_w, bg.norm1_b, dtmp, vx_[l].slice(0, S),
-                            a.mean1.slice(0, S), a.rstd1.slice(0, S), bw.norm1_w);
+    vision_block_backward(be_, v, w.blocks[l], g.blocks[l], vision_block(l), seg, scratch);
   }
   // Embeddings: accumulate the position table's and the patch projection's gradients.
   be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
                                      pos_weight_.slice(0, S));
-  be_.linear_backward_weight(g.patch_w, g.patch_b, residual_grad_for_gemm(dres, dres_c),
-                             pixels_.slice(0, S));
+  be_.linear_backward_weight(
+      g.patch_w, g.patch_b, residual_grad_for_gemm(be_, dres, scratch.dres_c), pixels_.slice(0, S));
 }
 
 // ---- Text --------------------------------------------------------------------------------------
@@ -592,7 +531,7 @@ void TrainableQwen3VL::text_backward() {
     const TextLayerActs& a = tl_[l];
     // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and
     // dres.
-    Tensor dy = residual_grad_for_gemm(dres, dres_c);
+    Tensor dy = residual_grad_for_gemm(be_, dres, dres_c);
     be_.linear_backward_input(dact, dy, lw.down_w, false);
     if (lm) be_.linear_backward_weight(lg.down_w, Tensor(), dy, a.act.slice(0, L));
     be_.swiglu_backward(dgu, dact, a.gate_up.slice(0, L));
@@ -602,7 +541,7 @@ void TrainableQwen3VL::text_backward() {
                           a.rstd2.slice(0, L), lw.post_norm_w);
     // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
     // gradients and dres.
-    dy = residual_grad_for_gemm(dres, dres_c);
+    dy = residual_grad_for_gemm(be_, dres, dres_c);
     be_.linear_backward_input(dattn, dy, lw.o_w, false);
     if (lm) be_.linear_backward_weight(lg.o_w, Tensor(), dy, a.attn.slice(0, L));
     be_.attention_backward(dqkv, t_dsum_.slice(0, L), dattn, a.attn.slice(0, L), a.lse.slice(0, L),

@@ -104,12 +104,6 @@ class TrainableQwen3VL {
   size_t arena_bytes() const { return arena_.capacity(); }
 
  private:
-  struct VisionBlockActs {
-    Tensor ln1, mean1, rstd1, qkv, lse, attn, x_mid, ln2, mean2, rstd2, fc1, act;
-  };
-  struct MergerActs {
-    Tensor ln, mean, rstd, fc1, act, out;
-  };
   struct TextLayerActs {
     Tensor rms1, rstd1, qkv_lin, qk_rstd, qkv, attn, lse, x_mid, rms2, rstd2, gate_up, act;
   };
@@ -118,17 +112,14 @@ class TrainableQwen3VL {
   LossStats run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale);
   void prepare(const std::vector<const TrainSample*>& batch);
   void vision_forward();
-  void merger_forward(const PatchMergerWeights& w, MergerActs& a, const Tensor& x, bool post);
+  // Block l's saved activations over the current micro-batch's rows.
+  VisionBlockBuffers vision_block(int l) const;
+  VisionSegments vision_segments() const;
   void text_forward();
   void loss(bool backward);
   void text_backward();
   void vision_backward();
-  // d(out) -> merger weight grads (g null: frozen) and, when dx is defined, dx += d(input).
-  void merger_backward(const PatchMergerWeights& w, PatchMergerWeights* g, const MergerActs& a,
-                       const Tensor& x, const Tensor& dout, const Tensor& dx, bool post);
-  // The compute-dtype copy of the f32 residual gradient that the GEMMs read (the gradient itself
-  // where the compute dtype is f32).
-  Tensor residual_grad_for_gemm(const Tensor& dres, const Tensor& copy);
+  VisionGradScratch vision_grad_scratch() const;
 
   Backend& be_;
   ModelConfig cfg_;
@@ -154,9 +145,9 @@ class TrainableQwen3VL {
   Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_;
   // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
-  std::vector<VisionBlockActs> vb_;
-  MergerActs merger_;
-  std::vector<MergerActs> ds_;
+  std::vector<VisionBlockBuffers> vb_;  // at the planned row count
+  MergerBuffers merger_;
+  std::vector<MergerBuffers> ds_;
   // Text activations: tx_[l] is the input of layer l (after the previous DeepStack add),
   // tx_[n_layers] the input of the final norm.
   std::vector<Tensor> tx_;

@@ -30,6 +30,129 @@ int64_t count_patches(const std::vector<GridTHW>& grids) {
   return n;
 }
 
+Tensor residual_grad_for_gemm(Backend& be, const Tensor& dres, const Tensor& copy) {
+  if (copy.data == dres.data) return dres;
+  be.convert(copy, dres);
+  return copy;
+}
+
+void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                          const VisionBlockBuffers& b, const VisionSegments& seg) {
+  const int nh = cfg.num_heads, hd = cfg.head_dim();
+  const float eps = cfg.layer_norm_eps;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  if (b.saves()) {
+    be.layer_norm_train(b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b, eps);
+  } else {
+    be.layer_norm(b.ln1, b.x_in, w.norm1_w, w.norm1_b, eps);
+  }
+  be.linear(b.qkv, b.ln1, w.qkv_w, w.qkv_b, false);
+  // No q/k norm in the tower: the rotation runs in place, and its backward needs only the tables.
+  be.qkv_norm_rope(b.qkv, Tensor(), Tensor(), 0.0f, seg.cos, seg.sin, nh, nh, hd, false);
+  if (b.saves()) {
+    be.attention_train(b.attn, b.lse, b.qkv, seg.cu_seqlens, seg.n_segments, nh, nh, hd, scale,
+                       false, seg.real_rows);
+  } else {
+    be.attention_segments(b.attn, b.qkv, seg.cu_seqlens, seg.n_segments, nh, hd, scale,
+                          seg.real_rows);
+  }
+  if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
+  be.linear(b.x_mid, b.attn, w.proj_w, w.proj_b, true);
+  if (b.saves()) {
+    be.layer_norm_train(b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b, eps);
+  } else {
+    be.layer_norm(b.ln2, b.x_mid, w.norm2_w, w.norm2_b, eps);
+  }
+  if (b.fc1.data == b.act.data) {
+    // gelu_pytorch_tanh fused into fc1 (the GEMM epilogue on CUDA).
+    be.linear_gelu_tanh(b.act, b.ln2, w.fc1_w, w.fc1_b);
+  } else {
+    be.linear(b.fc1, b.ln2, w.fc1_w, w.fc1_b, false);
+    be.gelu_tanh(b.act, b.fc1);
+  }
+  if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
+  be.linear(b.x_out, b.act, w.fc2_w, w.fc2_b, true);
+}
+
+void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
+                    const MergerBuffers& b, const Tensor& x, int64_t rows, bool post_shuffle,
+                    bool gemms_beside) {
+  const int64_t Sm = rows / cfg.merge_unit(), M = cfg.merged_dim(), D = cfg.hidden_size;
+  const float eps = cfg.layer_norm_eps;
+  // Post-shuffle (DeepStack) normalises the concatenated 2x2 window; pre-shuffle (the main
+  // merger) normalises each patch and concatenates afterwards. Both are the same memory.
+  const Tensor xin = post_shuffle ? x.slice(0, rows).view({Sm, M}) : x.slice(0, rows);
+  const Tensor ln = post_shuffle ? b.ln.slice(0, Sm) : b.ln.slice(0, Sm).view({rows, D});
+  const int64_t norm_rows = post_shuffle ? Sm : rows;
+  be.join_side_work();  // the mergers share their buffers
+  if (b.saves()) {
+    be.layer_norm_train(ln, b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), xin, w.norm_w,
+                        w.norm_b, eps);
+  } else {
+    be.layer_norm(ln, xin, w.norm_w, w.norm_b, eps);
+  }
+  // A DeepStack merger's output feeds only the decoder, so once its norm has read x (which the
+  // next layer updates in place) its two GEMMs may run beside the remaining layers. At one small
+  // image they are weight-streaming GEMMs beside latency-bound layers.
+  const SideWorkScope side(be, gemms_beside);
+  be.linear(b.fc1.slice(0, Sm), b.ln.slice(0, Sm), w.fc1_w, w.fc1_b, false);
+  be.gelu_erf(b.act.slice(0, Sm), b.fc1.slice(0, Sm));
+  be.linear(b.out.slice(0, Sm), b.act.slice(0, Sm), w.fc2_w, w.fc2_b, false);
+}
+
+void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
+                     PatchMergerWeights* g, const MergerBuffers& b, const Tensor& x, int64_t rows,
+                     bool post_shuffle, const Tensor& dout, const Tensor& dx,
+                     const VisionGradScratch& s) {
+  if (!g && !dx.defined()) return;
+  const int64_t Sm = rows / cfg.merge_unit(), M = cfg.merged_dim(), D = cfg.hidden_size;
+  const Tensor da = s.m_da.slice(0, Sm), dln = s.m_dln.slice(0, Sm), dy = dout.slice(0, Sm);
+  // Overwrites da; accumulates fc2's weight and bias gradients.
+  be.linear_backward_input(da, dy, w.fc2_w, false);
+  if (g) be.linear_backward_weight(g->fc2_w, g->fc2_b, dy, b.act.slice(0, Sm));
+  be.gelu_erf_backward(da, da, b.fc1.slice(0, Sm));
+  // Overwrites dln; accumulates fc1's gradients.
+  be.linear_backward_input(dln, da, w.fc1_w, false);
+  if (g) be.linear_backward_weight(g->fc1_w, g->fc1_b, da, b.ln.slice(0, Sm));
+  // Accumulates into dx (the residual gradient) and the norm's gradients.
+  const Tensor dnw = g ? g->norm_w : Tensor(), dnb = g ? g->norm_b : Tensor();
+  const int64_t norm_rows = post_shuffle ? Sm : rows;
+  const auto as_norm = [&](const Tensor& t) {
+    return post_shuffle ? t.slice(0, rows).view({Sm, M}) : t.slice(0, rows).view({rows, D});
+  };
+  be.layer_norm_backward(dx.defined() ? as_norm(dx) : Tensor(), dnw, dnb,
+                         post_shuffle ? dln : dln.view({rows, D}), as_norm(x),
+                         b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), w.norm_w);
+}
+
+void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                           VisionBlockWeights& g, const VisionBlockBuffers& b,
+                           const VisionSegments& seg, const VisionGradScratch& s) {
+  const int nh = cfg.num_heads, hd = cfg.head_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // MLP: overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
+  Tensor dy = residual_grad_for_gemm(be, s.dres, s.dres_c);
+  be.linear_backward_input(s.dfc, dy, w.fc2_w, false);
+  be.linear_backward_weight(g.fc2_w, g.fc2_b, dy, b.act);
+  be.gelu_tanh_backward(s.dfc, s.dfc, b.fc1);
+  be.linear_backward_input(s.dtmp, s.dfc, w.fc1_w, false);
+  be.linear_backward_weight(g.fc1_w, g.fc1_b, s.dfc, b.ln2);
+  be.layer_norm_backward(s.dres, g.norm2_w, g.norm2_b, s.dtmp, b.x_mid, b.mean2, b.rstd2,
+                         w.norm2_w);
+  // Attention: overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and
+  // dres.
+  dy = residual_grad_for_gemm(be, s.dres, s.dres_c);
+  be.linear_backward_input(s.dattn, dy, w.proj_w, false);
+  be.linear_backward_weight(g.proj_w, g.proj_b, dy, b.attn);
+  be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, seg.cu_seqlens,
+                        seg.n_segments, nh, nh, hd, scale, false, seg.real_rows);
+  be.qkv_norm_rope_backward(s.dqkv, Tensor(), Tensor(), s.dqkv, Tensor(), Tensor(), Tensor(),
+                            Tensor(), seg.cos, seg.sin, nh, nh, hd, false);
+  be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
+  be.linear_backward_weight(g.qkv_w, g.qkv_b, s.dqkv, b.ln1);
+  be.layer_norm_backward(s.dres, g.norm1_w, g.norm1_b, s.dtmp, b.x_in, b.mean1, b.rstd1, w.norm1_w);
+}
+
 VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
                                 int64_t padded_rows, int segment_capacity) {
   const int m = cfg.spatial_merge_size;
@@ -191,24 +314,11 @@ void VisionEncoder::upload(const float* pixel_values, const VisionInputs& in) {
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
                                bool post_shuffle, const Tensor& out, bool beside_layers) {
-  const int64_t Sm = rows / cfg_.merge_unit(), M = cfg_.merged_dim();
-  const float eps = cfg_.layer_norm_eps;
-  Tensor normed = merged_norm_.slice(0, Sm);
-  backend_.join_side_work();  // the mergers share normed and hidden
-  if (post_shuffle) {
-    backend_.layer_norm(normed, x.slice(0, rows).view({Sm, M}), m.norm_w, m.norm_b, eps);
-  } else {
-    backend_.layer_norm(normed.view({rows, cfg_.hidden_size}), x.slice(0, rows), m.norm_w, m.norm_b,
-                        eps);
-  }
-  Tensor hidden = merger_hidden_.slice(0, Sm);
-  // A deepstack merger's output feeds only the decoder, so once its norm has read x (which the
-  // next layer updates in place) its two GEMMs run beside the remaining layers. At one small
-  // image they are weight-streaming GEMMs beside latency-bound layers.
-  const SideWorkScope side(backend_, beside_layers);
-  backend_.linear(hidden, normed, m.fc1_w, m.fc1_b, false);
-  backend_.gelu_erf(hidden, hidden);
-  backend_.linear(out.slice(0, Sm), hidden, m.fc2_w, m.fc2_b, false);
+  MergerBuffers b;
+  b.ln = merged_norm_;
+  b.fc1 = b.act = merger_hidden_;
+  b.out = out;
+  merger_forward(backend_, cfg_, m, b, x, rows, post_shuffle, beside_layers);
 }
 
 VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
@@ -226,22 +336,15 @@ void VisionEncoder::run_embed(int64_t S) {
 }
 
 void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_beside_layers) {
-  const int nh = cfg_.num_heads, hd = cfg_.head_dim();
-  const float eps = cfg_.layer_norm_eps;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  Tensor x = x_.slice(0, S), xn = xn_.slice(0, S), qkv = qkv_.slice(0, S);
-  Tensor attn = attn_.slice(0, S), mlp = mlp_.slice(0, S);
-  const VisionBlockWeights& b = w_.blocks[l];
-  backend_.layer_norm(xn, x, b.norm1_w, b.norm1_b, eps);
-  backend_.linear(qkv, xn, b.qkv_w, b.qkv_b, false);
-  backend_.qkv_norm_rope(qkv, Tensor(), Tensor(), 0.0f, cos_.slice(0, S), sin_.slice(0, S), nh, nh,
-                         hd, false);
-  backend_.attention_segments(attn, qkv, cu_seqlens_, n_segments, nh, hd, scale, real_rows_);
-  backend_.linear(x, attn, b.proj_w, b.proj_b, true);
-  backend_.layer_norm(xn, x, b.norm2_w, b.norm2_b, eps);
-  // gelu_pytorch_tanh fused into fc1 (the GEMM epilogue on CUDA).
-  backend_.linear_gelu_tanh(mlp, xn, b.fc1_w, b.fc1_b);
-  backend_.linear(x, mlp, b.fc2_w, b.fc2_b, true);
+  VisionBlockBuffers b;
+  b.x_in = b.x_mid = b.x_out = x_.slice(0, S);
+  b.ln1 = b.ln2 = xn_.slice(0, S);
+  b.qkv = qkv_.slice(0, S);
+  b.attn = attn_.slice(0, S);
+  b.fc1 = b.act = mlp_.slice(0, S);
+  const VisionSegments seg{cos_.slice(0, S), sin_.slice(0, S), cu_seqlens_, n_segments, real_rows_};
+  vision_block_forward(backend_, cfg_, w_.blocks[l], b, seg);
+  const Tensor x = b.x_out;
   const auto& taps = cfg_.deepstack_visual_indexes;
   const auto tap = std::find(taps.begin(), taps.end(), l);
   if (tap != taps.end()) {

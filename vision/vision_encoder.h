@@ -62,6 +62,56 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
 
 int64_t count_patches(const std::vector<GridTHW>& grids);
 
+// ---- One definition of the tower's pieces, for inference and training -------------------------
+// Inference passes its shared scratch: x_in, x_mid and x_out are one tensor (the residual updated
+// in place), ln1 and ln2 one, fc1 and act one (the GELU fused into fc1's GEMM), and no
+// statistics. Training passes a buffer for each and the mean/rstd/lse tensors: the forward then
+// saves what the backward reads.
+struct VisionBlockBuffers {
+  Tensor x_in, ln1, mean1, rstd1, qkv, lse, attn, x_mid, ln2, mean2, rstd2, fc1, act, x_out;
+  bool saves() const { return lse.defined(); }
+};
+struct VisionSegments {
+  Tensor cos, sin;  // f32 [rows, head_dim] 2D RoPE tables
+  Tensor cu_seqlens;
+  int n_segments = 0;
+  Tensor real_rows;  // optional i32 [1]: segments starting at or past it are padding
+};
+void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                          const VisionBlockBuffers& b, const VisionSegments& seg);
+
+// A merger over `rows` patch rows of x: the main one normalises each patch before the 2x2
+// windows are concatenated (post_shuffle false), a DeepStack one the concatenated window. The
+// same sharing rules as VisionBlockBuffers (inference: fc1 and act one tensor, no statistics).
+struct MergerBuffers {
+  Tensor ln, mean, rstd, fc1, act, out;
+  bool saves() const { return mean.defined(); }
+};
+// gemms_beside: the two GEMMs run as side work (Backend::begin_side_work), joined by the next
+// merger's start (inference overlaps DeepStack mergers with the layers after their tap).
+void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
+                    const MergerBuffers& b, const Tensor& x, int64_t rows, bool post_shuffle,
+                    bool gemms_beside = false);
+
+// Backward scratch of the tower: dres/dtmp f32, the rest in the compute dtype; dres_c is the
+// compute-dtype copy of dres the GEMMs read (dres itself where the compute dtype is f32).
+struct VisionGradScratch {
+  Tensor dres, dres_c, dtmp, dfc, dattn, dqkv, dsum, m_da, m_dln;
+};
+// dres holds d(x_out) and becomes d(x_in); g receives the block's weight gradients (+=).
+void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                           VisionBlockWeights& g, const VisionBlockBuffers& b,
+                           const VisionSegments& seg, const VisionGradScratch& s);
+// d(out) -> the merger's weight gradients (g null: frozen) and, when dx is defined,
+// dx (f32) += d(x).
+void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
+                     PatchMergerWeights* g, const MergerBuffers& b, const Tensor& x, int64_t rows,
+                     bool post_shuffle, const Tensor& dout, const Tensor& dx,
+                     const VisionGradScratch& s);
+// The compute-dtype copy of an f32 residual gradient that GEMMs read (dres itself when the
+// compute dtype is f32 and copy aliases it).
+Tensor residual_grad_for_gemm(Backend& be, const Tensor& dres, const Tensor& copy);
+
 class VisionEncoder {
  public:
   // Plans and allocates every activation for up to max_rows patch rows and max_segments
