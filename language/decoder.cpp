@@ -4,6 +4,73 @@
 
 namespace iris {
 
+void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                           const DecoderLayerBuffers& b, const DecoderAttention& at) {
+  const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+  const float eps = cfg.rms_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  if (b.saves()) {
+    be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
+    be.linear(b.qkv_lin, b.rms1, w.qkv_w, Tensor(), false);
+    be.qkv_norm_rope_train(b.qkv, b.qk_rstd, b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin,
+                           nq, nkv, hd, true);
+    be.attention_train(b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments, nq, nkv, hd, scale, true,
+                       Tensor());
+  } else {
+    // The norms are fused into the projections that read them (one kernel per decode step).
+    be.rms_norm_linear(b.qkv, b.rms1, b.x_in, w.input_norm_w, eps, w.qkv_w, Tensor());
+    be.qkv_norm_rope_kv_store(b.qkv, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin, nq, nkv, hd, true,
+                              at.k_cache, at.v_cache, at.past_len);
+    be.attention_causal(b.attn, b.qkv, at.k_cache, at.v_cache, at.past_len, nq, nkv, hd, scale);
+  }
+  if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
+  be.linear(b.x_mid, b.attn, w.o_w, Tensor(), true);
+  if (b.saves()) {
+    be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
+    be.linear(b.gate_up, b.rms2, w.gate_up_w, Tensor(), false);
+    be.swiglu(b.act, b.gate_up);
+  } else {
+    be.rms_norm_linear(b.gate_up, b.rms2, b.x_mid, w.post_norm_w, eps, w.gate_up_w, b.act);
+  }
+  if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
+  be.linear(b.x_out, b.act, w.down_w, Tensor(), true);
+}
+
+void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                            DecoderLayerWeights* g, const DecoderLayerBuffers& b,
+                            const DecoderAttention& at, const DecoderGradScratch& s) {
+  const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
+  const auto dres_for_gemm = [&]() {
+    if (s.dres_c.data == s.dres.data) return s.dres;
+    be.convert(s.dres_c, s.dres);
+    return s.dres_c;
+  };
+  // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
+  Tensor dy = dres_for_gemm();
+  be.linear_backward_input(s.dact, dy, w.down_w, false);
+  if (g) be.linear_backward_weight(g->down_w, Tensor(), dy, b.act);
+  be.swiglu_backward(s.dgu, s.dact, b.gate_up);
+  be.linear_backward_input(s.dtmp, s.dgu, w.gate_up_w, false);
+  if (g) be.linear_backward_weight(g->gate_up_w, Tensor(), s.dgu, b.rms2);
+  be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::post_norm_w), s.dtmp, b.x_mid, b.rstd2,
+                       w.post_norm_w);
+  // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
+  // gradients and dres.
+  dy = dres_for_gemm();
+  be.linear_backward_input(s.dattn, dy, w.o_w, false);
+  if (g) be.linear_backward_weight(g->o_w, Tensor(), dy, b.attn);
+  be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments,
+                        nq, nkv, hd, scale, true, Tensor());
+  be.qkv_norm_rope_backward(s.dqkv, grad(&DecoderLayerWeights::q_norm_w),
+                            grad(&DecoderLayerWeights::k_norm_w), s.dqkv, b.qkv_lin, b.qk_rstd,
+                            w.q_norm_w, w.k_norm_w, at.cos, at.sin, nq, nkv, hd, true);
+  be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
+  if (g) be.linear_backward_weight(g->qkv_w, Tensor(), s.dqkv, b.rms1);
+  be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::input_norm_w), s.dtmp, b.x_in, b.rstd1,
+                       w.input_norm_w);
+}
+
 TextDecoder::TextDecoder(Backend& backend, const TextConfig& cfg, const DecoderWeights& weights,
                          const DecoderLimits& limits)
     : backend_(backend), cfg_(cfg), w_(weights), limits_(limits) {
@@ -60,21 +127,20 @@ void TextDecoder::embed(int64_t T) {
 }
 
 void TextDecoder::layer(int l, int64_t T) {
-  const DecoderLayerWeights& w = w_.layers[l];
-  const int nq = cfg_.num_attention_heads, nkv = cfg_.num_key_value_heads, hd = cfg_.head_dim;
-  const float eps = cfg_.rms_norm_eps;
-  Tensor x = x_.slice(0, T), xn = xn_.slice(0, T), qkv = qkv_.slice(0, T);
-  // The norms are fused into the projections that read them (one kernel per decode step).
-  backend_.rms_norm_linear(qkv, xn, x, w.input_norm_w, eps, w.qkv_w, Tensor());
-  backend_.qkv_norm_rope_kv_store(qkv, w.q_norm_w, w.k_norm_w, eps, cos_.slice(0, T),
-                                  sin_.slice(0, T), nq, nkv, hd, true, k_cache_[l], v_cache_[l],
-                                  past_len_);
-  backend_.attention_causal(attn_.slice(0, T), qkv, k_cache_[l], v_cache_[l], past_len_, nq, nkv,
-                            hd, 1.0f / std::sqrt(static_cast<float>(hd)));
-  backend_.linear(x, attn_.slice(0, T), w.o_w, Tensor(), true);
-  backend_.rms_norm_linear(gate_up_.slice(0, T), xn, x, w.post_norm_w, eps, w.gate_up_w,
-                           mlp_.slice(0, T));
-  backend_.linear(x, mlp_.slice(0, T), w.down_w, Tensor(), true);
+  DecoderLayerBuffers b;
+  b.x_in = b.x_mid = b.x_out = x_.slice(0, T);
+  b.rms1 = b.rms2 = xn_.slice(0, T);
+  b.qkv_lin = b.qkv = qkv_.slice(0, T);
+  b.attn = attn_.slice(0, T);
+  b.gate_up = gate_up_.slice(0, T);
+  b.act = mlp_.slice(0, T);
+  DecoderAttention at;
+  at.cos = cos_.slice(0, T);
+  at.sin = sin_.slice(0, T);
+  at.k_cache = k_cache_[l];
+  at.v_cache = v_cache_[l];
+  at.past_len = past_len_;
+  decoder_layer_forward(backend_, cfg_, w_.layers[l], b, at);
 }
 
 void TextDecoder::final_norm(int64_t T) {

@@ -36,6 +36,38 @@ struct DecoderLimits {
   int64_t max_logit_rows = 1;      // rows of logits computed in one call
 };
 
+// ---- One definition of a decoder layer, for inference and training ---------------------------
+// Inference passes its shared scratch: x_in, x_mid and x_out are one tensor (the residual updated
+// in place), rms1 and rms2 one, qkv_lin and qkv one (q/k norm and RoPE in place, the k/v rows
+// stored into the cache), and no statistics; the norms are fused into the projections that read
+// them. Training passes a buffer for each and the rstd/lse tensors: the forward then saves what
+// decoder_layer_backward reads.
+struct DecoderLayerBuffers {
+  Tensor x_in, rms1, rstd1, qkv_lin, qk_rstd, qkv, lse, attn, x_mid, rms2, rstd2, gate_up, act,
+      x_out;
+  bool saves() const { return lse.defined(); }
+};
+// Where a layer's attention looks. Training: causal segments of one packed sequence
+// (cu_seqlens). Inference: the KV cache, with the step's rows at past_len[0].
+struct DecoderAttention {
+  Tensor cos, sin;  // f32 [T, head_dim] M-RoPE tables
+  Tensor cu_seqlens;
+  int n_segments = 0;
+  Tensor k_cache, v_cache, past_len;
+};
+void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                           const DecoderLayerBuffers& b, const DecoderAttention& at);
+// Backward scratch: dres and dtmp f32, the rest in the compute dtype; dres_c is the
+// compute-dtype copy of dres that the GEMMs read (dres itself where the compute dtype is f32).
+struct DecoderGradScratch {
+  Tensor dres, dres_c, dtmp, dact, dgu, dattn, dqkv, dsum;
+};
+// dres holds d(x_out) and becomes d(x_in); g (null: frozen) receives the layer's weight
+// gradients (+=).
+void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                            DecoderLayerWeights* g, const DecoderLayerBuffers& b,
+                            const DecoderAttention& at, const DecoderGradScratch& s);
+
 class TextDecoder {
  public:
   TextDecoder(Backend& backend, const TextConfig& cfg, const DecoderWeights& weights,

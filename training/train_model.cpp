@@ -143,7 +143,10 @@ void TrainableQwen3VL::allocate(Arena& a) {
   for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {L, H}));
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
-  for (auto& x : tl_) {
+  for (size_t l = 0; l < tl_.size(); ++l) {
+    DecoderLayerBuffers& x = tl_[l];
+    x.x_in = tx_[l];
+    x.x_out = tx_[l + 1];
     x.rms1 = a.alloc(A, {L, H});
     x.rstd1 = a.alloc(F, {L});
     x.qkv_lin = a.alloc(A, {L, t.qkv_width()});
@@ -441,39 +444,54 @@ void TrainableQwen3VL::vision_backward() {
 
 // ---- Text --------------------------------------------------------------------------------------
 
+DecoderLayerBuffers TrainableQwen3VL::text_layer(int l) const {
+  const int64_t L = L_;
+  const DecoderLayerBuffers& p = tl_[static_cast<size_t>(l)];
+  DecoderLayerBuffers b;
+  for (auto [dst, src] : {std::pair{&b.x_in, &p.x_in},
+                          {&b.rms1, &p.rms1},
+                          {&b.rstd1, &p.rstd1},
+                          {&b.qkv_lin, &p.qkv_lin},
+                          {&b.qk_rstd, &p.qk_rstd},
+                          {&b.qkv, &p.qkv},
+                          {&b.lse, &p.lse},
+                          {&b.attn, &p.attn},
+                          {&b.x_mid, &p.x_mid},
+                          {&b.rms2, &p.rms2},
+                          {&b.rstd2, &p.rstd2},
+                          {&b.gate_up, &p.gate_up},
+                          {&b.act, &p.act},
+                          {&b.x_out, &p.x_out}})
+    *dst = src->slice(0, L);
+  return b;
+}
+
+DecoderAttention TrainableQwen3VL::text_attention() const {
+  DecoderAttention at;
+  at.cos = cos_.slice(0, L_);
+  at.sin = sin_.slice(0, L_);
+  at.cu_seqlens = text_cu_;
+  at.n_segments = n_text_segments_;
+  return at;
+}
+
 void TrainableQwen3VL::text_forward() {
   const TextConfig& t = cfg_.text;
   const DecoderWeights& w = params_.text;
   const int64_t L = L_;
-  const int nq = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
-  const float eps = t.rms_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const Tensor cos = cos_.slice(0, L), sin = sin_.slice(0, L), pads = pad_rows_.slice(0, n_pad_);
+  const Tensor pads = pad_rows_.slice(0, n_pad_);
+  const DecoderAttention at = text_attention();
 
   be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
   if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, L), merger_.out.slice(0, n_pad_), pads, false);
   for (int l = 0; l < t.num_hidden_layers; ++l) {
-    const DecoderLayerWeights& lw = w.layers[l];
-    TextLayerActs& a = tl_[l];
-    const Tensor x = tx_[l].slice(0, L), x_mid = a.x_mid.slice(0, L), attn = a.attn.slice(0, L);
-    be_.rms_norm_train(a.rms1.slice(0, L), a.rstd1.slice(0, L), x, lw.input_norm_w, eps);
-    be_.linear(a.qkv_lin.slice(0, L), a.rms1.slice(0, L), lw.qkv_w, Tensor(), false);
-    be_.qkv_norm_rope_train(a.qkv.slice(0, L), a.qk_rstd.slice(0, L), a.qkv_lin.slice(0, L),
-                            lw.q_norm_w, lw.k_norm_w, eps, cos, sin, nq, nkv, hd, true);
-    be_.attention_train(attn, a.lse.slice(0, L), a.qkv.slice(0, L), text_cu_, n_text_segments_, nq,
-                        nkv, hd, scale, true, Tensor());
-    be_.copy(x_mid, x);
-    be_.linear(x_mid, attn, lw.o_w, Tensor(), true);
-    be_.rms_norm_train(a.rms2.slice(0, L), a.rstd2.slice(0, L), x_mid, lw.post_norm_w, eps);
-    be_.linear(a.gate_up.slice(0, L), a.rms2.slice(0, L), lw.gate_up_w, Tensor(), false);
-    be_.swiglu(a.act.slice(0, L), a.gate_up.slice(0, L));
-    const Tensor y = tx_[l + 1].slice(0, L);
-    be_.copy(y, x_mid);
-    be_.linear(y, a.act.slice(0, L), lw.down_w, Tensor(), true);
+    decoder_layer_forward(be_, t, w.layers[l], text_layer(l), at);
+    // DeepStack: the tapped vision features join the image-pad rows after the first layers.
     if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-      be_.scatter_rows(y, ds_[l].out.slice(0, n_pad_), pads, true);
+      be_.scatter_rows(tx_[l + 1].slice(0, L), ds_[l].out.slice(0, n_pad_), pads, true);
   }
   be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
-                     tx_[t.num_hidden_layers].slice(0, L), w.norm_w, eps);
+                     tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
 }
 
 void TrainableQwen3VL::loss(bool backward) {
@@ -509,51 +527,29 @@ void TrainableQwen3VL::text_backward() {
   DecoderWeights& g = grads_->text;
   const bool lm = !frozen_.language_model;
   const int64_t L = L_;
-  const int nq = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const Tensor cos = cos_.slice(0, L), sin = sin_.slice(0, L), pads = pad_rows_.slice(0, n_pad_);
-
+  const Tensor pads = pad_rows_.slice(0, n_pad_);
   const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
-  const Tensor dtmp = t_dtmp_.slice(0, L), dact = t_dact_.slice(0, L), dgu = t_dgu_.slice(0, L),
-               dattn = t_dattn_.slice(0, L), dqkv = t_dqkv_.slice(0, L);
   const Tensor dloss = t_dloss_.slice(0, L);
   be_.fill_zero(dres);
   be_.fill_zero(dloss);
   be_.scatter_rows(dloss, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
   be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), dloss, tx_[t.num_hidden_layers].slice(0, L),
                         final_rstd_.slice(0, L), w.norm_w);
+  const DecoderAttention at = text_attention();
+  const DecoderGradScratch scratch{dres,
+                                   dres_c,
+                                   t_dtmp_.slice(0, L),
+                                   t_dact_.slice(0, L),
+                                   t_dgu_.slice(0, L),
+                                   t_dattn_.slice(0, L),
+                                   t_dqkv_.slice(0, L),
+                                   t_dsum_.slice(0, L)};
   for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
     // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after layer l).
     if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
       be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres, pads);
-    const DecoderLayerWeights& lw = w.layers[l];
-    DecoderLayerWeights& lg = g.layers[l];
-    const TextLayerActs& a = tl_[l];
-    // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and
-    // dres.
-    Tensor dy = residual_grad_for_gemm(be_, dres, dres_c);
-    be_.linear_backward_input(dact, dy, lw.down_w, false);
-    if (lm) be_.linear_backward_weight(lg.down_w, Tensor(), dy, a.act.slice(0, L));
-    be_.swiglu_backward(dgu, dact, a.gate_up.slice(0, L));
-    be_.linear_backward_input(dtmp, dgu, lw.gate_up_w, false);
-    if (lm) be_.linear_backward_weight(lg.gate_up_w, Tensor(), dgu, a.rms2.slice(0, L));
-    be_.rms_norm_backward(dres, g_or_none(lg.post_norm_w, lm), dtmp, a.x_mid.slice(0, L),
-                          a.rstd2.slice(0, L), lw.post_norm_w);
-    // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
-    // gradients and dres.
-    dy = residual_grad_for_gemm(be_, dres, dres_c);
-    be_.linear_backward_input(dattn, dy, lw.o_w, false);
-    if (lm) be_.linear_backward_weight(lg.o_w, Tensor(), dy, a.attn.slice(0, L));
-    be_.attention_backward(dqkv, t_dsum_.slice(0, L), dattn, a.attn.slice(0, L), a.lse.slice(0, L),
-                           a.qkv.slice(0, L), text_cu_, n_text_segments_, nq, nkv, hd, scale, true,
-                           Tensor());
-    be_.qkv_norm_rope_backward(dqkv, g_or_none(lg.q_norm_w, lm), g_or_none(lg.k_norm_w, lm), dqkv,
-                               a.qkv_lin.slice(0, L), a.qk_rstd.slice(0, L), lw.q_norm_w,
-                               lw.k_norm_w, cos, sin, nq, nkv, hd, true);
-    be_.linear_backward_input(dtmp, dqkv, lw.qkv_w, false);
-    if (lm) be_.linear_backward_weight(lg.qkv_w, Tensor(), dqkv, a.rms1.slice(0, L));
-    be_.rms_norm_backward(dres, g_or_none(lg.input_norm_w, lm), dtmp, tx_[l].slice(0, L),
-                          a.rstd1.slice(0, L), lw.input_norm_w);
+    decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, text_layer(l), at,
+                           scratch);
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.

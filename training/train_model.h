@@ -104,10 +104,6 @@ class TrainableQwen3VL {
   size_t arena_bytes() const { return arena_.capacity(); }
 
  private:
-  struct TextLayerActs {
-    Tensor rms1, rstd1, qkv_lin, qk_rstd, qkv, attn, lse, x_mid, rms2, rstd2, gate_up, act;
-  };
-
   void allocate(Arena& a);
   LossStats run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale);
   void prepare(const std::vector<const TrainSample*>& batch);
@@ -116,6 +112,9 @@ class TrainableQwen3VL {
   VisionBlockBuffers vision_block(int l) const;
   VisionSegments vision_segments() const;
   void text_forward();
+  // Layer l's saved activations over the current micro-batch's tokens.
+  DecoderLayerBuffers text_layer(int l) const;
+  DecoderAttention text_attention() const;
   void loss(bool backward);
   void text_backward();
   void vision_backward();
@@ -151,7 +150,7 @@ class TrainableQwen3VL {
   // Text activations: tx_[l] is the input of layer l (after the previous DeepStack add),
   // tx_[n_layers] the input of the final norm.
   std::vector<Tensor> tx_;
-  std::vector<TextLayerActs> tl_;
+  std::vector<DecoderLayerBuffers> tl_;  // at the planned token count
   Tensor final_, final_rstd_, xlab_, dxlab_, loss_workspace_;
   int64_t loss_chunk_ = 0;
   // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype
