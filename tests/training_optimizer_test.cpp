@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include "bridge/hf_weights.h"
-#include "test_util.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "test_util.h"
 #include "training/lr_schedule.h"
 #include "training/optimizer.h"
 #include "training/train_model.h"
