@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/fs.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
@@ -149,6 +150,15 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
     const Exit e = iris(args);
     EXPECT_EQ(e.code, 1) << e.output;
     EXPECT_NE(e.output.find(c.expect), std::string::npos) << e.output;
+  }
+  const Exit device = iris({"train", "--recipe", recipe, "--dry-run", "train.device=gpu"});
+  EXPECT_EQ(device.code, 1) << device.output;
+  EXPECT_NE(device.output.find("train.device"), std::string::npos) << device.output;
+  if (!cuda_available()) {
+    const Exit no_gpu = iris({"train", "--recipe", recipe, "train.device=cuda",
+                              "checkpoint.dir=" + (root_ / "run_cuda").string()});
+    EXPECT_EQ(no_gpu.code, 1) << no_gpu.output;
+    EXPECT_NE(no_gpu.output.find("set train.device=cpu"), std::string::npos) << no_gpu.output;
   }
   const Exit missing = iris({"train", "--recipe", (root_ / "nope.yaml").string()});
   EXPECT_EQ(missing.code, 1);

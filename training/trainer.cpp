@@ -213,6 +213,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Model. The host copy of the f32 weights is what checkpoints are written from; on the GPU the
   // master weights live on the device and are copied back before each save.
   const bool on_gpu = r.train.device == "cuda" || (r.train.device == "auto" && cuda_available());
+  IRIS_CHECK(!on_gpu || cuda_available(),
+             "train.device is cuda, but this machine has no usable GPU or this iris was built "
+             "without CUDA; set train.device=cpu (or auto, which picks the GPU when there is one)");
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::string config_text;
   ModelConfig cfg;
