@@ -85,5 +85,9 @@ if [ "${RUN_2B:-1}" = 1 ]; then
     'data.mock_image_sizes=[[896,896]]' data.mock_text_tokens=3072 train.freeze_vision_tower=false \
     train.freeze_language_model=false train.global_batch_size=${GLOBAL_2B:-4} train.train_iters=${ITERS_2B:-4} \
     checkpoint.dir=/tmp/run_2b 2>&1 | tee "$out/train_2b.log" | grep -vE '^\s*$' | tail -n 12
-  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  if [ "${RUN_PEER:-1}" = 1 ]; then
+    echo "== HF transformers training peer, same geometry and accumulation"
+    PYTHONUNBUFFERED=1 timeout 300 python3 bench/peers/hf_transformers_train.py \
+      --config recipes/configs/qwen3vl_2b.json --accumulation ${GLOBAL_2B:-4} --steps 2 2>&1 | tail -n 1
+  fi
 fi
