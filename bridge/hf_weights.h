@@ -21,6 +21,8 @@ struct WeightBinding {
   std::vector<int64_t> hf_shape;
   Tensor* target = nullptr;
   int64_t row_offset = 0;
+  // The HF tensor's rows of its target.
+  Tensor tensor() const { return target->slice(row_offset, row_offset + hf_shape[0]); }
 };
 
 struct ModelWeights {

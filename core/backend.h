@@ -297,6 +297,14 @@ class Backend {
                           const Tensor& grad_stats, float beta1, float beta2, float eps) = 0;
 };
 
+// The compute-dtype copy of an f32 tensor that GEMMs read: src converted into `copy`, or src itself
+// where the compute dtype is f32 and `copy` aliases it.
+inline Tensor in_compute_dtype(Backend& be, const Tensor& src, const Tensor& copy) {
+  if (copy.data == src.data) return src;
+  be.convert(copy, src);
+  return copy;
+}
+
 // Side work for a scope: begun on construction (when `active`), ended on destruction, also when
 // an op inside throws, so that a failed call does not leave later ops on the side stream.
 class SideWorkScope {

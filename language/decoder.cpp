@@ -41,13 +41,8 @@ void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLay
   const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
-  const auto dres_for_gemm = [&]() {
-    if (s.dres_c.data == s.dres.data) return s.dres;
-    be.convert(s.dres_c, s.dres);
-    return s.dres_c;
-  };
   // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
-  Tensor dy = dres_for_gemm();
+  Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dact, dy, w.down_w, false);
   if (g) be.linear_backward_weight(g->down_w, Tensor(), dy, b.act);
   be.swiglu_backward(s.dgu, s.dact, b.gate_up);
@@ -57,7 +52,7 @@ void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLay
                        w.post_norm_w);
   // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
   // gradients and dres.
-  dy = dres_for_gemm();
+  dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dattn, dy, w.o_w, false);
   if (g) be.linear_backward_weight(g->o_w, Tensor(), dy, b.attn);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments,

@@ -10,11 +10,6 @@
 namespace iris {
 namespace {
 
-// The memory of binding b: rows [row_offset, row_offset + hf_shape[0]) of its target.
-Tensor bound(const WeightBinding& b) {
-  return b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-}
-
 std::string shape_text(const std::vector<int64_t>& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -31,8 +26,9 @@ void check_same_bindings(const ModelWeights& a, const ModelWeights& b, const cha
                "AdamW: ", what, " tensor ", i, " is '", b.bindings[i].hf_name, "' ",
                shape_text(b.bindings[i].hf_shape), ", the parameter is '", a.bindings[i].hf_name,
                "' ", shape_text(a.bindings[i].hf_shape));
-    IRIS_CHECK(bound(a.bindings[i]).dtype == DType::f32 && bound(b.bindings[i]).dtype == DType::f32,
-               "AdamW: '", a.bindings[i].hf_name, "' must be f32 (master weights)");
+    IRIS_CHECK(
+        a.bindings[i].tensor().dtype == DType::f32 && b.bindings[i].tensor().dtype == DType::f32,
+        "AdamW: '", a.bindings[i].hf_name, "' must be f32 (master weights)");
   }
 }
 
@@ -42,7 +38,7 @@ double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen) {
   double ss = 0.0;
   for (const WeightBinding& b : grads.bindings) {
     if (frozen.frozen(b.hf_name)) continue;
-    const Tensor g = bound(b);
+    const Tensor g = b.tensor();
     IRIS_CHECK(g.device == Device::cpu, "grad_norm reads CPU gradients");
     const float* p = g.as<float>();
     for (int64_t i = 0, n = g.numel(); i < n; ++i) ss += double(p[i]) * double(p[i]);
@@ -81,9 +77,9 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   const size_t n = master.bindings.size();
   // The flat buffers are walked with the master's offsets: every f32 copy must share its layout.
   for (size_t i = 0; i < n; ++i) {
-    const int64_t off = offset_in(master, bound(master.bindings[i]));
-    IRIS_CHECK(offset_in(grads, bound(grads.bindings[i])) == off &&
-                   offset_in(*m_, bound(m_->bindings[i])) == off,
+    const int64_t off = offset_in(master, master.bindings[i].tensor());
+    IRIS_CHECK(offset_in(grads, grads.bindings[i].tensor()) == off &&
+                   offset_in(*m_, m_->bindings[i].tensor()) == off,
                "AdamW: the gradients of '", master.bindings[i].hf_name,
                "' are laid out unlike the master weights; allocate both with allocate_weights");
   }
@@ -115,10 +111,10 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   plan(tables_);
   std::vector<int64_t> spans(static_cast<size_t>(3 * n));
   for (size_t i = 0; i < n; ++i) {
-    const Tensor t = bound(master.bindings[i]);
+    const Tensor t = master.bindings[i].tensor();
     spans[3 * i] = offset_in(master, t);
     spans[3 * i + 1] = t.numel();
-    spans[3 * i + 2] = working ? offset_in(*working, bound(working->bindings[i])) : 0;
+    spans[3 * i + 2] = working ? offset_in(*working, working->bindings[i].tensor()) : 0;
   }
   be_.write(spans_, spans.data(), DType::i64);
   const std::vector<int64_t> zeros(n, 0);
@@ -179,7 +175,7 @@ void AdamW::save(const std::string& path) const {
   items.reserve(3 * n);
   for (size_t i = 0; i < n; ++i) {
     const WeightBinding& b = master_.bindings[i];
-    const int64_t off = offset_in(master_, bound(b));
+    const int64_t off = offset_in(master_, b.tensor());
     items.push_back({"exp_avg." + b.hf_name, DType::f32, b.hf_shape, m.data() + off});
     items.push_back({"exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape, v.data() + off});
     items.push_back({"step." + b.hf_name, DType::i64, {1}, &param_steps[i]});
@@ -225,8 +221,8 @@ void AdamW::load(const std::string& path) {
   }
   std::vector<int64_t> param_steps(master_.bindings.size());
   for (size_t i = 0; i < master_.bindings.size(); ++i) {
-    be_.write(bound(m_->bindings[i]), src[3 * i], DType::f32);
-    be_.write(bound(v_->bindings[i]), src[3 * i + 1], DType::f32);
+    be_.write(m_->bindings[i].tensor(), src[3 * i], DType::f32);
+    be_.write(v_->bindings[i].tensor(), src[3 * i + 1], DType::f32);
     std::memcpy(&param_steps[i], src[3 * i + 2], sizeof(int64_t));
   }
   be_.write(steps_dev_, param_steps.data(), DType::i64);

@@ -1,12 +1,9 @@
 #include "training/train_model.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstring>
 
 #include "bridge/rope_index.h"
-#include "core/dtype.h"
 #include "language/mrope.h"
 
 namespace iris {
@@ -205,8 +202,7 @@ void TrainableQwen3VL::zero_grads() {
 void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_model) {
   frozen_ = FreezeSpec{vision_tower, merger, language_model};
   for (const WeightBinding& b : grads_->bindings)
-    if (frozen_.frozen(b.hf_name))
-      be_.fill_zero(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]));
+    if (frozen_.frozen(b.hf_name)) be_.fill_zero(b.tensor());
 }
 
 LossStats TrainableQwen3VL::forward(const std::vector<const TrainSample*>& batch) {
@@ -256,9 +252,8 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   h_text_cu_.assign(1, 0);
   h_cos_.resize(static_cast<size_t>(L * hd));
   h_sin_.resize(static_cast<size_t>(L * hd));
-  h_pixels_.clear();
   std::vector<GridTHW> grids;
-  int64_t row = 0;
+  int64_t row = 0, patch_row = 0;
   for (const TrainSample* s : batch) {
     const int64_t n = static_cast<int64_t>(s->ids.size());
     int64_t n_pad = 0;
@@ -287,7 +282,10 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     const RopeIndex rope =
         compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
     mrope_tables(t, rope.positions.data(), n, h_cos_.data() + row * hd, h_sin_.data() + row * hd);
-    h_pixels_.insert(h_pixels_.end(), s->pixel_values.begin(), s->pixel_values.end());
+    const int64_t patches = count_patches(s->grids);
+    if (patches > 0)
+      be_.write(pixels_.slice(patch_row, patch_row + patches), s->pixel_values.data(), DType::f32);
+    patch_row += patches;
     grids.insert(grids.end(), s->grids.begin(), s->grids.end());
     row += n;
     h_text_cu_.push_back(static_cast<int32_t>(row));
@@ -311,7 +309,6 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   if (S > 0) {
     const VisionInputs vin = plan_vision_inputs(v, grids, 0, limits_.max_images);
     n_segments_ = vin.n_segments;
-    be_.write(pixels_.slice(0, S), h_pixels_.data(), DType::f32);
     be_.write(v_cos_.slice(0, S), vin.cos.data(), DType::f32);
     be_.write(v_sin_.slice(0, S), vin.sin.data(), DType::f32);
     be_.write(pos_index_.slice(0, S), vin.pos_index.data(), DType::i32);
@@ -438,8 +435,8 @@ void TrainableQwen3VL::vision_backward() {
   // Embeddings: accumulate the position table's and the patch projection's gradients.
   be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
                                      pos_weight_.slice(0, S));
-  be_.linear_backward_weight(
-      g.patch_w, g.patch_b, residual_grad_for_gemm(be_, dres, scratch.dres_c), pixels_.slice(0, S));
+  be_.linear_backward_weight(g.patch_w, g.patch_b, in_compute_dtype(be_, dres, scratch.dres_c),
+                             pixels_.slice(0, S));
 }
 
 // ---- Text --------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ class TrainableQwen3VL {
 
   // Host staging, sized once.
   std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_;
-  std::vector<float> h_cos_, h_sin_, h_pixels_;
+  std::vector<float> h_cos_, h_sin_;
   // Inputs.
   Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_;
   Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_;

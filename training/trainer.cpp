@@ -152,15 +152,10 @@ void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& repli
     if (e) std::rethrow_exception(e);
 }
 
-// The Binding's memory: rows [row_offset, row_offset + hf_shape[0]) of its target.
-Tensor bound(const WeightBinding& b) {
-  return b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-}
-
 // Copies every tensor of `src` (f32, on the host) into `dst` on `be` (converted to dst's dtype).
 void upload_weights(Backend& be, ModelWeights& dst, const ModelWeights& src) {
   for (size_t i = 0; i < src.bindings.size(); ++i)
-    be.write(bound(dst.bindings[i]), bound(src.bindings[i]).data, DType::f32);
+    be.write(dst.bindings[i].tensor(), src.bindings[i].tensor().data, DType::f32);
 }
 
 }  // namespace
@@ -393,7 +388,8 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
           const fs::path d(dir);
           if (on_gpu)
             for (size_t i = 0; i < params->bindings.size(); ++i)
-              gpu->read(bound(params->bindings[i]).data, DType::f32, bound(master->bindings[i]));
+              gpu->read(params->bindings[i].tensor().data, DType::f32,
+                        master->bindings[i].tensor());
           save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
           opt.save((d / kOptimizerFile).string());
           write_file_atomic((d / "config.json").string(), config_text);

@@ -30,12 +30,6 @@ int64_t count_patches(const std::vector<GridTHW>& grids) {
   return n;
 }
 
-Tensor residual_grad_for_gemm(Backend& be, const Tensor& dres, const Tensor& copy) {
-  if (copy.data == dres.data) return dres;
-  be.convert(copy, dres);
-  return copy;
-}
-
 void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                           const VisionBlockBuffers& b, const VisionSegments& seg) {
   const int nh = cfg.num_heads, hd = cfg.head_dim();
@@ -131,7 +125,7 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
   const int nh = cfg.num_heads, hd = cfg.head_dim();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // MLP: overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
-  Tensor dy = residual_grad_for_gemm(be, s.dres, s.dres_c);
+  Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dfc, dy, w.fc2_w, false);
   be.linear_backward_weight(g.fc2_w, g.fc2_b, dy, b.act);
   be.gelu_tanh_backward(s.dfc, s.dfc, b.fc1);
@@ -141,7 +135,7 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
                          w.norm2_w);
   // Attention: overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and
   // dres.
-  dy = residual_grad_for_gemm(be, s.dres, s.dres_c);
+  dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dattn, dy, w.proj_w, false);
   be.linear_backward_weight(g.proj_w, g.proj_b, dy, b.attn);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, seg.cu_seqlens,

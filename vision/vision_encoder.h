@@ -108,9 +108,6 @@ void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeig
                      PatchMergerWeights* g, const MergerBuffers& b, const Tensor& x, int64_t rows,
                      bool post_shuffle, const Tensor& dout, const Tensor& dx,
                      const VisionGradScratch& s);
-// The compute-dtype copy of an f32 residual gradient that GEMMs read (dres itself when the
-// compute dtype is f32 and copy aliases it).
-Tensor residual_grad_for_gemm(Backend& be, const Tensor& dres, const Tensor& copy);
 
 class VisionEncoder {
  public:
