@@ -289,8 +289,10 @@ class Backend {
   // One torch.optim.AdamW step (foreach form: decoupled decay p *= 1 - lr * wd, bias-corrected
   // moments) of every unfrozen tensor with gradient grads * grad_stats[1] (grads are only read), lr
   // = lr[0] times the tensor's lr scale, and its step count steps i64 [n] incremented here; then
-  // the tensor's slice of `weights` is rewritten from the updated params. lr f32 [1] and grad_stats
-  // live on this backend so that a captured step reads the step's values.
+  // the tensor's slice of `weights` is rewritten from the updated params. A step whose
+  // grad_stats[0] is not finite changes nothing (no update, no step count), so that a host that
+  // reads the norm only now and then still finds the weights of the last good step. lr f32 [1]
+  // and grad_stats live on this backend so that a captured step reads the step's values.
   virtual void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
                           const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
                           const Tensor& hyper, const Tensor& steps, const Tensor& lr,

@@ -35,6 +35,23 @@ void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLaye
   be.linear(b.x_out, b.act, w.down_w, Tensor(), true);
 }
 
+void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                             const DecoderLayerBuffers& b, const DecoderAttention& at,
+                             Recompute mode) {
+  if (mode == Recompute::full) {
+    decoder_layer_forward(be, cfg, w, b, at);
+    return;
+  }
+  if (mode != Recompute::selective) return;
+  const float eps = cfg.rms_norm_eps;
+  // The statistics are rewritten with the values they already hold.
+  be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
+  be.qkv_norm_rope_train(b.qkv, b.qk_rstd, b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin,
+                         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, true);
+  be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
+  be.swiglu(b.act, b.gate_up);
+}
+
 void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                             DecoderLayerWeights* g, const DecoderLayerBuffers& b,
                             const DecoderAttention& at, const DecoderGradScratch& s) {

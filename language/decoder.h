@@ -9,6 +9,7 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/recompute.h"
 #include "language/text_config.h"
 
 namespace iris {
@@ -57,6 +58,12 @@ struct DecoderAttention {
 };
 void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                            const DecoderLayerBuffers& b, const DecoderAttention& at);
+// Before a layer's backward: rewrites the activations `mode` did not keep from those it kept
+// (selective: rms1, qkv, rms2, act; full: the whole layer from x_in, whose b.x_out must then be
+// scratch, not the next layer's input). Nothing for Recompute::none.
+void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                             const DecoderLayerBuffers& b, const DecoderAttention& at,
+                             Recompute mode);
 // Backward scratch: dres and dtmp f32, the rest in the compute dtype; dres_c is the
 // compute-dtype copy of dres that the GEMMs read (dres itself where the compute dtype is f32).
 struct DecoderGradScratch {

@@ -52,6 +52,68 @@ std::vector<float> values_of(const WeightBinding& b) {
   return std::vector<float>(g.as<float>(), g.as<float>() + g.numel());
 }
 
+// Every gradient tensor of a model as f32 values read through its backend.
+std::vector<std::vector<float>> all_grads(TrainableQwen3VL& m) {
+  std::vector<std::vector<float>> out;
+  for (const WeightBinding& b : m.grads().bindings) {
+    const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
+    std::vector<float> v(static_cast<size_t>(g.numel()));
+    m.backend().read(v.data(), DType::f32, g);
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+// Recomputation reruns deterministic ops on the inputs they had in the forward, so every mode
+// gives the loss and the gradients of keeping everything, bit for bit, while planning less
+// memory; so does planning a frozen tower without its block activations. Two packed samples, so
+// that the shared buffers serve several attention segments.
+void expect_recompute_is_exact(Backend& be, const ModelConfig& cfg, ModelWeights& params,
+                               const TrainSample& sample) {
+  TrainLimits limits;
+  limits.max_seq_len = 512;
+  limits.max_patches = 2048;
+  limits.max_images = 8;
+  limits.max_samples = 2;
+  limits.loss_chunk_rows = 16;
+  const std::vector<const TrainSample*> batch{&sample, &sample};
+  const float scale = 1.0f / static_cast<float>(2 * count_labels(sample));
+  for (const bool tower_frozen : {false, true}) {
+    SCOPED_TRACE(tower_frozen ? "vision tower frozen" : "all parts train");
+    TrainableQwen3VL ref(be, cfg, params, limits);
+    ref.set_frozen(tower_frozen, false, false);
+    ref.zero_grads();
+    const LossStats want = ref.forward_backward(batch, scale);
+    const auto want_grads = all_grads(ref);
+    size_t previous_bytes = ref.activation_bytes() + 1;
+    for (const Recompute mode : {Recompute::none, Recompute::selective, Recompute::full}) {
+      SCOPED_TRACE(recompute_name(mode));
+      TrainLimits lm = limits;
+      lm.recompute = mode;
+      lm.vision_tower_frozen = tower_frozen;
+      TrainableQwen3VL m(be, cfg, params, lm);
+      m.set_frozen(tower_frozen, false, false);
+      m.zero_grads();
+      // The queued form leaves the loss on the device until it is taken.
+      EXPECT_EQ(m.queue_forward_backward(batch, scale), want.n_tokens);
+      EXPECT_EQ(m.take_loss_sum(), want.loss_sum);
+      EXPECT_EQ(m.take_loss_sum(), 0.0);
+      const auto got = all_grads(m);
+      ASSERT_EQ(got.size(), want_grads.size());
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_EQ(got[i], want_grads[i]) << m.grads().bindings[i].hf_name;
+      if (tower_frozen && mode == Recompute::none)
+        EXPECT_LT(m.activation_bytes(), ref.activation_bytes());
+      EXPECT_LT(m.activation_bytes(), previous_bytes);
+      previous_bytes = m.activation_bytes();
+    }
+  }
+  TrainLimits planned_frozen = limits;
+  planned_frozen.vision_tower_frozen = true;
+  TrainableQwen3VL m(be, cfg, params, planned_frozen);
+  EXPECT_THROW(m.set_frozen(false, false, false), Error);
+}
+
 class GoldenGradients : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -243,6 +305,20 @@ TEST_F(GoldenGradients, ReplicaGradientsSumToTheSingleModelsOne) {
       EXPECT_EQ(left, std::vector<float>(left.size(), 0.0f)) << name << " left in replica b";
     }
   }
+}
+
+TEST_F(GoldenGradients, RecomputeAndFrozenTowerPlanningGiveTheSameGradientsBitForBit) {
+  expect_recompute_is_exact(*backend_, *cfg_, *params_, *sample_);
+}
+
+TEST(CudaGoldenGradients, RecomputeGivesTheSameGradientsBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  Golden golden;
+  auto cuda = make_cuda_backend(0);
+  cuda->set_gemm_autotune(false);
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto params = load_weights(*cuda, cfg, test::fixture_dir());
+  expect_recompute_is_exact(*cuda, cfg, *params, golden_sample(golden));
 }
 
 TEST_F(GoldenGradients, RejectsMalformedSamples) {

@@ -333,7 +333,11 @@ TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
   AdamWConfig ac;
   ac.clip_grad_norm = 1.0f;
   AdamW opt(*be, cfg, *params, *grads, ac);
-  const double norm = opt.step(1e-3f);
+  opt.step(1e-3f);
+  const std::vector<float> norms = opt.take_grad_norms();
+  ASSERT_EQ(norms.size(), 1u);
+  const double norm = norms[0];
+  EXPECT_EQ(opt.last_grad_norm(), norm);
   // Summed in f64, returned as f32 (as torch's clip_grad_norm_ returns it): one f32 rounding.
   EXPECT_NEAR(norm, std::sqrt(ss), 6e-8 * std::sqrt(ss));
   ASSERT_GT(norm, 1.0);
@@ -346,6 +350,42 @@ TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
     if (!lm_only.frozen(b.hf_name))
       for (float x : values(bound(b))) ss_lm += double(x) * x;
   EXPECT_NEAR(grad_norm(*grads, lm_only), std::sqrt(ss_lm), 1e-9 * std::sqrt(ss_lm));
+}
+
+// A step whose gradient is not finite changes no weight and no moment, and its norm is reported
+// when the host next reads the norms, in step order.
+TEST(AdamW, NonFiniteGradientChangesNothingAndIsReported) {
+  auto be = make_cpu_backend();
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto params = allocate_weights(*be, cfg);
+  auto grads = allocate_weights(*be, cfg);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (size_t i = 0; i < params->bindings.size(); ++i) {
+    const Tensor p = bound(params->bindings[i]), g = bound(grads->bindings[i]);
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      p.as<float>()[k] = nd(rng);
+      g.as<float>()[k] = nd(rng) * 1e-2f;
+    }
+  }
+  AdamW opt(*be, cfg, *params, *grads, AdamWConfig{});
+  opt.step(1e-3f);
+  const Tensor p0 = bound(params->bindings[0]), g0 = bound(grads->bindings[0]);
+  const std::vector<float> before = values(p0);
+  const std::vector<float> m_before = values(bound(opt.exp_avg().bindings[0]));
+  g0.as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+  opt.step(1e-3f);
+  EXPECT_EQ(values(p0), before);
+  EXPECT_EQ(values(bound(opt.exp_avg().bindings[0])), m_before);
+  g0.as<float>()[0] = 0.0f;
+  opt.step(1e-3f);
+  EXPECT_NE(values(p0), before);
+  const std::vector<float> norms = opt.take_grad_norms();
+  ASSERT_EQ(norms.size(), 3u);
+  EXPECT_TRUE(std::isfinite(norms[0]));
+  EXPECT_TRUE(std::isnan(norms[1]));
+  EXPECT_TRUE(std::isfinite(norms[2]));
+  EXPECT_TRUE(opt.take_grad_norms().empty());
 }
 
 // ---- Schedules ---------------------------------------------------------------------------------

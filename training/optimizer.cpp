@@ -104,6 +104,7 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
     steps_dev_ = a.alloc(DType::i64, {nt});
     lr_ = a.alloc(DType::f32, {1});
     grad_stats_ = a.alloc(DType::f32, {2});
+    norm_history_ = a.alloc(DType::f32, {kNormHistory});
   };
   Arena planning;
   plan(planning);
@@ -145,22 +146,35 @@ void AdamW::write_hyper(const FreezeSpec& frozen) {
   hyper_written_ = true;
 }
 
-double AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
+void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   if (!hyper_written_ || frozen.vision_tower != hyper_frozen_.vision_tower ||
       frozen.merger != hyper_frozen_.merger ||
       frozen.language_model != hyper_frozen_.language_model)
     write_hyper(frozen);
+  if (unread_norms_ == kNormHistory) read_norm_history();
   be_.write(lr_, &scheduled_lr, DType::f32);
   be_.grad_norm_clip(grad_stats_, flat_grads_, spans_, hyper_, config_.clip_grad_norm);
-  float stats[2] = {0.0f, 0.0f};
-  be_.read(stats, DType::f32, grad_stats_);
-  const double norm = stats[0];
-  IRIS_CHECK(std::isfinite(norm), "AdamW: the gradient norm is ", norm,
-             " (NaN or overflow in the backward); lower the learning rate or check the data");
+  be_.copy(norm_history_.slice(unread_norms_, unread_norms_ + 1), grad_stats_.slice(0, 1));
+  ++unread_norms_;
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   ++steps_;
-  return norm;
+}
+
+void AdamW::read_norm_history() {
+  const size_t done = read_norms_.size();
+  read_norms_.resize(done + static_cast<size_t>(unread_norms_));
+  if (unread_norms_ > 0)
+    be_.read(read_norms_.data() + done, DType::f32, norm_history_.slice(0, unread_norms_));
+  unread_norms_ = 0;
+}
+
+std::vector<float> AdamW::take_grad_norms() {
+  read_norm_history();
+  std::vector<float> out;
+  out.swap(read_norms_);
+  if (!out.empty()) last_norm_ = out.back();
+  return out;
 }
 
 void AdamW::save(const std::string& path) const {

@@ -45,10 +45,15 @@ class AdamW {
 
   // Clips the gradients to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale by
   // max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
-  // frozen, each with lr times its part's lr_scale. Returns the global gradient norm before
-  // clipping (this reads it back, waiting for the device). Frozen parameters, their moments and
-  // their step counts are left untouched.
-  double step(float lr, const FreezeSpec& frozen = {});
+  // frozen, each with lr times its part's lr_scale. Frozen parameters, their moments and their
+  // step counts are left untouched, and so is everything when the gradient norm is not finite.
+  // Nothing is read back: the step is queued behind the backward.
+  void step(float lr, const FreezeSpec& frozen = {});
+  // The global gradient norm (before clipping) of each step since the last call, in order
+  // (waits for the device).
+  std::vector<float> take_grad_norms();
+  // The last norm take_grad_norms returned.
+  double last_grad_norm() const { return last_norm_; }
 
   // Updates taken (calls to step()).
   int64_t steps() const { return steps_; }
@@ -67,6 +72,10 @@ class AdamW {
 
  private:
   void write_hyper(const FreezeSpec& frozen);
+  void read_norm_history();
+  // Gradient norms of steps not yet read back, kept on the device; a full history is read
+  // before the next step writes to it.
+  static constexpr int64_t kNormHistory = 4096;
 
   Backend& be_;
   AdamWConfig config_;
@@ -74,8 +83,11 @@ class AdamW {
   ModelWeights& grads_;
   ModelWeights* working_;
   std::unique_ptr<ModelWeights> m_, v_;
-  Arena tables_;  // spans, hyper, steps, lr, grad_stats on the backend
-  Tensor spans_, hyper_, steps_dev_, lr_, grad_stats_;
+  Arena tables_;  // spans, hyper, steps, lr, grad_stats, norm history on the backend
+  Tensor spans_, hyper_, steps_dev_, lr_, grad_stats_, norm_history_;
+  int64_t unread_norms_ = 0;
+  std::vector<float> read_norms_;  // read back, not yet taken
+  double last_norm_ = 0;
   Tensor flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_;
   FreezeSpec hyper_frozen_;
   bool hyper_written_ = false;

@@ -124,6 +124,12 @@ std::vector<Field> fields(Recipe& r) {
       {"train.max_vision_patches", &t.max_vision_patches,
        "vision patches of one sample the activation memory is planned for (samples above it are "
        "skipped); 0: mock data's exact count, else seq_length x 4 (the most a sample can hold)"},
+      {"train.recompute",
+       &t.recompute,
+       "what the backward recomputes instead of keeping: none, selective (norm outputs, "
+       "normed q/k/v and MLP activations: ~40% less activation memory for elementwise work) or "
+       "full (keep each layer's input only: most memory saved, a third more compute)",
+       {"none", "selective", "full"}},
       {"train.device",
        &t.device,
        "where training runs: cuda (bf16 with fp32 master weights), cpu (fp32), or auto (cuda "

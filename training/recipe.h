@@ -60,6 +60,8 @@ struct TrainRecipe {
   int64_t max_vision_patches = 0;
   // auto | cpu | cuda: where the step runs (auto: the GPU when one is present).
   std::string device = "auto";
+  // none | selective | full (core/recompute.h).
+  std::string recompute = "none";
 };
 
 struct OptimizerRecipe {

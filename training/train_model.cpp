@@ -77,6 +77,8 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
   arena_ = Arena(backend, plan.used());
   allocate(arena_);
   zero_grads();
+  be_.fill_zero(loss_total_);
+  if (limits.vision_tower_frozen) set_frozen(true, false, false);
 }
 
 void TrainableQwen3VL::allocate(Arena& a) {
@@ -97,6 +99,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   text_cu_ = a.alloc(I32, {limits_.max_samples + 1});
   grad_scale_ = a.alloc(F, {1});
   loss_sum_ = a.alloc(F, {1});
+  loss_total_ = a.alloc(F, {1});
   pixels_ = a.alloc(A, {S, v.patch_dim()});
   v_cos_ = a.alloc(F, {S, v.head_dim()});
   v_sin_ = a.alloc(F, {S, v.head_dim()});
@@ -104,6 +107,19 @@ void TrainableQwen3VL::allocate(Arena& a) {
   pos_weight_ = a.alloc(F, {S, 4});
   v_cu_ = a.alloc(I32, {limits_.max_images + 1});
 
+  // A block's tensors are its own when its backward reads them as the forward left them; the
+  // others are one set shared by all blocks (recomputed before each block's backward, or never
+  // read again when the tower is frozen).
+  const Recompute rc = limits_.recompute;
+  const bool v_keep_all = !limits_.vision_tower_frozen && rc == Recompute::none;
+  const bool v_keep_layer = !limits_.vision_tower_frozen && rc != Recompute::full;
+  VisionBlockBuffers vs;
+  auto v_buf = [&](bool own, Tensor& shared, DType dt, std::vector<int64_t> shape) {
+    if (own) return a.alloc(dt, shape);
+    if (!shared.defined()) shared = a.alloc(dt, shape);
+    return shared;
+  };
+  const size_t activations_start = a.used();
   vx_.clear();
   for (int l = 0; l <= v.depth; ++l) vx_.push_back(a.alloc(A, {S, D}));
   vb_.assign(static_cast<size_t>(v.depth), {});
@@ -111,19 +127,22 @@ void TrainableQwen3VL::allocate(Arena& a) {
     VisionBlockBuffers& b = vb_[l];
     b.x_in = vx_[l];
     b.x_out = vx_[l + 1];
-    b.ln1 = a.alloc(A, {S, D});
-    b.mean1 = a.alloc(F, {S});
-    b.rstd1 = a.alloc(F, {S});
-    b.qkv = a.alloc(A, {S, 3 * D});
-    b.lse = a.alloc(F, {S, nh});
-    b.attn = a.alloc(A, {S, D});
-    b.x_mid = a.alloc(A, {S, D});
-    b.ln2 = a.alloc(A, {S, D});
-    b.mean2 = a.alloc(F, {S});
-    b.rstd2 = a.alloc(F, {S});
-    b.fc1 = a.alloc(A, {S, Iv});
-    b.act = a.alloc(A, {S, Iv});
+    b.ln1 = v_buf(v_keep_all, vs.ln1, A, {S, D});
+    b.mean1 = v_buf(v_keep_layer, vs.mean1, F, {S});
+    b.rstd1 = v_buf(v_keep_layer, vs.rstd1, F, {S});
+    b.qkv = v_buf(v_keep_layer, vs.qkv, A, {S, 3 * D});
+    b.lse = v_buf(v_keep_layer, vs.lse, F, {S, nh});
+    b.attn = v_buf(v_keep_layer, vs.attn, A, {S, D});
+    b.x_mid = v_buf(v_keep_layer, vs.x_mid, A, {S, D});
+    b.ln2 = v_buf(v_keep_all, vs.ln2, A, {S, D});
+    b.mean2 = v_buf(v_keep_layer, vs.mean2, F, {S});
+    b.rstd2 = v_buf(v_keep_layer, vs.rstd2, F, {S});
+    b.fc1 = v_buf(v_keep_layer, vs.fc1, A, {S, Iv});
+    b.act = v_buf(v_keep_all, vs.act, A, {S, Iv});
   }
+  v_recompute_out_ = !limits_.vision_tower_frozen && rc == Recompute::full && S > 0
+                         ? a.alloc(A, {S, D})
+                         : Tensor();
   auto merger = [&](MergerBuffers& m, int64_t norm_rows) {
     m.ln = a.alloc(A, {Sm, M});
     m.mean = a.alloc(F, {norm_rows});
@@ -140,23 +159,27 @@ void TrainableQwen3VL::allocate(Arena& a) {
   for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {L, H}));
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
+  const bool t_keep_all = rc == Recompute::none, t_keep_layer = rc != Recompute::full;
+  DecoderLayerBuffers ts;
   for (size_t l = 0; l < tl_.size(); ++l) {
     DecoderLayerBuffers& x = tl_[l];
     x.x_in = tx_[l];
     x.x_out = tx_[l + 1];
-    x.rms1 = a.alloc(A, {L, H});
-    x.rstd1 = a.alloc(F, {L});
-    x.qkv_lin = a.alloc(A, {L, t.qkv_width()});
-    x.qk_rstd = a.alloc(F, {L, nqk});
-    x.qkv = a.alloc(A, {L, t.qkv_width()});
-    x.attn = a.alloc(A, {L, t.q_width()});
-    x.lse = a.alloc(F, {L, t.num_attention_heads});
-    x.x_mid = a.alloc(A, {L, H});
-    x.rms2 = a.alloc(A, {L, H});
-    x.rstd2 = a.alloc(F, {L});
-    x.gate_up = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
-    x.act = a.alloc(A, {L, t.intermediate_size});
+    x.rms1 = v_buf(t_keep_all, ts.rms1, A, {L, H});
+    x.rstd1 = v_buf(t_keep_layer, ts.rstd1, F, {L});
+    x.qkv_lin = v_buf(t_keep_layer, ts.qkv_lin, A, {L, t.qkv_width()});
+    x.qk_rstd = v_buf(t_keep_layer, ts.qk_rstd, F, {L, nqk});
+    x.qkv = v_buf(t_keep_all, ts.qkv, A, {L, t.qkv_width()});
+    x.attn = v_buf(t_keep_layer, ts.attn, A, {L, t.q_width()});
+    x.lse = v_buf(t_keep_layer, ts.lse, F, {L, t.num_attention_heads});
+    x.x_mid = v_buf(t_keep_layer, ts.x_mid, A, {L, H});
+    x.rms2 = v_buf(t_keep_all, ts.rms2, A, {L, H});
+    x.rstd2 = v_buf(t_keep_layer, ts.rstd2, F, {L});
+    x.gate_up = v_buf(t_keep_layer, ts.gate_up, A, {L, 2 * int64_t(t.intermediate_size)});
+    x.act = v_buf(t_keep_all, ts.act, A, {L, t.intermediate_size});
   }
+  t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
+  activation_bytes_ = a.used() - activations_start;
   final_ = a.alloc(A, {L, H});
   final_rstd_ = a.alloc(F, {L});
   xlab_ = a.alloc(A, {L, H});
@@ -200,18 +223,44 @@ void TrainableQwen3VL::zero_grads() {
 }
 
 void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_model) {
+  IRIS_CHECK(vision_tower || !limits_.vision_tower_frozen,
+             "this model's memory was planned with the vision tower frozen (it keeps no block "
+             "activations), so the tower cannot be unfrozen; plan it with "
+             "TrainLimits.vision_tower_frozen = false");
   frozen_ = FreezeSpec{vision_tower, merger, language_model};
   for (const WeightBinding& b : grads_->bindings)
     if (frozen_.frozen(b.hf_name)) be_.fill_zero(b.tensor());
 }
 
 LossStats TrainableQwen3VL::forward(const std::vector<const TrainSample*>& batch) {
-  return run(batch, false, 0.0f);
+  return run_and_read(batch, false, 0.0f);
 }
 
 LossStats TrainableQwen3VL::forward_backward(const std::vector<const TrainSample*>& batch,
                                              float grad_scale) {
-  return run(batch, true, grad_scale);
+  return run_and_read(batch, true, grad_scale);
+}
+
+int64_t TrainableQwen3VL::queue_forward_backward(const std::vector<const TrainSample*>& batch,
+                                                 float grad_scale) {
+  run(batch, true, grad_scale, loss_total_);
+  return n_label_;
+}
+
+double TrainableQwen3VL::take_loss_sum() {
+  float total = 0.0f;
+  be_.read(&total, DType::f32, loss_total_);
+  be_.fill_zero(loss_total_);
+  return total;
+}
+
+LossStats TrainableQwen3VL::run_and_read(const std::vector<const TrainSample*>& batch,
+                                         bool backward, float grad_scale) {
+  be_.fill_zero(loss_sum_);
+  run(batch, backward, grad_scale, loss_sum_);
+  float loss_sum = 0.0f;
+  be_.read(&loss_sum, DType::f32, loss_sum_);
+  return LossStats{loss_sum, n_label_};
 }
 
 void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
@@ -317,27 +366,20 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   }
 }
 
-LossStats TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
-                                float grad_scale) {
+void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
+                           float grad_scale, const Tensor& loss_out) {
   prepare(batch);
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_ > 0 && (lm || vision_grads);
   be_.write(grad_scale_, &grad_scale, DType::f32);
-  be_.fill_zero(loss_sum_);
   if (S_ > 0) vision_forward();
   text_forward();
-  loss(backward);
+  loss(backward, loss_out);
   if (backward) {
     text_backward();
     if (vision_grads) vision_backward();
   }
-  LossStats st;
-  float loss_sum = 0.0f;
-  be_.read(&loss_sum, DType::f32, loss_sum_);
-  st.loss_sum = loss_sum;
-  st.n_tokens = n_label_;
-  return st;
 }
 
 // ---- Vision ------------------------------------------------------------------------------------
@@ -430,7 +472,13 @@ void TrainableQwen3VL::vision_backward() {
       merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
                       vx_[l + 1], S, true, d_ds_[k], dres, scratch);
     }
-    vision_block_backward(be_, v, w.blocks[l], g.blocks[l], vision_block(l), seg, scratch);
+    VisionBlockBuffers b = vision_block(l);
+    if (limits_.recompute != Recompute::none) {
+      VisionBlockBuffers rerun = b;
+      if (limits_.recompute == Recompute::full) rerun.x_out = v_recompute_out_.slice(0, S);
+      vision_block_recompute(be_, v, w.blocks[l], rerun, seg, limits_.recompute);
+    }
+    vision_block_backward(be_, v, w.blocks[l], g.blocks[l], b, seg, scratch);
   }
   // Embeddings: accumulate the position table's and the patch projection's gradients.
   be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
@@ -491,13 +539,13 @@ void TrainableQwen3VL::text_forward() {
                      tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
 }
 
-void TrainableQwen3VL::loss(bool backward) {
+void TrainableQwen3VL::loss(bool backward, const Tensor& loss_out) {
   if (n_label_ == 0) return;
   const Tensor xlab = xlab_.slice(0, n_label_);
   be_.gather_rows(xlab, final_.slice(0, L_), label_rows_.slice(0, n_label_));
   const bool lm = !frozen_.language_model;
   // Overwrites dxlab; accumulates the lm_head's gradient (the embedding's, when tied).
-  be_.lm_head_loss(loss_sum_, backward ? dxlab_.slice(0, n_label_) : Tensor(),
+  be_.lm_head_loss(loss_out, backward ? dxlab_.slice(0, n_label_) : Tensor(),
                    backward ? g_or_none(grads_->text.lm_head, lm) : Tensor(), xlab,
                    params_.text.lm_head, targets_.slice(0, n_label_), grad_scale_, loss_workspace_,
                    loss_chunk_);
@@ -545,8 +593,13 @@ void TrainableQwen3VL::text_backward() {
     // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after layer l).
     if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
       be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres, pads);
-    decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, text_layer(l), at,
-                           scratch);
+    const DecoderLayerBuffers b = text_layer(l);
+    if (limits_.recompute != Recompute::none) {
+      DecoderLayerBuffers rerun = b;
+      if (limits_.recompute == Recompute::full) rerun.x_out = t_recompute_out_.slice(0, L);
+      decoder_layer_recompute(be_, t, w.layers[l], rerun, at, limits_.recompute);
+    }
+    decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, b, at, scratch);
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.

@@ -22,6 +22,7 @@
 #include "bridge/model_config.h"
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/recompute.h"
 #include "vision/vision_encoder.h"
 
 namespace iris {
@@ -41,17 +42,6 @@ struct LossStats {
   int64_t n_tokens = 0;  // labelled tokens (mean loss = loss_sum / n_tokens)
 };
 
-// The largest micro-batch the model is planned for (all its samples together).
-struct TrainLimits {
-  int64_t max_seq_len = 2048;   // tokens
-  int64_t max_patches = 16384;  // vision patch rows (before the 2x2 merge)
-  int max_images = 16;          // images (vision attention segments)
-  int max_samples = 1;          // samples packed into one micro-batch (causal segments)
-  // Rows of [rows, vocab] f32 logits materialised at once by the loss; the larger, the fewer
-  // passes over the lm_head weight and its gradient.
-  int64_t loss_chunk_rows = 32;
-};
-
 // The three parts Qwen's fine-tuning scripts freeze or give their own learning rate
 // (tune_mm_vision = vision tower: patch_embed, pos_embed, blocks; tune_mm_mlp = merger and
 // DeepStack mergers; tune_mm_llm = the language model with its embedding and lm_head).
@@ -68,6 +58,23 @@ struct FreezeSpec {
   bool frozen(const std::string& hf_name) const;
 };
 
+// The largest micro-batch the model is planned for (all its samples together).
+struct TrainLimits {
+  int64_t max_seq_len = 2048;   // tokens
+  int64_t max_patches = 16384;  // vision patch rows (before the 2x2 merge)
+  int max_images = 16;          // images (vision attention segments)
+  int max_samples = 1;          // samples packed into one micro-batch (causal segments)
+  // Rows of [rows, vocab] f32 logits materialised at once by the loss; the larger, the fewer
+  // passes over the lm_head weight and its gradient.
+  int64_t loss_chunk_rows = 32;
+  // What the forward keeps per layer (core/recompute.h).
+  Recompute recompute = Recompute::none;
+  // A frozen vision tower keeps no block activations: nothing backpropagates into it (its
+  // block outputs that the mergers read are still kept). set_frozen may freeze more later,
+  // never unfreeze the tower of a model planned with it frozen.
+  bool vision_tower_frozen = false;
+};
+
 class TrainableQwen3VL {
  public:
   // params: the weights the forward reads, in the backend's compute dtype (allocate_weights /
@@ -80,6 +87,13 @@ class TrainableQwen3VL {
   // Loss, and grads += grad_scale * d(loss_sum)/dparam for every parameter that is not frozen.
   // grad_scale = 1 / (labelled tokens of the global batch) gives the gradient of the mean loss.
   LossStats forward_backward(const std::vector<const TrainSample*>& micro_batch, float grad_scale);
+  // forward_backward without reading the loss back: it is added to a total on the device, which
+  // take_loss_sum reads (one host synchronisation per logged step instead of one per
+  // micro-batch). Returns the micro-batch's labelled tokens.
+  int64_t queue_forward_backward(const std::vector<const TrainSample*>& micro_batch,
+                                 float grad_scale);
+  // The summed loss of the micro-batches queued since the last call; resets the total.
+  double take_loss_sum();
   // One sample as a micro-batch.
   LossStats forward(const TrainSample& s) { return forward({&s}); }
   LossStats forward_backward(const TrainSample& s, float grad_scale) {
@@ -102,10 +116,17 @@ class TrainableQwen3VL {
   const ModelConfig& config() const { return cfg_; }
   const TrainLimits& limits() const { return limits_; }
   size_t arena_bytes() const { return arena_.capacity(); }
+  // The part of the arena that holds the layers' activations (what train.recompute and a frozen
+  // tower shrink); the rest is inputs, the loss's workspace and the backward's scratch.
+  size_t activation_bytes() const { return activation_bytes_; }
 
  private:
   void allocate(Arena& a);
-  LossStats run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale);
+  // Adds the micro-batch's summed loss into loss_out (device f32 [1]).
+  void run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale,
+           const Tensor& loss_out);
+  LossStats run_and_read(const std::vector<const TrainSample*>& batch, bool backward,
+                         float grad_scale);
   void prepare(const std::vector<const TrainSample*>& batch);
   void vision_forward();
   // Block l's saved activations over the current micro-batch's rows.
@@ -115,7 +136,7 @@ class TrainableQwen3VL {
   // Layer l's saved activations over the current micro-batch's tokens.
   DecoderLayerBuffers text_layer(int l) const;
   DecoderAttention text_attention() const;
-  void loss(bool backward);
+  void loss(bool backward, const Tensor& loss_out);
   void text_backward();
   void vision_backward();
   VisionGradScratch vision_grad_scratch() const;
@@ -127,6 +148,7 @@ class TrainableQwen3VL {
   TrainLimits limits_;
   FreezeSpec frozen_;
   Arena arena_;
+  size_t activation_bytes_ = 0;
 
   // The current micro-batch's shape.
   int64_t L_ = 0;        // tokens
@@ -140,17 +162,23 @@ class TrainableQwen3VL {
   std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_;
   std::vector<float> h_cos_, h_sin_;
   // Inputs.
-  Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_;
+  Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_,
+      loss_total_;
   Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_;
   // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
-  std::vector<VisionBlockBuffers> vb_;  // at the planned row count
+  // At the planned row count; blocks share the tensors that are recomputed (or, with the tower
+  // frozen, never read again).
+  std::vector<VisionBlockBuffers> vb_;
+  Tensor v_recompute_out_;  // x_out of a block rerun by Recompute::full
   MergerBuffers merger_;
   std::vector<MergerBuffers> ds_;
   // Text activations: tx_[l] is the input of layer l (after the previous DeepStack add),
   // tx_[n_layers] the input of the final norm.
   std::vector<Tensor> tx_;
-  std::vector<DecoderLayerBuffers> tl_;  // at the planned token count
+  // At the planned token count; layers share the tensors that are recomputed.
+  std::vector<DecoderLayerBuffers> tl_;
+  Tensor t_recompute_out_;  // x_out of a layer rerun by Recompute::full
   Tensor final_, final_rstd_, xlab_, dxlab_, loss_workspace_;
   int64_t loss_chunk_ = 0;
   // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype

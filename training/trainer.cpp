@@ -120,36 +120,41 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// forward_backward of every micro-batch, micro-batch i on replica i % replicas.size(). With
-// several replicas (CPU only) each runs on a thread of its own, and the ops inside run on that one
-// thread.
-void run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
-                     const std::vector<std::vector<const TrainSample*>>& micro_batches,
-                     float grad_scale, std::vector<LossStats>& stats) {
+// queue_forward_backward of every micro-batch, micro-batch i on replica i % replicas.size(); the
+// losses stay on each replica's device total. With several replicas (CPU only) each runs on a
+// thread of its own, and the ops inside run on that one thread. Returns the labelled tokens seen.
+int64_t run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
+                        const std::vector<std::vector<const TrainSample*>>& micro_batches,
+                        float grad_scale) {
   const auto n = static_cast<int64_t>(replicas.size());
+  std::vector<int64_t> labelled(micro_batches.size(), 0);
   if (n == 1) {
     for (size_t i = 0; i < micro_batches.size(); ++i)
-      stats[i] = replicas[0]->forward_backward(micro_batches[i], grad_scale);
-    return;
-  }
-  // An exception must not leave an OpenMP region; the first one is rethrown after it.
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  const int n_threads = static_cast<int>(n);
+      labelled[i] = replicas[0]->queue_forward_backward(micro_batches[i], grad_scale);
+  } else {
+    // An exception must not leave an OpenMP region; the first one is rethrown after it.
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+    const int n_threads = static_cast<int>(n);
 #pragma omp parallel num_threads(n_threads)
-  {
-    // The runtime may give fewer threads than asked for; a thread then takes several replicas.
-    for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
-      try {
-        for (auto i = static_cast<size_t>(k); i < micro_batches.size(); i += static_cast<size_t>(n))
-          stats[i] =
-              replicas[static_cast<size_t>(k)]->forward_backward(micro_batches[i], grad_scale);
-      } catch (...) {
-        errors[static_cast<size_t>(k)] = std::current_exception();
+    {
+      // The runtime may give fewer threads than asked for; a thread then takes several replicas.
+      for (int64_t k = omp_get_thread_num(); k < n; k += omp_get_num_threads()) {
+        try {
+          for (auto i = static_cast<size_t>(k); i < micro_batches.size();
+               i += static_cast<size_t>(n))
+            labelled[i] = replicas[static_cast<size_t>(k)]->queue_forward_backward(micro_batches[i],
+                                                                                   grad_scale);
+        } catch (...) {
+          errors[static_cast<size_t>(k)] = std::current_exception();
+        }
       }
     }
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
   }
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  int64_t total = 0;
+  for (int64_t c : labelled) total += c;
+  return total;
 }
 
 // Copies every tensor of `src` (f32, on the host) into `dst` on `be` (converted to dst's dtype).
@@ -278,6 +283,8 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   // The lm_head's weight and gradient are streamed once per chunk of labelled rows: on the CPU
   // that pass is most of a small model's step, so the chunk covers a micro-batch's labels.
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
+  limits.recompute = parse_recompute(r.train.recompute);
+  limits.vision_tower_frozen = r.train.freeze_vision_tower;
   int64_t n_params = 0;
   for (const WeightBinding& b : params->bindings) {
     int64_t n = 1;
@@ -361,8 +368,10 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                                mib((on_gpu ? working : params)->arena.capacity()));
     if (on_gpu) plan += str_cat(", f32 master weights ", mib(master->arena.capacity()));
     plan += str_cat(", gradients ", mib(model.grads().arena.capacity()), " x ", n_replicas,
-                    ", AdamW moments ", mib(opt.state_bytes()), ", activations and workspace ",
-                    mib(model.arena_bytes()), " x ", n_replicas);
+                    ", AdamW moments ", mib(opt.state_bytes()), ", activations ",
+                    mib(model.activation_bytes()), " (train.recompute ", r.train.recompute,
+                    ") and workspace ", mib(model.arena_bytes() - model.activation_bytes()), " x ",
+                    n_replicas);
     log.message(plan);
   }
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
@@ -438,11 +447,11 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
 
   StepMetrics interval;
   double interval_loss_sum = 0;
+  int64_t unread_labels = 0;  // labelled tokens of the steps whose loss is still on the device
   auto interval_start = std::chrono::steady_clock::now();
   std::vector<TrainSample> batch;
   batch.reserve(static_cast<size_t>(r.train.global_batch_size));
   std::vector<std::vector<const TrainSample*>> micro_batches;
-  std::vector<LossStats> batch_stats;
   log.progress(state.iteration);
   for (int64_t it = state.iteration + 1; it <= r.train.train_iters; ++it) {
     batch.clear();
@@ -459,17 +468,10 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     micro_batches.assign(static_cast<size_t>(r.train.global_batch_size / micro), {});
     for (size_t i = 0; i < batch.size(); ++i)
       micro_batches[i / static_cast<size_t>(micro)].push_back(&batch[i]);
-    batch_stats.assign(micro_batches.size(), {});
     // Micro-batch i runs on replica i % n_replicas, each replica's in order, and the replicas are
     // summed in order: the result depends on the thread count but not on timing.
-    run_on_replicas(replicas, micro_batches, grad_scale, batch_stats);
+    const int64_t counted = run_on_replicas(replicas, micro_batches, grad_scale);
     for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
-    double loss_sum = 0;
-    int64_t counted = 0;
-    for (const LossStats& ls : batch_stats) {
-      loss_sum += ls.loss_sum;
-      counted += ls.n_tokens;
-    }
     for (size_t i = 0; i < batch.size(); ++i) {
       const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
@@ -479,29 +481,48 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     IRIS_CHECK(counted == batch_labels, "the model counted ", counted,
                " labelled tokens in iteration ", it, " but the labels hold ", batch_labels,
                "; the loss normalisation would be wrong (label convention mismatch)");
-    const double loss = loss_sum / static_cast<double>(batch_labels);
-    IRIS_CHECK(std::isfinite(loss), "the loss is ", loss, " at iteration ", it,
-               "; lower optimizer.lr or check the data (the last checkpoint is ",
-               result.last_checkpoint.empty() ? "none" : result.last_checkpoint, ")");
     const float lr = schedule.at(it - 1);
-    const double gnorm = opt.step(lr, model.frozen());
+    // Queued behind the backward: the loss and the gradient norm stay on the device until the
+    // next logged step (a step with a non-finite gradient changes no weight meanwhile).
+    opt.step(lr, model.frozen());
 
     state.iteration = it;
     state.consumed_samples += r.train.global_batch_size;
     for (const TrainSample& s : batch) state.consumed_tokens += static_cast<int64_t>(s.ids.size());
-    interval_loss_sum += loss_sum;
     interval.labelled_tokens += batch_labels;
     interval.samples += r.train.global_batch_size;
+    unread_labels += batch_labels;
     result.final_iteration = it;
-    result.last_loss = loss;
 
     // Intervals end at multiples of log_interval; after a resume the first one starts at the
     // checkpoint, so its averages cover fewer steps than an uninterrupted run's would.
+    const bool saving = (r.checkpoint.save_interval > 0 && it % r.checkpoint.save_interval == 0) ||
+                        (it == r.train.train_iters && r.checkpoint.save_final);
+    if (it % r.logging.log_interval == 0 || it == r.train.train_iters || saving) {
+      // The one read of the interval: its summed loss and each step's gradient norm.
+      double loss_sum = 0;
+      for (auto& m : replicas) loss_sum += m->take_loss_sum();
+      const std::vector<float> norms = opt.take_grad_norms();
+      const int64_t first = it - static_cast<int64_t>(norms.size()) + 1;
+      for (size_t k = 0; k < norms.size(); ++k)
+        IRIS_CHECK(std::isfinite(norms[k]), "the gradient norm is ", norms[k], " at iteration ",
+                   first + static_cast<int64_t>(k),
+                   " (NaN or overflow in the backward; that step changed no weight); lower "
+                   "optimizer.lr or check the data (the last checkpoint is ",
+                   result.last_checkpoint.empty() ? "none" : result.last_checkpoint, ")");
+      const double loss = loss_sum / static_cast<double>(unread_labels);
+      IRIS_CHECK(std::isfinite(loss), "the loss is ", loss, " in iterations ", first, "-", it,
+                 "; lower optimizer.lr or check the data (the last checkpoint is ",
+                 result.last_checkpoint.empty() ? "none" : result.last_checkpoint, ")");
+      result.last_loss = loss;
+      interval_loss_sum += loss_sum;
+      unread_labels = 0;
+    }
     if (it % r.logging.log_interval == 0 || it == r.train.train_iters) {
       interval.iteration = it;
       interval.loss = interval_loss_sum / static_cast<double>(interval.labelled_tokens);
       interval.learning_rate = lr;
-      interval.grad_norm = gnorm;
+      interval.grad_norm = opt.last_grad_norm();
       interval.seconds = seconds_since(interval_start);
       // On the GPU memory is planned up front, so what the device holds now is its peak.
       interval.memory_bytes =
@@ -512,8 +533,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       interval_start = std::chrono::steady_clock::now();
     }
     if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
-    const bool periodic = r.checkpoint.save_interval > 0 && it % r.checkpoint.save_interval == 0;
-    if (periodic || (it == r.train.train_iters && r.checkpoint.save_final)) save(it);
+    if (saving) save(it);
     log.progress(it);
   }
   const DataStats& ds = train_data.stats();

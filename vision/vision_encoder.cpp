@@ -68,6 +68,20 @@ void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBloc
   be.linear(b.x_out, b.act, w.fc2_w, w.fc2_b, true);
 }
 
+void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                            const VisionBlockBuffers& b, const VisionSegments& seg,
+                            Recompute mode) {
+  if (mode == Recompute::full) {
+    vision_block_forward(be, cfg, w, b, seg);
+    return;
+  }
+  if (mode != Recompute::selective) return;
+  const float eps = cfg.layer_norm_eps;
+  be.layer_norm_train(b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b, eps);
+  be.layer_norm_train(b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b, eps);
+  be.gelu_tanh(b.act, b.fc1);
+}
+
 void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
                     const MergerBuffers& b, const Tensor& x, int64_t rows, bool post_shuffle,
                     bool gemms_beside) {

@@ -12,6 +12,7 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/recompute.h"
 #include "vision/vision_config.h"
 
 namespace iris {
@@ -79,6 +80,10 @@ struct VisionSegments {
 };
 void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                           const VisionBlockBuffers& b, const VisionSegments& seg);
+// Before a block's backward: rewrites the activations `mode` did not keep (selective: ln1, ln2,
+// act; full: the whole block from x_in, whose b.x_out must then be scratch).
+void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                            const VisionBlockBuffers& b, const VisionSegments& seg, Recompute mode);
 
 // A merger over `rows` patch rows of x: the main one normalises each patch before the 2x2
 // windows are concatenated (post_shuffle false), a DeepStack one the concatenated window. The

@@ -690,6 +690,7 @@ class CpuBackend final : public Backend {
     const float* hp = hyper.as<float>();
     int64_t* st = steps.as<int64_t>();
     const float scheduled_lr = lr.as<float>()[0], clip_coef = grad_stats.as<float>()[1];
+    if (!std::isfinite(grad_stats.as<float>()[0])) return;
     for (int64_t i = 0; i < n; ++i) {
       const float scale = hp[2 * i + 1];
       if (scale == 0.0f) continue;

@@ -1241,11 +1241,13 @@ __global__ void __launch_bounds__(kOptThreads)
 // scal[i] = {decay, neg_step_size, bc2_sqrt, 1} or all zeros when frozen.
 __global__ void adamw_prepare_kernel(float4* __restrict__ scal, int64_t* __restrict__ steps,
                                      const float* __restrict__ hyper, const float* __restrict__ lr,
-                                     int64_t n_tensors, float beta1, float beta2) {
+                                     const float* __restrict__ grad_stats, int64_t n_tensors,
+                                     float beta1, float beta2) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_tensors) return;
   const float scale = hyper[2 * i + 1];
-  if (scale == 0.f) {
+  // A non-finite gradient norm skips the whole step, as if every tensor were frozen.
+  if (scale == 0.f || !isfinite(grad_stats[0])) {
     scal[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
@@ -1583,7 +1585,7 @@ void launch_adamw_step(float* params, const float* grads, float* exp_avg, float*
   check_scratch(scratch, scratch_floats, adamw_scratch_floats(n_tensors), 16, "adamw_step");
   float4* scal = reinterpret_cast<float4*>(scratch);
   adamw_prepare_kernel<<<static_cast<unsigned>((n_tensors + kThreads - 1) / kThreads), kThreads, 0,
-                         s>>>(scal, steps, hyper, lr, n_tensors, beta1, beta2);
+                         s>>>(scal, steps, hyper, lr, grad_stats, n_tensors, beta1, beta2);
   IRIS_CUDA_LAUNCH_CHECK();
   AdamWConsts k;
   // As torch forms them: Python doubles, cast to f32.
