@@ -105,6 +105,8 @@ void expect_recompute_is_exact(Backend& be, const ModelConfig& cfg, ModelWeights
       if (tower_frozen && mode == Recompute::none)
         EXPECT_LT(m.activation_bytes(), ref.activation_bytes());
       EXPECT_LT(m.activation_bytes(), previous_bytes);
+      // The saving is real: the rest of the arena does not change.
+      EXPECT_EQ(m.arena_bytes() - m.activation_bytes(), ref.arena_bytes() - ref.activation_bytes());
       previous_bytes = m.activation_bytes();
     }
   }

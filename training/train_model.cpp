@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "bridge/rope_index.h"
 #include "language/mrope.h"
@@ -114,9 +115,12 @@ void TrainableQwen3VL::allocate(Arena& a) {
   const bool v_keep_all = !limits_.vision_tower_frozen && rc == Recompute::none;
   const bool v_keep_layer = !limits_.vision_tower_frozen && rc != Recompute::full;
   VisionBlockBuffers vs;
+  // The planning pass's tensors have no storage, so "already made" is tracked here, not by
+  // Tensor::defined().
+  std::set<const Tensor*> made;
   auto v_buf = [&](bool own, Tensor& shared, DType dt, std::vector<int64_t> shape) {
     if (own) return a.alloc(dt, shape);
-    if (!shared.defined()) shared = a.alloc(dt, shape);
+    if (made.insert(&shared).second) shared = a.alloc(dt, shape);
     return shared;
   };
   const size_t activations_start = a.used();
