@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 
+#include "apps/bench_common.h"
 #include "apps/commands.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/qwen3vl_model.h"
@@ -26,34 +27,7 @@
 namespace iris {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Median of `iters` timed runs of fn, in seconds. The warm-up repeats fn for at least 100 ms: a
-// GPU left idle (during graph capture, say) can drop its clocks and take a while to raise them;
-// with one warm-up call of a 1 ms phase, an H100 run timed graphs vision 1x256 at 5.49 ms while
-// its device span, taken next, was 1.34 ms.
-template <typename F>
-double time_median(Backend& be, int iters, F&& fn) {
-  const auto warm0 = Clock::now();
-  do {
-    fn();
-    be.synchronize();
-  } while (seconds_since(warm0) < 0.1);
-  std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    be.synchronize();
-    t.push_back(seconds_since(t0));
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 // Alternating pairs of two timed runs (first, second), in ms: the median of the quotients
 // second / first, and each side's median and range. The pairs keep a slow drift of the host out
@@ -100,36 +74,6 @@ std::string describe_pairs(const json& p, const std::string& first, const std::s
         "\n  UNSTABLE: a side's slowest run is over 1.5x its fastest (host stalls); do not "
         "rely on this ratio, rerun on a quiet machine";
   return out;
-}
-
-struct HardwareLimits {
-  double gemm_tflops = 0;
-  double copy_gbps = 0;  // bytes read + written per second / 1e9
-};
-
-HardwareLimits measure_limits(Backend& be, bool quick, int iters) {
-  HardwareLimits h;
-  const int64_t n = be.device() == Device::cuda ? (quick ? 4096 : 8192) : 512;
-  const int64_t copy_bytes = be.device() == Device::cuda ? (int64_t(1) << 30) : (int64_t(1) << 26);
-  Arena plan;
-  plan.alloc(be.compute_dtype(), {n, n});
-  plan.alloc(be.compute_dtype(), {n, n});
-  plan.alloc(be.compute_dtype(), {n, n});
-  plan.alloc(DType::f32, {copy_bytes / 4});
-  plan.alloc(DType::f32, {copy_bytes / 4});
-  Arena a(be, plan.used());
-  const Tensor x = a.alloc(be.compute_dtype(), {n, n}), w = a.alloc(be.compute_dtype(), {n, n}),
-               y = a.alloc(be.compute_dtype(), {n, n});
-  const Tensor src = a.alloc(DType::f32, {copy_bytes / 4}),
-               dst = a.alloc(DType::f32, {copy_bytes / 4});
-  be.fill_zero(x);
-  be.fill_zero(w);
-  be.fill_zero(src);
-  const double tg = time_median(be, iters, [&] { be.linear(y, x, w, Tensor(), false); });
-  h.gemm_tflops = 2.0 * double(n) * n * n / tg / 1e12;
-  const double tc = time_median(be, iters, [&] { be.copy(dst, src); });
-  h.copy_gbps = 2.0 * double(copy_bytes) / tc / 1e9;
-  return h;
 }
 
 // The vision tower's GEMMs for S patches: y[m,n] = x[m,k] w[n,k]^T + bias. fc1 carries the tanh
@@ -344,7 +288,12 @@ struct Row {
 }  // namespace
 
 int run_bench_command(int argc, char** argv) {
-  CLI::App app{"Benchmark inference of a Qwen3-VL geometry with random weights.", "iris bench"};
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--train") return run_bench_train(argc, argv);
+  CLI::App app{
+      "Benchmark inference of a Qwen3-VL geometry with random weights (iris bench --train "
+      "--help: training).",
+      "iris bench"};
   std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
   int iters = 5;
   bool quick = false;
@@ -675,15 +624,7 @@ int run_bench_command(int argc, char** argv) {
 
   json peer_results;
   if (!peer.empty()) {
-    FILE* p = popen(peer.c_str(), "r");
-    IRIS_CHECK(p != nullptr, "cannot run the peer command: ", peer);
-    std::string out;
-    char buf[4096];
-    while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-    const int rc = pclose(p);
-    IRIS_CHECK(rc == 0, "the peer command failed (exit ", rc, "): ", peer);
-    const size_t at = out.rfind("\n{");
-    peer_results = json::parse(at == std::string::npos ? out : out.substr(at + 1));
+    peer_results = run_peer(peer);
     results["peer"] = peer_results;
   }
 

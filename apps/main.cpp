@@ -18,7 +18,8 @@ struct Command {
 
 const Command kCommands[] = {
     {"generate", iris::run_generate_command, "images + text in, text out (streamed)"},
-    {"bench", iris::run_bench_command, "inference figures against the hardware limits and a peer"},
+    {"bench", iris::run_bench_command,
+     "inference (or --train) figures against the hardware limits and a peer"},
     {"train", iris::run_train_command,
      "train or fine-tune from a recipe (key.sub=value overrides)"},
     {"export", iris::run_export_command, "write a checkpoint as a Hugging Face model directory"},

@@ -235,6 +235,28 @@ TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
     EXPECT_NE(e.path().extension(), ".tmp") << "debris left: " << e.path();
 }
 
+TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
+  const std::string out = (root_ / "bench.json").string();
+  const Exit e =
+      iris({"bench",          "--train", "--config", test::fixture_dir() + "/config.json",
+            "--device",       "cpu",     "--image",  "64",
+            "--seq",          "96",      "--micro",  "2",
+            "--accumulation", "2",       "--steps",  "1",
+            "--recompute",    "full",    "--json",   out});
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("MFU of measured GEMM"), std::string::npos) << e.output;
+  const nlohmann::json j = nlohmann::json::parse(std::ifstream(out));
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
+  EXPECT_GT(j["gemm_tflops_measured"].get<double>(), 0.0);
+  // Random weights of std 0.02 predict nearly uniformly over the vocabulary: ln(151936) = 11.93.
+  EXPECT_NEAR(j["loss"].get<double>(), 11.93, 0.3);
+  const Exit bad = iris({"bench", "--train", "--config", test::fixture_dir() + "/config.json",
+                         "--device", "cpu", "--image", "64", "--seq", "5"});
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.output.find("--seq 5 leaves no room"), std::string::npos) << bad.output;
+}
+
 TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {
   const std::string recipe = write_recipe(2);
   const fs::path run = root_ / "run";
