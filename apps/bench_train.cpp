@@ -69,7 +69,7 @@ int run_bench_train(int argc, char** argv) {
               recompute = "none";
   int64_t image = 896, seq = 4096, micro = 1, accumulation = 8;
   int steps = 3, warmup = 1;
-  bool freeze_vision = false, freeze_merger = false, freeze_llm = false;
+  bool freeze_vision = false, freeze_merger = false, freeze_llm = false, profile = false;
   app.add_flag("--train", train, "benchmark training (this mode)")->required();
   app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
   app.add_option("--device", device, "cpu, cuda, cuda:N or auto")->capture_default_str();
@@ -88,6 +88,9 @@ int run_bench_train(int argc, char** argv) {
   app.add_flag("--freeze-merger", freeze_merger, "train.freeze_merger");
   app.add_flag("--freeze-language-model", freeze_llm, "train.freeze_language_model");
   app.add_option("--json", json_out, "also write the results as JSON to this file");
+  app.add_flag("--profile", profile,
+               "after the timed steps, bracket one more step for a profiler started with its "
+               "collection off (ncu --profile-from-start off)");
   app.add_option("--peer", peer,
                  "command printing the same figures as JSON, e.g. 'python3 "
                  "bench/peers/hf_transformers_train.py --config bench/configs/qwen3vl_2b.json "
@@ -99,6 +102,8 @@ int run_bench_train(int argc, char** argv) {
   }
   IRIS_CHECK(micro > 0 && accumulation > 0 && steps > 0 && warmup >= 0,
              "--micro, --accumulation and --steps must be positive, --warmup not negative");
+  // The peer runs first, while this process holds no device memory: both need most of it.
+  const json peer_results = peer.empty() ? json() : run_peer(peer);
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
   auto be = make_backend(dev);
   // As the trainer: no timing-based GEMM choices, so that runs repeat bit for bit.
@@ -159,6 +164,12 @@ int run_bench_train(int argc, char** argv) {
   IRIS_CHECK(std::isfinite(loss) && std::isfinite(norms.back()), "the benchmark's loss (", loss,
              ") or gradient norm (", norms.back(), ") is not finite");
 
+  if (profile) {
+    be->profiler_collect(true);
+    step();
+    be->profiler_collect(false);
+  }
+
   const TrainedParts parts{!freeze_vision, !freeze_merger, !freeze_llm};
   const double sample_flops =
       training_flops(cfg,
@@ -212,8 +223,8 @@ int run_bench_train(int argc, char** argv) {
               on_gpu ? "device memory in use" : "peak host memory", mem_mib,
               double(model.activation_bytes()) / (1 << 20));
   std::printf("  mean loss              %10.4f\n", loss);
-  if (!peer.empty()) {
-    const json p = run_peer(peer);
+  if (!peer_results.is_null()) {
+    const json& p = peer_results;
     results["peer"] = p;
     const double theirs = p.at("tokens_per_s").get<double>();
     std::printf("  vs peer tokens/s       iris %.0f  peer %.0f  ratio %.2fx\n", tokens_per_s,
