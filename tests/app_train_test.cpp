@@ -160,6 +160,12 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
     EXPECT_EQ(no_gpu.code, 1) << no_gpu.output;
     EXPECT_NE(no_gpu.output.find("set train.device=cpu"), std::string::npos) << no_gpu.output;
   }
+  // Valid graph settings are refused by a real run rather than accepted and not acted on.
+  const Exit graphs = iris({"train", "--recipe", recipe, "cuda_graph.vision_cuda_graph_impl=local",
+                            "cuda_graph.max_vision_cuda_graph_seq_length=4096",
+                            "checkpoint.dir=" + (root_ / "run_graphs").string()});
+  EXPECT_EQ(graphs.code, 1) << graphs.output;
+  EXPECT_NE(graphs.output.find("must be none for training"), std::string::npos) << graphs.output;
   const Exit missing = iris({"train", "--recipe", (root_ / "nope.yaml").string()});
   EXPECT_EQ(missing.code, 1);
   EXPECT_NE(missing.output.find("does not exist"), std::string::npos);

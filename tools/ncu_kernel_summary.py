@@ -23,7 +23,7 @@ def main():
             t = float(r[time_col].replace(",", "")) * scale
         except ValueError:
             continue
-        name = re.sub(r"<.*", "", r[name_col])[:90]
+        name = re.sub(r"\(.*", "", r[name_col].replace("<unnamed>", "anon"))[:110]
         by_name[name][0] += t
         by_name[name][1] += 1
         low = r[name_col].lower()

@@ -784,8 +784,8 @@ void validate(Recipe& r) {
   if (r.cuda_graph.language.impl != GraphImpl::none ||
       r.cuda_graph.vision.impl != VisionGraphImpl::none)
     r.notes.push_back(
-        "cuda_graph: validated; training runs on the CPU backend, which ignores "
-        "graphs");
+        "cuda_graph: valid, but training steps run eagerly for now: iris train refuses graph "
+        "settings other than none");
 }
 
 Recipe load(const std::string& text, const std::string& source,

@@ -183,6 +183,11 @@ void init_random_weights(Backend& backend, ModelWeights& weights, const std::str
 
 TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   const Recipe& r = recipe;
+  // A setting that would be accepted and then not acted on is refused instead.
+  IRIS_CHECK(r.cuda_graph.language.impl == GraphImpl::none &&
+                 r.cuda_graph.vision.impl == VisionGraphImpl::none,
+             "cuda_graph.cuda_graph_impl and cuda_graph.vision_cuda_graph_impl must be none for "
+             "training for now: training steps run eagerly (iris generate captures graphs)");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
   remove_checkpoint_debris(run_dir);
