@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""How far HF transformers' own bf16 training lands from its fp32 gradients on the tiny fixture:
+the same per-tensor relative L2 error that tests/training_gradients_test.cpp measures for Iris's
+CUDA step (CudaGoldenGradients), for (1) fp32 (should reproduce the golden), (2) bf16 autocast
+with fp32 weights (the usual mixed-precision setup, as bench/peers/hf_transformers_train.py), and
+(3) a bf16 model (bf16 weights, activations and gradients). It shows what error bf16 arithmetic
+itself costs at this fixture's far-end tensors.
+
+  python3 tools/hf_bf16_gradient_error.py tests/data/qwen3vl-tiny
+"""
+import math, sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3VLForConditionalGeneration
+
+
+def grads(model_dir, mode, g):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    model.to("cuda").train()
+    ids = g["input_ids"].cuda()
+    mm = ((ids == 151655).int() + 2 * (ids == 151656).int())
+    px = g["pixel_values"].cuda()
+    if mode == "bf16":
+        px = px.to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px,
+                    image_grid_thw=g["image_grid_thw"].cuda(), labels=g["labels"].cuda(),
+                    mm_token_type_ids=mm)
+    out.loss.backward()
+    rows = g["grad_rows_of_embedding"]
+    res = {}
+    for name, p in model.named_parameters():
+        gr = p.grad.detach().float().cpu()
+        if name == "model.language_model.embed_tokens.weight":
+            gr = gr[rows]
+        res[name] = gr
+    return out.loss.item(), res
+
+
+def main():
+    model_dir = sys.argv[1]
+    g = load_file(f"{model_dir}/golden.safetensors")
+    for mode in ("fp32", "autocast", "bf16"):
+        loss, res = grads(model_dir, mode, g)
+        errs = []
+        for name, gr in res.items():
+            want = g["grad." + name].float()
+            errs.append((math.sqrt(float(((gr - want).double() ** 2).sum()) /
+                                   max(float((want.double() ** 2).sum()), 1e-300)), name))
+        errs.sort(reverse=True)
+        over2 = sum(e > 0.02 for e, _ in errs)
+        print(f"{mode:8s} loss {loss:.6f}; worst per-tensor relative L2 {errs[0][0]:.4f} "
+              f"({errs[0][1]}); {over2} tensors over 2%, {sum(e > 0.01 for e, _ in errs)} over 1%")
+        for e, n in errs[:6]:
+            print(f"    {e:.4f} {n}")
+
+
+if __name__ == "__main__":
+    main()
