@@ -41,6 +41,15 @@ std::string clip_text(std::string_view text, size_t max_chars) {
   return std::string(text.substr(0, max_chars)) + "...";
 }
 
+std::string json_error_text(const std::exception& e) {
+  std::string_view text = e.what();
+  if (text.rfind("[json.exception.", 0) == 0) {
+    const size_t end = text.find("] ");
+    if (end != std::string_view::npos) text.remove_prefix(end + 2);
+  }
+  return clip_text(text);
+}
+
 json parse_json(std::string_view text, const std::string& source, int max_depth) {
   const int depth = json_nesting_depth(text, max_depth);
   IRIS_CHECK(depth <= max_depth, source, " nests arrays and objects more than ", max_depth,
@@ -48,7 +57,7 @@ json parse_json(std::string_view text, const std::string& source, int max_depth)
   try {
     return json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
-    IRIS_FAIL(source, " is not valid JSON (", clip_text(e.what()), ")");
+    IRIS_FAIL(source, " is not valid JSON (", json_error_text(e), ")");
   }
 }
 
@@ -73,7 +82,10 @@ void excerpt_into(const json& v, std::string& out, size_t limit, int depth) {
       if (out.size() >= limit) return;
       if (!first) out += ", ";
       first = false;
-      if (v.is_object()) out += json(it.key()).dump() + ": ";
+      if (v.is_object())
+        out +=
+            json(clip_text(it.key(), limit)).dump(-1, ' ', false, json::error_handler_t::replace) +
+            ": ";
       excerpt_into(it.value(), out, limit, depth + 1);
     }
     out += v.is_object() ? '}' : ']';

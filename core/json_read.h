@@ -30,6 +30,9 @@ int json_nesting_depth(std::string_view text, int stop_after);
 std::string json_excerpt(const nlohmann::json& value, size_t max_chars = 60);
 // `text` cut to `max_chars` with an ellipsis (exception texts can quote whole tokens).
 std::string clip_text(std::string_view text, size_t max_chars = 200);
+// A nlohmann exception's message without its "[json.exception.type_error.302] " code, clipped:
+// the part that says something to a user.
+std::string json_error_text(const std::exception& e);
 
 // Typed reads of one field. `where` names the file and the enclosing object, e.g.
 // "config.json: text_config"; errors read "<where>.<key> must be ..., got <excerpt>".

@@ -285,7 +285,7 @@ class Loader {
       load_pre_tokenizer(root.value("pre_tokenizer", json()));
       check_decoder(root.value("decoder", json()));
     } catch (const json::exception& e) {
-      IRIS_FAIL(source_, " has an unexpected structure (", clip_text(e.what()), ")");
+      IRIS_FAIL(source_, " has an unexpected structure (", json_error_text(e), ")");
     }
     return std::move(impl_);
   }

@@ -7,10 +7,12 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "test_util.h"
 #include "training/recipe.h"
 
@@ -443,6 +445,36 @@ TEST_F(RecipeTest, MaxImagePixelsIsASetting) {
   EXPECT_HAS(
       error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"data.max_image_pixels=0"}); }),
       "data.max_image_pixels");
+}
+
+// Inputs the recipe fuzzer (fuzz/fuzz_recipe.cpp) once crashed on, in its format: the YAML, then
+// after a line "----" one override per line. Each now loads or fails with an iris::Error.
+TEST_F(RecipeTest, FuzzFindingsLoadOrFailCleanly) {
+  const fs::path dir = fs::path(test::data_dir()) / "fuzz/regressions/recipe";
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    SCOPED_TRACE(entry.path().string());
+    const std::string text = read_text_file(entry.path().string());
+    const size_t at = text.find("\n----\n");
+    const std::string yaml = text.substr(0, at);
+    std::vector<std::string> overrides;
+    if (at != std::string::npos) {
+      std::istringstream lines(text.substr(at + 6));
+      for (std::string line; std::getline(lines, line);)
+        if (!line.empty()) overrides.push_back(line);
+    }
+    try {
+      load_recipe_text(yaml, "fuzz.yaml", overrides);
+    } catch (const Error&) {
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not an iris::Error: " << e.what();
+    }
+    ++n;
+  }
+  EXPECT_GE(n, 1);
+  // The first finding: a model.config string that is not UTF-8.
+  EXPECT_HAS(error_of([] { load_recipe_text("model:\n  config: {a: b\xff\xfe}\n", "r.yaml"); }),
+             "model.config holds text that is not valid UTF-8");
 }
 
 TEST_F(RecipeTest, SchemaDocumentsEveryKey) {

@@ -488,6 +488,39 @@ TEST(VisionImage, PixelLimitIsCheckedFromTheHeaderBeforeDecoding) {
       << msg;
 }
 
+TEST(VisionImage, PnmHeaderNumbersThatOverflowAreRejected) {
+  // stb 2.27 accumulates header numbers in an int without an overflow check.
+  const std::string pnm = "P5" + std::string(30, '5') + "6\n4 2\n255\n" + std::string(8, 'x');
+  const std::string msg = error_of(
+      [&] { decode_image(reinterpret_cast<const uint8_t*>(pnm.data()), pnm.size(), "big.pgm"); });
+  EXPECT_NE(msg.find("big.pgm: a number in its PNM header is too large"), std::string::npos) << msg;
+  // A long number inside a header comment is skipped, as stb skips it.
+  const std::string commented = "P5\n# 99999999999999999999\n2 1\n255\nab";
+  const ImageRGB8 img = decode_image(reinterpret_cast<const uint8_t*>(commented.data()),
+                                     commented.size(), "commented.pgm");
+  EXPECT_EQ(img.width, 2);
+  EXPECT_EQ(img.pixels[3], 'b');
+}
+
+// Inputs the image fuzzer (fuzz/fuzz_image.cpp) once crashed on: each is now an error or an
+// image, decoded under the fuzzer's settings.
+TEST(VisionImage, FuzzFindingsDecodeOrFailCleanly) {
+  const fs::path dir = fs::path(test::data_dir()) / "fuzz/regressions/image";
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    SCOPED_TRACE(entry.path().string());
+    const std::string bytes = read_text_file(entry.path().string());
+    try {
+      const ImageRGB8 img = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                         bytes.size(), "fuzz", int64_t{1} << 22);
+      check_image(img, "fuzz");
+    } catch (const Error&) {
+    }
+    ++n;
+  }
+  EXPECT_GE(n, 2);
+}
+
 TEST(VisionImage, AFifoIsRefusedNotWaitedOn) {
   const std::string fifo = (scratch_dir() / "image_fifo.png").string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -663,7 +696,6 @@ TEST(VisionImage, PaletteAndColourKeyTransparency) {
       make_png(2, 1, 2, {10, 20, 30, 40, 50, 60}, "", std::string{0, 10, 0, 20, 0, 30}), "rgb");
   EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{10, 20, 30, 40, 50, 60}));
 }
-
 
 TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
   // A smooth image survives JPEG at quality 95 to within a few levels, in colour and in grey.

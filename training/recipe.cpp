@@ -628,7 +628,13 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
       if (cp.is_relative()) cp = recipe_dir / cp;
       r.model.config_path = cp.lexically_normal().string();
     } else if (model_config.IsMap()) {
-      r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+      try {
+        r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+      } catch (const json::type_error&) {
+        // dump() refuses strings that are not UTF-8, as a config.json must be.
+        IRIS_FAIL("recipe: model.config holds text that is not valid UTF-8 (", model_config_where,
+                  ")");
+      }
     } else {
       IRIS_FAIL("recipe: model.config expects a path or a map of config.json fields, got a list (",
                 model_config_where, ")");

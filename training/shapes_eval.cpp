@@ -39,7 +39,7 @@ HeldoutSample parse_sample(const std::string& line, const std::string& where,
       }
     }
   } catch (const nlohmann::json::exception& e) {
-    IRIS_FAIL(where, ": not a shapes messages line (", clip_text(e.what()), ")");
+    IRIS_FAIL(where, ": not a shapes messages line (", json_error_text(e), ")");
   }
   IRIS_CHECK(!s.image.empty() && !s.reference.empty(), where,
              ": a shapes line needs a user image and an assistant caption");

@@ -88,6 +88,34 @@ std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
   return {};
 }
 
+// stb 2.27 parses a PNM header's numbers into an int without an overflow check (signed overflow,
+// undefined behaviour; fixed upstream later). Read the header exactly as stbi__pnm_info does and
+// reject a number stb would overflow on. Only P5 and P6 reach that parser.
+std::string pnm_header_problem(const uint8_t* d, size_t n) {
+  if (n < 2 || d[0] != 'P' || (d[1] != '5' && d[1] != '6')) return {};
+  size_t pos = 2;
+  auto at_eof = [&] { return pos >= n; };
+  auto get8 = [&]() -> char { return pos < n ? static_cast<char>(d[pos++]) : '\0'; };
+  auto is_space = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
+  };
+  char c = get8();
+  for (int field = 0; field < 3; ++field) {
+    for (;;) {  // stbi__pnm_skip_whitespace
+      while (!at_eof() && is_space(c)) c = get8();
+      if (at_eof() || c != '#') break;
+      while (!at_eof() && c != '\n' && c != '\r') c = get8();
+    }
+    int64_t value = 0;  // stbi__pnm_getinteger
+    while (!at_eof() && c >= '0' && c <= '9') {
+      value = value * 10 + (c - '0');
+      if (value > INT_MAX) return "a number in its PNM header is too large (corrupt PNM)";
+      c = get8();
+    }
+  }
+  return {};
+}
+
 // stb 2.27 keeps 16-bit PNM samples in host byte order instead of converting from the file's
 // big-endian order, so its 8-bit result holds the low bytes. Later versions convert. Probe once
 // which behaviour we are linked with rather than assume it.
@@ -156,6 +184,8 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const int len = static_cast<int>(size);
   const std::string jpeg_problem = jpeg_huffman_problem(data, size);
   IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
+  const std::string pnm_problem = pnm_header_problem(data, size);
+  IRIS_CHECK(pnm_problem.empty(), "cannot decode image ", name_for_errors, ": ", pnm_problem);
   const char* format = sniff_format(data, size);
   int w = 0, h = 0, channels = 0;
   if (!stbi_info_from_memory(data, len, &w, &h, &channels)) {

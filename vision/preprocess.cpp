@@ -156,7 +156,7 @@ PreprocessorConfig PreprocessorConfig::from_file(const std::string& path) {
   } catch (const Error& e) {
     IRIS_FAIL(path, ": ", e.what());
   } catch (const json::exception& e) {
-    IRIS_FAIL(path, ": unexpected value in preprocessor config: ", clip_text(e.what()));
+    IRIS_FAIL(path, ": unexpected value in preprocessor config: ", json_error_text(e));
   }
 }
 
