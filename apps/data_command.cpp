@@ -21,7 +21,11 @@ int run_data_command(int argc, char** argv) {
   uint64_t seed = 1;
   double heldout = 0.1;
   int image_size = 64;
+  bool force = false;
   shapes->add_option("--out", out_dir, "output directory")->required();
+  shapes->add_flag("--force", force,
+                   "replace the dataset already in --out (its train.jsonl, heldout.jsonl and "
+                   "images)");
   shapes->add_option("--n", n, "scenes in all (train + held out)")
       ->check(CLI::Range(1, 10000000))
       ->capture_default_str();
@@ -66,7 +70,7 @@ int run_data_command(int argc, char** argv) {
         words ? 100.0 * hits / words : 0.0);
     return 0;
   }
-  write_shapes_dataset(out_dir, n, seed, heldout, image_size);
+  write_shapes_dataset(out_dir, n, seed, heldout, image_size, force);
   std::printf("wrote %d shapes scenes (%g held out) to %s: train.jsonl, heldout.jsonl, images/\n",
               n, heldout, out_dir.c_str());
   return 0;

@@ -12,6 +12,7 @@
 #include "bridge/generator.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/vision_cuda_graph_helper.h"
+#include "core/fs.h"
 #include "core/graph_config.h"
 #include "core/safetensors.h"
 #include "language/tokenizer.h"
@@ -43,8 +44,25 @@ struct GenerateOptions {
   bool ignore_eos = false;
   bool no_cuda_graphs = false;
   std::string logits_out;
+  int64_t max_image_pixels = kDefaultMaxImagePixels;
   std::vector<std::pair<std::string, std::string>> graph_flags;
 };
+
+// --logits-out names a file to create or replace; it must not be one of the files this run reads
+// (a typo such as -m DIR --logits-out DIR/model.safetensors would destroy the checkpoint).
+void check_logits_out(const std::string& out, const std::string& model_dir,
+                      const std::vector<std::string>& images) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  IRIS_CHECK(!fs::is_directory(out, ec), "--logits-out ", out, " is a directory; name a file");
+  if (!fs::exists(out, ec)) return;
+  for (const auto& entry : fs::directory_iterator(model_dir, ec))
+    IRIS_CHECK(!same_file(out, entry.path().string()), "--logits-out ", out, " is ",
+               entry.path().string(), ", a file of the model directory; choose another path");
+  for (const std::string& image : images)
+    IRIS_CHECK(!same_file(out, image), "--logits-out ", out, " is the input image ", image,
+               "; choose another path");
+}
 
 }  // namespace
 
@@ -80,6 +98,11 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--logits-out", o.logits_out,
                  "write the logits after the prompt as f32 safetensors (tensor \"logits\"), "
                  "for parity checks against other implementations");
+  app.add_option("--max-image-pixels", o.max_image_pixels,
+                 "refuse images with more pixels than this (read from the file's header, before "
+                 "decoding)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->capture_default_str();
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
                "run eagerly on the GPU; graphs are on by default there (cuda_graph_impl local, "
@@ -119,6 +142,7 @@ int run_generate_command(int argc, char** argv) {
   namespace fs = std::filesystem;
   IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
              "' does not exist (pass -m with a Hugging Face checkpoint directory)");
+  if (!o.logits_out.empty()) check_logits_out(o.logits_out, o.model_dir, o.images);
   std::unique_ptr<Backend> backend = make_backend(device);
 
   const fs::path tok_path = fs::path(o.model_dir) / "tokenizer.json";
@@ -129,16 +153,17 @@ int run_generate_command(int argc, char** argv) {
   GraphModelTraits traits;
   traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
   traits.spatial_merge_size = cfg.vision.spatial_merge_size;
-  const PreprocessorConfig pre =
-      fs::exists(fs::path(o.model_dir) / "preprocessor_config.json")
-          ? PreprocessorConfig::from_file(
-                (fs::path(o.model_dir) / "preprocessor_config.json").string())
-          : PreprocessorConfig{};
+  const PreprocessorConfig pre = model_preprocessor(o.model_dir, cfg);
+  // Prompt ids index the embedding table: a tokenizer larger than the model's vocabulary would
+  // read past it.
+  IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
+             tokenizer.vocab_size(), " token ids but config.json's text_config.vocab_size is ",
+             cfg.text.vocab_size, "; the tokenizer belongs to another model");
 
   // Images are decoded before the model is sized so that the vision buffers fit them exactly.
   const auto t_pre = std::chrono::steady_clock::now();
   std::vector<ImageRGB8> images;
-  for (const std::string& path : o.images) images.push_back(load_image(path));
+  for (const std::string& path : o.images) images.push_back(load_image(path, o.max_image_pixels));
   PreprocessedBatch batch;
   if (!images.empty()) batch = preprocess_images(images, pre);
   const double preprocess_ms = ms_since(t_pre);
@@ -178,6 +203,7 @@ int run_generate_command(int argc, char** argv) {
   req.sampling.top_p = o.top_p;
   req.sampling.min_p = o.min_p;
   req.sampling.repetition_penalty = o.repeat_penalty;
+  req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
 
   req.keep_prompt_logits = !o.logits_out.empty();

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "apps/commands.h"
@@ -44,6 +45,12 @@ int main(int argc, char** argv) {
       return c.run(argc - 1, argv + 1);
     } catch (const iris::Error& e) {
       std::fprintf(stderr, "iris %s: error: %s\n", c.name, e.what());
+      return 1;
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr,
+                   "iris %s: error: out of memory (the model, images or limits asked for more "
+                   "than this machine has)\n",
+                   c.name);
       return 1;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "iris %s: unexpected error: %s\n", c.name, e.what());

@@ -1,10 +1,12 @@
 #include "bridge/generator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/fs.h"
+#include "core/json_read.h"
 
 namespace iris {
 namespace {
@@ -47,7 +49,7 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
   t.prefill_ms = ms_since(t0);
   if (req.keep_prompt_logits) res.prompt_logits = logits;
 
-  Sampler sampler(req.sampling);
+  Sampler sampler(req.sampling, req.sampleable);
   std::vector<int32_t> history = req.prompt_ids;
   history.reserve(history.size() + static_cast<size_t>(req.max_new_tokens));
   t0 = std::chrono::steady_clock::now();
@@ -70,35 +72,38 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
   return res;
 }
 
+std::vector<uint8_t> sampleable_ids(const Tokenizer& tokenizer, int32_t vocab_size) {
+  std::vector<uint8_t> mask(static_cast<size_t>(std::max(vocab_size, 0)));
+  for (int32_t id = 0; id < vocab_size; ++id) mask[id] = tokenizer.contains_id(id) ? 1 : 0;
+  return mask;
+}
+
 std::set<int32_t> default_stop_ids(const std::string& dir,
                                    const std::function<int32_t(const std::string&)>& find_id) {
   namespace fs = std::filesystem;
   std::set<int32_t> ids;
   const fs::path gen = fs::path(dir) / "generation_config.json";
   if (fs::exists(gen)) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(read_text_file(gen.string()));
-    } catch (const nlohmann::json::exception& e) {
-      IRIS_FAIL(gen.string(), " is not valid JSON (", e.what(), ")");
-    }
-    if (j.contains("eos_token_id")) {
+    const nlohmann::json j = read_json_file(gen.string(), "generation config");
+    if (j.is_object() && j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
       const auto& e = j["eos_token_id"];
-      if (e.is_number_integer()) ids.insert(e.get<int32_t>());
-      if (e.is_array())
-        for (const auto& v : e) ids.insert(v.get<int32_t>());
+      const std::string where = gen.string() + ": eos_token_id";
+      if (e.is_array()) {
+        for (size_t i = 0; i < e.size(); ++i)
+          ids.insert(static_cast<int32_t>(
+              json_integer(e[i], where, "[" + std::to_string(i) + "]", 0, INT32_MAX)));
+      } else {
+        ids.insert(
+            static_cast<int32_t>(json_integer(e, gen.string(), "eos_token_id", 0, INT32_MAX)));
+      }
     }
   }
   if (!ids.empty()) return ids;
   const fs::path tc = fs::path(dir) / "tokenizer_config.json";
   if (fs::exists(tc)) {
-    try {
-      const auto j = nlohmann::json::parse(read_text_file(tc.string()));
-      if (j.contains("eos_token") && j["eos_token"].is_string())
-        ids.insert(find_id(j["eos_token"].get<std::string>()));
-    } catch (const nlohmann::json::exception& e) {
-      IRIS_FAIL(tc.string(), " is not valid JSON (", e.what(), ")");
-    }
+    const auto j = read_json_file(tc.string(), "tokenizer config");
+    if (j.is_object() && j.contains("eos_token") && j["eos_token"].is_string())
+      ids.insert(find_id(j["eos_token"].get<std::string>()));
   }
   if (ids.empty()) ids = {find_id("<|im_end|>"), find_id("<|endoftext|>")};
   return ids;

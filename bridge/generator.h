@@ -10,6 +10,7 @@
 
 #include "bridge/qwen3vl_model.h"
 #include "language/sampler.h"
+#include "language/tokenizer.h"
 
 namespace iris {
 
@@ -31,6 +32,8 @@ struct GenerationRequest {
   int max_new_tokens = 128;
   std::set<int32_t> stop_ids;  // generation ends after emitting one of these (not streamed)
   SamplingParams sampling;
+  // Per output row: may it be sampled (sampleable_ids()); empty lets every row be chosen.
+  std::vector<uint8_t> sampleable;
   bool keep_prompt_logits = false;  // return the logits after the prompt (for parity checks)
 };
 
@@ -44,6 +47,11 @@ struct GenerationResult {
 // on_token is called for every generated token, in order, before the next is computed.
 GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& request,
                           const std::function<void(int32_t)>& on_token = nullptr);
+
+// One entry per output row of the model: 1 where the tokenizer has a token of that id. Qwen
+// checkpoints have 151,936 rows for 151,669 tokens; the rest are padding, which sampling must
+// never choose (no text decodes to them).
+std::vector<uint8_t> sampleable_ids(const Tokenizer& tokenizer, int32_t vocab_size);
 
 // The stop ids of a checkpoint directory: generation_config.json eos_token_id (int or list),
 // else tokenizer_config.json eos_token resolved through `find_id`, else Qwen's <|im_end|> and

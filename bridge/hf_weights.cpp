@@ -1,6 +1,10 @@
 #include "bridge/hf_weights.h"
 
+#include <cmath>
 #include <cstring>
+#include <set>
+
+#include "core/json_read.h"
 
 namespace iris {
 namespace {
@@ -120,6 +124,16 @@ std::vector<std::string> name_candidates(const std::string& name) {
   return c;
 }
 
+// Tensors a checkpoint may hold beyond the model's: rotary inv_freq buffers that older exports
+// saved, and an lm_head that duplicates tied embeddings (HF ignores both on load).
+bool ignorable_extra_tensor(const std::string& name, const ModelConfig& cfg) {
+  const std::string suffix = ".inv_freq";
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return true;
+  return cfg.tie_word_embeddings && name == "lm_head.weight";
+}
+
 }  // namespace
 
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg) {
@@ -142,9 +156,14 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
 std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
                                            const std::string& dir) {
   SafetensorsCheckpoint ckpt(dir);
-  auto w = allocate_weights(backend, cfg);
-  std::vector<float> host;
-  for (const WeightBinding& b : w->bindings) {
+  // Match every declared tensor to the checkpoint before allocating anything, so that a config
+  // that disagrees with its weights is a clear error rather than a huge allocation.
+  ModelWeights layout;
+  Planner unused_planner;
+  declare(cfg, layout, unused_planner);
+  std::vector<const SafetensorsEntry*> sources;
+  std::set<std::string> used;
+  for (const WeightBinding& b : layout.bindings) {
     const SafetensorsEntry* e = nullptr;
     for (const std::string& n : name_candidates(b.hf_name))
       if (ckpt.contains(n)) {
@@ -153,16 +172,42 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
       }
     IRIS_CHECK(e != nullptr, "checkpoint ", dir, " is missing tensor '", b.hf_name,
                "' (expected shape ", shape_text(b.hf_shape),
-               "); is this a Qwen3-VL checkpoint matching its config.json?");
+               "); is this a Qwen3-VL checkpoint matching its config.json (num_hidden_layers, "
+               "vision depth, deepstack_visual_indexes, tie_word_embeddings)?");
     IRIS_CHECK(e->dtype == DType::bf16 || e->dtype == DType::f16 || e->dtype == DType::f32, e->file,
                ": tensor '", e->name, "' has dtype ", dtype_name(e->dtype),
                "; weights must be bf16, f16 or f32");
     IRIS_CHECK(e->shape == b.hf_shape, e->file, ": tensor '", e->name, "' has shape ",
-               shape_text(e->shape), " but the config implies ", shape_text(b.hf_shape));
+               shape_text(e->shape), " but config.json implies ", shape_text(b.hf_shape));
+    sources.push_back(e);
+    used.insert(e->name);
+  }
+  // A tensor nothing reads means config.json describes a smaller model than the weights (fewer
+  // layers, blocks or deepstack mergers): running it would silently drop part of the model.
+  std::vector<std::string> unused;
+  for (const std::string& name : ckpt.names())
+    if (!used.count(name) && !ignorable_extra_tensor(name, cfg)) unused.push_back(name);
+  IRIS_CHECK(unused.empty(), "checkpoint ", dir, " holds ", unused.size(),
+             " tensor(s) that its config.json does not describe, e.g. '",
+             unused.empty() ? std::string() : clip_text(unused.front(), 120),
+             "'; config.json and the weights disagree (check text_config.num_hidden_layers, "
+             "vision_config.depth and deepstack_visual_indexes)");
+
+  auto w = allocate_weights(backend, cfg);
+  std::vector<float> host;
+  for (size_t i = 0; i < w->bindings.size(); ++i) {
+    const WeightBinding& b = w->bindings[i];
+    const SafetensorsEntry& e = *sources[i];
     int64_t n = 1;
     for (int64_t d : b.hf_shape) n *= d;
     host.resize(static_cast<size_t>(n));
-    convert_to_f32(*e, host.data());
+    convert_to_f32(e, host.data());
+    // The conversion has just touched every element, so this costs little beside it; a NaN or
+    // Inf weight otherwise surfaces only as NaN logits, far from its cause.
+    for (size_t k = 0; k < host.size(); ++k)
+      IRIS_CHECK(std::isfinite(host[k]), e.file, ": tensor '", e.name,
+                 "' holds a non-finite value (", host[k], " at element ", k,
+                 "); the checkpoint is corrupt");
     const int64_t rows = b.hf_shape[0];
     backend.write(b.target->slice(b.row_offset, b.row_offset + rows), host.data(), DType::f32);
   }

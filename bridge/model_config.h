@@ -4,6 +4,7 @@
 #include <string>
 
 #include "language/text_config.h"
+#include "vision/preprocess.h"
 #include "vision/vision_config.h"
 
 namespace iris {
@@ -21,7 +22,17 @@ struct ModelConfig {
   // Reads config.json (nested Qwen3-VL layout; rope_parameters or legacy rope_scaling +
   // rope_theta). Errors name the file and the field.
   static ModelConfig from_file(const std::string& config_json_path);
+  // Every value is typed and range-checked (integers must be integers, sizes positive, rope_theta
+  // and rms_norm_eps positive, deepstack_visual_indexes strictly increasing).
   static ModelConfig from_json_text(const std::string& text, const std::string& source_name);
 };
+
+// The checkpoint's preprocessor_config.json (or, without one, the defaults with the model's patch
+// geometry), checked against the model: pixel rows made with another patch_size,
+// temporal_patch_size or merge_size would not be the rows the vision tower reads.
+PreprocessorConfig model_preprocessor(const std::string& model_dir, const ModelConfig& cfg);
+void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
+                                const std::string& config_name,
+                                const std::string& preprocessor_name);
 
 }  // namespace iris

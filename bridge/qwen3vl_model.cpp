@@ -76,6 +76,12 @@ void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver
   IRIS_CHECK(L <= limits_.max_context, "the prompt has ", L,
              " tokens, more than the maximum context of ", limits_.max_context,
              " (raise --ctx-size)");
+  // The ids index the embedding table; the CUDA gather does not check them.
+  const int32_t vocab = cfg_.text.vocab_size;
+  for (int64_t i = 0; i < L; ++i)
+    IRIS_CHECK(ids[i] >= 0 && ids[i] < vocab, "prompt token ", i, " has id ", ids[i],
+               ", outside the model's vocabulary of ", vocab,
+               " (text_config.vocab_size); the tokenizer and config.json disagree");
   const int32_t pad = cfg_.image_token_id;
   const int64_t n_pads = std::count(ids.begin(), ids.end(), pad);
   IRIS_CHECK(n_pads == vision_rows_, "the prompt has ", n_pads, " <|image_pad|> tokens but the ",
@@ -134,6 +140,8 @@ void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver
 
 void Qwen3VLModel::decode(int32_t token) {
   IRIS_CHECK(n_past_ > 0, "decode() needs a prefilled prompt");
+  IRIS_CHECK(token >= 0 && token < cfg_.text.vocab_size, "token id ", token,
+             " is outside the model's vocabulary of ", cfg_.text.vocab_size);
   const int64_t position = n_past_ + rope_.delta;
   mrope_tables_1d(cfg_.text, position, 1, cos_.data(), sin_.data());
   decoder_->upload_step(&token, cos_.data(), sin_.data(), 1, n_past_);

@@ -15,6 +15,8 @@ class Error : public std::runtime_error {
 };
 
 [[noreturn]] void throw_error(const char* file, int line, const std::string& message);
+// IRIS_DEBUG=1 (any value but empty or 0) appends the source file and line to every Error.
+bool debug_locations_enabled();
 
 namespace detail {
 inline void format_into(std::ostringstream&) {}
@@ -34,7 +36,7 @@ std::string str_cat(const Args&... args) {
 
 }  // namespace iris
 
-// User-facing failure with file:line appended.
+// User-facing failure (with the source file:line appended under IRIS_DEBUG=1).
 #define IRIS_FAIL(...) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__))
 
 // Precondition check; the message says what was expected.

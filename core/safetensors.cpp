@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/fs.h"
+#include "core/json_read.h"
 
 namespace iris {
 
@@ -47,12 +48,12 @@ const char* dtype_tag(DType t) {
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  IRIS_CHECK(fd >= 0, "cannot open safetensors file ", path, ": ", std::strerror(errno));
+  const int fd = open_regular_file(path, "safetensors file");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
+    const int err = errno;
     ::close(fd);
-    IRIS_FAIL("cannot stat ", path, ": ", std::strerror(errno));
+    IRIS_FAIL("cannot stat ", path, ": ", std::strerror(err));
   }
   size_ = static_cast<size_t>(st.st_size);
   if (size_ < 8) {
@@ -60,72 +61,112 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     IRIS_FAIL(path, " is truncated: ", size_, " bytes, too short for a safetensors header");
   }
   map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
   ::close(fd);
-  IRIS_CHECK(map_ != MAP_FAILED, "cannot mmap ", path, ": ", std::strerror(errno));
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    IRIS_FAIL("cannot mmap ", path, ": ", std::strerror(map_err));
+  }
   try {
-    const auto* bytes = static_cast<const unsigned char*>(map_);
-    uint64_t header_len = 0;
-    std::memcpy(&header_len, bytes, 8);
-    IRIS_CHECK(header_len <= size_ - 8, path, " is truncated or corrupt: header length ",
-               header_len, " exceeds the file size ", size_);
-    nlohmann::json header;
-    try {
-      header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_len);
-    } catch (const nlohmann::json::exception& e) {
-      IRIS_FAIL(path, ": the safetensors header is not valid JSON (", e.what(), ")");
-    }
-    IRIS_CHECK(header.is_object(), path, ": the safetensors header is not a JSON object");
-    const size_t data_begin = 8 + header_len;
-    const size_t data_size = size_ - data_begin;
-    std::vector<std::pair<size_t, size_t>> ranges;
-    for (auto it = header.begin(); it != header.end(); ++it) {
-      if (it.key() == "__metadata__") {
-        if (it.value().is_object())
-          for (auto m = it.value().begin(); m != it.value().end(); ++m)
-            if (m.value().is_string()) metadata_[m.key()] = m.value().get<std::string>();
-        continue;
-      }
-      const auto& v = it.value();
-      IRIS_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") &&
-                     v.contains("data_offsets") && v["data_offsets"].is_array() &&
-                     v["data_offsets"].size() == 2 && v["shape"].is_array(),
-                 path, ": header entry for '", it.key(),
-                 "' needs dtype, shape and two data_offsets");
-      SafetensorsEntry e;
-      e.name = it.key();
-      e.file = path;
-      e.dtype = parse_dtype(v["dtype"].get<std::string>(), path, e.name);
-      int64_t numel = 1;
-      for (const auto& d : v["shape"]) {
-        IRIS_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, path, ": tensor '", e.name,
-                   "' has an invalid shape entry");
-        e.shape.push_back(d.get<int64_t>());
-        numel *= e.shape.back();
-      }
-      const auto& off = v["data_offsets"];
-      IRIS_CHECK(off[0].is_number_unsigned() && off[1].is_number_unsigned(), path, ": tensor '",
-                 e.name, "' has non-integer data_offsets");
-      const size_t begin = off[0].get<size_t>(), end = off[1].get<size_t>();
-      IRIS_CHECK(begin <= end && end <= data_size, path, ": tensor '", e.name,
-                 "' has data_offsets [", begin, ", ", end, ") that run past the data section (",
-                 data_size, " bytes); the file is truncated or corrupt");
-      e.nbytes = end - begin;
-      IRIS_CHECK(e.nbytes == static_cast<size_t>(numel) * dtype_size(e.dtype), path, ": tensor '",
-                 e.name, "' holds ", e.nbytes, " bytes but its shape and dtype need ",
-                 static_cast<size_t>(numel) * dtype_size(e.dtype));
-      e.data = bytes + data_begin + begin;
-      ranges.emplace_back(begin, end);
-      entries_.emplace(e.name, std::move(e));
-    }
-    std::sort(ranges.begin(), ranges.end());
-    for (size_t i = 1; i < ranges.size(); ++i)
-      IRIS_CHECK(ranges[i].first >= ranges[i - 1].second, path,
-                 ": two tensors' data_offsets overlap; the file is corrupt");
+    parse_header();
   } catch (...) {
     ::munmap(map_, size_);
     map_ = nullptr;
     throw;
   }
+}
+
+// The checks of the reference implementation (huggingface/safetensors, Metadata::validate and
+// SafeTensors::read_metadata): a header of at most 100 MB that is a JSON object, every tensor's
+// byte count equal to its shape's element count times its dtype's size without overflow, and the
+// tensors' ranges tiling the data section exactly: sorted by offset they start at 0, each begins
+// where the previous ends, and the last ends at the end of the file. A header length that is off
+// by even one byte therefore fails instead of shifting every tensor.
+void SafetensorsFile::parse_header() {
+  constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+  const auto* bytes = static_cast<const unsigned char*>(map_);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes, 8);
+  IRIS_CHECK(header_len <= kMaxHeaderBytes, path_, ": the safetensors header claims ", header_len,
+             " bytes, more than the 100 MB limit; the file is corrupt or not safetensors");
+  IRIS_CHECK(header_len <= size_ - 8, path_, " is truncated or corrupt: header length ", header_len,
+             " exceeds the file size ", size_);
+  IRIS_CHECK(header_len >= 2 && bytes[8] == '{', path_,
+             ": the safetensors header does not start with '{'; the file is corrupt or not "
+             "safetensors");
+  const std::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
+  const nlohmann::json header = parse_json(text, path_ + " (safetensors header)");
+  IRIS_CHECK(header.is_object(), path_, ": the safetensors header is not a JSON object");
+  const size_t data_begin = 8 + header_len;
+  const uint64_t data_size = size_ - data_begin;
+  struct Range {
+    uint64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Range> ranges;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string where = path_ + ": tensor '" + clip_text(it.key(), 120) + "'";
+    if (it.key() == "__metadata__") {
+      IRIS_CHECK(it.value().is_object(), path_, ": __metadata__ must be an object of strings, got ",
+                 json_excerpt(it.value()));
+      for (auto m = it.value().begin(); m != it.value().end(); ++m)
+        metadata_[m.key()] = json_string(m.value(), path_ + ": __metadata__", m.key());
+      continue;
+    }
+    const auto& v = it.value();
+    IRIS_CHECK(
+        v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+        where, " needs dtype, shape and data_offsets, got ", json_excerpt(v));
+    SafetensorsEntry e;
+    e.name = it.key();
+    e.file = path_;
+    e.dtype = parse_dtype(json_string(v["dtype"], where, "dtype"), path_, e.name);
+    const auto& shape = v["shape"];
+    IRIS_CHECK(shape.is_array(), where, ": shape must be a list of integers, got ",
+               json_excerpt(shape));
+    uint64_t numel = 1;
+    for (const auto& d : shape) {
+      const int64_t n = json_integer(d, where, "shape", 0, INT64_MAX);
+      e.shape.push_back(n);
+      IRIS_CHECK(!__builtin_mul_overflow(numel, static_cast<uint64_t>(n), &numel), where,
+                 ": the element count of shape ", json_excerpt(shape), " overflows 64 bits");
+    }
+    uint64_t nbytes = 0;
+    IRIS_CHECK(!__builtin_mul_overflow(numel, uint64_t(dtype_size(e.dtype)), &nbytes), where,
+               ": the byte size of shape ", json_excerpt(shape), " overflows 64 bits");
+    const auto& off = v["data_offsets"];
+    IRIS_CHECK(off.is_array() && off.size() == 2, where,
+               ": data_offsets must be a list of two integers, got ", json_excerpt(off));
+    const uint64_t begin = json_integer(off[0], where, "data_offsets[0]", 0, INT64_MAX);
+    const uint64_t end = json_integer(off[1], where, "data_offsets[1]", 0, INT64_MAX);
+    IRIS_CHECK(begin <= end && end <= data_size, where, ": data_offsets [", begin, ", ", end,
+               ") run past the data section (", data_size,
+               " bytes); the file is truncated or corrupt");
+    IRIS_CHECK(end - begin == nbytes, where, ": data_offsets hold ", end - begin,
+               " bytes but shape ", json_excerpt(shape), " and dtype ", dtype_tag(e.dtype),
+               " need ", nbytes);
+    e.nbytes = static_cast<size_t>(nbytes);
+    e.data = bytes + data_begin + begin;
+    auto placed = entries_.emplace(e.name, std::move(e));
+    ranges.push_back({begin, end, &placed.first->first});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t expected = 0;
+  for (const Range& r : ranges) {
+    IRIS_CHECK(r.begin >= expected, path_, ": tensor '", clip_text(*r.name, 120),
+               "' overlaps the tensor before it (data_offsets start at ", r.begin,
+               ", the previous tensor ends at ", expected, "); the file is corrupt");
+    IRIS_CHECK(r.begin == expected, path_, ": ", r.begin - expected, " bytes before tensor '",
+               clip_text(*r.name, 120),
+               "' belong to no tensor (a gap in data_offsets); the file is corrupt");
+    expected = r.end;
+  }
+  IRIS_CHECK(expected == data_size, path_, ": the tensors cover ", expected,
+             " bytes of a data section of ", data_size,
+             " (bytes past the last tensor, or a header length that is off); the file is "
+             "corrupt");
 }
 
 SafetensorsFile::~SafetensorsFile() {
@@ -144,14 +185,24 @@ void convert_to_f32(const SafetensorsEntry& e, float* dst) {
     case DType::f32:
       std::memcpy(dst, e.data, e.nbytes);
       return;
+    // A tensor's offset in the file need not be a multiple of its element size (the header
+    // length is any number), so elements are copied out rather than read through a uint16_t*.
     case DType::bf16: {
-      const auto* s = static_cast<const uint16_t*>(e.data);
-      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      const auto* s = static_cast<const unsigned char*>(e.data);
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, s + 2 * i, 2);
+        dst[i] = bf16_to_f32(h);
+      }
       return;
     }
     case DType::f16: {
-      const auto* s = static_cast<const uint16_t*>(e.data);
-      for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      const auto* s = static_cast<const unsigned char*>(e.data);
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, s + 2 * i, 2);
+        dst[i] = f16_to_f32(h);
+      }
       return;
     }
     default:
@@ -177,17 +228,19 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   std::vector<std::string> shard_files;
+  std::map<std::string, std::string> shard_of;  // tensor name -> shard file, from the index
   if (fs::exists(index)) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(read_text_file(index.string()));
-    } catch (const nlohmann::json::exception& e) {
-      IRIS_FAIL(index.string(), " is not valid JSON (", e.what(), ")");
-    }
-    IRIS_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), index.string(),
-               " has no weight_map object");
+    const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
+    IRIS_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
+               index.string(), " has no weight_map object");
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      const std::string f = it.value().get<std::string>();
+      const std::string f =
+          json_string(it.value(), index.string() + ": weight_map", clip_text(it.key(), 120));
+      // Shards live in the checkpoint directory; an index must not send the loader elsewhere.
+      IRIS_CHECK(!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..",
+                 index.string(), ": weight_map names shard '", clip_text(f, 120),
+                 "', which is not a file name inside the checkpoint directory");
+      shard_of[it.key()] = f;
       if (std::find(shard_files.begin(), shard_files.end(), f) == shard_files.end())
         shard_files.push_back(f);
     }
@@ -200,10 +253,21 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
   for (const auto& f : shard_files) {
     files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / f).string()));
     for (const auto& [name, e] : files_.back()->entries()) {
-      IRIS_CHECK(index_.count(name) == 0, "tensor '", name, "' appears in two shards of ", dir);
+      IRIS_CHECK(index_.count(name) == 0, "tensor '", clip_text(name, 120),
+                 "' appears in two shards of ", dir);
+      if (!shard_of.empty()) {
+        auto listed = shard_of.find(name);
+        IRIS_CHECK(listed != shard_of.end() && listed->second == f, e.file, " holds tensor '",
+                   clip_text(name, 120), "', which ", index.string(),
+                   listed == shard_of.end() ? " does not list" : " places in another shard",
+                   "; the index and its shards disagree");
+      }
       index_[name] = &e;
     }
   }
+  for (const auto& [name, f] : shard_of)
+    IRIS_CHECK(index_.count(name) != 0, index.string(), " lists tensor '", clip_text(name, 120),
+               "' in ", f, ", which does not hold it; the index and its shards disagree");
 }
 
 const SafetensorsEntry& SafetensorsCheckpoint::at(const std::string& name) const {

@@ -19,8 +19,9 @@ struct SafetensorsEntry {
   std::string file;  // for error messages
 };
 
-// One mapped file. Every header field is validated on open: dtype known, shape consistent with
-// the byte range, ranges inside the file and not overlapping.
+// One mapped file, validated on open as strictly as the reference implementation: dtype known,
+// shape consistent with the byte range without overflow, and the ranges tiling the data section
+// exactly (no gap, no overlap, no trailing bytes).
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);
@@ -37,6 +38,8 @@ class SafetensorsFile {
   HostTensor load(const std::string& name) const;
 
  private:
+  void parse_header();
+
   std::string path_;
   void* map_ = nullptr;
   size_t size_ = 0;

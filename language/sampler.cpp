@@ -2,13 +2,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/error.h"
 
 namespace iris {
 
-Sampler::Sampler(const SamplingParams& p) : params_(p), rng_(p.seed) {
+Sampler::Sampler(const SamplingParams& p, std::vector<uint8_t> sampleable)
+    : params_(p), sampleable_(std::move(sampleable)), rng_(p.seed) {
+  IRIS_CHECK(sampleable_.empty() ||
+                 std::find(sampleable_.begin(), sampleable_.end(), uint8_t{1}) != sampleable_.end(),
+             "no token id may be sampled: the tokenizer decodes none of the model's output rows");
   IRIS_CHECK(p.temperature >= 0.0f, "temperature must be >= 0, got ", p.temperature);
   IRIS_CHECK(p.top_k >= 0, "top-k must be >= 0, got ", p.top_k);
   IRIS_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top-p must be in (0, 1], got ", p.top_p);
@@ -20,6 +25,15 @@ Sampler::Sampler(const SamplingParams& p) : params_(p), rng_(p.seed) {
 int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& history) {
   const int32_t V = static_cast<int32_t>(logits.size());
   IRIS_CHECK(V > 0, "cannot sample from an empty vocabulary");
+  IRIS_CHECK(sampleable_.empty() || sampleable_.size() == logits.size(), "the sampler's mask has ",
+             sampleable_.size(), " entries but the model gives ", V, " logits");
+  constexpr float kNever = -std::numeric_limits<float>::infinity();
+  for (int32_t i = 0; i < V; ++i) {
+    // A NaN would break the orderings below; it means broken weights or inputs, not a choice.
+    IRIS_CHECK(!std::isnan(logits[i]), "the model produced a NaN logit (token id ", i,
+               "); its weights or inputs hold non-finite values");
+    if (!sampleable_.empty() && !sampleable_[i]) logits[i] = kNever;
+  }
   if (params_.repetition_penalty != 1.0f) {
     // As in HF: divide positive logits, multiply negative ones, once per distinct token.
     std::vector<int32_t> seen(history);
@@ -31,8 +45,11 @@ int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& 
       l = l > 0 ? l / params_.repetition_penalty : l * params_.repetition_penalty;
     }
   }
-  if (params_.temperature == 0.0f)
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  if (params_.temperature == 0.0f) {
+    const auto best = std::max_element(logits.begin(), logits.end());
+    IRIS_CHECK(*best != kNever, "every token's logit is -inf; nothing can be sampled");
+    return static_cast<int32_t>(best - logits.begin());
+  }
 
   candidates_.resize(V);
   std::iota(candidates_.begin(), candidates_.end(), 0);
@@ -46,6 +63,10 @@ int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& 
   } else {
     std::sort(candidates_.begin(), candidates_.end(), by_logit);
   }
+  // Masked ids sort last; they stay out of the candidates, so even rounding in the draw below
+  // cannot pick one.
+  while (n > 0 && logits[candidates_[n - 1]] == kNever) --n;
+  IRIS_CHECK(n > 0, "every token's logit is -inf; nothing can be sampled");
   probs_.resize(n);
   const float mx = logits[candidates_[0]];
   double sum = 0.0;

@@ -19,14 +19,18 @@ struct SamplingParams {
 
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& params);
-  // logits: one row of vocab_size floats (modified in place by the penalty); history: tokens
-  // seen so far.
+  // `sampleable`, when not empty, has one entry per logit: ids whose entry is 0 are never chosen
+  // (a checkpoint's output rows past the tokenizer's last token are padding that no text
+  // decodes to).
+  explicit Sampler(const SamplingParams& params, std::vector<uint8_t> sampleable = {});
+  // logits: one row of vocab_size floats (modified in place by the penalty and the mask);
+  // history: tokens seen so far. Throws iris::Error for NaN logits.
   int32_t sample(std::vector<float>& logits, const std::vector<int32_t>& history);
   const SamplingParams& params() const { return params_; }
 
  private:
   SamplingParams params_;
+  std::vector<uint8_t> sampleable_;
   std::mt19937_64 rng_;
   std::vector<int32_t> candidates_;  // reused across calls
   std::vector<float> probs_;

@@ -17,6 +17,8 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/fs.h"
+#include "core/json_read.h"
 #include "language/unicode_nfc.h"
 #include "language/unicode_utf8.h"
 
@@ -267,10 +269,10 @@ class Loader {
   std::shared_ptr<Tokenizer::Impl> load(std::string_view text) {
     json root;
     try {
-      root = json::parse(text.begin(), text.end());
-    } catch (const json::exception& e) {
-      IRIS_FAIL(source_, " is not valid JSON (", e.what(),
-                "): re-fetch it with scripts/fetch_tokenizer.sh or point to a tokenizer.json");
+      root = parse_json(text, source_);
+    } catch (const Error& e) {
+      IRIS_FAIL(e.what(),
+                "; re-fetch it with scripts/fetch_tokenizer.sh or point to a tokenizer.json");
     }
     impl_ = std::make_shared<Tokenizer::Impl>();
     impl_->source = source_;
@@ -283,7 +285,7 @@ class Loader {
       load_pre_tokenizer(root.value("pre_tokenizer", json()));
       check_decoder(root.value("decoder", json()));
     } catch (const json::exception& e) {
-      IRIS_FAIL(source_, " has an unexpected structure (", e.what(), ")");
+      IRIS_FAIL(source_, " has an unexpected structure (", json_error_text(e), ")");
     }
     return std::move(impl_);
   }
@@ -298,7 +300,7 @@ class Loader {
   int32_t checked_id(const json& value, const std::string& token) {
     IRIS_CHECK(value.is_number_integer() && value.get<int64_t>() >= 0 &&
                    value.get<int64_t>() <= kMaxTokenId,
-               source_, ": token \"", token, "\" has id ", value.dump(),
+               source_, ": token \"", clip_text(token, 80), "\" has id ", json_excerpt(value),
                ", expected an integer in 0..", kMaxTokenId);
     return static_cast<int32_t>(value.get<int64_t>());
   }
@@ -326,8 +328,8 @@ class Loader {
                ": BPE dropout is not supported (it makes encoding random)");
     for (const char* affix : {"continuing_subword_prefix", "end_of_word_suffix"}) {
       const json value = model.value(affix, json());
-      IRIS_CHECK(value.is_null() || value == "", source_, ": model.", affix, " ", value.dump(),
-                 " is not supported; byte-level BPE uses none");
+      IRIS_CHECK(value.is_null() || value == "", source_, ": model.", affix, " ",
+                 json_excerpt(value), " is not supported; byte-level BPE uses none");
     }
     impl_->ignore_merges = model.value("ignore_merges", false);
 
@@ -372,7 +374,7 @@ class Loader {
         left = line.substr(0, space);
         right = line.substr(space + 1);
       } else {
-        IRIS_FAIL(source_, ": merge ", rank, " is ", merge.dump(),
+        IRIS_FAIL(source_, ": merge ", rank, " is ", json_excerpt(merge),
                   "; expected [\"left\", \"right\"] or \"left right\"");
       }
       const int32_t left_id = vocab_id(left, rank);
@@ -434,13 +436,12 @@ class Loader {
     const char* expected =
         "; expected Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)] as in Qwen";
     IRIS_CHECK(pre_tokenizer.is_object() && pre_tokenizer.value("type", "") == "Sequence", source_,
-               ": pre_tokenizer ", pre_tokenizer.dump().substr(0, 200), " is not supported",
-               expected);
+               ": pre_tokenizer ", json_excerpt(pre_tokenizer, 200), " is not supported", expected);
     const json& steps = member(pre_tokenizer, "pretokenizers", "the Sequence pre_tokenizer");
     IRIS_CHECK(steps.is_array() && steps.size() == 2 && steps[0].value("type", "") == "Split" &&
                    steps[1].value("type", "") == "ByteLevel",
-               source_, ": pre_tokenizer ", pre_tokenizer.dump().substr(0, 200),
-               " is not supported", expected);
+               source_, ": pre_tokenizer ", json_excerpt(pre_tokenizer, 200), " is not supported",
+               expected);
     const json& split = steps[0];
     IRIS_CHECK(split.value("behavior", "") == "Isolated" && !split.value("invert", false), source_,
                ": Split pre_tokenizer must have behavior Isolated and invert false", expected);
@@ -472,7 +473,7 @@ class Loader {
 
   void check_decoder(const json& decoder) {
     IRIS_CHECK(decoder.is_null() || decoder.value("type", "") == "ByteLevel", source_, ": decoder ",
-               decoder.dump().substr(0, 200), " is not supported; expected ByteLevel");
+               json_excerpt(decoder, 200), " is not supported; expected ByteLevel");
   }
 
   std::string source_;
@@ -483,15 +484,9 @@ class Loader {
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
   std::error_code error;
-  IRIS_CHECK(std::filesystem::is_regular_file(path, error), "tokenizer file ", path,
-             std::filesystem::exists(path, error) ? " is not a regular file" : " does not exist",
+  IRIS_CHECK(std::filesystem::exists(path, error), "tokenizer file ", path, " does not exist",
              " (run scripts/fetch_tokenizer.sh, or pass the tokenizer.json of the model)");
-  std::ifstream file(path, std::ios::binary);
-  IRIS_CHECK(file.good(), "cannot open tokenizer file ", path, ": ", std::strerror(errno));
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  IRIS_CHECK(!file.bad(), "cannot read tokenizer file ", path, ": ", std::strerror(errno));
-  return from_json_text(contents.view(), path);
+  return from_json_text(read_text_file(path, "tokenizer file"), path);
 }
 
 Tokenizer Tokenizer::from_json_text(std::string_view json_text, const std::string& source_name) {
@@ -672,6 +667,11 @@ int32_t Tokenizer::token_id(const std::string& token) const {
 
 int32_t Tokenizer::vocab_size() const {
   return static_cast<int32_t>(impl_->token_flags.size());
+}
+
+bool Tokenizer::contains_id(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < impl_->token_flags.size() &&
+         (impl_->token_flags[id] & Impl::kPresent);
 }
 
 bool Tokenizer::is_special(int32_t id) const {

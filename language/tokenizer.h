@@ -39,7 +39,8 @@ class Tokenizer {
   int32_t token_id(const std::string& token) const;
   std::optional<int32_t> find_token(const std::string& token) const;
 
-  int32_t vocab_size() const;  // largest id + 1
+  int32_t vocab_size() const;          // largest id + 1
+  bool contains_id(int32_t id) const;  // whether decode() accepts the id
   bool is_special(int32_t id) const;
   bool is_added(int32_t id) const;  // any added token, special or not (e.g. <think>)
 

@@ -13,7 +13,7 @@ nvidia-smi -L >/dev/null 2>&1 || cuda=(-DIRIS_CUDA=OFF)
 IRIS_TARGETS=iris scripts/build.sh "${cuda[@]}"
 start=$(date +%s)
 run=runs/qwen3vl_tiny_shapes
-build/iris data shapes --out data/shapes --n 20000 --seed 1
+build/iris data shapes --out data/shapes --n 20000 --seed 1 --force
 # A fresh run each time: the recipe resumes from its checkpoints otherwise.
 rm -rf "$run"
 build/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml

@@ -34,7 +34,7 @@ fi
 if [ "${SKIP_EXPORT:-0}" != 1 ]; then
   echo "== export parity with HF transformers"
   rm -rf /tmp/iris_export_check && mkdir -p /tmp/iris_export_check
-  build-gpu/iris data shapes --out /tmp/iris_export_check/shapes --n 64 --seed 5 >/dev/null
+  build-gpu/iris data shapes --out /tmp/iris_export_check/shapes --n 64 --seed 5 --force >/dev/null
   build-gpu/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=4 \
     data.train_files=[/tmp/iris_export_check/shapes/train.jsonl] \
     data.eval_files=[/tmp/iris_export_check/shapes/heldout.jsonl] \

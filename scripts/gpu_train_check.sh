@@ -37,7 +37,7 @@ if [ "${RUN_CTEST:-0}" = 1 ]; then
   tail -4 "$out/ctest.log"; grep -E '\(Failed\)|Timeout|Exception' "$out/ctest.log" | head
 fi
 data=/tmp/iris_shapes
-build-gpu/iris data shapes --out $data --n 20000 --seed 1 >/dev/null
+build-gpu/iris data shapes --out $data --n 20000 --seed 1 --force >/dev/null
 common=(--recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=$steps
   data.train_files=[$data/train.jsonl] data.eval_files=[$data/heldout.jsonl]
   logging.log_interval=10 train.eval_interval=0 checkpoint.save_interval=0)

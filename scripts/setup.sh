@@ -4,7 +4,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 packages=(build-essential cmake pkg-config git
   libopenblas-openmp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
-  libcli11-dev libgtest-dev libbenchmark-dev clang-format)
+  libcli11-dev libgtest-dev libbenchmark-dev clang-format
+  clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the dependencies, builds Iris and runs every test suite: the Release build (GPU tests
 # skip cleanly without a GPU), then the CPU suites again under AddressSanitizer and
-# UndefinedBehaviorSanitizer.
+# UndefinedBehaviorSanitizer, then each fuzz target for FUZZ_SECONDS (20 by default; 0 skips).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,4 +18,9 @@ if [ "${IRIS_SKIP_SANITIZERS:-0}" != 1 ]; then
   # OpenBLAS's and OpenMP's thread pools are not leaks of ours.
   ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-sanitize --output-on-failure -j"$jobs"
+fi
+# A short run of every fuzz target (the seeds and what the fuzzer reaches from them); a longer
+# campaign is FUZZ_SECONDS=1800 scripts/fuzz.sh.
+if [ "${FUZZ_SECONDS:-20}" != 0 ]; then
+  FUZZ_SECONDS=${FUZZ_SECONDS:-20} scripts/fuzz.sh
 fi

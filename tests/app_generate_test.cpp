@@ -1,5 +1,6 @@
 // `iris generate` end to end through the binary: HF greedy tokens, and clear errors (non-zero
 // exit, a message naming the problem, never a crash) for bad models and bad images.
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -28,7 +29,9 @@ std::string slurp(const std::string& path) {
 RunResult run_iris(const std::string& args) {
   const fs::path dir = test::scratch_dir();
   const std::string out = (dir / "out").string(), err = (dir / "err").string();
-  const std::string cmd = std::string(IRIS_BINARY) + " " + args + " >" + out + " 2>" + err;
+  // The time limit turns a run that blocks (on a FIFO, say) into a failure instead of a hang.
+  const std::string cmd =
+      "timeout 120 " + std::string(IRIS_BINARY) + " " + args + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -133,7 +136,34 @@ TEST(AppGenerate, HelpListsFlagsWithDefaults) {
 void expect_error(const RunResult& r, const std::string& needle) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_LT(r.exit_code, 128) << "crashed: " << r.err;
+  EXPECT_NE(r.exit_code, 124) << "timed out (blocked on input?): " << r.err;
   EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+  // Messages are for users: no source paths of the build, no library exception codes.
+  EXPECT_EQ(r.err.find(".cpp:"), std::string::npos) << "stderr: " << r.err;
+  EXPECT_EQ(r.err.find("json.exception"), std::string::npos) << "stderr: " << r.err;
+}
+
+// Edits the scratch model's config.json.
+void edit_config(const ScratchModel& m, const std::function<void(nlohmann::json&)>& edit) {
+  auto j = nlohmann::json::parse(slurp(m.path("config.json")));
+  edit(j);
+  std::ofstream(m.path("config.json"), std::ios::trunc) << j.dump(2);
+}
+
+// A PNG whose header claims width x height; its (absent) pixel data never gets read when the size
+// is refused from the header.
+std::string png_header_only(uint32_t width, uint32_t height) {
+  std::string s = "\x89PNG\r\n\x1a\n";
+  auto be32 = [&](uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) s.push_back(static_cast<char>(v >> shift));
+  };
+  be32(13);
+  s += "IHDR";
+  be32(width);
+  be32(height);
+  s += std::string("\x08\x00\x00\x00\x00", 5);  // 8-bit grey
+  be32(0);                                      // CRC (stb does not check it)
+  return s;
 }
 
 TEST(AppGenerateErrors, MissingModelDirectory) {
@@ -241,6 +271,131 @@ TEST(AppGenerateErrors, BadGraphConfigFailsOnCpuToo) {
   expect_error(run_iris("generate -m " + q(test::fixture_dir()) +
                         " -p hi --device cpu --cuda-graph-impl bogus"),
                "bogus");
+}
+
+TEST(AppGenerateErrors, DeeplyNestedConfigIsAnErrorNotACrash) {
+  ScratchModel m;
+  std::string cfg = slurp(m.path("config.json"));
+  const std::string key = "\"hidden_size\": 64";
+  cfg.replace(cfg.find(key), key.size(),
+              "\"hidden_size\": " + std::string(200000, '[') + std::string(200000, ']'));
+  std::ofstream(m.path("config.json"), std::ios::trunc) << cfg;
+  const RunResult r = run_iris("generate -m " + q(m.path()) + " -p hi --device cpu");
+  expect_error(r, "levels deep");
+  EXPECT_LT(r.err.size(), 400u) << "the message quotes the document";
+}
+
+TEST(AppGenerateErrors, FifosAreRefusedNotWaitedOn) {
+  for (const char* name : {"config.json", "model.safetensors", "tokenizer.json"}) {
+    ScratchModel m;
+    fs::remove(m.path(name));
+    ASSERT_EQ(::mkfifo(m.path(name).c_str(), 0600), 0);
+    expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu"), "FIFO");
+  }
+  ScratchModel m;
+  ASSERT_EQ(::mkfifo(m.path("image.png").c_str(), 0600), 0);
+  expect_error(run_iris("generate -m " + q(test::fixture_dir()) + " --image " +
+                        q(m.path("image.png")) + " -p hi --device cpu"),
+               "FIFO");
+}
+
+TEST(AppGenerateErrors, HugeImagesAreRefusedFromTheirHeader) {
+  ScratchModel m;
+  // 30,000 x 30,000 once took 17 s and 4.6 GB before an unrelated error.
+  std::ofstream(m.path("huge.png"), std::ios::binary) << png_header_only(30000, 30000);
+  expect_error(run_iris("generate -m " + q(test::fixture_dir()) + " --image " +
+                        q(m.path("huge.png")) + " -p hi --device cpu"),
+               "900000000 pixels, more than the limit of 178956970");
+  // The limit is a setting.
+  expect_error(run_iris("generate -m " + q(test::fixture_dir()) + " --image " +
+                        q(test::fixture_dir() + "/images/image0.png") +
+                        " -p hi --device cpu --max-image-pixels 100"),
+               "--max-image-pixels");
+}
+
+TEST(AppGenerateErrors, ConfigValuesAreTypedAndRangeChecked) {
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string needle;
+  };
+  const std::vector<Case> cases{
+      {[](auto& j) { j["text_config"]["intermediate_size"] = 0; },
+       "text_config.intermediate_size = 0 is out of range"},
+      {[](auto& j) { j["text_config"]["hidden_size"] = 64.9; },
+       "text_config.hidden_size must be an integer, got 64.9"},
+      {[](auto& j) { j["text_config"]["vocab_size"] = 1e12; },
+       "text_config.vocab_size = 1000000000000.0 is out of range"},
+      {[](auto& j) { j["text_config"]["rope_parameters"]["rope_theta"] = 0; },
+       "rope_theta = 0 is out of range"},
+      {[](auto& j) { j["text_config"]["rms_norm_eps"] = -1e-6; }, "rms_norm_eps = -1e-06"},
+      {[](auto& j) { j["text_config"]["num_hidden_layers"] = 2; },
+       "does not describe, e.g. 'model.language_model.layers.2."},
+      {[](auto& j) {
+         j["vision_config"]["deepstack_visual_indexes"] = {0, 0};
+       },
+       "deepstack_visual_indexes must be strictly increasing"},
+      // Once reported as a CUDA graph setting on the CPU.
+      {[](auto& j) { j["vision_config"]["spatial_merge_size"] = 0; },
+       "vision_config.spatial_merge_size = 0 is out of range"},
+      {[](auto& j) { j["text_config"]["hidden_act"] = 1; },
+       "text_config.hidden_act must be a string"},
+  };
+  for (const Case& c : cases) {
+    ScratchModel m;
+    edit_config(m, c.edit);
+    const RunResult r = run_iris("generate -m " + q(m.path()) + " -p hi --device cpu");
+    expect_error(r, c.needle);
+    EXPECT_NE(r.err.find("config.json"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("cuda_graph"), std::string::npos) << r.err;
+  }
+}
+
+TEST(AppGenerateErrors, PreprocessorDisagreeingWithTheModelIsAnError) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, int>>{
+           {"patch_size", 8}, {"patch_size", 32}, {"temporal_patch_size", 1}, {"merge_size", 1}}) {
+    ScratchModel m;
+    auto p = nlohmann::json::parse(slurp(m.path("preprocessor_config.json")));
+    p[key] = value;
+    std::ofstream(m.path("preprocessor_config.json"), std::ios::trunc) << p.dump();
+    expect_error(run_iris("generate -m " + q(m.path()) + " --image " +
+                          q(test::fixture_dir() + "/images/image0.png") + " -p hi --device cpu"),
+                 key + " is " + std::to_string(value) + " but");
+  }
+}
+
+TEST(AppGenerateErrors, MistypedSideFilesNameTheFileAndKey) {
+  ScratchModel m;
+  std::ofstream(m.path("generation_config.json"), std::ios::trunc)
+      << R"({"eos_token_id": [151645, "x"]})";
+  expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu"),
+               "generation_config.json: eos_token_id.[1] must be an integer");
+}
+
+TEST(AppGenerate, LogitsOutRefusesToOverwriteTheModel) {
+  ScratchModel m;
+  const auto before = fs::file_size(m.path("model.safetensors"));
+  expect_error(run_iris("generate -m " + q(m.path()) + " -p hi -n 1 --device cpu --logits-out " +
+                        q(m.path("model.safetensors"))),
+               "a file of the model directory");
+  EXPECT_EQ(fs::file_size(m.path("model.safetensors")), before);
+  const std::string out = m.path("logits.safetensors");
+  const RunResult r = run_iris("generate -m " + q(m.path()) + " -p hi -n 1 --temp 0 --device cpu " +
+                               "--logits-out " + q(out));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(SafetensorsFile(out).at("logits").shape, (std::vector<int64_t>{151936}));
+}
+
+TEST(AppGenerate, HotSamplingNeverPicksPaddingAndJsonPrints) {
+  // At temperature 50 with top-k off the untrained fixture samples almost uniformly over its
+  // 151,936 rows, 267 of which no text decodes to. Without the mask, seed 7 picks row 151806
+  // within these 64 tokens and the run ended in an error with nothing printed.
+  const RunResult r = run_iris("generate -m " + q(test::fixture_dir()) +
+                               " -p hi -n 64 --temp 50 --top-k 0 --top-p 1 --min-p 0 --seed 7 "
+                               "--json --ignore-eos --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<int32_t> tokens = tokens_of(r.out);
+  EXPECT_EQ(tokens.size(), 64u);
+  for (int32_t t : tokens) EXPECT_LT(t, 151669);
 }
 
 }  // namespace

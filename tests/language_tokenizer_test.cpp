@@ -1,4 +1,5 @@
 // The Qwen byte-level BPE tokenizer against Hugging Face's output for the bundled tokenizer.json.
+#include <sys/stat.h>
 #include "language/tokenizer.h"
 
 #include <chrono>
@@ -252,6 +253,32 @@ TEST(TokenizerLoadTest, MalformedJsonNamesThePath) {
   std::filesystem::remove(path);
   EXPECT_NE(message.find(path), std::string::npos) << message;
   EXPECT_NE(message.find("not valid JSON"), std::string::npos) << message;
+}
+
+TEST(TokenizerLoadTest, DeepNestingAndMistypedEntriesAreBoundedErrors) {
+  // 200,000 levels once overflowed the stack in nlohmann's recursive dump() of an error message.
+  const std::string deep =
+      "{\"model\": {\"type\": \"BPE\", \"vocab\": " + std::string(200000, '[') +
+      std::string(200000, ']') + "}}";
+  std::string message = error_message([&] { Tokenizer::from_json_text(deep, "tokenizer.json"); });
+  EXPECT_NE(message.find("tokenizer.json nests"), std::string::npos) << message;
+  EXPECT_LT(message.size(), 400u);
+  // A pre_tokenizer that is a huge structure is quoted in a few hundred characters at most.
+  json real = json::parse(read_text_file(test::tokenizer_path()));
+  real["pre_tokenizer"] = {{"type", "Other"}, {"x", std::vector<int>(100000, 7)}};
+  const std::string text = real.dump();
+  message = error_message([&] { Tokenizer::from_json_text(text, "tokenizer.json"); });
+  EXPECT_NE(message.find("pre_tokenizer"), std::string::npos) << message;
+  EXPECT_LT(message.size(), 600u) << message.size();
+}
+
+TEST(TokenizerLoadTest, AFifoIsRefusedNotWaitedOn) {
+  const std::string path = temp_path("tokenizer_fifo.json");
+  std::filesystem::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  const std::string message = error_message([&] { Tokenizer::from_file(path); });
+  std::filesystem::remove(path);
+  EXPECT_NE(message.find("FIFO"), std::string::npos) << message;
 }
 
 TEST(TokenizerLoadTest, TruncatedRealFileNamesThePath) {

@@ -136,6 +136,42 @@ TEST_F(CheckpointTest, CheckpointsPastTheOneCommittedAreDropped) {
   EXPECT_EQ(read_text_file(run + "/step_0000004/payload.txt"), "4");
 }
 
+TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
+  // A checkpoint with the fixture's files.
+  const fs::path ckpt = root_ / "step_0000001";
+  fs::create_directories(ckpt);
+  fill_minimal(ckpt.string(), 1);
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"})
+    fs::copy_file(fs::path(test::fixture_dir()) / f, ckpt / f);
+  // The user's own folder named like the temporary an export once used, and cleared.
+  const fs::path out = root_ / "hf";
+  fs::create_directories(root_ / "hf.tmp");
+  write_file_atomic((root_ / "hf.tmp" / "notes.txt").string(), "mine");
+  export_checkpoint(ckpt.string(), out.string());
+  EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+  EXPECT_EQ(read_text_file((root_ / "hf.tmp" / "notes.txt").string()), "mine");
+  // Nothing else is left beside the target.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(root_)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"hf", "hf.tmp", "step_0000001"}));
+  // An empty target names nothing: once it removed ./.tmp.
+  EXPECT_NE(test::error_of([&] { export_checkpoint(ckpt.string(), ""); }).find("empty"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { export_checkpoint(ckpt.string(), "."); }).find("names no new"),
+            std::string::npos);
+  // A failed export removes its own temporary and nothing else.
+  write_file_atomic((ckpt / "config.json").string(), std::string(100, '[') + std::string(100, ']'));
+  EXPECT_NE(test::error_of([&] {
+              export_checkpoint(ckpt.string(), (root_ / "hf2").string());
+            }).find("levels deep"),
+            std::string::npos);
+  names.clear();
+  for (const auto& e : fs::directory_iterator(root_)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"hf", "hf.tmp", "step_0000001"}));
+}
+
 TEST_F(CheckpointTest, TrainerStateRoundTrips) {
   TrainerState s;
   s.iteration = 17;

@@ -1,6 +1,7 @@
 // The chat token layout and labels (spec sections 5 and 6) and the JSONL data pipeline: both line
 // formats, image path resolution, dropping over-long and bad samples, deterministic shuffling with
 // resumption, and mock data.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -433,6 +434,65 @@ TEST(TrainingData, OnBadSampleErrorNamesFileAndLine) {
   err = error_of([&] { ds.next(); });
   EXPECT_NE(err.find("bad_image.jsonl:2: "), std::string::npos) << err;
   EXPECT_NE(err.find("no_such_image.png"), std::string::npos) << err;
+}
+
+const std::string kTextLine = R"({"messages": [{"role": "user", "content": "hi"}, )"
+                              R"({"role": "assistant", "content": "hello"}]})";
+
+TEST(TrainingData, OverlongLinesAreAnErrorNamingFileAndLine) {
+  // A line past the limit is refused before it is all in memory; lines up to it index normally.
+  const std::string ok_line = kTextLine;
+  const std::string path = write_scratch("long.jsonl", ok_line + "\n" + ok_line + "\n{\"x\": \"" +
+                                                           std::string(kMaxJsonlLineBytes, 'x') +
+                                                           "\"}\n" + ok_line + "\n");
+  const std::string err = error_of([&] { Dataset ds(config_for({path}), tok(), pp()); });
+  EXPECT_NE(err.find("long.jsonl:3: the line is longer than " + std::to_string(kMaxJsonlLineBytes)),
+            std::string::npos)
+      << err.substr(0, 300);
+  EXPECT_LT(err.size(), 400u);
+}
+
+TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
+  // As a train file: an error at indexing.
+  const std::string fifo = (scratch_dir() / "train_fifo.jsonl").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string err = error_of([&] { Dataset ds(config_for({fifo}), tok(), pp()); });
+  EXPECT_NE(err.find("train file " + fifo + " is a FIFO"), std::string::npos) << err;
+  // As an image of a line: a bad sample, where a data worker once blocked forever.
+  const std::string image = (scratch_dir() / "fifo_image.png").string();
+  ASSERT_EQ(::mkfifo(image.c_str(), 0600), 0);
+  const std::string path = write_scratch(
+      "fifo_image.jsonl",
+      R"({"messages": [{"role": "user", "content": [{"type": "image", "image": ")" + image +
+          R"("}, {"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "a pipe"}]})"
+          "\n" +
+          kTextLine + "\n");
+  Dataset ds(config_for({path}), tok(), pp());
+  EXPECT_EQ(ds.next().source, path + ":2");
+  EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(ds.stats().bad_examples);
+}
+
+TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
+  DataConfig c = config_for({jsonl_dir() + "/messages.jsonl"});
+  c.max_image_pixels = 64 * 64;  // red.png (line 1) is 64x64, blue.png (line 2) 96x64
+  Dataset ds(c, tok(), pp());
+  EXPECT_EQ(ds.next().source, c.train_files[0] + ":1");
+  EXPECT_NE(ds.next().source, c.train_files[0] + ":2");
+  EXPECT_TRUE(
+      has_example(ds.stats(), "blue.png is 96x64 = 6144 pixels, more than the limit of 4096"))
+      << join(ds.stats().bad_examples);
+  c.max_image_pixels = 0;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("data.max_image_pixels"), std::string::npos);
+}
+
+TEST(TrainingData, DeeplyNestedLinesAreBadSamplesNotCrashes) {
+  const std::string path =
+      write_scratch("deep.jsonl", "{\"messages\": " + std::string(100000, '[') +
+                                      std::string(100000, ']') + "}\n" + kTextLine + "\n");
+  Dataset ds(config_for({path}), tok(), pp());
+  EXPECT_EQ(ds.stats().bad_samples, 1);
+  EXPECT_TRUE(has_example(ds.stats(), path + ":1: malformed JSON: the line nests"))
+      << join(ds.stats().bad_examples);
 }
 
 TEST(TrainingData, StructureErrors) {

@@ -3,12 +3,16 @@
 // the resolved config reads back to itself.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "test_util.h"
 #include "training/recipe.h"
 
@@ -357,6 +361,120 @@ TEST_F(RecipeTest, ValueRangesAreChecked) {
              "must name a key inside a section");
   EXPECT_HAS(error_of([] { load_recipe_text("train: [1, 2]\n", "r.yaml"); }), "must be a map");
   EXPECT_HAS(error_of([] { load_recipe_text("train: {a: [\n", "r.yaml"); }), "not valid YAML");
+}
+
+TEST_F(RecipeTest, YamlAliasesAreRefused) {
+  // A map that contains itself recursed forever when model.config became JSON.
+  std::string msg = error_of(
+      [] { load_recipe_text("model:\n  init: random\n  config: &x {a: *x}\n", "self.yaml"); });
+  EXPECT_HAS(msg, "self.yaml line 3 uses a YAML alias (*name)");
+  // A billion laughs: nine levels of ten aliases each once took 14 s and gigabytes.
+  std::string laughs = "model:\n  config:\n    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol]\n";
+  for (int i = 1; i < 9; ++i) {
+    laughs += "    a" + std::to_string(i) + ": &a" + std::to_string(i) + " [";
+    for (int k = 0; k < 10; ++k)
+      laughs += std::string(k ? ", " : "") + "*a" + std::to_string(i - 1);
+    laughs += "]\n";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  msg = error_of([&] { load_recipe_text(laughs, "laughs.yaml"); });
+  EXPECT_HAS(msg, "uses a YAML alias");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  // In an override too.
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train.seq_length=&x [*x]"}); });
+  EXPECT_HAS(msg, "uses a YAML alias");
+  // An anchor alone is harmless.
+  EXPECT_NO_THROW(load_recipe_text(tiny_recipe() + "logging:\n  log_interval: &n 2\n", "r.yaml"));
+}
+
+TEST_F(RecipeTest, DeepNestingIsRefused) {
+  const std::string deep =
+      "model:\n  config: " + std::string(100000, '[') + std::string(100000, ']');
+  std::string msg = error_of([&] { load_recipe_text(deep, "deep.yaml"); });
+  EXPECT_NE(msg.find("deep.yaml"), std::string::npos) << msg.substr(0, 300);
+  EXPECT_LT(msg.size(), 400u);
+  const std::string nested = "model:\n  config: " + std::string(70, '[') + std::string(70, ']');
+  EXPECT_HAS(error_of([&] { load_recipe_text(nested, "nested.yaml"); }),
+             "nests more than 64 levels");
+  // A model.config file nested 200,000 levels deep.
+  const std::string config = (test::scratch_dir() / "deep_config.json").string();
+  std::ofstream(config) << "{\"text_config\": " << std::string(200000, '[')
+                        << std::string(200000, ']') << "}";
+  msg = error_of([&] {
+    load_recipe_text("model:\n  init: random\n  tokenizer: t.json\n  config: " + config +
+                         "\ndata:\n  train_files: [x.jsonl]\n",
+                     "r.yaml");
+  });
+  EXPECT_HAS(msg, "deep_config.json nests arrays and objects more than 64 levels deep");
+}
+
+TEST_F(RecipeTest, ModelMistakesAreNotReportedAsCudaGraphErrors) {
+  std::string msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"train.max_vision_patches=6", "cuda_graph.vision_cuda_graph_impl=local"});
+  });
+  EXPECT_HAS(msg, "train.max_vision_patches 6 must be a multiple of 4");
+  EXPECT_EQ(msg.find("cuda_graph"), std::string::npos) << msg;
+  const std::string inline_recipe =
+      "model:\n  init: random\n  tokenizer: t.json\n  config:\n"
+      "    text_config: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2,\n"
+      "      num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, vocab_size: 1000,\n"
+      "      rope_parameters: {mrope_section: [2, 3, 3]}}\n"
+      "    vision_config: {depth: 1, hidden_size: 32, intermediate_size: 64, num_heads: 2,\n"
+      "      out_hidden_size: 64, num_position_embeddings: 64, deepstack_visual_indexes: [0]}\n"
+      "data:\n  train_files: [x.jsonl]\ntrain:\n  seq_length: 64\n";
+  msg = error_of([&] {
+    load_recipe_text(inline_recipe, "r.yaml",
+                     {"model.config.vision_config.spatial_merge_size=0",
+                      "cuda_graph.vision_cuda_graph_impl=local"});
+  });
+  EXPECT_HAS(msg, "vision_config.spatial_merge_size = 0 is out of range");
+  EXPECT_EQ(msg.find("cuda_graph"), std::string::npos) << msg;
+  msg = error_of([&] {
+    load_recipe_text(inline_recipe, "r.yaml", {"model.config.text_config.hidden_size=64.5"});
+  });
+  EXPECT_HAS(msg, "the inline model.config: text_config.hidden_size must be an integer, got 64.5");
+}
+
+TEST_F(RecipeTest, MaxImagePixelsIsASetting) {
+  const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml", {"data.max_image_pixels=1000000"});
+  EXPECT_EQ(r.data.config.max_image_pixels, 1000000);
+  EXPECT_EQ(load_recipe_text(recipe_to_yaml(r), "back.yaml").data.config.max_image_pixels, 1000000);
+  EXPECT_EQ(load_recipe_text(tiny_recipe(), "r.yaml").data.config.max_image_pixels,
+            kDefaultMaxImagePixels);
+  EXPECT_HAS(
+      error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"data.max_image_pixels=0"}); }),
+      "data.max_image_pixels");
+}
+
+// Inputs the recipe fuzzer (fuzz/fuzz_recipe.cpp) once crashed on, in its format: the YAML, then
+// after a line "----" one override per line. Each now loads or fails with an iris::Error.
+TEST_F(RecipeTest, FuzzFindingsLoadOrFailCleanly) {
+  const fs::path dir = fs::path(test::data_dir()) / "fuzz/regressions/recipe";
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    SCOPED_TRACE(entry.path().string());
+    const std::string text = read_text_file(entry.path().string());
+    const size_t at = text.find("\n----\n");
+    const std::string yaml = text.substr(0, at);
+    std::vector<std::string> overrides;
+    if (at != std::string::npos) {
+      std::istringstream lines(text.substr(at + 6));
+      for (std::string line; std::getline(lines, line);)
+        if (!line.empty()) overrides.push_back(line);
+    }
+    try {
+      load_recipe_text(yaml, "fuzz.yaml", overrides);
+    } catch (const Error&) {
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not an iris::Error: " << e.what();
+    }
+    ++n;
+  }
+  EXPECT_GE(n, 1);
+  // The first finding: a model.config string that is not UTF-8.
+  EXPECT_HAS(error_of([] { load_recipe_text("model:\n  config: {a: b\xff\xfe}\n", "r.yaml"); }),
+             "model.config holds text that is not valid UTF-8");
 }
 
 TEST_F(RecipeTest, SchemaDocumentsEveryKey) {

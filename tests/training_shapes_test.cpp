@@ -368,5 +368,23 @@ TEST(TrainingShapes, Errors) {
   EXPECT_NE(error_of([&] { make_shapes_scene(1, 0, 16); }).find("image_size"), std::string::npos);
 }
 
+TEST(TrainingShapes, AnExistingDatasetIsReplacedOnlyWhenAsked) {
+  const fs::path dir = scratch_dir() / "existing";
+  write_shapes_dataset(dir.string(), 4, 1, 0.25);
+  const std::string train = read_text_file((dir / "train.jsonl").string());
+  const std::string msg = error_of([&] { write_shapes_dataset(dir.string(), 6, 2, 0.25); });
+  EXPECT_NE(msg.find("already holds a dataset"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--force"), std::string::npos) << msg;
+  EXPECT_EQ(read_text_file((dir / "train.jsonl").string()), train);
+  write_shapes_dataset(dir.string(), 6, 2, 0.25, 64, /*replace=*/true);
+  EXPECT_NE(read_text_file((dir / "train.jsonl").string()), train);
+  // A folder with only the user's own files is not a dataset.
+  const fs::path mine = scratch_dir() / "mine";
+  fs::create_directories(mine);
+  std::ofstream((mine / "notes.txt").string()) << "keep";
+  write_shapes_dataset(mine.string(), 4, 1, 0.25);
+  EXPECT_TRUE(fs::exists(mine / "notes.txt"));
+}
+
 }  // namespace
 }  // namespace iris

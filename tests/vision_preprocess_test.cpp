@@ -1,6 +1,7 @@
 // Image decoding and Qwen-VL preprocessing against the HF golden (tests/data/qwen3vl-tiny) and
 // against independent re-derivations of the spec's formulas.
 #include <stb_image_write.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -38,6 +39,10 @@ ImageRGB8 random_image(int w, int h, uint32_t seed) {
 }
 
 using test::error_of;
+
+void append_bytes(void* ctx, void* data, int n) {
+  static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), n);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Golden parity
@@ -435,6 +440,94 @@ TEST(VisionImage, BadFilesNameTheFile) {
   EXPECT_NE(msg.find("unknown image type"), std::string::npos) << msg;
 }
 
+TEST(VisionImage, CorruptJpegIsReportedAsAJpeg) {
+  const ImageRGB8 img = random_image(64, 64, 5);
+  std::string jpg;
+  ASSERT_TRUE(stbi_write_jpg_to_func(append_bytes, &jpg, 64, 64, 3, img.pixels.data(), 90));
+  // Cut inside the entropy-coded data: the header parses, the decode fails, and stb's last
+  // complaint is another format's ("bad png sig").
+  const std::string cut = jpg.substr(0, 200);
+  const std::string msg = error_of(
+      [&] { decode_image(reinterpret_cast<const uint8_t*>(cut.data()), cut.size(), "photo.jpg"); });
+  EXPECT_NE(msg.find("photo.jpg: JPEG data is corrupt or truncated"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("png"), std::string::npos) << msg;
+  const std::string header_only = jpg.substr(0, 20);
+  EXPECT_NE(error_of([&] {
+              decode_image(reinterpret_cast<const uint8_t*>(header_only.data()), header_only.size(),
+                           "photo.jpg");
+            }).find("its JPEG header is corrupt"),
+            std::string::npos);
+}
+
+TEST(VisionImage, PixelLimitIsCheckedFromTheHeaderBeforeDecoding) {
+  // A PNG whose IHDR claims 30,000 x 30,000 and which holds no pixel data at all: refused from
+  // the header alone (decoding would have failed only after allocating 2.7 GB).
+  std::string png = "\x89PNG\r\n\x1a\n";
+  auto be32 = [&](uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) png.push_back(static_cast<char>(v >> shift));
+  };
+  be32(13);
+  png += "IHDR";
+  be32(30000);
+  be32(30000);
+  png += std::string("\x08\x00\x00\x00\x00", 5);
+  be32(0);
+  const auto* data = reinterpret_cast<const uint8_t*>(png.data());
+  std::string msg = error_of([&] { decode_image(data, png.size(), "bomb.png"); });
+  EXPECT_NE(msg.find("bomb.png is 30000x30000 = 900000000 pixels, more than the limit of " +
+                     std::to_string(kDefaultMaxImagePixels)),
+            std::string::npos)
+      << msg;
+  // The limit is inclusive and a parameter.
+  const std::string path = test::fixture_dir() + "/images/image0.png";
+  const ImageRGB8 img = load_image(path);
+  const int64_t pixels = int64_t{img.width} * img.height;
+  EXPECT_EQ(load_image(path, pixels).width, img.width);
+  msg = error_of([&] { load_image(path, pixels - 1); });
+  EXPECT_NE(msg.find("more than the limit of " + std::to_string(pixels - 1)), std::string::npos)
+      << msg;
+}
+
+TEST(VisionImage, PnmHeaderNumbersThatOverflowAreRejected) {
+  // stb 2.27 accumulates header numbers in an int without an overflow check.
+  const std::string pnm = "P5" + std::string(30, '5') + "6\n4 2\n255\n" + std::string(8, 'x');
+  const std::string msg = error_of(
+      [&] { decode_image(reinterpret_cast<const uint8_t*>(pnm.data()), pnm.size(), "big.pgm"); });
+  EXPECT_NE(msg.find("big.pgm: a number in its PNM header is too large"), std::string::npos) << msg;
+  // A long number inside a header comment is skipped, as stb skips it.
+  const std::string commented = "P5\n# 99999999999999999999\n2 1\n255\nab";
+  const ImageRGB8 img = decode_image(reinterpret_cast<const uint8_t*>(commented.data()),
+                                     commented.size(), "commented.pgm");
+  EXPECT_EQ(img.width, 2);
+  EXPECT_EQ(img.pixels[3], 'b');
+}
+
+// Inputs the image fuzzer (fuzz/fuzz_image.cpp) once crashed on: each is now an error or an
+// image, decoded under the fuzzer's settings.
+TEST(VisionImage, FuzzFindingsDecodeOrFailCleanly) {
+  const fs::path dir = fs::path(test::data_dir()) / "fuzz/regressions/image";
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    SCOPED_TRACE(entry.path().string());
+    const std::string bytes = read_text_file(entry.path().string());
+    try {
+      const ImageRGB8 img = decode_image(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                         bytes.size(), "fuzz", int64_t{1} << 22);
+      check_image(img, "fuzz");
+    } catch (const Error&) {
+    }
+    ++n;
+  }
+  EXPECT_GE(n, 2);
+}
+
+TEST(VisionImage, AFifoIsRefusedNotWaitedOn) {
+  const std::string fifo = (scratch_dir() / "image_fifo.png").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string msg = error_of([&] { load_image(fifo); });
+  EXPECT_NE(msg.find("is a FIFO"), std::string::npos) << msg;
+}
+
 TEST(VisionImage, DecodeFromMemoryMatchesFile) {
   const std::string path = test::fixture_dir() + "/images/image1.png";
   const std::string bytes = read_text_file(path);
@@ -602,10 +695,6 @@ TEST(VisionImage, PaletteAndColourKeyTransparency) {
   const ImageRGB8 rgb = decode_string(
       make_png(2, 1, 2, {10, 20, 30, 40, 50, 60}, "", std::string{0, 10, 0, 20, 0, 30}), "rgb");
   EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{10, 20, 30, 40, 50, 60}));
-}
-
-void append_bytes(void* ctx, void* data, int n) {
-  static_cast<std::string*>(ctx)->append(static_cast<const char*>(data), n);
 }
 
 TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {

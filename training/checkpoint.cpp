@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_read.h"
 #include "core/safetensors.h"
 
 namespace iris {
@@ -179,31 +180,13 @@ TrainerState load_trainer_state(const std::string& path) {
   return s;
 }
 
-void export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype) {
-  IRIS_CHECK(dtype == DType::bf16 || dtype == DType::f32 || dtype == DType::f16,
-             "export dtype must be bf16, f16 or f32");
-  std::string src = checkpoint;
-  IRIS_CHECK(fs::is_directory(src), "checkpoint ", src, " does not exist");
-  if (!fs::exists(fs::path(src) / kStateFile)) {
-    // A run directory: take its latest checkpoint.
-    const std::string latest = latest_checkpoint(src);
-    IRIS_CHECK(!latest.empty(), src,
-               " is neither a checkpoint (no trainer_state.json) nor a run directory with a "
-               "`latest` checkpoint");
-    src = latest;
-  }
-  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"})
-    IRIS_CHECK(fs::is_regular_file(fs::path(src) / f), "checkpoint ", src, " lacks ", f,
-               "; it was not written by iris train");
-  fs::path out = fs::path(out_dir).lexically_normal();
-  if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir
-  IRIS_CHECK(!fs::exists(out), "export directory ", out.string(),
-             " already exists; remove it or choose another");
-  const fs::path tmp = out.string() + ".tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+namespace {
 
-  json config = json::parse(read_text_file((fs::path(src) / "config.json").string()));
+// Writes the exported files of checkpoint `src` into the (new, empty) directory `tmp`.
+void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
+  const std::string config_path = (fs::path(src) / "config.json").string();
+  json config = read_json_file(config_path, "checkpoint config");
+  IRIS_CHECK(config.is_object(), config_path, " must hold a JSON object");
   const char* dtype_text = dtype == DType::bf16  ? "bfloat16"
                            : dtype == DType::f16 ? "float16"
                                                  : "float32";
@@ -238,9 +221,51 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
                         "preprocessor_config.json", "generation_config.json"})
     if (fs::is_regular_file(fs::path(src) / f)) copy_file_durably(fs::path(src) / f, tmp / f);
   fsync_dir(tmp);
+}
+
+}  // namespace
+
+void export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype) {
+  IRIS_CHECK(dtype == DType::bf16 || dtype == DType::f32 || dtype == DType::f16,
+             "export dtype must be bf16, f16 or f32");
+  std::string src = checkpoint;
+  IRIS_CHECK(fs::is_directory(src), "checkpoint ", src, " does not exist");
+  if (!fs::exists(fs::path(src) / kStateFile)) {
+    // A run directory: take its latest checkpoint.
+    const std::string latest = latest_checkpoint(src);
+    IRIS_CHECK(!latest.empty(), src,
+               " is neither a checkpoint (no trainer_state.json) nor a run directory with a "
+               "`latest` checkpoint");
+    src = latest;
+  }
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"})
+    IRIS_CHECK(fs::is_regular_file(fs::path(src) / f), "checkpoint ", src, " lacks ", f,
+               "; it was not written by iris train");
+  IRIS_CHECK(!out_dir.empty(), "the export directory is empty; name a directory to create");
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir
+  IRIS_CHECK(!out.empty() && out.filename() != "." && out.filename() != "..", "export directory '",
+             out_dir, "' names no new directory; give a path such as out/hf");
+  IRIS_CHECK(!fs::exists(out), "export directory ", out.string(),
+             " already exists; remove it or choose another");
+  if (out.has_parent_path()) fs::create_directories(out.parent_path());
+  // A fresh directory beside the target, renamed onto it at the end: nothing the user already
+  // had (an "OUT.tmp" of theirs included) is ever written to or removed.
+  const fs::path tmp = make_temp_dir_beside(out.string());
+  try {
+    export_into(src, tmp, dtype);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(tmp, ignored);
+    throw;
+  }
   std::error_code ec;
   fs::rename(tmp, out, ec);
-  IRIS_CHECK(!ec, "renaming ", tmp.string(), " to ", out.string(), " failed: ", ec.message());
+  if (ec) {
+    std::error_code ignored;
+    fs::remove_all(tmp, ignored);
+    IRIS_FAIL("renaming ", tmp.string(), " to ", out.string(), " failed: ", ec.message());
+  }
   fsync_dir(out.has_parent_path() ? out.parent_path() : fs::path("."));
 }
 

@@ -12,6 +12,8 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/fs.h"
+#include "core/json_read.h"
 #include "core/splitmix.h"
 #include "training/chat_format.h"
 #include "vision/image.h"
@@ -202,8 +204,8 @@ void parse_llava(const json& j, const fs::path& base, ParsedLine& out) {
 ParsedLine parse_line(const std::string& text, const fs::path& base) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
+    j = parse_json(text, "the line");
+  } catch (const Error& e) {
     IRIS_FAIL("malformed JSON: ", e.what());
   }
   IRIS_CHECK(j.is_object(), "a line must be a JSON object, got ", j.type_name());
@@ -262,6 +264,8 @@ void DataConfig::validate() const {
              " must be in [0, 256] (0 prepares samples inside next())");
   IRIS_CHECK(prefetch >= 1 && prefetch <= 4096, "data.prefetch = ", prefetch,
              " must be in [1, 4096]");
+  IRIS_CHECK(max_image_pixels >= 1, "data.max_image_pixels = ", max_image_pixels,
+             " must be at least 1");
   if (mock) {
     for (const auto& s : mock_image_sizes)
       IRIS_CHECK(s[0] >= 1 && s[1] >= 1, "data.mock_image_sizes has ", s[0], "x", s[1],
@@ -338,20 +342,25 @@ struct Dataset::Impl {
   void index_files() {
     for (uint32_t fi = 0; fi < cfg.train_files.size(); ++fi) {
       const std::string& path = cfg.train_files[fi];
+      try {
+        check_regular_file(path, "train file");
+      } catch (const Error& e) {
+        IRIS_FAIL(e.what(),
+                  "; check data.train_files (relative paths are relative to the working "
+                  "directory)");
+      }
       std::ifstream f(path, std::ios::binary);
       IRIS_CHECK(f.good(), "cannot open train file ", path,
                  "; check data.train_files (relative paths are relative to the working directory)");
       std::string line;
       uint64_t offset = 0;
       int64_t line_no = 0;
-      while (std::getline(f, line)) {
+      while (read_bounded_line(f, line, kMaxJsonlLineBytes, path, line_no + 1)) {
         ++line_no;
         const uint64_t start = offset;
         offset += line.size() + 1;
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.find_first_not_of(" \t") == std::string::npos) continue;
-        IRIS_CHECK(line.size() < (uint64_t{1} << 31), path, ":", line_no,
-                   ": line is over 2 GiB; split it");
         try {
           parse_line(line, image_base(fi));
         } catch (const Error& e) {
@@ -419,7 +428,8 @@ struct Dataset::Impl {
     ParsedLine parsed = parse_line(line, image_base(r.file));
     std::vector<ImageRGB8> images;
     images.reserve(parsed.image_paths.size());
-    for (const std::string& p : parsed.image_paths) images.push_back(load_image(p));
+    for (const std::string& p : parsed.image_paths)
+      images.push_back(load_image(p, cfg.max_image_pixels));
     Sample s;
     for (const ImageRGB8& img : images) s.grids.push_back(grid_of(img, pp));
     ChatTokens t = build_chat_tokens(tok, parsed.messages, s.grids, pp.merge_size);

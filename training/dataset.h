@@ -30,10 +30,15 @@
 #include <vector>
 
 #include "language/tokenizer.h"
+#include "vision/image.h"
 #include "vision/preprocess.h"
 #include "vision/vision_encoder.h"
 
 namespace iris {
+
+// A JSONL line holds one sample's text and image paths; a longer one is an error naming the file
+// and line, before the reader holds it all in memory.
+inline constexpr size_t kMaxJsonlLineBytes = size_t{64} << 20;
 
 struct DataConfig {
   std::vector<std::string> train_files;  // JSONL
@@ -46,6 +51,8 @@ struct DataConfig {
   // Samples being prepared or ready ahead of the consumer (in-progress ones included).
   int prefetch = 4;
   enum class OnBad { skip, error } on_bad_sample = OnBad::skip;
+  // Images with more pixels (from the file's header) are bad samples, refused before decoding.
+  int64_t max_image_pixels = kDefaultMaxImagePixels;
 
   // Mock data for benchmarks: no files; every sample holds one random-pixel image per entry of
   // mock_image_sizes ({width, height}), then a user text and an assistant reply of random ordinary

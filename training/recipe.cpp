@@ -1,6 +1,7 @@
 #include "training/recipe.h"
 #include "core/text_distance.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_read.h"
 #include "training/lr_schedule.h"
 
 namespace iris {
@@ -98,6 +100,9 @@ std::vector<Field> fields(Recipe& r) {
        "smallest image area after resizing; 0: the preprocessor config's value"},
       {"data.max_pixels", &d.max_pixels,
        "largest image area after resizing; 0: the preprocessor config's value"},
+      {"data.max_image_pixels", &d.config.max_image_pixels,
+       "images with more pixels (read from the file's header) are bad samples, refused before "
+       "decoding"},
       {"data.mock", &d.config.mock,
        "generate random samples instead of reading files (performance runs)"},
       {"data.mock_image_sizes", &d.config.mock_image_sizes,
@@ -250,6 +255,56 @@ class Origins {
   std::map<std::string, std::string> map_;
 };
 
+// Recipes are YAML a user may have been sent. Before a document becomes a node tree, one pass over
+// its events refuses aliases (`*name`: a node that contains itself recurses forever, and a
+// "billion laughs" chain of them expands exponentially) and nesting deeper than any recipe needs.
+// yaml-cpp's own parser stops at 2000 levels; this limit keeps our walkers far below that.
+constexpr int kMaxYamlDepth = 64;
+
+class YamlGuard : public YAML::EventHandler {
+ public:
+  explicit YamlGuard(std::string source) : source_(std::move(source)) {}
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark& mark, YAML::anchor_t) override {
+    IRIS_FAIL("recipe: ", source_, where(mark),
+              " uses a YAML alias (*name); recipes do not allow aliases, so write the value out");
+  }
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {
+    enter(mark);
+  }
+  void OnSequenceEnd() override { --depth_; }
+  void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {
+    enter(mark);
+  }
+  void OnMapEnd() override { --depth_; }
+
+ private:
+  static std::string where(const YAML::Mark& mark) {
+    return mark.line >= 0 ? str_cat(" line ", mark.line + 1) : std::string();
+  }
+  void enter(const YAML::Mark& mark) {
+    IRIS_CHECK(++depth_ <= kMaxYamlDepth, "recipe: ", source_, where(mark), " nests more than ",
+               kMaxYamlDepth, " levels of lists and maps; no recipe needs that many");
+  }
+  std::string source_;
+  int depth_ = 0;
+};
+
+// YAML::Load after the guard above; YAML syntax errors propagate as YAML::Exception.
+YAML::Node load_yaml(const std::string& text, const std::string& source) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  YamlGuard guard(source);
+  parser.HandleNextDocument(guard);
+  return YAML::Load(text);
+}
+
 std::string node_text(const YAML::Node& n) {
   if (n.IsScalar()) return n.Scalar();
   YAML::Emitter e;
@@ -259,7 +314,8 @@ std::string node_text(const YAML::Node& n) {
 
 [[noreturn]] void fail_type(const std::string& key, const std::string& type, const YAML::Node& n,
                             const std::string& where) {
-  IRIS_FAIL("recipe: ", key, " expects ", a_type(type), ", got '", node_text(n), "' (", where, ")");
+  IRIS_FAIL("recipe: ", key, " expects ", a_type(type), ", got '", clip_text(node_text(n), 80),
+            "' (", where, ")");
 }
 
 bool parse_int64(const std::string& s, int64_t& out) {
@@ -485,7 +541,7 @@ void apply_override(Parsed& p, const std::string& key, const std::string& text) 
   if (!known_section) fail_unknown(key, " in " + where);
   YAML::Node value;
   try {
-    value = YAML::Load(text);
+    value = load_yaml(text, where);
   } catch (const YAML::Exception&) {
     value = YAML::Node(text);  // not YAML on its own (e.g. "a: b: c"): take it as text
   }
@@ -578,7 +634,13 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
       if (cp.is_relative()) cp = recipe_dir / cp;
       r.model.config_path = cp.lexically_normal().string();
     } else if (model_config.IsMap()) {
-      r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+      try {
+        r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+      } catch (const json::type_error&) {
+        // dump() refuses strings that are not UTF-8, as a config.json must be.
+        IRIS_FAIL("recipe: model.config holds text that is not valid UTF-8 (", model_config_where,
+                  ")");
+      }
     } else {
       IRIS_FAIL("recipe: model.config expects a path or a map of config.json fields, got a list (",
                 model_config_where, ")");
@@ -758,6 +820,13 @@ void validate(Recipe& r) {
                                   ? " (scripts/fetch_tokenizer.sh places it there)"
                                   : ""));
 
+  // The model's own settings are checked before the graph settings derived from them, so that a
+  // mistake in one of them is reported as such and not as a cuda_graph error.
+  const PreprocessorConfig pp = recipe_preprocessor(r);  // validates the pixel bounds
+  const int64_t unit = int64_t(pp.merge_size) * pp.merge_size;
+  IRIS_CHECK(t.max_vision_patches % unit == 0, "recipe: train.max_vision_patches ",
+             t.max_vision_patches, " must be a multiple of ", unit, " (whole merge windows); use ",
+             t.max_vision_patches / unit * unit + unit);
   if (r.has_model_config) {
     const ModelConfig& mc = r.model_config;
     IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",
@@ -775,11 +844,6 @@ void validate(Recipe& r) {
       IRIS_FAIL("recipe: section cuda_graph: ", e.what());
     }
   }
-  const PreprocessorConfig pp = recipe_preprocessor(r);  // validates the pixel bounds
-  const int64_t unit = int64_t(pp.merge_size) * pp.merge_size;
-  IRIS_CHECK(t.max_vision_patches % unit == 0, "recipe: train.max_vision_patches ",
-             t.max_vision_patches, " must be a multiple of ", unit, " (whole merge windows); use ",
-             t.max_vision_patches / unit * unit + unit);
   for (const std::string& w : r.cuda_graph.warnings) r.notes.push_back("cuda_graph: " + w);
   if (r.cuda_graph.language.impl != GraphImpl::none ||
       r.cuda_graph.vision.impl != VisionGraphImpl::none)
@@ -792,9 +856,9 @@ Recipe load(const std::string& text, const std::string& source,
             const std::vector<std::string>& overrides) {
   Parsed p;
   try {
-    p.root = YAML::Load(text);
+    p.root = load_yaml(text, source);
   } catch (const YAML::Exception& e) {
-    IRIS_FAIL("recipe: ", source, " is not valid YAML: ", e.what());
+    IRIS_FAIL("recipe: ", source, " is not valid YAML: ", clip_text(e.what()));
   }
   if (!p.root.IsDefined() || p.root.IsNull()) p.root = YAML::Node(YAML::NodeType::Map);
   IRIS_CHECK(p.root.IsMap(), "recipe: ", source,
@@ -823,14 +887,15 @@ PreprocessorConfig recipe_preprocessor(const Recipe& r) {
     // The patch geometry belongs to the model: a randomly initialised model with its own
     // patch_size has no preprocessor file, and a checkpoint's file must agree with its config.
     const VisionConfig& v = r.model_config.vision;
-    if (!r.model.hf_dir.empty())
-      IRIS_CHECK(pp.patch_size == v.patch_size && pp.merge_size == v.spatial_merge_size &&
-                     pp.temporal_patch_size == v.temporal_patch_size,
-                 "recipe: ", r.model.hf_dir, "/preprocessor_config.json has patch_size ",
-                 pp.patch_size, ", merge_size ", pp.merge_size, ", temporal_patch_size ",
-                 pp.temporal_patch_size, " but the model's vision_config has ", v.patch_size, ", ",
-                 v.spatial_merge_size, ", ", v.temporal_patch_size,
-                 "; make the two files of the checkpoint agree");
+    if (!r.model.hf_dir.empty()) {
+      try {
+        check_preprocessor_matches(
+            r.model_config, pp, (fs::path(r.model.hf_dir) / "config.json").string(),
+            (fs::path(r.model.hf_dir) / "preprocessor_config.json").string());
+      } catch (const Error& e) {
+        IRIS_FAIL("recipe: ", e.what());
+      }
+    }
     pp.patch_size = v.patch_size;
     pp.merge_size = v.spatial_merge_size;
     pp.temporal_patch_size = v.temporal_patch_size;

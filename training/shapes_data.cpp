@@ -172,7 +172,8 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size) {
 }
 
 void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, double heldout_fraction,
-                          int image_size) {
+                          int image_size, bool replace) {
+  IRIS_CHECK(!out_dir.empty(), "the output directory is empty; name one with --out");
   IRIS_CHECK(n >= 1, "shapes dataset size n = ", n, " must be at least 1");
   IRIS_CHECK(heldout_fraction >= 0.0 && heldout_fraction < 1.0,
              "heldout_fraction = ", heldout_fraction, " must be in [0, 1)");
@@ -181,6 +182,10 @@ void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, doub
              " scenes leaves nothing to train on; lower it or raise n");
   namespace fs = std::filesystem;
   const fs::path dir(out_dir);
+  if (!replace)
+    for (const char* part : {"train.jsonl", "heldout.jsonl", "images"})
+      IRIS_CHECK(!fs::exists(dir / part), out_dir, " already holds a dataset (", part,
+                 "); choose another --out, or pass --force to replace it");
   std::error_code ec;
   fs::create_directories(dir / "images", ec);
   IRIS_CHECK(!ec, "cannot create ", (dir / "images").string(), ": ", ec.message());

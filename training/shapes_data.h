@@ -50,8 +50,10 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size = 64)
 // messages format (user: the image, then kShapesPrompt; assistant: the caption). The last
 // round(n * heldout_fraction) scenes are held out. Each line also carries a "shapes" list
 // (shape, colour, x, y, size), which the loader ignores. Image paths are relative to out_dir.
+// A directory that already holds a dataset (train.jsonl, heldout.jsonl or images/) is an error
+// unless `replace` is set.
 void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, double heldout_fraction,
-                          int image_size = 64);
+                          int image_size = 64, bool replace = false);
 
 // <|image_pad|> tokens a shapes image of this size becomes under `pp`.
 int64_t shapes_vision_tokens(int image_size, const PreprocessorConfig& pp);

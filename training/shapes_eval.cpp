@@ -6,7 +6,11 @@
 
 #include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
+#include "bridge/model_config.h"
+#include "core/fs.h"
+#include "core/json_read.h"
 #include "language/tokenizer.h"
+#include "training/dataset.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
 
@@ -22,7 +26,7 @@ HeldoutSample parse_sample(const std::string& line, const std::string& where,
                            const std::filesystem::path& base) {
   HeldoutSample s;
   try {
-    const auto j = nlohmann::json::parse(line);
+    const auto j = parse_json(line, where);
     for (const auto& m : j.at("messages")) {
       const std::string role = m.at("role").get<std::string>();
       const auto& c = m.at("content");
@@ -35,7 +39,7 @@ HeldoutSample parse_sample(const std::string& line, const std::string& where,
       }
     }
   } catch (const nlohmann::json::exception& e) {
-    IRIS_FAIL(where, ": not a shapes messages line (", e.what(), ")");
+    IRIS_FAIL(where, ": not a shapes messages line (", json_error_text(e), ")");
   }
   IRIS_CHECK(!s.image.empty() && !s.reference.empty(), where,
              ": a shapes line needs a user image and an assistant caption");
@@ -48,12 +52,14 @@ ShapesScore evaluate_shapes(
     const std::string& model_dir, const std::string& heldout_jsonl, const ShapesEvalOptions& opt,
     const std::function<void(const std::string&, const std::string&)>& on_sample) {
   namespace fs = std::filesystem;
+  check_regular_file(heldout_jsonl, "held-out file");
   std::ifstream in(heldout_jsonl);
   IRIS_CHECK(in.good(), "cannot open ", heldout_jsonl,
              " (make it with: iris data shapes --out DIR)");
   std::vector<HeldoutSample> samples;
   int line_no = 0;
-  for (std::string line; std::getline(in, line);) {
+  for (std::string line;
+       read_bounded_line(in, line, kMaxJsonlLineBytes, heldout_jsonl, line_no + 1);) {
     ++line_no;
     if (line.empty()) continue;
     samples.push_back(parse_sample(line, heldout_jsonl + ":" + std::to_string(line_no),
@@ -63,10 +69,8 @@ ShapesScore evaluate_shapes(
   IRIS_CHECK(!samples.empty(), heldout_jsonl, " holds no samples");
 
   const Tokenizer tok = Tokenizer::from_file((fs::path(model_dir) / "tokenizer.json").string());
-  const fs::path pre_path = fs::path(model_dir) / "preprocessor_config.json";
-  const PreprocessorConfig pre = fs::exists(pre_path)
-                                     ? PreprocessorConfig::from_file(pre_path.string())
-                                     : PreprocessorConfig{};
+  const ModelConfig cfg = ModelConfig::from_file((fs::path(model_dir) / "config.json").string());
+  const PreprocessorConfig pre = model_preprocessor(model_dir, cfg);
   // Size the model for the largest image of the split: every sample is planned within it.
   std::vector<PreprocessedImage> images;
   int64_t max_patches = 0;
@@ -84,6 +88,7 @@ ShapesScore evaluate_shapes(
   const auto stop =
       default_stop_ids(model_dir, [&](const std::string& t) { return tok.token_id(t); });
 
+  const std::vector<uint8_t> sampleable = sampleable_ids(tok, model.config().text.vocab_size);
   ShapesScore total;
   for (size_t i = 0; i < samples.size(); ++i) {
     GenerationRequest req;
@@ -94,6 +99,7 @@ ShapesScore evaluate_shapes(
     req.max_new_tokens = opt.max_new_tokens;
     req.stop_ids = stop;
     req.sampling.temperature = 0;
+    req.sampleable = sampleable;
     GenerationResult res = generate(model, req);
     if (res.stopped) res.tokens.pop_back();
     const std::string predicted = tok.decode(res.tokens);

@@ -1,10 +1,12 @@
 #include "vision/image.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <memory>
 
 #include "core/error.h"
@@ -86,6 +88,34 @@ std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
   return {};
 }
 
+// stb 2.27 parses a PNM header's numbers into an int without an overflow check (signed overflow,
+// undefined behaviour; fixed upstream later). Read the header exactly as stbi__pnm_info does and
+// reject a number stb would overflow on. Only P5 and P6 reach that parser.
+std::string pnm_header_problem(const uint8_t* d, size_t n) {
+  if (n < 2 || d[0] != 'P' || (d[1] != '5' && d[1] != '6')) return {};
+  size_t pos = 2;
+  auto at_eof = [&] { return pos >= n; };
+  auto get8 = [&]() -> char { return pos < n ? static_cast<char>(d[pos++]) : '\0'; };
+  auto is_space = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
+  };
+  char c = get8();
+  for (int field = 0; field < 3; ++field) {
+    for (;;) {  // stbi__pnm_skip_whitespace
+      while (!at_eof() && is_space(c)) c = get8();
+      if (at_eof() || c != '#') break;
+      while (!at_eof() && c != '\n' && c != '\r') c = get8();
+    }
+    int64_t value = 0;  // stbi__pnm_getinteger
+    while (!at_eof() && c >= '0' && c <= '9') {
+      value = value * 10 + (c - '0');
+      if (value > INT_MAX) return "a number in its PNM header is too large (corrupt PNM)";
+      c = get8();
+    }
+  }
+  return {};
+}
+
 // stb 2.27 keeps 16-bit PNM samples in host byte order instead of converting from the file's
 // big-endian order, so its 8-bit result holds the low bytes. Later versions convert. Probe once
 // which behaviour we are linked with rather than assume it.
@@ -120,6 +150,19 @@ std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, in
   return out;
 }
 
+// The format a file's signature claims, for error messages; null when none matches.
+const char* sniff_format(const uint8_t* d, size_t n) {
+  auto starts = [&](std::initializer_list<uint8_t> sig) {
+    return n >= sig.size() && std::equal(sig.begin(), sig.end(), d);
+  };
+  if (starts({0x89, 'P', 'N', 'G'})) return "PNG";
+  if (starts({0xFF, 0xD8})) return "JPEG";
+  if (starts({'G', 'I', 'F', '8'})) return "GIF";
+  if (starts({'B', 'M'})) return "BMP";
+  if (n >= 2 && d[0] == 'P' && d[1] >= '1' && d[1] <= '6') return "PNM";
+  return nullptr;
+}
+
 }  // namespace
 
 void check_image(const ImageRGB8& img, const char* what) {
@@ -131,7 +174,8 @@ void check_image(const ImageRGB8& img, const char* what) {
              img.pixels.size());
 }
 
-ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors) {
+ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors,
+                       int64_t max_pixels) {
   IRIS_CHECK(size > 0, "cannot decode image ", name_for_errors,
              ": it is empty (0 bytes); expected PNG, JPEG, BMP, GIF, TGA or PNM data");
   IRIS_CHECK(data != nullptr, "cannot decode image ", name_for_errors, ": null data pointer");
@@ -140,13 +184,28 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const int len = static_cast<int>(size);
   const std::string jpeg_problem = jpeg_huffman_problem(data, size);
   IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
+  const std::string pnm_problem = pnm_header_problem(data, size);
+  IRIS_CHECK(pnm_problem.empty(), "cannot decode image ", name_for_errors, ": ", pnm_problem);
+  const char* format = sniff_format(data, size);
   int w = 0, h = 0, channels = 0;
-  if (!stbi_info_from_memory(data, len, &w, &h, &channels))
-    IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
-              " (supported formats: PNG, JPEG, BMP, GIF, TGA, PNM; the file may be truncated or "
-              "not an image)");
+  if (!stbi_info_from_memory(data, len, &w, &h, &channels)) {
+    // stb tries every format in turn and reports the last one's complaint ("bad png sig" for a
+    // JPEG): name the format the file's signature claims instead.
+    if (format)
+      IRIS_FAIL("cannot decode image ", name_for_errors, ": its ", format,
+                " header is corrupt or truncated");
+    IRIS_FAIL("cannot decode image ", name_for_errors,
+              ": unknown image type (supported: PNG, JPEG, BMP, GIF, TGA, PNM); the file may be "
+              "truncated or not an image");
+  }
   IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
              channels, " channels per pixel is not supported (expected 1 to 4)");
+  IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": its header gives size ", w,
+             "x", h);
+  IRIS_CHECK(int64_t{w} * h <= max_pixels, "image ", name_for_errors, " is ", w, "x", h, " = ",
+             int64_t{w} * h, " pixels, more than the limit of ", max_pixels,
+             " (a decompression bomb, or a scan far larger than the model can see); downscale it, "
+             "or raise the limit (iris generate --max-image-pixels, recipe data.max_image_pixels)");
   // We ask stb for the stored channel count: its own channel converter is wrong for 16-bit PNM
   // in 2.27 (a heap over-read). The one exception is grey PNG, read with an alpha channel so that
   // a tRNS colour key composites onto white as PIL's convert("RGBA") does in HF's convert_to_rgb.
@@ -162,9 +221,18 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
     pnm16 = decode_pnm16(data, len, want, w, h, name_for_errors);
   } else {
     decoded.reset(stbi_load_from_memory(data, len, &w, &h, &channels, want));
-    if (!decoded)
-      IRIS_FAIL("cannot decode image ", name_for_errors, ": ", stbi_failure_reason(),
-                " (the file may be truncated or corrupt)");
+    if (!decoded) {
+      // When stb's decoder for the file's own format gives up, stb goes on testing the other
+      // formats, and the reason left is the last test's ("bad png sig" for a JPEG); such a
+      // reason says nothing about this file.
+      const std::string reason = stbi_failure_reason() ? stbi_failure_reason() : "";
+      const bool about_this_file = reason.find("sig") == std::string::npos &&
+                                   reason.rfind("not ", 0) != 0 &&
+                                   reason.find("unknown image type") == std::string::npos;
+      IRIS_FAIL("cannot decode image ", name_for_errors, ": ", format ? format : "image",
+                " data is corrupt or truncated",
+                about_this_file && !reason.empty() ? " (" + reason + ")" : std::string());
+    }
   }
   IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": decoder returned size ", w,
              "x", h);
@@ -196,26 +264,16 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   return img;
 }
 
-ImageRGB8 load_image(const std::string& path) {
+ImageRGB8 load_image(const std::string& path, int64_t max_pixels) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   IRIS_CHECK(std::filesystem::exists(status), "image file not found: ", path,
              " (check the path; relative paths are resolved from the current directory)");
   IRIS_CHECK(!std::filesystem::is_directory(status), "cannot load image ", path,
              ": it is a directory, not an image file");
-  std::ifstream f(path, std::ios::binary);
-  IRIS_CHECK(f.good(), "cannot open image ", path, ": ", std::strerror(errno));
-  f.seekg(0, std::ios::end);
-  const std::streamoff end = f.tellg();
-  IRIS_CHECK(end >= 0, "cannot read image ", path, ": cannot determine its size");
-  f.seekg(0, std::ios::beg);
-  std::vector<uint8_t> bytes(static_cast<size_t>(end));
-  if (!bytes.empty()) {
-    f.read(reinterpret_cast<char*>(bytes.data()), end);
-    IRIS_CHECK(f.gcount() == end, "cannot read image ", path, ": short read (", f.gcount(), " of ",
-               end, " bytes)");
-  }
-  return decode_image(bytes.data(), bytes.size(), path);
+  const std::string bytes = read_text_file(path, "image", static_cast<size_t>(INT_MAX));
+  return decode_image(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path,
+                      max_pixels);
 }
 
 void write_png(const std::string& path, const ImageRGB8& img) {

@@ -14,13 +14,22 @@ struct ImageRGB8 {
   std::vector<uint8_t> pixels;
 };
 
+// The most pixels (width x height, read from the file's header before anything is decoded) an
+// image may have: PIL's decompression-bomb limit, at which HF's image loading refuses a file too
+// (2 x PIL.Image.MAX_IMAGE_PIXELS). It covers every camera's photos (a 100-megapixel frame is 1.8x
+// below it); Qwen processors resize anything above 16384 x 28 x 28 pixels down anyway.
+inline constexpr int64_t kDefaultMaxImagePixels = 178956970;
+
 // Decodes PNG, JPEG, BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR and PIC).
 // Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are composited
 // onto white exactly as PIL's Image.alpha_composite does in HF's convert_to_rgb. EXIF orientation
 // is ignored, as PIL.Image.open ignores it. Throws iris::Error naming the file for a missing file
 // or data stb cannot decode, with stb's reason.
-ImageRGB8 load_image(const std::string& path);
-ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors);
+// An image of more than `max_pixels` pixels is an error that names the limit's setting before any
+// memory is spent on it; a path that is not a regular file (a FIFO, a directory) is an error too.
+ImageRGB8 load_image(const std::string& path, int64_t max_pixels = kDefaultMaxImagePixels);
+ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors,
+                       int64_t max_pixels = kDefaultMaxImagePixels);
 
 // Encodes as PNG and writes atomically (temporary file, then rename).
 void write_png(const std::string& path, const ImageRGB8& img);

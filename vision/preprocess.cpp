@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_read.h"
 
 namespace iris {
 
@@ -26,17 +27,18 @@ int64_t json_int(const json& v, const std::string& key) {
     if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15)
       return static_cast<int64_t>(d);
   }
-  IRIS_FAIL("preprocessor config: \"", key, "\" must be an integer, got ", v.dump());
+  IRIS_FAIL("preprocessor config: \"", key, "\" must be an integer, got ", json_excerpt(v));
 }
 
 double json_number(const json& v, const std::string& key) {
-  IRIS_CHECK(v.is_number(), "preprocessor config: \"", key, "\" must be a number, got ", v.dump());
+  IRIS_CHECK(v.is_number(), "preprocessor config: \"", key, "\" must be a number, got ",
+             json_excerpt(v));
   return v.get<double>();
 }
 
 bool json_bool(const json& v, const std::string& key) {
   IRIS_CHECK(v.is_boolean(), "preprocessor config: \"", key, "\" must be true or false, got ",
-             v.dump());
+             json_excerpt(v));
   return v.get<bool>();
 }
 
@@ -55,7 +57,7 @@ std::array<float, 3> json_triple(const json& v, const std::string& key) {
     return out;
   }
   IRIS_CHECK(v.is_array() && v.size() == 3, "preprocessor config: \"", key,
-             "\" must be a list of 3 numbers (one per RGB channel), got ", v.dump());
+             "\" must be a list of 3 numbers (one per RGB channel), got ", json_excerpt(v));
   for (size_t i = 0; i < 3; ++i)
     out[i] = static_cast<float>(json_number(v[i], key + "[" + std::to_string(i) + "]"));
   return out;
@@ -103,13 +105,13 @@ PreprocessorConfig PreprocessorConfig::from_json(const json& j) {
     IRIS_CHECK(s.is_object(),
                "preprocessor config: \"size\" must be an object with shortest_edge "
                "and longest_edge (pixel-count bounds), got ",
-               s.dump());
+               json_excerpt(s));
     const bool hf = s.contains("shortest_edge") || s.contains("longest_edge");
     const bool legacy = s.contains("min_pixels") || s.contains("max_pixels");
     IRIS_CHECK(hf || legacy,
                "preprocessor config: \"size\" must contain shortest_edge and "
                "longest_edge (or min_pixels and max_pixels), got ",
-               s.dump());
+               json_excerpt(s));
     if (s.contains("shortest_edge"))
       c.min_pixels = json_int(s["shortest_edge"], "size.shortest_edge");
     if (s.contains("longest_edge")) c.max_pixels = json_int(s["longest_edge"], "size.longest_edge");
@@ -142,19 +144,19 @@ PreprocessorConfig PreprocessorConfig::from_json(const json& j) {
 }
 
 PreprocessorConfig PreprocessorConfig::from_file(const std::string& path) {
-  const std::string text = read_text_file(path);
+  const std::string text = read_text_file(path, "preprocessor config");
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    IRIS_FAIL("malformed JSON in preprocessor config ", path, ": ", e.what());
+    j = parse_json(text, path);
+  } catch (const Error& e) {
+    IRIS_FAIL("malformed JSON in preprocessor config: ", e.what());
   }
   try {
     return from_json(j);
   } catch (const Error& e) {
     IRIS_FAIL(path, ": ", e.what());
   } catch (const json::exception& e) {
-    IRIS_FAIL(path, ": unexpected value in preprocessor config: ", e.what());
+    IRIS_FAIL(path, ": unexpected value in preprocessor config: ", json_error_text(e));
   }
 }
 

@@ -1,0 +1,306 @@
+// Reading files that may come from a stranger: safetensors validated as strictly as the reference
+// implementation (huggingface/safetensors), JSON with a nesting limit and bounded error text,
+// typed field reads, regular-file checks (a FIFO is an error, not a hang), bounded lines, and
+// writes that only ever touch the path asked for.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/json_read.h"
+#include "core/safetensors.h"
+#include "test_util.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using test::error_of;
+using test::scratch_dir;
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// A safetensors file from a header text, a header length (default: the text's) and data bytes.
+std::string safetensors_blob(const std::string& header, const std::string& data,
+                             int64_t header_len = -1) {
+  const uint64_t n = header_len < 0 ? header.size() : static_cast<uint64_t>(header_len);
+  std::string blob(8, '\0');
+  std::memcpy(blob.data(), &n, 8);
+  return blob + header + data;
+}
+
+std::string open_error(const std::string& name, const std::string& blob) {
+  const std::string path = (scratch_dir() / name).string();
+  write_bytes(path, blob);
+  return error_of([&] { SafetensorsFile f(path); });
+}
+
+// Two f32 tensors of 2 elements each, back to back.
+const std::string kTwoTensors = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+
+TEST(Safetensors, AWellFormedFileLoads) {
+  const std::string path = (scratch_dir() / "ok.safetensors").string();
+  const float a[2] = {1.5f, -2.0f}, b[2] = {3.0f, 4.0f};
+  write_safetensors(path, {{"a", DType::f32, {2}, a}, {"b", DType::f32, {2}, b}});
+  SafetensorsFile f(path);
+  EXPECT_EQ(f.load("b").data<float>()[1], 4.0f);
+  EXPECT_EQ(f.load("a").data<float>()[0], 1.5f);
+}
+
+TEST(Safetensors, AHeaderLengthOneByteShortIsRejected) {
+  // The file write_safetensors made, with the header length one less: the header still parses
+  // (it loses a padding space) but every tensor would start one byte early.
+  const std::string path = (scratch_dir() / "short.safetensors").string();
+  const float a[2] = {1.0f, 2.0f};
+  write_safetensors(path, {{"a", DType::f32, {2}, a}});
+  std::string blob = slurp(path);
+  uint64_t n = 0;
+  std::memcpy(&n, blob.data(), 8);
+  --n;
+  std::memcpy(blob.data(), &n, 8);
+  const std::string msg = open_error("short2.safetensors", blob);
+  EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, TrailingBytesAreRejected) {
+  const std::string msg =
+      open_error("trailing.safetensors", safetensors_blob(kTwoTensors, std::string(16 + 3, '\0')));
+  EXPECT_NE(msg.find("cover 16 bytes of a data section of 19"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, AGapBetweenTensorsIsRejected) {
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})";
+  const std::string msg =
+      open_error("gap.safetensors", safetensors_blob(header, std::string(20, 0)));
+  EXPECT_NE(msg.find("gap"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'b'"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, DataThatDoesNotStartAtZeroIsRejected) {
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  const std::string msg =
+      open_error("late.safetensors", safetensors_blob(header, std::string(12, 0)));
+  EXPECT_NE(msg.find("gap"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, OverlappingTensorsAreRejected) {
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  const std::string msg =
+      open_error("overlap.safetensors", safetensors_blob(header, std::string(12, 0)));
+  EXPECT_NE(msg.find("overlap"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, ShapeProductOverflowIsRejected) {
+  // 2^62 * 8 elements wraps to 0 in 64 bits, which would match empty data_offsets.
+  const std::string header =
+      R"({"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,0]}})";
+  const std::string msg = open_error("overflow.safetensors", safetensors_blob(header, ""));
+  EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
+  // The element count fits but the byte count does not.
+  const std::string bytes_header =
+      R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})";
+  EXPECT_NE(
+      open_error("overflow2.safetensors", safetensors_blob(bytes_header, "")).find("overflows"),
+      std::string::npos);
+}
+
+TEST(Safetensors, ByteCountMustMatchShapeAndDtype) {
+  const std::string header = R"({"a":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})";
+  const std::string msg =
+      open_error("size.safetensors", safetensors_blob(header, std::string(8, 0)));
+  EXPECT_NE(msg.find("need 6"), std::string::npos) << msg;
+}
+
+TEST(Safetensors, HeaderMustBeAJsonObjectOfWellTypedEntries) {
+  EXPECT_NE(open_error("array.safetensors", safetensors_blob("[1, 2]", "")).find("'{'"),
+            std::string::npos);
+  EXPECT_NE(
+      open_error("huge.safetensors", safetensors_blob("{}", "", int64_t{200} << 20)).find("100 MB"),
+      std::string::npos);
+  const std::string typed =
+      open_error("typed.safetensors",
+                 safetensors_blob(R"({"w":{"dtype":7,"shape":[0],"data_offsets":[0,0]}})", ""));
+  EXPECT_NE(typed.find("tensor 'w'.dtype must be a string"), std::string::npos) << typed;
+  const std::string offsets = open_error(
+      "offsets.safetensors",
+      safetensors_blob(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4.5]}})", "xxxx"));
+  EXPECT_NE(offsets.find("data_offsets[1] must be an integer"), std::string::npos) << offsets;
+  const std::string meta =
+      open_error("meta.safetensors", safetensors_blob(R"({"__metadata__":{"format":1}})", ""));
+  EXPECT_NE(meta.find("__metadata__.format must be a string"), std::string::npos) << meta;
+}
+
+TEST(Safetensors, DeeplyNestedHeaderIsRejectedWithoutRecursion) {
+  const std::string deep = "{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  const std::string msg = open_error("deep.safetensors", safetensors_blob(deep, ""));
+  EXPECT_NE(msg.find("levels deep"), std::string::npos) << msg;
+  EXPECT_LT(msg.size(), 400u) << msg;
+}
+
+TEST(Safetensors, Bf16AtAnOddOffsetIsReadCorrectly) {
+  // A 9-byte header puts the data section at byte 17: every bf16 element is misaligned.
+  const std::string header = R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})";
+  std::string padded = header;
+  while ((8 + padded.size()) % 2 == 0) padded += ' ';
+  const uint16_t values[2] = {f32_to_bf16(1.0f), f32_to_bf16(-3.5f)};
+  const std::string path = (scratch_dir() / "odd.safetensors").string();
+  write_bytes(path,
+              safetensors_blob(padded, std::string(reinterpret_cast<const char*>(values), 4)));
+  SafetensorsFile f(path);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(f.at("a").data) % 2, 1u);
+  const HostTensor t = f.load("a");
+  EXPECT_EQ(t.data<float>()[0], 1.0f);
+  EXPECT_EQ(t.data<float>()[1], -3.5f);
+}
+
+TEST(Safetensors, ShardIndexMustAgreeWithItsShards) {
+  const fs::path dir = scratch_dir() / "sharded";
+  fs::create_directories(dir);
+  const float a[2] = {1, 2};
+  write_safetensors((dir / "one.safetensors").string(), {{"a", DType::f32, {2}, a}});
+  write_bytes((dir / "model.safetensors.index.json").string(),
+              R"({"weight_map":{"a":"one.safetensors","b":"one.safetensors"}})");
+  std::string msg = error_of([&] { SafetensorsCheckpoint c(dir.string()); });
+  EXPECT_NE(msg.find("lists tensor 'b'"), std::string::npos) << msg;
+  write_bytes((dir / "model.safetensors.index.json").string(),
+              R"({"weight_map":{"a":"../one.safetensors"}})");
+  msg = error_of([&] { SafetensorsCheckpoint c(dir.string()); });
+  EXPECT_NE(msg.find("not a file name inside"), std::string::npos) << msg;
+  write_bytes((dir / "model.safetensors.index.json").string(), R"({"weight_map":{"a":3}})");
+  msg = error_of([&] { SafetensorsCheckpoint c(dir.string()); });
+  EXPECT_NE(msg.find("weight_map.a must be a string"), std::string::npos) << msg;
+}
+
+TEST(Json, NestingBeyondTheLimitIsAnErrorThatQuotesNothing) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string msg = error_of([&] { parse_json(deep, "config.json"); });
+  EXPECT_NE(msg.find("config.json nests"), std::string::npos) << msg;
+  EXPECT_LT(msg.size(), 300u);
+  // Brackets inside strings are text, not nesting.
+  EXPECT_NO_THROW(parse_json("{\"a\": \"" + std::string(1000, '[') + "\\\"[\"}", "x"));
+  EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": "]]]"}]})", 100), 3);
+  EXPECT_NO_THROW(
+      parse_json(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']'), "x"));
+}
+
+TEST(Json, ParseErrorsAreBounded) {
+  // nlohmann quotes the token it stopped at, here a megabyte-long string.
+  const std::string text = "{\"a\": \"" + std::string(1 << 20, 'x') + "\u0001\"}";
+  const std::string msg = error_of([&] { parse_json(text, "tokenizer.json"); });
+  EXPECT_NE(msg.find("tokenizer.json is not valid JSON"), std::string::npos);
+  EXPECT_LT(msg.size(), 400u);
+}
+
+TEST(Json, ExcerptsAreShortWhateverTheValue) {
+  nlohmann::json big = nlohmann::json::array();
+  for (int i = 0; i < 100000; ++i) big.push_back({{"k", std::string(100, 'v')}});
+  EXPECT_LE(json_excerpt(big).size(), 63u);
+  EXPECT_EQ(json_excerpt(nlohmann::json::parse(R"({"a": [1, 2]})")), R"({"a": [1, 2]})");
+}
+
+TEST(Json, IntegersMustBeIntegersInRange) {
+  using nlohmann::json;
+  const std::string w = "config.json: text_config";
+  EXPECT_EQ(json_integer(json(64), w, "hidden_size", 1, 1 << 20), 64);
+  EXPECT_EQ(json_integer(json(64.0), w, "hidden_size", 1, 1 << 20), 64);
+  auto msg = [&](const json& v) {
+    return error_of([&] { json_integer(v, w, "hidden_size", 1, 1 << 20); });
+  };
+  EXPECT_NE(
+      msg(json(64.9)).find("config.json: text_config.hidden_size must be an integer, got 64.9"),
+      std::string::npos)
+      << msg(json(64.9));
+  EXPECT_NE(msg(json(true)).find("must be an integer, got true"), std::string::npos);
+  EXPECT_NE(msg(json("64")).find("must be an integer"), std::string::npos);
+  EXPECT_NE(msg(json((int64_t{1} << 32) + 64)).find("4294967360 is out of range"),
+            std::string::npos);
+  EXPECT_NE(msg(json(1e12)).find("out of range"), std::string::npos) << msg(json(1e12));
+  EXPECT_NE(msg(json(0)).find("hidden_size = 0 is out of range"), std::string::npos);
+  EXPECT_NE(msg(json(UINT64_MAX)).find("out of range"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              json_real(json(0.0), w, "rms_norm_eps", 0, 1, true);
+            }).find("rms_norm_eps = 0.0 is out of range: it must be greater than 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              json_real(json(false), w, "rope_theta", 0, 1, true);
+            }).find("must be a number, got false"),
+            std::string::npos);
+}
+
+TEST(Files, AFifoIsRefusedInsteadOfBlocking) {
+  const std::string fifo = (scratch_dir() / "pipe").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string msg = error_of([&] { read_text_file(fifo, "model config"); });
+  EXPECT_NE(msg.find("model config " + fifo + " is a FIFO"), std::string::npos) << msg;
+  msg = error_of([&] { SafetensorsFile f(fifo); });
+  EXPECT_NE(msg.find("FIFO"), std::string::npos) << msg;
+  msg = error_of([&] { check_regular_file(fifo, "train file"); });
+  EXPECT_NE(msg.find("FIFO"), std::string::npos) << msg;
+  msg = error_of([&] { read_text_file(scratch_dir().string(), "model config"); });
+  EXPECT_NE(msg.find("is a directory"), std::string::npos) << msg;
+}
+
+TEST(Files, LinesAreBoundedAndSplitExactly) {
+  // Lengths around the reader's 64 KiB chunk, a last line without a newline and an empty line.
+  const std::string a(65535, 'a'), b(65536, 'b'), c(70000, 'c');
+  std::istringstream in(a + "\n" + b + "\n\n" + c);
+  std::string line;
+  std::vector<size_t> sizes;
+  int64_t n = 0;
+  while (read_bounded_line(in, line, 100000, "f.jsonl", ++n)) sizes.push_back(line.size());
+  EXPECT_EQ(sizes, (std::vector<size_t>{65535, 65536, 0, 70000}));
+  std::istringstream long_line(std::string(300000, 'x') + "\nok\n");
+  const std::string msg =
+      error_of([&] { read_bounded_line(long_line, line, 100000, "train.jsonl", 7); });
+  EXPECT_NE(msg.find("train.jsonl:7: the line is longer than 100000 bytes"), std::string::npos)
+      << msg;
+}
+
+TEST(Files, AtomicWritesLeaveOtherFilesAlone) {
+  const fs::path dir = scratch_dir() / "atomic";
+  fs::create_directories(dir);
+  // A user's file that happens to have the name an older temporary scheme used.
+  write_bytes((dir / "out.json.tmp").string(), "mine");
+  write_file_atomic((dir / "out.json").string(), "new");
+  EXPECT_EQ(slurp((dir / "out.json").string()), "new");
+  EXPECT_EQ(slurp((dir / "out.json.tmp").string()), "mine");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 2);
+  EXPECT_NE(error_of([] { write_file_atomic("", "x"); }).find("empty"), std::string::npos);
+  const std::string t1 = make_temp_dir_beside((dir / "export").string());
+  const std::string t2 = make_temp_dir_beside((dir / "export").string());
+  EXPECT_NE(t1, t2);
+  EXPECT_EQ(fs::path(t1).parent_path(), dir);
+}
+
+TEST(Errors, BuildPathsOnlyUnderIrisDebug) {
+  ::unsetenv("IRIS_DEBUG");
+  std::string msg = error_of([] { IRIS_FAIL("bad value"); });
+  EXPECT_EQ(msg, "bad value");
+  ::setenv("IRIS_DEBUG", "1", 1);
+  msg = error_of([] { IRIS_FAIL("bad value"); });
+  EXPECT_NE(msg.find("core_files_test.cpp:"), std::string::npos) << msg;
+  ::setenv("IRIS_DEBUG", "0", 1);
+  EXPECT_EQ(error_of([] { IRIS_FAIL("bad value"); }), "bad value");
+  ::unsetenv("IRIS_DEBUG");
+}
+
+}  // namespace
+}  // namespace iris
