@@ -2,16 +2,8 @@
 # The GPU machine's batch: build with CUDA, run every suite (GPU tests included), the greedy CLI
 # checks on the GPU, and the 2B benchmark against HF transformers. Results go to $OUT (or out/).
 # Dependencies missing there (yaml-cpp, CLI11, PCRE2, stb) come unpacked in .deps/.
-set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$root/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-jobs=$(nproc)
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DIRIS_DEPS_PREFIX="$root/.deps" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j"$jobs" >"$out/build.log" 2>&1 || { grep -E 'error' "$out/build.log" | head -30; exit 1; }
+source "$(dirname "$0")/gpu_env.sh"
+build_gpu || exit 1
 echo "== build ok"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   OMP_NUM_THREADS=2 ctest --test-dir build-gpu -j8 --output-on-failure ${CTEST_ARGS:-} >"$out/ctest.log" 2>&1

@@ -4,18 +4,10 @@
 # CPU and on CUDA from the same start (loss curves compared), with a kill -9 and resume on CUDA.
 # Results go to $OUT (or out/). Carry .deps (scripts/fetch_gpu_deps.sh) and the fixture's
 # tokenizer.json.
-set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$root/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-jobs=$(nproc)
+source "$(dirname "$0")/gpu_env.sh"
 steps=${TRAIN_STEPS:-300}
 nvidia-smi -L
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DIRIS_DEPS_PREFIX="$root/.deps" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build build-gpu -j"$jobs" >"$out/build.log" 2>&1 || { grep -E 'error' -A3 "$out/build.log" | head -40; exit 1; }
+build_gpu || exit 1
 echo "== build ok"
 nvcc=/usr/local/cuda/bin/nvcc
 command -v nvcc >/dev/null && nvcc=nvcc

@@ -7,16 +7,9 @@
 # Environment: STEPS (bench --train --steps, 3), ACCUM (samples per step, 8), RECOMPUTE (none),
 # PEER (1: run the HF peer), SFT (recipe name without .yaml, e.g. qwen3vl_2b_sft; empty: skip),
 # SFT_ITERS (4), SFT_RECOMPUTE (none), SFT_SAMPLES (64), PROFILE (1: nsys summary of a bench step).
-set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$root/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/gpu_env.sh"
 if [ ! -x build-gpu/iris ]; then
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DIRIS_DEPS_PREFIX="$root/.deps" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-  cmake --build build-gpu -j"$(nproc)" --target iris >"$out/build.log" 2>&1 || { grep -E 'error' "$out/build.log" | head -30; exit 1; }
+  build_gpu iris || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 config=${BENCH_CONFIG:-bench/configs/qwen3vl_2b.json}

@@ -314,22 +314,30 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
   fs::remove(path + ".other");
 }
 
+// The fixture's parameters (N(0, 1), or zero) and N(0, 1e-4) gradients on the CPU; returns the
+// gradients' sum of squares.
+double fill_params_and_grads(ModelWeights& params, ModelWeights& grads, uint32_t seed,
+                             bool random_params) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  double ss = 0;
+  for (size_t i = 0; i < params.bindings.size(); ++i) {
+    const Tensor p = bound(params.bindings[i]), g = bound(grads.bindings[i]);
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      p.as<float>()[k] = random_params ? nd(rng) : 0.0f;
+      g.as<float>()[k] = nd(rng) * 1e-2f;
+      ss += double(g.as<float>()[k]) * g.as<float>()[k];
+    }
+  }
+  return ss;
+}
+
 TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
   auto be = make_cpu_backend();
   const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
   auto params = allocate_weights(*be, cfg);
   auto grads = allocate_weights(*be, cfg);
-  std::mt19937 rng(5);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  double ss = 0;
-  for (size_t i = 0; i < params->bindings.size(); ++i) {
-    const Tensor p = bound(params->bindings[i]), g = bound(grads->bindings[i]);
-    for (int64_t k = 0; k < p.numel(); ++k) {
-      p.as<float>()[k] = 0.0f;
-      g.as<float>()[k] = nd(rng) * 1e-2f;
-      ss += double(g.as<float>()[k]) * g.as<float>()[k];
-    }
-  }
+  const double ss = fill_params_and_grads(*params, *grads, 5, false);
   AdamWConfig ac;
   ac.clip_grad_norm = 1.0f;
   AdamW opt(*be, cfg, *params, *grads, ac);
@@ -359,15 +367,7 @@ TEST(AdamW, NonFiniteGradientChangesNothingAndIsReported) {
   const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
   auto params = allocate_weights(*be, cfg);
   auto grads = allocate_weights(*be, cfg);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (size_t i = 0; i < params->bindings.size(); ++i) {
-    const Tensor p = bound(params->bindings[i]), g = bound(grads->bindings[i]);
-    for (int64_t k = 0; k < p.numel(); ++k) {
-      p.as<float>()[k] = nd(rng);
-      g.as<float>()[k] = nd(rng) * 1e-2f;
-    }
-  }
+  fill_params_and_grads(*params, *grads, 3, true);
   AdamW opt(*be, cfg, *params, *grads, AdamWConfig{});
   opt.step(1e-3f);
   const Tensor p0 = bound(params->bindings[0]), g0 = bound(grads->bindings[0]);
