@@ -2,6 +2,7 @@
 // parallelism on the CPU and indivisible batches are errors that say what to do; overrides apply;
 // the resolved config reads back to itself.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -21,7 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Shipped recipes use paths relative to the repository root, as the CLI does when run from it.
+// The tests run from the repository root, as the CLI does in the README; shipped recipes name
+// their input files relative to themselves.
 class RecipeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -126,6 +128,61 @@ TEST_F(RecipeTest, UnknownKeysNameTheClosestValidKey) {
   EXPECT_HAS(msg, "cuda_graph_impl");
 }
 
+TEST_F(RecipeTest, SuggestionsFollowTheKeysWordsAndMegatronKeysPointHome) {
+  // By letters train.seed is nearer; by words checkpoint.keep is checkpoint.keep_last.
+  std::string msg =
+      error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"checkpoint.keep=2"}); });
+  EXPECT_HAS(msg, "did you mean 'checkpoint.keep_last'");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"schedule.warmup=3"}); });
+  EXPECT_HAS(msg, "did you mean 'schedule.warmup_iters'");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"frobnicate.knob=1"}); });
+  EXPECT_HAS(msg, "no key is close to it");
+  // Keys Megatron-Bridge users type.
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"model.tensor_model_parallel_size=2"}); });
+  EXPECT_HAS(msg, "is a Megatron-Bridge key; use parallel.tensor_parallel_size");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"checkpoint.save=/x"}); });
+  EXPECT_HAS(msg, "use checkpoint.dir");
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"checkpoint.pretrained_checkpoint=/x"}); });
+  EXPECT_HAS(msg, "use model.hf_dir");
+  msg =
+      error_of([] { load_recipe_text(tiny_recipe() + "logger:\n  wandb_project: x\n", "r.yaml"); });
+  EXPECT_HAS(msg,
+             "'logger.wandb_project' (r.yaml line 13) is a Megatron-Bridge key; not supported");
+}
+
+TEST_F(RecipeTest, ATypoInsideAnInlineModelConfigIsAnError) {
+  const std::string recipe = "model:\n  init: random\n  tokenizer: " + test::fixture_dir() +
+                             "/tokenizer.json\n  config:\n    text_config:\n" +
+                             "      num_hiden_layers: 2\ndata:\n  train_files: [a.jsonl]\n";
+  const std::string msg = error_of([&] { load_recipe_text(recipe, "r.yaml"); });
+  EXPECT_HAS(msg, "model.config.text_config.num_hiden_layers is not a config.json field");
+  EXPECT_HAS(msg, "did you mean 'num_hidden_layers'");
+}
+
+TEST_F(RecipeTest, InputPathsAreRelativeToTheRecipeFileAndOverridesToTheWorkingDirectory) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("iris_recipe_paths_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "sub");
+  fs::copy_file(fixture_config(), dir / "config.json", fs::copy_options::overwrite_existing);
+  std::ofstream(dir / "sub" / "r.yaml")
+      << "model:\n  init: random\n  config: ../config.json\n  tokenizer: ../tok.json\n"
+         "data:\n  train_files: [data/train.jsonl, /abs/b.jsonl]\n  image_root: imgs\n"
+         "checkpoint:\n  dir: runs/x\n";
+  const std::string recipe = (dir / "sub" / "r.yaml").string();
+  const Recipe r = load_recipe(recipe);
+  EXPECT_EQ(r.model.tokenizer, (dir / "tok.json").string());
+  EXPECT_EQ(r.data.config.train_files,
+            (std::vector<std::string>{(dir / "sub/data/train.jsonl").string(), "/abs/b.jsonl"}));
+  EXPECT_EQ(r.data.config.image_root, (dir / "sub/imgs").string());
+  EXPECT_EQ(r.checkpoint.dir, "runs/x");  // an output: relative to the working directory
+  const Recipe o = load_recipe(recipe, {"data.train_files=[mine.jsonl]", "model.tokenizer=t.json"});
+  EXPECT_EQ(o.data.config.train_files, std::vector<std::string>{"mine.jsonl"});
+  EXPECT_EQ(o.model.tokenizer, "t.json");
+  fs::remove_all(dir);
+}
+
 TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
   struct Case {
     const char* override_text;
@@ -184,7 +241,8 @@ TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
   EXPECT_EQ(r.cuda_graph.vision.max_seq_length, 1024);
   EXPECT_FALSE(r.cuda_graph.vision.buckets.empty());
   bool noted = false;
-  for (const std::string& n : r.notes) noted |= n.find("training steps run eagerly") != std::string::npos;
+  for (const std::string& n : r.notes)
+    noted |= n.find("training steps run eagerly") != std::string::npos;
   EXPECT_TRUE(noted);
   EXPECT_HAS(recipe_to_yaml(r), "vision_cuda_graph_impl: local");
 }

@@ -67,18 +67,20 @@ std::vector<Field> fields(Recipe& r) {
        {"random", "pretrained"}},
       {"model.hf_dir",
        &m.hf_dir,
-       "Hugging Face checkpoint directory (config.json + safetensors) to start from",
+       "Hugging Face checkpoint directory (config.json + safetensors) to start from (in a recipe "
+       "file, relative to it)",
        {},
        true},
       {"model.tokenizer",
        &m.tokenizer,
-       "tokenizer.json; empty: <model.hf_dir>/tokenizer.json",
+       "tokenizer.json (in a recipe file, relative to it); empty: <model.hf_dir>/tokenizer.json",
        {},
        true},
       {"model.init_seed", &m.init_seed, "seed of the random initialisation"},
       {"data.train_files",
        &d.config.train_files,
-       "training JSONL files (HF messages or LLaVA conversations)",
+       "training JSONL files, HF messages or LLaVA conversations (in a recipe file, relative to "
+       "it; on the command line, to the working directory)",
        {},
        true},
       {"data.eval_files", &d.eval_files, "held-out JSONL files for train.eval_interval", {}, true},
@@ -156,7 +158,8 @@ std::vector<Field> fields(Recipe& r) {
        "steps over which the cosine decays to optimizer.min_lr; 0: train.train_iters"},
       {"checkpoint.dir",
        &c.dir,
-       "run directory (checkpoints, metrics, plot, resolved config); empty: runs/<recipe name>",
+       "run directory (checkpoints, metrics, plot, resolved config), relative to the working "
+       "directory; empty: runs/<recipe name>",
        {},
        true},
       {"checkpoint.save_interval", &c.save_interval, "steps between checkpoints; 0: none"},
@@ -218,32 +221,150 @@ std::vector<std::string> all_keys() {
   return keys;
 }
 
+// The words of a dotted key: "checkpoint.save_interval" -> checkpoint, save, interval.
+std::vector<std::string> key_words(const std::string& key) {
+  std::vector<std::string> words;
+  std::string w;
+  for (char c : key + ".") {
+    if (c == '.' || c == '_') {
+      if (!w.empty()) words.push_back(w);
+      w.clear();
+    } else {
+      w += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+  }
+  return words;
+}
+
+// How many of a's words some word of b matches: equal, one a prefix of the other (iter, iters),
+// or one typo apart when both are long enough for that to mean something.
+int shared_words(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  int n = 0;
+  for (const std::string& x : a)
+    for (const std::string& y : b) {
+      const bool prefix =
+          x.size() >= 3 && y.size() >= 3 && (x.rfind(y, 0) == 0 || y.rfind(x, 0) == 0);
+      if (x == y || prefix || (x.size() >= 5 && y.size() >= 5 && edit_distance(x, y) <= 1)) {
+        ++n;
+        break;
+      }
+    }
+  return n;
+}
+
+// The valid key a mistyped one most likely meant: the most words in common first (so
+// checkpoint.save finds checkpoint.save_interval, not the nearer-by-letters train.seed), then
+// the fewest edits. Empty when no key shares a word and none is a near spelling.
 std::string closest_key(const std::string& key) {
+  const std::vector<std::string> words = key_words(key);
   std::string best;
+  int best_shared = 0;
   size_t best_d = std::numeric_limits<size_t>::max();
-  // Compare both the whole dotted key and its last part, so that a right key in the wrong
-  // section (optimizer.warmup_iters) still finds its home.
-  const std::string leaf = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
   for (const std::string& k : all_keys()) {
-    const std::string kleaf = k.substr(k.rfind('.') + 1);
-    const size_t d = std::min(edit_distance(key, k), edit_distance(leaf, kleaf) + 1);
-    if (d < best_d) {
+    const int shared = shared_words(words, key_words(k));
+    const size_t d = edit_distance(key, k);
+    if (shared > best_shared || (shared == best_shared && d < best_d)) {
+      best_shared = shared;
       best_d = d;
       best = k;
     }
   }
+  if (best_shared == 0 && best_d > 3) return "";
   return best;
 }
 
+// Keys that Megatron-Bridge (and HF Trainer) users type, with where Iris keeps the setting or
+// why it has none.
+struct ForeignKey {
+  const char* key;
+  const char* answer;
+};
+constexpr ForeignKey kForeignKeys[] = {
+    {"model.tensor_model_parallel_size", "use parallel.tensor_parallel_size"},
+    {"model.pipeline_model_parallel_size", "use parallel.pipeline_parallel_size"},
+    {"model.context_parallel_size", "not supported: Iris has no context parallelism"},
+    {"model.sequence_parallel", "not supported: Iris has no tensor parallelism to go with it"},
+    {"model.seq_length", "use train.seq_length"},
+    {"model.recompute_granularity", "use train.recompute (none, selective or full)"},
+    {"model.recompute_method", "use train.recompute (none, selective or full)"},
+    {"model.recompute_num_layers", "use train.recompute (none, selective or full)"},
+    {"model.freeze_language_model", "use train.freeze_language_model"},
+    {"model.freeze_vision_model", "use train.freeze_vision_tower"},
+    {"model.freeze_vision_projection", "use train.freeze_merger"},
+    {"model.bf16", "not a setting: train.device=cuda trains in bf16 with fp32 master weights"},
+    {"mixed_precision", "not a setting: train.device=cuda trains in bf16 with fp32 master weights"},
+    {"checkpoint.pretrained_checkpoint", "use model.hf_dir with model.init=pretrained"},
+    {"checkpoint.save", "use checkpoint.dir (where checkpoints are written)"},
+    {"checkpoint.load", "use checkpoint.resume (auto, never or a checkpoint directory)"},
+    {"checkpoint.save_optim", "not a setting: checkpoints always hold the optimizer state"},
+    {"logger.log_interval", "use logging.log_interval"},
+    {"logger.wandb_project",
+     "not supported: metrics go to metrics.jsonl and an SVG plot in the run directory "
+     "(logging.metrics_file, logging.plot)"},
+    {"logger.tensorboard_dir",
+     "not supported: metrics go to metrics.jsonl and an SVG plot in the run directory "
+     "(logging.metrics_file, logging.plot)"},
+    {"scheduler.lr_warmup_iters", "use schedule.warmup_iters"},
+    {"scheduler.lr_decay_iters", "use schedule.decay_iters"},
+    {"scheduler.lr_decay_style", "use schedule.kind (constant or cosine)"},
+    {"optimizer.adam_beta1", "use optimizer.betas: [beta1, beta2]"},
+    {"optimizer.adam_beta2", "use optimizer.betas: [beta1, beta2]"},
+    {"optimizer.adam_eps", "use optimizer.eps"},
+    {"dataset.seq_length", "use train.seq_length"},
+    {"rng.seed", "use train.seed"},
+};
+
+// config.json fields Iris reads, and fields of Qwen-VL configs it knows and ignores. An inline
+// model.config key outside both lists but within two edits of one is taken for a typo: it would
+// otherwise be ignored and the field it meant left at its default or missing. Keys far from all
+// of them pass, because HF configs carry many fields Iris has no use for.
+constexpr const char* kConfigFields[] = {
+    "attention_bias", "deepstack_visual_indexes", "depth", "head_dim", "hidden_act", "hidden_size",
+    "image_token_id", "in_channels", "intermediate_size", "max_position_embeddings", "merge_size",
+    "model_type", "mrope_interleaved", "mrope_section", "num_attention_heads", "num_heads",
+    "num_hidden_layers", "num_key_value_heads", "num_position_embeddings", "out_hidden_size",
+    "patch_size", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "rope_type",
+    "spatial_merge_size", "temporal_patch_size", "text_config", "tie_word_embeddings", "type",
+    "video_token_id", "vision_config", "vision_end_token_id", "vision_start_token_id", "vocab_size",
+    // Read by HF, not by Iris.
+    "vision_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "attention_dropout", "max_window_layers", "sliding_window", "use_sliding_window", "layer_types",
+    "hidden_dropout", "fullatt_block_indexes", "window_size", "tokens_per_second", "num_channels"};
+
+void check_config_keys(const json& j, const std::string& path) {
+  if (!j.is_object()) return;
+  for (const auto& [key, value] : j.items()) {
+    bool known = false;
+    std::string near;
+    size_t near_d = 3;
+    for (const char* f : kConfigFields) {
+      if (key == f) known = true;
+      const size_t d = edit_distance(key, f);
+      if (d < near_d) near_d = d, near = f;
+    }
+    IRIS_CHECK(known || near.empty() || key.size() < 5, "recipe: ", path, ".", key,
+               " is not a config.json field; did you mean '", near, "'?");
+    if (key == "text_config" || key == "vision_config") check_config_keys(value, path + "." + key);
+  }
+}
+
 [[noreturn]] void fail_unknown(const std::string& key, const std::string& where) {
-  IRIS_FAIL("recipe: unknown key '", key, "'", where, "; did you mean '", closest_key(key),
-            "'? (iris train --list-keys prints every key)");
+  for (const ForeignKey& f : kForeignKeys)
+    if (key == f.key)
+      IRIS_FAIL("recipe: '", key, "'", where, " is a Megatron-Bridge key; ", f.answer);
+  const std::string near = closest_key(key);
+  IRIS_FAIL(
+      "recipe: unknown key '", key, "'", where,
+      near.empty() ? std::string("; no key is close to it") : "; did you mean '" + near + "'?",
+      " (iris train --list-keys prints every key)");
 }
 
 // Where a value came from, for messages: "recipes/x.yaml line 12" or "override 'a.b=c'".
 class Origins {
  public:
   void set(const std::string& key, const std::string& where) { map_[key] = where; }
+  bool overridden(const std::string& key) const { return map_.count(key) > 0; }
   std::string of(const std::string& key, const YAML::Node& node, const std::string& file) const {
     auto it = map_.find(key);
     if (it != map_.end()) return it->second;
@@ -576,10 +697,21 @@ void apply_override(Parsed& p, const std::string& key, const std::string& text) 
   p.origins.set(key, where);
 }
 
+// A path field's relative values joined to `dir` (empty strings stay empty: "not set").
+void relative_to(const fs::path& dir, const FieldRef& ref) {
+  auto join = [&](std::string& v) {
+    if (!v.empty() && fs::path(v).is_relative()) v = (dir / v).lexically_normal().string();
+  };
+  if (auto* s = std::get_if<std::string*>(&ref)) join(**s);
+  if (auto* l = std::get_if<std::vector<std::string>*>(&ref))
+    for (std::string& v : **l) join(v);
+}
+
 void resolve(Recipe& r, const Parsed& p, const std::string& source) {
   const YAML::Node& root = p.root;
   IRIS_CHECK(root.IsMap() || root.IsNull(), "recipe: ", source,
              " must be a YAML map of sections (model:, data:, train:, ...)");
+  const fs::path recipe_dir = fs::path(source).parent_path();
   std::vector<Field> fs_ = fields(r);
   std::map<std::string, const Field*> by_key;
   for (const Field& f : fs_) by_key[f.key] = &f;
@@ -590,6 +722,12 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
     const std::string section = sec.first.Scalar();
     if (std::find(section_names().begin(), section_names().end(), section) ==
         section_names().end()) {
+      // A Megatron-Bridge section (logger, scheduler, ...): name its first key's Iris home.
+      if (sec.second.IsMap())
+        for (const auto& kv : sec.second)
+          for (const ForeignKey& f : kForeignKeys)
+            if (section + "." + kv.first.Scalar() == f.key)
+              fail_unknown(f.key, str_cat(" (", source, " line ", kv.first.Mark().line + 1, ")"));
       std::string best;
       size_t best_d = std::numeric_limits<size_t>::max();
       for (const std::string& s : section_names())
@@ -618,6 +756,11 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
       if (it == by_key.end()) fail_unknown(key, " (" + where + ")");
       if (kv.second.IsNull()) continue;  // null: keep the default
       assign(*it->second, kv.second, where);
+      // Input paths written in a recipe file are relative to that file, so that a recipe and its
+      // files move together; an override's are relative to where the command runs, as the user
+      // typed them. The run directory is an output and stays relative to the working directory.
+      if (it->second->path && key != "checkpoint.dir" && !p.origins.overridden(key))
+        relative_to(recipe_dir, it->second->ref);
     }
   }
 
@@ -627,7 +770,6 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
     IRIS_FAIL("recipe: section cuda_graph: ", e.what());
   }
 
-  const fs::path recipe_dir = fs::path(source).parent_path();
   if (model_config.IsDefined() && !model_config.IsNull()) {
     if (model_config.IsScalar()) {
       fs::path cp = model_config.Scalar();
@@ -635,7 +777,9 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
       r.model.config_path = cp.lexically_normal().string();
     } else if (model_config.IsMap()) {
       try {
-        r.model.config_json = yaml_to_json(model_config, model_config_where).dump(2);
+        const json config = yaml_to_json(model_config, model_config_where);
+        check_config_keys(config, "model.config");
+        r.model.config_json = config.dump(2);
       } catch (const json::type_error&) {
         // dump() refuses strings that are not UTF-8, as a config.json must be.
         IRIS_FAIL("recipe: model.config holds text that is not valid UTF-8 (", model_config_where,
