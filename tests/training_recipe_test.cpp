@@ -183,6 +183,19 @@ TEST_F(RecipeTest, InputPathsAreRelativeToTheRecipeFileAndOverridesToTheWorkingD
   fs::remove_all(dir);
 }
 
+TEST_F(RecipeTest, ScheduleErrorsNameRecipeKeys) {
+  const std::string msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {"train.train_iters=6", "schedule.warmup_iters=20"});
+  });
+  EXPECT_HAS(msg, "train.train_iters (6) must exceed schedule.warmup_iters (20)");
+  EXPECT_EQ(msg.find("total_steps"), std::string::npos) << msg;
+  EXPECT_HAS(
+      error_of([] {
+        load_recipe_text(tiny_recipe(), "r.yaml", {"optimizer.lr=1e-4", "optimizer.min_lr=1e-3"});
+      }),
+      "optimizer.min_lr 0.001 must be in [0, optimizer.lr = 0.0001]");
+}
+
 TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
   struct Case {
     const char* override_text;

@@ -857,13 +857,15 @@ void validate(Recipe& r) {
              o.clip_grad);
   positive(r.schedule.warmup_iters, "schedule.warmup_iters", 0);
   positive(r.schedule.decay_iters, "schedule.decay_iters", 0);
-  try {
-    LrSchedule(parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(o.lr),
-               static_cast<float>(o.min_lr), r.schedule.warmup_iters,
-               r.schedule.decay_iters > 0 ? r.schedule.decay_iters : t.train_iters);
-  } catch (const Error& e) {
-    IRIS_FAIL("recipe: section schedule: ", e.what());
-  }
+  // The schedule's own checks, said in recipe keys.
+  const int64_t decay_end = r.schedule.decay_iters > 0 ? r.schedule.decay_iters : t.train_iters;
+  IRIS_CHECK(r.schedule.kind != "cosine" || decay_end > r.schedule.warmup_iters,
+             "recipe: a cosine schedule decays after its warmup, so ",
+             r.schedule.decay_iters > 0 ? "schedule.decay_iters (" : "train.train_iters (",
+             decay_end, ") must exceed schedule.warmup_iters (", r.schedule.warmup_iters,
+             "); lower schedule.warmup_iters or use schedule.kind=constant");
+  LrSchedule(parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(o.lr),
+             static_cast<float>(o.min_lr), r.schedule.warmup_iters, decay_end);
   if (r.schedule.warmup_iters > t.train_iters)
     r.notes.push_back(str_cat("schedule.warmup_iters ", r.schedule.warmup_iters,
                               " exceeds train.train_iters ", t.train_iters,
