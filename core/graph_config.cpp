@@ -1,8 +1,6 @@
 #include "core/graph_config.h"
 #include "core/text_distance.h"
 
-#include <yaml-cpp/yaml.h>
-
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -652,17 +650,21 @@ GraphKeyDoc graph_config_key_doc(std::string_view key) {
     IRIS_FAIL(kPrefix, "key '", k, "' has no documentation; add it to graph_config_key_doc");
   }
   if (!find_key(k)->deprecated) {
-    // The default is what an empty input resolves to (describe() prints one `key: value` line
-    // per key), so that the text cannot drift from it.
-    const std::string all = describe(parse_graph_configs({}));
-    const std::string prefix = k + ": ";
-    for (size_t line = 0; line < all.size();) {
-      const size_t end = all.find('\n', line);
-      if (all.compare(line, prefix.size(), prefix) == 0)
-        d.default_value = all.substr(line + prefix.size(), end - line - prefix.size());
-      line = end + 1;
-    }
-    IRIS_CHECK(!d.default_value.empty(), kPrefix, "describe() prints no line for key '", k, "'");
+    // The default is what an empty input resolves to, so that the doc cannot drift from it.
+    for (auto& [name, value] : graph_config_values(parse_graph_configs({})))
+      if (name == k) {
+        d.typed_default = value;
+        const bool list = std::holds_alternative<std::vector<std::string>>(value) ||
+                          std::holds_alternative<std::vector<int64_t>>(value);
+        std::string text = graph_value_text(value);
+        if (list) {
+          for (size_t at = text.find(','); at != std::string::npos; at = text.find(',', at + 2))
+            text.replace(at, 1, ", ");
+          text = "[" + text + "]";
+        }
+        d.default_value = text;
+      }
+    IRIS_CHECK(!d.default_value.empty(), kPrefix, "graph_config_values has no key '", k, "'");
   }
   return d;
 }
@@ -685,34 +687,6 @@ GraphConfigs parse_graph_configs(const GraphConfigInput& input) {
   cfg.language = parse_language(v, cfg.warnings);
   cfg.vision = parse_vision(v, cfg.warnings);
   return cfg;
-}
-
-GraphConfigInput graph_config_input_from_yaml(const YAML::Node& section) {
-  GraphConfigInput out;
-  if (!section.IsDefined() || section.IsNull()) return out;
-  IRIS_CHECK(section.IsMap(), kPrefix,
-             "the YAML graph section must be a map of key: value, e.g. 'cuda_graph_impl: local'");
-  for (const auto& kv : section) {
-    const std::string key = kv.first.as<std::string>();
-    const YAML::Node& value = kv.second;
-    if (value.IsNull()) continue;
-    if (value.IsScalar()) {
-      out.emplace_back(key, value.as<std::string>());
-      continue;
-    }
-    IRIS_CHECK(value.IsSequence(), kPrefix, key,
-               " must be a scalar or a list of scalars, got a map; e.g. "
-               "cuda_graph_modules: [attn, mlp]");
-    std::string joined;
-    for (const auto& item : value) {
-      IRIS_CHECK(item.IsScalar(), kPrefix, key,
-                 " must be a list of scalars; nested lists and maps are not valid");
-      if (!joined.empty()) joined += ",";
-      joined += item.as<std::string>();
-    }
-    out.emplace_back(key, joined);
-  }
-  return out;
 }
 
 GraphConfigInput graph_config_input_from_flags(
@@ -795,19 +769,48 @@ void finalize_graph_configs(GraphConfigs& cfg, const GraphModelTraits& model) {
   if (v.buckets.empty() && max > 0) v.buckets = default_buckets(max);
 }
 
-std::string describe(const GraphConfigs& cfg) {
+std::vector<std::pair<std::string, GraphValue>> graph_config_values(const GraphConfigs& cfg) {
   const auto& l = cfg.language;
   const auto& v = cfg.vision;
-  return str_cat("cuda_graph_impl: ", to_string(l.impl), "\n",
-                 "cuda_graph_modules: ", join_modules(l.modules), "\n",
-                 "inference_cuda_graph_scope: ", to_string(l.inference_scope), "\n",
-                 "cuda_graph_warmup_steps: ", l.warmup_steps, "\n",
-                 "vision_cuda_graph_impl: ", to_string(v.impl), "\n",
-                 "vision_cuda_graph_modules: ", join_modules(v.modules), "\n",
-                 "vision_inference_cuda_graph_scope: ", to_string(v.inference_scope), "\n",
-                 "max_vision_cuda_graph_seq_length: ", v.max_seq_length, "\n",
-                 "vision_cuda_graph_buckets: ", join_ints(v.buckets), "\n",
-                 "vision_cuda_graph_overflow: ", to_string(v.overflow), "\n");
+  auto names = [](const std::vector<GraphModule>& modules) {
+    std::vector<std::string> out;
+    for (GraphModule m : modules) out.emplace_back(to_string(m));
+    return out;
+  };
+  return {{"cuda_graph_impl", std::string(to_string(l.impl))},
+          {"cuda_graph_modules", names(l.modules)},
+          {"inference_cuda_graph_scope", std::string(to_string(l.inference_scope))},
+          {"cuda_graph_warmup_steps", int64_t{l.warmup_steps}},
+          {"vision_cuda_graph_impl", std::string(to_string(v.impl))},
+          {"vision_cuda_graph_modules", names(v.modules)},
+          {"vision_inference_cuda_graph_scope", std::string(to_string(v.inference_scope))},
+          {"max_vision_cuda_graph_seq_length", v.max_seq_length},
+          {"vision_cuda_graph_buckets", v.buckets},
+          {"vision_cuda_graph_overflow", std::string(to_string(v.overflow))}};
+}
+
+std::string graph_value_text(const GraphValue& value) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          return x;
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          return std::to_string(x);
+        } else {
+          std::string out;
+          for (const auto& item : x) {
+            if (!out.empty()) out += ",";
+            if constexpr (std::is_same_v<std::decay_t<decltype(item)>, std::string>) {
+              out += item;
+            } else {
+              out += std::to_string(item);
+            }
+          }
+          return out;
+        }
+      },
+      value);
 }
 
 std::optional<int64_t> choose_vision_bucket(const VisionGraphConfig& cfg, int64_t n_patches) {

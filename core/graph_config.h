@@ -19,11 +19,8 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
-
-namespace YAML {
-class Node;
-}
 
 namespace iris {
 
@@ -74,6 +71,11 @@ struct GraphConfigs {
   std::vector<std::string> warnings;  // one per deprecated input, saying what it migrated to
 };
 
+// A resolved key's value, typed: a choice or an integer, or a list of either. Front ends write it
+// in their own format (a recipe's YAML, a help text); nothing parses a text of this layer back.
+using GraphValue =
+    std::variant<std::string, int64_t, std::vector<std::string>, std::vector<int64_t>>;
+
 // Raw input from any source, as text: key -> value. Lists are comma-separated, optionally in
 // brackets ("attn,mlp", "[attn, mlp]", "" or "[]" = empty). Keys are the snake_case names of
 // graph_config_keys(); values are case-insensitive. A key given twice keeps its last value, so a
@@ -82,10 +84,6 @@ using GraphConfigInput = std::vector<std::pair<std::string, std::string>>;
 
 // Syntax, deprecated-input migration and model-independent rejections. Throws iris::Error.
 GraphConfigs parse_graph_configs(const GraphConfigInput& input);
-
-// A YAML map of graph keys: scalars as text, sequences of scalars joined with commas, null values
-// skipped (they mean "default", like Bridge's None). A null or undefined section is empty input.
-GraphConfigInput graph_config_input_from_yaml(const YAML::Node& section);
 
 // CLI flags as (name, value) pairs. Names may be spelled `--cuda-graph-impl`, `cuda-graph-impl`
 // or `cuda_graph_impl`, and may carry their value after '=' (`--cuda-graph-impl=local`). The
@@ -116,7 +114,8 @@ bool is_deprecated_graph_config_key(std::string_view key);
 struct GraphKeyDoc {
   std::string type;           // "one of none|local", "list of attn|mlp", "integer", ...
   std::string doc;            // what it sets
-  std::string default_value;  // as describe() prints it; empty for deprecated keys
+  std::string default_value;  // for reading: "local", "3", "[attn, mlp]"; empty when deprecated
+  GraphValue typed_default;   // what an empty input resolves to
 };
 GraphKeyDoc graph_config_key_doc(std::string_view key);
 // One line for a CLI's help: doc, type and default.
@@ -124,9 +123,11 @@ std::string graph_config_key_help(std::string_view key);
 // "cuda_graph_impl" -> "--cuda-graph-impl".
 std::string graph_config_flag_name(std::string_view key);
 
-// The resolved view, one `key: value` line per non-deprecated key. The text parses back to the
-// same configs (one line = one key/value pair).
-std::string describe(const GraphConfigs& cfg);
+// Every non-deprecated key of graph_config_keys() with its resolved value, in that order.
+std::vector<std::pair<std::string, GraphValue>> graph_config_values(const GraphConfigs& cfg);
+// A value as GraphConfigInput text (lists comma-joined, an empty list ""): parsing every pair of
+// graph_config_values this way gives back the same configs.
+std::string graph_value_text(const GraphValue& v);
 
 // Smallest bucket >= n_patches, or std::nullopt when n_patches exceeds the largest bucket (the
 // caller then applies cfg.overflow). Requires finalized buckets and n_patches > 0.

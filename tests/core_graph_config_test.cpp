@@ -1,7 +1,6 @@
 // CUDA graph configuration: parsing, deprecated-input migration, every rejection, defaults, YAML
 // and CLI adapters, bucket choice. Runs on the CPU: this layer must fail the same everywhere.
 #include <gtest/gtest.h>
-#include <yaml-cpp/yaml.h>
 
 #include <initializer_list>
 #include <limits>
@@ -638,35 +637,7 @@ TEST(GraphConfigFinalize, ConfigBuiltInCodeIsValidatedToo) {
 // ---------------------------------------------------------------------------------------------
 // Adapters and printing
 
-TEST(GraphConfigYaml, RecipeSectionWithSequences) {
-  const YAML::Node recipe = YAML::Load(R"(
-graphs:
-  cuda_graph_impl: Local
-  cuda_graph_modules: [attn, mlp]
-  cuda_graph_warmup_steps: 2
-  vision_cuda_graph_impl: transformer_engine
-  vision_cuda_graph_modules:
-    - attn
-    - mlp
-  max_vision_cuda_graph_seq_length: 4608
-  vision_cuda_graph_buckets: [1024, 2304, 4608]
-  vision_cuda_graph_overflow: ~
-)");
-  const GraphConfigInput input = graph_config_input_from_yaml(recipe["graphs"]);
-  EXPECT_EQ(input.size(), 7u);  // the null value is skipped: it means "default"
-  GraphConfigs cfg = parse_graph_configs(input);
-  finalize_graph_configs(cfg, dense_model());
-  EXPECT_EQ(cfg.language.impl, GraphImpl::local);
-  EXPECT_EQ(cfg.language.modules, (Modules{GraphModule::attn, GraphModule::mlp}));
-  EXPECT_EQ(cfg.language.warmup_steps, 2);
-  EXPECT_EQ(cfg.vision.impl, VisionGraphImpl::local);
-  EXPECT_EQ(cfg.vision.modules, (Modules{GraphModule::attn, GraphModule::mlp}));
-  EXPECT_EQ(cfg.vision.buckets, (std::vector<int64_t>{1024, 2304, 4608}));
-  EXPECT_EQ(cfg.vision.overflow, VisionGraphOverflow::eager);
-  expect_one_warning(cfg, {"vision_cuda_graph_impl"});
-}
-
-TEST(GraphConfigYaml, DescribeRoundTripsThroughYaml) {
+TEST(GraphConfigValues, RoundTripThroughTheKeyValueInput) {
   GraphConfigs cfg = parse_graph_configs({{"enable_cuda_graph", "true"},
                                           {"cuda_graph_scope", "attn,moe_router,moe_preprocess"},
                                           {"inference_cuda_graph_scope", "block"},
@@ -680,10 +651,12 @@ TEST(GraphConfigYaml, DescribeRoundTripsThroughYaml) {
     t.max_vision_seq_length = 1000;
     return t;
   }());
-  const std::string text = describe(cfg);
-  GraphConfigs back = parse_graph_configs(graph_config_input_from_yaml(YAML::Load(text)));
-  EXPECT_TRUE(back.warnings.empty()) << "describe printed a deprecated key";
-  EXPECT_EQ(describe(back), text);
+  const auto values = graph_config_values(cfg);
+  GraphConfigInput input;
+  for (const auto& [key, value] : values) input.emplace_back(key, graph_value_text(value));
+  GraphConfigs back = parse_graph_configs(input);
+  EXPECT_TRUE(back.warnings.empty()) << "graph_config_values named a deprecated key";
+  EXPECT_EQ(graph_config_values(back), values);
   EXPECT_EQ(back.language.impl, GraphImpl::local);
   EXPECT_EQ(back.language.modules, cfg.language.modules);
   EXPECT_EQ(back.language.inference_scope, InferenceGraphScope::block);
@@ -694,31 +667,24 @@ TEST(GraphConfigYaml, DescribeRoundTripsThroughYaml) {
   EXPECT_EQ(back.vision.overflow, VisionGraphOverflow::error);
 }
 
-TEST(GraphConfigYaml, DescribeListsEveryResolvedKey) {
-  const std::string text = describe(parse_graph_configs({{"cuda_graph_impl", "local"}}));
-  EXPECT_EQ(text,
-            "cuda_graph_impl: local\n"
-            "cuda_graph_modules: []\n"
-            "inference_cuda_graph_scope: layer\n"
-            "cuda_graph_warmup_steps: 3\n"
-            "vision_cuda_graph_impl: none\n"
-            "vision_cuda_graph_modules: []\n"
-            "vision_inference_cuda_graph_scope: block\n"
-            "max_vision_cuda_graph_seq_length: 0\n"
-            "vision_cuda_graph_buckets: []\n"
-            "vision_cuda_graph_overflow: eager\n");
-}
-
-TEST(GraphConfigYaml, RejectsNonMapSectionAndNestedValues) {
-  EXPECT_TRUE(graph_config_input_from_yaml(YAML::Node()).empty());
-  EXPECT_THROW(graph_config_input_from_yaml(YAML::Load("[a, b]")), Error);
-  try {
-    graph_config_input_from_yaml(YAML::Load("cuda_graph_modules: {attn: 1}"));
-    ADD_FAILURE() << "a map value was accepted";
-  } catch (const Error& e) {
-    expect_mentions(e.what(), {"cuda_graph_modules", "map"});
-  }
-  EXPECT_THROW(graph_config_input_from_yaml(YAML::Load("cuda_graph_modules: [[attn]]")), Error);
+TEST(GraphConfigValues, ListEveryResolvedKeyTyped) {
+  const auto values = graph_config_values(parse_graph_configs({{"cuda_graph_impl", "local"}}));
+  std::vector<std::string> names;
+  for (const auto& [key, value] : values) names.push_back(key);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{
+                "cuda_graph_impl", "cuda_graph_modules", "inference_cuda_graph_scope",
+                "cuda_graph_warmup_steps", "vision_cuda_graph_impl", "vision_cuda_graph_modules",
+                "vision_inference_cuda_graph_scope", "max_vision_cuda_graph_seq_length",
+                "vision_cuda_graph_buckets", "vision_cuda_graph_overflow"}));
+  EXPECT_EQ(std::get<std::string>(values[0].second), "local");
+  EXPECT_TRUE(std::get<std::vector<std::string>>(values[1].second).empty());
+  EXPECT_EQ(std::get<std::string>(values[2].second), "layer");
+  EXPECT_EQ(std::get<int64_t>(values[3].second), 3);
+  EXPECT_EQ(std::get<int64_t>(values[7].second), 0);
+  EXPECT_EQ(graph_value_text(GraphValue{std::vector<int64_t>{256, 512}}), "256,512");
+  EXPECT_EQ(graph_config_key_doc("cuda_graph_modules").default_value, "[]");
+  EXPECT_EQ(std::get<int64_t>(graph_config_key_doc("cuda_graph_warmup_steps").typed_default), 3);
 }
 
 TEST(GraphConfigFlags, BothSpellingsAndBareBooleans) {

@@ -196,6 +196,40 @@ TEST_F(RecipeTest, ScheduleErrorsNameRecipeKeys) {
       "optimizer.min_lr 0.001 must be in [0, optimizer.lr = 0.0001]");
 }
 
+TEST_F(RecipeTest, CudaGraphSectionTakesListsAndNullsAndRefusesMaps) {
+  const Recipe r = load_recipe_text(tiny_recipe() +
+                                        "cuda_graph:\n  cuda_graph_impl: Local\n"
+                                        "  cuda_graph_modules: [attn, mlp]\n"
+                                        "  cuda_graph_warmup_steps: 2\n"
+                                        "  vision_cuda_graph_modules:\n    - attn\n    - mlp\n"
+                                        "  vision_cuda_graph_buckets: [1024, 2304, 4608]\n"
+                                        "  max_vision_cuda_graph_seq_length: 4608\n"
+                                        "  vision_cuda_graph_overflow: ~\n",
+                                    "r.yaml");
+  EXPECT_EQ(r.cuda_graph.language.impl, GraphImpl::local);
+  EXPECT_EQ(r.cuda_graph.language.modules.size(), 2u);
+  EXPECT_EQ(r.cuda_graph.language.warmup_steps, 2);
+  EXPECT_EQ(r.cuda_graph.vision.buckets, (std::vector<int64_t>{1024, 2304, 4608}));
+  EXPECT_EQ(r.cuda_graph.vision.overflow, VisionGraphOverflow::eager);  // null: the default
+  const std::string yaml = recipe_to_yaml(r);
+  EXPECT_HAS(yaml, "cuda_graph_modules: [attn, mlp]");
+  EXPECT_HAS(yaml, "vision_cuda_graph_buckets: [1024, 2304, 4608]");
+  EXPECT_HAS(yaml, "cuda_graph_warmup_steps: 2");
+  // The resolved config loads back to the same graph settings.
+  const Recipe back = load_recipe_text(yaml, "resolved.yaml");
+  EXPECT_EQ(graph_config_values(back.cuda_graph), graph_config_values(r.cuda_graph));
+  EXPECT_HAS(error_of([] {
+               load_recipe_text(tiny_recipe() + "cuda_graph:\n  cuda_graph_modules: {attn: 1}\n",
+                                "r.yaml");
+             }),
+             "cuda_graph.cuda_graph_modules must be a value or a list of values, got a map");
+  EXPECT_HAS(error_of([] {
+               load_recipe_text(tiny_recipe() + "cuda_graph:\n  cuda_graph_modules: [[attn]]\n",
+                                "r.yaml");
+             }),
+             "nested lists and maps are not valid");
+}
+
 TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
   struct Case {
     const char* override_text;

@@ -697,6 +697,55 @@ void apply_override(Parsed& p, const std::string& key, const std::string& text) 
   p.origins.set(key, where);
 }
 
+// The recipe's cuda_graph map as the graph layer's key/value input: scalars as text, sequences of
+// scalars joined with commas, null values skipped (they mean "default", like Bridge's None).
+GraphConfigInput graph_input_from_yaml(const YAML::Node& section) {
+  GraphConfigInput out;
+  if (!section.IsDefined() || section.IsNull()) return out;
+  IRIS_CHECK(section.IsMap(),
+             "recipe: section cuda_graph must be a map of key: value, e.g. "
+             "'cuda_graph_impl: local'");
+  for (const auto& kv : section) {
+    const std::string key = kv.first.Scalar();
+    const YAML::Node& value = kv.second;
+    if (value.IsNull()) continue;
+    if (value.IsScalar()) {
+      out.emplace_back(key, value.Scalar());
+      continue;
+    }
+    IRIS_CHECK(value.IsSequence(), "recipe: cuda_graph.", key,
+               " must be a value or a list of values, got a map; e.g. "
+               "cuda_graph_modules: [attn, mlp]");
+    std::string joined;
+    for (const auto& item : value) {
+      IRIS_CHECK(item.IsScalar(), "recipe: cuda_graph.", key,
+                 " must be a list of values; nested lists and maps are not valid");
+      if (!joined.empty()) joined += ",";
+      joined += item.Scalar();
+    }
+    out.emplace_back(key, joined);
+  }
+  return out;
+}
+
+// A resolved graph value as a YAML node (lists in flow style, as the recipes write them).
+YAML::Node graph_value_node(const GraphValue& value) {
+  return std::visit(
+      [](const auto& x) {
+        YAML::Node n;
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, int64_t>) {
+          n = x;
+        } else {
+          n = YAML::Node(YAML::NodeType::Sequence);
+          for (const auto& item : x) n.push_back(item);
+          n.SetStyle(YAML::EmitterStyle::Flow);
+        }
+        return n;
+      },
+      value);
+}
+
 // A path field's relative values joined to `dir` (empty strings stay empty: "not set").
 void relative_to(const fs::path& dir, const FieldRef& ref) {
   auto join = [&](std::string& v) {
@@ -765,7 +814,7 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
   }
 
   try {
-    r.cuda_graph = parse_graph_configs(graph_config_input_from_yaml(graph_section));
+    r.cuda_graph = parse_graph_configs(graph_input_from_yaml(graph_section));
   } catch (const Error& e) {
     IRIS_FAIL("recipe: section cuda_graph: ", e.what());
   }
@@ -1134,7 +1183,9 @@ std::string recipe_to_yaml(const Recipe& recipe) {
         sections["model"]["config"] = YAML::Node(YAML::NodeType::Null);
     }
   }
-  sections["cuda_graph"] = YAML::Load(describe(r.cuda_graph));
+  sections["cuda_graph"] = YAML::Node(YAML::NodeType::Map);
+  for (const auto& [key, value] : graph_config_values(r.cuda_graph))
+    sections["cuda_graph"][key] = graph_value_node(value);
   YAML::Emitter e;
   e << YAML::BeginMap;
   for (const std::string& s : section_names()) e << YAML::Key << s << YAML::Value << sections[s];
