@@ -259,6 +259,7 @@ RunLock::~RunLock() {
   if (fd_ < 0) return;
   // A pid left behind would name an unrelated process in the next message.
   if (::ftruncate(fd_, 0) != 0) {
+    // Nothing to do: the lock goes with the descriptor either way.
   }
   ::close(fd_);
 }
