@@ -51,11 +51,15 @@ int run_train_command(int argc, char** argv) {
   TrainerOptions options;
   options.progress_bar = ::isatty(STDOUT_FILENO) != 0;
   const TrainResult result = run_training(recipe, options);
-  std::printf("done: iteration %lld of %lld, last loss %.6f, run directory %s%s%s\n",
-              static_cast<long long>(result.final_iteration),
-              static_cast<long long>(recipe.train.train_iters), result.last_loss,
-              result.run_dir.c_str(), result.last_checkpoint.empty() ? "" : ", checkpoint ",
-              result.last_checkpoint.c_str());
+  std::printf(
+      "%s: iteration %lld of %lld, last loss %.6f, run directory %s%s%s\n",
+      result.stop_signal != 0 ? "stopped" : "done", static_cast<long long>(result.final_iteration),
+      static_cast<long long>(recipe.train.train_iters), result.last_loss, result.run_dir.c_str(),
+      result.last_checkpoint.empty() ? "" : ", checkpoint ", result.last_checkpoint.c_str());
+  // Not finished: 128 + the signal, as a shell reports a process the signal ended, so that
+  // `iris train ... && iris export ...` stops here and schedulers that restart failed jobs
+  // (Kubernetes, torchrun, Slurm scripts testing the status) restart it, and the restart resumes.
+  if (result.stop_signal != 0) return 128 + result.stop_signal;
   return 0;
 }
 

@@ -1,7 +1,8 @@
 // iris train / export / data through the binary: dry runs and recipe errors, a run killed with
 // SIGKILL at random moments (one of them inside a checkpoint write) and restarted ends with the
-// losses of an uninterrupted run, and the export of a checkpoint generates what the checkpoint
-// generates.
+// losses of an uninterrupted run, as does one stopped with SIGTERM (which saves the step it is on;
+// a second run on its folder meanwhile is refused), and the export of a checkpoint generates what
+// the checkpoint generates.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
@@ -239,6 +241,65 @@ TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
             read_text_file((killed / "step_0000010/model.safetensors").string()));
   for (const auto& e : fs::directory_iterator(killed))
     EXPECT_NE(e.path().extension(), ".tmp") << "debris left: " << e.path();
+}
+
+TEST_F(AppTrainTest, SigtermSavesTheCurrentStepAndTheResumeIsExact) {
+  constexpr int kIters = 10;
+  const std::string recipe = write_recipe(kIters);
+  const fs::path straight = root_ / "straight", termed = root_ / "termed";
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + straight.string()});
+  ASSERT_EQ(a.code, 0) << a.output;
+
+  const std::vector<std::string> args{"train", "--recipe", recipe,
+                                      "checkpoint.dir=" + termed.string()};
+  const std::string log = (root_ / "termed.txt").string();
+  const pid_t pid = spawn_iris(args, log);
+  // Once a step is logged (mid-run: a checkpoint every 2 of 10 steps).
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline && losses(termed).empty())
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_FALSE(losses(termed).empty()) << "no step was logged";
+  // While it runs, the folder is its alone: a second run is refused at once, naming it.
+  const std::string holder = "is in use by process " + std::to_string(pid);
+  EXPECT_NE(test::error_of([&] { RunLock other(termed.string()); }).find(holder),
+            std::string::npos);
+  const Exit second = iris(args);
+  EXPECT_EQ(second.code, 1) << second.output;
+  EXPECT_NE(second.output.find("checkpoint.dir " + termed.string() + " " + holder),
+            std::string::npos)
+      << second.output;
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  const Exit t = wait_exit(pid, log);
+  // 128 + SIGTERM: not finished, as if the signal had ended it, but with the step saved.
+  ASSERT_EQ(t.code, 128 + SIGTERM) << "the run ended before the signal? " << t.output;
+  const auto done = losses(termed);
+  ASSERT_FALSE(done.empty());
+  const int64_t last = done.back().first;
+  ASSERT_LT(last, kIters);
+  const std::string checkpoint = (termed / checkpoint_name(last)).string();
+  EXPECT_EQ(latest_checkpoint(termed.string()), checkpoint);
+  EXPECT_TRUE(checkpoint_complete(checkpoint));
+  EXPECT_NE(t.output.find("stop requested; saving a checkpoint after the current step"),
+            std::string::npos)
+      << t.output;
+  EXPECT_NE(t.output.find(str_cat("stopped by SIGTERM at iteration ", last, " of ", kIters,
+                                  "; the last checkpoint is ", checkpoint,
+                                  ": run the same command to resume")),
+            std::string::npos)
+      << t.output;
+
+  const Exit b = iris(args);
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_NE(b.output.find("resuming from " + checkpoint), std::string::npos) << b.output;
+  const auto la = losses(straight), lb = losses(termed);
+  ASSERT_EQ(la.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    EXPECT_EQ(la[i].first, lb[i].first);
+    EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
+  }
+  EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
+            read_text_file((termed / "step_0000010/model.safetensors").string()));
 }
 
 TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {

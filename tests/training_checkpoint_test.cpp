@@ -2,6 +2,7 @@
 // trainer state, resumption bit-identical to an uninterrupted run, and export to an HF directory
 // that generates the same greedy tokens as the checkpoint it came from.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,12 +47,22 @@ class CheckpointTest : public ::testing::Test {
 
   std::string run_dir(const std::string& name) const { return (root_ / name).string(); }
 
-  // A checkpoint body with the marker file latest_checkpoint() looks for.
+  // A checkpoint body: a payload, then the state listing it (as the trainer writes them).
   static void fill_minimal(const std::string& dir, int64_t step) {
+    write_file_atomic((fs::path(dir) / "payload.txt").string(), std::to_string(step));
     TrainerState s;
     s.iteration = step;
+    s.files = list_checkpoint_files(dir);
     save_trainer_state((fs::path(dir) / "trainer_state.json").string(), s);
-    write_file_atomic((fs::path(dir) / "payload.txt").string(), std::to_string(step));
+  }
+  // Commits `step` and prunes `owned` to keep_last, as the trainer does after each save.
+  static std::string commit_and_prune(const std::string& run, int64_t step, int64_t keep_last,
+                                      std::vector<int64_t>& owned) {
+    const std::string dir =
+        commit_checkpoint(run, step, [&](const std::string& d) { fill_minimal(d, step); });
+    owned.push_back(step);
+    prune_checkpoints(run, owned, keep_last);
+    return dir;
   }
 
   fs::path root_;
@@ -67,27 +78,28 @@ TEST_F(CheckpointTest, NamesAreZeroPadded) {
 TEST_F(CheckpointTest, CommitNamesLatestAndKeepsTheNewest) {
   const std::string run = run_dir("run");
   EXPECT_EQ(latest_checkpoint(run), "");
+  std::vector<int64_t> owned;
   for (int64_t step = 1; step <= 5; ++step) {
-    const std::string dir =
-        commit_checkpoint(run, step, 2, [&](const std::string& d) { fill_minimal(d, step); });
+    const std::string dir = commit_and_prune(run, step, 2, owned);
     EXPECT_EQ(dir, (fs::path(run) / checkpoint_name(step)).string());
     EXPECT_EQ(latest_checkpoint(run), dir);
     EXPECT_EQ(read_text_file((fs::path(dir) / "payload.txt").string()), std::to_string(step));
   }
   EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(owned, (std::vector<int64_t>{4, 5}));
   EXPECT_EQ(read_text_file(run + "/latest"), "step_0000005\n");
   // keep_last 0 keeps everything.
   const std::string all = run_dir("all");
-  for (int64_t step = 1; step <= 3; ++step)
-    commit_checkpoint(all, step, 0, [&](const std::string& d) { fill_minimal(d, step); });
+  std::vector<int64_t> all_owned;
+  for (int64_t step = 1; step <= 3; ++step) commit_and_prune(all, step, 0, all_owned);
   EXPECT_EQ(list_checkpoints(all), (std::vector<int64_t>{1, 2, 3}));
 }
 
 TEST_F(CheckpointTest, AWriterThatDiesLeavesATemporaryThatIsNeverTaken) {
   const std::string run = run_dir("run");
-  commit_checkpoint(run, 1, 3, [&](const std::string& d) { fill_minimal(d, 1); });
+  commit_checkpoint(run, 1, [&](const std::string& d) { fill_minimal(d, 1); });
   // The writer of step 2 fails half-way (as a kill would stop it).
-  EXPECT_THROW(commit_checkpoint(run, 2, 3,
+  EXPECT_THROW(commit_checkpoint(run, 2,
                                  [&](const std::string& d) {
                                    write_file_atomic(d + "/payload.txt", "half");
                                    IRIS_FAIL("disk full");
@@ -102,7 +114,7 @@ TEST_F(CheckpointTest, AWriterThatDiesLeavesATemporaryThatIsNeverTaken) {
   EXPECT_FALSE(fs::exists(run + "/step_0000002.tmp"));
   EXPECT_FALSE(fs::exists(run + "/latest.tmp.12345"));
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000001");
-  commit_checkpoint(run, 2, 3, [&](const std::string& d) { fill_minimal(d, 2); });
+  commit_checkpoint(run, 2, [&](const std::string& d) { fill_minimal(d, 2); });
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000002");
 }
 
@@ -120,20 +132,160 @@ TEST_F(CheckpointTest, LatestMustNameACompleteCheckpoint) {
   EXPECT_THROW(latest_checkpoint(run), Error);
 }
 
-TEST_F(CheckpointTest, CheckpointsPastTheOneCommittedAreDropped) {
+TEST_F(CheckpointTest, OnlyCheckpointsOfThisRunAreDeletedAndNoneIsReplaced) {
   const std::string run = run_dir("run");
-  commit_checkpoint(run, 2, 5, [&](const std::string& d) { fill_minimal(d, 2); });
-  // A run died after renaming step 4 into place but before `latest` named it; the restarted run
-  // resumes from step 2 and diverges.
-  fs::create_directories(run + "/step_0000004");
-  fill_minimal(run + "/step_0000004", 4);
-  commit_checkpoint(run, 3, 5, [&](const std::string& d) { fill_minimal(d, 3); });
-  EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{2, 3}));
-  // The same step again replaces a directory `latest` never named.
-  fs::create_directories(run + "/step_0000004");
-  fill_minimal(run + "/step_0000004", 99);
-  commit_checkpoint(run, 4, 5, [&](const std::string& d) { fill_minimal(d, 4); });
-  EXPECT_EQ(read_text_file(run + "/step_0000004/payload.txt"), "4");
+  // A step written by someone else (another run, or one a resume was pointed away from).
+  fs::create_directories(run + "/step_0000007");
+  fill_minimal(run + "/step_0000007", 7);
+  std::vector<int64_t> owned;
+  for (int64_t step = 1; step <= 3; ++step) commit_and_prune(run, step, 2, owned);
+  EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{2, 3, 7}));
+  EXPECT_EQ(read_text_file(run + "/step_0000007/payload.txt"), "7");
+  // Reaching that step is an error, and the directory keeps what it held.
+  const std::string err = test::error_of(
+      [&] { commit_checkpoint(run, 7, [&](const std::string& d) { fill_minimal(d, 70); }); });
+  EXPECT_NE(err.find("already holds step_0000007, which this run did not write"), std::string::npos)
+      << err;
+  EXPECT_EQ(read_text_file(run + "/step_0000007/payload.txt"), "7");
+  EXPECT_EQ(latest_checkpoint(run), run + "/step_0000003");
+  // Pruning leaves nothing behind, not even its renamed temporaries.
+  for (const auto& e : fs::directory_iterator(run))
+    EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+}
+
+TEST_F(CheckpointTest, StepNamesAreParsedSafely) {
+  int64_t step = -1;
+  EXPECT_TRUE(parse_checkpoint_name("step_0000005", step));
+  EXPECT_EQ(step, 5);
+  EXPECT_TRUE(parse_checkpoint_name("step_12345678", step));
+  EXPECT_EQ(step, 12345678);
+  for (const char* bad :
+       {"step_99999999999999999999", "step_00000005", "step_000005", "step_-000005",
+        "step_0000005.tmp", "step_+000005", "xstep_0000005", "step_000000a"})
+    EXPECT_FALSE(parse_checkpoint_name(bad, step)) << bad;
+  // A stray folder named like a huge step is ignored by listing, committing, pruning and debris
+  // removal, and left alone.
+  const std::string run = run_dir("run");
+  fs::create_directories(run + "/step_99999999999999999999");
+  fs::create_directories(run + "/step_99999999999999999999.tmp");
+  std::vector<int64_t> owned;
+  for (int64_t s = 1; s <= 3; ++s) commit_and_prune(run, s, 1, owned);
+  remove_checkpoint_debris(run);
+  EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{3}));
+  EXPECT_EQ(find_resume_point(run).step, 3);
+  EXPECT_TRUE(fs::is_directory(run + "/step_99999999999999999999"));
+  EXPECT_TRUE(fs::is_directory(run + "/step_99999999999999999999.tmp"));
+}
+
+TEST_F(CheckpointTest, ResumeTakesTheNewestCompleteCheckpoint) {
+  const std::string run = run_dir("run");
+  EXPECT_EQ(find_resume_point(run).step, -1);
+  std::vector<int64_t> owned;
+  for (int64_t s = 1; s <= 3; ++s) commit_and_prune(run, s, 0, owned);
+  auto expect = [&](int64_t step, const std::string& warning) {
+    const ResumePoint rp = find_resume_point(run);
+    EXPECT_EQ(rp.step, step);
+    EXPECT_EQ(rp.dir, run + "/" + checkpoint_name(step));
+    std::string all;
+    for (const std::string& w : rp.warnings) all += w + "\n";
+    if (warning.empty())
+      EXPECT_EQ(all, "");
+    else
+      EXPECT_NE(all.find(warning), std::string::npos) << all;
+  };
+  expect(3, "");
+  fs::remove(run + "/latest");
+  expect(3, "latest does not exist; resuming from the newest complete checkpoint");
+  write_file_atomic(run + "/latest", std::string(5000, 'x'));
+  expect(3, "cannot be read");
+  write_file_atomic(run + "/latest", "garbage\n");
+  expect(3, "holds 'garbage', not a checkpoint name");
+  write_file_atomic(run + "/latest", "step_0000009\n");
+  expect(3, "names step_0000009, which does not exist");
+  // Pointed back at an older one by hand: the newer ones win, and the warning says how to go back.
+  write_file_atomic(run + "/latest", "step_0000001\n");
+  expect(3, "move the newer step folders out of checkpoint.dir");
+  write_file_atomic(run + "/latest", "step_0000003\n");
+  // A file of step 3 shorter than recorded, then a state that does not parse: step 2 is taken.
+  write_file_atomic(run + "/step_0000003/payload.txt", "");
+  expect(2, "payload.txt is 0 bytes, not the 1 written");
+  std::string why;
+  EXPECT_FALSE(checkpoint_complete(run + "/step_0000003", &why));
+  fs::remove(run + "/step_0000003/payload.txt");
+  EXPECT_FALSE(checkpoint_complete(run + "/step_0000003", &why));
+  EXPECT_EQ(why, "it lacks payload.txt");
+  write_file_atomic(run + "/step_0000002/trainer_state.json", "{\"format\": ");
+  expect(1, "step_0000002 is not a complete checkpoint");
+  EXPECT_TRUE(fs::is_directory(run + "/step_0000002"));  // skipped, not removed
+}
+
+TEST_F(CheckpointTest, ARunFolderHasOneUser) {
+  const std::string run = run_dir("run");
+  fs::create_directories(run);
+  {
+    const RunLock first(run);
+    EXPECT_EQ(read_text_file(run + "/iris.lock"), std::to_string(::getpid()) + "\n");
+    const std::string err = test::error_of([&] { RunLock second(run); });
+    EXPECT_NE(
+        err.find("checkpoint.dir " + run + " is in use by process " + std::to_string(::getpid())),
+        std::string::npos)
+        << err;
+  }
+  // Released with its holder; the stale pid is not left to mislead.
+  EXPECT_EQ(read_text_file(run + "/iris.lock"), "");
+  EXPECT_NO_THROW(RunLock again(run));
+}
+
+TEST_F(CheckpointTest, DataFingerprintsTellChangedData) {
+  const std::string a = (root_ / "a.jsonl").string(), b = (root_ / "b.jsonl").string();
+  write_file_atomic(a, "{\"x\": 1}\n{\"x\": 2}\n");
+  const DataFileFingerprint fa = fingerprint_data_file(a);
+  EXPECT_EQ(fa.bytes, 18);
+  EXPECT_TRUE(fa.whole);
+  EXPECT_EQ(fa.hash.size(), 16u);
+  // The same bytes elsewhere are the same data.
+  fs::copy_file(a, b);
+  EXPECT_TRUE(data_changes({fa}, {fingerprint_data_file(b)}).empty());
+  EXPECT_TRUE(data_changes({}, {fa}).empty());  // an older checkpoint recorded none
+  write_file_atomic(a, "{\"x\": 1}\n{\"x\": 3}\n");
+  std::vector<std::string> c = data_changes({fa}, {fingerprint_data_file(a)});
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_NE(c[0].find("same size but other contents"), std::string::npos) << c[0];
+  write_file_atomic(a, "{\"x\": 1}\n");
+  c = data_changes({fa}, {fingerprint_data_file(a)});
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_NE(c[0].find("data.train_files[0] " + a + " is 9 bytes; it was 18"), std::string::npos)
+      << c[0];
+  EXPECT_EQ(data_changes({fa}, {fa, fa}).size(), 1u);
+  // Above the limit only the first and last MiB and the size count.
+  std::string big(3 << 20, 'a');
+  write_file_atomic(a, big);
+  const DataFileFingerprint sampled = fingerprint_data_file(a, 1 << 20);
+  EXPECT_FALSE(sampled.whole);
+  big[100] = 'b';
+  write_file_atomic(a, big);
+  EXPECT_EQ(data_changes({sampled}, {fingerprint_data_file(a, 1 << 20)}).size(), 1u);
+  big[100] = 'a';
+  big[big.size() - 100] = 'b';
+  write_file_atomic(a, big);
+  EXPECT_EQ(data_changes({sampled}, {fingerprint_data_file(a, 1 << 20)}).size(), 1u);
+  big[big.size() - 100] = 'a';
+  big[big.size() / 2] = 'b';  // the middle is not read
+  write_file_atomic(a, big);
+  EXPECT_TRUE(data_changes({sampled}, {fingerprint_data_file(a, 1 << 20)}).empty());
+  // The state keeps them.
+  TrainerState s;
+  s.data_files = {fa, sampled};
+  s.files = {{"model.safetensors", 123}};
+  const std::string path = (root_ / "state.json").string();
+  save_trainer_state(path, s);
+  const TrainerState r = load_trainer_state(path);
+  ASSERT_EQ(r.data_files.size(), 2u);
+  EXPECT_EQ(r.data_files[1].hash, sampled.hash);
+  EXPECT_FALSE(r.data_files[1].whole);
+  EXPECT_TRUE(data_changes(s.data_files, r.data_files).empty());
+  ASSERT_EQ(r.files.size(), 1u);
+  EXPECT_EQ(r.files[0].bytes, 123);
 }
 
 TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
@@ -301,12 +453,23 @@ TEST_F(TinyTrainingTest, ResumingGivesTheLossesOfAnUninterruptedRun) {
   EXPECT_LT(la.back().second, la.front().second);
   EXPECT_EQ(losses(straight, "eval_loss"), losses(split, "eval_loss"));
   ASSERT_EQ(losses(straight, "eval_loss").size(), 2u);
-  // Same weights and optimizer state, byte for byte.
-  for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json"})
+  // Same weights and optimizer state, byte for byte, and the same trainer state but for the file
+  // sizes it lists (resolved_config.yaml names the run directory).
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"})
     EXPECT_EQ(read_text_file(straight + "/step_0000006/" + f),
               read_text_file(split + "/step_0000006/" + f))
         << f;
+  auto state = [](const std::string& run) {
+    nlohmann::json j =
+        nlohmann::json::parse(read_text_file(run + "/step_0000006/trainer_state.json"));
+    EXPECT_EQ(j["files"].size(), 8u);
+    j.erase("files");
+    return j;
+  };
+  EXPECT_EQ(state(straight), state(split));
   EXPECT_EQ(list_checkpoints(straight), (std::vector<int64_t>{4, 6}));
+  // keep_last counts the checkpoints of the run a resume continues (2 and 3 here) with its own.
+  EXPECT_EQ(list_checkpoints(split), (std::vector<int64_t>{4, 6}));
 
   // The run directory and each checkpoint hold the resolved config, which reloads to itself.
   const std::string resolved = read_text_file(straight + "/resolved_config.yaml");
@@ -350,6 +513,68 @@ TEST_F(TinyTrainingTest, ResumeSettingsAreEnforced) {
   EXPECT_EQ(r2.start_iteration, 3);
   EXPECT_EQ(r2.final_iteration, 4);
   EXPECT_THROW(run_training(recipe(run_dir("x"), {"checkpoint.resume=" + run}), quiet()), Error);
+}
+
+TEST_F(TinyTrainingTest, ARunFolderIsNeverClobbered) {
+  const std::string run = run_dir("run");
+  auto with = [&](const std::string& dir, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"train.eval_interval=0", "checkpoint.keep_last=0"});
+    return recipe(dir, extra);
+  };
+  run_training(with(run, {"train.train_iters=4"}), quiet());
+  const std::string step2 = read_text_file(run + "/step_0000002/model.safetensors");
+  // `latest` lost, and a stray folder named like a step past int64.
+  fs::remove(run + "/latest");
+  fs::create_directories(run + "/step_99999999999999999999");
+  // resume: never looks at the step folders, not at `latest`.
+  std::string err =
+      test::error_of([&] { run_training(with(run, {"checkpoint.resume=never"}), quiet()); });
+  EXPECT_NE(err.find("already holds checkpoints (step_0000004 and 1 more) and checkpoint.resume "
+                     "is never; set checkpoint.resume=auto"),
+            std::string::npos)
+      << err;
+  {
+    const RunLock other(run);
+    err = test::error_of([&] { run_training(with(run, {"train.train_iters=6"}), quiet()); });
+    EXPECT_NE(err.find("is in use by process " + std::to_string(::getpid())), std::string::npos)
+        << err;
+  }
+  // The data changes under the run: one more sample.
+  const std::string train = (root_ / "shapes/train.jsonl").string();
+  const std::string data = read_text_file(train);
+  write_file_atomic(train, data + data.substr(0, data.find('\n') + 1));
+
+  const std::string log_path = (root_ / "log.txt").string();
+  TrainerOptions o;
+  o.out = std::fopen(log_path.c_str(), "w");
+  const TrainResult r = run_training(with(run, {"train.train_iters=6"}), o);
+  std::fclose(o.out);
+  EXPECT_EQ(r.start_iteration, 4);
+  EXPECT_EQ(r.final_iteration, 6);
+  const std::string log = read_text_file(log_path);
+  EXPECT_NE(log.find("latest does not exist; resuming from the newest complete checkpoint, " + run +
+                     "/step_0000004"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("warning: data.train_files[0] " + train + " is " +
+                     std::to_string(fs::file_size(train)) + " bytes; it was " +
+                     std::to_string(data.size())),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{2, 4, 6}));
+  EXPECT_EQ(read_text_file(run + "/step_0000002/model.safetensors"), step2);
+  EXPECT_EQ(latest_checkpoint(run), run + "/step_0000006");
+  EXPECT_TRUE(fs::is_directory(run + "/step_99999999999999999999"));
+
+  // A step folder this run would reach but cannot resume from is refused before any step, and
+  // kept.
+  const std::string other = run_dir("other");
+  fs::create_directories(other + "/step_0000002");
+  write_file_atomic(other + "/step_0000002/notes.txt", "mine");
+  err = test::error_of([&] { run_training(with(other, {"train.train_iters=2"}), quiet()); });
+  EXPECT_NE(err.find("holds step_0000002, past step 0 where this run starts"), std::string::npos)
+      << err;
+  EXPECT_EQ(read_text_file(other + "/step_0000002/notes.txt"), "mine");
 }
 
 TEST_F(TinyTrainingTest, ResumingWithAnotherThreadCountIsReported) {

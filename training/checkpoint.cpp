@@ -1,13 +1,16 @@
 #include "training/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <regex>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -33,14 +36,6 @@ void fsync_dir(const fs::path& dir) {
   ::close(fd);
 }
 
-bool parse_checkpoint_name(const std::string& name, int64_t& step) {
-  static const std::regex re("step_([0-9]{7,})");
-  std::smatch m;
-  if (!std::regex_match(name, m, re)) return false;
-  step = std::stoll(m[1].str());
-  return true;
-}
-
 std::string trim(std::string s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
   size_t b = 0;
@@ -52,7 +47,77 @@ void copy_file_durably(const fs::path& from, const fs::path& to) {
   write_file_atomic(to.string(), read_text_file(from.string()));
 }
 
+// A 64-bit hash of bytes, 8 at a time (fast enough to hash a JSONL file at disk speed); it tells
+// changed data apart, it is not meant to resist someone forging a collision.
+struct Hasher {
+  uint64_t h = 0x9e3779b97f4a7c15ULL;
+  uint64_t n = 0;
+  static uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+  void word(uint64_t w) {
+    h ^= rotl(w * 0x87c37b91114253d5ULL, 31) * 0x4cf5ad432745937fULL;
+    h = rotl(h, 27) * 5 + 0x52dce729;
+  }
+  void add(const char* p, size_t len) {
+    n += len;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      word(w);
+    }
+    if (i < len) {
+      uint64_t w = 0;
+      std::memcpy(&w, p + i, len - i);
+      word(w ^ (uint64_t(len - i) << 56));
+    }
+  }
+  std::string hex() const {
+    uint64_t x = h ^ n;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    char buf[17];
+    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(x));
+    return buf;
+  }
+};
+
+// Reads up to `len` bytes at `offset` (fewer only at the end of the file) and hashes them.
+void hash_range(int fd, int64_t offset, int64_t len, Hasher& hasher, const std::string& path) {
+  std::vector<char> buf(size_t(1) << 20);
+  while (len > 0) {
+    const ssize_t n =
+        ::pread(fd, buf.data(), static_cast<size_t>(std::min<int64_t>(len, buf.size())), offset);
+    if (n < 0 && errno == EINTR) continue;
+    IRIS_CHECK(n >= 0, "cannot read training data file ", path, ": ", std::strerror(errno));
+    if (n == 0) return;
+    hasher.add(buf.data(), static_cast<size_t>(n));
+    offset += n;
+    len -= n;
+  }
+}
+
+constexpr const char* kLockFile = "iris.lock";
+
 }  // namespace
+
+bool parse_checkpoint_name(const std::string& name, int64_t& step) {
+  constexpr size_t kPrefix = 5;  // "step_"
+  if (name.size() < kPrefix + 7 || name.compare(0, kPrefix, "step_") != 0) return false;
+  const char* first = name.data() + kPrefix;
+  const char* last = name.data() + name.size();
+  for (const char* c = first; c != last; ++c)
+    if (*c < '0' || *c > '9') return false;
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(first, last, value);
+  // Out of range, or another spelling of a step (more leading zeros than checkpoint_name writes):
+  // not a name this code wrote, so not one it may read or delete.
+  if (ec != std::errc() || end != last || checkpoint_name(value) != name) return false;
+  step = value;
+  return true;
+}
 
 std::string checkpoint_name(int64_t step) {
   IRIS_CHECK(step >= 0, "checkpoint step must be >= 0, got ", step);
@@ -87,6 +152,118 @@ std::string latest_checkpoint(const std::string& run_dir) {
   return dir.string();
 }
 
+bool checkpoint_complete(const std::string& dir, std::string* why) {
+  auto fail = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return false;
+  };
+  const fs::path state_path = fs::path(dir) / kStateFile;
+  if (!fs::is_regular_file(state_path)) return fail(str_cat("it has no ", kStateFile));
+  TrainerState state;
+  try {
+    state = load_trainer_state(state_path.string());
+  } catch (const Error& e) {
+    return fail(e.what());
+  }
+  for (const CheckpointFile& f : state.files) {
+    const fs::path p = fs::path(dir) / f.name;
+    std::error_code ec;
+    if (!fs::is_regular_file(p, ec)) return fail(str_cat("it lacks ", f.name));
+    const auto size = fs::file_size(p, ec);
+    if (ec || static_cast<int64_t>(size) != f.bytes)
+      return fail(str_cat(f.name, " is ", ec ? 0 : size, " bytes, not the ", f.bytes, " written"));
+  }
+  return true;
+}
+
+ResumePoint find_resume_point(const std::string& run_dir) {
+  ResumePoint rp;
+  const std::vector<int64_t> steps = list_checkpoints(run_dir);
+  for (auto s = steps.rbegin(); s != steps.rend(); ++s) {
+    const std::string dir = (fs::path(run_dir) / checkpoint_name(*s)).string();
+    std::string why;
+    if (checkpoint_complete(dir, &why)) {
+      rp.dir = dir;
+      rp.step = *s;
+      break;
+    }
+    rp.warnings.push_back(str_cat("warning: ", dir, " is not a complete checkpoint (", why,
+                                  "); it is skipped and left as it is"));
+  }
+  // What `latest` says, checked against the choice: only a disagreement is worth a word.
+  const fs::path latest = fs::path(run_dir) / kLatest;
+  std::string problem;
+  if (!fs::exists(latest)) {
+    if (!rp.dir.empty()) problem = "does not exist";
+  } else {
+    std::string name;
+    try {
+      name = trim(read_text_file(latest.string(), "the latest file", 4096));
+    } catch (const Error& e) {
+      problem = str_cat("cannot be read (", e.what(), ")");
+    }
+    int64_t step = 0;
+    if (!problem.empty()) {
+    } else if (!parse_checkpoint_name(name, step)) {
+      problem = str_cat("holds '", name.substr(0, 64), "', not a checkpoint name");
+    } else if (!fs::is_directory(fs::path(run_dir) / name)) {
+      problem = str_cat("names ", name, ", which does not exist");
+    } else if (step != rp.step) {
+      problem = step > rp.step ? str_cat("names ", name, ", which is not complete")
+                               : str_cat("names ", name, ", but a newer checkpoint is complete");
+    }
+  }
+  if (!problem.empty())
+    rp.warnings.push_back(str_cat(
+        "warning: ", latest.string(), " ", problem, "; ",
+        rp.dir.empty() ? std::string("there is no complete checkpoint, so the run starts afresh")
+                       : str_cat("resuming from the newest complete checkpoint, ", rp.dir,
+                                 " (to go back to an older one, move the newer step folders "
+                                 "out of checkpoint.dir)")));
+  return rp;
+}
+
+RunLock::RunLock(const std::string& run_dir) {
+  const std::string path = (fs::path(run_dir) / kLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  IRIS_CHECK(fd_ >= 0, "cannot open ", path, ": ", std::strerror(errno),
+             " (checkpoint.dir must be a writable directory)");
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd_, buf, sizeof(buf) - 1, 0);
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK) {
+      const std::string pid = trim(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0));
+      IRIS_FAIL("checkpoint.dir ", run_dir, " is in use by process ",
+                pid.empty() ? std::string("(unknown)") : pid,
+                "; two runs in one folder overwrite each other's checkpoints and metrics: wait "
+                "for it to end, stop it, or set another checkpoint.dir");
+    }
+    IRIS_FAIL("cannot lock ", path, ": ", std::strerror(err));
+  }
+  // The file is never deleted: a lock on an unlinked file would not exclude a run that opens
+  // the path afresh.
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 ||
+      ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    IRIS_FAIL("cannot write ", path, ": ", std::strerror(err));
+  }
+}
+
+RunLock::~RunLock() {
+  if (fd_ < 0) return;
+  // A pid left behind would name an unrelated process in the next message.
+  if (::ftruncate(fd_, 0) != 0) {
+    // Nothing to do: the lock goes with the descriptor either way.
+  }
+  ::close(fd_);
+}
+
 void remove_checkpoint_debris(const std::string& run_dir) {
   if (!fs::is_directory(run_dir)) return;
   std::vector<fs::path> debris;
@@ -103,42 +280,110 @@ void remove_checkpoint_debris(const std::string& run_dir) {
   for (const fs::path& p : debris) fs::remove_all(p);
 }
 
-std::string commit_checkpoint(const std::string& run_dir, int64_t step, int64_t keep_last,
+std::string commit_checkpoint(const std::string& run_dir, int64_t step,
                               const std::function<void(const std::string& dir)>& fill) {
-  IRIS_CHECK(keep_last >= 0, "keep_last must be >= 0, got ", keep_last);
   fs::create_directories(run_dir);
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(run_dir) / name;
   const fs::path tmp_dir = fs::path(run_dir) / (name + ".tmp");
+  IRIS_CHECK(!fs::exists(final_dir), "checkpoint.dir ", run_dir, " already holds ", name,
+             ", which this run did not write; a checkpoint is never replaced: move it out of "
+             "checkpoint.dir (or set another checkpoint.dir) and restart");
   fs::remove_all(tmp_dir);
   fs::create_directory(tmp_dir);
   fill(tmp_dir.string());
   fsync_dir(tmp_dir);
-
-  const std::string latest = latest_checkpoint(run_dir);
-  IRIS_CHECK(latest.empty() || fs::path(latest).filename() != name, "checkpoint ", name,
-             " is the one `latest` names; a step is saved once");
-  // A directory of this step can only come from a run that died between this rename and the
-  // `latest` update; it was never named by `latest`, so replacing it loses nothing.
-  fs::remove_all(final_dir);
   std::error_code ec;
   fs::rename(tmp_dir, final_dir, ec);
   IRIS_CHECK(!ec, "renaming ", tmp_dir.string(), " to ", final_dir.string(),
              " failed: ", ec.message());
   fsync_dir(run_dir);
   write_file_atomic((fs::path(run_dir) / kLatest).string(), name + "\n");
-
-  // Checkpoints past this step belong to a run that died after saving them but before `latest`
-  // named them, and this run has diverged from them (it resumed earlier): drop them, then keep
-  // the newest keep_last.
-  std::vector<int64_t> steps = list_checkpoints(run_dir);
-  std::vector<int64_t> remove;
-  std::vector<int64_t> kept;
-  for (int64_t s : steps) (s > step ? remove : kept).push_back(s);
-  if (keep_last > 0 && static_cast<int64_t>(kept.size()) > keep_last)
-    remove.insert(remove.end(), kept.begin(), kept.end() - keep_last);
-  for (int64_t s : remove) fs::remove_all(fs::path(run_dir) / checkpoint_name(s));
   return final_dir.string();
+}
+
+void prune_checkpoints(const std::string& run_dir, std::vector<int64_t>& owned, int64_t keep_last) {
+  IRIS_CHECK(keep_last >= 0, "checkpoint.keep_last must be >= 0, got ", keep_last);
+  std::sort(owned.begin(), owned.end());
+  owned.erase(std::unique(owned.begin(), owned.end()), owned.end());
+  if (keep_last == 0 || static_cast<int64_t>(owned.size()) <= keep_last) return;
+  const size_t drop = owned.size() - static_cast<size_t>(keep_last);
+  for (size_t i = 0; i < drop; ++i) {
+    const fs::path dir = fs::path(run_dir) / checkpoint_name(owned[i]);
+    const fs::path doomed = fs::path(run_dir) / (checkpoint_name(owned[i]) + ".tmp");
+    // Renamed first, so that a kill half-way through the deletion leaves *.tmp debris (removed
+    // by the next run) rather than a step directory that looks like a damaged checkpoint.
+    fs::remove_all(doomed);
+    std::error_code ec;
+    fs::rename(dir, doomed, ec);
+    if (ec) continue;  // already gone
+    fsync_dir(run_dir);
+    fs::remove_all(doomed);
+  }
+  owned.erase(owned.begin(), owned.begin() + static_cast<std::ptrdiff_t>(drop));
+}
+
+DataFileFingerprint fingerprint_data_file(const std::string& path, int64_t whole_limit) {
+  const int fd = open_regular_file(path, "training data file");
+  struct stat st {};
+  ::fstat(fd, &st);
+  DataFileFingerprint f;
+  f.path = path;
+  f.bytes = static_cast<int64_t>(st.st_size);
+  f.whole = f.bytes <= whole_limit;
+  Hasher h;
+  try {
+    constexpr int64_t kMiB = int64_t(1) << 20;
+    if (f.whole) {
+      hash_range(fd, 0, f.bytes, h, path);
+    } else {
+      hash_range(fd, 0, kMiB, h, path);
+      hash_range(fd, f.bytes - kMiB, kMiB, h, path);
+      h.n = static_cast<uint64_t>(f.bytes);
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  f.hash = h.hex();
+  return f;
+}
+
+std::vector<std::string> data_changes(const std::vector<DataFileFingerprint>& recorded,
+                                      const std::vector<DataFileFingerprint>& now) {
+  std::vector<std::string> out;
+  if (recorded.empty()) return out;  // an older checkpoint: nothing to compare with
+  if (recorded.size() != now.size()) {
+    out.push_back(str_cat("data.train_files lists ", now.size(),
+                          " files; the checkpoint was "
+                          "trained on ",
+                          recorded.size()));
+    return out;
+  }
+  for (size_t i = 0; i < now.size(); ++i) {
+    const DataFileFingerprint &a = recorded[i], &b = now[i];
+    if (a.bytes != b.bytes)
+      out.push_back(str_cat("data.train_files[", i, "] ", b.path, " is ", b.bytes,
+                            " bytes; it was ", a.bytes, " when the checkpoint was written"));
+    else if (a.hash != b.hash || a.whole != b.whole)
+      out.push_back(str_cat("data.train_files[", i, "] ", b.path,
+                            " has the same size but other contents than when the checkpoint "
+                            "was written"));
+  }
+  return out;
+}
+
+std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir) {
+  std::vector<CheckpointFile> files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file() || name == kStateFile) continue;
+    files.push_back({name, static_cast<int64_t>(e.file_size())});
+  }
+  std::sort(files.begin(), files.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.name < b.name; });
+  return files;
 }
 
 void save_trainer_state(const std::string& path, const TrainerState& s) {
@@ -151,7 +396,18 @@ void save_trainer_state(const std::string& path, const TrainerState& s) {
       {"data_position", {{"epoch", s.data_position.epoch}, {"index", s.data_position.index}}},
       {"rng", {{"data_seed", s.data_seed}}},
       {"threads", s.threads}};
-  write_file_atomic(path, j.dump(2) + "\n");
+  json data = json::array();
+  for (const DataFileFingerprint& f : s.data_files)
+    data.push_back({{"path", f.path},
+                    {"bytes", f.bytes},
+                    {"hash", f.hash},
+                    {"hashed", f.whole ? "whole file" : "first and last MiB"}});
+  json files = json::array();
+  for (const CheckpointFile& f : s.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}});
+  json out = j;
+  out["data_files"] = std::move(data);
+  out["files"] = std::move(files);
+  write_file_atomic(path, out.dump(2) + "\n");
 }
 
 TrainerState load_trainer_state(const std::string& path) {
@@ -174,6 +430,21 @@ TrainerState load_trainer_state(const std::string& path) {
     s.data_position.index = j.at("data_position").at("index").get<int64_t>();
     s.data_seed = j.at("rng").at("data_seed").get<uint64_t>();
     s.threads = j.value("threads", 0);
+    if (j.contains("data_files"))
+      for (const json& f : j.at("data_files"))
+        s.data_files.push_back({f.at("path").get<std::string>(), f.at("bytes").get<int64_t>(),
+                                f.at("hash").get<std::string>(),
+                                f.at("hashed").get<std::string>() == "whole file"});
+    if (j.contains("files"))
+      for (const json& f : j.at("files")) {
+        CheckpointFile cf{f.at("name").get<std::string>(), f.at("bytes").get<int64_t>()};
+        // The name is joined to the checkpoint directory: it must stay inside it.
+        IRIS_CHECK(!cf.name.empty() && cf.name.find('/') == std::string::npos && cf.name != "." &&
+                       cf.name != "..",
+                   path, " lists a file '", cf.name.substr(0, 64),
+                   "' that is not a plain file name; the checkpoint is damaged");
+        s.files.push_back(std::move(cf));
+      }
   } catch (const json::exception& e) {
     IRIS_FAIL(path, ": missing or mistyped field (", e.what(), "); the checkpoint is damaged");
   }
@@ -231,12 +502,12 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
   std::string src = checkpoint;
   IRIS_CHECK(fs::is_directory(src), "checkpoint ", src, " does not exist");
   if (!fs::exists(fs::path(src) / kStateFile)) {
-    // A run directory: take its latest checkpoint.
-    const std::string latest = latest_checkpoint(src);
-    IRIS_CHECK(!latest.empty(), src,
+    // A run directory: take what a resume would take, its newest complete checkpoint.
+    const std::string newest = find_resume_point(src).dir;
+    IRIS_CHECK(!newest.empty(), src,
                " is neither a checkpoint (no trainer_state.json) nor a run directory with a "
-               "`latest` checkpoint");
-    src = latest;
+               "complete checkpoint");
+    src = newest;
   }
   for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"})
     IRIS_CHECK(fs::is_regular_file(fs::path(src) / f), "checkpoint ", src, " lacks ", f,

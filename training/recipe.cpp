@@ -162,11 +162,14 @@ std::vector<Field> fields(Recipe& r) {
        "directory; empty: runs/<recipe name>",
        {},
        true},
-      {"checkpoint.save_interval", &c.save_interval, "steps between checkpoints; 0: none"},
+      {"checkpoint.save_interval", &c.save_interval,
+       "steps between checkpoints; 0: none (SIGTERM or Ctrl-C still saves one before stopping)"},
       {"checkpoint.save_final", &c.save_final, "save a checkpoint after the last step"},
-      {"checkpoint.keep_last", &c.keep_last, "checkpoints kept on disk; 0: all"},
+      {"checkpoint.keep_last", &c.keep_last,
+       "checkpoints of this run (and of the run it resumed) kept on disk; 0: all"},
       {"checkpoint.resume", &c.resume,
-       "auto: continue from <dir>/latest if there is one; never: refuse a directory that holds "
+       "auto: continue from the newest complete checkpoint in <dir> if there is one; never: "
+       "refuse a directory that holds "
        "checkpoints; or the path of a step_NNNNNNN directory to start from (until <dir> has "
        "checkpoints of its own, which a restart then continues)"},
       {"logging.log_interval", &l.log_interval, "steps between log lines and metrics records"},

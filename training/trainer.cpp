@@ -1,8 +1,12 @@
 #include "training/trainer.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -157,6 +161,50 @@ int64_t run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& re
   return total;
 }
 
+// SIGTERM (a scheduler's preemption or time limit) and SIGINT (Ctrl-C) ask the step loop to save
+// a checkpoint after the step in progress and return; a second one ends the process at once.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  g_stop_signal = sig;
+  // write() is async-signal-safe; the step loop may not notice the flag for a while.
+  static const char kText[] =
+      "\niris train: stop requested; saving a checkpoint after the current step (send the "
+      "signal again to stop at once, without it)\n";
+  const ssize_t ignored = ::write(STDERR_FILENO, kText, sizeof(kText) - 1);
+  (void)ignored;
+}
+
+// Installs the handlers for the lifetime of the object, then puts back whatever was there.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;  // reads and writes in progress go on rather than fail with EINTR
+    ::sigaction(SIGTERM, &sa, &old_term_);
+    ::sigaction(SIGINT, &sa, &old_int_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGINT, &old_int_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  int received() const { return g_stop_signal; }
+
+ private:
+  struct sigaction old_term_ {};
+  struct sigaction old_int_ {};
+};
+
 // Copies every tensor of `src` (f32, on the host) into `dst` on `be` (converted to dst's dtype).
 void upload_weights(Backend& be, ModelWeights& dst, const ModelWeights& src) {
   for (size_t i = 0; i < src.bindings.size(); ++i)
@@ -190,30 +238,51 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
              "training for now: training steps run eagerly (iris generate captures graphs)");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
+  // Everything below reads or writes the run directory: one run at a time.
+  const RunLock lock(run_dir);
+  const StopSignals stop;
   remove_checkpoint_debris(run_dir);
 
   // Where to start from.
+  const ResumePoint found = find_resume_point(run_dir);
   std::string resume_dir;
   if (r.checkpoint.resume == "auto") {
-    resume_dir = latest_checkpoint(run_dir);
+    resume_dir = found.dir;
   } else if (r.checkpoint.resume == "never") {
-    IRIS_CHECK(latest_checkpoint(run_dir).empty(), "checkpoint.dir ", run_dir,
-               " already holds checkpoints and checkpoint.resume is never; set "
-               "checkpoint.resume=auto to continue that run, or choose another checkpoint.dir");
+    const std::vector<int64_t> existing = list_checkpoints(run_dir);
+    IRIS_CHECK(existing.empty(), "checkpoint.dir ", run_dir, " already holds checkpoints (",
+               checkpoint_name(existing.empty() ? 0 : existing.back()),
+               existing.size() > 1 ? str_cat(" and ", existing.size() - 1, " more") : "",
+               ") and checkpoint.resume is never; set checkpoint.resume=auto to continue that "
+               "run, or choose another checkpoint.dir");
   } else {
-    IRIS_CHECK(fs::is_regular_file(fs::path(r.checkpoint.resume) / kStateFile),
-               "checkpoint.resume ", r.checkpoint.resume, " is not a checkpoint directory (no ",
-               kStateFile, "); give a step_NNNNNNN directory, auto or never");
+    std::string why;
+    IRIS_CHECK(checkpoint_complete(r.checkpoint.resume, &why), "checkpoint.resume ",
+               r.checkpoint.resume, " is not a complete checkpoint directory (", why,
+               "); give a step_NNNNNNN directory, auto or never");
     // The path seeds a new run; once the run directory has checkpoints of its own, a restart of
     // the same command continues those instead of starting over from the seed.
-    resume_dir = latest_checkpoint(run_dir);
-    if (resume_dir.empty()) resume_dir = r.checkpoint.resume;
+    resume_dir = found.dir.empty() ? r.checkpoint.resume : found.dir;
   }
   TrainerState state;
   if (!resume_dir.empty()) state = load_trainer_state((fs::path(resume_dir) / kStateFile).string());
   IRIS_CHECK(state.iteration <= r.train.train_iters, "the checkpoint ", resume_dir, " is at step ",
              state.iteration, ", past train.train_iters ", r.train.train_iters,
              "; raise train.train_iters to train further");
+  // This run writes only steps past its start, and never over a directory it did not write: one
+  // there (an incomplete checkpoint, or one a resume was pointed away from) is refused now rather
+  // than when the run reaches it. The complete ones up to the start are the run this one
+  // continues, so checkpoint.keep_last counts them with its own.
+  std::vector<int64_t> owned;
+  for (int64_t s : list_checkpoints(run_dir)) {
+    const std::string dir = (fs::path(run_dir) / checkpoint_name(s)).string();
+    IRIS_CHECK(s <= state.iteration, "checkpoint.dir ", run_dir, " holds ", checkpoint_name(s),
+               ", past step ", state.iteration, " where this run ",
+               resume_dir.empty() ? "starts" : "resumes (from " + resume_dir + ")",
+               ", and a run never replaces a checkpoint it did not write; move ", dir,
+               " out of checkpoint.dir (or set another checkpoint.dir) and restart");
+    if (checkpoint_complete(dir)) owned.push_back(s);
+  }
 
   // Model. The host copy of the f32 weights is what checkpoints are written from; on the GPU the
   // master weights live on the device and are copied back before each save.
@@ -254,7 +323,12 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   const PreprocessorConfig pp = recipe_preprocessor(r);
   const SideFiles side = side_files(r, tok, pp);
 
-  // Data.
+  // Data. The files' fingerprints go into every checkpoint, so that a resume can tell when the
+  // data changed under it (its position would then point into other samples).
+  std::vector<DataFileFingerprint> data_files;
+  if (!r.data.config.mock)
+    for (const std::string& f : r.data.config.train_files)
+      data_files.push_back(fingerprint_data_file(f));
   Dataset train_data(r.data.config, tok, pp);
   if (!resume_dir.empty()) {
     IRIS_CHECK(state.data_seed == r.data.config.seed, "the checkpoint ", resume_dir,
@@ -357,6 +431,12 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   lo.progress_bar = options.progress_bar;
   lo.out = options.out;
   MetricsLog log(lo, state.iteration);
+  for (const std::string& w : found.warnings) log.message(w);
+  if (!resume_dir.empty())
+    for (const std::string& change : data_changes(state.data_files, data_files))
+      log.message(str_cat("warning: ", change, "; the resumed run continues at epoch ",
+                          state.data_position.epoch, ", sample ", state.data_position.index,
+                          " of the data as it is now, so samples may be skipped or repeated"));
 
   log.message(str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
                       " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
@@ -397,22 +477,24 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     state.data_position = train_data.position();
     state.data_seed = r.data.config.seed;
     state.threads = omp_get_max_threads();
-    result.last_checkpoint =
-        commit_checkpoint(run_dir, iteration, r.checkpoint.keep_last, [&](const std::string& dir) {
-          const fs::path d(dir);
-          if (on_gpu)
-            for (size_t i = 0; i < params->bindings.size(); ++i)
-              gpu->read(params->bindings[i].tensor().data, DType::f32,
-                        master->bindings[i].tensor());
-          save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
-          opt.save((d / kOptimizerFile).string());
-          write_file_atomic((d / "config.json").string(), config_text);
-          for (const auto& [name, text] : side.files) write_file_atomic((d / name).string(), text);
-          write_file_atomic((d / "resolved_config.yaml").string(), resolved);
-          // Last: its presence marks the directory complete (latest_checkpoint checks it).
-          save_trainer_state((d / kStateFile).string(), state);
-        });
+    state.data_files = data_files;
+    result.last_checkpoint = commit_checkpoint(run_dir, iteration, [&](const std::string& dir) {
+      const fs::path d(dir);
+      if (on_gpu)
+        for (size_t i = 0; i < params->bindings.size(); ++i)
+          gpu->read(params->bindings[i].tensor().data, DType::f32, master->bindings[i].tensor());
+      save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
+      opt.save((d / kOptimizerFile).string());
+      write_file_atomic((d / "config.json").string(), config_text);
+      for (const auto& [name, text] : side.files) write_file_atomic((d / name).string(), text);
+      write_file_atomic((d / "resolved_config.yaml").string(), resolved);
+      // Last: it lists the files above with their sizes, and checkpoint_complete() checks them.
+      state.files = list_checkpoint_files(dir);
+      save_trainer_state((d / kStateFile).string(), state);
+    });
     log.message("saved checkpoint " + result.last_checkpoint);
+    owned.push_back(iteration);
+    prune_checkpoints(run_dir, owned, r.checkpoint.keep_last);
   };
 
   // Samples whose images exceed the planned activation memory are skipped, deterministically, so
@@ -458,7 +540,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   batch.reserve(static_cast<size_t>(r.train.global_batch_size));
   std::vector<std::vector<const TrainSample*>> micro_batches;
   log.progress(state.iteration);
-  for (int64_t it = state.iteration + 1; it <= r.train.train_iters; ++it) {
+  // A stop asked for before the first step leaves nothing new to save.
+  result.stop_signal = stop.received();
+  for (int64_t it = state.iteration + 1; it <= r.train.train_iters && !result.stop_signal; ++it) {
     batch.clear();
     int64_t batch_labels = 0;
     for (int64_t i = 0; i < r.train.global_batch_size; ++i) {
@@ -540,7 +624,19 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
     if (saving) save(it);
     log.progress(it);
+    if (stop.received() != 0) {
+      if (!saving) save(it);
+      result.stop_signal = stop.received();
+    }
   }
+  if (result.stop_signal != 0)
+    log.message(str_cat(
+        "stopped by ", result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM", " at iteration ",
+        result.final_iteration > 0 ? result.final_iteration : state.iteration, " of ",
+        r.train.train_iters,
+        result.last_checkpoint.empty() ? std::string("; no checkpoint yet")
+                                       : "; the last checkpoint is " + result.last_checkpoint,
+        ": run the same command to resume"));
   const DataStats& ds = train_data.stats();
   if (ds.dropped_too_long > 0 || ds.bad_samples > 0) {
     std::string text =

@@ -31,9 +31,14 @@ struct TrainResult {
   int64_t final_iteration = 0;
   double last_loss = 0;         // mean loss of the last step
   std::string last_checkpoint;  // directory of the newest checkpoint, "" if none
+  // SIGTERM or SIGINT when one stopped the run early (after saving the step it was on), else 0.
+  int stop_signal = 0;
 };
 
 // Runs (or resumes, per checkpoint.resume) the recipe to train.train_iters. Throws iris::Error.
+// Holds checkpoint.dir's RunLock throughout. While it runs, SIGTERM and SIGINT stop it after the
+// current step with a checkpoint of that step (TrainResult::stop_signal); a second signal ends the
+// process at once.
 TrainResult run_training(const Recipe& recipe, const TrainerOptions& options = {});
 
 // HF-style initialisation with a seeded, platform-independent generator: linear weights,
