@@ -1,4 +1,5 @@
 // iris generate: images + text in, text out, streamed (flags follow llama.cpp's multimodal CLI).
+#include <omp.h>
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "core/fs.h"
 #include "core/graph_config.h"
 #include "core/safetensors.h"
+#include "core/text_distance.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -30,6 +32,7 @@ struct GenerateOptions {
   std::string model_dir;
   std::vector<std::string> images;
   std::string prompt;
+  std::string prompt_file;
   std::string system;
   int n_predict = 128;
   float temp = 0.8f;
@@ -39,6 +42,9 @@ struct GenerateOptions {
   float repeat_penalty = 1.0f;
   int64_t seed = -1;
   int ctx_size = 4096;
+  int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS, else every core)
+  int64_t image_min_tokens = 0, image_max_tokens = 0;  // 0: the preprocessor config's bounds
+  std::string n_gpu_layers, mmproj;                    // llama.cpp flags that mean nothing here
   std::string device = "auto";
   bool json = false;
   bool ignore_eos = false;
@@ -64,12 +70,74 @@ void check_logits_out(const std::string& out, const std::string& model_dir,
                "; choose another path");
 }
 
+// llama.cpp spells some flags with one dash and several letters (-sys, -ngl, -mm), which CLI11
+// would split into a short flag and a value (-cnv read as -c nv). They become their long names
+// here; any other word of that shape is an unknown flag rather than a mis-split one.
+const std::map<std::string, std::string> kLlamaSpellings = {
+    {"-sys", "--system-prompt"}, {"-ngl", "--n-gpu-layers"}, {"-mm", "--mmproj"}};
+
+bool is_multi_letter_short_flag(const std::string& a) {
+  if (a.size() < 3 || a[0] != '-' || a[1] == '-') return false;
+  return std::all_of(a.begin() + 1, a.end(), [](char c) { return std::isalpha(uint8_t(c)); });
+}
+
+// Every flag name a user may mean, for "did you mean": the names help lists, plus the llama.cpp
+// spellings above.
+std::vector<std::string> suggestable_flags(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->get_group().empty()) continue;  // hidden: deprecated spellings
+    for (const std::string& l : opt->get_lnames()) names.push_back("--" + l);
+    for (const std::string& s : opt->get_snames()) names.push_back("-" + s);
+  }
+  for (const auto& [spelling, _] : kLlamaSpellings) names.push_back(spelling);
+  return names;
+}
+
+// The known flag closest to `flag` by name (dashes aside), when it is close enough to be a typo.
+std::string closest_flag(const std::string& flag, const std::vector<std::string>& names) {
+  auto bare = [](const std::string& f) {
+    std::string b = f.substr(
+        f.find_first_not_of('-') == std::string::npos ? f.size() : f.find_first_not_of('-'));
+    std::replace(b.begin(), b.end(), '_', '-');
+    return b;
+  };
+  const std::string want = bare(flag.substr(0, flag.find('=')));
+  std::string best;
+  size_t best_d = std::max<size_t>(1, want.size() / 3) + 1;
+  for (const std::string& n : names) {
+    const size_t d = edit_distance(want, bare(n));
+    if (d < best_d) best_d = d, best = n;
+  }
+  return best;
+}
+
+[[noreturn]] void fail_unknown_flag(const std::string& flag, const CLI::App& app) {
+  const std::string best = closest_flag(flag, suggestable_flags(app));
+  IRIS_FAIL("unknown flag ", flag.substr(0, flag.find('=')),
+            best.empty() ? std::string() : "; did you mean " + best + "?",
+            " (iris generate --help lists the flags)");
+}
+
+// True when `dir` holds the vision encoder's weights, so that a separate projector file
+// (llama.cpp's
+// --mmproj) has nothing to add.
+bool has_vision_weights(const std::string& dir) {
+  const SafetensorsCheckpoint ckpt(dir);
+  for (const std::string& name : ckpt.names())
+    if (name.rfind("model.visual.", 0) == 0) return true;
+  return false;
+}
+
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
   CLI::App app{"Generate text from images and a prompt with a Qwen3-VL checkpoint.",
                "iris generate"};
   app.get_formatter()->column_width(44);
+  // Unknown arguments are collected instead of failing inside CLI11, so that the error can name
+  // the flag the user probably meant.
+  app.allow_extras();
   GenerateOptions o;
   app.add_option("-m,--model", o.model_dir,
                  "Hugging Face checkpoint directory (config.json, "
@@ -78,10 +146,14 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--image", o.images,
                  "image file (PNG, JPEG, BMP, GIF, TGA, PNM); repeat for "
                  "several, placed before the text");
-  app.add_option("-p,--prompt", o.prompt, "the user's text")->required();
-  app.add_option("--system", o.system, "system prompt (none by default, as Qwen3-VL)");
+  auto* prompt_opt = app.add_option("-p,--prompt", o.prompt, "the user's text");
+  app.add_option("-f,--file", o.prompt_file,
+                 "read the user's text from FILE (as llama.cpp: one trailing newline dropped)")
+      ->excludes(prompt_opt);
+  app.add_option("--system-prompt,--system", o.system,
+                 "system prompt, also -sys (none by default, as Qwen3-VL)");
   app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
-  app.add_option("--temp", o.temp, "temperature; 0 = greedy")->capture_default_str();
+  app.add_option("--temp,--temperature", o.temp, "temperature; 0 = greedy")->capture_default_str();
   app.add_option("--top-k", o.top_k, "top-k sampling; 0 = off")->capture_default_str();
   app.add_option("--top-p", o.top_p, "top-p (nucleus) sampling; 1 = off")->capture_default_str();
   app.add_option("--min-p", o.min_p, "min-p sampling; 0 = off")->capture_default_str();
@@ -90,6 +162,18 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--seed", o.seed, "RNG seed; -1 = random")->capture_default_str();
   app.add_option("-c,--ctx-size", o.ctx_size, "maximum context (prompt + generated tokens)")
       ->capture_default_str();
+  app.add_option("-t,--threads", o.threads,
+                 "CPU threads (default " + std::to_string(omp_get_max_threads()) +
+                     "); with a GPU they only run host work such as image preprocessing")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--image-min-tokens", o.image_min_tokens,
+                 "fewest tokens per image: smaller images are upscaled (default from "
+                 "preprocessor_config.json min_pixels)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  app.add_option("--image-max-tokens", o.image_max_tokens,
+                 "most tokens per image: larger images are downscaled (default from "
+                 "preprocessor_config.json max_pixels)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_option("--device", o.device, "cpu, cuda, cuda:N or auto (cuda when a GPU is present)")
       ->capture_default_str();
   app.add_flag("--json", o.json,
@@ -104,6 +188,12 @@ int run_generate_command(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->capture_default_str();
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
+  auto* ngl_opt = app.add_option("--n-gpu-layers,--gpu-layers", o.n_gpu_layers,
+                                 "also -ngl; llama.cpp's layer offload, no effect here: the whole "
+                                 "model runs on --device");
+  auto* mmproj_opt = app.add_option("--mmproj", o.mmproj,
+                                    "also -mm; llama.cpp's projector file, no effect here: the "
+                                    "vision weights are read from -m");
   app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
                "run eagerly on the GPU; graphs are on by default there (cuda_graph_impl local, "
                "inference_cuda_graph_scope block, vision_cuda_graph_impl local) unless a graph "
@@ -118,11 +208,43 @@ int run_generate_command(int argc, char** argv) {
         graph_config_key_help(key));
     if (key == "enable_cuda_graph" || key == "external_cuda_graph") opt->expected(0, 1);
   }
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if (!is_multi_letter_short_flag(args[i])) continue;
+    // The value of a text flag may look like one ("-p -abc" is odd but not ours to refuse).
+    if (i > 0 && (args[i - 1] == "-p" || args[i - 1] == "--prompt" || args[i - 1] == "-sys" ||
+                  args[i - 1] == "--system" || args[i - 1] == "--system-prompt"))
+      continue;
+    const auto known = kLlamaSpellings.find(args[i]);
+    if (known == kLlamaSpellings.end()) fail_unknown_flag(args[i], app);
+    args[i] = known->second;
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes them last first
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  for (const std::string& extra : app.remaining()) {
+    if (extra.size() > 1 && extra[0] == '-') fail_unknown_flag(extra, app);
+    IRIS_FAIL("unexpected argument '", extra,
+              "'; quote text with spaces (-p \"two words\") and give each image with --image");
+  }
+  if (!o.prompt_file.empty()) {
+    o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
+    if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
+  } else {
+    IRIS_CHECK(prompt_opt->count() > 0, "no prompt: give the text with -p TEXT or -f FILE");
+  }
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  IRIS_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
+                 o.image_min_tokens <= o.image_max_tokens,
+             "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
+             o.image_max_tokens);
+  if (ngl_opt->count() > 0)
+    std::fprintf(stderr,
+                 "note: -ngl/--n-gpu-layers has no effect: iris generate runs every layer on "
+                 "--device (the GPU when there is one)\n");
 
   const auto t_load = std::chrono::steady_clock::now();
   // Graph configs first: a bad combination is an error before anything is loaded.
@@ -130,6 +252,10 @@ int run_generate_command(int argc, char** argv) {
   for (const auto& [k, v] : graph_values) graph_input.emplace_back(k, v.empty() ? "true" : v);
   const std::string device = o.device == "auto" ? (cuda_available() ? "cuda" : "cpu") : o.device;
   const bool on_gpu = device.rfind("cuda", 0) == 0;
+  if (on_gpu && o.threads > 0)
+    std::fprintf(stderr,
+                 "note: -t/--threads sets the CPU threads of host work (image preprocessing, "
+                 "weight conversion); the model itself runs on the GPU\n");
   // Graphs are on by default on a GPU: whole-step decode graphs and bucketed vision graphs,
   // unless the user chose any graph setting or turned graphs off.
   if (on_gpu && !o.no_cuda_graphs && graph_values.empty())
@@ -140,8 +266,20 @@ int run_generate_command(int argc, char** argv) {
   for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 
   namespace fs = std::filesystem;
+  IRIS_CHECK(!fs::is_regular_file(o.model_dir), "-m ", o.model_dir,
+             " is a file; iris reads a Hugging Face checkpoint directory (config.json, "
+             "safetensors, tokenizer.json), not a GGUF file");
   IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
              "' does not exist (pass -m with a Hugging Face checkpoint directory)");
+  if (mmproj_opt->count() > 0) {
+    IRIS_CHECK(has_vision_weights(o.model_dir), "--mmproj ", o.mmproj,
+               ": iris reads the vision encoder from the checkpoint given with -m, and ",
+               o.model_dir, " has no model.visual.* weights; pass the whole Qwen3-VL checkpoint");
+    std::fprintf(stderr,
+                 "note: --mmproj has no effect: the vision encoder is read from %s, which has "
+                 "its weights\n",
+                 o.model_dir.c_str());
+  }
   if (!o.logits_out.empty()) check_logits_out(o.logits_out, o.model_dir, o.images);
   std::unique_ptr<Backend> backend = make_backend(device);
 
@@ -153,7 +291,20 @@ int run_generate_command(int argc, char** argv) {
   GraphModelTraits traits;
   traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
   traits.spatial_merge_size = cfg.vision.spatial_merge_size;
-  const PreprocessorConfig pre = model_preprocessor(o.model_dir, cfg);
+  PreprocessorConfig pre = model_preprocessor(o.model_dir, cfg);
+  // One image token covers a (patch * merge)^2 pixel square, so a token budget is a pixel budget
+  // for smart_resize. A single bound given by the user wins over the file's other one when the two
+  // would cross.
+  const int64_t token_pixels =
+      int64_t{pre.patch_size} * pre.merge_size * pre.patch_size * pre.merge_size;
+  if (o.image_max_tokens > 0) {
+    pre.max_pixels = o.image_max_tokens * token_pixels;
+    pre.min_pixels = std::min(pre.min_pixels, pre.max_pixels);
+  }
+  if (o.image_min_tokens > 0) {
+    pre.min_pixels = o.image_min_tokens * token_pixels;
+    pre.max_pixels = std::max(pre.max_pixels, pre.min_pixels);
+  }
   // Prompt ids index the embedding table: a tokenizer larger than the model's vocabulary would
   // read past it.
   IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
@@ -229,6 +380,7 @@ int run_generate_command(int argc, char** argv) {
     j["stopped_at_eos"] = res.stopped;
     j["seed"] = req.sampling.seed;
     j["device"] = backend->name();
+    j["threads"] = omp_get_max_threads();
     j["cuda_graphs"] = graph_helper != nullptr;
     j["timings"] = {{"load_ms", load_ms},
                     {"preprocess_ms", preprocess_ms},

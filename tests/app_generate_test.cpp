@@ -10,6 +10,7 @@
 #include "core/safetensors.h"
 #include "test_util.h"
 #include "vision/image.h"
+#include "vision/preprocess.h"
 
 namespace iris {
 namespace {
@@ -369,6 +370,143 @@ TEST(AppGenerateErrors, MistypedSideFilesNameTheFileAndKey) {
       << R"({"eos_token_id": [151645, "x"]})";
   expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu"),
                "generation_config.json: eos_token_id.[1] must be an integer");
+}
+
+// llama-mtmd-cli's spellings of what iris does, and its flags that mean nothing here.
+std::string fixture_generate() {
+  return "generate -m " + q(test::fixture_dir());
+}
+const std::string kCudaPrompt = " -p 'Write one sentence about CUDA graphs.'";
+
+TEST(AppGenerateLlamaFlags, TemperatureIsTemp) {
+  test::Golden g;
+  const RunResult r =
+      run_iris(fixture_generate() + kCudaPrompt + " --temperature 0 -n 12 --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+}
+
+TEST(AppGenerateLlamaFlags, SystemPromptSpellings) {
+  const std::string base = fixture_generate() + " -p hi -n 3 --temp 0 --json --device cpu ";
+  const RunResult plain = run_iris(base);
+  const RunResult system = run_iris(base + "--system 'Be brief.'");
+  ASSERT_EQ(system.exit_code, 0) << system.err;
+  const auto prompt_tokens = [](const RunResult& r) {
+    return nlohmann::json::parse(r.out)["prompt_tokens"].get<int>();
+  };
+  EXPECT_GT(prompt_tokens(system), prompt_tokens(plain));
+  for (const char* spelling : {"-sys", "--system-prompt"}) {
+    const RunResult r = run_iris(base + spelling + " 'Be brief.'");
+    ASSERT_EQ(r.exit_code, 0) << spelling << ": " << r.err;
+    EXPECT_EQ(prompt_tokens(r), prompt_tokens(system)) << spelling;
+    EXPECT_EQ(tokens_of(r.out), tokens_of(system.out)) << spelling;
+  }
+}
+
+TEST(AppGenerateLlamaFlags, PromptFromFile) {
+  test::Golden g;
+  ScratchModel m;
+  std::ofstream(m.path("prompt.txt")) << "Write one sentence about CUDA graphs.\n";
+  const RunResult r = run_iris(fixture_generate() + " -f " + q(m.path("prompt.txt")) +
+                               " --temp 0 -n 12 --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+  expect_error(run_iris(fixture_generate() + " -f /nonexistent/prompt.txt --device cpu"),
+               "/nonexistent/prompt.txt");
+  expect_error(run_iris(fixture_generate() + " -f " + q(m.path("prompt.txt")) + " -p hi"),
+               "excludes");
+  expect_error(run_iris(fixture_generate() + " --device cpu"), "-p TEXT or -f FILE");
+}
+
+TEST(AppGenerateLlamaFlags, ContextSizeIsC) {
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + " -c 8 --device cpu"),
+               "exceed the context of 8");
+}
+
+TEST(AppGenerateLlamaFlags, ThreadsSetTheCpuThreads) {
+  test::Golden g;
+  for (const char* spelling : {"-t", "--threads"}) {
+    const RunResult r = run_iris(fixture_generate() + kCudaPrompt + " " + spelling +
+                                 " 1 --temp 0 -n 12 --json --device cpu");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["threads"], 1);
+    EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+  }
+  expect_error(run_iris(fixture_generate() + " -p hi -t 0 --device cpu"), "--threads");
+}
+
+// The prompt's length says how many tokens the image took: the text-only prompt plus
+// <|vision_start|>, the image's tokens and <|vision_end|>.
+TEST(AppGenerateLlamaFlags, ImageTokenBudgetsBoundSmartResize) {
+  const std::string image = test::fixture_dir() + "/images/image0.png";  // 200 x 150
+  const std::string base = fixture_generate() + " -p hi -n 1 --temp 0 --json --device cpu";
+  const RunResult text = run_iris(base);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  const int text_tokens = nlohmann::json::parse(text.out)["prompt_tokens"];
+  const auto image_tokens = [&](const std::string& flags) {
+    const RunResult r = run_iris(base + " --image " + q(image) + " " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out)["prompt_tokens"].get<int>() - text_tokens - 2;
+  };
+  // One token per 32x32 pixels (patch 16, merge 2); the fixture's bounds are [65536, 16777216].
+  const auto expected = [](int64_t min_pixels, int64_t max_pixels) {
+    const ResizedSize s = smart_resize(150, 200, 32, min_pixels, max_pixels);
+    return static_cast<int>(s.height * s.width / 1024);
+  };
+  EXPECT_EQ(image_tokens(""), expected(65536, 16777216));
+  const int at_most_4 = image_tokens("--image-max-tokens 4");
+  EXPECT_EQ(at_most_4, expected(4096, 4096));
+  EXPECT_LE(at_most_4, 4);
+  const int at_least_100 = image_tokens("--image-min-tokens 100");
+  EXPECT_EQ(at_least_100, expected(102400, 16777216));
+  EXPECT_GE(at_least_100, 100);
+  EXPECT_EQ(image_tokens("--image-min-tokens 6 --image-max-tokens 12"), expected(6144, 12288));
+  expect_error(run_iris(base + " --image-min-tokens 12 --image-max-tokens 6"),
+               "--image-min-tokens 12 is above --image-max-tokens 6");
+}
+
+TEST(AppGenerateLlamaFlags, GpuLayersAreAcceptedWithANote) {
+  for (const char* spelling : {"-ngl 99", "--n-gpu-layers 99", "--gpu-layers 99"}) {
+    const RunResult r =
+        run_iris(fixture_generate() + " -p hi -n 1 --device cpu --json " + spelling);
+    ASSERT_EQ(r.exit_code, 0) << spelling << ": " << r.err;
+    EXPECT_NE(r.err.find("-ngl/--n-gpu-layers has no effect"), std::string::npos) << r.err;
+  }
+}
+
+TEST(AppGenerateLlamaFlags, MmprojIsIgnoredOnlyWhenTheModelHasTheVisionWeights) {
+  const RunResult r = run_iris(fixture_generate() +
+                               " -p hi -n 1 --device cpu --json --mmproj mmproj-model-f16.gguf");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("note: --mmproj has no effect"), std::string::npos) << r.err;
+  ScratchModel m;
+  m.rewrite_weights([](std::vector<SafetensorsWriteItem>& items) {
+    std::erase_if(items, [](const auto& it) { return it.name.rfind("model.visual.", 0) == 0; });
+  });
+  expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu -mm proj.gguf"),
+               "has no model.visual.* weights");
+  expect_error(run_iris("generate -m " + q(m.path("model.safetensors")) + " -p hi --device cpu"),
+               "not a GGUF file");
+}
+
+TEST(AppGenerateLlamaFlags, UnknownFlagsSuggestTheClosest) {
+  const std::string base = fixture_generate() + " -p hi --device cpu ";
+  for (const auto& [typed, meant] : std::vector<std::pair<std::string, std::string>>{
+           {"--temprature 0", "did you mean --temperature?"},
+           {"--top_k 5", "did you mean --top-k?"},
+           {"--n-predic=4", "did you mean --n-predict?"},
+           {"-sy x", "did you mean -sys?"},
+           {"--promt hi", "did you mean --prompt?"}}) {
+    const RunResult r = run_iris(base + typed);
+    expect_error(r, "unknown flag " + typed.substr(0, typed.find_first_of(" =")));
+    EXPECT_NE(r.err.find(meant), std::string::npos) << typed << ": " << r.err;
+  }
+  // -cnv once failed as "-c nv" (Could not convert); nothing is close enough to suggest.
+  const RunResult cnv = run_iris(base + "-cnv");
+  expect_error(cnv, "unknown flag -cnv");
+  EXPECT_EQ(cnv.err.find("did you mean"), std::string::npos) << cnv.err;
+  expect_error(run_iris(base + "stray"), "unexpected argument 'stray'");
 }
 
 TEST(AppGenerate, LogitsOutRefusesToOverwriteTheModel) {
