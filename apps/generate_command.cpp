@@ -144,8 +144,8 @@ int run_generate_command(int argc, char** argv) {
                  "safetensors, tokenizer.json)")
       ->required();
   app.add_option("--image", o.images,
-                 "image file (PNG, JPEG, BMP, GIF, TGA, PNM); repeat for "
-                 "several, placed before the text");
+                 "image file (PNG, JPEG, BMP, GIF, TGA, PNM); repeat for several; each goes "
+                 "where the prompt has a <__media__>, else all before the text");
   auto* prompt_opt = app.add_option("-p,--prompt", o.prompt, "the user's text");
   app.add_option("-f,--file", o.prompt_file,
                  "read the user's text from FILE (as llama.cpp: one trailing newline dropped)")

@@ -167,6 +167,22 @@ std::string png_header_only(uint32_t width, uint32_t height) {
   return s;
 }
 
+// llama-mtmd-cli's <__media__> marker: markers ahead of the text give HF's images-first prompt.
+TEST(AppGenerate, MediaMarkersPlaceTheImages) {
+  test::Golden g;
+  const std::string img = test::fixture_dir() + "/images/";
+  const std::string images =
+      " --image " + q(img + "image0.png") + " --image " + q(img + "image1.png");
+  const RunResult r =
+      run_iris("generate -m " + q(test::fixture_dir()) + images +
+               " -p '<__media__><__media__>Describe these two pictures.'" + kGreedy);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(tokens_of(r.out), g.json()["mm_greedy_ids"].get<std::vector<int32_t>>());
+  expect_error(run_iris("generate -m " + q(test::fixture_dir()) + images +
+                        " -p 'Compare <__media__>.' --device cpu"),
+               "the prompt has 1 <__media__> marker but 2 images were given");
+}
+
 TEST(AppGenerateErrors, MissingModelDirectory) {
   expect_error(run_iris("generate -m /nonexistent/model -p hi --device cpu"), "does not exist");
 }
