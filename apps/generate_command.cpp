@@ -129,6 +129,17 @@ bool has_vision_weights(const std::string& dir) {
   return false;
 }
 
+// The -m value, read ahead of CLI11 so that the checkpoint's sampling defaults are in place when
+// CLI11 prints --help or fills the flags not given. Empty when there is none.
+std::string model_dir_in(const std::vector<std::string>& args) {
+  std::string dir;
+  for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if ((args[i] == "-m" || args[i] == "--model") && i + 1 < args.size()) dir = args[i + 1];
+    if (args[i].rfind("--model=", 0) == 0) dir = args[i].substr(8);
+  }
+  return dir;
+}
+
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
@@ -139,6 +150,24 @@ int run_generate_command(int argc, char** argv) {
   // the flag the user probably meant.
   app.allow_extras();
   GenerateOptions o;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // Sampling defaults: the checkpoint's generation_config.json, else llama.cpp's; flags win.
+  const std::string prescanned_dir = model_dir_in(args);
+  const CheckpointSampling ckpt = std::filesystem::is_directory(prescanned_dir)
+                                      ? checkpoint_sampling(prescanned_dir)
+                                      : CheckpointSampling{};
+  auto apply_sampling_defaults = [](GenerateOptions& to, const CheckpointSampling& c) {
+    const GenerateOptions fallback;
+    to.temp = c.temperature.value_or(fallback.temp);
+    to.top_k = c.top_k.value_or(fallback.top_k);
+    to.top_p = c.top_p.value_or(fallback.top_p);
+    to.min_p = c.min_p.value_or(fallback.min_p);
+    to.repeat_penalty = c.repetition_penalty.value_or(fallback.repeat_penalty);
+  };
+  apply_sampling_defaults(o, ckpt);
+  auto from_ckpt = [](const auto& v) {
+    return v ? std::string(" (default from the model's generation_config.json)") : std::string();
+  };
   app.add_option("-m,--model", o.model_dir,
                  "Hugging Face checkpoint directory (config.json, "
                  "safetensors, tokenizer.json)")
@@ -153,12 +182,24 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--system-prompt,--system", o.system,
                  "system prompt, also -sys (none by default, as Qwen3-VL)");
   app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
-  app.add_option("--temp,--temperature", o.temp, "temperature; 0 = greedy")->capture_default_str();
-  app.add_option("--top-k", o.top_k, "top-k sampling; 0 = off")->capture_default_str();
-  app.add_option("--top-p", o.top_p, "top-p (nucleus) sampling; 1 = off")->capture_default_str();
-  app.add_option("--min-p", o.min_p, "min-p sampling; 0 = off")->capture_default_str();
-  app.add_option("--repeat-penalty", o.repeat_penalty, "repetition penalty; 1 = off")
-      ->capture_default_str();
+  std::vector<CLI::Option*> sampling_opts;
+  sampling_opts.push_back(app.add_option("--temp,--temperature", o.temp,
+                                         "temperature; 0 = greedy" + from_ckpt(ckpt.temperature))
+                              ->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--top-k", o.top_k, "top-k sampling; 0 = off" + from_ckpt(ckpt.top_k))
+          ->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--top-p", o.top_p,
+                     "top-p (nucleus) sampling; 1 = off" + from_ckpt(ckpt.top_p))
+          ->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--min-p", o.min_p, "min-p sampling; 0 = off" + from_ckpt(ckpt.min_p))
+          ->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--repeat-penalty", o.repeat_penalty,
+                     "repetition penalty; 1 = off" + from_ckpt(ckpt.repetition_penalty))
+          ->capture_default_str());
   app.add_option("--seed", o.seed, "RNG seed; -1 = random")->capture_default_str();
   app.add_option("-c,--ctx-size", o.ctx_size, "maximum context (prompt + generated tokens)")
       ->capture_default_str();
@@ -208,7 +249,6 @@ int run_generate_command(int argc, char** argv) {
         graph_config_key_help(key));
     if (key == "enable_cuda_graph" || key == "external_cuda_graph") opt->expected(0, 1);
   }
-  std::vector<std::string> args(argv + 1, argv + argc);
   for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
     if (!is_multi_letter_short_flag(args[i])) continue;
     // The value of a text flag may look like one ("-p -abc" is odd but not ours to refuse).
@@ -229,6 +269,17 @@ int run_generate_command(int argc, char** argv) {
     if (extra.size() > 1 && extra[0] == '-') fail_unknown_flag(extra, app);
     IRIS_FAIL("unexpected argument '", extra,
               "'; quote text with spaces (-p \"two words\") and give each image with --image");
+  }
+  // "-mDIR" and other spellings the look-ahead does not read: the defaults follow the directory
+  // CLI11 settled on, for the sampling flags not given.
+  if (o.model_dir != prescanned_dir && std::filesystem::is_directory(o.model_dir)) {
+    GenerateOptions given = o;
+    apply_sampling_defaults(o, checkpoint_sampling(o.model_dir));
+    if (sampling_opts[0]->count()) o.temp = given.temp;
+    if (sampling_opts[1]->count()) o.top_k = given.top_k;
+    if (sampling_opts[2]->count()) o.top_p = given.top_p;
+    if (sampling_opts[3]->count()) o.min_p = given.min_p;
+    if (sampling_opts[4]->count()) o.repeat_penalty = given.repeat_penalty;
   }
   if (!o.prompt_file.empty()) {
     o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
@@ -379,6 +430,11 @@ int run_generate_command(int argc, char** argv) {
     j["text"] = tokenizer.decode(shown);
     j["stopped_at_eos"] = res.stopped;
     j["seed"] = req.sampling.seed;
+    j["sampling"] = {{"temperature", req.sampling.temperature},
+                     {"top_k", req.sampling.top_k},
+                     {"top_p", req.sampling.top_p},
+                     {"min_p", req.sampling.min_p},
+                     {"repetition_penalty", req.sampling.repetition_penalty}};
     j["device"] = backend->name();
     j["threads"] = omp_get_max_threads();
     j["cuda_graphs"] = graph_helper != nullptr;

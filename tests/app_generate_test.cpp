@@ -525,6 +525,75 @@ TEST(AppGenerateLlamaFlags, UnknownFlagsSuggestTheClosest) {
   expect_error(run_iris(base + "stray"), "unexpected argument 'stray'");
 }
 
+// Sampling defaults come from the checkpoint's generation_config.json; flags override them.
+void write_generation_config(const ScratchModel& m, const std::string& json) {
+  std::ofstream(m.path("generation_config.json"), std::ios::trunc) << json;
+}
+
+TEST(AppGenerateDefaults, SamplingDefaultsComeFromGenerationConfig) {
+  ScratchModel m;
+  write_generation_config(m, R"({"do_sample": true, "temperature": 0.25, "top_k": 7,
+      "top_p": 0.5, "min_p": 0.125, "repetition_penalty": 1.25, "eos_token_id": 151645})");
+  const std::string base = "generate -m " + q(m.path()) + " -p hi -n 1 --json --device cpu";
+  const RunResult r = run_iris(base);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto s = nlohmann::json::parse(r.out)["sampling"];
+  EXPECT_EQ(s["temperature"], 0.25);
+  EXPECT_EQ(s["top_k"], 7);
+  EXPECT_EQ(s["top_p"], 0.5);
+  EXPECT_EQ(s["min_p"], 0.125);
+  EXPECT_EQ(s["repetition_penalty"], 1.25);
+  // Flags win, the other keys stay the checkpoint's; -mDIR (read by CLI11 alone) works too.
+  const RunResult o = run_iris("generate -m" + q(m.path()) +
+                               " -p hi -n 1 --json --device cpu --temperature 0.75 --top-k 3");
+  ASSERT_EQ(o.exit_code, 0) << o.err;
+  const auto so = nlohmann::json::parse(o.out)["sampling"];
+  EXPECT_EQ(so["temperature"], 0.75);
+  EXPECT_EQ(so["top_k"], 3);
+  EXPECT_EQ(so["top_p"], 0.5);
+  EXPECT_EQ(so["repetition_penalty"], 1.25);
+  // Without the keys, llama.cpp's defaults.
+  const RunResult plain = run_iris(fixture_generate() + " -p hi -n 1 --json --device cpu");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const auto sp = nlohmann::json::parse(plain.out)["sampling"];
+  EXPECT_NEAR(sp["temperature"].get<double>(), 0.8, 1e-6);
+  EXPECT_EQ(sp["top_k"], 40);
+  // --help with -m shows the defaults that apply to that model.
+  const RunResult help = run_iris("generate -m " + q(m.path()) + " --help");
+  EXPECT_EQ(help.exit_code, 0);
+  for (const char* shown : {"FLOAT=0.25", "INT=7", "FLOAT=0.5", "FLOAT=0.125", "FLOAT=1.25"})
+    EXPECT_NE(help.out.find(shown), std::string::npos) << shown << "\n" << help.out;
+  EXPECT_NE(help.out.find("generation_config.json"), std::string::npos);
+  EXPECT_EQ(run_iris("generate --help").out.find("FLOAT=0.25"), std::string::npos);
+}
+
+// do_sample: false is greedy in transformers; here too, unless a flag asks for sampling.
+TEST(AppGenerateDefaults, DoSampleFalseIsGreedy) {
+  test::Golden g;
+  ScratchModel m;
+  write_generation_config(m, R"({"do_sample": false, "temperature": 0.7})");
+  const RunResult r =
+      run_iris("generate -m " + q(m.path()) + kCudaPrompt + " -n 12 --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+  const RunResult hot =
+      run_iris("generate -m " + q(m.path()) + " -p hi -n 1 --json --device cpu --temp 1");
+  ASSERT_EQ(hot.exit_code, 0) << hot.err;
+  EXPECT_EQ(nlohmann::json::parse(hot.out)["sampling"]["temperature"], 1.0);
+}
+
+TEST(AppGenerateDefaults, BadGenerationConfigValuesNameTheKey) {
+  for (const auto& [json, needle] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"top_p": 0})", "generation_config.json.top_p"},
+           {R"({"temperature": -1})", "generation_config.json.temperature"},
+           {R"({"top_k": 2.5})", "generation_config.json.top_k must be an integer"},
+           {R"({"do_sample": "yes"})", "generation_config.json.do_sample"}}) {
+    ScratchModel m;
+    write_generation_config(m, json);
+    expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu"), needle);
+  }
+}
+
 TEST(AppGenerate, LogitsOutRefusesToOverwriteTheModel) {
   ScratchModel m;
   const auto before = fs::file_size(m.path("model.safetensors"));
