@@ -125,9 +125,8 @@ std::string closest_flag(const std::string& flag, const std::vector<std::string>
             " (iris generate --help lists the flags)");
 }
 
-// True when `dir` holds the vision encoder's weights, so that a separate projector file
-// (llama.cpp's
-// --mmproj) has nothing to add.
+// True when `dir` holds the vision encoder's weights, so that llama.cpp's separate projector
+// file (--mmproj) has nothing to add.
 bool has_vision_weights(const std::string& dir) {
   const SafetensorsCheckpoint ckpt(dir);
   for (const std::string& name : ckpt.names())
