@@ -1,4 +1,5 @@
 // iris generate: images + text in, text out, streamed (flags follow llama.cpp's multimodal CLI).
+#include <omp.h>
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -6,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "apps/commands.h"
 #include "bridge/chat_prompt.h"
@@ -15,6 +17,7 @@
 #include "core/fs.h"
 #include "core/graph_config.h"
 #include "core/safetensors.h"
+#include "core/text_distance.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -30,6 +33,7 @@ struct GenerateOptions {
   std::string model_dir;
   std::vector<std::string> images;
   std::string prompt;
+  std::string prompt_file;
   std::string system;
   int n_predict = 128;
   float temp = 0.8f;
@@ -39,6 +43,9 @@ struct GenerateOptions {
   float repeat_penalty = 1.0f;
   int64_t seed = -1;
   int ctx_size = 4096;
+  int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS, else every core)
+  int64_t image_min_tokens = 0, image_max_tokens = 0;  // 0: the preprocessor config's bounds
+  std::string n_gpu_layers, mmproj;                    // llama.cpp flags that mean nothing here
   std::string device = "auto";
   bool json = false;
   bool ignore_eos = false;
@@ -64,84 +71,341 @@ void check_logits_out(const std::string& out, const std::string& model_dir,
                "; choose another path");
 }
 
+// llama.cpp spells some flags with one dash and several letters (-sys, -ngl, -mm), which CLI11
+// would split into a short flag and a value (-cnv read as -c nv). They become their long names
+// here; any other word of that shape is an unknown flag rather than a mis-split one.
+const std::map<std::string, std::string> kLlamaSpellings = {
+    {"-sys", "--system-prompt"}, {"-ngl", "--n-gpu-layers"}, {"-mm", "--mmproj"}};
+
+bool is_multi_letter_short_flag(const std::string& a) {
+  if (a.size() < 3 || a[0] != '-' || a[1] == '-') return false;
+  return std::all_of(a.begin() + 1, a.end(), [](char c) { return std::isalpha(uint8_t(c)); });
+}
+
+// Every flag name a user may mean, for "did you mean": the names help lists, plus the llama.cpp
+// spellings above.
+std::vector<std::string> suggestable_flags(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt->get_group().empty()) continue;  // hidden: deprecated spellings
+    for (const std::string& l : opt->get_lnames()) names.push_back("--" + l);
+    for (const std::string& s : opt->get_snames()) names.push_back("-" + s);
+  }
+  for (const auto& [spelling, _] : kLlamaSpellings) names.push_back(spelling);
+  return names;
+}
+
+// The known flag closest to `flag` by name (dashes aside), when it is close enough to be a typo.
+std::string closest_flag(const std::string& flag, const std::vector<std::string>& names) {
+  auto bare = [](const std::string& f) {
+    std::string b = f.substr(
+        f.find_first_not_of('-') == std::string::npos ? f.size() : f.find_first_not_of('-'));
+    std::replace(b.begin(), b.end(), '_', '-');
+    return b;
+  };
+  const std::string want = bare(flag.substr(0, flag.find('=')));
+  std::string best;
+  // A swap of two letters costs 2. Short names allow fewer edits, or every one-letter flag would
+  // be "close" to every other.
+  const size_t allowed = want.size() <= 2   ? 0
+                         : want.size() == 3 ? 1
+                                            : std::max<size_t>(2, want.size() / 3);
+  size_t best_d = allowed + 1;
+  for (const std::string& n : names) {
+    const size_t d = edit_distance(want, bare(n));
+    if (d < best_d) best_d = d, best = n;
+  }
+  return best;
+}
+
+[[noreturn]] void fail_unknown_flag(const std::string& flag, const CLI::App& app) {
+  const std::string best = closest_flag(flag, suggestable_flags(app));
+  IRIS_FAIL("unknown flag ", flag.substr(0, flag.find('=')),
+            best.empty() ? std::string() : "; did you mean " + best + "?",
+            " (iris generate --help lists the flags)");
+}
+
+// True when `dir` holds the vision encoder's weights, so that llama.cpp's separate projector
+// file (--mmproj) has nothing to add.
+bool has_vision_weights(const std::string& dir) {
+  const SafetensorsCheckpoint ckpt(dir);
+  for (const std::string& name : ckpt.names())
+    if (name.rfind("model.visual.", 0) == 0) return true;
+  return false;
+}
+
+// The -m value, read ahead of CLI11 so that the checkpoint's sampling defaults are in place when
+// CLI11 prints --help or fills the flags not given. Empty when there is none.
+std::string model_dir_in(const std::vector<std::string>& args) {
+  std::string dir;
+  for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if ((args[i] == "-m" || args[i] == "--model") && i + 1 < args.size()) dir = args[i + 1];
+    if (args[i].rfind("--model=", 0) == 0) dir = args[i].substr(8);
+  }
+  return dir;
+}
+
+// What iris generate captures on a GPU unless told otherwise: whole-step decode graphs and
+// bucketed vision graphs. Each default applies to a key the user did not set, so that a flag
+// changes one setting and the help can show each key's default on its own line. The language
+// defaults stay out when the user spoke in the deprecated language keys (their migration would
+// clash) or chose an impl other than local (only local has a decode scope).
+GraphConfigInput with_generate_graph_defaults(const std::map<std::string, std::string>& given) {
+  GraphConfigInput input;
+  const bool legacy = given.count("enable_cuda_graph") || given.count("external_cuda_graph") ||
+                      given.count("cuda_graph_scope");
+  auto impl = given.find("cuda_graph_impl");
+  if (!legacy && impl == given.end()) input.emplace_back("cuda_graph_impl", "local");
+  std::string impl_value = impl == given.end() ? "local" : impl->second;
+  std::transform(impl_value.begin(), impl_value.end(), impl_value.begin(),
+                 [](char c) { return static_cast<char>(std::tolower(uint8_t(c))); });
+  if (!legacy && !given.count("inference_cuda_graph_scope") && impl_value == "local")
+    input.emplace_back("inference_cuda_graph_scope", "block");
+  if (!given.count("vision_cuda_graph_impl")) input.emplace_back("vision_cuda_graph_impl", "local");
+  for (const auto& [k, v] : given) input.emplace_back(k, v.empty() ? "true" : v);
+  return input;
+}
+
+// One short line per graph key that matters to inference. The training-only keys (which parts of
+// a layer a training graph captures) and the deprecated spellings are accepted, with their
+// warnings, but not listed.
+const std::map<std::string, std::string> kGraphFlagHelp = {
+    {"cuda_graph_impl", "decoder graphs: none or local"},
+    {"inference_cuda_graph_scope", "decode graphs: block (one per step) or layer"},
+    {"cuda_graph_warmup_steps", "eager calls before a graph is captured"},
+    {"vision_cuda_graph_impl", "vision encoder graphs: none or local"},
+    {"vision_inference_cuda_graph_scope", "block (the whole encoder) or layer"},
+    {"max_vision_cuda_graph_seq_length", "most patches per encoder call; 0: from the images"},
+    {"vision_cuda_graph_buckets", "padded patch counts; \"\": powers of 2 from 256"},
+    {"vision_cuda_graph_overflow", "calls above the largest bucket: eager or error"},
+};
+const std::set<std::string> kTrainingOnlyGraphKeys = {"cuda_graph_modules",
+                                                      "vision_cuda_graph_modules"};
+
+// CLI11's option column without the validators' ranges and the exclusion notes, so that every
+// flag fits one line: the name, its value type and the default.
+class HelpFormatter : public CLI::Formatter {
+ public:
+  std::string make_option_opts(const CLI::Option* opt) const override {
+    std::string out;
+    if (opt->get_type_size() == 0) return out;
+    out += " " + get_label(opt->get_type_name());
+    if (!opt->get_default_str().empty()) out += "=" + opt->get_default_str();
+    if (opt->get_expected_max() == CLI::detail::expected_max_vector_size) out += " ...";
+    if (opt->get_required()) out += " " + get_label("REQUIRED");
+    return out;
+  }
+};
+
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
   CLI::App app{"Generate text from images and a prompt with a Qwen3-VL checkpoint.",
                "iris generate"};
-  app.get_formatter()->column_width(44);
+  app.formatter(std::make_shared<HelpFormatter>());
+  app.get_formatter()->column_width(50);
+  // Unknown arguments are collected instead of failing inside CLI11, so that the error can name
+  // the flag the user probably meant.
+  app.allow_extras();
   GenerateOptions o;
-  app.add_option("-m,--model", o.model_dir,
-                 "Hugging Face checkpoint directory (config.json, "
-                 "safetensors, tokenizer.json)")
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // Sampling defaults: the checkpoint's generation_config.json, else llama.cpp's; flags win.
+  const std::string prescanned_dir = model_dir_in(args);
+  const CheckpointSampling ckpt = std::filesystem::is_directory(prescanned_dir)
+                                      ? checkpoint_sampling(prescanned_dir)
+                                      : CheckpointSampling{};
+  auto apply_sampling_defaults = [](GenerateOptions& to, const CheckpointSampling& c) {
+    const GenerateOptions fallback;
+    to.temp = c.temperature.value_or(fallback.temp);
+    to.top_k = c.top_k.value_or(fallback.top_k);
+    to.top_p = c.top_p.value_or(fallback.top_p);
+    to.min_p = c.min_p.value_or(fallback.min_p);
+    to.repeat_penalty = c.repetition_penalty.value_or(fallback.repeat_penalty);
+  };
+  apply_sampling_defaults(o, ckpt);
+  auto from_ckpt = [](const auto& v) {
+    return v ? std::string(" (from generation_config.json)") : std::string();
+  };
+  // Everyday flags first (CLI11's default group), then the rarer ones, the llama.cpp flags that
+  // do nothing here, and the graph settings. Descriptions fit one 100-column line beside the name.
+  const auto quiet = [](CLI::Validator v) { return v.description(""); };
+  app.add_option("-m,--model", o.model_dir, "Hugging Face checkpoint directory")
+      ->type_name("DIR")
       ->required();
-  app.add_option("--image", o.images,
-                 "image file (PNG, JPEG, BMP, GIF, TGA, PNM); repeat for "
-                 "several, placed before the text");
-  app.add_option("-p,--prompt", o.prompt, "the user's text")->required();
-  app.add_option("--system", o.system, "system prompt (none by default, as Qwen3-VL)");
+  app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
+      ->type_name("FILE");
+  auto* prompt_opt = app.add_option("-p,--prompt", o.prompt, "the user's text");
+  app.add_option("-f,--file", o.prompt_file, "read the user's text from FILE")
+      ->type_name("FILE")
+      ->excludes(prompt_opt);
+  app.add_option("--system-prompt,--system", o.system, "system prompt, also -sys (default none)");
   app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
-  app.add_option("--temp", o.temp, "temperature; 0 = greedy")->capture_default_str();
-  app.add_option("--top-k", o.top_k, "top-k sampling; 0 = off")->capture_default_str();
-  app.add_option("--top-p", o.top_p, "top-p (nucleus) sampling; 1 = off")->capture_default_str();
-  app.add_option("--min-p", o.min_p, "min-p sampling; 0 = off")->capture_default_str();
-  app.add_option("--repeat-penalty", o.repeat_penalty, "repetition penalty; 1 = off")
+  std::vector<CLI::Option*> sampling_opts;
+  sampling_opts.push_back(
+      app.add_option("--temp,--temperature", o.temp, "0 = greedy" + from_ckpt(ckpt.temperature))
+          ->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--top-k", o.top_k, "0 = off" + from_ckpt(ckpt.top_k))->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--top-p", o.top_p, "1 = off" + from_ckpt(ckpt.top_p))->capture_default_str());
+  sampling_opts.push_back(
+      app.add_option("--min-p", o.min_p, "0 = off" + from_ckpt(ckpt.min_p))->capture_default_str());
+  sampling_opts.push_back(app.add_option("--repeat-penalty", o.repeat_penalty,
+                                         "1 = off" + from_ckpt(ckpt.repetition_penalty))
+                              ->capture_default_str());
+  app.add_option("--seed", o.seed, "-1 = random")->capture_default_str();
+  app.add_option("-c,--ctx-size", o.ctx_size, "most tokens, prompt and reply together")
       ->capture_default_str();
-  app.add_option("--seed", o.seed, "RNG seed; -1 = random")->capture_default_str();
-  app.add_option("-c,--ctx-size", o.ctx_size, "maximum context (prompt + generated tokens)")
+  app.add_option("-t,--threads", o.threads, "CPU threads; on a GPU only for host work")
+      ->default_str(std::to_string(omp_get_max_threads()))
+      ->check(quiet(CLI::Range(1, 4096)));
+  app.add_option("--image-min-tokens", o.image_min_tokens,
+                 "fewest tokens per image (default: the model's)")
+      ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
+  app.add_option("--image-max-tokens", o.image_max_tokens,
+                 "most tokens per image (default: the model's)")
+      ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
+  app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
-  app.add_option("--device", o.device, "cpu, cuda, cuda:N or auto (cuda when a GPU is present)")
-      ->capture_default_str();
-  app.add_flag("--json", o.json,
-               "print one JSON object (tokens, text, timings) instead of "
-               "streaming");
-  app.add_option("--logits-out", o.logits_out,
-                 "write the logits after the prompt as f32 safetensors (tensor \"logits\"), "
-                 "for parity checks against other implementations");
+  app.add_flag("--json", o.json, "print one JSON object instead of streaming");
+
+  const std::string more = "Less common";
+  app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens")
+      ->group(more);
+  app.add_option("--logits-out", o.logits_out, "write the logits after the prompt (safetensors)")
+      ->type_name("FILE")
+      ->group(more);
   app.add_option("--max-image-pixels", o.max_image_pixels,
-                 "refuse images with more pixels than this (read from the file's header, before "
-                 "decoding)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->capture_default_str();
-  app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens");
-  app.add_flag("--no-cuda-graphs", o.no_cuda_graphs,
-               "run eagerly on the GPU; graphs are on by default there (cuda_graph_impl local, "
-               "inference_cuda_graph_scope block, vision_cuda_graph_impl local) unless a graph "
-               "flag below is given");
+                 "refuse larger images, from the file's header")
+      ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 40)))
+      ->capture_default_str()
+      ->group(more);
+
+  const std::string llama = "llama-mtmd-cli flags with no effect here";
+  auto* ngl_opt = app.add_option("--n-gpu-layers,--gpu-layers", o.n_gpu_layers,
+                                 "also -ngl; the whole model runs on --device")
+                      ->type_name("N")
+                      ->group(llama);
+  auto* mmproj_opt = app.add_option("--mmproj", o.mmproj, "also -mm; vision weights come from -m")
+                         ->type_name("FILE")
+                         ->group(llama);
+
+  const std::string graphs_group =
+      cuda_available() ? "CUDA graphs (each default holds unless its flag is given)"
+                       : "CUDA graphs (GPU only: this machine has none, so they are only checked)";
+  app.add_flag("--no-cuda-graphs", o.no_cuda_graphs, "run eagerly; graphs are on by default")
+      ->group(graphs_group);
   // Every CUDA graph config key is a flag of the same name (lists comma-separated); they are
-  // validated on every backend so a bad combination fails the same way everywhere.
+  // validated on every backend so a bad combination fails the same way everywhere. The default
+  // shown is what this command resolves to when no graph flag is given.
+  std::map<std::string, std::string> graph_defaults;
+  for (const auto& [key, value] :
+       graph_config_values(parse_graph_configs(with_generate_graph_defaults({}))))
+    graph_defaults[key] = graph_value_text(value);
   std::map<std::string, std::string> graph_values;
   for (const std::string& key : graph_config_keys()) {
     const std::string flag = graph_config_flag_name(key);
+    const auto help = kGraphFlagHelp.find(key);
+    const bool listed = help != kGraphFlagHelp.end();
     auto* opt = app.add_option_function<std::string>(
         flag, [&graph_values, key](const std::string& v) { graph_values[key] = v; },
-        graph_config_key_help(key));
+        listed ? help->second : graph_config_key_help(key));
     if (key == "enable_cuda_graph" || key == "external_cuda_graph") opt->expected(0, 1);
+    if (!listed) {
+      // A new inference key must get a help line; only these may stay out of the help.
+      IRIS_CHECK(is_deprecated_graph_config_key(key) || kTrainingOnlyGraphKeys.count(key),
+                 "graph key ", key, " has no help line in iris generate");
+      opt->group("");
+      continue;
+    }
+    opt->group(graphs_group)
+        ->type_name(graph_config_key_doc(key).type.rfind("list", 0) == 0 ? "LIST"
+                    : graph_config_key_doc(key).type == "integer"        ? "INT"
+                                                                         : "TEXT");
+    const std::string d = graph_defaults.at(key);
+    opt->default_str(d.empty() ? "\"\"" : d);
   }
+  for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if (!is_multi_letter_short_flag(args[i])) continue;
+    // The value of a text flag may look like one ("-p -abc" is odd but not ours to refuse).
+    if (i > 0 && (args[i - 1] == "-p" || args[i - 1] == "--prompt" || args[i - 1] == "-sys" ||
+                  args[i - 1] == "--system" || args[i - 1] == "--system-prompt"))
+      continue;
+    const auto known = kLlamaSpellings.find(args[i]);
+    if (known == kLlamaSpellings.end()) fail_unknown_flag(args[i], app);
+    args[i] = known->second;
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes them last first
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  for (const std::string& extra : app.remaining()) {
+    if (extra.size() > 1 && extra[0] == '-') fail_unknown_flag(extra, app);
+    IRIS_FAIL("unexpected argument '", extra,
+              "'; quote text with spaces (-p \"two words\") and give each image with --image");
+  }
+  // "-mDIR" and other spellings the look-ahead does not read: the defaults follow the directory
+  // CLI11 settled on, for the sampling flags not given.
+  if (o.model_dir != prescanned_dir && std::filesystem::is_directory(o.model_dir)) {
+    GenerateOptions given = o;
+    apply_sampling_defaults(o, checkpoint_sampling(o.model_dir));
+    if (sampling_opts[0]->count()) o.temp = given.temp;
+    if (sampling_opts[1]->count()) o.top_k = given.top_k;
+    if (sampling_opts[2]->count()) o.top_p = given.top_p;
+    if (sampling_opts[3]->count()) o.min_p = given.min_p;
+    if (sampling_opts[4]->count()) o.repeat_penalty = given.repeat_penalty;
+  }
+  if (!o.prompt_file.empty()) {
+    o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
+    if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
+  } else {
+    IRIS_CHECK(prompt_opt->count() > 0, "no prompt: give the text with -p TEXT or -f FILE");
+  }
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  IRIS_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
+                 o.image_min_tokens <= o.image_max_tokens,
+             "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
+             o.image_max_tokens);
+  if (ngl_opt->count() > 0)
+    std::fprintf(stderr,
+                 "note: -ngl/--n-gpu-layers has no effect: iris generate runs every layer on "
+                 "--device (the GPU when there is one)\n");
 
   const auto t_load = std::chrono::steady_clock::now();
   // Graph configs first: a bad combination is an error before anything is loaded.
+  // The defaults join the user's settings on every device (they are only used on a GPU), so that
+  // a combination is judged the same way with or without one.
   GraphConfigInput graph_input;
-  for (const auto& [k, v] : graph_values) graph_input.emplace_back(k, v.empty() ? "true" : v);
+  if (o.no_cuda_graphs)
+    for (const auto& [k, v] : graph_values) graph_input.emplace_back(k, v.empty() ? "true" : v);
+  else
+    graph_input = with_generate_graph_defaults(graph_values);
   const std::string device = o.device == "auto" ? (cuda_available() ? "cuda" : "cpu") : o.device;
   const bool on_gpu = device.rfind("cuda", 0) == 0;
-  // Graphs are on by default on a GPU: whole-step decode graphs and bucketed vision graphs,
-  // unless the user chose any graph setting or turned graphs off.
-  if (on_gpu && !o.no_cuda_graphs && graph_values.empty())
-    graph_input = {{"cuda_graph_impl", "local"},
-                   {"inference_cuda_graph_scope", "block"},
-                   {"vision_cuda_graph_impl", "local"}};
+  if (on_gpu && o.threads > 0)
+    std::fprintf(stderr,
+                 "note: -t/--threads sets the CPU threads of host work (image preprocessing, "
+                 "weight conversion); the model itself runs on the GPU\n");
   GraphConfigs graphs = parse_graph_configs(graph_input);
   for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 
   namespace fs = std::filesystem;
+  IRIS_CHECK(!fs::is_regular_file(o.model_dir), "-m ", o.model_dir,
+             " is a file; iris reads a Hugging Face checkpoint directory (config.json, "
+             "safetensors, tokenizer.json), not a GGUF file");
   IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
              "' does not exist (pass -m with a Hugging Face checkpoint directory)");
+  if (mmproj_opt->count() > 0) {
+    IRIS_CHECK(has_vision_weights(o.model_dir), "--mmproj ", o.mmproj,
+               ": iris reads the vision encoder from the checkpoint given with -m, and ",
+               o.model_dir, " has no model.visual.* weights; pass the whole Qwen3-VL checkpoint");
+    std::fprintf(stderr,
+                 "note: --mmproj has no effect: the vision encoder is read from %s, which has "
+                 "its weights\n",
+                 o.model_dir.c_str());
+  }
   if (!o.logits_out.empty()) check_logits_out(o.logits_out, o.model_dir, o.images);
   std::unique_ptr<Backend> backend = make_backend(device);
 
@@ -153,7 +417,20 @@ int run_generate_command(int argc, char** argv) {
   GraphModelTraits traits;
   traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
   traits.spatial_merge_size = cfg.vision.spatial_merge_size;
-  const PreprocessorConfig pre = model_preprocessor(o.model_dir, cfg);
+  PreprocessorConfig pre = model_preprocessor(o.model_dir, cfg);
+  // One image token covers a (patch * merge)^2 pixel square, so a token budget is a pixel budget
+  // for smart_resize. A single bound given by the user wins over the file's other one when the two
+  // would cross.
+  const int64_t token_pixels =
+      int64_t{pre.patch_size} * pre.merge_size * pre.patch_size * pre.merge_size;
+  if (o.image_max_tokens > 0) {
+    pre.max_pixels = o.image_max_tokens * token_pixels;
+    pre.min_pixels = std::min(pre.min_pixels, pre.max_pixels);
+  }
+  if (o.image_min_tokens > 0) {
+    pre.min_pixels = o.image_min_tokens * token_pixels;
+    pre.max_pixels = std::max(pre.max_pixels, pre.min_pixels);
+  }
   // Prompt ids index the embedding table: a tokenizer larger than the model's vocabulary would
   // read past it.
   IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
@@ -177,10 +454,10 @@ int run_generate_command(int argc, char** argv) {
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
   limits.max_images = std::max<int>(1, static_cast<int>(images.size()));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
-  if (graphs.vision.impl != VisionGraphImpl::none)
+  // Graph buffers are sized only where graphs run: on the CPU the configs were only checked.
+  if (on_gpu && !o.no_cuda_graphs && graphs.vision.impl != VisionGraphImpl::none)
     limits.max_vision_patches = std::max(limits.max_vision_patches, graphs.vision.max_seq_length);
   Qwen3VLModel model(*backend, o.model_dir, limits);
-  // CUDA graphs only run on a GPU; elsewhere the configs were validated and are ignored.
   std::unique_ptr<VisionCudaGraphHelper> graph_helper;
   if (on_gpu && !o.no_cuda_graphs &&
       (graphs.language.impl != GraphImpl::none || graphs.vision.impl != VisionGraphImpl::none)) {
@@ -228,7 +505,13 @@ int run_generate_command(int argc, char** argv) {
     j["text"] = tokenizer.decode(shown);
     j["stopped_at_eos"] = res.stopped;
     j["seed"] = req.sampling.seed;
+    j["sampling"] = {{"temperature", req.sampling.temperature},
+                     {"top_k", req.sampling.top_k},
+                     {"top_p", req.sampling.top_p},
+                     {"min_p", req.sampling.min_p},
+                     {"repetition_penalty", req.sampling.repetition_penalty}};
     j["device"] = backend->name();
+    j["threads"] = omp_get_max_threads();
     j["cuda_graphs"] = graph_helper != nullptr;
     j["timings"] = {{"load_ms", load_ms},
                     {"preprocess_ms", preprocess_ms},

@@ -1,5 +1,6 @@
 // The iris command line: one binary with subcommands (as git does). Every user-facing failure is
 // an iris::Error whose message says what was wrong; it is printed and the exit code is 1.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -8,6 +9,8 @@
 
 #include "apps/commands.h"
 #include "core/error.h"
+#include "core/text_distance.h"
+#include "iris_build_info.h"
 
 namespace {
 
@@ -28,8 +31,31 @@ const Command kCommands[] = {
 };
 
 void print_usage(FILE* out) {
-  std::fprintf(out, "usage: iris <command> [options]   (iris <command> --help for its flags)\n\n");
+  std::fprintf(out,
+               "usage: iris <command> [options]   (iris <command> --help for its flags; "
+               "iris --version)\n\n");
   for (const Command& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.help);
+}
+
+void print_version() {
+  std::printf("iris %s\ncommit %s\n", IRIS_VERSION, IRIS_GIT_COMMIT);
+#ifdef IRIS_WITH_CUDA
+  std::printf("build: %s, CUDA on (toolkit %s, arch %s), CPU GEMM %s, cuDNN not used\n",
+              IRIS_BUILD_TYPE, IRIS_CUDA_TOOLKIT, IRIS_CUDA_ARCHS, IRIS_CPU_GEMM);
+#else
+  std::printf("build: %s, CUDA off (CPU only), CPU GEMM %s\n", IRIS_BUILD_TYPE, IRIS_CPU_GEMM);
+#endif
+}
+
+// The command a mistyped one most likely meant ("genrate" -> "generate"), or null.
+const Command* closest_command(const char* typed) {
+  const Command* best = nullptr;
+  size_t best_d = std::max<size_t>(2, std::strlen(typed) / 3) + 1;  // a swap costs 2
+  for (const Command& c : kCommands) {
+    const size_t d = iris::edit_distance(typed, c.name);
+    if (d < best_d) best_d = d, best = &c;
+  }
+  return best;
 }
 
 }  // namespace
@@ -38,6 +64,10 @@ int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     print_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 1 : 0;
+  }
+  if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "-v")) {
+    print_version();
+    return 0;
   }
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
@@ -57,7 +87,11 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::fprintf(stderr, "iris: unknown command '%s'\n\n", argv[1]);
+  if (const Command* c = closest_command(argv[1])) {
+    std::fprintf(stderr, "iris: unknown command '%s'; did you mean '%s'?\n\n", argv[1], c->name);
+  } else {
+    std::fprintf(stderr, "iris: unknown command '%s'\n\n", argv[1]);
+  }
   print_usage(stderr);
   return 1;
 }

@@ -109,4 +109,29 @@ std::set<int32_t> default_stop_ids(const std::string& dir,
   return ids;
 }
 
+CheckpointSampling checkpoint_sampling(const std::string& dir) {
+  namespace fs = std::filesystem;
+  CheckpointSampling out;
+  const fs::path gen = fs::path(dir) / "generation_config.json";
+  if (!fs::exists(gen)) return out;
+  const nlohmann::json j = read_json_file(gen.string(), "generation config");
+  if (!j.is_object()) return out;
+  const std::string where = gen.string();
+  auto has = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  constexpr double kHuge = 1e6;
+  if (has("temperature"))
+    out.temperature =
+        static_cast<float>(json_real(j["temperature"], where, "temperature", 0, kHuge));
+  if (has("top_k"))
+    out.top_k = static_cast<int>(json_integer(j["top_k"], where, "top_k", 0, INT32_MAX));
+  if (has("top_p"))
+    out.top_p = static_cast<float>(json_real(j["top_p"], where, "top_p", 0, 1, true));
+  if (has("min_p")) out.min_p = static_cast<float>(json_real(j["min_p"], where, "min_p", 0, 1));
+  if (has("repetition_penalty"))
+    out.repetition_penalty = static_cast<float>(
+        json_real(j["repetition_penalty"], where, "repetition_penalty", 0, kHuge, true));
+  if (has("do_sample") && !json_boolean(j["do_sample"], where, "do_sample")) out.temperature = 0;
+  return out;
+}
+
 }  // namespace iris

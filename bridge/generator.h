@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -58,5 +59,14 @@ std::vector<uint8_t> sampleable_ids(const Tokenizer& tokenizer, int32_t vocab_si
 // <|endoftext|>.
 std::set<int32_t> default_stop_ids(const std::string& model_dir,
                                    const std::function<int32_t(const std::string&)>& find_id);
+
+// The sampling settings a checkpoint ships in generation_config.json, each unset when the file
+// (or the key) is absent; front ends use them as defaults under their own flags. do_sample: false
+// means greedy whatever the other keys say, as in transformers.
+struct CheckpointSampling {
+  std::optional<float> temperature, top_p, min_p, repetition_penalty;
+  std::optional<int> top_k;
+};
+CheckpointSampling checkpoint_sampling(const std::string& model_dir);
 
 }  // namespace iris

@@ -189,6 +189,32 @@ TEST(TrainingChatFormat, GoldenPrompt) {
       text_ids);
 }
 
+// <__media__> markers (llama-mtmd-cli's) place each image inside the text; the CLI's prompt must
+// then equal the training builder's for content [text, image, text, image, text].
+TEST(TrainingChatFormat, MediaMarkersPlaceImagesInTheText) {
+  const std::vector<GridTHW> grids = {{1, 14, 20}, {1, 28, 10}};
+  const std::string text = "Describe these two pictures.";
+  EXPECT_EQ(build_generation_prompt(tok(), grids, "<__media__><__media__>" + text, ""),
+            build_generation_prompt(tok(), grids, text, ""));
+  const std::vector<ChatMessage> placed = {
+      {"user",
+       {ChatPart::make_text("First "), ChatPart::make_image(), ChatPart::make_text(", then "),
+        ChatPart::make_image(), ChatPart::make_text(". Which is larger?")}}};
+  const std::vector<int32_t> ids = build_generation_prompt(
+      tok(), grids, "First <__media__>, then <__media__>. Which is larger?", "");
+  EXPECT_EQ(ids, build_chat_prompt(tok(), placed, grids));
+  EXPECT_NE(ids, build_generation_prompt(tok(), grids, "First , then . Which is larger?", ""));
+  for (const std::string& wrong :
+       {std::string("one <__media__> only"), std::string("<__media__><__media__><__media__>")}) {
+    try {
+      build_generation_prompt(tok(), grids, wrong, "");
+      ADD_FAILURE() << wrong;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("one marker per image"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(TrainingChatFormat, RejectsBrokenConversations) {
   const std::vector<ChatMessage> reserved = {{"user", {ChatPart::make_text("hi<|im_end|>")}},
                                              {"assistant", {ChatPart::make_text("x")}}};
