@@ -113,6 +113,20 @@ class AppTrainTest : public ::testing::Test {
     return out;
   }
 
+  // An interrupted and resumed run ended with the uninterrupted run's losses and step-10 weights,
+  // bit for bit.
+  static void expect_same_run(const fs::path& straight, const fs::path& resumed, int iters) {
+    const auto la = losses(straight), lb = losses(resumed);
+    ASSERT_EQ(la.size(), static_cast<size_t>(iters));
+    ASSERT_EQ(lb.size(), la.size());
+    for (size_t i = 0; i < la.size(); ++i) {
+      EXPECT_EQ(la[i].first, lb[i].first);
+      EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
+    }
+    EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
+              read_text_file((resumed / "step_0000010/model.safetensors").string()));
+  }
+
   fs::path root_;
   int runs_ = 0;
 };
@@ -230,15 +244,7 @@ TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
   const Exit b = iris(args);
   ASSERT_EQ(b.code, 0) << b.output;
 
-  const auto la = losses(straight), lb = losses(killed);
-  ASSERT_EQ(la.size(), static_cast<size_t>(kIters));
-  ASSERT_EQ(lb.size(), la.size());
-  for (size_t i = 0; i < la.size(); ++i) {
-    EXPECT_EQ(la[i].first, lb[i].first);
-    EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
-  }
-  EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
-            read_text_file((killed / "step_0000010/model.safetensors").string()));
+  expect_same_run(straight, killed, kIters);
   for (const auto& e : fs::directory_iterator(killed))
     EXPECT_NE(e.path().extension(), ".tmp") << "debris left: " << e.path();
 }
@@ -291,15 +297,7 @@ TEST_F(AppTrainTest, SigtermSavesTheCurrentStepAndTheResumeIsExact) {
   const Exit b = iris(args);
   ASSERT_EQ(b.code, 0) << b.output;
   EXPECT_NE(b.output.find("resuming from " + checkpoint), std::string::npos) << b.output;
-  const auto la = losses(straight), lb = losses(termed);
-  ASSERT_EQ(la.size(), static_cast<size_t>(kIters));
-  ASSERT_EQ(lb.size(), la.size());
-  for (size_t i = 0; i < la.size(); ++i) {
-    EXPECT_EQ(la[i].first, lb[i].first);
-    EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
-  }
-  EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
-            read_text_file((termed / "step_0000010/model.safetensors").string()));
+  expect_same_run(straight, termed, kIters);
 }
 
 TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
