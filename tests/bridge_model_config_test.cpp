@@ -62,7 +62,8 @@ TEST(ModelConfigValidation, IntegersMustBeIntegers) {
   EXPECT_HAS(text_error("num_hidden_layers", "3"), "num_hidden_layers must be an integer");
   EXPECT_HAS(vision_error("patch_size", 16.5), "vision_config.patch_size must be an integer");
   // 1e12 is reported as itself, not as a wrapped 32-bit value.
-  EXPECT_HAS(text_error("vocab_size", 1e12), "text_config.vocab_size = 1000000000000.0 is out of range");
+  EXPECT_HAS(text_error("vocab_size", 1e12),
+             "text_config.vocab_size = 1000000000000.0 is out of range");
 }
 
 TEST(ModelConfigValidation, SizesMustBePositive) {
