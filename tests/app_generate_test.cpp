@@ -217,11 +217,19 @@ TEST(AppCli, VersionPrintsCommitAndBuild) {
   EXPECT_TRUE(r.out.find("CUDA off (CPU only)") != std::string::npos ||
               r.out.find("CUDA on (toolkit") != std::string::npos)
       << r.out;
-  // The commit of the source tree the binary was built from.
+  // The commit the binary was built from: one of this tree's history (HEAD itself in CI, where
+  // nothing is committed between the build and the tests; an ancestor of it when a developer has
+  // committed since building).
   const std::string src = fs::path(IRIS_TEST_DATA_DIR).parent_path().parent_path().string();
-  const RunResult head = run_iris_shell("git -C " + q(src) + " rev-parse --short=12 HEAD");
-  if (head.exit_code == 0 && head.out.size() >= 12)
-    EXPECT_NE(r.out.find("commit " + head.out.substr(0, 12)), std::string::npos) << r.out;
+  if (run_iris_shell("git -C " + q(src) + " rev-parse HEAD").exit_code != 0) return;
+  const size_t at = r.out.find("commit ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string commit = r.out.substr(at + 7, 12);
+  EXPECT_EQ(commit.find_first_not_of("0123456789abcdef"), std::string::npos) << r.out;
+  EXPECT_EQ(run_iris_shell("git -C " + q(src) + " merge-base --is-ancestor " + commit + " HEAD")
+                .exit_code,
+            0)
+      << commit << " is not in this tree's history";
 }
 
 TEST(AppCli, MistypedCommandSuggestsTheClosest) {
