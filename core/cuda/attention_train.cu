@@ -1149,8 +1149,7 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
                                      const int32_t* cu_seqlens, const int32_t* real_rows,
                                      int n_segments, int64_t total_rows, int n_q_heads,
                                      int n_kv_heads, int head_dim, float scale, bool causal,
-                                     int num_sms, cudaStream_t s,
-                                     const AttentionBackwardFork* fork) {
+                                     int num_sms, cudaStream_t s) {
   (void)num_sms;
   if (total_rows <= 0) return;
   TrainParams p = make_params(qkv, cu_seqlens, real_rows, n_segments, total_rows, n_q_heads,
@@ -1172,10 +1171,6 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
   const bool fast =
       FastHeadDims::contains(head_dim) && aligned16(qkv) && aligned16(dout) && aligned16(dqkv);
   if (fast) {
-    if (fork) {
-      IRIS_CUDA_CHECK(cudaEventRecord(fork->fork, s));
-      IRIS_CUDA_CHECK(cudaStreamWaitEvent(fork->side, fork->fork, 0));
-    }
     FastHeadDims::with(head_dim, [&](auto hd) {
       constexpr int HD = decltype(hd)::value;
       using K = DkvFor<HD>;
@@ -1184,19 +1179,10 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
                           dim3(K::kThreads), K::kSmem, s, p);
       IRIS_CUDA_LAUNCH_CHECK();
       using Q = DqFor<HD>;
-      const auto dq_kernel = causal ? attn_bwd_dq_kernel<Q, true> : attn_bwd_dq_kernel<Q, false>;
-      const dim3 dq_grid(n_q_heads, tile_bound(total_rows, Q::kRows, n_segments));
-      if (fork) {
-        // Launched plainly on the side stream: its programmatic wait is then a no-op, and the
-        // event orders it after the dsum kernel.
-        dq_kernel<<<dq_grid, dim3(Q::kThreads), Q::kSmem, fork->side>>>(p);
-        IRIS_CUDA_LAUNCH_CHECK();
-        IRIS_CUDA_CHECK(cudaEventRecord(fork->join, fork->side));
-        IRIS_CUDA_CHECK(cudaStreamWaitEvent(s, fork->join, 0));
-      } else {
-        launch_programmatic(dq_kernel, dq_grid, dim3(Q::kThreads), Q::kSmem, s, p);
-        IRIS_CUDA_LAUNCH_CHECK();
-      }
+      launch_programmatic(causal ? attn_bwd_dq_kernel<Q, true> : attn_bwd_dq_kernel<Q, false>,
+                          dim3(n_q_heads, tile_bound(total_rows, Q::kRows, n_segments)),
+                          dim3(Q::kThreads), Q::kSmem, s, p);
+      IRIS_CUDA_LAUNCH_CHECK();
     });
     return;
   }

@@ -33,16 +33,6 @@ void launch_attention_train_forward(uint16_t* out, float* lse, const uint16_t* q
                                     int n_kv_heads, int head_dim, float scale, bool causal,
                                     int num_sms, cudaStream_t s);
 
-// A second stream for the backward: its dQ kernel reads only what dK/dV's reads (and writes other
-// columns), so the two run side by side instead of one after the other, and the second fills the
-// tail of the first's last wave. The side stream waits on `fork` recorded on s after the dsum
-// kernel, and s waits on `join` recorded on the side stream after dQ: s sees the whole backward,
-// in a capture too.
-struct AttentionBackwardFork {
-  cudaStream_t side;
-  cudaEvent_t fork, join;
-};
-
 // Overwrites dqkv [T, (nq + 2 nkv)*hd] bf16 entirely (rows the forward zeroed get zeros) and the
 // scratch dsum f32 [T, nq] = rowwise dout . out, from dout and the forward's out and lse.
 // Deterministic: no atomics; every gradient element is summed by one thread in a fixed order.
@@ -52,7 +42,6 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
                                      const int32_t* cu_seqlens, const int32_t* real_rows,
                                      int n_segments, int64_t total_rows, int n_q_heads,
                                      int n_kv_heads, int head_dim, float scale, bool causal,
-                                     int num_sms, cudaStream_t s,
-                                     const AttentionBackwardFork* fork = nullptr);
+                                     int num_sms, cudaStream_t s);
 
 }  // namespace iris::cuda

@@ -131,8 +131,6 @@ class CudaBackend final : public Backend {
     side_stream_ = std::make_unique<Stream>();
     side_fork_ = std::make_unique<Event>();
     side_done_ = std::make_unique<Event>();
-    attn_fork_ = std::make_unique<Event>();
-    attn_join_ = std::make_unique<Event>();
     side_workspace_.reset(allocate(kGemmWorkspaceBytes));
     // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
     // scratch only receives trial outputs that nothing reads, so the two share it.
@@ -804,12 +802,10 @@ class CudaBackend final : public Backend {
                " does not match");
     check_stats(lse, qkv.rows() * nq, "attention_backward", "lse");
     check_stats(dsum, qkv.rows() * nq, "attention_backward", "dsum");
-    const cuda::AttentionBackwardFork fork{side_stream_->get(), attn_fork_->get(),
-                                           attn_join_->get()};
     cuda::launch_attention_train_backward(
         bf(dqkv), f32(dsum), cbf(dout), cbf(out), cf32(lse), cbf(qkv), ci32(cu_seqlens),
         real_rows.defined() ? ci32(real_rows) : nullptr, n_segments, qkv.rows(), nq, nkv, hd, scale,
-        causal, num_sms_, stream(), &fork);
+        causal, num_sms_, stream());
   }
 
   void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
@@ -1161,8 +1157,6 @@ class CudaBackend final : public Backend {
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
   std::unique_ptr<Stream> side_stream_;
-  // The attention backward's own fork/join on the side stream (side work may be pending there).
-  std::unique_ptr<Event> attn_fork_, attn_join_;
   std::unique_ptr<Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
   DeviceBuffer side_workspace_;
