@@ -140,11 +140,8 @@ int run_bench_train(int argc, char** argv) {
             on_gpu ? working.get() : nullptr);
 
   const std::vector<const TrainSample*> mb(static_cast<size_t>(micro), &sample);
-  const int64_t labels_per_step = micro * accumulation * [&] {
-    int64_t n = 0;
-    for (size_t i = 1; i < sample.labels.size(); ++i) n += sample.labels[i] != -100;
-    return n;
-  }();
+  const int64_t labels_per_sample = labelled_positions(sample.labels);
+  const int64_t labels_per_step = micro * accumulation * labels_per_sample;
   const float grad_scale = 1.0f / static_cast<float>(labels_per_step);
   auto step = [&] {
     model.zero_grads();
@@ -171,11 +168,8 @@ int run_bench_train(int argc, char** argv) {
   }
 
   const TrainedParts parts{!freeze_vision, !freeze_merger, !freeze_llm};
-  const double sample_flops =
-      training_flops(cfg,
-                     {static_cast<int64_t>(sample.ids.size()),
-                      labels_per_step / (micro * accumulation), sample.grids},
-                     parts);
+  const double sample_flops = training_flops(
+      cfg, {static_cast<int64_t>(sample.ids.size()), labels_per_sample, sample.grids}, parts);
   const double samples_per_step = double(micro * accumulation);
   const double tflops = sample_flops * samples_per_step / step_s / 1e12;
   const double tokens_per_s = double(seq) * samples_per_step / step_s;

@@ -31,13 +31,6 @@ constexpr const char* kEmbedName = "model.language_model.embed_tokens.weight";
 
 using test::golden_sample;
 
-// Tokens with a label after HF's shift (labels[0] is never a target).
-int64_t count_labels(const TrainSample& s) {
-  int64_t n = 0;
-  for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != -100;
-  return n;
-}
-
 // The rows of a gradient tensor that the golden stores (all, except for the embedding).
 std::vector<float> rows_of(const Tensor& t, const std::vector<int64_t>& rows) {
   const int64_t C = t.cols();
@@ -77,7 +70,7 @@ void expect_recompute_is_exact(Backend& be, const ModelConfig& cfg, ModelWeights
   limits.max_samples = 2;
   limits.loss_chunk_rows = 16;
   const std::vector<const TrainSample*> batch{&sample, &sample};
-  const float scale = 1.0f / static_cast<float>(2 * count_labels(sample));
+  const float scale = 1.0f / static_cast<float>(2 * labelled_positions(sample.labels));
   for (const bool tower_frozen : {false, true}) {
     SCOPED_TRACE(tower_frozen ? "vision tower frozen" : "all parts train");
     TrainableQwen3VL ref(be, cfg, params, limits);
@@ -132,7 +125,8 @@ class GoldenGradients : public ::testing::Test {
     sample_ = new TrainSample(golden_sample(*golden_));
     // The golden is HF's mean loss: scale by 1 / labelled tokens.
     model_->zero_grads();
-    stats_ = model_->forward_backward(*sample_, 1.0f / static_cast<float>(count_labels(*sample_)));
+    stats_ = model_->forward_backward(
+        *sample_, 1.0f / static_cast<float>(labelled_positions(sample_->labels)));
   }
   static void TearDownTestSuite() {
     delete sample_;
@@ -161,7 +155,7 @@ TrainSample* GoldenGradients::sample_ = nullptr;
 LossStats GoldenGradients::stats_;
 
 TEST_F(GoldenGradients, MeanLossMatchesHF) {
-  EXPECT_EQ(stats_.n_tokens, count_labels(*sample_));
+  EXPECT_EQ(stats_.n_tokens, labelled_positions(sample_->labels));
   const double want = golden_->json()["loss"].get<double>();
   const double got = stats_.loss_sum / double(stats_.n_tokens);
   EXPECT_NEAR(got, want, kLossRel * std::fabs(want)) << "mean loss";
@@ -366,7 +360,7 @@ TEST(CudaGoldenGradients, EveryParameterGradientWithinBf16ToleranceOfHF) {
   const TrainSample sample = golden_sample(golden);
   model.zero_grads();
   const LossStats st =
-      model.forward_backward(sample, 1.0f / static_cast<float>(count_labels(sample)));
+      model.forward_backward(sample, 1.0f / static_cast<float>(labelled_positions(sample.labels)));
   const double want_loss = golden.json()["loss"].get<double>();
   const double loss = st.loss_sum / double(st.n_tokens);
   std::printf("CUDA mean loss %.7g, HF %.7g, rel err %.3g\n", loss, want_loss,

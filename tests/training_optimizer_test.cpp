@@ -57,12 +57,6 @@ bool bit_identical(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-int64_t count_labels(const TrainSample& s) {
-  int64_t n = 0;
-  for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != -100;
-  return n;
-}
-
 class TinyModel : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -101,7 +95,8 @@ class TinyModel : public ::testing::Test {
   // One optimizer step on the golden sample with HF's mean-loss gradient; returns the mean loss.
   static double train_step(TrainableQwen3VL& model, AdamW& opt, float lr) {
     model.zero_grads();
-    const LossStats st = model.forward_backward(*sample_, 1.0f / float(count_labels(*sample_)));
+    const LossStats st =
+        model.forward_backward(*sample_, 1.0f / float(labelled_positions(sample_->labels)));
     opt.step(lr, model.frozen());
     return st.loss_sum / double(st.n_tokens);
   }
@@ -191,7 +186,7 @@ TEST_F(TinyModel, FrozenPartsStayBitIdenticalAndTrainablePartsMatchTheFullBackwa
   auto full_params = fresh_params();
   TrainableQwen3VL full(*backend_, *cfg_, *full_params, limits());
   full.zero_grads();
-  const float scale = 1.0f / float(count_labels(*sample_));
+  const float scale = 1.0f / float(labelled_positions(sample_->labels));
   full.forward_backward(*sample_, scale);
   const auto full_grads = snapshot(full.grads());
 
@@ -237,7 +232,7 @@ TEST_F(TinyModel, EachPartStepsWithItsOwnLearningRate) {
     ac.merger_lr_scale = merger_scale;
     AdamW opt(*backend_, *cfg_, *params, model.grads(), ac);
     model.zero_grads();
-    model.forward_backward(*sample_, 1.0f / float(count_labels(*sample_)));
+    model.forward_backward(*sample_, 1.0f / float(labelled_positions(sample_->labels)));
     opt.step(lr * lr_factor);
     return snapshot(*params);
   };

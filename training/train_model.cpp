@@ -23,6 +23,12 @@ bool starts_with(const std::string& s, const char* prefix) {
 
 }  // namespace
 
+int64_t labelled_positions(const std::vector<int32_t>& labels) {
+  int64_t n = 0;
+  for (size_t i = 1; i < labels.size(); ++i) n += labels[i] != kIgnoreIndex;
+  return n;
+}
+
 ModelPart model_part(const std::string& name) {
   if (starts_with(name, "model.visual.merger.") ||
       starts_with(name, "model.visual.deepstack_merger_list."))

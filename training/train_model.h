@@ -37,6 +37,10 @@ struct TrainSample {
   std::vector<GridTHW> grids;
 };
 
+// The positions whose next token is labelled (HF's shift: labels[0] is never a target): the
+// tokens the loss of a sample averages over.
+int64_t labelled_positions(const std::vector<int32_t>& labels);
+
 struct LossStats {
   double loss_sum = 0;   // summed cross-entropy over labelled tokens
   int64_t n_tokens = 0;  // labelled tokens (mean loss = loss_sum / n_tokens)

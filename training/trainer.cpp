@@ -104,13 +104,6 @@ SideFiles side_files(const Recipe& r, const Tokenizer& tok, const PreprocessorCo
   return s;
 }
 
-int64_t labelled_tokens(const std::vector<int32_t>& labels) {
-  int64_t n = 0;
-  // Position i predicts labels[i + 1], so the first label is never a target.
-  for (size_t i = 1; i < labels.size(); ++i) n += labels[i] != kIgnoreLabel;
-  return n;
-}
-
 TrainSample to_train_sample(Sample&& s) {
   TrainSample t;
   t.ids = std::move(s.ids);
@@ -547,7 +540,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     int64_t batch_labels = 0;
     for (int64_t i = 0; i < r.train.global_batch_size; ++i) {
       batch.push_back(next_sample(train_data));
-      batch_labels += labelled_tokens(batch.back().labels);
+      batch_labels += labelled_positions(batch.back().labels);
     }
     IRIS_CHECK(batch_labels > 0, "global batch of iteration ", it,
                " has no labelled token; every sample needs an assistant reply");
@@ -565,7 +558,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
       interval.flops += training_flops(
-          cfg, {static_cast<int64_t>(s.ids.size()), labelled_tokens(s.labels), s.grids}, parts);
+          cfg, {static_cast<int64_t>(s.ids.size()), labelled_positions(s.labels), s.grids}, parts);
     }
     IRIS_CHECK(counted == batch_labels, "the model counted ", counted,
                " labelled tokens in iteration ", it, " but the labels hold ", batch_labels,
