@@ -309,30 +309,22 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
   fs::remove(path + ".other");
 }
 
-// The fixture's parameters (N(0, 1), or zero) and N(0, 1e-4) gradients on the CPU; returns the
-// gradients' sum of squares.
-double fill_params_and_grads(ModelWeights& params, ModelWeights& grads, uint32_t seed,
-                             bool random_params) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  double ss = 0;
-  for (size_t i = 0; i < params.bindings.size(); ++i) {
-    const Tensor p = bound(params.bindings[i]), g = bound(grads.bindings[i]);
-    for (int64_t k = 0; k < p.numel(); ++k) {
-      p.as<float>()[k] = random_params ? nd(rng) : 0.0f;
-      g.as<float>()[k] = nd(rng) * 1e-2f;
-      ss += double(g.as<float>()[k]) * g.as<float>()[k];
-    }
-  }
-  return ss;
-}
-
 TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
   auto be = make_cpu_backend();
   const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
   auto params = allocate_weights(*be, cfg);
   auto grads = allocate_weights(*be, cfg);
-  const double ss = fill_params_and_grads(*params, *grads, 5, false);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  double ss = 0;
+  for (size_t i = 0; i < params->bindings.size(); ++i) {
+    const Tensor p = bound(params->bindings[i]), g = bound(grads->bindings[i]);
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      p.as<float>()[k] = 0.0f;
+      g.as<float>()[k] = nd(rng) * 1e-2f;
+      ss += double(g.as<float>()[k]) * g.as<float>()[k];
+    }
+  }
   AdamWConfig ac;
   ac.clip_grad_norm = 1.0f;
   AdamW opt(*be, cfg, *params, *grads, ac);
@@ -356,31 +348,62 @@ TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
 }
 
 // A step whose gradient is not finite changes no weight and no moment, and its norm is reported
-// when the host next reads the norms, in step order.
-TEST(AdamW, NonFiniteGradientChangesNothingAndIsReported) {
-  auto be = make_cpu_backend();
+// when the host next reads the norms, in step order. On any backend (CUDA: f32 master weights
+// and a bf16 working copy, as the trainer runs it).
+void expect_non_finite_step_changes_nothing(Backend& be) {
   const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
-  auto params = allocate_weights(*be, cfg);
-  auto grads = allocate_weights(*be, cfg);
-  fill_params_and_grads(*params, *grads, 3, true);
-  AdamW opt(*be, cfg, *params, *grads, AdamWConfig{});
+  auto params = allocate_weights(be, cfg, DType::f32);
+  auto grads = allocate_weights(be, cfg, DType::f32);
+  std::unique_ptr<ModelWeights> working;
+  if (be.compute_dtype() != DType::f32) working = allocate_weights(be, cfg);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (size_t i = 0; i < params->bindings.size(); ++i) {
+    const Tensor p = params->bindings[i].tensor();
+    std::vector<float> v(static_cast<size_t>(p.numel()));
+    for (float& x : v) x = nd(rng);
+    be.write(p, v.data(), DType::f32);
+    if (working) be.write(working->bindings[i].tensor(), v.data(), DType::f32);
+    for (float& x : v) x = nd(rng) * 1e-2f;
+    be.write(grads->bindings[i].tensor(), v.data(), DType::f32);
+  }
+  AdamW opt(be, cfg, *params, *grads, AdamWConfig{}, working.get());
+  const Tensor p0 = params->bindings[0].tensor(), g0 = grads->bindings[0].tensor().slice(0, 1);
+  const Tensor m0 = opt.exp_avg().bindings[0].tensor();
+  auto read = [&](const Tensor& t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    be.read(v.data(), DType::f32, t);
+    return v;
+  };
+  std::vector<float> first_row = read(g0);
   opt.step(1e-3f);
-  const Tensor p0 = bound(params->bindings[0]), g0 = bound(grads->bindings[0]);
-  const std::vector<float> before = values(p0);
-  const std::vector<float> m_before = values(bound(opt.exp_avg().bindings[0]));
-  g0.as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> before = read(p0), m_before = read(m0);
+  std::vector<float> poisoned = first_row;
+  poisoned[0] = std::numeric_limits<float>::quiet_NaN();
+  be.write(g0, poisoned.data(), DType::f32);
   opt.step(1e-3f);
-  EXPECT_EQ(values(p0), before);
-  EXPECT_EQ(values(bound(opt.exp_avg().bindings[0])), m_before);
-  g0.as<float>()[0] = 0.0f;
+  EXPECT_EQ(read(p0), before);
+  EXPECT_EQ(read(m0), m_before);
+  be.write(g0, first_row.data(), DType::f32);
   opt.step(1e-3f);
-  EXPECT_NE(values(p0), before);
+  EXPECT_NE(read(p0), before);
   const std::vector<float> norms = opt.take_grad_norms();
   ASSERT_EQ(norms.size(), 3u);
   EXPECT_TRUE(std::isfinite(norms[0]));
   EXPECT_TRUE(std::isnan(norms[1]));
   EXPECT_TRUE(std::isfinite(norms[2]));
   EXPECT_TRUE(opt.take_grad_norms().empty());
+}
+
+TEST(AdamW, NonFiniteGradientChangesNothingAndIsReported) {
+  auto be = make_cpu_backend();
+  expect_non_finite_step_changes_nothing(*be);
+}
+
+TEST(AdamW, NonFiniteGradientChangesNothingOnCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto be = make_cuda_backend(0);
+  expect_non_finite_step_changes_nothing(*be);
 }
 
 // ---- Schedules ---------------------------------------------------------------------------------
