@@ -60,6 +60,15 @@ class Backend {
   virtual void set_gemm_autotune(bool on) { (void)on; }
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
+  // Op tapes, for the recording graph stand-in (core/graph_capture.h): between begin_op_tape()
+  // and end_op_tape() the calling thread's ops run and are also recorded with their arguments as
+  // they are now, and the function end_op_tape() returns replays that record, exactly as a CUDA
+  // graph replays its capture: a host value (a learning rate, a row count) passed at capture is
+  // what every replay uses, while tensor contents are read at replay. Host traffic (write, read,
+  // allocate, deallocate, synchronize) while taping is an error, as it is inside a CUDA capture.
+  // A backend that cannot tape returns false from begin_op_tape().
+  virtual bool begin_op_tape() { return false; }
+  virtual std::function<void()> end_op_tape() { return nullptr; }
   // Runs `enqueue` and waits for its work; returns the milliseconds the device spent from the
   // first to the last piece of that work (events on CUDA), or the wall time where the work runs
   // on the host. For benchmarks: a launch-bound phase shows a device span near its wall time.
@@ -262,7 +271,8 @@ class Backend {
 
   // lm_head + cross-entropy over labelled rows: logits = x[N,H] . w[V,H]^T in f32, at most
   // chunk_rows rows at a time (never [N, V] at once). loss_sum f32 [1] += sum over rows of
-  // (logsumexp(logits) - logits[target]); targets i32 [N] in [0, V). When dx is defined, the
+  // (logsumexp(logits) - logits[target]); targets i32 [N] in [0, V), or negative for a row that
+  // is ignored (bucket padding: no loss, a zero dx row, no dw). When dx is defined, the
   // backward of grad_scale[0] * loss runs too: dx[N,H] is overwritten and dw (f32 [V,H],
   // optional) +=. grad_scale is f32 [1] on this backend (a per-step value a graph reads).
   // workspace: a tensor (any dtype) of this backend of at least

@@ -111,9 +111,11 @@ void RecordingGraphApi::append(Op op, uint64_t graph, std::string label) {
 void RecordingGraphApi::begin_capture(Backend& backend, const std::string& label) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto open = open_.find(&backend);
-  IRIS_CHECK(open == open_.end(), "graph '", label, "': a capture ('", open->second,
+  IRIS_CHECK(open == open_.end(), "graph '", label, "': a capture ('", open->second.label,
              "') is already open on backend ", backend.name(), "; captures do not nest");
-  open_[&backend] = label;
+  // The tape opens last: a refused capture leaves the backend untaped.
+  const bool taped = backend.begin_op_tape();
+  open_[&backend] = Open{label, taped};
   append(Op::begin_capture, 0, label);
 }
 
@@ -123,8 +125,12 @@ GraphHandle RecordingGraphApi::end_capture(Backend& backend, std::function<void(
   IRIS_CHECK(open != open_.end(), "end_capture on backend ", backend.name(),
              " without a capture open");
   const uint64_t id = next_id_++;
-  std::string label = std::move(open->second);
+  std::string label = std::move(open->second.label);
+  const bool taped = open->second.taped;
   open_.erase(open);
+  // A taped capture replays its record, as a CUDA graph does; a backend that cannot tape falls
+  // back to running the body again, which re-reads host values a real graph would have frozen.
+  if (taped) body = backend.end_op_tape();
   append(Op::end_capture, id, label);
   graphs_.emplace(id, Graph{std::move(label), std::move(body), 0});
   return to_handle(id);
@@ -134,7 +140,13 @@ void RecordingGraphApi::abort_capture(Backend& backend) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   const auto open = open_.find(&backend);
   if (open == open_.end()) return;
-  std::string label = std::move(open->second);
+  std::string label = std::move(open->second.label);
+  if (open->second.taped) {
+    try {
+      backend.end_op_tape();
+    } catch (...) {  // the tape was open, so closing it cannot fail; nothing to report otherwise
+    }
+  }
   open_.erase(open);
   append(Op::abort_capture, 0, std::move(label));
 }

@@ -3,9 +3,11 @@
 //  - the CUDA implementation records the ops a body enqueues on the backend's stream
 //    (cudaStreamBeginCapture ... cudaStreamEndCapture), instantiates and uploads the graph, and
 //    replays it with cudaGraphLaunch;
-//  - the recording stand-in (any backend, used on the CPU) runs the body, keeps it, runs it again
-//    on every launch, and logs every call, so tests can check ownership and ordering (each graph
-//    destroyed exactly once, before the memory it reads) without a GPU.
+//  - the recording stand-in (any backend, used on the CPU) runs the body while the backend tapes
+//    each op with its arguments (Backend::begin_op_tape), replays that tape on every launch, and
+//    logs every call, so tests can check ownership and ordering (each graph destroyed exactly
+//    once, before the memory it reads) without a GPU, and see a host value frozen at capture as a
+//    GPU would. On a backend that cannot tape, a launch runs the body again.
 //
 // Nothing here synchronises the device or talks to other processes: capture and deletion are
 // local to the calling stage, so stages that own different parts of a model never wait on each
@@ -149,9 +151,13 @@ class RecordingGraphApi final : public GraphApi {
   mutable std::mutex mu_;
   std::vector<Call> log_;
   std::vector<std::string> errors_;
-  std::unordered_map<uint64_t, Graph> graphs_;            // live graphs by id
-  std::unordered_map<uint64_t, uint64_t> execs_;          // live exec id -> graph id
-  std::unordered_map<const Backend*, std::string> open_;  // backend -> label being captured
+  std::unordered_map<uint64_t, Graph> graphs_;    // live graphs by id
+  std::unordered_map<uint64_t, uint64_t> execs_;  // live exec id -> graph id
+  struct Open {
+    std::string label;
+    bool taped = false;  // the backend records the ops (Backend::begin_op_tape)
+  };
+  std::unordered_map<const Backend*, Open> open_;  // backend -> capture in progress
   uint64_t next_id_ = 1;
   size_t launches_ = 0;
 };

@@ -118,6 +118,9 @@ class TracingBackend final : public Backend {
     in_.synchronize();
   }
   void* native_stream() override { return in_.native_stream(); }
+  // The inner backend tapes what this one forwards, so launches replay the record.
+  bool begin_op_tape() override { return in_.begin_op_tape(); }
+  std::function<void()> end_op_tape() override { return in_.end_op_tape(); }
   // Training ops: forwarded as they are.
   void convert(const Tensor& dst, const Tensor& src) override { in_.convert(dst, src); }
   void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,

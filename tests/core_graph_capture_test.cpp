@@ -49,7 +49,7 @@ std::map<uint64_t, std::map<Op, int>> counts_by_graph(const RecordingGraphApi& a
   return out;
 }
 
-TEST(GraphStandIn, CaptureRunsTheBodyOnceAndEveryLaunchRunsItAgain) {
+TEST(GraphStandIn, CaptureRunsTheBodyOnceAndEveryLaunchReplaysItsOps) {
   auto be = make_cpu_backend();
   AddBuffers buf(*be, 4);
   const std::vector<float> a = {1, 2, 3, 4}, b = {10, 20, 30, 40}, a2 = {5, 6, 7, 8};
@@ -69,12 +69,60 @@ TEST(GraphStandIn, CaptureRunsTheBodyOnceAndEveryLaunchRunsItAgain) {
   // A replay reads the static inputs as they are at launch time.
   be->write(buf.a, a2.data(), DType::f32);
   g.launch();
-  EXPECT_EQ(runs, 2);
+  EXPECT_EQ(runs, 1) << "a launch replays the recorded ops, it does not run the body again";
   EXPECT_EQ(read_f32(*be, buf.y), (std::vector<float>{15, 26, 37, 48}));
   EXPECT_EQ(api.launches(), 1u);
   EXPECT_EQ(ops_of(api.log()), (std::vector<Op>{Op::begin_capture, Op::end_capture, Op::instantiate,
                                                 Op::upload, Op::launch}));
   for (const auto& c : api.log()) EXPECT_EQ(c.label, "add");
+}
+
+// What a GPU graph does with host values: the ones passed at capture are used by every replay.
+// The stand-in must show it, or a CPU test would pass code that replays stale values on a GPU.
+TEST(GraphStandIn, HostValuesAreFrozenAtCaptureAsOnAGpu) {
+  auto be = make_cpu_backend();
+  AddBuffers buf(*be, 4);
+  const std::vector<float> a = {1, 2, 3, 4}, b = {10, 20, 30, 40};
+  be->write(buf.a, a.data(), DType::f32);
+  be->write(buf.b, b.data(), DType::f32);
+  be->fill_zero(buf.y);
+  RecordingGraphApi api;
+  int64_t rows = 2;  // a row count the host changes after capture
+  float eps = 0.0f;  // a scalar argument (like a learning rate) the host changes after capture
+  CapturedGraph g(api, *be, "planted", [&] {
+    be->add(buf.y.slice(0, rows), buf.a.slice(0, rows), buf.b.slice(0, rows));
+    be->rms_norm(buf.a.slice(0, 1), buf.a.slice(0, 1), buf.b.slice(0, 1), eps);
+  });
+  EXPECT_EQ(read_f32(*be, buf.y), (std::vector<float>{11, 22, 0, 0}));
+  rows = 4;
+  eps = 1e6f;
+  be->write(buf.a, a.data(), DType::f32);
+  g.launch();
+  EXPECT_EQ(read_f32(*be, buf.y), (std::vector<float>{11, 22, 0, 0}))
+      << "the replay used the row count of the launch, not the one frozen at capture";
+  // rms_norm of the single element 1 with eps 0 is 1 * weight 10; with eps 1e6 it would be ~0.
+  EXPECT_FLOAT_EQ(read_f32(*be, buf.a)[0], 10.0f) << "the replay used the new eps";
+}
+
+TEST(GraphStandIn, HostTrafficInsideACaptureIsRefusedAsOnAGpu) {
+  auto be = make_cpu_backend();
+  AddBuffers buf(*be, 2);
+  RecordingGraphApi api;
+  const std::vector<float> host = {1, 2};
+  std::vector<float> back(2);
+  EXPECT_THROW(
+      CapturedGraph(api, *be, "writes", [&] { be->write(buf.a, host.data(), DType::f32); }), Error);
+  EXPECT_THROW(CapturedGraph(api, *be, "reads", [&] { be->read(back.data(), DType::f32, buf.a); }),
+               Error);
+  EXPECT_THROW(CapturedGraph(api, *be, "syncs", [&] { be->synchronize(); }), Error);
+  EXPECT_THROW(CapturedGraph(api, *be, "allocates", [&] { be->allocate(16); }), Error);
+  EXPECT_FALSE(api.capturing());
+  // Outside a capture the same calls work, and a new capture can open.
+  be->write(buf.a, host.data(), DType::f32);
+  EXPECT_EQ(read_f32(*be, buf.a), host);
+  CapturedGraph ok(api, *be, "ok", [&] { be->add(buf.y, buf.a, buf.a); });
+  ok.launch();
+  EXPECT_EQ(read_f32(*be, buf.y), (std::vector<float>{2, 4}));
 }
 
 TEST(GraphStandIn, EveryGraphIsDestroyedExactlyOnceExecBeforeGraph) {

@@ -10,6 +10,7 @@
 #include "core/backend.h"
 #include "core/cpu/cpu_gemm.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "core/taping_backend.h"
 
 namespace iris {
 namespace {
@@ -809,7 +810,7 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend() {
-  return std::make_unique<CpuBackend>();
+  return std::make_unique<TapingBackend>(std::make_unique<CpuBackend>());
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& spec) {
