@@ -1030,9 +1030,11 @@ TEST_F(BackwardOps, LmHeadLoss) {
     int64_t n, hidden, vocab, chunk;
     float loss0;
     bool dx, dw;
+    bool ignore_some = false;  // every third row's target -100 (bucket padding)
   };
   const Case cases[] = {
       {37, 64, 1000, 8, 0.f, true, true},         // chunks of 8, the last one short
+      {37, 64, 1000, 8, 1.f, true, true, true},   // ignored rows: no loss, zero dx rows
       {20, 256, 1000, 7, 123.5f, true, false},    // a running loss_sum; lm_head frozen
       {12, 128, 1003, 16, 0.f, true, true},       // one chunk larger than N, odd vocab
       {9, 64, 151936, 4, 2.f, true, true},        // tiny text model: real vocab
@@ -1054,6 +1056,8 @@ TEST_F(BackwardOps, LmHeadLoss) {
           std::vector<int32_t> tgt(static_cast<size_t>(c.n));
           for (auto& t : tgt) t = rng.integer(0, static_cast<int32_t>(c.vocab - 1));
           tgt[0] = 0, tgt[c.n - 1] = static_cast<int32_t>(c.vocab - 1);
+          if (c.ignore_some)
+            for (size_t i = 1; i < tgt.size(); i += 3) tgt[i] = -100;
           Tensor tgt_t = s.make_i32({c.n}, tgt);
           Tensor gs_t = s.make(Kind::f32, {1}, {gs});
           Tensor loss = s.make(Kind::f32, {1}, {c.loss0});
@@ -1070,6 +1074,74 @@ TEST_F(BackwardOps, LmHeadLoss) {
           return outs;
         });
   }
+}
+
+// Ignored rows (negative targets) must be exactly absent: the loss and dw of the labelled rows
+// alone, and zero dx rows, so that padding a micro-batch up to a graph bucket changes nothing.
+TEST(LmHeadLossIgnoredRows, EqualTheLabelledRowsAlone) {
+  auto be = make_cpu_backend();
+  const int64_t n = 10, H = 32, V = 50, chunk = 4;
+  Rng rng(77);
+  const std::vector<float> x = rng.normal(n * H), w = rng.normal(V * H, 0.f, 0.5f);
+  std::vector<int32_t> tgt(n);
+  for (auto& t : tgt) t = rng.integer(0, static_cast<int32_t>(V - 1));
+  std::vector<int64_t> kept;
+  for (int64_t i = 0; i < n; ++i)
+    if (i % 3 == 1)
+      tgt[static_cast<size_t>(i)] = -100;
+    else
+      kept.push_back(i);
+  const int64_t m = static_cast<int64_t>(kept.size());
+  std::vector<float> xk, outs_loss(2);
+  std::vector<int32_t> tk;
+  for (int64_t i : kept) {
+    xk.insert(xk.end(), x.begin() + i * H, x.begin() + (i + 1) * H);
+    tk.push_back(tgt[static_cast<size_t>(i)]);
+  }
+  std::vector<std::vector<float>> dx(2), dw(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t rows = pass == 0 ? n : m;
+    Arena plan;
+    plan.alloc(DType::f32, {rows, H}), plan.alloc(DType::f32, {V, H}),
+        plan.alloc(DType::i32, {rows});
+    plan.alloc(DType::f32, {1}), plan.alloc(DType::f32, {1}), plan.alloc(DType::f32, {rows, H});
+    plan.alloc(DType::f32, {V, H});
+    const size_t ws_bytes = be->lm_head_loss_workspace_bytes(chunk, H, V);
+    plan.alloc(DType::f32, {static_cast<int64_t>(ws_bytes / 4 + 1)});
+    Arena a(*be, plan.used());
+    Tensor xt = a.alloc(DType::f32, {rows, H}), wt = a.alloc(DType::f32, {V, H});
+    Tensor tt = a.alloc(DType::i32, {rows}), gs = a.alloc(DType::f32, {1});
+    Tensor loss = a.alloc(DType::f32, {1}), dxt = a.alloc(DType::f32, {rows, H});
+    Tensor dwt = a.alloc(DType::f32, {V, H});
+    Tensor ws = a.alloc(DType::f32, {static_cast<int64_t>(ws_bytes / 4 + 1)});
+    be->write(xt, (pass == 0 ? x : xk).data(), DType::f32);
+    be->write(wt, w.data(), DType::f32);
+    be->write(tt, (pass == 0 ? tgt : tk).data(), DType::i32);
+    const float one = 1.0f;
+    be->write(gs, &one, DType::f32);
+    be->fill_zero(loss);
+    be->fill_zero(dwt);
+    std::vector<float> nan_rows(static_cast<size_t>(rows * H), std::nanf(""));
+    be->write(dxt, nan_rows.data(), DType::f32);
+    be->lm_head_loss(loss, dxt, dwt, xt, wt, tt, gs, ws, chunk);
+    be->read(&outs_loss[pass], DType::f32, loss);
+    dx[pass].resize(static_cast<size_t>(rows * H));
+    dw[pass].resize(static_cast<size_t>(V * H));
+    be->read(dx[pass].data(), DType::f32, dxt);
+    be->read(dw[pass].data(), DType::f32, dwt);
+  }
+  EXPECT_NEAR(outs_loss[0], outs_loss[1], 1e-5 * std::abs(outs_loss[1]));
+  for (int64_t i = 0, k = 0; i < n; ++i) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float got = dx[0][static_cast<size_t>(i * H + h)];
+      if (i % 3 == 1)
+        ASSERT_EQ(got, 0.0f) << "row " << i;
+      else
+        ASSERT_NEAR(got, dx[1][static_cast<size_t>(k * H + h)], 1e-6f) << "row " << i;
+    }
+    if (i % 3 != 1) ++k;
+  }
+  for (size_t j = 0; j < dw[0].size(); ++j) ASSERT_NEAR(dw[0][j], dw[1][j], 1e-6f) << j;
 }
 
 // ---- optimizer ----

@@ -1,6 +1,7 @@
 #include "training/train_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <set>
 
@@ -78,11 +79,29 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
   for (int tap : v.deepstack_visual_indexes)
     IRIS_CHECK(tap >= 0 && tap < v.depth, "DeepStack tap ", tap, " is not a vision block index");
   IRIS_CHECK(t.head_dim % 2 == 0 && v.head_dim() % 2 == 0, "head dims must be even");
+  auto check_buckets = [](const std::vector<int64_t>& b, int64_t max, int64_t unit,
+                          const char* what) {
+    for (size_t i = 0; i < b.size(); ++i)
+      IRIS_CHECK(b[i] > 0 && b[i] <= max && b[i] % unit == 0 && (i == 0 || b[i] > b[i - 1]), what,
+                 " buckets must ascend, be positive multiples of ", unit, " and be at most ", max,
+                 " (bucket ", b[i], ")");
+  };
+  check_buckets(limits.text_buckets, limits.max_seq_len, 1, "text");
+  check_buckets(limits.vision_buckets, limits.max_patches, v.merge_unit(), "vision");
+  IRIS_CHECK(limits.vision_buckets.empty() || !limits.text_buckets.empty(),
+             "vision buckets need text buckets: the padded vision rows land in the text's padding");
+  if (!limits_.text_buckets.empty() && limits_.vision_buckets.empty() && limits.max_patches > 0)
+    limits_.vision_buckets = {limits.max_patches};
   grads_ = allocate_weights(backend, cfg, DType::f32);
   Arena plan;
   allocate(plan);
   arena_ = Arena(backend, plan.used());
   allocate(arena_);
+  // Rows a padded micro-batch gathers but never computes (the sink row of a bucket that a later,
+  // larger bucket has not written) must hold finite values: an ignored row's zero gradient is
+  // 0 * x, which a NaN left in memory would poison.
+  be_.fill_zero(Tensor(arena_.base(), DType::f32, be_.device(),
+                       {static_cast<int64_t>(arena_.capacity() / sizeof(float))}));
   zero_grads();
   be_.fill_zero(loss_total_);
   if (limits.vision_tower_frozen) set_frozen(true, false, false);
@@ -97,13 +116,15 @@ void TrainableQwen3VL::allocate(Arena& a) {
                 M = v.merged_dim(), Iv = v.intermediate_size, nh = v.num_heads;
   const int64_t out = v.out_hidden_size;
 
+  // Text tensors that scatters and gathers address get one more row: a padded micro-batch's sink.
+  const int64_t Ls = L + 1;
   ids_ = a.alloc(I32, {L});
-  pad_rows_ = a.alloc(I32, {L});
+  pad_rows_ = a.alloc(I32, {std::max(L, Sm)});
   label_rows_ = a.alloc(I32, {L});
   targets_ = a.alloc(I32, {L});
   cos_ = a.alloc(F, {L, t.head_dim});
   sin_ = a.alloc(F, {L, t.head_dim});
-  text_cu_ = a.alloc(I32, {limits_.max_samples + 1});
+  text_cu_ = a.alloc(I32, {limits_.max_samples + 2});  // + the padding segment
   grad_scale_ = a.alloc(F, {1});
   loss_sum_ = a.alloc(F, {1});
   loss_total_ = a.alloc(F, {1});
@@ -112,7 +133,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   v_sin_ = a.alloc(F, {S, v.head_dim()});
   pos_index_ = a.alloc(I32, {S, 4});
   pos_weight_ = a.alloc(F, {S, 4});
-  v_cu_ = a.alloc(I32, {limits_.max_images + 1});
+  v_cu_ = a.alloc(I32, {limits_.max_images + 2});  // + the padding segment
+  v_real_rows_ = a.alloc(I32, {1});
 
   // A block's tensors are its own when its backward reads them as the forward left them; the
   // others are one set shared by all blocks (recomputed before each block's backward, or never
@@ -166,7 +188,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   for (auto& m : ds_) merger(m, Sm);
 
   tx_.clear();
-  for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {L, H}));
+  for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {Ls, H}));
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
   const bool t_keep_all = rc == Recompute::none, t_keep_layer = rc != Recompute::full;
@@ -190,7 +212,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   }
   t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
   activation_bytes_ = a.used() - activations_start;
-  final_ = a.alloc(A, {L, H});
+  final_ = a.alloc(A, {Ls, H});
   final_rstd_ = a.alloc(F, {L});
   xlab_ = a.alloc(A, {L, H});
   dxlab_ = a.alloc(A, {L, H});
@@ -200,12 +222,12 @@ void TrainableQwen3VL::allocate(Arena& a) {
 
   // Where the compute dtype is f32 the GEMMs read the f32 residual gradient itself.
   const bool f32_compute = A == F;
-  t_dres_ = a.alloc(F, {L, H});
+  t_dres_ = a.alloc(F, {Ls, H});
   t_dres_c_ = f32_compute ? t_dres_ : a.alloc(A, {L, H});
   // The input-side gradients that feed the norms' backwards stay f32: one bf16 rounding fewer on
   // the residual path (the CUDA golden gradients gained from it).
-  t_dtmp_ = a.alloc(F, {L, H});
-  t_dloss_ = f32_compute ? t_dtmp_ : a.alloc(A, {L, H});
+  t_dtmp_ = a.alloc(F, {Ls, H});
+  t_dloss_ = f32_compute ? t_dtmp_ : a.alloc(A, {Ls, H});
   t_dattn_ = a.alloc(A, {L, t.q_width()});
   t_dqkv_ = a.alloc(A, {L, t.qkv_width()});
   t_dgu_ = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
@@ -238,6 +260,9 @@ void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_
              "activations), so the tower cannot be unfrozen; plan it with "
              "TrainLimits.vision_tower_frozen = false");
   frozen_ = FreezeSpec{vision_tower, merger, language_model};
+  // Graph keys name the frozen parts, so graphs of the old setting are simply never replayed;
+  // freeing them keeps memory from growing with every change.
+  delete_graphs();
   for (const WeightBinding& b : grads_->bindings)
     if (frozen_.frozen(b.hf_name)) be_.fill_zero(b.tensor());
 }
@@ -254,7 +279,7 @@ LossStats TrainableQwen3VL::forward_backward(const std::vector<const TrainSample
 int64_t TrainableQwen3VL::queue_forward_backward(const std::vector<const TrainSample*>& batch,
                                                  float grad_scale) {
   run(batch, true, grad_scale, loss_total_);
-  return n_label_;
+  return n_label_real_;
 }
 
 double TrainableQwen3VL::take_loss_sum() {
@@ -270,7 +295,7 @@ LossStats TrainableQwen3VL::run_and_read(const std::vector<const TrainSample*>& 
   run(batch, backward, grad_scale, loss_sum_);
   float loss_sum = 0.0f;
   be_.read(&loss_sum, DType::f32, loss_sum_);
-  return LossStats{loss_sum, n_label_};
+  return LossStats{loss_sum, n_label_real_};
 }
 
 void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
@@ -303,14 +328,44 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
              " patches, more than the planned maximum of ", limits_.max_patches,
              " (train.max_vision_patches)");
 
+  // The buckets this micro-batch pads up to, if it fits under the largest ones.
+  auto bucket_for = [](const std::vector<int64_t>& buckets, int64_t n) -> int64_t {
+    for (int64_t b : buckets)
+      if (b >= n) return b;
+    return -1;
+  };
+  int64_t Lb = L, Sb = S;
+  padded_ = false;
+  if (!limits_.text_buckets.empty()) {
+    const int64_t lb = bucket_for(limits_.text_buckets, L);
+    const int64_t sb = S == 0 ? 0 : bucket_for(limits_.vision_buckets, S);
+    if (lb > 0 && sb >= 0) {
+      padded_ = true;
+      Lb = lb;
+      Sb = sb;
+    } else {
+      IRIS_CHECK(!(graph_api_ != nullptr && graphs_.overflow_is_error), "the micro-batch has ", L,
+                 " tokens and ", S, " vision patches, above the largest graph buckets (",
+                 limits_.text_buckets.back(), " tokens, ",
+                 limits_.vision_buckets.empty() ? 0 : limits_.vision_buckets.back(),
+                 " patches); raise cuda_graph.max_vision_cuda_graph_seq_length or set "
+                 "cuda_graph.vision_cuda_graph_overflow: eager");
+      ++overflow_runs_;
+    }
+  }
+  padding_.tokens += L;
+  padding_.padded_tokens += Lb;
+  padding_.patches += S;
+  padding_.padded_patches += Sb;
+
   const int hd = t.head_dim;
-  h_ids_.resize(static_cast<size_t>(L));
+  h_ids_.resize(static_cast<size_t>(Lb));
   h_pad_rows_.clear();
   h_label_rows_.clear();
   h_targets_.clear();
   h_text_cu_.assign(1, 0);
-  h_cos_.resize(static_cast<size_t>(L * hd));
-  h_sin_.resize(static_cast<size_t>(L * hd));
+  h_cos_.resize(static_cast<size_t>(Lb * hd));
+  h_sin_.resize(static_cast<size_t>(Lb * hd));
   std::vector<GridTHW> grids;
   int64_t row = 0, patch_row = 0;
   for (const TrainSample* s : batch) {
@@ -349,16 +404,32 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     row += n;
     h_text_cu_.push_back(static_cast<int32_t>(row));
   }
-  L_ = L;
-  S_ = S;
+  n_label_real_ = static_cast<int64_t>(h_label_rows_.size());
+  n_text_segments_ = static_cast<int>(batch.size());
+  if (padded_) {
+    // Padding tokens: id 0 at position 0 in a causal segment of their own, no labels. Padding
+    // label slots and merged vision rows point at the sink row past the bucket, which no layer
+    // reads; their targets are ignored, so they add no loss and a zero gradient.
+    std::fill(h_ids_.begin() + L, h_ids_.end(), 0);
+    for (int64_t i = L; i < Lb; ++i) {
+      std::fill(h_cos_.begin() + i * hd, h_cos_.begin() + (i + 1) * hd, 1.0f);
+      std::fill(h_sin_.begin() + i * hd, h_sin_.begin() + (i + 1) * hd, 0.0f);
+    }
+    if (Lb > L) h_text_cu_.push_back(static_cast<int32_t>(Lb));
+    n_text_segments_ = limits_.max_samples + 1;
+    h_label_rows_.resize(static_cast<size_t>(Lb), static_cast<int32_t>(Lb));
+    h_targets_.resize(static_cast<size_t>(Lb), kIgnoreIndex);
+    h_pad_rows_.resize(static_cast<size_t>(Sb / v.merge_unit()), static_cast<int32_t>(Lb));
+  }
+  L_ = Lb;
+  S_ = Sb;
   n_pad_ = static_cast<int64_t>(h_pad_rows_.size());
   n_label_ = static_cast<int64_t>(h_label_rows_.size());
-  n_text_segments_ = static_cast<int>(batch.size());
-  h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 1, h_text_cu_.back());
+  h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 2, h_text_cu_.back());
 
-  be_.write(ids_.slice(0, L), h_ids_.data(), DType::i32);
-  be_.write(cos_.slice(0, L), h_cos_.data(), DType::f32);
-  be_.write(sin_.slice(0, L), h_sin_.data(), DType::f32);
+  be_.write(ids_.slice(0, Lb), h_ids_.data(), DType::i32);
+  be_.write(cos_.slice(0, Lb), h_cos_.data(), DType::f32);
+  be_.write(sin_.slice(0, Lb), h_sin_.data(), DType::f32);
   be_.write(text_cu_, h_text_cu_.data(), DType::i32);
   if (n_pad_ > 0) be_.write(pad_rows_.slice(0, n_pad_), h_pad_rows_.data(), DType::i32);
   if (n_label_ > 0) {
@@ -366,13 +437,19 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     be_.write(targets_.slice(0, n_label_), h_targets_.data(), DType::i32);
   }
   if (S > 0) {
-    const VisionInputs vin = plan_vision_inputs(v, grids, 0, limits_.max_images);
-    n_segments_ = vin.n_segments;
-    be_.write(v_cos_.slice(0, S), vin.cos.data(), DType::f32);
-    be_.write(v_sin_.slice(0, S), vin.sin.data(), DType::f32);
-    be_.write(pos_index_.slice(0, S), vin.pos_index.data(), DType::i32);
-    be_.write(pos_weight_.slice(0, S), vin.pos_weight.data(), DType::f32);
+    // Padded: the padding rows form the last segment, and the segment count is the capacity
+    // (zero-length segments at the tail), so that it is the same for every micro-batch.
+    const int capacity = limits_.max_images + 1;
+    const VisionInputs vin = plan_vision_inputs(v, grids, padded_ ? Sb : 0, capacity);
+    n_segments_ = padded_ ? capacity : vin.n_segments;
+    be_.write(v_cos_.slice(0, Sb), vin.cos.data(), DType::f32);
+    be_.write(v_sin_.slice(0, Sb), vin.sin.data(), DType::f32);
+    be_.write(pos_index_.slice(0, Sb), vin.pos_index.data(), DType::i32);
+    be_.write(pos_weight_.slice(0, Sb), vin.pos_weight.data(), DType::f32);
     be_.write(v_cu_, vin.cu_seqlens.data(), DType::i32);
+    if (Sb > S) be_.fill_zero(pixels_.slice(S, Sb));
+    const int32_t real_rows = static_cast<int32_t>(S);
+    be_.write(v_real_rows_, &real_rows, DType::i32);
   }
 }
 
@@ -381,15 +458,89 @@ void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool ba
   prepare(batch);
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
-  backward = backward && n_label_ > 0 && (lm || vision_grads);
+  backward = backward && n_label_real_ > 0 && (lm || vision_grads);
   be_.write(grad_scale_, &grad_scale, DType::f32);
-  if (S_ > 0) vision_forward();
-  text_forward();
+  // Graphs serve the trainer's path (the loss adds into loss_total_) on padded micro-batches.
+  const bool graphs = graph_api_ != nullptr && padded_ && loss_out.data == loss_total_.data;
+  if (!graphs) {
+    micro_batch(backward, vision_grads, loss_out, false);
+    return;
+  }
+  // A key names every host value its body passes to an op: the shapes (bucket lengths, merged
+  // rows), the phase and what is frozen. Everything else the body reads is in device memory.
+  const std::string shape = str_cat("L", L_, " S", S_, " frozen ", int(frozen_.vision_tower),
+                                    int(frozen_.merger), int(frozen_.language_model));
+  if (graphs_.decoder == GraphImpl::full_iteration) {
+    graphed(str_cat("micro-batch ", backward ? "fwd+bwd " : "fwd ", shape),
+            [this, backward, vision_grads, loss_out] {
+              micro_batch(backward, vision_grads, loss_out, false);
+            });
+    return;
+  }
+  micro_batch(backward, vision_grads, loss_out, graphs_.decoder == GraphImpl::local);
+}
+
+void TrainableQwen3VL::micro_batch(bool backward, bool vision_grads, const Tensor& loss_out,
+                                   bool layer_graphs) {
+  // Inside a full_iteration capture this runs as one body; otherwise the vision encoder and the
+  // decoder layers may replay graphs of their own.
+  const bool vision_graphs = graph_api_ != nullptr && padded_ && graphs_.vision &&
+                             graphs_.decoder != GraphImpl::full_iteration;
+  const std::string vkey =
+      str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
+  if (S_ > 0) {
+    if (vision_graphs)
+      graphed(str_cat("vision fwd ", vkey), [this] { vision_forward(); });
+    else
+      vision_forward();
+  }
+  text_forward(layer_graphs);
   loss(backward, loss_out);
   if (backward) {
-    text_backward();
-    if (vision_grads) vision_backward();
+    text_backward(layer_graphs);
+    if (vision_grads) {
+      if (vision_graphs)
+        graphed(str_cat("vision bwd ", vkey), [this] { vision_backward(); });
+      else
+        vision_backward();
+    }
   }
+}
+
+void TrainableQwen3VL::graphed(const std::string& key, const std::function<void()>& body) {
+  GraphSet& set = graph_sets_[key];
+  if (set.graph.valid()) {
+    set.graph.launch();
+    return;
+  }
+  if (set.eager_runs < graphs_.warmup_runs) {
+    ++set.eager_runs;
+    body();
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  set.graph = capture_and_run(*graph_api_, be_, key, body);
+  capture_ms_ +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
+  IRIS_CHECK(!limits_.text_buckets.empty(),
+             "training graphs need bucket padding: plan the model with TrainLimits.text_buckets");
+  IRIS_CHECK(graphs.warmup_runs >= 0, "cuda_graph.cuda_graph_warmup_steps must not be negative");
+  delete_graphs();
+  graph_api_ = &api;
+  graphs_ = graphs;
+}
+
+void TrainableQwen3VL::delete_graphs() {
+  graph_sets_.clear();
+}
+
+size_t TrainableQwen3VL::graph_count() const {
+  size_t n = 0;
+  for (const auto& [key, set] : graph_sets_) n += set.graph.valid();
+  return n;
 }
 
 // ---- Vision ------------------------------------------------------------------------------------
@@ -417,7 +568,8 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
 }
 
 VisionSegments TrainableQwen3VL::vision_segments() const {
-  return VisionSegments{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_, Tensor()};
+  return VisionSegments{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_,
+                        padded_ ? v_real_rows_ : Tensor()};
 }
 
 VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
@@ -530,20 +682,27 @@ DecoderAttention TrainableQwen3VL::text_attention() const {
   return at;
 }
 
-void TrainableQwen3VL::text_forward() {
+void TrainableQwen3VL::text_forward(bool layer_graphs) {
   const TextConfig& t = cfg_.text;
   const DecoderWeights& w = params_.text;
-  const int64_t L = L_;
+  const int64_t L = L_, Ls = L_ + sink_rows();
   const Tensor pads = pad_rows_.slice(0, n_pad_);
   const DecoderAttention at = text_attention();
 
   be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
-  if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, L), merger_.out.slice(0, n_pad_), pads, false);
+  if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, Ls), merger_.out.slice(0, n_pad_), pads, false);
   for (int l = 0; l < t.num_hidden_layers; ++l) {
-    decoder_layer_forward(be_, t, w.layers[l], text_layer(l), at);
-    // DeepStack: the tapped vision features join the image-pad rows after the first layers.
-    if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-      be_.scatter_rows(tx_[l + 1].slice(0, L), ds_[l].out.slice(0, n_pad_), pads, true);
+    auto layer = [this, &t, &w, l, L, Ls, at] {
+      decoder_layer_forward(be_, t, w.layers[l], text_layer(l), at);
+      // DeepStack: the tapped vision features join the image-pad rows after the first layers.
+      if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
+        be_.scatter_rows(tx_[l + 1].slice(0, Ls), ds_[l].out.slice(0, n_pad_),
+                         pad_rows_.slice(0, n_pad_), true);
+    };
+    if (layer_graphs)
+      graphed(str_cat("layer ", l, " fwd L", L, " pads ", n_pad_), layer);
+    else
+      layer();
   }
   be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
                      tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
@@ -552,7 +711,7 @@ void TrainableQwen3VL::text_forward() {
 void TrainableQwen3VL::loss(bool backward, const Tensor& loss_out) {
   if (n_label_ == 0) return;
   const Tensor xlab = xlab_.slice(0, n_label_);
-  be_.gather_rows(xlab, final_.slice(0, L_), label_rows_.slice(0, n_label_));
+  be_.gather_rows(xlab, final_.slice(0, L_ + sink_rows()), label_rows_.slice(0, n_label_));
   const bool lm = !frozen_.language_model;
   // Overwrites dxlab; accumulates the lm_head's gradient (the embedding's, when tied).
   be_.lm_head_loss(loss_out, backward ? dxlab_.slice(0, n_label_) : Tensor(),
@@ -576,20 +735,21 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
   }
 }
 
-void TrainableQwen3VL::text_backward() {
+void TrainableQwen3VL::text_backward(bool layer_graphs) {
   const TextConfig& t = cfg_.text;
   const DecoderWeights& w = params_.text;
   DecoderWeights& g = grads_->text;
   const bool lm = !frozen_.language_model;
-  const int64_t L = L_;
+  const int64_t L = L_, Ls = L_ + sink_rows();
   const Tensor pads = pad_rows_.slice(0, n_pad_);
   const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
-  const Tensor dloss = t_dloss_.slice(0, L);
-  be_.fill_zero(dres);
-  be_.fill_zero(dloss);
-  be_.scatter_rows(dloss, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
-  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), dloss, tx_[t.num_hidden_layers].slice(0, L),
-                        final_rstd_.slice(0, L), w.norm_w);
+  // With the sink row, which padding's gathers read as zero.
+  const Tensor dres_sink = t_dres_.slice(0, Ls), dloss_sink = t_dloss_.slice(0, Ls);
+  be_.fill_zero(dres_sink);
+  be_.fill_zero(dloss_sink);
+  be_.scatter_rows(dloss_sink, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
+  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), t_dloss_.slice(0, L),
+                        tx_[t.num_hidden_layers].slice(0, L), final_rstd_.slice(0, L), w.norm_w);
   const DecoderAttention at = text_attention();
   const DecoderGradScratch scratch{dres,
                                    dres_c,
@@ -600,21 +760,27 @@ void TrainableQwen3VL::text_backward() {
                                    t_dqkv_.slice(0, L),
                                    t_dsum_.slice(0, L)};
   for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
-    // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after layer l).
-    if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-      be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres, pads);
-    const DecoderLayerBuffers b = text_layer(l);
-    if (limits_.recompute != Recompute::none) {
-      DecoderLayerBuffers rerun = b;
-      if (limits_.recompute == Recompute::full) rerun.x_out = t_recompute_out_.slice(0, L);
-      decoder_layer_recompute(be_, t, w.layers[l], rerun, at, limits_.recompute);
-    }
-    decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, b, at, scratch);
+    auto layer = [this, &t, &w, &g, lm, l, L, at, scratch, dres_sink] {
+      // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after l).
+      if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
+        be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres_sink, pad_rows_.slice(0, n_pad_));
+      const DecoderLayerBuffers b = text_layer(l);
+      if (limits_.recompute != Recompute::none) {
+        DecoderLayerBuffers rerun = b;
+        if (limits_.recompute == Recompute::full) rerun.x_out = t_recompute_out_.slice(0, L);
+        decoder_layer_recompute(be_, t, w.layers[l], rerun, at, limits_.recompute);
+      }
+      decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, b, at, scratch);
+    };
+    if (layer_graphs)
+      graphed(str_cat("layer ", l, " bwd L", L, " pads ", n_pad_, " lm ", int(lm)), layer);
+    else
+      layer();
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.
   if (lm) be_.embedding_backward(g.embed, dres, ids_.slice(0, L), cfg_.image_token_id);
-  if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres, pads);
+  if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres_sink, pads);
 }
 
 }  // namespace iris

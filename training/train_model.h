@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +24,8 @@
 #include "bridge/model_config.h"
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/graph_capture.h"
+#include "core/graph_config.h"
 #include "core/recompute.h"
 #include "vision/vision_encoder.h"
 
@@ -77,6 +81,29 @@ struct TrainLimits {
   // block outputs that the mergers read are still kept). set_frozen may freeze more later,
   // never unfreeze the tower of a model planned with it frozen.
   bool vision_tower_frozen = false;
+  // Bucket padding, so that a few graph sets serve every micro-batch: the tokens are padded up to
+  // the smallest text bucket at or above their count (the padding in a causal segment of its own
+  // whose labels are ignored) and the patch rows up to the smallest vision bucket (a vision
+  // segment of its own that attends to nothing and is written as zeros). Padding changes no loss
+  // and no gradient beyond fp32 rounding. Empty text_buckets: no padding. Empty vision_buckets
+  // with text buckets: max_patches is the only one. Ascending; text buckets at most max_seq_len,
+  // vision buckets multiples of the merge unit at most max_patches. A micro-batch above the
+  // largest bucket runs unpadded (and eagerly).
+  std::vector<int64_t> text_buckets;
+  std::vector<int64_t> vision_buckets;
+};
+
+// Which parts of queue_forward_backward replay captured graphs (core/graph_capture.h). Graphs run
+// only on padded micro-batches (TrainLimits' buckets), one set per bucket shape; a shape's first
+// warmup_runs micro-batches run eagerly, the next one is captured (and runs), later ones replay.
+struct TrainGraphs {
+  // local: each decoder layer's forward and its backward; full_iteration: the whole micro-batch's
+  // forward and backward (vision included) as one graph.
+  GraphImpl decoder = GraphImpl::none;
+  bool vision = false;  // the encoder's forward (with its mergers) and its backward
+  int warmup_runs = 3;
+  // A micro-batch above the largest bucket: run eagerly (counted in overflow_runs()) or fail.
+  bool overflow_is_error = false;
 };
 
 class TrainableQwen3VL {
@@ -103,6 +130,23 @@ class TrainableQwen3VL {
   LossStats forward_backward(const TrainSample& s, float grad_scale) {
     return forward_backward({&s}, grad_scale);
   }
+
+  // Captures and replays graphs in queue_forward_backward from now on (a model planned with text
+  // buckets only). `api` must outlive the graphs: delete_graphs() before it goes.
+  void use_graphs(GraphApi& api, const TrainGraphs& graphs);
+  // Destroys every graph this model created (none created: nothing happens); the graphs are
+  // captured again on later use if use_graphs is still in effect.
+  void delete_graphs();
+  bool graphs_created() const { return !graph_sets_.empty() && graph_count() > 0; }
+  size_t graph_count() const;
+  double capture_ms() const { return capture_ms_; }
+  // Micro-batches run unpadded because they were above the largest bucket.
+  int64_t overflow_runs() const { return overflow_runs_; }
+  // Real and padded tokens and patch rows of the micro-batches run so far (padding's cost).
+  struct PaddingStats {
+    int64_t tokens = 0, padded_tokens = 0, patches = 0, padded_patches = 0;
+  };
+  const PaddingStats& padding_stats() const { return padding_; }
 
   ModelWeights& grads() { return *grads_; }
   ModelWeights& params() { return params_; }
@@ -132,16 +176,22 @@ class TrainableQwen3VL {
   LossStats run_and_read(const std::vector<const TrainSample*>& batch, bool backward,
                          float grad_scale);
   void prepare(const std::vector<const TrainSample*>& batch);
+  // Replays the graph called `key`, or runs `body` (warm-up, or graphs off), or captures it.
+  void graphed(const std::string& key, const std::function<void()>& body);
+  void micro_batch(bool backward, bool vision_grads, const Tensor& loss_out, bool layer_graphs);
+  // The rows past a padded micro-batch's tokens that scatters and gathers of padding use: one
+  // row after the bucket, never read by a layer.
+  int64_t sink_rows() const { return padded_ ? 1 : 0; }
   void vision_forward();
   // Block l's saved activations over the current micro-batch's rows.
   VisionBlockBuffers vision_block(int l) const;
   VisionSegments vision_segments() const;
-  void text_forward();
+  void text_forward(bool layer_graphs);
   // Layer l's saved activations over the current micro-batch's tokens.
   DecoderLayerBuffers text_layer(int l) const;
   DecoderAttention text_attention() const;
   void loss(bool backward, const Tensor& loss_out);
-  void text_backward();
+  void text_backward(bool layer_graphs);
   void vision_backward();
   VisionGradScratch vision_grad_scratch() const;
 
@@ -154,7 +204,21 @@ class TrainableQwen3VL {
   Arena arena_;
   size_t activation_bytes_ = 0;
 
-  // The current micro-batch's shape.
+  // Graphs: by key (which names every host value the body uses), with their warm-up count.
+  struct GraphSet {
+    int eager_runs = 0;
+    CapturedGraph graph;
+  };
+  GraphApi* graph_api_ = nullptr;
+  TrainGraphs graphs_;
+  std::map<std::string, GraphSet> graph_sets_;
+  double capture_ms_ = 0;
+  int64_t overflow_runs_ = 0;
+  PaddingStats padding_;
+
+  // The current micro-batch's shape (padded: the bucket's).
+  bool padded_ = false;
+  int64_t n_label_real_ = 0;
   int64_t L_ = 0;        // tokens
   int64_t S_ = 0;        // vision patch rows
   int64_t n_pad_ = 0;    // image-pad tokens (= S_ / merge_unit)
@@ -168,7 +232,7 @@ class TrainableQwen3VL {
   // Inputs.
   Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_,
       loss_total_;
-  Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_;
+  Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_;
   // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
   // At the planned row count; blocks share the tensors that are recomputed (or, with the tower

@@ -1203,8 +1203,8 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
              lm_head_scratch_floats(chunk_rows, H, V), " that ", chunk_rows,
              " rows need (size it with lm_head_scratch_floats)");
   for (int64_t i = 0; i < N; ++i)
-    IRIS_CHECK(targets[i] >= 0 && targets[i] < V, "label ", targets[i],
-               " is outside the vocabulary of ", V, " (use -100 for tokens without a label)");
+    IRIS_CHECK(targets[i] < V, "label ", targets[i], " is outside the vocabulary of ", V,
+               " (use -100 for tokens without a label)");
 #ifdef IRIS_LM_HEAD_AVX2
   const bool fused = have_avx2_fma() && H % 8 == 0 && chunk_rows <= kMaxFusedRows;
   // Column ranges are whole 16-float units, so 512-bit vectors cover them exactly.
@@ -1242,6 +1242,10 @@ double lm_head_cross_entropy(float* dx, float* dw, const float* x, const float* 
       for (int64_t r = rb; r < re; ++r) {
         float* lr = scratch + r * V;
         const int32_t t = targets[r0 + r];
+        if (t < 0) {  // an ignored row (bucket padding): no loss, a zero gradient row
+          if (dx) std::fill(lr, lr + V, 0.0f);
+          continue;
+        }
         const float target_logit = lr[t];
         // One exp per logit, kept in place for the gradient; the sum in f64.
         float mx;
