@@ -179,7 +179,11 @@ std::vector<Field> fields(Recipe& r) {
        "SVG of loss and learning rate, relative to the run directory; empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
       {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size, "pipeline stages"},
-      {"parallel.data_parallel_size", &p.data_parallel_size, "data-parallel replicas"},
+      {"parallel.data_parallel_size", &p.data_parallel_size,
+       "data-parallel processes: the launcher's process count (mpirun -np N, srun) divided by "
+       "pipeline_parallel_size"},
+      {"parallel.timeout_seconds", &p.timeout_seconds,
+       "seconds a rank waits for the others in one exchange before the whole job is aborted"},
   };
 }
 
@@ -881,13 +885,15 @@ void validate(Recipe& r) {
   }
   r.accumulation_steps = t.global_batch_size / per_step;
 
-  const int64_t world = p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size;
-  IRIS_CHECK(world == 1, "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
-             ", parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
-             ", parallel.data_parallel_size=", p.data_parallel_size,
-             ": Iris trains on the CPU reference backend in a single process, so every parallel "
-             "size must be 1 (set them to 1; global_batch_size is reached by gradient "
-             "accumulation instead)");
+  positive(p.timeout_seconds, "parallel.timeout_seconds");
+  IRIS_CHECK(p.tensor_parallel_size == 1,
+             "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
+             ": tensor parallelism is not supported yet (set it to 1 and use "
+             "parallel.data_parallel_size with mpirun -np N)");
+  IRIS_CHECK(p.pipeline_parallel_size == 1,
+             "recipe: parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
+             ": pipeline parallelism is not supported yet (set it to 1 and use "
+             "parallel.data_parallel_size with mpirun -np N)");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;

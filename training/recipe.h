@@ -100,7 +100,11 @@ struct LoggingRecipe {
 struct ParallelRecipe {
   int64_t tensor_parallel_size = 1;
   int64_t pipeline_parallel_size = 1;
+  // Processes that each train on their share of every global batch; must equal the launcher's
+  // process count (mpirun -np N, srun) divided by pipeline_parallel_size.
   int64_t data_parallel_size = 1;
+  // How long one rank waits for the others in a collective before the whole job is aborted.
+  int64_t timeout_seconds = 900;
 };
 
 struct Recipe {
