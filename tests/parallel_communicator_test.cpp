@@ -19,6 +19,7 @@
 #include "parallel/grad_reducer.h"
 #include "parallel/launch.h"
 #include "parallel/mpi_session.h"
+#include "parallel/shard_exchange.h"
 
 namespace iris {
 namespace {
@@ -200,6 +201,35 @@ TEST_F(Collectives, GradReducerBucketsGiveTheRankOrderSum) {
   std::copy(fresh.begin(), fresh.end(), grads.begin());
   reducer.reduce();
   EXPECT_TRUE(same_bits(grads, rank_order_sum(n)));
+}
+
+TEST_F(Collectives, ShardExchangeSumsEachShardAndGathersEveryShard) {
+  auto cpu = make_cpu_backend();
+  // A length with a tail for the last rank, in one bucket and in many (packed) ones.
+  const int64_t n = 10007;
+  for (const int64_t bucket : {int64_t(1) << 20, int64_t(1000)}) {
+    SCOPED_TRACE(bucket);
+    std::vector<float> grads = data_of(rank_, n), weights(static_cast<size_t>(n), -1.0f);
+    ShardExchange ex(*cpu, *comm_, view(grads), view(weights), bucket);
+    const int64_t b = ex.begin(), e = ex.end();
+    EXPECT_EQ(b, n / world_ * rank_);
+    EXPECT_EQ(e, rank_ == world_ - 1 ? n : n / world_ * (rank_ + 1));
+    EXPECT_EQ(ex.buckets(),
+              bucket >= n ? 1 : (n / world_ + bucket / world_ - 1) / (bucket / world_));
+    const std::vector<float> want = rank_order_sum(n);
+    for (int pass = 0; pass < 2; ++pass) {  // the scratch is reused: a second step sums afresh
+      const std::vector<float> fresh = data_of(rank_, n);
+      std::copy(fresh.begin(), fresh.end(), grads.begin());
+      ex.reduce_scatter();
+      EXPECT_TRUE(same_bits(std::vector<float>(grads.begin() + b, grads.begin() + e),
+                            std::vector<float>(want.begin() + b, want.begin() + e)));
+      // Each rank writes its shard of the weights; the gather hands every rank all of them.
+      std::fill(weights.begin(), weights.end(), -1.0f);
+      std::copy(want.begin() + b, want.begin() + e, weights.begin() + b);
+      ex.all_gather();
+      EXPECT_TRUE(same_bits(weights, want));
+    }
+  }
 }
 
 TEST_F(Collectives, RefusesTensorsOfAnotherDevice) {
