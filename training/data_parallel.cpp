@@ -56,14 +56,15 @@ std::string DataParallel::layout(int64_t micro_batches_per_step, int64_t micro) 
 }
 
 DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
-                                         ModelWeights* const* weights, int n_weights) {
+                                         ModelWeights* const* weights, int n_weights,
+                                         bool reduce_gradients) {
   if (env_.world == 1) return Link(*this);
   comm_ = be.device() == Device::cuda ? make_nccl_communicator(be, session_, env_.rank, env_.world)
                                       : make_mpi_communicator(*session_);
   // Gradients of one config share one layout, so they are one flat span (as zero_grads uses).
   const Tensor flat(grads.arena.base(), DType::f32, be.device(),
                     {static_cast<int64_t>(grads.arena.capacity() / sizeof(float))});
-  reducer_ = std::make_unique<GradReducer>(be, *comm_, flat);
+  if (reduce_gradients) reducer_ = std::make_unique<GradReducer>(be, *comm_, flat);
   // Every rank initialises or loads the same weights; copying rank 0's makes that a guarantee
   // rather than an assumption (a file changed under one rank, a different build).
   for (int i = 0; i < n_weights; ++i)
@@ -81,7 +82,8 @@ void DataParallel::disconnect() {
 }
 
 std::string DataParallel::describe() const {
-  if (!reducer_) return "";
+  if (!comm_) return "";
+  if (!reducer_) return str_cat(comm_->name(), " gradient reduce-scatter in the sharded optimizer");
   return str_cat(comm_->name(), " gradient all-reduce in ", reducer_->buckets(),
                  " fixed-order buckets, scratch ", reducer_->scratch_bytes() / (size_t(1) << 20),
                  " MiB");

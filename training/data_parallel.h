@@ -65,13 +65,17 @@ class DataParallel {
     DataParallel& dp_;
   };
   // With more than one rank: the communicator for `be`'s device (MPI on the CPU, NCCL on CUDA),
-  // the gradient reducer over `grads` (one flat span) and rank 0's weights copied to every rank.
-  // Does nothing for a single process. Keep the Link while `be` lives.
+  // the gradient reducer over `grads` (one flat span) unless a sharded optimizer sums them
+  // (reduce_gradients false), and rank 0's weights copied to every rank. Does nothing for a
+  // single process. Keep the Link while `be` lives.
   [[nodiscard]] Link connect(Backend& be, ModelWeights& grads, ModelWeights* const* weights,
-                             int n_weights);
+                             int n_weights, bool reduce_gradients = true);
+  // The communicator connect() made; null for a single process.
+  Communicator* communicator() { return comm_.get(); }
   // Communicator and scratch bytes, for the memory plan ("" for one process).
   std::string describe() const;
   // Sums the gradients over the ranks (fixed order); after the backward of the last micro-batch.
+  // Nothing to do when a sharded optimizer sums them.
   void reduce_gradients();
   // The rank-order sum of every rank's local loss sum.
   double global_loss_sum(double local);

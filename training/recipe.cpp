@@ -152,6 +152,9 @@ std::vector<Field> fields(Recipe& r) {
       {"optimizer.eps", &o.eps, "AdamW epsilon"},
       {"optimizer.weight_decay", &o.weight_decay, "decoupled weight decay"},
       {"optimizer.clip_grad", &o.clip_grad, "clip the global gradient L2 norm to this; 0: off"},
+      {"optimizer.distributed", &o.distributed,
+       "shard the AdamW moments over the data-parallel ranks (ZeRO-1): each rank keeps and updates "
+       "1/data_parallel_size of them, the same losses as unsharded (CPU backend for now)"},
       {"schedule.kind", &s.kind, "learning-rate schedule after warmup", {"constant", "cosine"}},
       {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
       {"schedule.decay_iters", &s.decay_iters,
@@ -317,6 +320,7 @@ constexpr ForeignKey kForeignKeys[] = {
     {"optimizer.adam_beta1", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_beta2", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_eps", "use optimizer.eps"},
+    {"optimizer.use_distributed_optimizer", "use optimizer.distributed (true or false)"},
     {"dataset.seq_length", "use train.seq_length"},
     {"rng.seed", "use train.seed"},
 };

@@ -75,6 +75,8 @@ struct OptimizerRecipe {
   double eps = 1e-8;
   double weight_decay = 0.0;
   double clip_grad = 1.0;  // global L2 norm; 0 disables clipping
+  // Shard the AdamW state over the data-parallel ranks (ZeRO-1).
+  bool distributed = false;
 };
 
 struct ScheduleRecipe {

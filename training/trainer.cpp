@@ -415,10 +415,19 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                   r.train.freeze_language_model);
   TrainableQwen3VL& model = *replicas[0];
   Backend& be = model.backend();
-  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get());
-  if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
+  // The sharded optimizer updates the weights the model reads in place, which on the GPU are a
+  // bf16 copy of the f32 master weights: not sharded yet.
+  const bool sharded = r.optimizer.distributed && dp.world() > 1;
+  IRIS_CHECK(!(sharded && on_gpu),
+             "optimizer.distributed shards the optimizer on the CPU backend only for now; set "
+             "optimizer.distributed=false to train on GPUs with ",
+             dp.world(), " data-parallel ranks (or train.device=cpu)");
   ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
-  const DataParallel::Link dp_link = dp.connect(be, model.grads(), rank0_weights, 2);
+  const DataParallel::Link dp_link =
+      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded);
+  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get(),
+            sharded ? dp.communicator() : nullptr);
+  if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
   const LrSchedule schedule(
       parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
       static_cast<float>(r.optimizer.min_lr), r.schedule.warmup_iters,
@@ -470,6 +479,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                     mib(model.activation_bytes()), " (train.recompute ", r.train.recompute,
                     ") and workspace ", mib(model.arena_bytes() - model.activation_bytes()), " x ",
                     n_replicas);
+    if (opt.shards() > 1)
+      plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
+                      " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
     if (dp.world() > 1) plan += ", " + dp.describe();
     log.message(plan);
   }
@@ -647,11 +659,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       interval_start = std::chrono::steady_clock::now();
     }
     if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
+    // A sharded optimizer's state comes to rank 0 from every rank.
+    if (saving) opt.gather_state();
     if (saving && dp.writer()) save(it);
     log.progress(it);
     // Every rank stops after the same step, whichever of them the signal reached.
     const int stop_signal = dp.agreed_stop(stop.received());
     if (stop_signal != 0) {
+      if (!saving) opt.gather_state();
       if (!saving && dp.writer()) save(it);
       result.stop_signal = stop_signal;
     }
