@@ -2,7 +2,9 @@
 // give the losses and weights of one process with the same global batch bit for bit (one process
 // with N micro-batch replicas, one thread each, is the structure N ranks reproduce:
 // training/data_parallel.h); a data_parallel_size that disagrees with the launcher is an error
-// naming both; and a rank that fails ends every rank of the job with a non-zero status.
+// naming both; and a rank that fails ends every rank of the job with a non-zero status. The
+// sharded optimizer (optimizer.distributed) gives the unsharded run bit for bit with half the
+// moments per rank, and checkpoints resume under another data-parallel size and sharding.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -140,6 +142,97 @@ TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {
     for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
     EXPECT_EQ(read_text_file((single / "step_0000003/model.safetensors").string()),
               read_text_file((dp / "step_0000003/model.safetensors").string()));
+  }
+}
+
+TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAFractionOfTheState) {
+  const std::string recipe = write_recipe();
+  // Weight decay and clipping on, so that every part of the sharded update (decay by tensor
+  // rank, the global norm over the shards) shows in the weights.
+  const std::vector<std::string> common{"train",
+                                        "--recipe",
+                                        recipe,
+                                        "parallel.data_parallel_size=2",
+                                        "optimizer.weight_decay=0.1",
+                                        "optimizer.clip_grad=1.0"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const fs::path plain = root_ / "plain", sharded = root_ / "sharded";
+  const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b =
+      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "optimizer.distributed=true"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  const std::vector<double> la = losses(plain), lb = losses(sharded);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), la.size()) << b.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
+  // The weights, and the moments gathered from both shards, in the ordinary format.
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text_file((plain / "step_0000003" / file).string()),
+              read_text_file((sharded / "step_0000003" / file).string()))
+        << file;
+  // Each rank holds half of the moments.
+  auto moments_mib = [](const std::string& out) {
+    const size_t at = out.find("AdamW moments ");
+    return at == std::string::npos ? -1 : std::stoi(out.substr(at + 14));
+  };
+  const int full = moments_mib(a.output), half = moments_mib(b.output);
+  EXPECT_GT(full, 0) << a.output;
+  EXPECT_EQ(half, full / 2) << b.output;
+  EXPECT_NE(b.output.find("this rank's 1/2 (optimizer.distributed)"), std::string::npos)
+      << b.output;
+}
+
+// A checkpoint does not depend on the data-parallel size or the sharding: a run stopped at step 2
+// continues under another layout to the losses, weights and moments of a run never stopped. One
+// process with 2 threads has the reduction structure of 2 ranks of one thread each.
+TEST_F(AppParallelTrainTest, ResumesUnderAnotherDataParallelSizeBitForBit) {
+  const std::string recipe = write_recipe();
+  // The schedule spans 4 steps whichever step a leg ends at.
+  const std::vector<std::string> schedule{"schedule.decay_iters=4", "checkpoint.save_interval=2"};
+  struct Leg {
+    int ranks;  // 1: one process of 2 threads
+    bool sharded;
+  };
+  auto train = [&](const fs::path& dir, const Leg& leg, int iters) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                                  "train.train_iters=" + std::to_string(iters)};
+    args.insert(args.end(), schedule.begin(), schedule.end());
+    if (leg.ranks == 1) return iris(args, "2");
+    args.push_back("parallel.data_parallel_size=" + std::to_string(leg.ranks));
+    if (leg.sharded) args.push_back("optimizer.distributed=true");
+    return mpirun(leg.ranks, args);
+  };
+  const fs::path whole = root_ / "whole";
+  const Exit u = train(whole, {1, false}, 4);
+  ASSERT_EQ(u.code, 0) << u.output;
+  const std::vector<double> want = losses(whole);
+  ASSERT_EQ(want.size(), 4u);
+  const struct {
+    const char* name;
+    Leg first, second;
+  } cases[] = {{"dp2_to_dp1", {2, false}, {1, false}},
+               {"dp1_to_dp2_sharded", {1, false}, {2, true}},
+               {"dp2_sharded_to_dp1", {2, true}, {1, false}}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = root_ / c.name;
+    const Exit first = train(dir, c.first, 2);
+    ASSERT_EQ(first.code, 0) << first.output;
+    const Exit second = train(dir, c.second, 4);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+    const std::vector<double> got = losses(dir);
+    ASSERT_EQ(got.size(), 4u) << second.output;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "iteration " << i + 1;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text_file((whole / "step_0000004" / file).string()),
+                read_text_file((dir / "step_0000004" / file).string()))
+          << file;
   }
 }
 
