@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "parallel/launch.h"
 #include "training/recipe.h"
 #include "training/trainer.h"
 
@@ -40,22 +41,28 @@ int run_train_command(int argc, char** argv) {
     return 1;
   }
   const Recipe recipe = load_recipe(recipe_path, overrides);
-  std::printf("# resolved config (%s%s)\n%s", recipe_path.c_str(),
-              overrides.empty() ? "" : " + overrides", recipe_to_yaml(recipe).c_str());
-  for (const std::string& note : recipe.notes) std::printf("note: %s\n", note.c_str());
+  // Of a multi-process run, rank 0 speaks for all (the trainer's log is rank 0's too).
+  const bool speaks = read_launch_env().rank == 0;
+  if (speaks) {
+    std::printf("# resolved config (%s%s)\n%s", recipe_path.c_str(),
+                overrides.empty() ? "" : " + overrides", recipe_to_yaml(recipe).c_str());
+    for (const std::string& note : recipe.notes) std::printf("note: %s\n", note.c_str());
+  }
   if (dry_run) {
-    std::printf("recipe is valid (dry run: nothing trained)\n");
+    if (speaks) std::printf("recipe is valid (dry run: nothing trained)\n");
     return 0;
   }
   std::fflush(stdout);
   TrainerOptions options;
   options.progress_bar = ::isatty(STDOUT_FILENO) != 0;
   const TrainResult result = run_training(recipe, options);
-  std::printf(
-      "%s: iteration %lld of %lld, last loss %.6f, run directory %s%s%s\n",
-      result.stop_signal != 0 ? "stopped" : "done", static_cast<long long>(result.final_iteration),
-      static_cast<long long>(recipe.train.train_iters), result.last_loss, result.run_dir.c_str(),
-      result.last_checkpoint.empty() ? "" : ", checkpoint ", result.last_checkpoint.c_str());
+  if (speaks)
+    std::printf("%s: iteration %lld of %lld, last loss %.6f, run directory %s%s%s\n",
+                result.stop_signal != 0 ? "stopped" : "done",
+                static_cast<long long>(result.final_iteration),
+                static_cast<long long>(recipe.train.train_iters), result.last_loss,
+                result.run_dir.c_str(), result.last_checkpoint.empty() ? "" : ", checkpoint ",
+                result.last_checkpoint.c_str());
   // Not finished: 128 + the signal, as a shell reports a process the signal ended, so that
   // `iris train ... && iris export ...` stops here and schedulers that restart failed jobs
   // (Kubernetes, torchrun, Slurm scripts testing the status) restart it, and the restart resumes.

@@ -296,6 +296,12 @@ class Backend {
   // else 1 (always 1 when max_norm <= 0)}.
   virtual void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
                               const Tensor& hyper, float max_norm) = 0;
+  // grad_sum_squares: sums i64 [n] = per span, the f64 sum of squares of its gradient (0 for a
+  // frozen span), stored as the double's bits (Iris has no f64 dtype). On the CPU each value is
+  // bit for bit the term grad_norm_clip adds for that span, so that a sharded optimizer, which
+  // adds the spans of every rank in the same order, finds the unsharded norm.
+  virtual void grad_sum_squares(const Tensor& sums, const Tensor& grads, const Tensor& spans,
+                                const Tensor& hyper) = 0;
   // One torch.optim.AdamW step (foreach form: decoupled decay p *= 1 - lr * wd, bias-corrected
   // moments) of every unfrozen tensor with gradient grads * grad_stats[1] (grads are only read), lr
   // = lr[0] times the tensor's lr scale, and its step count steps i64 [n] incremented here; then

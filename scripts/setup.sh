@@ -5,6 +5,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 packages=(build-essential cmake pkg-config git
   libopenblas-openmp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
   libcli11-dev libgtest-dev libbenchmark-dev clang-format
+  libopenmpi-dev openmpi-bin  # multi-process training and its mpirun tests
   clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do

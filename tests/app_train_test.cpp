@@ -157,7 +157,7 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
   for (const Case& c :
        {Case{{"train.micro_batch=2"}, "did you mean 'train.micro_batch_size'"},
         Case{{"train.train_iters=many"}, "train.train_iters expects an integer, got 'many'"},
-        Case{{"parallel.tensor_parallel_size=2"}, "must be 1"},
+        Case{{"parallel.tensor_parallel_size=2"}, "not supported yet"},
         Case{{"train.global_batch_size=3", "train.micro_batch_size=2"}, "use 2 or 4"},
         Case{{"cuda_graph.cuda_graph_impl=full_iteration", "cuda_graph.cuda_graph_modules=[attn]"},
              "cuda_graph"}}) {

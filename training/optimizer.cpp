@@ -63,7 +63,8 @@ Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
 }  // namespace
 
 AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
-             const AdamWConfig& config, ModelWeights* working)
+             const AdamWConfig& config, ModelWeights* working, Communicator* shard_over,
+             int64_t bucket_elements)
     : be_(backend), config_(config), master_(master), grads_(grads), working_(working) {
   IRIS_CHECK(
       config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
@@ -71,18 +72,13 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   IRIS_CHECK(config.eps > 0.0f, "AdamW eps must be positive, got ", config.eps);
   IRIS_CHECK(config.weight_decay >= 0.0f, "AdamW weight_decay must not be negative");
   check_same_bindings(master, grads, "gradients");
-  m_ = allocate_weights(backend, cfg, DType::f32);
-  v_ = allocate_weights(backend, cfg, DType::f32);
-  check_same_bindings(master, *m_, "moments (config differs from the parameters')");
   const size_t n = master.bindings.size();
   // The flat buffers are walked with the master's offsets: every f32 copy must share its layout.
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t off = offset_in(master, master.bindings[i].tensor());
-    IRIS_CHECK(offset_in(grads, grads.bindings[i].tensor()) == off &&
-                   offset_in(*m_, m_->bindings[i].tensor()) == off,
+  for (size_t i = 0; i < n; ++i)
+    IRIS_CHECK(offset_in(grads, grads.bindings[i].tensor()) ==
+                   offset_in(master, master.bindings[i].tensor()),
                "AdamW: the gradients of '", master.bindings[i].hf_name,
                "' are laid out unlike the master weights; allocate both with allocate_weights");
-  }
   if (working) {
     IRIS_CHECK(working->bindings.size() == n, "AdamW: the working weights hold ",
                working->bindings.size(), " tensors, the master weights ", n);
@@ -91,13 +87,32 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   }
   flat_master_ = flat(be_, master, DType::f32);
   flat_grads_ = flat(be_, grads, DType::f32);
-  flat_m_ = flat(be_, *m_, DType::f32);
-  flat_v_ = flat(be_, *v_, DType::f32);
   if (working) flat_working_ = flat(be_, *working, backend.compute_dtype());
+
+  // This rank's rows: every tensor whole, or the parts of tensors inside its shard.
+  std::vector<Row> mine;
+  if (shard_over != nullptr) {
+    setup_shard(*shard_over, bucket_elements);
+    mine = rows_[static_cast<size_t>(shard_over->rank())];
+  } else {
+    m_ = allocate_weights(backend, cfg, DType::f32);
+    v_ = allocate_weights(backend, cfg, DType::f32);
+    check_same_bindings(master, *m_, "moments (config differs from the parameters')");
+    for (size_t i = 0; i < n; ++i) {
+      const Tensor t = master.bindings[i].tensor();
+      IRIS_CHECK(offset_in(*m_, m_->bindings[i].tensor()) == offset_in(master, t),
+                 "AdamW: the moments of '", master.bindings[i].hf_name,
+                 "' are laid out unlike the master weights");
+      mine.push_back({static_cast<int64_t>(i), offset_in(master, t), t.numel()});
+    }
+    flat_m_ = flat(be_, *m_, DType::f32);
+    flat_v_ = flat(be_, *v_, DType::f32);
+  }
   be_.fill_zero(flat_m_);
   be_.fill_zero(flat_v_);
 
-  const auto nt = static_cast<int64_t>(n);
+  // At least one row so that a rank whose shard holds only padding still has its tables.
+  const auto nt = std::max<int64_t>(1, static_cast<int64_t>(mine.size()));
   auto plan = [&](Arena& a) {
     spans_ = a.alloc(DType::i64, {nt, 3});
     hyper_ = a.alloc(DType::f32, {nt, 2});
@@ -110,16 +125,105 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   plan(planning);
   tables_ = Arena(backend, planning.used());
   plan(tables_);
-  std::vector<int64_t> spans(static_cast<size_t>(3 * n));
-  for (size_t i = 0; i < n; ++i) {
-    const Tensor t = master.bindings[i].tensor();
-    spans[3 * i] = offset_in(master, t);
-    spans[3 * i + 1] = t.numel();
-    spans[3 * i + 2] = working ? offset_in(*working, working->bindings[i].tensor()) : 0;
+  std::vector<int64_t> spans(static_cast<size_t>(3 * nt), 0);
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const Row& row = mine[k];
+    const auto i = static_cast<size_t>(row.tensor);
+    const int64_t into_tensor = row.flat_begin - offset_in(master, master.bindings[i].tensor());
+    spans[3 * k] = row.flat_begin - shard_begin_;
+    spans[3 * k + 1] = row.length;
+    spans[3 * k + 2] =
+        working ? offset_in(*working, working->bindings[i].tensor()) + into_tensor : 0;
   }
   be_.write(spans_, spans.data(), DType::i64);
-  const std::vector<int64_t> zeros(n, 0);
+  const std::vector<int64_t> zeros(static_cast<size_t>(nt), 0);
   be_.write(steps_dev_, zeros.data(), DType::i64);
+  my_rows_ = std::move(mine);
+}
+
+AdamW::~AdamW() = default;
+
+std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, int64_t n,
+                                                       int world) {
+  std::vector<std::vector<Row>> rows(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const int64_t b = ShardExchange::begin(n, world, r), e = ShardExchange::end(n, world, r);
+    for (size_t i = 0; i < w.bindings.size(); ++i) {
+      const Tensor t = w.bindings[i].tensor();
+      const int64_t tb = offset_in(w, t), te = tb + t.numel();
+      const int64_t lo = std::max(tb, b), hi = std::min(te, e);
+      if (lo < hi) rows[static_cast<size_t>(r)].push_back({static_cast<int64_t>(i), lo, hi - lo});
+    }
+  }
+  return rows;
+}
+
+void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
+  IRIS_CHECK(working_ == nullptr,
+             "AdamW: a sharded optimizer needs the master weights to be the weights the model "
+             "reads (the CPU backend); a separate working copy is not sharded yet");
+  IRIS_CHECK(comm.device() == be_.device(), "AdamW: the communicator (", comm.name(),
+             ") is not on the optimizer's device");
+  comm_ = &comm;
+  const int64_t n = flat_master_.numel();
+  const int world = comm.size();
+  exchange_ =
+      std::make_unique<ShardExchange>(be_, comm, flat_grads_, flat_master_, bucket_elements);
+  full_master_ = flat_master_;
+  full_grads_ = flat_grads_;
+  shard_begin_ = exchange_->begin();
+  shard_end_ = exchange_->end();
+  flat_master_ = full_master_.slice(shard_begin_, shard_end_);
+  flat_grads_ = full_grads_.slice(shard_begin_, shard_end_);
+  rows_ = shard_rows(master_, n, world);
+  rows_max_ = 1;
+  for (const auto& r : rows_)
+    rows_max_ = std::max<int64_t>(rows_max_, static_cast<int64_t>(r.size()));
+  const int64_t len = std::max<int64_t>(1, shard_end_ - shard_begin_);
+  auto plan = [&](Arena& a) {
+    flat_m_ = a.alloc(DType::f32, {len});
+    flat_v_ = a.alloc(DType::f32, {len});
+  };
+  Arena planning;
+  plan(planning);
+  shard_state_ = Arena(be_, planning.used());
+  plan(shard_state_);
+  flat_m_ = flat_m_.slice(0, shard_end_ - shard_begin_);
+  flat_v_ = flat_v_.slice(0, shard_end_ - shard_begin_);
+  auto plan_tables = [&](Arena& a) {
+    row_sums_ = a.alloc(DType::i64, {rows_max_});
+    all_row_sums_ = a.alloc(DType::i64, {world * rows_max_});
+  };
+  Arena planning_tables;
+  plan_tables(planning_tables);
+  shard_tables_ = Arena(be_, planning_tables.used());
+  plan_tables(shard_tables_);
+  be_.fill_zero(row_sums_);
+  host_row_sums_.resize(static_cast<size_t>(world * rows_max_));
+  norm_order_.assign(master_.bindings.size(), {});
+  for (int q = 0; q < world; ++q)
+    for (size_t k = 0; k < rows_[static_cast<size_t>(q)].size(); ++k)
+      norm_order_[static_cast<size_t>(rows_[static_cast<size_t>(q)][k].tensor)].push_back(
+          q * rows_max_ + static_cast<int64_t>(k));
+}
+
+size_t AdamW::state_bytes() const {
+  if (comm_ != nullptr) return shard_state_.capacity();
+  return m_->arena.capacity() + v_->arena.capacity();
+}
+
+size_t AdamW::exchange_bytes() const {
+  return exchange_ ? exchange_->scratch_bytes() + shard_tables_.capacity() : 0;
+}
+
+ModelWeights& AdamW::exp_avg() {
+  IRIS_CHECK(m_ != nullptr, "AdamW::exp_avg: the moments are sharded over the ranks");
+  return *m_;
+}
+
+ModelWeights& AdamW::exp_avg_sq() {
+  IRIS_CHECK(v_ != nullptr, "AdamW::exp_avg_sq: the moments are sharded over the ranks");
+  return *v_;
 }
 
 float AdamWConfig::lr_scale(ModelPart part) const {
@@ -135,15 +239,37 @@ float AdamWConfig::lr_scale(ModelPart part) const {
 }
 
 void AdamW::write_hyper(const FreezeSpec& frozen) {
-  std::vector<float> hyper(2 * master_.bindings.size());
-  for (size_t i = 0; i < master_.bindings.size(); ++i) {
-    const WeightBinding& b = master_.bindings[i];
-    hyper[2 * i] = b.hf_shape.size() >= 2 ? config_.weight_decay : 0.0f;
-    hyper[2 * i + 1] = frozen.frozen(b.hf_name) ? 0.0f : config_.lr_scale(model_part(b.hf_name));
+  // A rank without rows keeps its one table row inert: no elements, lr scale 0 (frozen).
+  std::vector<float> hyper(static_cast<size_t>(2 * hyper_.rows()), 0.0f);
+  for (size_t k = 0; k < my_rows_.size(); ++k) {
+    const WeightBinding& b = master_.bindings[static_cast<size_t>(my_rows_[k].tensor)];
+    hyper[2 * k] = b.hf_shape.size() >= 2 ? config_.weight_decay : 0.0f;
+    hyper[2 * k + 1] = frozen.frozen(b.hf_name) ? 0.0f : config_.lr_scale(model_part(b.hf_name));
   }
   be_.write(hyper_, hyper.data(), DType::f32);
   hyper_frozen_ = frozen;
   hyper_written_ = true;
+}
+
+void AdamW::sharded_norm() {
+  be_.grad_sum_squares(row_sums_.slice(0, spans_.rows()), flat_grads_, spans_, hyper_);
+  comm_->all_gather(all_row_sums_, row_sums_);
+  be_.read(host_row_sums_.data(), DType::i64, all_row_sums_);
+  // grad_norm_clip's sum: tensor by tensor in order, a split tensor as its parts in rank order.
+  double ss = 0.0;
+  for (const std::vector<int64_t>& parts : norm_order_) {
+    if (parts.empty()) continue;
+    double t = host_row_sums_[static_cast<size_t>(parts[0])];
+    for (size_t k = 1; k < parts.size(); ++k) t += host_row_sums_[static_cast<size_t>(parts[k])];
+    ss += t;
+  }
+  const double norm = std::sqrt(ss);
+  // As grad_norm_clip forms it: the coefficient in f32 from the f32 norm.
+  const float max_norm = config_.clip_grad_norm;
+  float coef = max_norm > 0.0f ? max_norm / (static_cast<float>(norm) + 1e-6f) : 1.0f;
+  if (!(coef < 1.0f)) coef = 1.0f;
+  const float stats[2] = {static_cast<float>(norm), coef};
+  be_.write(grad_stats_, stats, DType::f32);
 }
 
 void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
@@ -153,11 +279,18 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
     write_hyper(frozen);
   if (unread_norms_ == kNormHistory) read_norm_history();
   be_.write(lr_, &scheduled_lr, DType::f32);
-  be_.grad_norm_clip(grad_stats_, flat_grads_, spans_, hyper_, config_.clip_grad_norm);
+  if (exchange_) {
+    exchange_->reduce_scatter();
+    sharded_norm();
+  } else {
+    be_.grad_norm_clip(grad_stats_, flat_grads_, spans_, hyper_, config_.clip_grad_norm);
+  }
   be_.copy(norm_history_.slice(unread_norms_, unread_norms_ + 1), grad_stats_.slice(0, 1));
   ++unread_norms_;
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
+  // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
+  if (exchange_) exchange_->all_gather();
   ++steps_;
 }
 
@@ -177,14 +310,68 @@ std::vector<float> AdamW::take_grad_norms() {
   return out;
 }
 
+void AdamW::gather_state() {
+  if (comm_ == nullptr) return;
+  const int world = comm_->size();
+  if (comm_->rank() != 0) {
+    comm_->send(flat_m_, 0);
+    comm_->send(flat_v_, 0);
+    comm_->send(steps_dev_, 0);
+    return;
+  }
+  // Host memory for the whole state, as the unsharded save reads it back; released by save().
+  const int64_t n = full_master_.numel();
+  gathered_m_.assign(static_cast<size_t>(n), 0.0f);
+  gathered_v_.assign(static_cast<size_t>(n), 0.0f);
+  gathered_steps_.assign(master_.bindings.size(), -1);
+  std::vector<int64_t> row_steps;
+  for (int q = 0; q < world; ++q) {
+    const int64_t b = ShardExchange::begin(n, world, q), e = ShardExchange::end(n, world, q);
+    const auto& rows = rows_[static_cast<size_t>(q)];
+    row_steps.assign(std::max<size_t>(1, rows.size()), 0);
+    if (q == 0) {
+      be_.read(gathered_m_.data() + b, DType::f32, flat_m_);
+      be_.read(gathered_v_.data() + b, DType::f32, flat_v_);
+      be_.read(row_steps.data(), DType::i64, steps_dev_);
+    } else {
+      // The MPI communicator moves host memory (sharding runs on the CPU backend).
+      comm_->recv(Tensor(gathered_m_.data() + b, DType::f32, Device::cpu, {e - b}), q);
+      comm_->recv(Tensor(gathered_v_.data() + b, DType::f32, Device::cpu, {e - b}), q);
+      comm_->recv(Tensor(row_steps.data(), DType::i64, Device::cpu,
+                         {static_cast<int64_t>(row_steps.size())}),
+                  q);
+    }
+    for (size_t k = 0; k < rows.size(); ++k) {
+      int64_t& s = gathered_steps_[static_cast<size_t>(rows[k].tensor)];
+      IRIS_CHECK(s < 0 || s == row_steps[k], "AdamW: the ranks disagree on the step count of '",
+                 master_.bindings[static_cast<size_t>(rows[k].tensor)].hf_name, "' (", s, " and ",
+                 row_steps[k], ")");
+      s = row_steps[k];
+    }
+  }
+  for (int64_t& s : gathered_steps_) s = std::max<int64_t>(s, 0);
+}
+
 void AdamW::save(const std::string& path) const {
   const size_t n = master_.bindings.size();
   // Host copies of the device state, written in one pass.
-  std::vector<float> m(static_cast<size_t>(flat_m_.numel())), v(m.size());
+  std::vector<float> m, v;
   std::vector<int64_t> param_steps(n);
-  be_.read(m.data(), DType::f32, flat_m_);
-  be_.read(v.data(), DType::f32, flat_v_);
-  be_.read(param_steps.data(), DType::i64, steps_dev_);
+  if (comm_ != nullptr) {
+    IRIS_CHECK(
+        comm_->rank() == 0 && gathered_m_.size() == static_cast<size_t>(full_master_.numel()),
+        "AdamW::save: a sharded optimizer is saved by rank 0 after every rank's "
+        "gather_state()");
+    m.swap(gathered_m_);
+    v.swap(gathered_v_);
+    param_steps.swap(gathered_steps_);
+  } else {
+    m.resize(static_cast<size_t>(flat_m_.numel()));
+    v.resize(m.size());
+    be_.read(m.data(), DType::f32, flat_m_);
+    be_.read(v.data(), DType::f32, flat_v_);
+    be_.read(param_steps.data(), DType::i64, steps_dev_);
+  }
   std::vector<SafetensorsWriteItem> items;
   items.reserve(3 * n);
   for (size_t i = 0; i < n; ++i) {
@@ -233,13 +420,23 @@ void AdamW::load(const std::string& path) {
     src.push_back(entry("exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape));
     src.push_back(entry("step." + b.hf_name, DType::i64, {1}));
   }
-  std::vector<int64_t> param_steps(master_.bindings.size());
-  for (size_t i = 0; i < master_.bindings.size(); ++i) {
-    be_.write(m_->bindings[i].tensor(), src[3 * i], DType::f32);
-    be_.write(v_->bindings[i].tensor(), src[3 * i + 1], DType::f32);
-    std::memcpy(&param_steps[i], src[3 * i + 2], sizeof(int64_t));
+  // Each row is a tensor, or (sharded) the part of one in this rank's shard: the file holds the
+  // unsharded state, so any world size reads its shard of it.
+  std::vector<int64_t> row_steps(static_cast<size_t>(spans_.rows()), 0);
+  for (size_t k = 0; k < my_rows_.size(); ++k) {
+    const Row& row = my_rows_[k];
+    const auto i = static_cast<size_t>(row.tensor);
+    const auto into =
+        static_cast<size_t>(row.flat_begin - offset_in(master_, master_.bindings[i].tensor())) *
+        sizeof(float);
+    const int64_t at = row.flat_begin - shard_begin_;
+    be_.write(flat_m_.slice(at, at + row.length), static_cast<const char*>(src[3 * i]) + into,
+              DType::f32);
+    be_.write(flat_v_.slice(at, at + row.length), static_cast<const char*>(src[3 * i + 1]) + into,
+              DType::f32);
+    std::memcpy(&row_steps[k], src[3 * i + 2], sizeof(int64_t));
   }
-  be_.write(steps_dev_, param_steps.data(), DType::i64);
+  be_.write(steps_dev_, row_steps.data(), DType::i64);
   steps_ = steps;
 }
 

@@ -12,6 +12,8 @@
 
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
+#include "parallel/communicator.h"
+#include "parallel/shard_exchange.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -36,18 +38,36 @@ double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 // f32 ModelWeights of one config, hence one layout, and are updated as flat buffers in one launch.
 // On the CPU the master weights are the weights the model reads; on CUDA a bf16 working copy is
 // rewritten from them by the same kernel.
+//
+// Sharded (ZeRO-1) over the ranks of `shard_over`: rank r keeps the moments and step counts of
+// its shard of the flat buffers only (ShardExchange: one contiguous range of elements, tensors
+// may straddle it), 1/world of the unsharded state. A step reduce-scatters the gradients (the
+// rank-order sum the unsharded all-reduce forms), finds the global norm from every rank's
+// per-span sums of squares, updates the shard in place and all-gathers the weights. The norm adds
+// the spans in the unsharded order, a tensor split between ranks as the sum of its parts in rank
+// order: the unsharded norm bit for bit wherever no tensor is split, and otherwise an f64 sum of
+// squares that may differ in its last bits (a split tensor's two partial sums are rounded apart),
+// which reaches the f32 norm, and so the clip and the weights, only when it sits that close to an
+// f32 rounding boundary. Sharding needs the master weights to be the weights the model reads (the
+// CPU backend) for now. Checkpoints hold the unsharded state: gather_state() brings every shard to
+// rank 0, and load() takes each rank's shard of any file, whatever world size wrote it.
 class AdamW {
  public:
   // master and grads: f32 ModelWeights on `backend` built from `cfg` (same bindings). working:
   // the compute-dtype weights the model reads, or null where they are `master` itself.
+  // shard_over: shard the state over this communicator's ranks (null: every rank holds it all);
+  // its exchanges move at most bucket_elements elements at a time.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
-        const AdamWConfig& config, ModelWeights* working = nullptr);
+        const AdamWConfig& config, ModelWeights* working = nullptr,
+        Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25);
+  ~AdamW();
 
   // Clips the gradients to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale by
   // max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
   // frozen, each with lr times its part's lr_scale. Frozen parameters, their moments and their
   // step counts are left untouched, and so is everything when the gradient norm is not finite.
-  // Nothing is read back: the step is queued behind the backward.
+  // Nothing is read back: the step is queued behind the backward. Sharded, the gradients are each
+  // rank's own (summed here), the norm is read on the host and every rank must call step().
   void step(float lr, const FreezeSpec& frozen = {});
   // The global gradient norm (before clipping) of each step since the last call, in order
   // (waits for the device).
@@ -57,20 +77,37 @@ class AdamW {
 
   // Updates taken (calls to step()).
   int64_t steps() const { return steps_; }
-  // Bytes of the moments (the master weights and gradients belong to their owners).
-  size_t state_bytes() const { return m_->arena.capacity() + v_->arena.capacity(); }
+  // Bytes of the moments this rank holds (the master weights and gradients belong to their
+  // owners).
+  size_t state_bytes() const;
+  // Bytes of the exchanges' scratch and norm tables of a sharded optimizer (0 unsharded).
+  size_t exchange_bytes() const;
+  // The ranks the state is sharded over (1: unsharded).
+  int shards() const { return comm_ != nullptr ? comm_->size() : 1; }
   const AdamWConfig& config() const { return config_; }
-  ModelWeights& exp_avg() { return *m_; }
-  ModelWeights& exp_avg_sq() { return *v_; }
+  // The moments by tensor; unsharded only.
+  ModelWeights& exp_avg();
+  ModelWeights& exp_avg_sq();
 
   // The state as safetensors: exp_avg.<hf name>, exp_avg_sq.<hf name> (f32) and step.<hf name>
   // (i64 [1]) per parameter; the update count in the metadata. load() restores it bit-exactly and
   // checks that every tensor is present with the right shape. The file does not depend on the
-  // backend: a state saved on one device loads on another.
+  // backend: a state saved on one device loads on another. Sharded, save() runs on rank 0 after
+  // every rank's gather_state(), and load() reads this rank's shard.
   void save(const std::string& path) const;
   void load(const std::string& path);
+  // Sharded: every rank's shard of the state to rank 0, for its save() (every rank calls it; the
+  // host copy on rank 0 lasts until save()). Unsharded: nothing to do.
+  void gather_state();
 
  private:
+  struct Row {  // a tensor's part in this rank's shard
+    int64_t tensor, flat_begin, length;
+  };
+  // Each rank's rows, in flat order (the same table on every rank).
+  static std::vector<std::vector<Row>> shard_rows(const ModelWeights& w, int64_t n, int world);
+  void setup_shard(Communicator& comm, int64_t bucket_elements);
+  void sharded_norm();
   void write_hyper(const FreezeSpec& frozen);
   void read_norm_history();
   // Gradient norms of steps not yet read back, kept on the device; a full history is read
@@ -92,6 +129,25 @@ class AdamW {
   FreezeSpec hyper_frozen_;
   bool hyper_written_ = false;
   int64_t steps_ = 0;
+
+  // The rows of the tables (row = tensor when unsharded); none for a rank whose shard holds only
+  // padding, which keeps one inert table row.
+  std::vector<Row> my_rows_;
+
+  // Sharded state: this rank's shard [shard_begin_, shard_end_) of the flat buffers, which
+  // flat_master_ and flat_grads_ view; full_* are the whole buffers the exchanges move.
+  Communicator* comm_ = nullptr;
+  Tensor full_master_, full_grads_;
+  // Per tensor, where its rows' sums of squares sit in all_row_sums_, in rank order.
+  std::vector<std::vector<int64_t>> norm_order_;
+  std::unique_ptr<ShardExchange> exchange_;
+  Arena shard_state_, shard_tables_;
+  int64_t shard_begin_ = 0, shard_end_ = 0, rows_max_ = 0;
+  std::vector<std::vector<Row>> rows_;  // every rank's rows
+  Tensor row_sums_, all_row_sums_;      // f64 bits: this rank's, every rank's [world, rows_max_]
+  std::vector<double> host_row_sums_;
+  mutable std::vector<float> gathered_m_, gathered_v_;  // rank 0, from gather_state to save
+  mutable std::vector<int64_t> gathered_steps_;
 };
 
 }  // namespace iris

@@ -152,6 +152,9 @@ std::vector<Field> fields(Recipe& r) {
       {"optimizer.eps", &o.eps, "AdamW epsilon"},
       {"optimizer.weight_decay", &o.weight_decay, "decoupled weight decay"},
       {"optimizer.clip_grad", &o.clip_grad, "clip the global gradient L2 norm to this; 0: off"},
+      {"optimizer.distributed", &o.distributed,
+       "shard the AdamW moments over the data-parallel ranks (ZeRO-1): each rank keeps and updates "
+       "1/data_parallel_size of them, the same losses as unsharded (CPU backend for now)"},
       {"schedule.kind", &s.kind, "learning-rate schedule after warmup", {"constant", "cosine"}},
       {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
       {"schedule.decay_iters", &s.decay_iters,
@@ -179,7 +182,11 @@ std::vector<Field> fields(Recipe& r) {
        "SVG of loss and learning rate, relative to the run directory; empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
       {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size, "pipeline stages"},
-      {"parallel.data_parallel_size", &p.data_parallel_size, "data-parallel replicas"},
+      {"parallel.data_parallel_size", &p.data_parallel_size,
+       "data-parallel processes: the launcher's process count (mpirun -np N, srun) divided by "
+       "pipeline_parallel_size"},
+      {"parallel.timeout_seconds", &p.timeout_seconds,
+       "seconds a rank waits for the others in one exchange before the whole job is aborted"},
   };
 }
 
@@ -313,6 +320,7 @@ constexpr ForeignKey kForeignKeys[] = {
     {"optimizer.adam_beta1", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_beta2", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_eps", "use optimizer.eps"},
+    {"optimizer.use_distributed_optimizer", "use optimizer.distributed (true or false)"},
     {"dataset.seq_length", "use train.seq_length"},
     {"rng.seed", "use train.seed"},
 };
@@ -881,13 +889,15 @@ void validate(Recipe& r) {
   }
   r.accumulation_steps = t.global_batch_size / per_step;
 
-  const int64_t world = p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size;
-  IRIS_CHECK(world == 1, "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
-             ", parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
-             ", parallel.data_parallel_size=", p.data_parallel_size,
-             ": Iris trains on the CPU reference backend in a single process, so every parallel "
-             "size must be 1 (set them to 1; global_batch_size is reached by gradient "
-             "accumulation instead)");
+  positive(p.timeout_seconds, "parallel.timeout_seconds");
+  IRIS_CHECK(p.tensor_parallel_size == 1,
+             "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
+             ": tensor parallelism is not supported yet (set it to 1 and use "
+             "parallel.data_parallel_size with mpirun -np N)");
+  IRIS_CHECK(p.pipeline_parallel_size == 1,
+             "recipe: parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
+             ": pipeline parallelism is not supported yet (set it to 1 and use "
+             "parallel.data_parallel_size with mpirun -np N)");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;

@@ -75,6 +75,8 @@ struct OptimizerRecipe {
   double eps = 1e-8;
   double weight_decay = 0.0;
   double clip_grad = 1.0;  // global L2 norm; 0 disables clipping
+  // Shard the AdamW state over the data-parallel ranks (ZeRO-1).
+  bool distributed = false;
 };
 
 struct ScheduleRecipe {
@@ -100,7 +102,11 @@ struct LoggingRecipe {
 struct ParallelRecipe {
   int64_t tensor_parallel_size = 1;
   int64_t pipeline_parallel_size = 1;
+  // Processes that each train on their share of every global batch; must equal the launcher's
+  // process count (mpirun -np N, srun) divided by pipeline_parallel_size.
   int64_t data_parallel_size = 1;
+  // How long one rank waits for the others in a collective before the whole job is aborted.
+  int64_t timeout_seconds = 900;
 };
 
 struct Recipe {

@@ -10,6 +10,7 @@
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include <omp.h>
 
@@ -20,6 +21,7 @@
 #include "language/tokenizer.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
+#include "training/data_parallel.h"
 #include "training/dataset.h"
 #include "training/lr_schedule.h"
 #include "training/metrics_log.h"
@@ -222,7 +224,9 @@ void init_random_weights(Backend& backend, ModelWeights& weights, const std::str
   fill_random_weights(backend, weights, init);
 }
 
-TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
+namespace {
+
+TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParallel& dp) {
   const Recipe& r = recipe;
   // A setting that would be accepted and then not acted on is refused instead.
   IRIS_CHECK(r.cuda_graph.language.impl == GraphImpl::none &&
@@ -231,10 +235,13 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
              "training for now: training steps run eagerly (iris generate captures graphs)");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
-  // Everything below reads or writes the run directory: one run at a time.
-  const RunLock lock(run_dir);
+  // Everything below reads or writes the run directory: one run at a time. Of a multi-process
+  // run, rank 0 writes it; the others read what it holds once rank 0 has cleaned it.
+  std::optional<RunLock> lock;
+  if (dp.writer()) lock.emplace(run_dir);
   const StopSignals stop;
-  remove_checkpoint_debris(run_dir);
+  if (dp.writer()) remove_checkpoint_debris(run_dir);
+  dp.barrier("the run directory check");
 
   // Where to start from.
   const ResumePoint found = find_resume_point(run_dir);
@@ -380,7 +387,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
   int n_replicas = 1;
   if (on_gpu) {
-    gpu = make_cuda_backend(0);
+    gpu = make_cuda_backend(dp.cuda_device());
     gpu->set_gemm_autotune(false);
     master = allocate_weights(*gpu, cfg, DType::f32);
     working = allocate_weights(*gpu, cfg);
@@ -395,7 +402,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
     // instead: a replica costs a second copy of the gradients.
     constexpr int64_t kReplicaGradientBudget = int64_t(1) << 30;
     const int64_t n_micro = r.train.global_batch_size / micro;
-    n_replicas = n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget
+    // Of a multi-process run, each rank is one replica (data_parallel.h): the ranks' gradients
+    // are then summed as a single process sums its replicas'.
+    n_replicas = n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget && dp.world() == 1
                      ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
                      : 1;
     for (int k = 0; k < n_replicas; ++k)
@@ -406,7 +415,18 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                   r.train.freeze_language_model);
   TrainableQwen3VL& model = *replicas[0];
   Backend& be = model.backend();
-  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get());
+  // The sharded optimizer updates the weights the model reads in place, which on the GPU are a
+  // bf16 copy of the f32 master weights: not sharded yet.
+  const bool sharded = r.optimizer.distributed && dp.world() > 1;
+  IRIS_CHECK(!(sharded && on_gpu),
+             "optimizer.distributed shards the optimizer on the CPU backend only for now; set "
+             "optimizer.distributed=false to train on GPUs with ",
+             dp.world(), " data-parallel ranks (or train.device=cpu)");
+  ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
+  const DataParallel::Link dp_link =
+      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded);
+  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get(),
+            sharded ? dp.communicator() : nullptr);
   if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
   const LrSchedule schedule(
       parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
@@ -414,7 +434,8 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       r.schedule.decay_iters > 0 ? r.schedule.decay_iters : r.train.train_iters);
 
   const std::string resolved = recipe_to_yaml(r);
-  write_file_atomic((fs::path(run_dir) / "resolved_config.yaml").string(), resolved);
+  if (dp.writer())
+    write_file_atomic((fs::path(run_dir) / "resolved_config.yaml").string(), resolved);
 
   MetricsLog::Options lo;
   lo.run_dir = run_dir;
@@ -423,6 +444,13 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   lo.total_iterations = r.train.train_iters;
   lo.progress_bar = options.progress_bar;
   lo.out = options.out;
+  // Ranks other than 0 train silently: one log, one metrics file.
+  std::unique_ptr<FILE, int (*)(FILE*)> quiet(nullptr, &std::fclose);
+  if (!dp.writer()) {
+    quiet.reset(std::fopen("/dev/null", "w"));
+    IRIS_CHECK(quiet != nullptr, "cannot open /dev/null for rank ", dp.rank(), "'s silent log");
+    lo = MetricsLog::Options{"", "", "", r.train.train_iters, false, quiet.get()};
+  }
   MetricsLog log(lo, state.iteration);
   for (const std::string& w : found.warnings) log.message(w);
   if (!resume_dir.empty())
@@ -434,8 +462,9 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   log.message(str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
                       " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
                       " parameters, global batch ", r.train.global_batch_size, " = ",
-                      r.train.micro_batch_size, " x ", r.accumulation_steps,
-                      " accumulation steps, on ", be.name(), ", activation arena ",
+                      r.train.micro_batch_size, " x ", r.accumulation_steps, " accumulation steps",
+                      dp.world() > 1 ? str_cat(" x ", dp.world(), " data-parallel ranks") : "",
+                      ", on ", be.name(), ", activation arena ",
                       model.arena_bytes() / (1024 * 1024), " MiB",
                       n_replicas > 1 ? str_cat(" x ", n_replicas, " micro-batch threads") : "",
                       ", run directory ", run_dir));
@@ -450,8 +479,13 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                     mib(model.activation_bytes()), " (train.recompute ", r.train.recompute,
                     ") and workspace ", mib(model.arena_bytes() - model.activation_bytes()), " x ",
                     n_replicas);
+    if (opt.shards() > 1)
+      plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
+                      " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
+    if (dp.world() > 1) plan += ", " + dp.describe();
     log.message(plan);
   }
+  if (dp.world() > 1) log.message(dp.layout(r.train.global_batch_size / micro, micro));
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
                         " threads and this run has ", omp_get_max_threads(),
@@ -534,7 +568,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::vector<std::vector<const TrainSample*>> micro_batches;
   log.progress(state.iteration);
   // A stop asked for before the first step leaves nothing new to save.
-  result.stop_signal = stop.received();
+  result.stop_signal = dp.agreed_stop(stop.received());
   for (int64_t it = state.iteration + 1; it <= r.train.train_iters && !result.stop_signal; ++it) {
     batch.clear();
     int64_t batch_labels = 0;
@@ -547,21 +581,30 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
 
     model.zero_grads();
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
-    micro_batches.assign(static_cast<size_t>(r.train.global_batch_size / micro), {});
-    for (size_t i = 0; i < batch.size(); ++i)
-      micro_batches[i / static_cast<size_t>(micro)].push_back(&batch[i]);
+    // This rank's micro-batches (all of them for a single process).
+    micro_batches.clear();
+    int64_t share_labels = 0;
+    for (size_t i = 0; i < batch.size(); i += static_cast<size_t>(micro)) {
+      if (!dp.owns(static_cast<int64_t>(i) / micro)) continue;
+      micro_batches.emplace_back();
+      for (size_t j = i; j < i + static_cast<size_t>(micro); ++j) {
+        micro_batches.back().push_back(&batch[j]);
+        share_labels += labelled_positions(batch[j].labels);
+      }
+    }
     // Micro-batch i runs on replica i % n_replicas, each replica's in order, and the replicas are
     // summed in order: the result depends on the thread count but not on timing.
     const int64_t counted = run_on_replicas(replicas, micro_batches, grad_scale);
     for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
+    dp.reduce_gradients();
     for (size_t i = 0; i < batch.size(); ++i) {
       const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
       interval.flops += training_flops(
           cfg, {static_cast<int64_t>(s.ids.size()), labelled_positions(s.labels), s.grids}, parts);
     }
-    IRIS_CHECK(counted == batch_labels, "the model counted ", counted,
-               " labelled tokens in iteration ", it, " but the labels hold ", batch_labels,
+    IRIS_CHECK(counted == share_labels, "the model counted ", counted,
+               " labelled tokens in iteration ", it, " but the labels hold ", share_labels,
                "; the loss normalisation would be wrong (label convention mismatch)");
     const float lr = schedule.at(it - 1);
     // Queued behind the backward: the loss and the gradient norm stay on the device until the
@@ -584,6 +627,7 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       // The one read of the interval: its summed loss and each step's gradient norm.
       double loss_sum = 0;
       for (auto& m : replicas) loss_sum += m->take_loss_sum();
+      loss_sum = dp.global_loss_sum(loss_sum);
       const std::vector<float> norms = opt.take_grad_norms();
       const int64_t first = it - static_cast<int64_t>(norms.size()) + 1;
       for (size_t k = 0; k < norms.size(); ++k)
@@ -615,11 +659,16 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
       interval_start = std::chrono::steady_clock::now();
     }
     if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
-    if (saving) save(it);
+    // A sharded optimizer's state comes to rank 0 from every rank.
+    if (saving) opt.gather_state();
+    if (saving && dp.writer()) save(it);
     log.progress(it);
-    if (stop.received() != 0) {
-      if (!saving) save(it);
-      result.stop_signal = stop.received();
+    // Every rank stops after the same step, whichever of them the signal reached.
+    const int stop_signal = dp.agreed_stop(stop.received());
+    if (stop_signal != 0) {
+      if (!saving) opt.gather_state();
+      if (!saving && dp.writer()) save(it);
+      result.stop_signal = stop_signal;
     }
   }
   if (result.stop_signal != 0)
@@ -643,6 +692,19 @@ TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
                         " vision patches skipped (train.max_vision_patches)"));
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
   return result;
+}
+
+}  // namespace
+
+TrainResult run_training(const Recipe& recipe, const TrainerOptions& options) {
+  DataParallel dp(recipe.parallel);
+  if (dp.world() == 1) return train(recipe, options, dp);
+  // An error on one rank would leave the others waiting in their next exchange: it ends the job.
+  try {
+    return train(recipe, options, dp);
+  } catch (const std::exception& e) {
+    dp.abort_job(e);
+  }
 }
 
 }  // namespace iris

@@ -672,6 +672,23 @@ class CpuBackend final : public Backend {
     grad_stats.as<float>()[1] = coef;
   }
 
+  void grad_sum_squares(const Tensor& sums, const Tensor& grads, const Tensor& spans,
+                        const Tensor& hyper) override {
+    check_f32(grads, "grad_sum_squares grads");
+    const int64_t n = check_spans(spans, hyper, grads.numel(), "grad_sum_squares");
+    check_cpu(sums, "grad_sum_squares sums");
+    IRIS_CHECK(sums.dtype == DType::i64 && sums.numel() == n, "grad_sum_squares: sums ",
+               sums.shape_str(), " should be i64 [", n, "]");
+    const int64_t* sp = spans.as<int64_t>();
+    const float* hp = hyper.as<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const double ss = hp[2 * i + 1] != 0.0f
+                            ? train::sum_of_squares(grads.as<float>() + sp[3 * i], sp[3 * i + 1])
+                            : 0.0;
+      std::memcpy(sums.as<int64_t>() + i, &ss, sizeof(ss));
+    }
+  }
+
   void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
                   const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
                   const Tensor& hyper, const Tensor& steps, const Tensor& lr,

@@ -940,6 +940,20 @@ class CudaBackend final : public Backend {
                                 train_scratch(), train_scratch_floats(), stream());
   }
 
+  void grad_sum_squares(const Tensor& sums, const Tensor& grads, const Tensor& spans,
+                        const Tensor& hyper) override {
+    bind();
+    main_only("grad_sum_squares");
+    check_f32(grads, "grad_sum_squares", "grads");
+    const int64_t n = check_spans(spans, hyper, "grad_sum_squares");
+    check_device(sums, "grad_sum_squares");
+    IRIS_CHECK(sums.dtype == DType::i64 && sums.numel() == n, "grad_sum_squares: sums ",
+               sums.shape_str(), " should be i64 [", n, "]");
+    cuda::launch_grad_sum_squares(static_cast<double*>(sums.data), cf32(grads),
+                                  static_cast<const int64_t*>(spans.data), cf32(hyper), n,
+                                  stream());
+  }
+
   void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
                   const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
                   const Tensor& hyper, const Tensor& steps, const Tensor& lr,

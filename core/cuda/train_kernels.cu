@@ -1237,6 +1237,23 @@ __global__ void __launch_bounds__(kOptThreads)
   grad_stats[1] = coef;
 }
 
+__global__ void __launch_bounds__(kOptThreads)
+    span_sumsq_kernel(double* __restrict__ sums, const float* __restrict__ grads,
+                      const int64_t* __restrict__ spans, const float* __restrict__ hyper) {
+  __shared__ double sh[kOptThreads];
+  const int64_t i = blockIdx.x;
+  double acc = 0.0;
+  if (hyper[2 * i + 1] != 0.f) {
+    const int64_t off = spans[3 * i], n = spans[3 * i + 1];
+    for (int64_t j = threadIdx.x; j < n; j += kOptThreads) {
+      const double g = grads[off + j];
+      acc += g * g;
+    }
+  }
+  const double total = block_sum_f64(acc, sh);
+  if (threadIdx.x == 0) sums[i] = total;
+}
+
 // Per tensor: bumps the step count and forms torch's scalars (doubles cast to f32):
 // scal[i] = {decay, neg_step_size, bc2_sqrt, 1} or all zeros when frozen.
 __global__ void adamw_prepare_kernel(float4* __restrict__ scal, int64_t* __restrict__ steps,
@@ -1573,6 +1590,14 @@ void launch_grad_norm_clip(float* grad_stats, const float* grads, const int64_t*
                                                              n_tensors);
   IRIS_CUDA_LAUNCH_CHECK();
   grad_norm_finish_kernel<<<1, kOptThreads, 0, s>>>(grad_stats, partials, max_norm);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_grad_sum_squares(double* sums, const float* grads, const int64_t* spans,
+                             const float* hyper, int64_t n_tensors, cudaStream_t s) {
+  if (n_tensors == 0) return;
+  span_sumsq_kernel<<<static_cast<unsigned>(n_tensors), kOptThreads, 0, s>>>(sums, grads, spans,
+                                                                             hyper);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 

@@ -123,6 +123,10 @@ void launch_cross_entropy(float* loss_sum, uint16_t* dlogits, const float* logit
 void launch_grad_norm_clip(float* grad_stats, const float* grads, const int64_t* spans,
                            const float* hyper, int64_t n_tensors, float max_norm, float* scratch,
                            int64_t scratch_floats, cudaStream_t s);
+// sums[i] = the f64 sum of squares of span i's gradient (0 when frozen), one block per span in a
+// fixed order (the same bits every run).
+void launch_grad_sum_squares(double* sums, const float* grads, const int64_t* spans,
+                             const float* hyper, int64_t n_tensors, cudaStream_t s);
 // One torch foreach AdamW step (training/optimizer.cpp's arithmetic, IEEE ops in the same order)
 // of every unfrozen tensor: steps[i] += 1 on the device, gradient times grad_stats[1] when that
 // is below 1 (grads itself is not modified), lr = lr[0] times the lr scale; then weights (bf16,

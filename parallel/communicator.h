@@ -1,0 +1,70 @@
+// Collectives between the ranks of a data-parallel run, on the tensors of one backend: MPI for
+// CPU tensors (so that CI runs the parallel code on the CPU backend), NCCL for CUDA tensors.
+//
+// Reductions have a fixed order. A float sum depends on the order of its terms, and a plain
+// MPI_Allreduce or ncclAllReduce does not promise one (NCCL's ring starts each chunk's sum at a
+// different rank), so the sums here are made of exact moves and one local sum: all_to_all hands
+// rank k every rank's piece k, and rank k adds those pieces in rank order, ((x0 + x1) + x2) + ...;
+// all_gather then hands every rank every reduced piece. Each element is summed by exactly one
+// rank in rank order, whatever the world size's topology, in every run; the traffic is that of a
+// ring all-reduce (reduce-scatter + all-gather).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/backend.h"
+#include "parallel/launch.h"
+
+namespace iris {
+
+class MpiSession;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "MPI" or "NCCL".
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+
+  // Data moves, any dtype, contiguous tensors of this communicator's device. On CUDA they are
+  // queued on the communicator's stream, after the backend's work queued before the call, and the
+  // backend's later work waits for them.
+  //
+  // out[size() * n] = every rank's in[n] in rank order; in may be out's own piece (in place).
+  virtual void all_gather(const Tensor& out, const Tensor& in) = 0;
+  // in and out [size() * n]: out's piece r = rank r's in piece rank(). out must not overlap in.
+  virtual void all_to_all(const Tensor& out, const Tensor& in) = 0;
+  virtual void broadcast(const Tensor& buf, int root) = 0;
+  virtual void send(const Tensor& t, int peer) = 0;
+  virtual void recv(const Tensor& t, int peer) = 0;
+  // Local: out[n] (f32) = ((pieces[0] + pieces[1]) + ...) + pieces[size() - 1] over the size()
+  // pieces of pieces[size() * n] (f32). out must not overlap pieces.
+  virtual void sum_pieces(const Tensor& out, const Tensor& pieces) = 0;
+
+  // Fixed-order sums of f32 tensors (see the top of this file).
+  // out[n] = sum over ranks in rank order of their in's piece rank() (in [size() * n]); scratch
+  // f32 [size() * n] receives the pieces. out may be in's own piece; neither overlaps scratch.
+  void reduce_scatter(const Tensor& out, const Tensor& in, const Tensor& scratch);
+  // buf[N] = the rank-order sum of every rank's buf, the same bits on every rank, for any N.
+  // scratch: f32 of at least N elements rounded up to a multiple of size().
+  void all_reduce(const Tensor& buf, const Tensor& scratch);
+};
+
+// Scratch elements all_reduce needs for a buffer of n elements on `world` ranks.
+int64_t all_reduce_scratch_elements(int64_t n, int world);
+
+// MPI between the processes of a launched run (MpiSession), on CPU tensors.
+std::unique_ptr<Communicator> make_mpi_communicator(MpiSession& session);
+// NCCL between one GPU per process on `be` (a CUDA backend on the process's GPU). With world 1 it
+// needs no MPI (session may be null); otherwise rank 0's NCCL id travels over `session`.
+// Throws when Iris was built without NCCL.
+std::unique_ptr<Communicator> make_nccl_communicator(Backend& be, MpiSession* session, int rank,
+                                                     int world);
+bool nccl_available();
+// The GPU of a process on its host: local_rank among the visible GPUs (one process per GPU).
+int local_cuda_device(const LaunchEnv& env);
+
+}  // namespace iris

@@ -1,0 +1,172 @@
+// The CUDA communicator: NCCL on a stream of its own, ordered against the backend's stream by
+// events (each call starts after the backend's work queued before it, and the backend's later
+// work waits for it), and the fixed-order piece sum as a kernel on that stream.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <exception>
+#include <string>
+
+#include "core/cuda/cuda_check.h"
+#include "core/error.h"
+#include "parallel/communicator.h"
+#include "parallel/mpi_session.h"
+
+namespace iris {
+namespace {
+
+[[noreturn]] void throw_nccl_error(ncclResult_t r, const char* stmt, const char* file, int line) {
+  throw_error(file, line,
+              str_cat("NCCL error ", static_cast<int>(r), " (", ncclGetErrorString(r), ") in `",
+                      stmt, "`"));
+}
+
+#define IRIS_NCCL_CHECK(stmt)                                                                     \
+  do {                                                                                            \
+    const ncclResult_t iris_nccl_rc_ = (stmt);                                                    \
+    if (iris_nccl_rc_ != ncclSuccess) throw_nccl_error(iris_nccl_rc_, #stmt, __FILE__, __LINE__); \
+  } while (0)
+
+// Each output element is its pieces added in rank order, one rounding per addition, as the CPU
+// communicator adds them (plain float adds; nothing to contract into an FMA).
+__global__ void sum_pieces_kernel(float* out, const float* pieces, int64_t n, int world) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float s = pieces[i];
+    for (int r = 1; r < world; ++r) s += pieces[r * n + i];
+    out[i] = s;
+  }
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Backend& be, MpiSession* session, int rank, int world)
+      : be_(be), rank_(rank), world_(world) {
+    IRIS_CHECK(be.device() == Device::cuda, "the NCCL communicator needs a CUDA backend");
+    IRIS_CHECK(world == 1 || session != nullptr,
+               "a NCCL communicator of more than one rank needs MPI to share its id");
+    ncclUniqueId id{};
+    if (rank == 0) IRIS_NCCL_CHECK(ncclGetUniqueId(&id));
+    if (world > 1) session->broadcast(&id, sizeof(id), 0, "the NCCL id broadcast");
+    IRIS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
+    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    IRIS_NCCL_CHECK(ncclCommInitRank(&comm_, world, id, rank));
+  }
+  ~NcclCommunicator() override {
+    if (comm_ != nullptr) ncclCommDestroy(comm_);
+    if (after_ != nullptr) cudaEventDestroy(after_);
+    if (before_ != nullptr) cudaEventDestroy(before_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_; }
+  std::string name() const override { return "NCCL"; }
+  Device device() const override { return Device::cuda; }
+
+  void all_gather(const Tensor& out, const Tensor& in) override {
+    check(out, "all_gather");
+    check(in, "all_gather");
+    IRIS_CHECK(out.nbytes() == in.nbytes() * static_cast<size_t>(world_),
+               "all_gather: out must hold size() copies of in, got ", out.shape_str(), " and ",
+               in.shape_str());
+    Ordered o(*this);
+    IRIS_NCCL_CHECK(ncclAllGather(in.data, out.data, in.nbytes(), ncclUint8, comm_, stream_));
+  }
+  void all_to_all(const Tensor& out, const Tensor& in) override {
+    check(out, "all_to_all");
+    check(in, "all_to_all");
+    IRIS_CHECK(out.nbytes() == in.nbytes() && in.nbytes() % static_cast<size_t>(world_) == 0,
+               "all_to_all: in and out of the same size, a multiple of size(), got ",
+               in.shape_str(), " and ", out.shape_str());
+    const size_t piece = in.nbytes() / static_cast<size_t>(world_);
+    Ordered o(*this);
+    IRIS_NCCL_CHECK(ncclGroupStart());
+    for (int r = 0; r < world_; ++r) {
+      IRIS_NCCL_CHECK(ncclSend(static_cast<const char*>(in.data) + r * piece, piece, ncclUint8, r,
+                               comm_, stream_));
+      IRIS_NCCL_CHECK(
+          ncclRecv(static_cast<char*>(out.data) + r * piece, piece, ncclUint8, r, comm_, stream_));
+    }
+    IRIS_NCCL_CHECK(ncclGroupEnd());
+  }
+  void broadcast(const Tensor& buf, int root) override {
+    check(buf, "broadcast");
+    Ordered o(*this);
+    IRIS_NCCL_CHECK(
+        ncclBroadcast(buf.data, buf.data, buf.nbytes(), ncclUint8, root, comm_, stream_));
+  }
+  void send(const Tensor& t, int peer) override {
+    check(t, "send");
+    Ordered o(*this);
+    IRIS_NCCL_CHECK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_));
+  }
+  void recv(const Tensor& t, int peer) override {
+    check(t, "recv");
+    Ordered o(*this);
+    IRIS_NCCL_CHECK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_));
+  }
+  void sum_pieces(const Tensor& out, const Tensor& pieces) override {
+    check(out, "sum_pieces");
+    check(pieces, "sum_pieces");
+    const int64_t n = out.numel();
+    IRIS_CHECK(
+        out.dtype == DType::f32 && pieces.dtype == DType::f32 && pieces.numel() == n * world_,
+        "sum_pieces: f32 out [n] and pieces [", world_, " * n], got ", out.shape_str(), " and ",
+        pieces.shape_str());
+    if (n == 0) return;
+    Ordered o(*this);
+    const int threads = 256;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 4096));
+    sum_pieces_kernel<<<blocks, threads, 0, stream_>>>(out.as<float>(), pieces.as<float>(), n,
+                                                       world_);
+    IRIS_CUDA_LAUNCH_CHECK();
+  }
+
+ private:
+  // Brackets one call: the communicator's stream waits for the backend's work so far, and the
+  // backend's stream waits for the call.
+  class Ordered {
+   public:
+    explicit Ordered(NcclCommunicator& c) : c_(c) {
+      auto compute = static_cast<cudaStream_t>(c_.be_.native_stream());
+      IRIS_CUDA_CHECK(cudaEventRecord(c_.before_, compute));
+      IRIS_CUDA_CHECK(cudaStreamWaitEvent(c_.stream_, c_.before_, 0));
+    }
+    ~Ordered() noexcept(false) {
+      if (std::uncaught_exceptions() > 0) return;
+      auto compute = static_cast<cudaStream_t>(c_.be_.native_stream());
+      IRIS_CUDA_CHECK(cudaEventRecord(c_.after_, c_.stream_));
+      IRIS_CUDA_CHECK(cudaStreamWaitEvent(compute, c_.after_, 0));
+    }
+
+   private:
+    NcclCommunicator& c_;
+  };
+
+  static void check(const Tensor& t, const char* op) {
+    IRIS_CHECK(t.device == Device::cuda, op,
+               ": the NCCL communicator moves CUDA tensors (use MPI for CPU ones)");
+  }
+
+  Backend& be_;
+  int rank_, world_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t before_ = nullptr, after_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(Backend& be, MpiSession* session, int rank,
+                                                     int world) {
+  return std::make_unique<NcclCommunicator>(be, session, rank, world);
+}
+
+bool nccl_available() {
+  return true;
+}
+
+}  // namespace iris

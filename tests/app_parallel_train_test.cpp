@@ -1,0 +1,277 @@
+// iris train under mpirun on the CPU backend with the MPI communicator: data parallel 2 and 4
+// give the losses and weights of one process with the same global batch bit for bit (one process
+// with N micro-batch replicas, one thread each, is the structure N ranks reproduce:
+// training/data_parallel.h); a data_parallel_size that disagrees with the launcher is an error
+// naming both; and a rank that fails ends every rank of the job with a non-zero status. The
+// sharded optimizer (optimizer.distributed) gives the unsharded run bit for bit with half the
+// moments per rank, and checkpoints resume under another data-parallel size and sharding.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/fs.h"
+#include "test_util.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Exit {
+  int code = -1;  // exit status, or -1 when killed by a signal
+  std::string output;
+  double seconds = 0;
+};
+
+class AppParallelTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(IRIS_MPIEXEC).empty())
+      GTEST_SKIP() << "built without MPI (install libopenmpi-dev openmpi-bin: scripts/setup.sh)";
+    root_ = fs::temp_directory_path() /
+            ("iris_app_parallel_test_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!root_.empty()) fs::remove_all(root_);
+  }
+
+  // Runs argv with extra environment variables, stdout and stderr into one log.
+  Exit run(const std::vector<std::string>& args, const std::vector<std::string>& env) {
+    const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
+    const auto t0 = std::chrono::steady_clock::now();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      FILE* f = std::freopen(log.c_str(), "w", stdout);
+      if (f != nullptr) ::dup2(STDOUT_FILENO, STDERR_FILENO);
+      for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      ::_exit(127);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    Exit e;
+    if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
+    e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    e.output = read_text_file(log);
+    return e;
+  }
+  Exit iris(std::vector<std::string> args, const std::string& threads) {
+    args.insert(args.begin(), IRIS_BINARY);
+    return run(args, {"OMP_NUM_THREADS=" + threads});
+  }
+  // `mpirun -np N iris ...`, one thread per rank.
+  Exit mpirun(int np, std::vector<std::string> args) {
+    std::vector<std::string> all{IRIS_MPIEXEC, "-np", std::to_string(np)};
+    if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) all.push_back(IRIS_MPIEXEC_FLAGS);
+    all.push_back(IRIS_BINARY);
+    all.insert(all.end(), args.begin(), args.end());
+    return run(
+        all, {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"});
+  }
+
+  std::string write_recipe() {
+    const Exit d = iris({"data", "shapes", "--out", (root_ / "shapes").string(), "--n", "24",
+                         "--seed", "7", "--heldout", "0.25"},
+                        "1");
+    EXPECT_EQ(d.code, 0) << d.output;
+    const std::string path = (root_ / "tiny.yaml").string();
+    write_file_atomic(
+        path, "model:\n  init: random\n  init_seed: 3\n  config: " + test::fixture_dir() +
+                  "/config.json\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
+                  "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
+                  "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
+                  "train:\n  micro_batch_size: 1\n  global_batch_size: 4\n  train_iters: 3\n"
+                  "  seq_length: 64\n"
+                  "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n"
+                  "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
+                  "logging:\n  log_interval: 1\n");
+    return path;
+  }
+
+  static std::vector<double> losses(const fs::path& run) {
+    std::ifstream f(run / "metrics.jsonl");
+    std::vector<double> out;
+    for (std::string line; std::getline(f, line);)
+      out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+    return out;
+  }
+
+  fs::path root_;
+  int runs_ = 0;
+};
+
+TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {
+  const std::string recipe = write_recipe();
+  for (const int np : {2, 4}) {
+    SCOPED_TRACE("mpirun -np " + std::to_string(np));
+    const fs::path single = root_ / ("single_" + std::to_string(np)),
+                   dp = root_ / ("dp_" + std::to_string(np));
+    // One process with np micro-batch replicas (one thread each) against np ranks.
+    const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + single.string()},
+                        std::to_string(np));
+    ASSERT_EQ(a.code, 0) << a.output;
+    const Exit b = mpirun(np, {"train", "--recipe", recipe, "checkpoint.dir=" + dp.string(),
+                               "parallel.data_parallel_size=" + std::to_string(np)});
+    ASSERT_EQ(b.code, 0) << b.output;
+    EXPECT_NE(b.output.find("data parallel: " + std::to_string(np) +
+                            " processes started by "
+                            "mpirun"),
+              std::string::npos)
+        << b.output;
+    EXPECT_NE(b.output.find("rank " + std::to_string(np - 1) + ": micro-batches " +
+                            std::to_string(np - 1)),
+              std::string::npos)
+        << b.output;
+    const std::vector<double> la = losses(single), lb = losses(dp);
+    ASSERT_EQ(la.size(), 3u);
+    ASSERT_EQ(lb.size(), la.size()) << b.output;
+    for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
+    EXPECT_EQ(read_text_file((single / "step_0000003/model.safetensors").string()),
+              read_text_file((dp / "step_0000003/model.safetensors").string()));
+  }
+}
+
+TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAFractionOfTheState) {
+  const std::string recipe = write_recipe();
+  // Weight decay and clipping on, so that every part of the sharded update (decay by tensor
+  // rank, the global norm over the shards) shows in the weights.
+  const std::vector<std::string> common{"train",
+                                        "--recipe",
+                                        recipe,
+                                        "parallel.data_parallel_size=2",
+                                        "optimizer.weight_decay=0.1",
+                                        "optimizer.clip_grad=1.0"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const fs::path plain = root_ / "plain", sharded = root_ / "sharded";
+  const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b =
+      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "optimizer.distributed=true"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  const std::vector<double> la = losses(plain), lb = losses(sharded);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), la.size()) << b.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
+  // The weights, and the moments gathered from both shards, in the ordinary format.
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text_file((plain / "step_0000003" / file).string()),
+              read_text_file((sharded / "step_0000003" / file).string()))
+        << file;
+  // Each rank holds half of the moments.
+  auto moments_mib = [](const std::string& out) {
+    const size_t at = out.find("AdamW moments ");
+    return at == std::string::npos ? -1 : std::stoi(out.substr(at + 14));
+  };
+  const int full = moments_mib(a.output), half = moments_mib(b.output);
+  EXPECT_GT(full, 0) << a.output;
+  EXPECT_EQ(half, full / 2) << b.output;
+  EXPECT_NE(b.output.find("this rank's 1/2 (optimizer.distributed)"), std::string::npos)
+      << b.output;
+}
+
+// A checkpoint does not depend on the data-parallel size or the sharding: a run stopped at step 2
+// continues under another layout to the losses, weights and moments of a run never stopped. One
+// process with 2 threads has the reduction structure of 2 ranks of one thread each.
+TEST_F(AppParallelTrainTest, ResumesUnderAnotherDataParallelSizeBitForBit) {
+  const std::string recipe = write_recipe();
+  // The schedule spans 4 steps whichever step a leg ends at.
+  const std::vector<std::string> schedule{"schedule.decay_iters=4", "checkpoint.save_interval=2"};
+  struct Leg {
+    int ranks;  // 1: one process of 2 threads
+    bool sharded;
+  };
+  auto train = [&](const fs::path& dir, const Leg& leg, int iters) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                                  "train.train_iters=" + std::to_string(iters)};
+    args.insert(args.end(), schedule.begin(), schedule.end());
+    if (leg.ranks == 1) return iris(args, "2");
+    args.push_back("parallel.data_parallel_size=" + std::to_string(leg.ranks));
+    if (leg.sharded) args.push_back("optimizer.distributed=true");
+    return mpirun(leg.ranks, args);
+  };
+  const fs::path whole = root_ / "whole";
+  const Exit u = train(whole, {1, false}, 4);
+  ASSERT_EQ(u.code, 0) << u.output;
+  const std::vector<double> want = losses(whole);
+  ASSERT_EQ(want.size(), 4u);
+  const struct {
+    const char* name;
+    Leg first, second;
+  } cases[] = {{"dp2_to_dp1", {2, false}, {1, false}},
+               {"dp1_to_dp2_sharded", {1, false}, {2, true}},
+               {"dp2_sharded_to_dp1", {2, true}, {1, false}}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = root_ / c.name;
+    const Exit first = train(dir, c.first, 2);
+    ASSERT_EQ(first.code, 0) << first.output;
+    const Exit second = train(dir, c.second, 4);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+    const std::vector<double> got = losses(dir);
+    ASSERT_EQ(got.size(), 4u) << second.output;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "iteration " << i + 1;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text_file((whole / "step_0000004" / file).string()),
+                read_text_file((dir / "step_0000004" / file).string()))
+          << file;
+  }
+}
+
+TEST_F(AppParallelTrainTest, DataParallelSizeMustMatchTheLauncher) {
+  const std::string recipe = write_recipe();
+  const Exit mismatch =
+      mpirun(2, {"train", "--recipe", recipe, "checkpoint.dir=" + (root_ / "a").string()});
+  EXPECT_NE(mismatch.code, 0) << mismatch.output;
+  EXPECT_NE(mismatch.output.find("parallel.data_parallel_size is 1 but the launcher (mpirun) "
+                                 "started 2 processes"),
+            std::string::npos)
+      << mismatch.output;
+  const Exit alone = iris({"train", "--recipe", recipe, "parallel.data_parallel_size=2",
+                           "checkpoint.dir=" + (root_ / "b").string()},
+                          "1");
+  EXPECT_EQ(alone.code, 1) << alone.output;
+  EXPECT_NE(alone.output.find("mpirun -np 2 iris train"), std::string::npos) << alone.output;
+}
+
+TEST_F(AppParallelTrainTest, AFailingRankEndsEveryRank) {
+  const std::string recipe = write_recipe();
+  // Rank 1 alone is pointed at a folder it must refuse (resume never over a checkpoint) after
+  // MPI is up, while rank 0 goes on to its first exchange.
+  const fs::path taken = root_ / "taken";
+  fs::create_directories(taken / "step_0000001");
+  const std::string script =
+      std::string("if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then dir=") + taken.string() +
+      "; else dir=" + (root_ / "ok").string() + "; fi; exec " + IRIS_BINARY + " train --recipe " +
+      recipe + " parallel.data_parallel_size=2 checkpoint.resume=never checkpoint.dir=$dir";
+  std::vector<std::string> args{IRIS_MPIEXEC, "-np", "2"};
+  if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) args.push_back(IRIS_MPIEXEC_FLAGS);
+  args.insert(args.end(), {"sh", "-c", script});
+  const Exit e = run(
+      args, {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"});
+  EXPECT_NE(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("rank 1 of 2"), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("checkpoint.resume is never"), std::string::npos) << e.output;
+  EXPECT_LT(e.seconds, 120) << e.output;
+}
+
+}  // namespace
+}  // namespace iris

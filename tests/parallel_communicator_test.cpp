@@ -1,0 +1,243 @@
+// The communicators' collectives under a real launcher: ctest runs this binary with mpirun -np 1,
+// 2 and 4 (CMakeLists.txt), every rank executing every case. The fixed-order sums are checked bit
+// for bit against the rank-order sum each rank computes itself from every rank's (seeded) data,
+// with magnitudes spread so that another order rounds differently (checked too, from 3 ranks on).
+// Without a launcher the collective cases skip; the launcher-variable cases always run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "parallel/communicator.h"
+#include "parallel/grad_reducer.h"
+#include "parallel/launch.h"
+#include "parallel/mpi_session.h"
+#include "parallel/shard_exchange.h"
+
+namespace iris {
+namespace {
+
+LaunchEnv env_of(const std::map<std::string, std::string>& vars) {
+  return read_launch_env([&](const char* name) -> const char* {
+    const auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(LaunchEnv, ReadsMpirunAndSrunAndDefaultsToOneProcess) {
+  const LaunchEnv none = env_of({});
+  EXPECT_FALSE(none.launched());
+  EXPECT_EQ(none.rank, 0);
+  EXPECT_EQ(none.world, 1);
+
+  const LaunchEnv ompi = env_of({{"OMPI_COMM_WORLD_SIZE", "4"},
+                                 {"OMPI_COMM_WORLD_RANK", "3"},
+                                 {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                 {"SLURM_PROCID", "0"},
+                                 {"SLURM_STEP_ID", "0"},
+                                 {"SLURM_NTASKS", "2"}});
+  EXPECT_EQ(ompi.launcher, "mpirun");
+  EXPECT_EQ(ompi.world, 4);
+  EXPECT_EQ(ompi.rank, 3);
+  EXPECT_EQ(ompi.local_rank, 1);
+
+  const LaunchEnv srun = env_of({{"SLURM_PROCID", "5"},
+                                 {"SLURM_STEP_ID", "0"},
+                                 {"SLURM_NTASKS", "8"},
+                                 {"SLURM_STEP_NUM_TASKS", "6"},
+                                 {"SLURM_LOCALID", "2"}});
+  EXPECT_EQ(srun.launcher, "srun");
+  EXPECT_EQ(srun.world, 6);
+  EXPECT_EQ(srun.rank, 5);
+  EXPECT_EQ(srun.local_rank, 2);
+
+  // An sbatch script is one process even though its allocation has several tasks.
+  const LaunchEnv batch = env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}});
+  EXPECT_FALSE(batch.launched());
+  EXPECT_EQ(batch.world, 1);
+
+  for (const auto& bad : std::vector<std::map<std::string, std::string>>{
+           {{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "2"}},
+           {{"OMPI_COMM_WORLD_SIZE", "two"}, {"OMPI_COMM_WORLD_RANK", "0"}},
+           {{"OMPI_COMM_WORLD_SIZE", "2"}}}) {
+    try {
+      env_of(bad);
+      ADD_FAILURE() << "accepted a bad launcher environment";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD"), std::string::npos) << e.what();
+    }
+  }
+}
+
+class Collectives : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const LaunchEnv env = read_launch_env();
+    if (!env.launched() || !MpiSession::available())
+      GTEST_SKIP() << "run under mpirun (ctest does: parallel_communicator_test_np*)";
+    session_ = &MpiSession::start(env);
+    session_->set_timeout(120);
+    comm_ = make_mpi_communicator(*session_);
+    rank_ = comm_->rank();
+    world_ = comm_->size();
+  }
+
+  // Rank r's seeded data, which every rank can rebuild: values whose magnitudes span 2^-20 to
+  // 2^20, so that the order of a sum shows in its rounding.
+  static std::vector<float> data_of(int r, int64_t n) {
+    std::mt19937 rng(1000u + static_cast<unsigned>(r));
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::uniform_int_distribution<int> e(-20, 20);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = std::ldexp(u(rng), e(rng));
+    return v;
+  }
+  std::vector<float> rank_order_sum(int64_t n, bool reversed = false) const {
+    std::vector<float> s = data_of(reversed ? world_ - 1 : 0, n);
+    for (int k = 1; k < world_; ++k) {
+      const std::vector<float> d = data_of(reversed ? world_ - 1 - k : k, n);
+      for (int64_t i = 0; i < n; ++i) s[static_cast<size_t>(i)] += d[static_cast<size_t>(i)];
+    }
+    return s;
+  }
+  static Tensor view(std::vector<float>& v) {
+    return Tensor(v.data(), DType::f32, Device::cpu, {static_cast<int64_t>(v.size())});
+  }
+  static bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+
+  MpiSession* session_ = nullptr;
+  std::unique_ptr<Communicator> comm_;
+  int rank_ = 0, world_ = 1;
+};
+
+TEST_F(Collectives, AllGatherAllToAllAndBroadcastMoveExactly) {
+  const int64_t n = 37;
+  std::vector<float> mine = data_of(rank_, n), all(static_cast<size_t>(n * world_));
+  comm_->all_gather(view(all), view(mine));
+  for (int r = 0; r < world_; ++r)
+    EXPECT_TRUE(same_bits(std::vector<float>(all.begin() + r * n, all.begin() + (r + 1) * n),
+                          data_of(r, n)))
+        << "piece of rank " << r;
+  // In place: each rank's piece already sits in the output.
+  std::vector<float> in_place(static_cast<size_t>(n * world_), 0.0f);
+  std::copy(mine.begin(), mine.end(), in_place.begin() + rank_ * n);
+  comm_->all_gather(view(in_place), view(in_place).slice(rank_ * n, (rank_ + 1) * n));
+  EXPECT_TRUE(same_bits(in_place, all));
+
+  // all_to_all: piece r of rank k's output is piece k of rank r's input.
+  std::vector<float> send = data_of(rank_, n * world_), got(send.size());
+  comm_->all_to_all(view(got), view(send));
+  for (int r = 0; r < world_; ++r) {
+    const std::vector<float> theirs = data_of(r, n * world_);
+    EXPECT_TRUE(
+        same_bits(std::vector<float>(got.begin() + r * n, got.begin() + (r + 1) * n),
+                  std::vector<float>(theirs.begin() + rank_ * n, theirs.begin() + (rank_ + 1) * n)))
+        << "piece from rank " << r;
+  }
+
+  const int root = world_ - 1;
+  std::vector<float> b = data_of(rank_, n);
+  comm_->broadcast(view(b), root);
+  EXPECT_TRUE(same_bits(b, data_of(root, n)));
+}
+
+TEST_F(Collectives, SendAndReceiveGoRoundARing) {
+  if (world_ < 2) GTEST_SKIP() << "needs two ranks";
+  const int64_t n = 1 << 16;  // past the eager limit: a real rendezvous
+  const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+  std::vector<float> out = data_of(rank_, n), in(static_cast<size_t>(n));
+  // Even ranks send first, odd ranks receive first: no rank waits on a rank that waits on it.
+  if (rank_ % 2 == 0) {
+    comm_->send(view(out), next);
+    comm_->recv(view(in), prev);
+  } else {
+    comm_->recv(view(in), prev);
+    comm_->send(view(out), next);
+  }
+  EXPECT_TRUE(same_bits(in, data_of(prev, n)));
+}
+
+TEST_F(Collectives, AllReduceAndReduceScatterSumInRankOrderBitForBit) {
+  // A length with a tail (n % world != 0) and one of whole pieces.
+  for (const int64_t n : {int64_t(1000) * world_ + 3, int64_t(64) * world_, int64_t(1)}) {
+    SCOPED_TRACE(n);
+    std::vector<float> buf = data_of(rank_, n);
+    std::vector<float> scratch(static_cast<size_t>(all_reduce_scratch_elements(n, world_)));
+    comm_->all_reduce(view(buf), view(scratch));
+    const std::vector<float> want = rank_order_sum(n);
+    EXPECT_TRUE(same_bits(buf, want));
+    // The check can fail: from three ranks on, the reverse order rounds differently somewhere.
+    if (world_ >= 3 && n > 100) EXPECT_FALSE(same_bits(rank_order_sum(n, true), want));
+  }
+  const int64_t piece = 333;
+  std::vector<float> in = data_of(rank_, piece * world_), out(static_cast<size_t>(piece)),
+                     scratch(in.size());
+  comm_->reduce_scatter(view(out), view(in), view(scratch));
+  const std::vector<float> full = rank_order_sum(piece * world_);
+  EXPECT_TRUE(same_bits(
+      out, std::vector<float>(full.begin() + rank_ * piece, full.begin() + (rank_ + 1) * piece)));
+}
+
+TEST_F(Collectives, GradReducerBucketsGiveTheRankOrderSum) {
+  auto cpu = make_cpu_backend();
+  const int64_t n = 10007;
+  std::vector<float> grads = data_of(rank_, n);
+  // Small buckets: many of them, the last with a tail.
+  GradReducer reducer(*cpu, *comm_, view(grads), 1000);
+  EXPECT_EQ(reducer.buckets(), (n + 1000 / world_ * world_ - 1) / (1000 / world_ * world_));
+  reducer.reduce();
+  EXPECT_TRUE(same_bits(grads, rank_order_sum(n)));
+  // The reducer's buffers stay put: a second step sums again from fresh values.
+  const std::vector<float> fresh = data_of(rank_, n);
+  std::copy(fresh.begin(), fresh.end(), grads.begin());
+  reducer.reduce();
+  EXPECT_TRUE(same_bits(grads, rank_order_sum(n)));
+}
+
+TEST_F(Collectives, ShardExchangeSumsEachShardAndGathersEveryShard) {
+  auto cpu = make_cpu_backend();
+  // A length with a tail for the last rank, in one bucket and in many (packed) ones.
+  const int64_t n = 10007;
+  for (const int64_t bucket : {int64_t(1) << 20, int64_t(1000)}) {
+    SCOPED_TRACE(bucket);
+    std::vector<float> grads = data_of(rank_, n), weights(static_cast<size_t>(n), -1.0f);
+    ShardExchange ex(*cpu, *comm_, view(grads), view(weights), bucket);
+    const int64_t b = ex.begin(), e = ex.end();
+    EXPECT_EQ(b, n / world_ * rank_);
+    EXPECT_EQ(e, rank_ == world_ - 1 ? n : n / world_ * (rank_ + 1));
+    EXPECT_EQ(ex.buckets(),
+              bucket >= n ? 1 : (n / world_ + bucket / world_ - 1) / (bucket / world_));
+    const std::vector<float> want = rank_order_sum(n);
+    for (int pass = 0; pass < 2; ++pass) {  // the scratch is reused: a second step sums afresh
+      const std::vector<float> fresh = data_of(rank_, n);
+      std::copy(fresh.begin(), fresh.end(), grads.begin());
+      ex.reduce_scatter();
+      EXPECT_TRUE(same_bits(std::vector<float>(grads.begin() + b, grads.begin() + e),
+                            std::vector<float>(want.begin() + b, want.begin() + e)));
+      // Each rank writes its shard of the weights; the gather hands every rank all of them.
+      std::fill(weights.begin(), weights.end(), -1.0f);
+      std::copy(want.begin() + b, want.begin() + e, weights.begin() + b);
+      ex.all_gather();
+      EXPECT_TRUE(same_bits(weights, want));
+    }
+  }
+}
+
+TEST_F(Collectives, RefusesTensorsOfAnotherDevice) {
+  std::vector<float> v(4);
+  Tensor t = view(v);
+  t.device = Device::cuda;
+  EXPECT_THROW(comm_->broadcast(t, 0), Error);
+}
+
+}  // namespace
+}  // namespace iris

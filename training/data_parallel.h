@@ -1,0 +1,100 @@
+// Data-parallel training across the processes a launcher started (parallel/launch.h): every rank
+// holds the whole model, trains on its share of each global batch and sums the gradients with
+// the others before the optimizer step.
+//
+// Bit-identical to one process. Micro-batch i of a step belongs to rank i % world, each rank adds
+// its micro-batches into its gradient buffer in order, and the buffers are summed in rank order by
+// a fixed-order all-reduce (parallel/communicator.h). That is exactly what one CPU process does
+// with `world` micro-batch replicas (one thread each; trainer.cpp: micro-batch i on replica
+// i % replicas, replicas added in order), so `mpirun -np 2` with OMP_NUM_THREADS=1 gives the
+// losses of a single process with OMP_NUM_THREADS=2, bit for bit, and a single process keeps its
+// one gradient buffer (no extra copy for ordinary runs). The loss is the rank-order sum of the
+// ranks' sums, again as the replicas' are added.
+//
+// Every rank walks the same sample sequence (so that the global batch, the skipped samples and
+// the resume position agree everywhere) and trains on its own micro-batches only. Rank 0 writes
+// the run directory (lock, checkpoints, metrics); every rank's weights stay identical because
+// every rank applies the same reduced gradients.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "bridge/hf_weights.h"
+#include "core/backend.h"
+#include "parallel/communicator.h"
+#include "parallel/grad_reducer.h"
+#include "parallel/launch.h"
+#include "training/recipe.h"
+
+namespace iris {
+
+class MpiSession;
+
+class DataParallel {
+ public:
+  // Reads the launcher's variables and checks parallel.data_parallel_size against them; starts
+  // MPI when there is more than one process.
+  explicit DataParallel(const ParallelRecipe& p);
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  int rank() const { return env_.rank; }
+  int world() const { return env_.world; }
+  // The rank that writes the run directory and the log.
+  bool writer() const { return env_.rank == 0; }
+  // The GPU this rank trains on.
+  int cuda_device() const;
+  // Micro-batch i of every step is trained by rank i % world.
+  bool owns(int64_t micro_index) const { return micro_index % env_.world == env_.rank; }
+  // One line per rank: which micro-batches (and samples) of each step it trains.
+  std::string layout(int64_t micro_batches_per_step, int64_t micro_batch_size) const;
+
+  // Ends the connection that connect() made, before the backend it lives on goes away.
+  class Link {
+   public:
+    explicit Link(DataParallel& dp) : dp_(dp) {}
+    ~Link() { dp_.disconnect(); }
+    Link(const Link&) = delete;
+    Link& operator=(const Link&) = delete;
+
+   private:
+    DataParallel& dp_;
+  };
+  // With more than one rank: the communicator for `be`'s device (MPI on the CPU, NCCL on CUDA),
+  // the gradient reducer over `grads` (one flat span) unless a sharded optimizer sums them
+  // (reduce_gradients false), and rank 0's weights copied to every rank. Does nothing for a
+  // single process. Keep the Link while `be` lives.
+  [[nodiscard]] Link connect(Backend& be, ModelWeights& grads, ModelWeights* const* weights,
+                             int n_weights, bool reduce_gradients = true);
+  // The communicator connect() made; null for a single process.
+  Communicator* communicator() { return comm_.get(); }
+  // Communicator and scratch bytes, for the memory plan ("" for one process).
+  std::string describe() const;
+  // Sums the gradients over the ranks (fixed order); after the backward of the last micro-batch.
+  // Nothing to do when a sharded optimizer sums them.
+  void reduce_gradients();
+  // The rank-order sum of every rank's local loss sum.
+  double global_loss_sum(double local);
+  // The stop signal any rank received (its number), so that every rank stops after the same
+  // step; `local` for a single process.
+  int agreed_stop(int local);
+  // Every rank waits here for the others (bounded by parallel.timeout_seconds).
+  void barrier(const char* what);
+  // For an error that escaped a rank of a multi-process run: prints it with the rank and ends
+  // every process of the job, so that none waits for this one.
+  [[noreturn]] void abort_job(const std::exception& e);
+
+ private:
+  void disconnect();
+
+  LaunchEnv env_;
+  MpiSession* session_ = nullptr;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<GradReducer> reducer_;
+};
+
+}  // namespace iris
