@@ -1,5 +1,7 @@
 // iris generate: images + text in, text out, streamed (flags follow llama.cpp's multimodal CLI).
 #include <omp.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -11,6 +13,7 @@
 
 #include "apps/commands.h"
 #include "bridge/chat_prompt.h"
+#include "bridge/chat_session.h"
 #include "bridge/generator.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/vision_cuda_graph_helper.h"
@@ -197,6 +200,213 @@ class HelpFormatter : public CLI::Formatter {
   }
 };
 
+// What --json prints for one generation (the load and preprocess times are the caller's).
+nlohmann::json generation_json(const GenerationResult& res, const GenerationRequest& req,
+                               const Tokenizer& tokenizer, const Backend& backend,
+                               bool cuda_graphs) {
+  std::vector<int32_t> shown = res.tokens;
+  if (res.stopped) shown.pop_back();
+  const GenerationTimings& t = res.timings;
+  nlohmann::json j;
+  j["prompt_tokens"] = t.prompt_tokens;
+  j["tokens"] = shown;
+  j["text"] = tokenizer.decode(shown);
+  j["stopped_at_eos"] = res.stopped;
+  j["seed"] = req.sampling.seed;
+  j["sampling"] = {{"temperature", req.sampling.temperature},
+                   {"top_k", req.sampling.top_k},
+                   {"top_p", req.sampling.top_p},
+                   {"min_p", req.sampling.min_p},
+                   {"repetition_penalty", req.sampling.repetition_penalty}};
+  j["device"] = backend.name();
+  j["threads"] = omp_get_max_threads();
+  j["cuda_graphs"] = cuda_graphs;
+  j["timings"] = {{"load_ms", 0.0},
+                  {"preprocess_ms", 0.0},
+                  {"vision_encode_ms", t.vision_ms},
+                  {"image_patches", t.image_patches},
+                  {"prefill_ms", t.prefill_ms},
+                  {"prefill_tokens_per_s", t.prefill_tokens_per_s()},
+                  {"decode_ms", t.decode_ms},
+                  {"decode_tokens_per_s", t.decode_tokens_per_s()},
+                  {"generated_tokens", t.generated_tokens}};
+  return j;
+}
+
+void print_timings(double load_ms, double preprocess_ms, size_t n_images,
+                   const GenerationTimings& t, double decode_tokens_per_s,
+                   const std::string& device, uint64_t seed) {
+  std::fprintf(stderr,
+               "\n%-16s %10.2f ms\n%-16s %10.2f ms (%zu images)\n"
+               "%-16s %10.2f ms (%lld patches)\n"
+               "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
+               "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
+               "%-16s %s, seed %llu\n",
+               "load", load_ms, "preprocess", preprocess_ms, n_images, "vision encode", t.vision_ms,
+               static_cast<long long>(t.image_patches), "prefill", t.prefill_ms,
+               static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(), "decode",
+               t.decode_ms, static_cast<long long>(t.generated_tokens), decode_tokens_per_s,
+               "device", device.c_str(), static_cast<unsigned long long>(seed));
+}
+
+// Images one chat message may carry (/image, or --image for the first); the encoder is planned
+// for them up front.
+constexpr int kChatMaxImagesPerMessage = 16;
+
+// What the chat loop needs from the command beyond the model and the request settings.
+struct ChatRun {
+  const GenerateOptions& options;
+  const Tokenizer& tokenizer;
+  const PreprocessorConfig& preprocessor;
+  const Backend& backend;
+  bool cuda_graphs = false;
+  double load_ms = 0, preprocess_ms = 0;  // of the --image files, counted with the first turn
+};
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+const char* const kChatHelp =
+    "/image PATH attaches an image to the next message, /clear forgets the conversation, /quit "
+    "(or the end of input) exits";
+
+// Multi-turn chat on stdin, as llama-mtmd-cli without -p: one line is one user message; the KV
+// cache keeps the conversation, so a turn prefills only its new tokens. Replies stream to stdout
+// one per line (with --json, one JSON object per turn instead); the input prompt, notes and
+// errors go to stderr, the prompt only when stdin is a terminal, so piped use gives clean stdout.
+// A failed command or turn is reported and the chat goes on; the exit code is then 1.
+int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
+             const PreprocessedBatch& first_images) {
+  const GenerateOptions& o = run.options;
+  ChatSession session(model, run.tokenizer, o.system, settings);
+  const bool tty = ::isatty(STDIN_FILENO) != 0;
+  std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
+  // The images of the next message, pixel rows in order: the --image files for the first, then
+  // each /image, preprocessed when given so that a bad file is reported at once.
+  std::vector<float> pixels;
+  std::vector<GridTHW> grids(first_images.grid_thw.begin(), first_images.grid_thw.end());
+  if (!grids.empty())
+    pixels.assign(first_images.pixel_values.data<float>(),
+                  first_images.pixel_values.data<float>() + first_images.pixel_values.numel());
+  // This turn's (for --json) and the whole chat's.
+  double preprocess_ms = run.preprocess_ms, preprocess_total = run.preprocess_ms;
+  bool failed = false;
+  GenerationTimings total;
+  int64_t decode_steps = 0;
+  size_t images_sent = 0;
+  auto report = [&](const std::string& what) {
+    std::fprintf(stderr, "iris generate: error: %s\n", what.c_str());
+    failed = true;
+  };
+  for (;;) {
+    if (tty) std::fputs("> ", stderr);
+    std::fflush(stderr);
+    std::string line;
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const std::string command = trim(line);
+    if (command.empty()) continue;
+    if (command == "/quit" || command == "/exit") break;
+    if (command == "/clear") {
+      session.clear();
+      pixels.clear();
+      grids.clear();
+      std::fputs("(conversation cleared)\n", stderr);
+      continue;
+    }
+    const std::string word = command.substr(0, command.find_first_of(" \t"));
+    if (word == "/image") {
+      const std::string path = trim(command.substr(word.size()));
+      if (path.empty()) {
+        report("/image needs a file: /image PATH");
+        continue;
+      }
+      if (static_cast<int>(grids.size()) >= kChatMaxImagesPerMessage) {
+        report(str_cat("a message may carry ", kChatMaxImagesPerMessage, " images at most; ", path,
+                       " was not attached"));
+        continue;
+      }
+      try {
+        const auto t_pre = std::chrono::steady_clock::now();
+        const PreprocessedImage image =
+            preprocess_image(load_image(path, o.max_image_pixels), run.preprocessor);
+        preprocess_ms += ms_since(t_pre);
+        preprocess_total += ms_since(t_pre);
+        pixels.insert(pixels.end(), image.pixel_values.data<float>(),
+                      image.pixel_values.data<float>() + image.pixel_values.numel());
+        grids.push_back(image.grid_thw);
+        std::fprintf(stderr, "(%s attached to the next message)\n", path.c_str());
+      } catch (const Error& e) {
+        report(e.what());
+      }
+      continue;
+    }
+    if (command[0] == '/') {
+      report(str_cat("unknown chat command ", word, "; ", kChatHelp));
+      continue;
+    }
+
+    ChatMessage message;
+    message.text = line;
+    message.pixel_values = grids.empty() ? nullptr : pixels.data();
+    message.grids = grids;
+    StreamingDecoder stream(run.tokenizer);
+    bool streamed = false;
+    try {
+      const ChatReply reply = session.send(message, [&](int32_t tok) {
+        if (o.json) return;
+        std::fputs(stream.push(tok).c_str(), stdout);
+        std::fflush(stdout);
+        streamed = true;
+      });
+      const GenerationResult& res = reply.result;
+      if (o.json) {
+        nlohmann::json j =
+            generation_json(res, settings, run.tokenizer, run.backend, run.cuda_graphs);
+        j["turn"] = session.turns();
+        j["context_tokens"] = session.conversation().size();
+        j["context_full"] = reply.context_full;
+        j["timings"]["load_ms"] = session.turns() == 1 ? run.load_ms : 0.0;
+        j["timings"]["preprocess_ms"] = preprocess_ms;
+        std::cout << j.dump() << std::endl;
+      } else {
+        std::fputs(stream.flush().c_str(), stdout);
+        std::fputs("\n", stdout);
+        std::fflush(stdout);
+      }
+      if (reply.context_full)
+        std::fprintf(stderr,
+                     "note: the reply stopped at the end of the context (%d tokens, "
+                     "-c/--ctx-size); /clear starts a new conversation\n",
+                     o.ctx_size);
+      const GenerationTimings& t = res.timings;
+      total.vision_ms += t.vision_ms;
+      total.prefill_ms += t.prefill_ms;
+      total.decode_ms += t.decode_ms;
+      total.prompt_tokens += t.prompt_tokens;
+      total.generated_tokens += t.generated_tokens;
+      total.image_patches += t.image_patches;
+      images_sent += message.grids.size();
+      decode_steps += std::max<int64_t>(0, t.generated_tokens - 1);
+    } catch (const Error& e) {
+      if (streamed) std::fputs((stream.flush() + "\n").c_str(), stdout);
+      std::fflush(stdout);
+      report(e.what());
+    }
+    // The images went with this message, whether or not it was answered.
+    pixels.clear();
+    grids.clear();
+    preprocess_ms = 0;
+  }
+  if (!o.json && total.prompt_tokens > 0)
+    print_timings(run.load_ms, preprocess_total, images_sent, total,
+                  total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
+                  run.backend.name(), settings.sampling.seed);
+  return failed ? 1 : 0;
+}
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
@@ -234,7 +444,8 @@ int run_generate_command(int argc, char** argv) {
       ->required();
   app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
       ->type_name("FILE");
-  auto* prompt_opt = app.add_option("-p,--prompt", o.prompt, "the user's text");
+  auto* prompt_opt =
+      app.add_option("-p,--prompt", o.prompt, "the user's text; none: chat on stdin");
   app.add_option("-f,--file", o.prompt_file, "read the user's text from FILE")
       ->type_name("FILE")
       ->excludes(prompt_opt);
@@ -267,7 +478,7 @@ int run_generate_command(int argc, char** argv) {
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
-  app.add_flag("--json", o.json, "print one JSON object instead of streaming");
+  app.add_flag("--json", o.json, "one JSON object, not a stream (a chat: one a turn)");
 
   const std::string more = "Less common";
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens")
@@ -357,12 +568,15 @@ int run_generate_command(int argc, char** argv) {
     if (sampling_opts[3]->count()) o.min_p = given.min_p;
     if (sampling_opts[4]->count()) o.repeat_penalty = given.repeat_penalty;
   }
+  // Without a prompt the command chats, as llama-mtmd-cli does: messages come from stdin.
+  const bool chat = o.prompt_file.empty() && prompt_opt->count() == 0;
   if (!o.prompt_file.empty()) {
     o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
     if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
-  } else {
-    IRIS_CHECK(prompt_opt->count() > 0, "no prompt: give the text with -p TEXT or -f FILE");
   }
+  // The logits after "the prompt" name one prompt; a chat has one per turn.
+  IRIS_CHECK(!chat || o.logits_out.empty(),
+             "--logits-out needs a prompt (-p TEXT or -f FILE); a chat (no prompt) has none");
   if (o.threads > 0) omp_set_num_threads(o.threads);
   IRIS_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
                  o.image_min_tokens <= o.image_max_tokens,
@@ -446,14 +660,24 @@ int run_generate_command(int argc, char** argv) {
   const double preprocess_ms = ms_since(t_pre);
   std::vector<GridTHW> grids(batch.grid_thw.begin(), batch.grid_thw.end());
   const int64_t patches = count_patches(grids);
-  traits.max_vision_seq_length = patches > 0 ? patches : cfg.vision.merge_unit();
-  finalize_graph_configs(graphs, traits);
-
   ModelLimits limits;
   limits.max_context = o.ctx_size;
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
   limits.max_images = std::max<int>(1, static_cast<int>(images.size()));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
+  if (chat) {
+    // A chat's images arrive later (/image), so the encoder is planned for the most one message
+    // can bring: its image tokens fit in the context, and each image in the resize budget.
+    limits.max_images = std::max(limits.max_images, kChatMaxImagesPerMessage);
+    const int64_t per_image = pre.max_pixels / (int64_t{pre.patch_size} * pre.patch_size);
+    const int64_t bound =
+        std::min(int64_t{o.ctx_size} * cfg.vision.merge_unit(), per_image * limits.max_images);
+    limits.max_vision_patches = std::max(limits.max_vision_patches, bound);
+  }
+  traits.max_vision_seq_length = chat          ? limits.max_vision_patches
+                                 : patches > 0 ? patches
+                                               : cfg.vision.merge_unit();
+  finalize_graph_configs(graphs, traits);
   // Graph buffers are sized only where graphs run: on the CPU the configs were only checked.
   if (on_gpu && !o.no_cuda_graphs && graphs.vision.impl != VisionGraphImpl::none)
     limits.max_vision_patches = std::max(limits.max_vision_patches, graphs.vision.max_seq_length);
@@ -467,10 +691,6 @@ int run_generate_command(int argc, char** argv) {
   const double load_ms = ms_since(t_load) - preprocess_ms;
 
   GenerationRequest req;
-  req.prompt_ids =
-      build_generation_prompt(tokenizer, grids, o.prompt, o.system, cfg.vision.spatial_merge_size);
-  req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
-  req.grids = grids;
   req.max_new_tokens = o.n_predict;
   if (!o.ignore_eos)
     req.stop_ids =
@@ -482,7 +702,15 @@ int run_generate_command(int argc, char** argv) {
   req.sampling.repetition_penalty = o.repeat_penalty;
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
+  if (chat) {
+    const ChatRun run{o, tokenizer, pre, *backend, graph_helper != nullptr, load_ms, preprocess_ms};
+    return run_chat(run, model, req, batch);
+  }
 
+  req.prompt_ids =
+      build_generation_prompt(tokenizer, grids, o.prompt, o.system, cfg.vision.spatial_merge_size);
+  req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
+  req.grids = grids;
   req.keep_prompt_logits = !o.logits_out.empty();
   StreamingDecoder stream(tokenizer);
   const GenerationResult res = generate(model, req, [&](int32_t tok) {
@@ -496,49 +724,17 @@ int run_generate_command(int argc, char** argv) {
                                       DType::f32,
                                       {static_cast<int64_t>(res.prompt_logits.size())},
                                       res.prompt_logits.data()}});
-  std::vector<int32_t> shown = res.tokens;
-  if (res.stopped) shown.pop_back();
   if (o.json) {
-    nlohmann::json j;
-    j["prompt_tokens"] = t.prompt_tokens;
-    j["tokens"] = shown;
-    j["text"] = tokenizer.decode(shown);
-    j["stopped_at_eos"] = res.stopped;
-    j["seed"] = req.sampling.seed;
-    j["sampling"] = {{"temperature", req.sampling.temperature},
-                     {"top_k", req.sampling.top_k},
-                     {"top_p", req.sampling.top_p},
-                     {"min_p", req.sampling.min_p},
-                     {"repetition_penalty", req.sampling.repetition_penalty}};
-    j["device"] = backend->name();
-    j["threads"] = omp_get_max_threads();
-    j["cuda_graphs"] = graph_helper != nullptr;
-    j["timings"] = {{"load_ms", load_ms},
-                    {"preprocess_ms", preprocess_ms},
-                    {"vision_encode_ms", t.vision_ms},
-                    {"image_patches", t.image_patches},
-                    {"prefill_ms", t.prefill_ms},
-                    {"prefill_tokens_per_s", t.prefill_tokens_per_s()},
-                    {"decode_ms", t.decode_ms},
-                    {"decode_tokens_per_s", t.decode_tokens_per_s()},
-                    {"generated_tokens", t.generated_tokens}};
+    nlohmann::json j = generation_json(res, req, tokenizer, *backend, graph_helper != nullptr);
+    j["timings"]["load_ms"] = load_ms;
+    j["timings"]["preprocess_ms"] = preprocess_ms;
     std::cout << j.dump() << std::endl;
   } else {
     std::fputs(stream.flush().c_str(), stdout);
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    std::fprintf(stderr,
-                 "\n%-16s %10.2f ms\n%-16s %10.2f ms (%zu images)\n"
-                 "%-16s %10.2f ms (%lld patches)\n"
-                 "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
-                 "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
-                 "%-16s %s, seed %llu\n",
-                 "load", load_ms, "preprocess", preprocess_ms, images.size(), "vision encode",
-                 t.vision_ms, static_cast<long long>(t.image_patches), "prefill", t.prefill_ms,
-                 static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(), "decode",
-                 t.decode_ms, static_cast<long long>(t.generated_tokens), t.decode_tokens_per_s(),
-                 "device", backend->name().c_str(),
-                 static_cast<unsigned long long>(req.sampling.seed));
+    print_timings(load_ms, preprocess_ms, images.size(), t, t.decode_tokens_per_s(),
+                  backend->name(), req.sampling.seed);
   }
   return 0;
 }

@@ -28,17 +28,22 @@ std::string render_generation_prompt(const std::vector<GridTHW>& grids, const st
                                      const std::string& system, int m) {
   std::string s;
   if (!system.empty()) s += "<|im_start|>system\n" + system + "<|im_end|>\n";
-  s += "<|im_start|>user\n";
+  return s + render_user_turn(grids, user, m);
+}
+
+std::string render_user_turn(const std::vector<GridTHW>& grids, const std::string& user, int m) {
+  std::string s = "<|im_start|>user\n";
   const size_t markers = count_markers(user);
   if (markers == 0) {
     for (const GridTHW& g : grids) append_image(s, g, m);
     s += user;
   } else {
-    IRIS_CHECK(markers == grids.size(), "the prompt has ", markers, " ", kMediaMarker, " marker",
-               markers == 1 ? "" : "s", " but ", grids.size(), " image",
-               grids.size() == 1 ? " was" : "s were",
-               " given (--image); write one marker per image, or none to put the images before "
-               "the text");
+    IRIS_CHECK(
+        markers == grids.size(), "the prompt has ", markers, " ", kMediaMarker, " marker",
+        markers == 1 ? "" : "s", " but ", grids.size(), " image",
+        grids.size() == 1 ? " was" : "s were",
+        " given (--image or /image); write one marker per image, or none to put the images before "
+        "the text");
     size_t pos = 0;
     for (const GridTHW& g : grids) {
       const size_t at = user.find(kMediaMarker, pos);

@@ -26,6 +26,12 @@ std::string render_generation_prompt(const std::vector<GridTHW>& image_grids,
                                      const std::string& user_text, const std::string& system_text,
                                      int spatial_merge_size);
 
+// The part of a conversation's prompt that one user message adds: its turn and the generation
+// prompt ("<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n"); images as above.
+// render_generation_prompt is the optional system turn followed by this.
+std::string render_user_turn(const std::vector<GridTHW>& image_grids, const std::string& user_text,
+                             int spatial_merge_size);
+
 std::vector<int32_t> build_generation_prompt(const Tokenizer& tokenizer,
                                              const std::vector<GridTHW>& image_grids,
                                              const std::string& user_text,

@@ -34,8 +34,12 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
   GenerationTimings& t = res.timings;
   t.prompt_tokens = static_cast<int64_t>(req.prompt_ids.size());
   t.image_patches = count_patches(req.grids);
-  IRIS_CHECK(t.prompt_tokens + req.max_new_tokens <= model.limits().max_context, "the prompt (",
-             t.prompt_tokens, " tokens) plus ", req.max_new_tokens,
+  const int64_t cached = static_cast<int64_t>(req.cached_ids.size());
+  IRIS_CHECK(cached == 0 || cached == model.n_past(), "the request continues ", cached,
+             " cached tokens but the model's KV cache holds ", model.n_past());
+  IRIS_CHECK(cached + t.prompt_tokens + req.max_new_tokens <= model.limits().max_context,
+             cached > 0 ? str_cat("the conversation so far (", cached, " tokens), ") : "",
+             "the prompt (", t.prompt_tokens, " tokens) plus ", req.max_new_tokens,
              " new tokens exceed the context of ", model.limits().max_context,
              " (raise --ctx-size or lower -n)");
   auto t0 = std::chrono::steady_clock::now();
@@ -44,14 +48,20 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
   t.vision_ms = ms_since(t0);
 
   t0 = std::chrono::steady_clock::now();
-  model.prefill(req.prompt_ids);
+  if (cached > 0)
+    model.extend(req.prompt_ids);
+  else
+    model.prefill(req.prompt_ids);
   std::vector<float> logits = model.last_logits();
   t.prefill_ms = ms_since(t0);
   if (req.keep_prompt_logits) res.prompt_logits = logits;
 
   Sampler sampler(req.sampling, req.sampleable);
-  std::vector<int32_t> history = req.prompt_ids;
-  history.reserve(history.size() + static_cast<size_t>(req.max_new_tokens));
+  std::vector<int32_t> history;
+  history.reserve(req.cached_ids.size() + req.prompt_ids.size() +
+                  static_cast<size_t>(req.max_new_tokens));
+  history.insert(history.end(), req.cached_ids.begin(), req.cached_ids.end());
+  history.insert(history.end(), req.prompt_ids.begin(), req.prompt_ids.end());
   t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < req.max_new_tokens; ++i) {
     if (i > 0) {

@@ -28,6 +28,11 @@ struct GenerationTimings {
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
+  // The tokens already in the model's KV cache (a chat's earlier turns; model.n_past() of them):
+  // prompt_ids continue them instead of starting an empty cache, and the repetition penalty sees
+  // them as part of the prompt, as a one-shot run of the whole conversation would. Empty: a new
+  // conversation.
+  std::vector<int32_t> cached_ids;
   const float* pixel_values = nullptr;  // [patches, patch_dim] for all images, or null
   std::vector<GridTHW> grids;
   int max_new_tokens = 128;
@@ -39,8 +44,10 @@ struct GenerationRequest {
 };
 
 struct GenerationResult {
-  std::vector<int32_t> tokens;  // generated ids, a stop id included if one ended the run
-  bool stopped = false;         // a stop id was produced
+  // Generated ids, a stop id included if one ended the run. All but the last are in the KV cache
+  // after the call (the last was sampled, never fed).
+  std::vector<int32_t> tokens;
+  bool stopped = false;  // a stop id was produced
   GenerationTimings timings;
   std::vector<float> prompt_logits;  // [vocab] after the last prompt token, if asked for
 };

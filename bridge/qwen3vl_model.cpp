@@ -70,12 +70,27 @@ void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<Gr
   vision_rows_ = vision_out_.embeds.dim(0);
 }
 
+void Qwen3VLModel::clear_cache() {
+  n_past_ = 0;
+  delta_ = 0;
+}
+
 void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver& observer) {
+  clear_cache();
+  extend(ids, observer);
+}
+
+void Qwen3VLModel::extend(const std::vector<int32_t>& ids, const HiddenObserver& observer) {
   const int64_t L = static_cast<int64_t>(ids.size());
   IRIS_CHECK(L > 0, "the prompt is empty");
-  IRIS_CHECK(L <= limits_.max_context, "the prompt has ", L,
-             " tokens, more than the maximum context of ", limits_.max_context,
-             " (raise --ctx-size)");
+  if (n_past_ == 0)
+    IRIS_CHECK(L <= limits_.max_context, "the prompt has ", L,
+               " tokens, more than the maximum context of ", limits_.max_context,
+               " (raise --ctx-size)");
+  else
+    IRIS_CHECK(n_past_ + L <= limits_.max_context, "the conversation so far (", n_past_,
+               " tokens) and ", L, " new tokens exceed the maximum context of ",
+               limits_.max_context, " (raise --ctx-size)");
   // The ids index the embedding table; the CUDA gather does not check them.
   const int32_t vocab = cfg_.text.vocab_size;
   for (int64_t i = 0; i < L; ++i)
@@ -86,10 +101,9 @@ void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver
   const int64_t n_pads = std::count(ids.begin(), ids.end(), pad);
   IRIS_CHECK(n_pads == vision_rows_, "the prompt has ", n_pads, " <|image_pad|> tokens but the ",
              grids_.size(), " encoded images produce ", vision_rows_, " embeddings");
-  rope_ = compute_rope_index(ids, grids_, pad, cfg_.vision.spatial_merge_size);
-  prompt_ = ids;
+  rope_ = compute_rope_index(ids, grids_, pad, cfg_.vision.spatial_merge_size, next_position());
+  delta_ = rope_.delta - n_past_;
   prompt_logits_.clear();
-  n_past_ = 0;
   int64_t image_rank = 0;  // image rows consumed by earlier chunks
   for (int64_t c0 = 0; c0 < L; c0 += limits_.max_step_tokens) {
     const int64_t T = std::min(limits_.max_step_tokens, L - c0);
@@ -142,7 +156,7 @@ void Qwen3VLModel::decode(int32_t token) {
   IRIS_CHECK(n_past_ > 0, "decode() needs a prefilled prompt");
   IRIS_CHECK(token >= 0 && token < cfg_.text.vocab_size, "token id ", token,
              " is outside the model's vocabulary of ", cfg_.text.vocab_size);
-  const int64_t position = n_past_ + rope_.delta;
+  const int64_t position = next_position();
   mrope_tables_1d(cfg_.text, position, 1, cos_.data(), sin_.data());
   decoder_->upload_step(&token, cos_.data(), sin_.data(), 1, n_past_);
   if (graphs_.empty()) {

@@ -53,10 +53,22 @@ class Qwen3VLModel {
   // Runs the prompt through the decoder from an empty cache. When the prompt holds image pads,
   // encode_images() must have been called with the matching grids.
   void prefill(const std::vector<int32_t>& ids, const HiddenObserver& observer = nullptr);
+  // Runs `ids` after the n_past() tokens already in the cache (a chat's next turn), at cache row
+  // n_past() and M-RoPE position next_position(), as if they had been part of one prefill with
+  // the tokens before them. Image pads need encode_images() as for prefill (this call's images
+  // only); the observer's rows count from the first of `ids`.
+  void extend(const std::vector<int32_t>& ids, const HiddenObserver& observer = nullptr);
   // Feeds one token at the next position.
   void decode(int32_t token);
+  // Forgets the cached tokens; the next prefill or extend starts at row and position 0.
+  void clear_cache();
 
   int64_t n_past() const { return n_past_; }
+  // The position the next token fed takes: one past the largest position of the cached tokens
+  // (an image's pads take a row each but share positions, so it is not n_past()).
+  int64_t next_position() const { return n_past_ + delta_; }
+  // Positions of the last prefill or extend call's tokens; its delta counts from that call's
+  // first token.
   const RopeIndex& rope_index() const { return rope_; }
   // Routes encode_images() and decode() through CUDA graph helpers, one per pipeline stage
   // (prefill stays eager); the helpers run the same encoder and decoder pieces as the eager path.
@@ -88,8 +100,8 @@ class Qwen3VLModel {
   int64_t vision_rows_ = 0;  // merged rows produced by the last encode_images
   RopeIndex rope_;
   int64_t n_past_ = 0;
+  int64_t delta_ = 0;  // position of cache row r (r >= n_past_) is r + delta_
   int64_t last_row_in_step_ = 0;
-  std::vector<int32_t> prompt_;
   std::vector<float> prompt_logits_;
   std::vector<float> cos_, sin_;  // host staging, sized once
   std::vector<int32_t> index_host_;

@@ -5,11 +5,11 @@
 namespace iris {
 
 RopeIndex compute_rope_index(const std::vector<int32_t>& ids, const std::vector<GridTHW>& grids,
-                             int32_t image_token_id, int m) {
+                             int32_t image_token_id, int m, int64_t start) {
   const int64_t L = static_cast<int64_t>(ids.size());
   RopeIndex r;
   r.positions.assign(static_cast<size_t>(3 * L), 0);
-  int64_t cur = 0, max_pos = -1;
+  int64_t cur = start, max_pos = start - 1;
   size_t next_grid = 0;
   int64_t i = 0;
   while (i < L) {

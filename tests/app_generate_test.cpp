@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "bridge/generator.h"
+#include "bridge/model_config.h"
 #include "core/safetensors.h"
 #include "test_util.h"
 #include "vision/image.h"
@@ -28,12 +30,15 @@ std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-RunResult run_iris(const std::string& args) {
+// `input` is the run's stdin (a chat's messages when there is no -p); empty: end of input at once.
+RunResult run_iris(const std::string& args, const std::string& input = "") {
   const fs::path dir = test::scratch_dir();
-  const std::string out = (dir / "out").string(), err = (dir / "err").string();
+  const std::string out = (dir / "out").string(), err = (dir / "err").string(),
+                    in = (dir / "in").string();
+  std::ofstream(in, std::ios::binary) << input;
   // The time limit turns a run that blocks (on a FIFO, say) into a failure instead of a hang.
   const std::string cmd =
-      "timeout 120 " + std::string(IRIS_BINARY) + " " + args + " >" + out + " 2>" + err;
+      "timeout 120 " + std::string(IRIS_BINARY) + " " + args + " <" + in + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -523,7 +528,10 @@ TEST(AppGenerateLlamaFlags, PromptFromFile) {
                "/nonexistent/prompt.txt");
   expect_error(run_iris(fixture_generate() + " -f " + q(m.path("prompt.txt")) + " -p hi"),
                "excludes");
-  expect_error(run_iris(fixture_generate() + " --device cpu"), "-p TEXT or -f FILE");
+  // No prompt is a chat on stdin, which here ends at once: nothing to answer, nothing printed.
+  const RunResult chat = run_iris(fixture_generate() + " --device cpu");
+  EXPECT_EQ(chat.exit_code, 0) << chat.err;
+  EXPECT_EQ(chat.out, "");
 }
 
 TEST(AppGenerateLlamaFlags, ContextSizeIsC) {
@@ -712,6 +720,132 @@ TEST(AppGenerate, HotSamplingNeverPicksPaddingAndJsonPrints) {
   const std::vector<int32_t> tokens = tokens_of(r.out);
   EXPECT_EQ(tokens.size(), 64u);
   for (int32_t t : tokens) EXPECT_LT(t, 151669);
+}
+
+// ---- chat (no -p): messages on stdin ----
+
+std::vector<nlohmann::json> json_lines(const std::string& out) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+bool starts_with(const std::string& s, const std::string& p) {
+  return s.size() >= p.size() && s.compare(0, p.size(), p) == 0;
+}
+bool ends_with(const std::string& s, const std::string& p) {
+  return s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
+}
+
+const std::string kChatFlags = " -sys 'You are terse.' --temp 0 -n 12 --device cpu";
+const std::string kTurn1 = "Write one sentence about CUDA graphs.";
+const std::string kTurn2 = "What is in this picture?";
+const std::string kTurn3 = "Describe a cat.";
+
+std::string chat_input() {
+  return kTurn1 + "\n/image " + test::fixture_dir() + "/images/image1.png\n" + kTurn2 +
+         "\n/clear\n" + kTurn3 + "\n";
+}
+
+// Piped chat gives clean stdout: the replies, one after the other, each ending its line; the first
+// turn and the one after /clear print what one-shot runs of their prompts print.
+TEST(AppGenerateChat, PipedRepliesMatchOneShotRunsAndStdoutIsClean) {
+  const RunResult chat = run_iris(fixture_generate() + kChatFlags, chat_input());
+  ASSERT_EQ(chat.exit_code, 0) << chat.err;
+  const RunResult one1 = run_iris(fixture_generate() + kChatFlags + " -p " + q(kTurn1));
+  const RunResult one3 = run_iris(fixture_generate() + kChatFlags + " -p " + q(kTurn3));
+  ASSERT_EQ(one1.exit_code, 0) << one1.err;
+  ASSERT_EQ(one3.exit_code, 0) << one3.err;
+  EXPECT_TRUE(starts_with(chat.out, one1.out)) << chat.out << "\n---\n" << one1.out;
+  EXPECT_TRUE(ends_with(chat.out, one3.out)) << chat.out << "\n---\n" << one3.out;
+  // The second reply sits between them, on its own line.
+  ASSERT_GT(chat.out.size(), one1.out.size() + one3.out.size());
+  EXPECT_EQ(chat.out[chat.out.size() - one3.out.size() - 1], '\n');
+  // Notes go to stderr; the input prompt only to a terminal.
+  EXPECT_NE(chat.err.find("image1.png attached"), std::string::npos) << chat.err;
+  EXPECT_NE(chat.err.find("conversation cleared"), std::string::npos) << chat.err;
+  EXPECT_EQ(chat.err.find("> "), std::string::npos) << chat.err;
+  EXPECT_NE(chat.err.find("decode"), std::string::npos) << chat.err;  // the timings, once
+}
+
+// With --json each turn prints one JSON object. The second turn's ids are those of a one-shot
+// generate() over the whole conversation so far (system, message 1, reply 1 as its ids, message
+// 2 with the image, the generation prompt), built here independently of the chat code.
+TEST(AppGenerateChat, JsonTurnsEqualOneShotRunsOverTheWholeConversation) {
+  const RunResult chat = run_iris(fixture_generate() + kChatFlags + " --json", chat_input());
+  ASSERT_EQ(chat.exit_code, 0) << chat.err;
+  const std::vector<nlohmann::json> turns = json_lines(chat.out);
+  ASSERT_EQ(turns.size(), 3u) << chat.out;
+  const RunResult one1 = run_iris(fixture_generate() + kChatFlags + " --json -p " + q(kTurn1));
+  const RunResult one3 = run_iris(fixture_generate() + kChatFlags + " --json -p " + q(kTurn3));
+  EXPECT_EQ(turns[0]["tokens"], nlohmann::json::parse(one1.out)["tokens"]);
+  EXPECT_EQ(turns[2]["tokens"], nlohmann::json::parse(one3.out)["tokens"]);
+  EXPECT_EQ(turns[0]["prompt_tokens"], nlohmann::json::parse(one1.out)["prompt_tokens"]);
+  EXPECT_EQ(turns[2]["prompt_tokens"], nlohmann::json::parse(one3.out)["prompt_tokens"]);
+  EXPECT_EQ(turns[1]["turn"], 2);
+  EXPECT_EQ(turns[2]["turn"], 1);  // counted from /clear
+
+  const std::string dir = test::fixture_dir();
+  const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
+  const ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
+  const PreprocessedImage image =
+      preprocess_image(load_image(dir + "/images/image1.png"), model_preprocessor(dir, cfg));
+  std::string turn2 = "<|im_end|>\n<|im_start|>user\n<|vision_start|>";
+  const GridTHW& g = image.grid_thw;
+  for (int64_t i = 0; i < g[0] * g[1] * g[2] / 4; ++i) turn2 += "<|image_pad|>";
+  turn2 += "<|vision_end|>" + kTurn2 + "<|im_end|>\n<|im_start|>assistant\n";
+  GenerationRequest req;
+  req.prompt_ids = tok.encode("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n" +
+                              kTurn1 + "<|im_end|>\n<|im_start|>assistant\n");
+  for (int32_t id : turns[0]["tokens"].get<std::vector<int32_t>>()) req.prompt_ids.push_back(id);
+  for (int32_t id : tok.encode(turn2)) req.prompt_ids.push_back(id);
+  req.pixel_values = image.pixel_values.data<float>();
+  req.grids = {g};
+  req.max_new_tokens = 12;
+  req.sampling.temperature = 0;
+  req.stop_ids = default_stop_ids(dir, [&](const std::string& t) { return tok.token_id(t); });
+  req.sampleable = sampleable_ids(tok, cfg.text.vocab_size);
+  auto be = make_cpu_backend();
+  ModelLimits limits;
+  limits.max_context = 1024;
+  limits.max_step_tokens = 256;
+  Qwen3VLModel model(*be, dir, limits);
+  GenerationResult want = generate(model, req);
+  if (want.stopped) want.tokens.pop_back();
+  EXPECT_EQ(turns[1]["tokens"].get<std::vector<int32_t>>(), want.tokens);
+  // The chat prefilled only the new part: the conversation minus what turn 1 cached.
+  EXPECT_LT(turns[1]["prompt_tokens"].get<int64_t>(), static_cast<int64_t>(req.prompt_ids.size()));
+  EXPECT_EQ(turns[1]["context_tokens"].get<int64_t>(),
+            static_cast<int64_t>(req.prompt_ids.size() + want.tokens.size() + 2));
+}
+
+// A message the context cannot hold is refused with a pointer to /clear; the chat goes on, and
+// the exit code says a turn failed. Never a crash.
+TEST(AppGenerateChat, ContextOverflowIsReportedAndTheChatGoesOn) {
+  // The first message takes 15 tokens and its reply 12, leaving too little for a second.
+  const std::string flags = " --temp 0 -n 12 -c 30 --device cpu";
+  const RunResult chat =
+      run_iris(fixture_generate() + flags, kTurn1 + "\nAnd another one, please.\n/clear\nhi\n");
+  EXPECT_EQ(chat.exit_code, 1) << chat.err;
+  EXPECT_NE(chat.err.find("/clear starts a new conversation"), std::string::npos) << chat.err;
+  EXPECT_EQ(chat.err.find(".cpp:"), std::string::npos) << chat.err;
+  const RunResult one1 = run_iris(fixture_generate() + flags + " -p " + q(kTurn1));
+  const RunResult one3 = run_iris(fixture_generate() + flags + " -p hi");
+  ASSERT_EQ(one1.exit_code, 0) << one1.err;
+  EXPECT_EQ(chat.out, one1.out + one3.out);
+}
+
+TEST(AppGenerateChat, BadCommandsAreReportedAndQuitEndsTheChat) {
+  const RunResult chat = run_iris(fixture_generate() + " --temp 0 -n 4 --device cpu",
+                                  "/claer\n/image /nonexistent/cat.png\n/image\n/quit\nhello\n");
+  EXPECT_EQ(chat.exit_code, 1);
+  EXPECT_NE(chat.err.find("unknown chat command /claer"), std::string::npos) << chat.err;
+  EXPECT_NE(chat.err.find("/nonexistent/cat.png"), std::string::npos) << chat.err;
+  EXPECT_NE(chat.err.find("/image needs a file"), std::string::npos) << chat.err;
+  EXPECT_EQ(chat.out, "");  // /quit came before the message
+  expect_error(run_iris(fixture_generate() + " --device cpu --logits-out /tmp/x.safetensors"),
+               "--logits-out needs a prompt");
 }
 
 }  // namespace

@@ -1,0 +1,384 @@
+// Multi-turn chat with the KV cache kept between turns: every turn must give the tokens of a
+// one-shot generate() over the whole conversation, whose prompt is built here independently (the
+// earlier replies as the ids generated, the chat template spelled out). On a GPU (skipped without
+// one) the chat runs with CUDA graphs: bit for bit the eager chat with decode graphs, and within
+// bf16 tolerance of the one-shot prefills with iris generate's decode and vision graphs.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "bridge/chat_prompt.h"
+#include "bridge/chat_session.h"
+#include "bridge/pipeline_stage.h"
+#include "bridge/vision_cuda_graph_helper.h"
+#include "model_test_util.h"
+#include "test_util.h"
+
+namespace iris {
+namespace {
+
+using test::grids_of;
+
+const std::string kSystem = "You are a terse assistant.";
+const std::string kText1 = "Write one sentence about CUDA graphs.";
+const std::string kText2 = "What is in this picture?";
+const std::string kText3 = "Describe the picture in a few words.";
+
+ModelLimits chat_limits(int64_t context = 1024) {
+  ModelLimits l;
+  l.max_context = context;
+  l.max_step_tokens = std::min<int64_t>(context, 256);
+  l.max_vision_patches = 1024;
+  l.max_images = 4;
+  return l;
+}
+
+// One image of the golden pair: its pixel rows and grid.
+struct Image {
+  std::vector<float> pixels;
+  GridTHW grid;
+};
+
+std::vector<Image> golden_images() {
+  test::Golden g;
+  const HostTensor pv = g.tensor("pixel_values");
+  const std::vector<GridTHW> grids = grids_of(g.tensor("image_grid_thw"));
+  const int64_t dim = pv.dim(1);
+  std::vector<Image> out;
+  int64_t row = 0;
+  for (const GridTHW& grid : grids) {
+    const int64_t rows = grid[0] * grid[1] * grid[2];
+    out.push_back(
+        {std::vector<float>(pv.data<float>() + row * dim, pv.data<float>() + (row + rows) * dim),
+         grid});
+    row += rows;
+  }
+  return out;
+}
+
+class ChatFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_file(test::tokenizer_path()));
+    images_ = golden_images();
+    ASSERT_EQ(images_.size(), 2u);
+    settings_.max_new_tokens = 12;
+    settings_.sampling.temperature = 0;
+    settings_.stop_ids = {tokenizer_->token_id("<|im_end|>"),
+                          tokenizer_->token_id("<|endoftext|>")};
+  }
+
+  std::vector<int32_t> encode(const std::string& s) const { return tokenizer_->encode(s); }
+
+  // The chat template written out for one user message with one image before the text.
+  std::string user_turn_with_image(const GridTHW& g, const std::string& text) const {
+    std::string s = "<|im_start|>user\n<|vision_start|>";
+    for (int64_t i = 0; i < g[0] * g[1] * g[2] / 4; ++i) s += "<|image_pad|>";
+    return s + "<|vision_end|>" + text + "<|im_end|>\n<|im_start|>assistant\n";
+  }
+
+  // The one-shot prompt after `before` and `reply`: the reply closed as the template closes an
+  // assistant message, then the next user turn.
+  std::vector<int32_t> continued(std::vector<int32_t> before, const GenerationResult& reply,
+                                 const std::string& next_turn) const {
+    std::vector<int32_t> content = reply.tokens;
+    if (reply.stopped) content.pop_back();
+    before.insert(before.end(), content.begin(), content.end());
+    before.push_back(tokenizer_->token_id("<|im_end|>"));
+    for (const std::string& piece : {std::string("\n"), next_turn})
+      for (int32_t id : encode(piece)) before.push_back(id);
+    return before;
+  }
+
+  GenerationResult one_shot(Qwen3VLModel& m, const std::vector<int32_t>& prompt,
+                            const Image* image = nullptr) const {
+    GenerationRequest req = settings_;
+    req.prompt_ids = prompt;
+    if (image != nullptr) {
+      req.pixel_values = image->pixels.data();
+      req.grids = {image->grid};
+    }
+    return generate(m, req);
+  }
+
+  ChatMessage message(const std::string& text, const Image* image = nullptr) const {
+    ChatMessage m;
+    m.text = text;
+    if (image != nullptr) {
+      m.pixel_values = image->pixels.data();
+      m.grids = {image->grid};
+    }
+    return m;
+  }
+
+  // Three turns (the second with an image), /clear, a fourth with the other image: each turn's
+  // tokens against a one-shot run of the whole conversation on `one_shot_model`.
+  void expect_turns_equal_one_shot(Qwen3VLModel& chat_model, Qwen3VLModel& one_shot_model) {
+    ChatSession chat(chat_model, *tokenizer_, kSystem, settings_);
+    const std::vector<int32_t> p1 =
+        encode("<|im_start|>system\n" + kSystem + "<|im_end|>\n<|im_start|>user\n" + kText1 +
+               "<|im_end|>\n<|im_start|>assistant\n");
+    const ChatReply r1 = chat.send(message(kText1));
+    const GenerationResult o1 = one_shot(one_shot_model, p1);
+    ASSERT_FALSE(o1.tokens.empty());
+    EXPECT_EQ(r1.result.tokens, o1.tokens) << "turn 1";
+
+    const std::vector<int32_t> p2 =
+        continued(p1, o1, user_turn_with_image(images_[1].grid, kText2));
+    EXPECT_EQ(static_cast<int64_t>(chat.turn_ids({images_[1].grid}, kText2).size()) +
+                  chat.cached_tokens(),
+              static_cast<int64_t>(p2.size()));
+    // Turn 1 cached everything but its last sampled token.
+    EXPECT_EQ(chat.cached_tokens(), static_cast<int64_t>(p1.size() + o1.tokens.size()) - 1);
+    const int64_t cached = chat.cached_tokens();
+    const ChatReply r2 = chat.send(message(kText2, &images_[1]));
+    // The cache is continued, not refilled: turn 2 prefilled only what turn 1 left out.
+    EXPECT_EQ(r2.result.timings.prompt_tokens, static_cast<int64_t>(p2.size()) - cached);
+    const GenerationResult o2 = one_shot(one_shot_model, p2, &images_[1]);
+    EXPECT_EQ(r2.result.tokens, o2.tokens) << "turn 2 (image)";
+    ASSERT_GE(chat.conversation().size(), p2.size());
+    EXPECT_EQ(std::vector<int32_t>(chat.conversation().begin(),
+                                   chat.conversation().begin() + static_cast<int64_t>(p2.size())),
+              p2);
+
+    const std::vector<int32_t> p3 =
+        continued(p2, o2, "<|im_start|>user\n" + kText3 + "<|im_end|>\n<|im_start|>assistant\n");
+    const ChatReply r3 = chat.send(message(kText3));
+    EXPECT_EQ(r3.result.tokens, one_shot(one_shot_model, p3, &images_[1]).tokens)
+        << "turn 3 (text after an image turn)";
+
+    chat.clear();
+    EXPECT_EQ(chat.cached_tokens(), 0);
+    EXPECT_EQ(chat_model.n_past(), 0);
+    const std::vector<int32_t> p4 = encode("<|im_start|>system\n" + kSystem + "<|im_end|>\n" +
+                                           user_turn_with_image(images_[0].grid, kText3));
+    const ChatReply r4 = chat.send(message(kText3, &images_[0]));
+    EXPECT_EQ(r4.result.timings.prompt_tokens, static_cast<int64_t>(p4.size()));
+    EXPECT_EQ(r4.result.tokens, one_shot(one_shot_model, p4, &images_[0]).tokens) << "after /clear";
+  }
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::vector<Image> images_;
+  GenerationRequest settings_;
+};
+
+// The running M-RoPE position at a text boundary is all a continuation needs: the positions of a
+// conversation computed in one walk equal those of its turns computed one after the other.
+TEST(ChatRope, TurnsContinueThePositionsOfOneWalk) {
+  const int32_t pad = 9;
+  const std::vector<GridTHW> grids = {{1, 4, 6}, {1, 8, 2}};
+  // text, image (6 pads), text | text, image (4 pads), text
+  std::vector<int32_t> first = {1, 2, 3, pad, pad, pad, pad, pad, pad, 4, 5};
+  std::vector<int32_t> second = {6, 7, pad, pad, pad, pad, 8};
+  std::vector<int32_t> all = first;
+  all.insert(all.end(), second.begin(), second.end());
+  const RopeIndex whole = compute_rope_index(all, grids, pad, 2);
+  const RopeIndex a = compute_rope_index(first, {grids[0]}, pad, 2);
+  const int64_t next = static_cast<int64_t>(first.size()) + a.delta;  // max + 1
+  const RopeIndex b = compute_rope_index(second, {grids[1]}, pad, 2, next);
+  const int64_t L = static_cast<int64_t>(all.size()), L1 = static_cast<int64_t>(first.size()),
+                L2 = static_cast<int64_t>(second.size());
+  for (int axis = 0; axis < 3; ++axis) {
+    for (int64_t i = 0; i < L1; ++i)
+      EXPECT_EQ(a.positions[axis * L1 + i], whole.positions[axis * L + i]) << axis << " " << i;
+    for (int64_t i = 0; i < L2; ++i)
+      EXPECT_EQ(b.positions[axis * L2 + i], whole.positions[axis * L + L1 + i])
+          << axis << " " << L1 + i;
+  }
+  // Decoding after the second turn: absolute row + delta, the same from either computation.
+  EXPECT_EQ(L1 + L2 + (b.delta - L1), L + whole.delta);
+  // An image's pads take a row each but share positions, so positions fall behind the rows: a
+  // continuation must start from the positions, not from the row count.
+  EXPECT_LT(next, L1);
+}
+
+TEST_F(ChatFixture, TurnsGiveTheTokensOfOneShotRunsOverTheWholeConversation) {
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  expect_turns_equal_one_shot(chat_model, one_shot_model);
+}
+
+// The repetition penalty sees the whole conversation, as the one-shot run's prompt.
+TEST_F(ChatFixture, RepetitionPenaltyCountsTheEarlierTurns) {
+  settings_.sampling.repetition_penalty = 1.5f;
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  expect_turns_equal_one_shot(chat_model, one_shot_model);
+}
+
+// The logits after a continued prefill are those of the whole conversation prefilled at once.
+TEST_F(ChatFixture, ContinuedPrefillLogitsEqualTheWholePrefill) {
+  settings_.keep_prompt_logits = true;
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  ChatSession chat(chat_model, *tokenizer_, "", settings_);
+  const ChatReply r1 = chat.send(message(kText1));
+  const std::vector<int32_t> p2 =
+      continued(build_generation_prompt(*tokenizer_, {}, kText1, ""), r1.result,
+                user_turn_with_image(images_[0].grid, kText2));
+  const ChatReply r2 = chat.send(message(kText2, &images_[0]));
+  const GenerationResult o2 = one_shot(one_shot_model, p2, &images_[0]);
+  ASSERT_EQ(r2.result.prompt_logits.size(), o2.prompt_logits.size());
+  float worst = 0, scale = 0;
+  for (size_t i = 0; i < o2.prompt_logits.size(); ++i) {
+    worst = std::max(worst, std::fabs(r2.result.prompt_logits[i] - o2.prompt_logits[i]));
+    scale = std::max(scale, std::fabs(o2.prompt_logits[i]));
+  }
+  EXPECT_GT(scale, 0.1f);
+  EXPECT_LE(worst, 1e-4f * scale + 1e-5f);
+  EXPECT_EQ(chat_model.next_position(), one_shot_model.next_position());
+}
+
+TEST_F(ChatFixture, AMessageBeyondTheContextIsRefusedAndTheChatGoesOn) {
+  auto be = make_cpu_backend();
+  const std::vector<int32_t> p1 = build_generation_prompt(*tokenizer_, {}, kText1, kSystem);
+  // Room for the first prompt and 5 reply tokens: the reply stops there.
+  const int64_t context = static_cast<int64_t>(p1.size()) + 5;
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits(context));
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  ChatSession chat(chat_model, *tokenizer_, kSystem, settings_);
+  const ChatReply r1 = chat.send(message(kText1));
+  EXPECT_TRUE(r1.context_full);
+  const GenerationResult o1 = one_shot(one_shot_model, p1);
+  ASSERT_GT(o1.tokens.size(), 5u) << "the fixture stops early; the cut is not exercised";
+  EXPECT_EQ(r1.result.tokens, std::vector<int32_t>(o1.tokens.begin(), o1.tokens.begin() + 5));
+
+  const std::vector<int32_t> before = chat.conversation();
+  const int64_t cached = chat.cached_tokens();
+  try {
+    chat.send(message(kText2));
+    ADD_FAILURE() << "a message beyond the context was accepted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("/clear"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::to_string(context)), std::string::npos) << what;
+  }
+  EXPECT_EQ(chat.conversation(), before);
+  EXPECT_EQ(chat.cached_tokens(), cached);
+  EXPECT_EQ(chat_model.n_past(), cached);
+
+  chat.clear();
+  const ChatReply again = chat.send(message(kText1));
+  EXPECT_EQ(again.result.tokens, r1.result.tokens);
+
+  // A first message larger than the whole context says to raise it.
+  Qwen3VLModel tiny(*be, test::fixture_dir(), chat_limits(16));
+  ChatSession small(tiny, *tokenizer_, kSystem, settings_);
+  try {
+    small.send(message(kText1));
+    ADD_FAILURE() << "a message larger than the context was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--ctx-size"), std::string::npos) << e.what();
+  }
+}
+
+// Generating through the model behind the chat's back is detected, not built upon.
+TEST_F(ChatFixture, AModelUsedOutsideTheChatIsRefused) {
+  auto be = make_cpu_backend();
+  Qwen3VLModel m(*be, test::fixture_dir(), chat_limits());
+  ChatSession chat(m, *tokenizer_, "", settings_);
+  const ChatReply r = chat.send(message(kText1));
+  m.decode(r.result.tokens.back());
+  EXPECT_THROW(chat.send(message(kText3)), Error);
+}
+
+// ---- CUDA ----
+
+// Warmup 0 captures at the first call (the one image turn then has a vision graph), 1 after an
+// eager one.
+GraphConfigs cuda_graphs(bool vision, int warmup) {
+  GraphConfigInput in = {{"cuda_graph_impl", "local"},
+                         {"inference_cuda_graph_scope", "block"},
+                         {"cuda_graph_warmup_steps", std::to_string(warmup)}};
+  if (vision) {
+    in.emplace_back("vision_cuda_graph_impl", "local");
+    in.emplace_back("max_vision_cuda_graph_seq_length", "1024");
+    in.emplace_back("vision_cuda_graph_buckets", "256,1024");
+  }
+  GraphConfigs c = parse_graph_configs(in);
+  GraphModelTraits traits;
+  traits.has_deepstack = true;
+  traits.spatial_merge_size = 2;
+  finalize_graph_configs(c, traits);
+  return c;
+}
+
+// The decode graphs read past_len, the token and the rotary tables from the decoder's buffers, so
+// a turn's prefill continuing the cache between replays must leave them valid: with the decode
+// step captured (vision eager on both sides, so the inputs are the same bits), a chat gives the
+// eager chat's tokens exactly, turn after turn.
+TEST_F(ChatFixture, CudaChatWithDecodeGraphsEqualsTheEagerChat) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto be = make_cuda_backend();
+  Qwen3VLModel eager(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel graphed(*be, test::fixture_dir(), chat_limits());
+  VisionCudaGraphHelper helper(graphed, split_stages(graphed.config(), 1)[0],
+                               cuda_graphs(false, 1));
+  graphed.attach_graphs(&helper);
+  ChatSession a(eager, *tokenizer_, kSystem, settings_),
+      b(graphed, *tokenizer_, kSystem, settings_);
+  const std::vector<ChatMessage> turns = {message(kText1), message(kText2, &images_[1]),
+                                          message(kText3)};
+  for (size_t t = 0; t < turns.size(); ++t) {
+    const ChatReply ra = a.send(turns[t]), rb = b.send(turns[t]);
+    EXPECT_EQ(rb.result.tokens, ra.result.tokens) << "turn " << t + 1;
+    EXPECT_EQ(graphed.n_past(), eager.n_past()) << "turn " << t + 1;
+    EXPECT_EQ(graphed.next_position(), eager.next_position()) << "turn " << t + 1;
+  }
+  EXPECT_TRUE(helper.graphs_created(GraphSet::decoder));
+  a.clear();
+  b.clear();
+  EXPECT_EQ(b.send(turns[1]).result.tokens, a.send(turns[1]).result.tokens) << "after /clear";
+}
+
+// With iris generate's graphs (decode and padded vision), each turn's logits after its continued
+// prefill are those of an eager one-shot prefill of the whole conversation (the chat's own
+// replies as the earlier turns), within bf16 tolerance (3% + 0.05, as the CUDA goldens), and the
+// top token agrees wherever the one-shot's first two are clearly apart.
+TEST_F(ChatFixture, CudaGraphedChatTurnsMatchOneShotPrefillsWithinBf16) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  settings_.keep_prompt_logits = true;
+  auto be = make_cuda_backend();
+  Qwen3VLModel graphed(*be, test::fixture_dir(), chat_limits());
+  VisionCudaGraphHelper helper(graphed, split_stages(graphed.config(), 1)[0], cuda_graphs(true, 0));
+  graphed.attach_graphs(&helper);
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  auto expect_close = [](const std::vector<float>& got, const std::vector<float>& want,
+                         const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    auto tol = [](float v) { return 0.03f * std::fabs(v) + 0.05f; };
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_NEAR(got[i], want[i], tol(want[i])) << what << " id " << i;
+    std::vector<float> sorted = want;
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    if (sorted[0] - sorted[1] > 2 * tol(sorted[0]))
+      EXPECT_EQ(std::max_element(got.begin(), got.end()) - got.begin(),
+                std::max_element(want.begin(), want.end()) - want.begin())
+          << what;
+  };
+  ChatSession chat(graphed, *tokenizer_, kSystem, settings_);
+  const std::vector<int32_t> p1 = build_generation_prompt(*tokenizer_, {}, kText1, kSystem);
+  const ChatReply r1 = chat.send(message(kText1));
+  expect_close(r1.result.prompt_logits, one_shot(one_shot_model, p1).prompt_logits, "turn 1");
+  const std::vector<int32_t> p2 =
+      continued(p1, r1.result, user_turn_with_image(images_[1].grid, kText2));
+  const ChatReply r2 = chat.send(message(kText2, &images_[1]));
+  expect_close(r2.result.prompt_logits, one_shot(one_shot_model, p2, &images_[1]).prompt_logits,
+               "turn 2");
+  const std::vector<int32_t> p3 = continued(
+      p2, r2.result, "<|im_start|>user\n" + kText3 + "<|im_end|>\n<|im_start|>assistant\n");
+  const ChatReply r3 = chat.send(message(kText3));
+  expect_close(r3.result.prompt_logits, one_shot(one_shot_model, p3, &images_[1]).prompt_logits,
+               "turn 3");
+  // The same position offset after the conversation (the replies' lengths may differ).
+  EXPECT_EQ(graphed.next_position() - graphed.n_past(),
+            one_shot_model.next_position() - one_shot_model.n_past());
+  EXPECT_TRUE(helper.graphs_created(GraphSet::decoder));
+  EXPECT_TRUE(helper.graphs_created(GraphSet::vision));
+}
+
+}  // namespace
+}  // namespace iris
