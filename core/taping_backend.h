@@ -243,6 +243,10 @@ class TapingBackend final : public Backend {
       inner->grad_norm_clip(grad_stats, grads, spans, hyper, max_norm);
     });
   }
+  void grad_sum_squares(const Tensor& sums, const Tensor& grads, const Tensor& spans,
+                        const Tensor& hyper) override {
+    tape([=, inner = in_.get()] { inner->grad_sum_squares(sums, grads, spans, hyper); });
+  }
   void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
                   const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
                   const Tensor& hyper, const Tensor& steps, const Tensor& lr,
