@@ -176,12 +176,26 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
     EXPECT_EQ(no_gpu.code, 1) << no_gpu.output;
     EXPECT_NE(no_gpu.output.find("set train.device=cpu"), std::string::npos) << no_gpu.output;
   }
-  // Valid graph settings are refused by a real run rather than accepted and not acted on.
-  const Exit graphs = iris({"train", "--recipe", recipe, "cuda_graph.vision_cuda_graph_impl=local",
-                            "cuda_graph.max_vision_cuda_graph_seq_length=4096",
+  // Graph settings either take effect or are refused with the key to change.
+  const Exit modules = iris({"train", "--recipe", recipe, "cuda_graph.cuda_graph_impl=local",
+                             "cuda_graph.cuda_graph_modules=[attn]",
+                             "checkpoint.dir=" + (root_ / "run_modules").string()});
+  EXPECT_EQ(modules.code, 1) << modules.output;
+  EXPECT_NE(modules.output.find("not implemented for training yet"), std::string::npos)
+      << modules.output;
+  const Exit too_long =
+      iris({"train", "--recipe", recipe, "cuda_graph.vision_cuda_graph_impl=local",
+            "cuda_graph.max_vision_cuda_graph_seq_length=1048576",
+            "checkpoint.dir=" + (root_ / "run_too_long").string()});
+  EXPECT_EQ(too_long.code, 1) << too_long.output;
+  EXPECT_NE(too_long.output.find("train.max_vision_patches"), std::string::npos) << too_long.output;
+  const Exit graphs = iris({"train", "--recipe", recipe, "cuda_graph.cuda_graph_impl=local",
+                            "cuda_graph.cuda_graph_warmup_steps=1",
                             "checkpoint.dir=" + (root_ / "run_graphs").string()});
-  EXPECT_EQ(graphs.code, 1) << graphs.output;
-  EXPECT_NE(graphs.output.find("must be none for training"), std::string::npos) << graphs.output;
+  EXPECT_EQ(graphs.code, 0) << graphs.output;
+  EXPECT_NE(graphs.output.find("graphs: decoder local, vision none"), std::string::npos)
+      << graphs.output;
+  EXPECT_NE(graphs.output.find(" captured in "), std::string::npos) << graphs.output;
   const Exit missing = iris({"train", "--recipe", (root_ / "nope.yaml").string()});
   EXPECT_EQ(missing.code, 1);
   EXPECT_NE(missing.output.find("does not exist"), std::string::npos);

@@ -229,10 +229,13 @@ namespace {
 TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParallel& dp) {
   const Recipe& r = recipe;
   // A setting that would be accepted and then not acted on is refused instead.
-  IRIS_CHECK(r.cuda_graph.language.impl == GraphImpl::none &&
-                 r.cuda_graph.vision.impl == VisionGraphImpl::none,
-             "cuda_graph.cuda_graph_impl and cuda_graph.vision_cuda_graph_impl must be none for "
-             "training for now: training steps run eagerly (iris generate captures graphs)");
+  const bool graphs_on = r.cuda_graph.language.impl != GraphImpl::none ||
+                         r.cuda_graph.vision.impl != VisionGraphImpl::none;
+  // A setting that would be accepted and then not acted on is refused instead.
+  IRIS_CHECK(
+      !graphs_on || (r.cuda_graph.language.modules.empty() && r.cuda_graph.vision.modules.empty()),
+      "cuda_graph.cuda_graph_modules and cuda_graph.vision_cuda_graph_modules (attn, mlp) "
+      "are not implemented for training yet: leave them empty to capture whole layers");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
   // Everything below reads or writes the run directory: one run at a time. Of a multi-process
@@ -364,6 +367,19 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(r.train.recompute);
   limits.vision_tower_frozen = r.train.freeze_vision_tower;
+  if (graphs_on) {
+    // Text buckets: powers of two from 256 below the planned maximum, then the maximum, so that a
+    // micro-batch pads by less than half; the vision buckets are the graph config's.
+    for (int64_t b = 256; b < limits.max_seq_len; b *= 2) limits.text_buckets.push_back(b);
+    limits.text_buckets.push_back(limits.max_seq_len);
+    const VisionGraphConfig& vg = r.cuda_graph.vision;
+    IRIS_CHECK(vg.max_seq_length <= limits.max_patches,
+               "cuda_graph.max_vision_cuda_graph_seq_length (", vg.max_seq_length,
+               ") is above the vision patches planned for a micro-batch (", limits.max_patches,
+               " = train.max_vision_patches x train.micro_batch_size); lower it or raise "
+               "train.max_vision_patches");
+    limits.vision_buckets = vg.buckets;
+  }
   int64_t n_params = 0;
   for (const WeightBinding& b : params->bindings) {
     int64_t n = 1;
@@ -413,6 +429,26 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   for (auto& m : replicas)
     m->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
                   r.train.freeze_language_model);
+  // Graphs: a capture is per backend, so the CPU's threads of replicas (which share the backend)
+  // run the recording stand-in on one replica only.
+  std::unique_ptr<GraphApi> graph_api;
+  if (graphs_on) {
+    if (replicas.size() > 1) replicas.resize(1), n_replicas = 1;
+    graph_api = make_graph_api(replicas[0]->backend());
+    TrainGraphs tg;
+    tg.decoder = r.cuda_graph.language.impl;
+    tg.vision = r.cuda_graph.vision.impl == VisionGraphImpl::local;
+    tg.warmup_runs = r.cuda_graph.language.warmup_steps;
+    tg.overflow_is_error = r.cuda_graph.vision.overflow == VisionGraphOverflow::error;
+    replicas[0]->use_graphs(*graph_api, tg);
+  }
+  // The graphs go before the API that destroys them, on every way out of this function.
+  struct GraphsFirst {
+    TrainableQwen3VL* model;
+    ~GraphsFirst() {
+      if (model != nullptr) model->delete_graphs();
+    }
+  } graphs_first{graphs_on ? replicas[0].get() : nullptr};
   TrainableQwen3VL& model = *replicas[0];
   Backend& be = model.backend();
   // The sharded optimizer updates the weights the model reads in place, which on the GPU are a
@@ -483,6 +519,15 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
                       " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
     if (dp.world() > 1) plan += ", " + dp.describe();
+    if (graphs_on) {
+      std::string tb, vb;
+      for (int64_t b : limits.text_buckets) tb += str_cat(tb.empty() ? "" : ",", b);
+      for (int64_t b : limits.vision_buckets) vb += str_cat(vb.empty() ? "" : ",", b);
+      plan += str_cat("; graphs: decoder ", to_string(r.cuda_graph.language.impl), ", vision ",
+                      to_string(r.cuda_graph.vision.impl), ", captured after ",
+                      r.cuda_graph.language.warmup_steps, " eager runs of a shape; text buckets [",
+                      tb, "], vision buckets [", vb, "]");
+    }
     log.message(plan);
   }
   if (dp.world() > 1) log.message(dp.layout(r.train.global_batch_size / micro, micro));
@@ -691,6 +736,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     log.message(str_cat("data: ", skipped_large, " samples with more than ", limits.max_patches,
                         " vision patches skipped (train.max_vision_patches)"));
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
+  if (graphs_on) {
+    const auto& p = model.padding_stats();
+    log.message(str_cat("graphs: ", model.graph_count(), " captured in ", int(model.capture_ms()),
+                        " ms; padding: ", p.tokens, " of ", p.padded_tokens, " tokens and ",
+                        p.patches, " of ", p.padded_patches, " patch rows real; ",
+                        model.overflow_runs(),
+                        " micro-batches above the largest bucket ran eagerly"));
+  }
   return result;
 }
 
