@@ -1221,6 +1221,31 @@ TEST_F(BackwardOps, GradNormClip) {
   }
 }
 
+// The per-span sums a sharded optimizer adds over its shards: on the CPU, added in span order their
+// root is grad_norm_clip's norm (a 1 Mi-element span is summed by every thread), and a frozen span
+// gives 0. Runs without a GPU.
+TEST(CpuOptimizerOps, GradSumSquaresAreTheTermsOfTheNorm) {
+  const FlatLayout L;
+  auto cpu = make_cpu_backend();
+  Rng rng(331);
+  std::vector<float> g = L.grads(rng), hyper = L.hyper(), stats(2);
+  std::vector<int64_t> spans = L.spans(), sums(static_cast<size_t>(L.n()), -1);
+  const Tensor tg(g.data(), DType::f32, Device::cpu, {L.flat});
+  const Tensor ts(spans.data(), DType::i64, Device::cpu, {L.n(), 3});
+  const Tensor th(hyper.data(), DType::f32, Device::cpu, {L.n(), 2});
+  cpu->grad_sum_squares(Tensor(sums.data(), DType::i64, Device::cpu, {L.n()}), tg, ts, th);
+  cpu->grad_norm_clip(Tensor(stats.data(), DType::f32, Device::cpu, {2}), tg, ts, th, 0.f);
+  double ss = 0.0;
+  for (int i = 0; i < L.n(); ++i) {
+    double d = 0;
+    std::memcpy(&d, &sums[static_cast<size_t>(i)], sizeof(d));
+    if (i == FlatLayout::kFrozen) EXPECT_EQ(d, 0.0);
+    ss += d;
+  }
+  EXPECT_EQ(static_cast<float>(std::sqrt(ss)), stats[0]);
+  EXPECT_NEAR(stats[0], L.stats(g, 0.f)[0], 1e-3);
+}
+
 // Three steps of grad_norm_clip + adamw_step with varying lr (a device scalar written each step)
 // and max_norm (clipping, disabled, clipping). The CPU's params are its weights (undefined
 // `weights`); on CUDA the bf16 weights must be round_bf16 of the params.
