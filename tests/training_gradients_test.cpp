@@ -45,17 +45,7 @@ std::vector<float> values_of(const WeightBinding& b) {
   return std::vector<float>(g.as<float>(), g.as<float>() + g.numel());
 }
 
-// Every gradient tensor of a model as f32 values read through its backend.
-std::vector<std::vector<float>> all_grads(TrainableQwen3VL& m) {
-  std::vector<std::vector<float>> out;
-  for (const WeightBinding& b : m.grads().bindings) {
-    const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-    std::vector<float> v(static_cast<size_t>(g.numel()));
-    m.backend().read(v.data(), DType::f32, g);
-    out.push_back(std::move(v));
-  }
-  return out;
-}
+using test::all_grads;
 
 // Recomputation reruns deterministic ops on the inputs they had in the forward, so every mode
 // gives the loss and the gradients of keeping everything, bit for bit, while planning less

@@ -17,16 +17,7 @@
 namespace iris {
 namespace {
 
-std::vector<std::vector<float>> all_grads(TrainableQwen3VL& m) {
-  std::vector<std::vector<float>> out;
-  for (const WeightBinding& b : m.grads().bindings) {
-    const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
-    std::vector<float> v(static_cast<size_t>(g.numel()));
-    m.backend().read(v.data(), DType::f32, g);
-    out.push_back(std::move(v));
-  }
-  return out;
-}
+using test::all_grads;
 
 // Three samples of different shapes: the golden one (an image), the same with more text, and a
 // text-only one.
