@@ -1246,6 +1246,50 @@ TEST(CpuOptimizerOps, GradSumSquaresAreTheTermsOfTheNorm) {
   EXPECT_NEAR(stats[0], L.stats(g, 0.f)[0], 1e-3);
 }
 
+// The CUDA kernel sums each span in another order than the CPU's threads: equal to the CPU's sums
+// to f64 rounding, 0 for the frozen span, and the root of their sum is the CUDA norm.
+TEST(CudaOptimizerOps, GradSumSquaresMatchTheCpuAndTheNorm) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const FlatLayout L;
+  auto cpu = make_cpu_backend();
+  auto cuda = make_cuda_backend(0);
+  Rng rng(331);
+  std::vector<float> g = L.grads(rng), hyper = L.hyper();
+  std::vector<int64_t> spans = L.spans(), want(static_cast<size_t>(L.n()));
+  cpu->grad_sum_squares(Tensor(want.data(), DType::i64, Device::cpu, {L.n()}),
+                        Tensor(g.data(), DType::f32, Device::cpu, {L.flat}),
+                        Tensor(spans.data(), DType::i64, Device::cpu, {L.n(), 3}),
+                        Tensor(hyper.data(), DType::f32, Device::cpu, {L.n(), 2}));
+  Arena plan;
+  plan.alloc(DType::f32, {L.flat}), plan.alloc(DType::i64, {L.n(), 3});
+  plan.alloc(DType::f32, {L.n(), 2}), plan.alloc(DType::i64, {L.n()}), plan.alloc(DType::f32, {2});
+  Arena a(*cuda, plan.used());
+  const Tensor tg = a.alloc(DType::f32, {L.flat}), ts = a.alloc(DType::i64, {L.n(), 3});
+  const Tensor th = a.alloc(DType::f32, {L.n(), 2}), tsum = a.alloc(DType::i64, {L.n()});
+  const Tensor tstats = a.alloc(DType::f32, {2});
+  cuda->write(tg, g.data(), DType::f32);
+  cuda->write(ts, spans.data(), DType::i64);
+  cuda->write(th, hyper.data(), DType::f32);
+  cuda->grad_sum_squares(tsum, tg, ts, th);
+  cuda->grad_norm_clip(tstats, tg, ts, th, 0.f);
+  std::vector<int64_t> got(static_cast<size_t>(L.n()));
+  float stats[2];
+  cuda->read(got.data(), DType::i64, tsum);
+  cuda->read(stats, DType::f32, tstats);
+  double ss = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double d = 0, w = 0;
+    std::memcpy(&d, &got[i], sizeof(d));
+    std::memcpy(&w, &want[i], sizeof(w));
+    if (static_cast<int>(i) == FlatLayout::kFrozen)
+      EXPECT_EQ(d, 0.0);
+    else
+      EXPECT_NEAR(d, w, 1e-12 * w) << "span " << i;
+    ss += d;
+  }
+  EXPECT_NEAR(std::sqrt(ss), stats[0], 1e-6 * stats[0]);
+}
+
 // Three steps of grad_norm_clip + adamw_step with varying lr (a device scalar written each step)
 // and max_norm (clipping, disabled, clipping). The CPU's params are its weights (undefined
 // `weights`); on CUDA the bf16 weights must be round_bf16 of the params.
