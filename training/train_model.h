@@ -137,7 +137,7 @@ class TrainableQwen3VL {
   // Destroys every graph this model created (none created: nothing happens); the graphs are
   // captured again on later use if use_graphs is still in effect.
   void delete_graphs();
-  bool graphs_created() const { return !graph_sets_.empty() && graph_count() > 0; }
+  bool graphs_created() const { return graph_count() > 0; }
   size_t graph_count() const;
   double capture_ms() const { return capture_ms_; }
   // Micro-batches run unpadded because they were above the largest bucket.

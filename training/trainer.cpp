@@ -420,20 +420,19 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     const int64_t n_micro = r.train.global_batch_size / micro;
     // Of a multi-process run, each rank is one replica (data_parallel.h): the ranks' gradients
     // are then summed as a single process sums its replicas'.
-    n_replicas = n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget && dp.world() == 1
-                     ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
-                     : 1;
+    n_replicas =
+        n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget && dp.world() == 1 && !graphs_on
+            ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
+            : 1;
     for (int k = 0; k < n_replicas; ++k)
       replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
   }
   for (auto& m : replicas)
     m->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
                   r.train.freeze_language_model);
-  // Graphs: a capture is per backend, so the CPU's threads of replicas (which share the backend)
-  // run the recording stand-in on one replica only.
+  // Graphs: one replica (a capture is per backend, which the CPU's replica threads share).
   std::unique_ptr<GraphApi> graph_api;
   if (graphs_on) {
-    if (replicas.size() > 1) replicas.resize(1), n_replicas = 1;
     graph_api = make_graph_api(replicas[0]->backend());
     TrainGraphs tg;
     tg.decoder = r.cuda_graph.language.impl;
