@@ -4,8 +4,8 @@
 
 namespace iris {
 
-void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
-                           const DecoderLayerBuffers& b, const DecoderAttention& at) {
+void decoder_attention_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                               const DecoderLayerBuffers& b, const DecoderAttention& at) {
   const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
   const float eps = cfg.rms_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
   if (b.saves()) {
@@ -24,6 +24,11 @@ void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLaye
   }
   if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
   be.linear(b.x_mid, b.attn, w.o_w, Tensor(), true);
+}
+
+void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                         const DecoderLayerBuffers& b) {
+  const float eps = cfg.rms_norm_eps;
   if (b.saves()) {
     be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
     be.linear(b.gate_up, b.rms2, w.gate_up_w, Tensor(), false);
@@ -33,6 +38,12 @@ void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLaye
   }
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.down_w, Tensor(), true);
+}
+
+void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                           const DecoderLayerBuffers& b, const DecoderAttention& at) {
+  decoder_attention_forward(be, cfg, w, b, at);
+  decoder_mlp_forward(be, cfg, w, b);
 }
 
 void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
@@ -52,14 +63,11 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
   be.swiglu(b.act, b.gate_up);
 }
 
-void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
-                            DecoderLayerWeights* g, const DecoderLayerBuffers& b,
-                            const DecoderAttention& at, const DecoderGradScratch& s) {
-  const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+void decoder_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLayerWeights* g,
+                          const DecoderLayerBuffers& b, const DecoderGradScratch& s) {
   const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
-  // MLP: overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
-  Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
+  // Overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
+  const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dact, dy, w.down_w, false);
   if (g) be.linear_backward_weight(g->down_w, Tensor(), dy, b.act);
   be.swiglu_backward(s.dgu, s.dact, b.gate_up);
@@ -67,9 +75,17 @@ void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLay
   if (g) be.linear_backward_weight(g->gate_up_w, Tensor(), s.dgu, b.rms2);
   be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::post_norm_w), s.dtmp, b.x_mid, b.rstd2,
                        w.post_norm_w);
-  // Attention: overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm
-  // gradients and dres.
-  dy = in_compute_dtype(be, s.dres, s.dres_c);
+}
+
+void decoder_attention_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                                DecoderLayerWeights* g, const DecoderLayerBuffers& b,
+                                const DecoderAttention& at, const DecoderGradScratch& s) {
+  const int nq = cfg.num_attention_heads, nkv = cfg.num_key_value_heads, hd = cfg.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
+  // Overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm gradients and
+  // dres.
+  const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dattn, dy, w.o_w, false);
   if (g) be.linear_backward_weight(g->o_w, Tensor(), dy, b.attn);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments,
@@ -81,6 +97,13 @@ void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLay
   if (g) be.linear_backward_weight(g->qkv_w, Tensor(), s.dqkv, b.rms1);
   be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::input_norm_w), s.dtmp, b.x_in, b.rstd1,
                        w.input_norm_w);
+}
+
+void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                            DecoderLayerWeights* g, const DecoderLayerBuffers& b,
+                            const DecoderAttention& at, const DecoderGradScratch& s) {
+  decoder_mlp_backward(be, w, g, b, s);
+  decoder_attention_backward(be, cfg, w, g, b, at, s);
 }
 
 TextDecoder::TextDecoder(Backend& backend, const TextConfig& cfg, const DecoderWeights& weights,

@@ -58,6 +58,13 @@ struct DecoderAttention {
 };
 void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                            const DecoderLayerBuffers& b, const DecoderAttention& at);
+// The layer's two halves, which per-module training graphs capture separately: the attention
+// (x_mid = x_in + attention) and the MLP (x_out = x_mid + MLP). decoder_layer_forward is the
+// first then the second.
+void decoder_attention_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                               const DecoderLayerBuffers& b, const DecoderAttention& at);
+void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                         const DecoderLayerBuffers& b);
 // Before a layer's backward: rewrites the activations `mode` did not keep from those it kept
 // (selective: rms1, qkv, rms2, act; full: the whole layer from x_in, whose b.x_out must then be
 // scratch, not the next layer's input). Nothing for Recompute::none.
@@ -74,6 +81,13 @@ struct DecoderGradScratch {
 void decoder_layer_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                             DecoderLayerWeights* g, const DecoderLayerBuffers& b,
                             const DecoderAttention& at, const DecoderGradScratch& s);
+// decoder_layer_backward's halves, in the order it runs them: dres goes from d(x_out) to
+// d(x_mid), then to d(x_in).
+void decoder_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLayerWeights* g,
+                          const DecoderLayerBuffers& b, const DecoderGradScratch& s);
+void decoder_attention_backward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                                DecoderLayerWeights* g, const DecoderLayerBuffers& b,
+                                const DecoderAttention& at, const DecoderGradScratch& s);
 
 class TextDecoder {
  public:

@@ -177,12 +177,21 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
     EXPECT_NE(no_gpu.output.find("set train.device=cpu"), std::string::npos) << no_gpu.output;
   }
   // Graph settings either take effect or are refused with the key to change.
-  const Exit modules = iris({"train", "--recipe", recipe, "cuda_graph.cuda_graph_impl=local",
-                             "cuda_graph.cuda_graph_modules=[attn]",
-                             "checkpoint.dir=" + (root_ / "run_modules").string()});
-  EXPECT_EQ(modules.code, 1) << modules.output;
-  EXPECT_NE(modules.output.find("not implemented for training yet"), std::string::npos)
+  const Exit modules =
+      iris({"train", "--recipe", recipe, "cuda_graph.cuda_graph_impl=local",
+            "cuda_graph.cuda_graph_modules=[attn]", "cuda_graph.vision_cuda_graph_impl=local",
+            "cuda_graph.vision_cuda_graph_modules=[mlp]", "cuda_graph.cuda_graph_warmup_steps=1",
+            "checkpoint.dir=" + (root_ / "run_modules").string()});
+  EXPECT_EQ(modules.code, 0) << modules.output;
+  EXPECT_NE(modules.output.find("graphs: decoder local (attn), vision local (mlp)"),
+            std::string::npos)
       << modules.output;
+  const Exit idle_modules =
+      iris({"train", "--recipe", recipe, "cuda_graph.vision_cuda_graph_modules=[attn]",
+            "checkpoint.dir=" + (root_ / "run_idle_modules").string()});
+  EXPECT_EQ(idle_modules.code, 1) << idle_modules.output;
+  EXPECT_NE(idle_modules.output.find("set vision_cuda_graph_impl=local"), std::string::npos)
+      << idle_modules.output;
   const Exit too_long =
       iris({"train", "--recipe", recipe, "cuda_graph.vision_cuda_graph_impl=local",
             "cuda_graph.max_vision_cuda_graph_seq_length=1048576",

@@ -3,6 +3,7 @@
 // the recording stand-in, which replays the ops it taped; CUDA through real graphs).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -103,11 +104,52 @@ class TrainingGraphs : public ::testing::Test {
     const char* name;
     GraphImpl decoder;
     bool vision;
+    std::vector<GraphModule> decoder_modules = {}, vision_modules = {};
   };
   static std::vector<Mode> all_modes() {
-    return {Mode{"vision", GraphImpl::none, true}, Mode{"decoder local", GraphImpl::local, false},
+    using M = GraphModule;
+    return {Mode{"vision", GraphImpl::none, true},
+            Mode{"decoder local", GraphImpl::local, false},
             Mode{"vision + decoder local", GraphImpl::local, true},
-            Mode{"full_iteration", GraphImpl::full_iteration, false}};
+            Mode{"full_iteration", GraphImpl::full_iteration, false},
+            Mode{"decoder attn", GraphImpl::local, false, {M::attn}},
+            Mode{"decoder mlp + vision attn", GraphImpl::local, true, {M::mlp}, {M::attn}},
+            Mode{"decoder and vision attn, mlp",
+                 GraphImpl::local,
+                 true,
+                 {M::attn, M::mlp},
+                 {M::attn, M::mlp}}};
+  }
+
+  // What the graph keys of `mode` must and must not contain.
+  void expect_graph_parts(const Mode& mode, const std::vector<std::string>& keys) {
+    auto count = [&](const std::string& part) {
+      size_t n = 0;
+      for (const std::string& k : keys) n += k.find(part) != std::string::npos;
+      return n;
+    };
+    auto has = [](const std::vector<GraphModule>& ms, GraphModule m) {
+      return std::find(ms.begin(), ms.end(), m) != ms.end();
+    };
+    const size_t layers = static_cast<size_t>(cfg_.text.num_hidden_layers);
+    if (mode.decoder == GraphImpl::full_iteration) {
+      EXPECT_EQ(keys.size(), 3u);  // one per micro-batch shape
+      return;
+    }
+    if (mode.decoder == GraphImpl::local && mode.decoder_modules.empty()) {
+      EXPECT_GE(count("fwd L"), layers);
+      EXPECT_GE(count("bwd L"), layers);
+    }
+    for (GraphModule m : {GraphModule::attn, GraphModule::mlp}) {
+      const std::string part = m == GraphModule::attn ? " attn " : " mlp ";
+      size_t text = 0, vision = 0;
+      for (const std::string& k : keys)
+        if (k.find(part) != std::string::npos) (k.rfind("vision", 0) == 0 ? vision : text)++;
+      EXPECT_EQ(text > 0, has(mode.decoder_modules, m)) << part;
+      if (has(mode.decoder_modules, m)) EXPECT_GE(text, 2 * layers) << part;
+      EXPECT_EQ(vision > 0, has(mode.vision_modules, m)) << part;
+    }
+    EXPECT_EQ(count("vision fwd") > 0, mode.vision && mode.vision_modules.empty());
   }
 
   void expect_graphs_replay_eager(bool tower_frozen, const std::vector<Mode>& modes) {
@@ -123,6 +165,8 @@ class TrainingGraphs : public ::testing::Test {
       TrainGraphs g;
       g.decoder = mode.decoder;
       g.vision = mode.vision;
+      g.decoder_modules = mode.decoder_modules;
+      g.vision_modules = mode.vision_modules;
       g.warmup_runs = 1;
       m.use_graphs(*api, g);
       const Trace got = run(m);
@@ -134,10 +178,8 @@ class TrainingGraphs : public ::testing::Test {
               << "micro-batch " << i << ": " << m.grads().bindings[k].hf_name;
       }
       EXPECT_TRUE(m.graphs_created());
-      if (mode.decoder == GraphImpl::full_iteration)
-        EXPECT_EQ(m.graph_count(), 3u);  // one per micro-batch shape
-      if (mode.decoder == GraphImpl::local)
-        EXPECT_GE(m.graph_count(), size_t(2 * cfg_.text.num_hidden_layers));
+      EXPECT_EQ(m.graph_keys().size(), m.graph_count());
+      expect_graph_parts(mode, m.graph_keys());
       m.delete_graphs();
       EXPECT_FALSE(m.graphs_created());
       m.delete_graphs();  // nothing left: a no-op
@@ -182,7 +224,7 @@ TEST_F(TrainingGraphs, EveryGraphSettingReplaysEagerBitForBitThroughTheStandIn) 
 
 TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {
   load(make_cpu_backend());
-  expect_graphs_replay_eager(true, {all_modes()[2], all_modes()[3]});
+  expect_graphs_replay_eager(true, {all_modes()[2], all_modes()[3], all_modes()[6]});
 }
 
 TEST_F(TrainingGraphs, RefusedWithoutBucketsAndAboveTheLargestBucketPerOverflow) {

@@ -486,24 +486,20 @@ void TrainableQwen3VL::micro_batch(bool backward, bool vision_grads, const Tenso
   // decoder layers may replay graphs of their own.
   const bool vision_graphs = graph_api_ != nullptr && padded_ && graphs_.vision &&
                              graphs_.decoder != GraphImpl::full_iteration;
+  const bool whole_encoder = vision_graphs && graphs_.vision_modules.empty();
+  const bool vision_modules = vision_graphs && !graphs_.vision_modules.empty();
   const std::string vkey =
       str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
-  if (S_ > 0) {
-    if (vision_graphs)
-      graphed(str_cat("vision fwd ", vkey), [this] { vision_forward(); });
-    else
-      vision_forward();
-  }
+  if (S_ > 0)
+    maybe_graphed(whole_encoder, str_cat("vision fwd ", vkey),
+                  [this, vision_modules] { vision_forward(vision_modules); });
   text_forward(layer_graphs);
   loss(backward, loss_out);
   if (backward) {
     text_backward(layer_graphs);
-    if (vision_grads) {
-      if (vision_graphs)
-        graphed(str_cat("vision bwd ", vkey), [this] { vision_backward(); });
-      else
-        vision_backward();
-    }
+    if (vision_grads)
+      maybe_graphed(whole_encoder, str_cat("vision bwd ", vkey),
+                    [this, vision_modules] { vision_backward(vision_modules); });
   }
 }
 
@@ -524,10 +520,28 @@ void TrainableQwen3VL::graphed(const std::string& key, const std::function<void(
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+void TrainableQwen3VL::maybe_graphed(bool as_graph, const std::string& key,
+                                     const std::function<void()>& body) {
+  if (as_graph)
+    graphed(key, body);
+  else
+    body();
+}
+
 void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
   IRIS_CHECK(!limits_.text_buckets.empty(),
              "training graphs need bucket padding: plan the model with TrainLimits.text_buckets");
   IRIS_CHECK(graphs.warmup_runs >= 0, "cuda_graph.cuda_graph_warmup_steps must not be negative");
+  for (const auto* modules : {&graphs.decoder_modules, &graphs.vision_modules})
+    for (GraphModule m : *modules)
+      IRIS_CHECK(m == GraphModule::attn || m == GraphModule::mlp,
+                 "training graphs capture the attn and mlp modules only (this model has no MoE "
+                 "layers)");
+  IRIS_CHECK(graphs.decoder_modules.empty() || graphs.decoder == GraphImpl::local,
+             "cuda_graph.cuda_graph_modules applies to cuda_graph_impl local (full_iteration "
+             "captures the whole micro-batch): leave it empty");
+  IRIS_CHECK(graphs.vision_modules.empty() || graphs.vision,
+             "cuda_graph.vision_cuda_graph_modules needs vision_cuda_graph_impl local");
   delete_graphs();
   graph_api_ = &api;
   graphs_ = graphs;
@@ -535,6 +549,13 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
 
 void TrainableQwen3VL::delete_graphs() {
   graph_sets_.clear();
+}
+
+std::vector<std::string> TrainableQwen3VL::graph_keys() const {
+  std::vector<std::string> keys;
+  for (const auto& [key, set] : graph_sets_)
+    if (set.graph.valid()) keys.push_back(key);
+  return keys;
 }
 
 size_t TrainableQwen3VL::graph_count() const {
@@ -585,7 +606,13 @@ VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
                            m_dln_};
 }
 
-void TrainableQwen3VL::vision_forward() {
+namespace {
+bool has_module(const std::vector<GraphModule>& modules, GraphModule m) {
+  return std::find(modules.begin(), modules.end(), m) != modules.end();
+}
+}  // namespace
+
+void TrainableQwen3VL::vision_forward(bool module_graphs) {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
   const int64_t S = S_;
@@ -594,8 +621,17 @@ void TrainableQwen3VL::vision_forward() {
                             pos_weight_.slice(0, S));
   const VisionSegments seg = vision_segments();
   const auto& taps = v.deepstack_visual_indexes;
+  const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
+  const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
+  // Keys name the rows and the segment count (the only host values the halves pass).
+  const std::string shape = str_cat(" S", S, " segments ", n_segments_);
   for (int l = 0; l < v.depth; ++l) {
-    vision_block_forward(be_, v, w.blocks[l], vision_block(l), seg);
+    const VisionBlockBuffers b = vision_block(l);
+    maybe_graphed(
+        attn_graphs, str_cat("vision block ", l, " attn fwd", shape),
+        [this, &v, &w, l, b, seg] { vision_attention_forward(be_, v, w.blocks[l], b, seg); });
+    maybe_graphed(mlp_graphs, str_cat("vision block ", l, " mlp fwd", shape),
+                  [this, &v, &w, l, b] { vision_mlp_forward(be_, v, w.blocks[l], b); });
     const auto tap = std::find(taps.begin(), taps.end(), l);
     if (tap != taps.end()) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
@@ -605,7 +641,7 @@ void TrainableQwen3VL::vision_forward() {
   merger_forward(be_, v, w.merger, merger_, vx_[v.depth], S, false);
 }
 
-void TrainableQwen3VL::vision_backward() {
+void TrainableQwen3VL::vision_backward(bool module_graphs) {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
   VisionWeights& g = grads_->vision;
@@ -614,6 +650,9 @@ void TrainableQwen3VL::vision_backward() {
   const auto& taps = v.deepstack_visual_indexes;
   const VisionSegments seg = vision_segments();
   const VisionGradScratch scratch = vision_grad_scratch();
+  const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
+  const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
+  const std::string shape = str_cat(" S", S, " segments ", n_segments_);
   auto merger_grads = [&](PatchMergerWeights& m) { return frozen_.merger ? nullptr : &m; };
 
   const Tensor dres = tower ? scratch.dres : Tensor();
@@ -634,13 +673,22 @@ void TrainableQwen3VL::vision_backward() {
       merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
                       vx_[l + 1], S, true, d_ds_[k], dres, scratch);
     }
-    VisionBlockBuffers b = vision_block(l);
-    if (limits_.recompute != Recompute::none) {
-      VisionBlockBuffers rerun = b;
-      if (limits_.recompute == Recompute::full) rerun.x_out = v_recompute_out_.slice(0, S);
-      vision_block_recompute(be_, v, w.blocks[l], rerun, seg, limits_.recompute);
-    }
-    vision_block_backward(be_, v, w.blocks[l], g.blocks[l], b, seg, scratch);
+    const VisionBlockBuffers b = vision_block(l);
+    // The recomputation runs with the MLP half, whose backward is the first to read it.
+    maybe_graphed(mlp_graphs, str_cat("vision block ", l, " mlp bwd", shape),
+                  [this, &v, &w, &g, l, b, seg, scratch, S] {
+                    if (limits_.recompute != Recompute::none) {
+                      VisionBlockBuffers rerun = b;
+                      if (limits_.recompute == Recompute::full)
+                        rerun.x_out = v_recompute_out_.slice(0, S);
+                      vision_block_recompute(be_, v, w.blocks[l], rerun, seg, limits_.recompute);
+                    }
+                    vision_mlp_backward(be_, w.blocks[l], g.blocks[l], b, scratch);
+                  });
+    maybe_graphed(attn_graphs, str_cat("vision block ", l, " attn bwd", shape),
+                  [this, &v, &w, &g, l, b, seg, scratch] {
+                    vision_attention_backward(be_, v, w.blocks[l], g.blocks[l], b, seg, scratch);
+                  });
   }
   // Embeddings: accumulate the position table's and the patch projection's gradients.
   be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
@@ -691,18 +739,33 @@ void TrainableQwen3VL::text_forward(bool layer_graphs) {
 
   be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
   if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, Ls), merger_.out.slice(0, n_pad_), pads, false);
+  // Whole layers, or the halves TrainGraphs::decoder_modules names (the rest eagerly).
+  const auto& modules = graphs_.decoder_modules;
+  const bool whole = layer_graphs && modules.empty();
+  const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
+  const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
+  const std::string shape = str_cat(" L", L, " pads ", n_pad_);
   for (int l = 0; l < t.num_hidden_layers; ++l) {
-    auto layer = [this, &t, &w, l, L, Ls, at] {
-      decoder_layer_forward(be_, t, w.layers[l], text_layer(l), at);
+    const DecoderLayerBuffers b = text_layer(l);
+    auto attention = [this, &t, &w, l, b, at] {
+      decoder_attention_forward(be_, t, w.layers[l], b, at);
+    };
+    auto mlp = [this, &t, &w, l, b, Ls] {
+      decoder_mlp_forward(be_, t, w.layers[l], b);
       // DeepStack: the tapped vision features join the image-pad rows after the first layers.
       if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
         be_.scatter_rows(tx_[l + 1].slice(0, Ls), ds_[l].out.slice(0, n_pad_),
                          pad_rows_.slice(0, n_pad_), true);
     };
-    if (layer_graphs)
-      graphed(str_cat("layer ", l, " fwd L", L, " pads ", n_pad_), layer);
-    else
-      layer();
+    if (whole) {
+      graphed(str_cat("layer ", l, " fwd", shape), [attention, mlp] {
+        attention();
+        mlp();
+      });
+      continue;
+    }
+    maybe_graphed(attn_graphs, str_cat("layer ", l, " attn fwd", shape), attention);
+    maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp fwd", shape), mlp);
   }
   be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
                      tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
@@ -759,23 +822,39 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
                                    t_dattn_.slice(0, L),
                                    t_dqkv_.slice(0, L),
                                    t_dsum_.slice(0, L)};
+  const auto& modules = graphs_.decoder_modules;
+  const bool whole = layer_graphs && modules.empty();
+  const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
+  const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
+  const std::string shape = str_cat(" L", L, " pads ", n_pad_, " lm ", int(lm));
   for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
-    auto layer = [this, &t, &w, &g, lm, l, L, at, scratch, dres_sink] {
+    const DecoderLayerBuffers b = text_layer(l);
+    DecoderLayerWeights* gl = lm ? &g.layers[l] : nullptr;
+    // The DeepStack gradient and the recomputation run with the MLP half, the first to need
+    // them.
+    auto mlp = [this, &t, &w, gl, l, L, b, at, scratch, dres_sink] {
       // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after l).
       if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
         be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres_sink, pad_rows_.slice(0, n_pad_));
-      const DecoderLayerBuffers b = text_layer(l);
       if (limits_.recompute != Recompute::none) {
         DecoderLayerBuffers rerun = b;
         if (limits_.recompute == Recompute::full) rerun.x_out = t_recompute_out_.slice(0, L);
         decoder_layer_recompute(be_, t, w.layers[l], rerun, at, limits_.recompute);
       }
-      decoder_layer_backward(be_, t, w.layers[l], lm ? &g.layers[l] : nullptr, b, at, scratch);
+      decoder_mlp_backward(be_, w.layers[l], gl, b, scratch);
     };
-    if (layer_graphs)
-      graphed(str_cat("layer ", l, " bwd L", L, " pads ", n_pad_, " lm ", int(lm)), layer);
-    else
-      layer();
+    auto attention = [this, &t, &w, gl, l, b, at, scratch] {
+      decoder_attention_backward(be_, t, w.layers[l], gl, b, at, scratch);
+    };
+    if (whole) {
+      graphed(str_cat("layer ", l, " bwd", shape), [mlp, attention] {
+        mlp();
+        attention();
+      });
+      continue;
+    }
+    maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp bwd", shape), mlp);
+    maybe_graphed(attn_graphs, str_cat("layer ", l, " attn bwd", shape), attention);
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.

@@ -100,7 +100,13 @@ struct TrainGraphs {
   // local: each decoder layer's forward and its backward; full_iteration: the whole micro-batch's
   // forward and backward (vision included) as one graph.
   GraphImpl decoder = GraphImpl::none;
+  // With decoder local: empty captures whole layers; attn and/or mlp capture those halves of
+  // each layer as graphs of their own, and the rest runs eagerly between them.
+  std::vector<GraphModule> decoder_modules;
   bool vision = false;  // the encoder's forward (with its mergers) and its backward
+  // With vision: empty captures the whole encoder; attn and/or mlp capture those halves of each
+  // block, and the patch embedding, the mergers and the rest run eagerly.
+  std::vector<GraphModule> vision_modules;
   int warmup_runs = 3;
   // A micro-batch above the largest bucket: run eagerly (counted in overflow_runs()) or fail.
   bool overflow_is_error = false;
@@ -139,6 +145,8 @@ class TrainableQwen3VL {
   void delete_graphs();
   bool graphs_created() const { return graph_count() > 0; }
   size_t graph_count() const;
+  // The names of the captured graphs (each names its part, phase and shape).
+  std::vector<std::string> graph_keys() const;
   double capture_ms() const { return capture_ms_; }
   // Micro-batches run unpadded because they were above the largest bucket.
   int64_t overflow_runs() const { return overflow_runs_; }
@@ -178,11 +186,14 @@ class TrainableQwen3VL {
   void prepare(const std::vector<const TrainSample*>& batch);
   // Replays the graph called `key`, or runs `body` (warm-up, or graphs off), or captures it.
   void graphed(const std::string& key, const std::function<void()>& body);
+  // graphed(key, body) when `as_graph`, else body() (eagerly, or inside an enclosing capture).
+  void maybe_graphed(bool as_graph, const std::string& key, const std::function<void()>& body);
   void micro_batch(bool backward, bool vision_grads, const Tensor& loss_out, bool layer_graphs);
   // The rows past a padded micro-batch's tokens that scatters and gathers of padding use: one
   // row after the bucket, never read by a layer.
   int64_t sink_rows() const { return padded_ ? 1 : 0; }
-  void vision_forward();
+  // module_graphs: the blocks' halves named in TrainGraphs::vision_modules replay graphs.
+  void vision_forward(bool module_graphs);
   // Block l's saved activations over the current micro-batch's rows.
   VisionBlockBuffers vision_block(int l) const;
   VisionSegments vision_segments() const;
@@ -192,7 +203,7 @@ class TrainableQwen3VL {
   DecoderAttention text_attention() const;
   void loss(bool backward, const Tensor& loss_out);
   void text_backward(bool layer_graphs);
-  void vision_backward();
+  void vision_backward(bool module_graphs);
   VisionGradScratch vision_grad_scratch() const;
 
   Backend& be_;

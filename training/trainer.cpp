@@ -233,9 +233,16 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                          r.cuda_graph.vision.impl != VisionGraphImpl::none;
   // A setting that would be accepted and then not acted on is refused instead.
   IRIS_CHECK(
-      !graphs_on || (r.cuda_graph.language.modules.empty() && r.cuda_graph.vision.modules.empty()),
-      "cuda_graph.cuda_graph_modules and cuda_graph.vision_cuda_graph_modules (attn, mlp) "
-      "are not implemented for training yet: leave them empty to capture whole layers");
+      r.cuda_graph.language.modules.empty() || r.cuda_graph.language.impl == GraphImpl::local,
+      "cuda_graph.cuda_graph_modules selects parts of each layer for "
+      "cuda_graph.cuda_graph_impl local; with cuda_graph_impl ",
+      r.cuda_graph.language.impl == GraphImpl::none ? "none" : "full_iteration",
+      " it would do nothing: leave it empty or set cuda_graph_impl=local");
+  IRIS_CHECK(
+      r.cuda_graph.vision.modules.empty() || r.cuda_graph.vision.impl == VisionGraphImpl::local,
+      "cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
+      "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "
+      "do nothing: leave it empty or set vision_cuda_graph_impl=local");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
   // Everything below reads or writes the run directory: one run at a time. Of a multi-process
@@ -436,7 +443,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     graph_api = make_graph_api(replicas[0]->backend());
     TrainGraphs tg;
     tg.decoder = r.cuda_graph.language.impl;
+    tg.decoder_modules = r.cuda_graph.language.modules;
     tg.vision = r.cuda_graph.vision.impl == VisionGraphImpl::local;
+    tg.vision_modules = r.cuda_graph.vision.modules;
     tg.warmup_runs = r.cuda_graph.language.warmup_steps;
     tg.overflow_is_error = r.cuda_graph.vision.overflow == VisionGraphOverflow::error;
     replicas[0]->use_graphs(*graph_api, tg);
@@ -522,10 +531,17 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       std::string tb, vb;
       for (int64_t b : limits.text_buckets) tb += str_cat(tb.empty() ? "" : ",", b);
       for (int64_t b : limits.vision_buckets) vb += str_cat(vb.empty() ? "" : ",", b);
-      plan += str_cat("; graphs: decoder ", to_string(r.cuda_graph.language.impl), ", vision ",
-                      to_string(r.cuda_graph.vision.impl), ", captured after ",
-                      r.cuda_graph.language.warmup_steps, " eager runs of a shape; text buckets [",
-                      tb, "], vision buckets [", vb, "]");
+      auto scope = [](const std::vector<GraphModule>& modules) {
+        if (modules.empty()) return std::string();
+        std::string m;
+        for (GraphModule g : modules) m += str_cat(m.empty() ? "" : ",", to_string(g));
+        return " (" + m + ")";
+      };
+      plan += str_cat("; graphs: decoder ", to_string(r.cuda_graph.language.impl),
+                      scope(r.cuda_graph.language.modules), ", vision ",
+                      to_string(r.cuda_graph.vision.impl), scope(r.cuda_graph.vision.modules),
+                      ", captured after ", r.cuda_graph.language.warmup_steps,
+                      " eager runs of a shape; text buckets [", tb, "], vision buckets [", vb, "]");
     }
     log.message(plan);
   }

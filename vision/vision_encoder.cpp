@@ -30,8 +30,8 @@ int64_t count_patches(const std::vector<GridTHW>& grids) {
   return n;
 }
 
-void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
-                          const VisionBlockBuffers& b, const VisionSegments& seg) {
+void vision_attention_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                              const VisionBlockBuffers& b, const VisionSegments& seg) {
   const int nh = cfg.num_heads, hd = cfg.head_dim();
   const float eps = cfg.layer_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -52,6 +52,11 @@ void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBloc
   }
   if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
   be.linear(b.x_mid, b.attn, w.proj_w, w.proj_b, true);
+}
+
+void vision_mlp_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                        const VisionBlockBuffers& b) {
+  const float eps = cfg.layer_norm_eps;
   if (b.saves()) {
     be.layer_norm_train(b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b, eps);
   } else {
@@ -66,6 +71,12 @@ void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBloc
   }
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.fc2_w, w.fc2_b, true);
+}
+
+void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                          const VisionBlockBuffers& b, const VisionSegments& seg) {
+  vision_attention_forward(be, cfg, w, b, seg);
+  vision_mlp_forward(be, cfg, w, b);
 }
 
 void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -133,13 +144,10 @@ void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeig
                          b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), w.norm_w);
 }
 
-void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
-                           VisionBlockWeights& g, const VisionBlockBuffers& b,
-                           const VisionSegments& seg, const VisionGradScratch& s) {
-  const int nh = cfg.num_heads, hd = cfg.head_dim();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  // MLP: overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
-  Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
+void vision_mlp_backward(Backend& be, const VisionBlockWeights& w, VisionBlockWeights& g,
+                         const VisionBlockBuffers& b, const VisionGradScratch& s) {
+  // Overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
+  const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dfc, dy, w.fc2_w, false);
   be.linear_backward_weight(g.fc2_w, g.fc2_b, dy, b.act);
   be.gelu_tanh_backward(s.dfc, s.dfc, b.fc1);
@@ -147,9 +155,15 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
   be.linear_backward_weight(g.fc1_w, g.fc1_b, s.dfc, b.ln2);
   be.layer_norm_backward(s.dres, g.norm2_w, g.norm2_b, s.dtmp, b.x_mid, b.mean2, b.rstd2,
                          w.norm2_w);
-  // Attention: overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and
-  // dres.
-  dy = in_compute_dtype(be, s.dres, s.dres_c);
+}
+
+void vision_attention_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                               VisionBlockWeights& g, const VisionBlockBuffers& b,
+                               const VisionSegments& seg, const VisionGradScratch& s) {
+  const int nh = cfg.num_heads, hd = cfg.head_dim();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // Overwrites dattn, dqkv and dtmp, accumulates qkv/proj and norm1 gradients and dres.
+  const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dattn, dy, w.proj_w, false);
   be.linear_backward_weight(g.proj_w, g.proj_b, dy, b.attn);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, seg.cu_seqlens,
@@ -159,6 +173,13 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
   be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
   be.linear_backward_weight(g.qkv_w, g.qkv_b, s.dqkv, b.ln1);
   be.layer_norm_backward(s.dres, g.norm1_w, g.norm1_b, s.dtmp, b.x_in, b.mean1, b.rstd1, w.norm1_w);
+}
+
+void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                           VisionBlockWeights& g, const VisionBlockBuffers& b,
+                           const VisionSegments& seg, const VisionGradScratch& s) {
+  vision_mlp_backward(be, w, g, b, s);
+  vision_attention_backward(be, cfg, w, g, b, seg, s);
 }
 
 VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,

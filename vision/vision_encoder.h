@@ -80,6 +80,12 @@ struct VisionSegments {
 };
 void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                           const VisionBlockBuffers& b, const VisionSegments& seg);
+// The block's two halves, which per-module training graphs capture separately: the attention
+// (x_mid = x_in + attention) and the MLP (x_out = x_mid + MLP).
+void vision_attention_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                              const VisionBlockBuffers& b, const VisionSegments& seg);
+void vision_mlp_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                        const VisionBlockBuffers& b);
 // Before a block's backward: rewrites the activations `mode` did not keep (selective: ln1, ln2,
 // act; full: the whole block from x_in, whose b.x_out must then be scratch).
 void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -107,6 +113,13 @@ struct VisionGradScratch {
 void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                            VisionBlockWeights& g, const VisionBlockBuffers& b,
                            const VisionSegments& seg, const VisionGradScratch& s);
+// vision_block_backward's halves, in the order it runs them: dres goes from d(x_out) to
+// d(x_mid), then to d(x_in).
+void vision_mlp_backward(Backend& be, const VisionBlockWeights& w, VisionBlockWeights& g,
+                         const VisionBlockBuffers& b, const VisionGradScratch& s);
+void vision_attention_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                               VisionBlockWeights& g, const VisionBlockBuffers& b,
+                               const VisionSegments& seg, const VisionGradScratch& s);
 // d(out) -> the merger's weight gradients (g null: frozen) and, when dx is defined,
 // dx (f32) += d(x).
 void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
