@@ -79,6 +79,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096, help="train.seq_length to fill up to")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--side", type=int, default=0,
+                    help="every image SIDE x SIDE pixels (default: random sides 768-1024)")
+    ap.add_argument("--text", type=int, default=0,
+                    help="text tokens per sample instead of filling up to --tokens")
     a = ap.parse_args()
     tok = Tokenizer.from_file(a.tokenizer)
     count = lambda s: len(tok.encode(s, add_special_tokens=False).ids)
@@ -90,9 +94,13 @@ def main():
     with open(os.path.join(a.out, "train.jsonl"), "w") as f:
         for i in range(a.n):
             w, h = rng.randrange(768, 1025, 32), rng.randrange(768, 1025, 32)
+            if a.side:
+                w = h = a.side
             name = f"images/{i:05d}.png"
             png(os.path.join(a.out, name), w, h, rng)
             budget = a.tokens - image_tokens(w, h) - vision_overhead - 8  # slack for the template
+            if a.text:
+                budget = min(budget, a.text)
             messages, used = [], 0
             while True:
                 q = " ".join(sentence(rng, rng.randrange(6, 16)) for _ in range(rng.randrange(2, 6)))

@@ -1043,9 +1043,8 @@ void validate(Recipe& r) {
     GraphModelTraits traits;
     traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
     traits.spatial_merge_size = mc.vision.spatial_merge_size;
-    // Largest encoder call of a micro-batch, where it is known up front.
-    if (t.max_vision_patches > 0 || (d.config.mock && !d.config.mock_image_sizes.empty()))
-      traits.max_vision_seq_length = recipe_max_vision_patches(r) * t.micro_batch_size;
+    // The largest encoder call of a micro-batch is what the trainer plans its memory for.
+    traits.max_vision_seq_length = recipe_max_vision_patches(r) * t.micro_batch_size;
     try {
       finalize_graph_configs(r.cuda_graph, traits);
     } catch (const Error& e) {

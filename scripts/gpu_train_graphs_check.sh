@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Training graphs on the GPU machine (issue acceptance):
+#  1. STEPS (50) training steps of the 2B geometry (random init, the vision tower trained) on the
+#     same data, one 448x448 image and about 128 text tokens per sample: eagerly, then with each
+#     graph setting. Every logged loss must be bit-identical to the eager run's. Graphs replay
+#     padded micro-batches, so the eager reference runs the same padded micro-batches: graphs on
+#     with a warm-up longer than the run, which never captures (every shape stays eager).
+#  2. EXIT_RUNS (20) consecutive runs of the tiny shapes recipe with vision and decoder graphs on,
+#     each under a timeout, to catch a hang at exit.
+# Results go to $OUT (or out/). Carry .deps and tests/data/qwen3vl-tiny/tokenizer.json.
+source "$(dirname "$0")/gpu_env.sh"
+if [ ! -x build-gpu/iris ]; then
+  build_gpu iris || exit 1
+fi
+steps=${STEPS:-50}
+tok=tests/data/qwen3vl-tiny/tokenizer.json
+data=/tmp/graphs_448
+if [ ! -f $data/train.jsonl ]; then
+  python3 tools/make_sft_data.py --out $data --n 64 --side 448 --text 128 --tokenizer $tok
+fi
+common=(--recipe recipes/qwen3vl_2b_sft.yaml model.init=random model.tokenizer=$tok
+  "data.train_files=[$data/train.jsonl]" train.train_iters=$steps train.micro_batch_size=1
+  train.global_batch_size=4 train.seq_length=1024 train.freeze_vision_tower=false
+  schedule.warmup_iters=5 checkpoint.save_interval=0 checkpoint.save_final=false
+  logging.log_interval=1 train.device=cuda)
+# name|overrides
+variants=(
+  "eager (padded)|cuda_graph.cuda_graph_impl=local cuda_graph.vision_cuda_graph_impl=local cuda_graph.cuda_graph_warmup_steps=100000"
+  "vision graphs|cuda_graph.vision_cuda_graph_impl=local"
+  "decoder per-layer graphs|cuda_graph.cuda_graph_impl=local"
+  "vision + decoder per-layer|cuda_graph.cuda_graph_impl=local cuda_graph.vision_cuda_graph_impl=local"
+  "full_iteration|cuda_graph.cuda_graph_impl=full_iteration"
+  "attn,mlp modules (both)|cuda_graph.cuda_graph_impl=local cuda_graph.cuda_graph_modules=[attn,mlp] cuda_graph.vision_cuda_graph_impl=local cuda_graph.vision_cuda_graph_modules=[attn,mlp]"
+)
+echo "== $steps steps of the 2B geometry, 448x448 + ~128 tokens, micro-batch 1, 4 per step"
+ref=""
+for v in "${variants[@]}"; do
+  name=${v%%|*}
+  read -r -a over <<<"${v#*|}"
+  dir=/tmp/graphs_run_$(echo "$name" | tr -c 'a-z0-9' '_')
+  rm -rf "$dir"
+  start=$SECONDS
+  build-gpu/iris train "${common[@]}" "${over[@]}" checkpoint.dir="$dir" >"$dir.log" 2>&1
+  rc=$?
+  secs=$((SECONDS - start))
+  losses=$(python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if "\"loss\"" in l and "eval" not in l))' "$dir/metrics.jsonl" 2>/dev/null)
+  n=$(echo "$losses" | wc -w)
+  if [ -z "$ref" ]; then
+    ref=$losses
+    verdict="reference"
+  elif [ "$losses" = "$ref" ]; then
+    verdict="bit-identical"
+  else
+    verdict="DIFFERS"
+  fi
+  printf '%-30s exit %d  %3d losses  %-14s %4d s  %s\n' "$name" $rc "$n" "$verdict" "$secs" \
+    "$(grep -E '^graphs: ' "$dir.log" | head -1)"
+  [ $rc -ne 0 ] && tail -5 "$dir.log"
+  cp "$dir.log" "$out/graphs_$(basename "$dir").log"
+done
+echo "first and last losses of the reference: $(echo "$ref" | awk '{print $1, $NF}')"
+
+runs=${EXIT_RUNS:-20}
+echo "== $runs consecutive runs with graphs on (tiny shapes recipe, CUDA), each under a 120 s timeout"
+shapes=/tmp/iris_shapes_exit
+build-gpu/iris data shapes --out $shapes --n 2000 --seed 1 --force >/dev/null
+ok=0
+hung=0
+for i in $(seq 1 "$runs"); do
+  rm -rf /tmp/graphs_exit
+  timeout 120 build-gpu/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=6 \
+    "data.train_files=[$shapes/train.jsonl]" data.eval_files=[] train.eval_interval=0 \
+    checkpoint.save_interval=0 train.device=cuda cuda_graph.cuda_graph_impl=local \
+    cuda_graph.vision_cuda_graph_impl=local cuda_graph.cuda_graph_warmup_steps=1 \
+    checkpoint.dir=/tmp/graphs_exit >/tmp/graphs_exit.log 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then ok=$((ok + 1)); elif [ $rc -eq 124 ]; then hung=$((hung + 1)); else
+    echo "run $i exit $rc"; tail -3 /tmp/graphs_exit.log; fi
+done
+echo "exit check: $ok of $runs runs exited 0, $hung hung (timeout)"
+grep -E '^graphs: ' /tmp/graphs_exit.log | tail -1
