@@ -32,6 +32,7 @@ variants=(
   "full_iteration|cuda_graph.cuda_graph_impl=full_iteration"
   "attn,mlp modules (both)|cuda_graph.cuda_graph_impl=local cuda_graph.cuda_graph_modules=[attn,mlp] cuda_graph.vision_cuda_graph_impl=local cuda_graph.vision_cuda_graph_modules=[attn,mlp]"
 )
+if [ "${EXIT_ONLY:-0}" != 1 ]; then
 echo "== $steps steps of the 2B geometry, 448x448 + ~128 tokens, micro-batch 1, 4 per step"
 ref=""
 for v in "${variants[@]}"; do
@@ -54,11 +55,12 @@ for v in "${variants[@]}"; do
     verdict="DIFFERS"
   fi
   printf '%-30s exit %d  %3d losses  %-14s %4d s  %s\n' "$name" $rc "$n" "$verdict" "$secs" \
-    "$(grep -E '^graphs: ' "$dir.log" | head -1)"
+    "$(grep -E '^graphs: ' "$dir.log" | head -1)" | tee -a "$out/graphs_bit_identity.txt"
   [ $rc -ne 0 ] && tail -5 "$dir.log"
   cp "$dir.log" "$out/graphs_$(basename "$dir").log"
 done
 echo "first and last losses of the reference: $(echo "$ref" | awk '{print $1, $NF}')"
+fi
 
 runs=${EXIT_RUNS:-20}
 echo "== $runs consecutive runs with graphs on (tiny shapes recipe, CUDA), each under a 120 s timeout"
@@ -70,7 +72,7 @@ for i in $(seq 1 "$runs"); do
   rm -rf /tmp/graphs_exit
   timeout 120 build-gpu/iris train --recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=6 \
     "data.train_files=[$shapes/train.jsonl]" data.eval_files=[] train.eval_interval=0 \
-    checkpoint.save_interval=0 train.device=cuda cuda_graph.cuda_graph_impl=local \
+    schedule.warmup_iters=1 checkpoint.save_interval=0 train.device=cuda cuda_graph.cuda_graph_impl=local \
     cuda_graph.vision_cuda_graph_impl=local cuda_graph.cuda_graph_warmup_steps=1 \
     checkpoint.dir=/tmp/graphs_exit >/tmp/graphs_exit.log 2>&1
   rc=$?
