@@ -233,20 +233,22 @@ nlohmann::json generation_json(const GenerationResult& res, const GenerationRequ
   return j;
 }
 
-void print_timings(double load_ms, double preprocess_ms, size_t n_images,
-                   const GenerationTimings& t, double decode_tokens_per_s,
+void print_timings(double load_ms, const WeightLoadTimes& weights, double preprocess_ms,
+                   size_t n_images, const GenerationTimings& t, double decode_tokens_per_s,
                    const std::string& device, uint64_t seed) {
   std::fprintf(stderr,
-               "\n%-16s %10.2f ms\n%-16s %10.2f ms (%zu images)\n"
+               "\n%-16s %10.2f ms (weights: read %.2f ms, upload %.2f ms)\n"
+               "%-16s %10.2f ms (%zu images)\n"
                "%-16s %10.2f ms (%lld patches)\n"
                "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
                "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
                "%-16s %s, seed %llu\n",
-               "load", load_ms, "preprocess", preprocess_ms, n_images, "vision encode", t.vision_ms,
-               static_cast<long long>(t.image_patches), "prefill", t.prefill_ms,
-               static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(), "decode",
-               t.decode_ms, static_cast<long long>(t.generated_tokens), decode_tokens_per_s,
-               "device", device.c_str(), static_cast<unsigned long long>(seed));
+               "load", load_ms, weights.read_ms, weights.upload_ms, "preprocess", preprocess_ms,
+               n_images, "vision encode", t.vision_ms, static_cast<long long>(t.image_patches),
+               "prefill", t.prefill_ms, static_cast<long long>(t.prompt_tokens),
+               t.prefill_tokens_per_s(), "decode", t.decode_ms,
+               static_cast<long long>(t.generated_tokens), decode_tokens_per_s, "device",
+               device.c_str(), static_cast<unsigned long long>(seed));
 }
 
 // Images one chat message may carry (/image, or --image for the first); the encoder is planned
@@ -261,6 +263,7 @@ struct ChatRun {
   const Backend& backend;
   bool cuda_graphs = false;
   double load_ms = 0, preprocess_ms = 0;  // of the --image files, counted with the first turn
+  WeightLoadTimes weight_load;
 };
 
 std::string trim(const std::string& s) {
@@ -402,7 +405,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     preprocess_ms = 0;
   }
   if (!o.json && total.prompt_tokens > 0)
-    print_timings(run.load_ms, preprocess_total, images_sent, total,
+    print_timings(run.load_ms, run.weight_load, preprocess_total, images_sent, total,
                   total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
                   run.backend.name(), settings.sampling.seed);
   return failed ? 1 : 0;
@@ -703,7 +706,14 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o, tokenizer, pre, *backend, graph_helper != nullptr, load_ms, preprocess_ms};
+    const ChatRun run{o,
+                      tokenizer,
+                      pre,
+                      *backend,
+                      graph_helper != nullptr,
+                      load_ms,
+                      preprocess_ms,
+                      model.weight_load_times()};
     return run_chat(run, model, req, batch);
   }
 
@@ -727,14 +737,16 @@ int run_generate_command(int argc, char** argv) {
   if (o.json) {
     nlohmann::json j = generation_json(res, req, tokenizer, *backend, graph_helper != nullptr);
     j["timings"]["load_ms"] = load_ms;
+    j["timings"]["weights_read_ms"] = model.weight_load_times().read_ms;
+    j["timings"]["weights_upload_ms"] = model.weight_load_times().upload_ms;
     j["timings"]["preprocess_ms"] = preprocess_ms;
     std::cout << j.dump() << std::endl;
   } else {
     std::fputs(stream.flush().c_str(), stdout);
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    print_timings(load_ms, preprocess_ms, images.size(), t, t.decode_tokens_per_s(),
-                  backend->name(), req.sampling.seed);
+    print_timings(load_ms, model.weight_load_times(), preprocess_ms, images.size(), t,
+                  t.decode_tokens_per_s(), backend->name(), req.sampling.seed);
   }
   return 0;
 }

@@ -1,5 +1,6 @@
 #include "bridge/hf_weights.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -154,7 +155,7 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
 }
 
 std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
-                                           const std::string& dir) {
+                                           const std::string& dir, WeightLoadTimes* times) {
   SafetensorsCheckpoint ckpt(dir);
   // Match every declared tensor to the checkpoint before allocating anything, so that a config
   // that disagrees with its weights is a clear error rather than a huge allocation.
@@ -194,24 +195,44 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
              "vision_config.depth and deepstack_visual_indexes)");
 
   auto w = allocate_weights(backend, cfg);
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  WeightLoadTimes t;
   std::vector<float> host;
   for (size_t i = 0; i < w->bindings.size(); ++i) {
     const WeightBinding& b = w->bindings[i];
     const SafetensorsEntry& e = *sources[i];
-    int64_t n = 1;
-    for (int64_t d : b.hf_shape) n *= d;
-    host.resize(static_cast<size_t>(n));
-    convert_to_f32(e, host.data());
-    // The conversion has just touched every element, so this costs little beside it; a NaN or
-    // Inf weight otherwise surfaces only as NaN logits, far from its cause.
-    for (size_t k = 0; k < host.size(); ++k)
-      IRIS_CHECK(std::isfinite(host[k]), e.file, ": tensor '", e.name,
-                 "' holds a non-finite value (", host[k], " at element ", k,
-                 "); the checkpoint is corrupt");
+    const auto t0 = Clock::now();
+    // The check reads every element anyway, so it costs little beside the copy; a NaN or Inf
+    // weight otherwise surfaces only as NaN logits, far from its cause.
+    const int64_t bad = first_non_finite(e);
+    if (bad >= 0) {
+      SafetensorsEntry one = e;
+      one.data = static_cast<const char*>(e.data) + bad * int64_t(dtype_size(e.dtype));
+      one.nbytes = dtype_size(e.dtype);
+      float value = 0;
+      convert_to_f32(one, &value);
+      IRIS_FAIL(e.file, ": tensor '", e.name, "' holds a non-finite value (", value, " at element ",
+                bad, "); the checkpoint is corrupt");
+    }
+    const void* src = e.data;
+    DType src_dtype = e.dtype;
+    if (e.dtype != b.target->dtype) {
+      host.resize(e.nbytes / dtype_size(e.dtype));
+      convert_to_f32(e, host.data());
+      src = host.data();
+      src_dtype = DType::f32;
+    }
+    const auto t1 = Clock::now();
     const int64_t rows = b.hf_shape[0];
-    backend.write(b.target->slice(b.row_offset, b.row_offset + rows), host.data(), DType::f32);
+    backend.write(b.target->slice(b.row_offset, b.row_offset + rows), src, src_dtype);
+    t.read_ms += ms(t1 - t0);
+    t.upload_ms += ms(Clock::now() - t1);
   }
+  const auto t2 = Clock::now();
   backend.synchronize();
+  t.upload_ms += ms(Clock::now() - t2);
+  if (times != nullptr) *times = t;
   return w;
 }
 

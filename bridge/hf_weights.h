@@ -40,10 +40,19 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
                                                DType dtype);
 
+// Where a load's time went: reading the files (through the page cache, with the finiteness
+// check and any dtype conversion) and handing the bytes to the backend (the device upload).
+struct WeightLoadTimes {
+  double read_ms = 0, upload_ms = 0;
+};
+
 // Fills the weights from a checkpoint directory; every tensor's presence, dtype and shape are
-// checked, and errors name the file, the tensor and the expected and actual shapes.
+// checked, and errors name the file, the tensor and the expected and actual shapes. A tensor
+// stored in the backend's dtype goes from the mapped file to the backend as it is, with no
+// conversion.
 std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
-                                           const std::string& checkpoint_dir);
+                                           const std::string& checkpoint_dir,
+                                           WeightLoadTimes* times = nullptr);
 
 // Writes the weights as HF safetensors (bf16 unless dtype says otherwise), atomically.
 void save_weights(Backend& backend, const ModelWeights& weights, const std::string& path,

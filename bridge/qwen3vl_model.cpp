@@ -14,7 +14,7 @@ Qwen3VLModel::Qwen3VLModel(Backend& backend, const std::string& dir, const Model
   IRIS_CHECK(fs::is_directory(dir), "model directory ", dir,
              " does not exist (pass -m with a Hugging Face checkpoint directory)");
   cfg_ = ModelConfig::from_file((fs::path(dir) / "config.json").string());
-  weights_ = load_weights(backend, cfg_, dir);
+  weights_ = load_weights(backend, cfg_, dir, &weight_load_times_);
   build();
 }
 

@@ -44,6 +44,8 @@ class Qwen3VLModel {
   const ModelLimits& limits() const { return limits_; }
   Backend& backend() const { return backend_; }
   ModelWeights& weights() { return *weights_; }
+  // Of a model loaded from a checkpoint directory (zero for weights handed in).
+  const WeightLoadTimes& weight_load_times() const { return weight_load_times_; }
   VisionEncoder& vision() { return *vision_; }
   TextDecoder& decoder() { return *decoder_; }
 
@@ -90,6 +92,7 @@ class Qwen3VLModel {
   ModelConfig cfg_;
   ModelLimits limits_;
   std::unique_ptr<ModelWeights> weights_;
+  WeightLoadTimes weight_load_times_;
   std::unique_ptr<VisionEncoder> vision_;
   std::unique_ptr<TextDecoder> decoder_;
   Arena arena_;

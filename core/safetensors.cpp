@@ -189,6 +189,7 @@ void convert_to_f32(const SafetensorsEntry& e, float* dst) {
     // length is any number), so elements are copied out rather than read through a uint16_t*.
     case DType::bf16: {
       const auto* s = static_cast<const unsigned char*>(e.data);
+#pragma omp parallel for schedule(static) if (n > (size_t(1) << 20))
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, s + 2 * i, 2);
@@ -198,6 +199,7 @@ void convert_to_f32(const SafetensorsEntry& e, float* dst) {
     }
     case DType::f16: {
       const auto* s = static_cast<const unsigned char*>(e.data);
+#pragma omp parallel for schedule(static) if (n > (size_t(1) << 20))
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, s + 2 * i, 2);
@@ -205,6 +207,37 @@ void convert_to_f32(const SafetensorsEntry& e, float* dst) {
       }
       return;
     }
+    default:
+      IRIS_FAIL(e.file, ": tensor '", e.name, "' has integer dtype ", dtype_name(e.dtype),
+                " where floating point was expected");
+  }
+}
+
+namespace {
+// The element's exponent bits all set: Inf or NaN, whatever the mantissa.
+template <typename Bits>
+int64_t first_all_ones(const unsigned char* s, int64_t n, Bits exponent) {
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first) if (n > (int64_t(1) << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    Bits v;
+    std::memcpy(&v, s + i * int64_t(sizeof(Bits)), sizeof(Bits));  // unaligned in the file
+    if ((v & exponent) == exponent) first = std::min(first, i);
+  }
+  return first == n ? -1 : first;
+}
+}  // namespace
+
+int64_t first_non_finite(const SafetensorsEntry& e) {
+  const auto* s = static_cast<const unsigned char*>(e.data);
+  const int64_t n = static_cast<int64_t>(e.nbytes / dtype_size(e.dtype));
+  switch (e.dtype) {
+    case DType::f32:
+      return first_all_ones<uint32_t>(s, n, 0x7F800000u);
+    case DType::bf16:
+      return first_all_ones<uint16_t>(s, n, uint16_t{0x7F80});
+    case DType::f16:
+      return first_all_ones<uint16_t>(s, n, uint16_t{0x7C00});
     default:
       IRIS_FAIL(e.file, ": tensor '", e.name, "' has integer dtype ", dtype_name(e.dtype),
                 " where floating point was expected");

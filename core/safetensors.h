@@ -63,6 +63,10 @@ class SafetensorsCheckpoint {
 
 // Converts an entry's elements to f32 into dst (numel floats). Integer dtypes are rejected.
 void convert_to_f32(const SafetensorsEntry& e, float* dst);
+// The index of the first NaN or Inf element of a floating-point entry, or -1 when all are
+// finite. Reads the raw bits (no conversion) on every thread: a checkpoint in the compute dtype
+// is checked at the speed of memory, and its pages are mapped in on the way.
+int64_t first_non_finite(const SafetensorsEntry& e);
 
 struct SafetensorsWriteItem {
   std::string name;

@@ -6,11 +6,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -61,6 +65,45 @@ TEST(Safetensors, AWellFormedFileLoads) {
   SafetensorsFile f(path);
   EXPECT_EQ(f.load("b").data<float>()[1], 4.0f);
   EXPECT_EQ(f.load("a").data<float>()[0], 1.5f);
+}
+
+// The finiteness check reads raw bits: every dtype, any byte alignment (a header's length is any
+// number), the first bad element of several, and a tensor large enough to run on many threads.
+TEST(Safetensors, FirstNonFiniteElementIsFoundInEveryDtypeAtAnyAlignment) {
+  const int64_t n = (int64_t(1) << 20) + 37;
+  for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
+    for (size_t misalign : {0u, 1u, 3u}) {
+      for (int64_t bad_at : {int64_t(-1), int64_t(0), int64_t(4097), n - 1}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " misaligned by " + std::to_string(misalign) +
+                     ", bad at " + std::to_string(bad_at));
+        const size_t elem = dtype_size(dt);
+        std::vector<unsigned char> bytes(misalign + static_cast<size_t>(n) * elem);
+        std::vector<float> values(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) values[i] = 65000.0f * std::sin(0.001f * float(i));
+        if (bad_at >= 0) {
+          values[bad_at] = bad_at % 2 ? std::numeric_limits<float>::infinity()
+                                      : std::numeric_limits<float>::quiet_NaN();
+          if (bad_at + 9 < n) values[bad_at + 9] = -std::numeric_limits<float>::infinity();
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          unsigned char* at = bytes.data() + misalign + i * elem;
+          if (dt == DType::f32) {
+            std::memcpy(at, &values[i], 4);
+          } else {
+            const uint16_t h = dt == DType::bf16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+            std::memcpy(at, &h, 2);
+          }
+        }
+        SafetensorsEntry e;
+        e.name = "w";
+        e.dtype = dt;
+        e.shape = {n};
+        e.data = bytes.data() + misalign;
+        e.nbytes = static_cast<size_t>(n) * elem;
+        EXPECT_EQ(first_non_finite(e), bad_at);
+      }
+    }
+  }
 }
 
 TEST(Safetensors, AHeaderLengthOneByteShortIsRejected) {

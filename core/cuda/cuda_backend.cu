@@ -83,6 +83,12 @@ using DeviceBuffer = std::unique_ptr<void, DeviceFree>;
 // core/dtype's convert_elements with multi-threaded loops for the pairs weights and activations
 // go through (f32 <-> bf16).
 void convert_host(void* dst, DType to, const void* src, DType from, int64_t n) {
+  if (from == to) {
+    // A weight in the file's own dtype (the usual bf16 checkpoint): the staging copy is the
+    // only pass over it, and one thread does not keep up with the upload.
+    cuda::copy_bytes_parallel(dst, src, static_cast<size_t>(n) * dtype_size(to));
+    return;
+  }
   if (from == DType::f32 && to == DType::bf16) {
     cuda::convert_f32_to_bf16(static_cast<uint16_t*>(dst), static_cast<const float*>(src), n);
     return;

@@ -1,5 +1,6 @@
 #include "core/cuda/host_convert.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace iris::cuda {
@@ -25,6 +26,17 @@ inline float to_f32(uint16_t h) {
 }
 
 }  // namespace
+
+void copy_bytes_parallel(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kBlock = size_t{256} << 10;
+  const int64_t blocks = static_cast<int64_t>((bytes + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(static) if (bytes >= 4 * kBlock)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const size_t off = static_cast<size_t>(b) * kBlock;
+    std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
+                std::min(kBlock, bytes - off));
+  }
+}
 
 void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)

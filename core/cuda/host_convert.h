@@ -3,10 +3,13 @@
 // the vision encoder itself.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace iris::cuda {
 
+// memcpy over the host's cores, in blocks (a weight upload from the page cache).
+void copy_bytes_parallel(void* dst, const void* src, size_t bytes);
 // dst[i] = f32_to_bf16(src[i]) (round to nearest even, NaN stays NaN), for i < n.
 void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n);
 // dst[i] = bf16_to_f32(src[i]), for i < n.
