@@ -14,6 +14,7 @@
 #include "core/fs.h"
 #include "test_util.h"
 #include "training/metrics_log.h"
+#include "training/perf_report.h"
 
 namespace iris {
 namespace {
@@ -339,6 +340,54 @@ TEST(RunSummary, SteadyFiguresPerGpuAndNullsForWhatDoesNotExist) {
     EXPECT_TRUE(c.at("steady_state").at(k).is_null()) << k;
   EXPECT_NE(c.at("steady_state").at("note").get<std::string>().find("train_iters"),
             std::string::npos);
+}
+
+TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
+  RunSummary r;
+  r.device = "cpu";
+  r.peak = dense_bf16_peak(Device::cpu, "cpu");
+  r.intervals = {interval(1, 1, 4), interval(3, 2, 2)};
+  const fs::path eager = dir_ / "eager", graphs = dir_ / "graphs";
+  fs::create_directories(eager);
+  fs::create_directories(graphs);
+  write_file_atomic((eager / "run_summary.json").string(), run_summary_json(r));
+  r.intervals = {interval(1, 1, 4, 2), interval(3, 2, 0.5)};
+  r.decoder_graphs = "local";
+  r.graph_count = 2;
+  write_file_atomic((graphs / "run_summary.json").string(), run_summary_json(r));
+
+  const nlohmann::json a = make_report(eager.string(), "eager", "run.sh --recipe x");
+  const nlohmann::json b = make_report(graphs.string(), "graphs", "");
+  const std::string text = format_report(a);
+  for (const char* part : {"iris performance report: eager", "command               run.sh",
+                           "step time             1.0000 s", "iterations 2-3 (2 steps",
+                           "MFU                   - (peak: none: the run is on the CPU",
+                           "graph memory          - (the CPU"})
+    EXPECT_NE(text.find(part), std::string::npos) << part << " in\n" << text;
+
+  const SweepTable t = sweep_table({a, b});
+  EXPECT_EQ(t.json.at("reference").get<std::string>(), "eager");
+  ASSERT_EQ(t.json.at("rows").size(), 2u);
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[0].at("speedup").get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[1].at("speedup").get<double>(), 4.0);
+  EXPECT_NE(t.text.find("1.00x"), std::string::npos) << t.text;
+  EXPECT_NE(t.text.find("4.00x"), std::string::npos) << t.text;
+  EXPECT_LT(t.text.find("\neager "), t.text.find("\ngraphs ")) << t.text;
+
+  // A summary without a field reports use is an error naming it.
+  nlohmann::json broken =
+      nlohmann::json::parse(read_text_file((eager / "run_summary.json").string()));
+  broken["steady_state"].erase("device_seconds_per_step");
+  write_file_atomic((eager / "run_summary.json").string(), broken.dump());
+  try {
+    make_report(eager.string(), "eager", "");
+    FAIL() << "a summary without device_seconds_per_step was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/steady_state/device_seconds_per_step"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(make_report((dir_ / "missing").string(), "x", ""), Error);
 }
 
 }  // namespace
