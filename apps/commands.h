@@ -10,5 +10,6 @@ int run_bench_train(int argc, char** argv);
 int run_train_command(int argc, char** argv);
 int run_export_command(int argc, char** argv);
 int run_data_command(int argc, char** argv);
+int run_report_command(int argc, char** argv);
 
 }  // namespace iris

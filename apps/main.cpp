@@ -28,6 +28,8 @@ const Command kCommands[] = {
      "train or fine-tune from a recipe (key.sub=value overrides)"},
     {"export", iris::run_export_command, "write a checkpoint as a Hugging Face model directory"},
     {"data", iris::run_data_command, "make datasets (iris data shapes --out DIR --n N --seed S)"},
+    {"report", iris::run_report_command,
+     "performance report of a training run, or a table of several (scripts/performance/)"},
 };
 
 void print_usage(FILE* out) {

@@ -75,6 +75,17 @@ class Backend {
   // Brackets work for an external profiler started with its collection off (Nsight Compute's
   // --profile-from-start off): only work issued between on and off is profiled. No-op on the CPU.
   virtual void profiler_collect(bool on) { (void)on; }
+  // Timing marks, for timing a loop's iterations without a synchronisation per iteration (the
+  // trainer's step time on the device). record_timing_mark(slot) marks the point that the work
+  // issued so far has reached: an event recorded on the stream on CUDA (covering side work issued
+  // before it), the host clock on the CPU, whose ops have finished when they return.
+  // timing_mark_elapsed_ms(from, to) waits for mark `to` and returns the milliseconds from mark
+  // `from` to it as the device saw them. Slots are 0 .. kTimingMarks - 1, made with the backend
+  // so that recording one allocates nothing; recording a slot again moves it. Refused inside a
+  // graph capture, where an event would be recorded into the graph rather than timed now.
+  static constexpr int kTimingMarks = 32;
+  virtual void record_timing_mark(int slot) = 0;
+  virtual double timing_mark_elapsed_ms(int from, int to) = 0;
   virtual double device_span_ms(const std::function<void()>& enqueue) {
     const auto t0 = std::chrono::steady_clock::now();
     enqueue();

@@ -42,6 +42,16 @@ void TapingBackend::synchronize() {
   in_->synchronize();
 }
 
+void TapingBackend::record_timing_mark(int slot) {
+  refuse_while_taping("a timing mark");
+  in_->record_timing_mark(slot);
+}
+
+double TapingBackend::timing_mark_elapsed_ms(int from, int to) {
+  refuse_while_taping("reading a timing mark");
+  return in_->timing_mark_elapsed_ms(from, to);
+}
+
 bool TapingBackend::begin_op_tape() {
   IRIS_CHECK(!taping_, "an op tape is already open on the ", name(), " backend; tapes do not nest");
   taping_ = true;

@@ -33,6 +33,9 @@ class TapingBackend final : public Backend {
   double device_span_ms(const std::function<void()>& enqueue) override {
     return in_->device_span_ms(enqueue);
   }
+  // Host work like write() and read(): never part of a tape.
+  void record_timing_mark(int slot) override;
+  double timing_mark_elapsed_ms(int from, int to) override;
   size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
                                       int64_t vocab) const override {
     return in_->lm_head_loss_workspace_bytes(chunk_rows, hidden, vocab);

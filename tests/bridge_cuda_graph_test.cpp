@@ -118,6 +118,15 @@ class TracingBackend final : public Backend {
     in_.synchronize();
   }
   void* native_stream() override { return in_.native_stream(); }
+  // Timing marks are host-timed work like synchronize(): never inside a capture.
+  void record_timing_mark(int slot) override {
+    flag("record_timing_mark");
+    in_.record_timing_mark(slot);
+  }
+  double timing_mark_elapsed_ms(int from, int to) override {
+    flag("timing_mark_elapsed_ms");
+    return in_.timing_mark_elapsed_ms(from, to);
+  }
   // The inner backend tapes what this one forwards, so launches replay the record.
   bool begin_op_tape() override { return in_.begin_op_tape(); }
   std::function<void()> end_op_tape() override { return in_.end_op_tape(); }

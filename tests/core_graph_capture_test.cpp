@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "core/arena.h"
@@ -123,6 +125,22 @@ TEST(GraphStandIn, HostTrafficInsideACaptureIsRefusedAsOnAGpu) {
   CapturedGraph ok(api, *be, "ok", [&] { be->add(buf.y, buf.a, buf.a); });
   ok.launch();
   EXPECT_EQ(read_f32(*be, buf.y), (std::vector<float>{2, 4}));
+}
+
+TEST(GraphStandIn, TimingMarksTimeTheHostAndAreRefusedInsideACapture) {
+  auto be = make_cpu_backend();
+  be->record_timing_mark(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  be->record_timing_mark(Backend::kTimingMarks - 1);
+  // The CPU's ops finish when issued, so its marks are the host clock's.
+  EXPECT_GE(be->timing_mark_elapsed_ms(0, Backend::kTimingMarks - 1), 20.0);
+  EXPECT_THROW(be->record_timing_mark(Backend::kTimingMarks), Error);
+  EXPECT_THROW(be->timing_mark_elapsed_ms(0, 1), Error) << "slot 1 was never recorded";
+  RecordingGraphApi api;
+  EXPECT_THROW(CapturedGraph(api, *be, "marks", [&] { be->record_timing_mark(1); }), Error);
+  EXPECT_FALSE(api.capturing());
+  be->record_timing_mark(1);
+  EXPECT_GE(be->timing_mark_elapsed_ms(0, 1), 20.0);
 }
 
 TEST(GraphStandIn, EveryGraphIsDestroyedExactlyOnceExecBeforeGraph) {
@@ -288,6 +306,32 @@ TEST_F(CudaGraphs, CaptureAndRunRunsTheWorkExactlyOnce) {
   g.launch();
   g.launch();
   EXPECT_EQ(read_f32(*be_, buf.y), (std::vector<float>{3, 3}));
+}
+
+TEST_F(CudaGraphs, TimingMarksTimeQueuedWorkAndAreRefusedInsideACapture) {
+  auto api = make_cuda_graph_api();
+  AddBuffers buf(*be_, int64_t(1) << 22);
+  be_->fill_zero(buf.a);
+  be_->fill_zero(buf.b);
+  be_->record_timing_mark(0);
+  be_->record_timing_mark(1);
+  for (int i = 0; i < 50; ++i) be_->add(buf.y, buf.a, buf.b);
+  be_->record_timing_mark(2);
+  // Marks 0 and 1 are back to back; 1 to 2 spans fifty passes over 3 x 8 MiB.
+  const double empty = be_->timing_mark_elapsed_ms(0, 1);
+  const double work = be_->timing_mark_elapsed_ms(1, 2);
+  EXPECT_GE(empty, 0.0);
+  EXPECT_GT(work, empty);
+  EXPECT_THROW(CapturedGraph(*api, *be_, "marks",
+                             [&] {
+                               be_->add(buf.y, buf.a, buf.b);
+                               be_->record_timing_mark(3);
+                             }),
+               Error);
+  // The refused mark left the stream usable and the slot unrecorded.
+  EXPECT_THROW(be_->timing_mark_elapsed_ms(0, 3), Error);
+  be_->record_timing_mark(3);
+  EXPECT_GE(be_->timing_mark_elapsed_ms(2, 3), 0.0);
 }
 
 TEST_F(CudaGraphs, AHostSyncInsideCaptureFailsAndLeavesTheStreamUsable) {

@@ -2,14 +2,19 @@
 // the SVG plot, and the metrics file's truncation on resume.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
 #include "training/metrics_log.h"
+#include "training/perf_report.h"
 
 namespace iris {
 namespace {
@@ -200,6 +205,189 @@ TEST_F(MetricsFileTest, ProgressBarShowsEta) {
   EXPECT_NE(text.find("2/4  50% ETA"), std::string::npos) << text;
   EXPECT_NE(text.find("\r\033[Khello\n"), std::string::npos);
   EXPECT_FALSE(fs::exists(dir_ / "metrics.jsonl"));
+}
+
+TEST(MetricsLog, LogLineAddsMfuAndTheStepsPartsWhenKnown) {
+  StepMetrics m;
+  m.iteration = 4;
+  m.seconds = 2;
+  m.flops = 4e12;  // 2 TFLOP/s over 2 ranks: 1 per GPU
+  m.steps = 4;
+  m.host_seconds = 1;
+  m.device_seconds = 1.6;
+  const std::string line = format_log_line(m, 10, 2, 10e12);
+  for (const char* part : {"MFU 10.0%", "step 0.5 s (host 0.25, device 0.4)"})
+    EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
+  EXPECT_EQ(format_log_line(m, 10).find("MFU"), std::string::npos) << "no peak, no MFU";
+}
+
+TEST(DevicePeak, DatasheetFiguresByDeviceNameAndNoneWhereUnknown) {
+  struct Case {
+    const char* name;
+    double tflops;
+  };
+  for (const Case& c :
+       {Case{"cuda:0 (NVIDIA H100 80GB HBM3)", 989.4}, Case{"cuda:1 (NVIDIA H100 PCIe)", 756.0},
+        Case{"cuda:0 (NVIDIA H100 NVL)", 835.5}, Case{"cuda:0 (NVIDIA H200)", 989.4},
+        Case{"cuda:0 (NVIDIA H200 NVL)", 835.5}, Case{"cuda:0 (NVIDIA GH200 480GB)", 989.4},
+        Case{"cuda:0 (NVIDIA A100-SXM4-80GB)", 312.0},
+        Case{"cuda:0 (NVIDIA A100 80GB PCIe)", 312.0}}) {
+    const DevicePeak p = dense_bf16_peak(Device::cuda, c.name);
+    EXPECT_DOUBLE_EQ(p.flops_per_second, c.tflops * 1e12) << c.name;
+    EXPECT_NE(p.source.find(c.name), std::string::npos) << p.source;
+  }
+  const DevicePeak unknown = dense_bf16_peak(Device::cuda, "cuda:0 (NVIDIA L4)");
+  EXPECT_EQ(unknown.flops_per_second, 0);
+  EXPECT_NE(unknown.source.find("not in the peak table"), std::string::npos) << unknown.source;
+  const DevicePeak cpu = dense_bf16_peak(Device::cpu, "cpu");
+  EXPECT_EQ(cpu.flops_per_second, 0);
+  EXPECT_NE(cpu.source.find("CPU"), std::string::npos) << cpu.source;
+}
+
+StepMetrics interval(int64_t iteration, int64_t steps, double seconds, int64_t graphs = 0) {
+  StepMetrics m;
+  m.iteration = iteration;
+  m.steps = steps;
+  m.seconds = seconds;
+  m.host_seconds = seconds / 2;
+  m.device_seconds = seconds * 0.9;
+  m.tokens = 100 * steps;
+  m.flops = 1e12 * static_cast<double>(steps);
+  m.graphs_captured = graphs;
+  return m;
+}
+
+TEST(SteadyState, SkipsTheFirstIntervalAndEverythingUpToTheLastCapture) {
+  // Warm-up interval, an interval with a capture, then two steady ones of different lengths.
+  const std::vector<StepMetrics> run{interval(2, 2, 10), interval(4, 2, 8, 3), interval(5, 1, 1),
+                                     interval(8, 3, 6)};
+  const SteadyState s = steady_state(run);
+  EXPECT_EQ(s.steps, 4);
+  EXPECT_EQ(s.first_iteration, 5);
+  EXPECT_EQ(s.last_iteration, 8);
+  EXPECT_DOUBLE_EQ(s.step_seconds, 7.0 / 4);  // weighted by steps
+  EXPECT_DOUBLE_EQ(s.host_seconds, 3.5 / 4);
+  EXPECT_DOUBLE_EQ(s.device_seconds, 7.0 * 0.9 / 4);
+  EXPECT_DOUBLE_EQ(s.tokens_per_second, 400.0 / 7);
+  EXPECT_DOUBLE_EQ(s.flops_per_second, 4e12 / 7);
+  // One interval, or a capture in the last one: no steady state.
+  EXPECT_EQ(steady_state({interval(3, 3, 3)}).steps, 0);
+  EXPECT_EQ(steady_state({interval(1, 1, 1), interval(2, 1, 1, 1)}).steps, 0);
+}
+
+TEST(StepTimer, SumsEachStepsSpanAcrossTheRingWithoutLosingSteps) {
+  auto be = make_cpu_backend();
+  StepTimer timer(*be);
+  // More steps than the ring holds: the oldest are read as their slots come round again.
+  // On the CPU a mark is the host clock, so the sum lies between the time inside the marks and
+  // the time around the calls; the sleeps between steps are in neither.
+  using Clock = std::chrono::steady_clock;
+  const auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  double inside = 0, around = 0;
+  for (int i = 0; i < Backend::kTimingMarks; ++i) {
+    const auto t0 = Clock::now();
+    timer.begin_step();
+    const auto t1 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const auto t2 = Clock::now();
+    timer.end_step();
+    const auto t3 = Clock::now();
+    inside += secs(t2 - t1);
+    around += secs(t3 - t0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+  const double total = timer.take_seconds();
+  EXPECT_GE(total, inside);
+  EXPECT_LE(total, around) << "the gaps between steps were counted";
+  EXPECT_EQ(timer.take_seconds(), 0.0) << "each step is counted once";
+  EXPECT_THROW(timer.end_step(), Error);
+  timer.begin_step();
+  EXPECT_THROW(timer.begin_step(), Error);
+}
+
+TEST(RunSummary, SteadyFiguresPerGpuAndNullsForWhatDoesNotExist) {
+  RunSummary r;
+  r.device = "cuda:0 (NVIDIA H100 80GB HBM3)";
+  r.on_gpu = true;
+  r.ranks = 2;
+  r.intervals = {interval(1, 1, 5, 4), interval(3, 2, 2), interval(5, 2, 2)};
+  r.peak = dense_bf16_peak(Device::cuda, r.device);
+  r.graph_count = 4;
+  r.capture_ms = 12.5;
+  r.graph_memory_bytes = int64_t(3) << 20;
+  r.tokens = 90;
+  r.padded_tokens = 128;
+  const nlohmann::json j = nlohmann::json::parse(run_summary_json(r));
+  const nlohmann::json& st = j.at("steady_state");
+  EXPECT_EQ(st.at("steps").get<int64_t>(), 4);
+  EXPECT_DOUBLE_EQ(st.at("step_seconds").get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(st.at("tokens_per_s_per_gpu").get<double>(), 100.0 / 2);
+  EXPECT_DOUBLE_EQ(st.at("tflops_per_s_per_gpu").get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(st.at("mfu").get<double>(), 0.5e12 / 989.4e12);
+  EXPECT_EQ(j.at("graphs").at("memory_bytes").get<int64_t>(), int64_t(3) << 20);
+  EXPECT_EQ(j.at("padding").at("padded_tokens").get<int64_t>(), 128);
+  EXPECT_EQ(j.at("intervals").size(), 3u);
+
+  // On the CPU: no MFU and no graph memory; a run of one interval: no steady state, said why.
+  r.on_gpu = false;
+  r.device = "cpu";
+  r.peak = dense_bf16_peak(Device::cpu, "cpu");
+  r.intervals = {interval(3, 3, 3)};
+  const nlohmann::json c = nlohmann::json::parse(run_summary_json(r));
+  EXPECT_TRUE(c.at("graphs").at("memory_bytes").is_null());
+  EXPECT_TRUE(c.at("peak_flops").at("per_gpu").is_null());
+  for (const char* k : {"step_seconds", "tokens_per_s_per_gpu", "mfu", "device_seconds_per_step"})
+    EXPECT_TRUE(c.at("steady_state").at(k).is_null()) << k;
+  EXPECT_NE(c.at("steady_state").at("note").get<std::string>().find("train_iters"),
+            std::string::npos);
+}
+
+TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
+  RunSummary r;
+  r.device = "cpu";
+  r.peak = dense_bf16_peak(Device::cpu, "cpu");
+  r.intervals = {interval(1, 1, 4), interval(3, 2, 2)};
+  const fs::path eager = dir_ / "eager", graphs = dir_ / "graphs";
+  fs::create_directories(eager);
+  fs::create_directories(graphs);
+  write_file_atomic((eager / "run_summary.json").string(), run_summary_json(r));
+  r.intervals = {interval(1, 1, 4, 2), interval(3, 2, 0.5)};
+  r.decoder_graphs = "local";
+  r.graph_count = 2;
+  write_file_atomic((graphs / "run_summary.json").string(), run_summary_json(r));
+
+  const nlohmann::json a = make_report(eager.string(), "eager", "run.sh --recipe x");
+  const nlohmann::json b = make_report(graphs.string(), "graphs", "");
+  const std::string text = format_report(a);
+  for (const char* part : {"iris performance report: eager", "command               run.sh",
+                           "step time             1.0000 s", "iterations 2-3 (2 steps",
+                           "MFU                   - (peak: none: the run is on the CPU",
+                           "graph memory          - (the CPU"})
+    EXPECT_NE(text.find(part), std::string::npos) << part << " in\n" << text;
+
+  const SweepTable t = sweep_table({a, b});
+  EXPECT_EQ(t.json.at("reference").get<std::string>(), "eager");
+  ASSERT_EQ(t.json.at("rows").size(), 2u);
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[0].at("speedup").get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[1].at("speedup").get<double>(), 4.0);
+  EXPECT_NE(t.text.find("1.00x"), std::string::npos) << t.text;
+  EXPECT_NE(t.text.find("4.00x"), std::string::npos) << t.text;
+  EXPECT_LT(t.text.find("\neager "), t.text.find("\ngraphs ")) << t.text;
+
+  // A summary without a field reports use is an error naming it.
+  nlohmann::json broken =
+      nlohmann::json::parse(read_text_file((eager / "run_summary.json").string()));
+  broken["steady_state"].erase("device_seconds_per_step");
+  write_file_atomic((eager / "run_summary.json").string(), broken.dump());
+  try {
+    make_report(eager.string(), "eager", "");
+    FAIL() << "a summary without device_seconds_per_step was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/steady_state/device_seconds_per_step"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(make_report((dir_ / "missing").string(), "x", ""), Error);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -83,7 +84,14 @@ std::string tick_label(double v, double step) {
   return buf;
 }
 
-nlohmann::json step_record(const StepMetrics& m) {
+// A figure that exists only when `known`: JSON null otherwise.
+nlohmann::json maybe(bool known, double v) {
+  return known ? nlohmann::json(v) : nlohmann::json(nullptr);
+}
+
+nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
+  const auto per_step = [&](double total) { return maybe(m.steps > 0, total / m.steps); };
+  const double flops_per_gpu = m.seconds > 0 ? m.flops / m.seconds / ranks : 0;
   return {{"iteration", m.iteration},
           {"loss", m.loss},
           {"lr", m.learning_rate},
@@ -96,10 +104,189 @@ nlohmann::json step_record(const StepMetrics& m) {
           {"samples_per_s", m.samples_per_second()},
           {"tflops_per_s", m.tflops_per_second()},
           {"flops", m.flops},
-          {"memory_bytes", m.memory_bytes}};
+          {"memory_bytes", m.memory_bytes},
+          {"steps", m.steps},
+          {"step_s", per_step(m.seconds)},
+          {"data_s_per_step", per_step(m.data_seconds)},
+          {"host_enqueue_s_per_step", per_step(m.host_seconds)},
+          {"device_s_per_step", per_step(m.device_seconds)},
+          {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
+          {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
+          {"mfu", maybe(peak > 0, flops_per_gpu / peak)},
+          {"graphs_captured", m.graphs_captured}};
+}
+
+// Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, at boost clock. Matched in
+// order against the device name, the more specific names first: "GH200" contains "H200", and
+// the PCIe and NVL forms of the H100 are slower than the SXM one that plain "H100" stands for
+// (CUDA names it "NVIDIA H100 80GB HBM3").
+struct PeakEntry {
+  const char* match;
+  const char* model;
+  double tflops;
+};
+constexpr PeakEntry kDensePeaks[] = {
+    {"GH200", "GH200", 989.4},
+    {"H200 NVL", "H200 NVL", 835.5},
+    {"H200", "H200 SXM", 989.4},
+    {"H100 PCIe", "H100 PCIe", 756.0},
+    {"H100 NVL", "H100 NVL", 835.5},
+    {"H100", "H100 SXM", 989.4},
+    {"A100", "A100 (SXM or PCIe)", 312.0},
+};
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
 }
 
 }  // namespace
+
+DevicePeak dense_bf16_peak(Device device, const std::string& backend_name) {
+  DevicePeak p;
+  if (device != Device::cuda) {
+    p.source = "none: the run is on the CPU, which has no bf16 tensor-core peak to compare with";
+    return p;
+  }
+  const std::string name = lower(backend_name);
+  for (const PeakEntry& e : kDensePeaks) {
+    if (name.find(lower(e.match)) == std::string::npos) continue;
+    p.flops_per_second = e.tflops * 1e12;
+    p.source =
+        str_cat("NVIDIA ", e.model, " datasheet: ", fmt("%.1f", e.tflops), " TFLOP/s dense bf16 ('",
+                e.match, "' in the device name ", backend_name, ")");
+    return p;
+  }
+  p.source = str_cat("none: ", backend_name,
+                     " is not in the peak table (dense_bf16_peak in training/metrics_log.cpp); "
+                     "add its datasheet figure there to get an MFU");
+  return p;
+}
+
+void StepTimer::read(int slot) {
+  seconds_ += be_.timing_mark_elapsed_ms(2 * slot, 2 * slot + 1) / 1e3;
+  unread_[static_cast<size_t>(slot)] = false;
+}
+
+void StepTimer::begin_step() {
+  IRIS_CHECK(!open_, "StepTimer: begin_step twice without end_step");
+  // This slot's marks are about to move: the step that left them is read first.
+  if (unread_[static_cast<size_t>(next_)]) read(next_);
+  be_.record_timing_mark(2 * next_);
+  open_ = true;
+}
+
+void StepTimer::end_step() {
+  IRIS_CHECK(open_, "StepTimer: end_step without begin_step");
+  be_.record_timing_mark(2 * next_ + 1);
+  unread_[static_cast<size_t>(next_)] = true;
+  next_ = (next_ + 1) % kRing;
+  open_ = false;
+}
+
+double StepTimer::take_seconds() {
+  for (int i = 0; i < kRing; ++i)
+    if (unread_[static_cast<size_t>(i)]) read(i);
+  const double s = seconds_;
+  seconds_ = 0;
+  return s;
+}
+
+SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
+  size_t begin = 1;
+  for (size_t i = 0; i < intervals.size(); ++i)
+    if (intervals[i].graphs_captured > 0) begin = std::max(begin, i + 1);
+  SteadyState s;
+  double seconds = 0, tokens = 0, flops = 0;
+  for (size_t i = begin; i < intervals.size(); ++i) {
+    const StepMetrics& m = intervals[i];
+    if (m.steps <= 0) continue;
+    if (s.steps == 0) s.first_iteration = m.iteration - m.steps + 1;
+    s.last_iteration = m.iteration;
+    s.steps += m.steps;
+    seconds += m.seconds;
+    s.data_seconds += m.data_seconds;
+    s.host_seconds += m.host_seconds;
+    s.device_seconds += m.device_seconds;
+    tokens += static_cast<double>(m.tokens);
+    flops += m.flops;
+  }
+  if (s.steps == 0) return SteadyState{};
+  const auto n = static_cast<double>(s.steps);
+  s.step_seconds = seconds / n;
+  s.data_seconds /= n;
+  s.host_seconds /= n;
+  s.device_seconds /= n;
+  s.tokens_per_second = seconds > 0 ? tokens / seconds : 0;
+  s.flops_per_second = seconds > 0 ? flops / seconds : 0;
+  return s;
+}
+
+std::string run_summary_json(const RunSummary& r) {
+  using nlohmann::json;
+  const SteadyState st = steady_state(r.intervals);
+  const bool steady = st.steps > 0;
+  const auto ranks = static_cast<double>(std::max<int64_t>(1, r.ranks));
+  const double flops_per_gpu = st.flops_per_second / ranks;
+  json steady_json{
+      {"rule",
+       "mean over the logged intervals after the first one and after the last one that "
+       "captured a graph"},
+      {"steps", st.steps},
+      {"first_iteration", steady ? json(st.first_iteration) : json(nullptr)},
+      {"last_iteration", steady ? json(st.last_iteration) : json(nullptr)},
+      {"step_seconds", maybe(steady, st.step_seconds)},
+      {"data_seconds_per_step", maybe(steady, st.data_seconds)},
+      {"host_enqueue_seconds_per_step", maybe(steady, st.host_seconds)},
+      {"device_seconds_per_step", maybe(steady, st.device_seconds)},
+      {"tokens_per_s_per_gpu", maybe(steady, st.tokens_per_second / ranks)},
+      {"tflops_per_s_per_gpu", maybe(steady, flops_per_gpu / 1e12)},
+      {"mfu",
+       maybe(steady && r.peak.flops_per_second > 0, flops_per_gpu / r.peak.flops_per_second)}};
+  if (!steady)
+    steady_json["note"] =
+        "no logged interval qualified: run more iterations (train.train_iters), log more often "
+        "(logging.log_interval) or capture sooner (cuda_graph.cuda_graph_warmup_steps)";
+  json out{
+      {"format", "iris run summary 1"},
+      {"device", r.device},
+      {"ranks", r.ranks},
+      {"iterations",
+       {{"start", r.start_iteration},
+        {"final", r.final_iteration},
+        {"stop_signal", r.stop_signal}}},
+      {"batch",
+       {{"micro_batch_size", r.micro_batch_size},
+        {"global_batch_size", r.global_batch_size},
+        {"seq_length", r.seq_length},
+        {"recompute", r.recompute}}},
+      {"steady_state", steady_json},
+      {"peak_flops",
+       {{"per_gpu", maybe(r.peak.flops_per_second > 0, r.peak.flops_per_second)},
+        {"source", r.peak.source}}},
+      {"memory",
+       {{"peak_bytes", r.peak_memory_bytes},
+        {"source", r.on_gpu ? "device memory in use (cudaMemGetInfo: every process on the GPU), "
+                              "the most seen at a logged step or the end"
+                            : "peak resident host memory of the process (VmHWM)"}}},
+      {"graphs",
+       {{"decoder", r.decoder_graphs},
+        {"vision", r.vision_graphs},
+        {"count", r.graph_count},
+        {"capture_ms", r.capture_ms},
+        {"memory_bytes", r.on_gpu ? json(r.graph_memory_bytes) : json(nullptr)},
+        {"overflow_runs", r.overflow_runs}}},
+      {"padding",
+       {{"tokens", r.tokens},
+        {"padded_tokens", r.padded_tokens},
+        {"patches", r.patches},
+        {"padded_patches", r.padded_patches}}}};
+  json intervals = json::array();
+  for (const StepMetrics& m : r.intervals)
+    intervals.push_back(step_record(m, r.ranks, r.peak.flops_per_second));
+  out["intervals"] = intervals;
+  return out.dump(2) + "\n";
+}
 
 double training_flops(const ModelConfig& cfg, const SampleShape& shape, const TrainedParts& parts) {
   const VisionConfig& v = cfg.vision;
@@ -143,16 +330,24 @@ int64_t peak_host_memory_bytes() {
   return 0;
 }
 
-std::string format_log_line(const StepMetrics& m, int64_t total) {
+std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, double peak) {
   const int width = static_cast<int>(std::to_string(total).size());
   char head[64];
   std::snprintf(head, sizeof(head), "iter %*lld/%lld", width, static_cast<long long>(m.iteration),
                 static_cast<long long>(total));
-  return str_cat(
-      head, " | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
-      " | grad norm ", fmt("%.4f", m.grad_norm), " | ", fmt("%.1f", m.tokens_per_second()),
-      " tok/s | ", fmt("%.2f", m.samples_per_second()), " samples/s | ",
-      fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
+  const std::string rest =
+      str_cat(" | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
+              " | grad norm ", fmt("%.4f", m.grad_norm), " | ", fmt("%.1f", m.tokens_per_second()),
+              " tok/s | ", fmt("%.2f", m.samples_per_second()), " samples/s | ",
+              fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
+  std::string line = str_cat(head, rest);
+  if (peak > 0)
+    line += str_cat(" | MFU ", fmt("%.1f", 100 * m.tflops_per_second() * 1e12 / ranks / peak), "%");
+  if (m.steps > 0)
+    line += str_cat(" | step ", fmt("%.4g", m.seconds / m.steps), " s (host ",
+                    fmt("%.4g", m.host_seconds / m.steps), ", device ",
+                    fmt("%.4g", m.device_seconds / m.steps), ")");
+  return line;
 }
 
 std::string render_svg_plot(const std::vector<PlotPanel>& panels, const std::string& x_label) {
@@ -270,6 +465,15 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
         m.seconds = j.value("seconds", 0.0);
         m.flops = j.value("flops", 0.0);
         m.memory_bytes = j.value("memory_bytes", int64_t{0});
+        m.steps = j.value("steps", int64_t{0});
+        m.graphs_captured = j.value("graphs_captured", int64_t{0});
+        // Per-step figures are null when an interval had no steps; the totals follow from them.
+        const auto total = [&](const char* key) {
+          return j.contains(key) && j[key].is_number() ? j[key].get<double>() * m.steps : 0.0;
+        };
+        m.data_seconds = total("data_s_per_step");
+        m.host_seconds = total("host_enqueue_s_per_step");
+        m.device_seconds = total("device_s_per_step");
         history_.push_back(m);
       }
     }
@@ -308,8 +512,8 @@ void MetricsLog::message(const std::string& text) {
 
 void MetricsLog::log(const StepMetrics& m) {
   history_.push_back(m);
-  message(format_log_line(m, opt_.total_iterations));
-  append_record(step_record(m).dump());
+  message(format_log_line(m, opt_.total_iterations, opt_.ranks, opt_.peak_flops_per_second));
+  append_record(step_record(m, opt_.ranks, opt_.peak_flops_per_second).dump());
   write_plot();
 }
 

@@ -2,12 +2,15 @@
 // with ETA on terminals, the metrics JSONL file and an SVG plot of loss and learning rate.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "bridge/model_config.h"
+#include "core/backend.h"
+#include "core/tensor.h"
 #include "vision/vision_encoder.h"
 
 namespace iris {
@@ -41,22 +44,106 @@ double training_flops(const ModelConfig& cfg, const SampleShape& shape, const Tr
 // Peak resident memory of this process in bytes (VmHWM), 0 where /proc is unavailable.
 int64_t peak_host_memory_bytes();
 
+// The dense bf16 peak of the device a run trains on, the denominator of its MFU.
+struct DevicePeak {
+  double flops_per_second = 0;  // 0: unknown (the CPU, or a GPU missing from the table)
+  std::string source;           // where the figure comes from, or why there is none
+};
+
+// From a small table of datasheet figures (dense bf16 tensor-core FLOP/s, no sparsity) matched
+// against the CUDA device name inside `backend_name` ("cuda:0 (NVIDIA H100 80GB HBM3)"). The CPU
+// and GPUs missing from the table get 0 rather than a guess, so that no MFU is made up.
+DevicePeak dense_bf16_peak(Device device, const std::string& backend_name);
+
 struct StepMetrics {
   int64_t iteration = 0;
   double loss = 0;  // mean over the labelled tokens of the interval
   double learning_rate = 0;
   double grad_norm = 0;  // before clipping, of the last step of the interval
   int64_t labelled_tokens = 0;
-  int64_t tokens = 0;  // every input token of the interval
+  int64_t tokens = 0;  // every input token of the interval, all ranks
   int64_t samples = 0;
   double seconds = 0;  // wall time of the interval
-  double flops = 0;    // training_flops summed over the interval
+  double flops = 0;    // training_flops summed over the interval, all ranks
   int64_t memory_bytes = 0;
+  // Optimizer steps in the interval, and three parts of their time, summed over them:
+  //  data: waiting for the step's samples (the data pipeline);
+  //  host enqueue: from the samples in hand to the return of the optimizer step, by which time
+  //    the step's work is queued (a launch-bound step's host enqueue is close to its step time);
+  //  device: from the step's start, as the device reached it (the work queued before it done),
+  //    to the end of its last work (timing marks, read without a synchronisation per step; the
+  //    host clock on the CPU, where it equals host enqueue).
+  int64_t steps = 0;
+  double data_seconds = 0;
+  double host_seconds = 0;
+  double device_seconds = 0;
+  int64_t graphs_captured = 0;  // graphs captured during the interval (warm-up, not steady state)
 
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
   double samples_per_second() const { return seconds > 0 ? samples / seconds : 0; }
   double tflops_per_second() const { return seconds > 0 ? flops / seconds / 1e12 : 0; }
 };
+
+// Each step's device time from Backend timing marks, without a synchronisation per step: a step's
+// start and end marks take two slots of a ring of Backend::kTimingMarks / 2 steps, and its span
+// is read when its slots come round again (its work has finished by then, unless the host runs
+// that many steps ahead, when the wait only throttles it) or by take_seconds(), which the trainer
+// calls at a logged step, after the read that synchronises anyway. Marks are recorded between
+// steps, never inside a graph capture.
+class StepTimer {
+ public:
+  explicit StepTimer(Backend& backend) : be_(backend) {}
+  void begin_step();
+  void end_step();
+  // Device seconds of the steps ended since the last call.
+  double take_seconds();
+
+ private:
+  static constexpr int kRing = Backend::kTimingMarks / 2;
+  void read(int slot);
+
+  Backend& be_;
+  int next_ = 0;  // ring slot of the next step
+  bool open_ = false;
+  std::array<bool, kRing> unread_{};  // ended, span not yet added
+  double seconds_ = 0;
+};
+
+// The steady state of a run, for performance figures: the logged intervals after the first one
+// and after the last one that captured a graph, so that warm-up, first-touch costs, the eager
+// runs before a capture and the capture itself stay out. Figures are per step (means weighted
+// by the steps of each interval) and per second over all ranks.
+struct SteadyState {
+  int64_t steps = 0;  // 0: no interval qualified, and every figure below is 0
+  int64_t first_iteration = 0, last_iteration = 0;
+  double step_seconds = 0, data_seconds = 0, host_seconds = 0, device_seconds = 0;
+  double tokens_per_second = 0, flops_per_second = 0;
+};
+SteadyState steady_state(const std::vector<StepMetrics>& intervals);
+
+// What a run leaves for performance reports (run_summary.json in the run directory): the
+// steady state of this run's logged intervals, the graphs, padding and memory.
+struct RunSummary {
+  std::string device;  // the backend's name
+  bool on_gpu = false;
+  int64_t ranks = 1;
+  int64_t start_iteration = 0, final_iteration = 0;
+  int stop_signal = 0;
+  int64_t micro_batch_size = 0, global_batch_size = 0, seq_length = 0;
+  std::string recompute;
+  std::vector<StepMetrics> intervals;  // this run's, in order
+  DevicePeak peak;
+  int64_t peak_memory_bytes = 0;
+  std::string decoder_graphs = "none", vision_graphs = "none";
+  int64_t graph_count = 0, overflow_runs = 0;
+  double capture_ms = 0;
+  int64_t graph_memory_bytes = 0;  // reported only on a GPU (the CPU has no device memory)
+  int64_t tokens = 0, padded_tokens = 0, patches = 0, padded_patches = 0;
+};
+// The summary as a JSON document (keys documented in scripts/performance/README.md). Figures
+// that do not exist for the run (MFU without a known peak, graph memory on the CPU, the steady
+// state of a run too short to have one) are null.
+std::string run_summary_json(const RunSummary& s);
 
 struct EvalMetrics {
   int64_t iteration = 0;
@@ -65,8 +152,10 @@ struct EvalMetrics {
   int64_t samples = 0;
 };
 
-// One log line, e.g. "iter 10/200 | loss 2.3456 | lr 3.00e-04 | ...".
-std::string format_log_line(const StepMetrics& m, int64_t total_iterations);
+// One log line, e.g. "iter 10/200 | loss 2.3456 | lr 3.00e-04 | ...". The MFU is shown when
+// peak_flops_per_second (of one of `ranks` devices) is known.
+std::string format_log_line(const StepMetrics& m, int64_t total_iterations, int64_t ranks = 1,
+                            double peak_flops_per_second = 0);
 
 struct PlotPoint {
   double x, y;
@@ -97,6 +186,10 @@ class MetricsLog {
     int64_t total_iterations = 0;
     bool progress_bar = false;  // redraw a bar with ETA on stdout between log lines
     FILE* out = stdout;
+    // Processes (GPUs) the interval's tokens and FLOPs are spread over, and each one's dense
+    // bf16 peak (0: unknown, no MFU), for the per-GPU figures of the records.
+    int64_t ranks = 1;
+    double peak_flops_per_second = 0;
   };
 
   // Opens (creates) the metrics file. Records after `start_iteration` (the resumed checkpoint's

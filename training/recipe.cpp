@@ -1052,11 +1052,15 @@ void validate(Recipe& r) {
     }
   }
   for (const std::string& w : r.cuda_graph.warnings) r.notes.push_back("cuda_graph: " + w);
-  if (r.cuda_graph.language.impl != GraphImpl::none ||
-      r.cuda_graph.vision.impl != VisionGraphImpl::none)
+  // The trainer captures whole layers only (trainer.cpp refuses modules when graphs are on); a
+  // dry run says so rather than passing a recipe that the run then refuses.
+  if ((r.cuda_graph.language.impl != GraphImpl::none ||
+       r.cuda_graph.vision.impl != VisionGraphImpl::none) &&
+      (!r.cuda_graph.language.modules.empty() || !r.cuda_graph.vision.modules.empty()))
     r.notes.push_back(
-        "cuda_graph: valid, but training steps run eagerly for now: iris train refuses graph "
-        "settings other than none");
+        "cuda_graph: valid, but iris train does not implement cuda_graph_modules or "
+        "vision_cuda_graph_modules yet and will refuse them; leave them empty to capture whole "
+        "layers");
 }
 
 Recipe load(const std::string& text, const std::string& source,

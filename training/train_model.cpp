@@ -514,10 +514,12 @@ void TrainableQwen3VL::graphed(const std::string& key, const std::function<void(
     body();
     return;
   }
+  const auto memory_before = static_cast<int64_t>(be_.device_memory_in_use());
   const auto t0 = std::chrono::steady_clock::now();
   set.graph = capture_and_run(*graph_api_, be_, key, body);
   capture_ms_ +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  graph_memory_bytes_ += static_cast<int64_t>(be_.device_memory_in_use()) - memory_before;
 }
 
 void TrainableQwen3VL::maybe_graphed(bool as_graph, const std::string& key,

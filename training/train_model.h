@@ -148,6 +148,9 @@ class TrainableQwen3VL {
   // The names of the captured graphs (each names its part, phase and shape).
   std::vector<std::string> graph_keys() const;
   double capture_ms() const { return capture_ms_; }
+  // Device memory the captures took (in use after each capture minus before it, summed): the
+  // graphs' own memory, as the device reports it (0 on the CPU, which reports none).
+  int64_t graph_memory_bytes() const { return graph_memory_bytes_; }
   // Micro-batches run unpadded because they were above the largest bucket.
   int64_t overflow_runs() const { return overflow_runs_; }
   // Real and padded tokens and patch rows of the micro-batches run so far (padding's cost).
@@ -224,6 +227,7 @@ class TrainableQwen3VL {
   TrainGraphs graphs_;
   std::map<std::string, GraphSet> graph_sets_;
   double capture_ms_ = 0;
+  int64_t graph_memory_bytes_ = 0;
   int64_t overflow_runs_ = 0;
   PaddingStats padding_;
 

@@ -481,7 +481,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (dp.writer())
     write_file_atomic((fs::path(run_dir) / "resolved_config.yaml").string(), resolved);
 
+  // MFU's denominator, when the device is one whose peak is known.
+  const DevicePeak peak = dense_bf16_peak(be.device(), be.name());
   MetricsLog::Options lo;
+  lo.ranks = dp.world();
+  lo.peak_flops_per_second = peak.flops_per_second;
   lo.run_dir = run_dir;
   lo.metrics_file = r.logging.metrics_file;
   lo.plot_file = r.logging.plot;
@@ -493,7 +497,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (!dp.writer()) {
     quiet.reset(std::fopen("/dev/null", "w"));
     IRIS_CHECK(quiet != nullptr, "cannot open /dev/null for rank ", dp.rank(), "'s silent log");
-    lo = MetricsLog::Options{"", "", "", r.train.train_iters, false, quiet.get()};
+    lo = MetricsLog::Options{"", "", "", r.train.train_iters, false, quiet.get(), dp.world(), 0};
   }
   MetricsLog log(lo, state.iteration);
   for (const std::string& w : found.warnings) log.message(w);
@@ -545,6 +549,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     }
     log.message(plan);
   }
+  log.message("peak for MFU: " + peak.source);
   if (dp.world() > 1) log.message(dp.layout(r.train.global_batch_size / micro, micro));
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
@@ -620,6 +625,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   };
 
   StepMetrics interval;
+  // This run's intervals, and the most device memory seen, for run_summary.json.
+  std::vector<StepMetrics> run_intervals;
+  int64_t peak_memory = 0;
+  StepTimer step_timer(be);
+  size_t graphs_at_interval_start = model.graph_count();
   double interval_loss_sum = 0;
   int64_t unread_labels = 0;  // labelled tokens of the steps whose loss is still on the device
   auto interval_start = std::chrono::steady_clock::now();
@@ -630,6 +640,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   // A stop asked for before the first step leaves nothing new to save.
   result.stop_signal = dp.agreed_stop(stop.received());
   for (int64_t it = state.iteration + 1; it <= r.train.train_iters && !result.stop_signal; ++it) {
+    const auto fetch_start = std::chrono::steady_clock::now();
     batch.clear();
     int64_t batch_labels = 0;
     for (int64_t i = 0; i < r.train.global_batch_size; ++i) {
@@ -638,7 +649,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     }
     IRIS_CHECK(batch_labels > 0, "global batch of iteration ", it,
                " has no labelled token; every sample needs an assistant reply");
+    interval.data_seconds += seconds_since(fetch_start);
 
+    const auto step_start = std::chrono::steady_clock::now();
+    step_timer.begin_step();
     model.zero_grads();
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
     // This rank's micro-batches (all of them for a single process).
@@ -670,6 +684,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // Queued behind the backward: the loss and the gradient norm stay on the device until the
     // next logged step (a step with a non-finite gradient changes no weight meanwhile).
     opt.step(lr, model.frozen());
+    interval.host_seconds += seconds_since(step_start);
+    step_timer.end_step();
+    ++interval.steps;
 
     state.iteration = it;
     state.consumed_samples += r.train.global_batch_size;
@@ -713,7 +730,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       // On the GPU memory is planned up front, so what the device holds now is its peak.
       interval.memory_bytes =
           on_gpu ? static_cast<int64_t>(gpu->device_memory_in_use()) : peak_host_memory_bytes();
+      // The loss read above waited for the device, so these marks are complete.
+      interval.device_seconds = step_timer.take_seconds();
+      interval.graphs_captured =
+          static_cast<int64_t>(model.graph_count() - graphs_at_interval_start);
+      graphs_at_interval_start = model.graph_count();
+      peak_memory = std::max(peak_memory, interval.memory_bytes);
       log.log(interval);
+      run_intervals.push_back(interval);
       interval = StepMetrics{};
       interval_loss_sum = 0;
       interval_start = std::chrono::steady_clock::now();
@@ -758,6 +782,62 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                         p.patches, " of ", p.padded_patches, " patch rows real; ",
                         model.overflow_runs(),
                         " micro-batches above the largest bucket ran eagerly"));
+  }
+  if (dp.writer()) {
+    RunSummary sum;
+    sum.device = be.name();
+    sum.on_gpu = on_gpu;
+    sum.ranks = dp.world();
+    sum.start_iteration = result.start_iteration;
+    sum.final_iteration = result.final_iteration;
+    sum.stop_signal = result.stop_signal;
+    sum.micro_batch_size = r.train.micro_batch_size;
+    sum.global_batch_size = r.train.global_batch_size;
+    sum.seq_length = r.train.seq_length;
+    sum.recompute = r.train.recompute;
+    sum.intervals = run_intervals;
+    sum.peak = peak;
+    sum.peak_memory_bytes =
+        on_gpu ? std::max(peak_memory, static_cast<int64_t>(gpu->device_memory_in_use()))
+               : peak_host_memory_bytes();
+    sum.decoder_graphs = to_string(r.cuda_graph.language.impl);
+    sum.vision_graphs = to_string(r.cuda_graph.vision.impl);
+    sum.graph_count = static_cast<int64_t>(model.graph_count());
+    sum.capture_ms = model.capture_ms();
+    sum.graph_memory_bytes = model.graph_memory_bytes();
+    sum.overflow_runs = model.overflow_runs();
+    for (const auto& m : replicas) {
+      const auto& p = m->padding_stats();
+      sum.tokens += p.tokens;
+      sum.padded_tokens += p.padded_tokens;
+      sum.patches += p.patches;
+      sum.padded_patches += p.padded_patches;
+    }
+    const SteadyState st = steady_state(run_intervals);
+    const auto g4 = [](double v) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%.4g", v);
+      return std::string(buf);
+    };
+    const double per_rank = static_cast<double>(dp.world());
+    if (st.steps > 0)
+      log.message(str_cat(
+          "steady state (iterations ", st.first_iteration, "-", st.last_iteration, "): step ",
+          g4(st.step_seconds), " s (data ", g4(st.data_seconds), ", host enqueue ",
+          g4(st.host_seconds), ", device ", g4(st.device_seconds), "), ",
+          g4(st.tokens_per_second / per_rank), " tokens/s and ",
+          g4(st.flops_per_second / per_rank / 1e12), " model TFLOP/s per ",
+          on_gpu ? "GPU" : "process",
+          peak.flops_per_second > 0
+              ? ", MFU " + g4(100 * st.flops_per_second / per_rank / peak.flops_per_second) + "%"
+              : std::string()));
+    else
+      log.message(
+          "steady state: none (it starts after the first logged interval and after the last "
+          "graph capture; run more iterations or lower logging.log_interval)");
+    const std::string summary_path = (fs::path(run_dir) / "run_summary.json").string();
+    write_file_atomic(summary_path, run_summary_json(sum));
+    log.message("run summary: " + summary_path);
   }
   return result;
 }

@@ -1,6 +1,8 @@
 // The fp32 CPU reference backend: the oracle every other backend is checked against, and the
 // backend CI runs end to end. Written for clarity first; OpenMP over rows/heads for speed.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -98,6 +100,22 @@ class CpuBackend final : public Backend {
     std::memset(dst.data, 0, dst.nbytes());
   }
   void synchronize() override {}
+
+  // Ops have finished when they return, so the host clock is the device's.
+  void record_timing_mark(int slot) override {
+    IRIS_CHECK(slot >= 0 && slot < kTimingMarks, "timing mark slot ", slot, " is outside 0..",
+               kTimingMarks - 1);
+    marks_[static_cast<size_t>(slot)] = std::chrono::steady_clock::now();
+    recorded_[static_cast<size_t>(slot)] = true;
+  }
+  double timing_mark_elapsed_ms(int from, int to) override {
+    for (int s : {from, to})
+      IRIS_CHECK(s >= 0 && s < kTimingMarks && recorded_[static_cast<size_t>(s)],
+                 "timing mark slot ", s, " was never recorded");
+    return std::chrono::duration<double, std::milli>(marks_[static_cast<size_t>(to)] -
+                                                     marks_[static_cast<size_t>(from)])
+        .count();
+  }
 
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
               bool accumulate) override {
@@ -720,6 +738,9 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  std::array<std::chrono::steady_clock::time_point, kTimingMarks> marks_{};
+  std::array<bool, kTimingMarks> recorded_{};
+
   static float* opt(const Tensor& t) {
     return t.defined() ? t.as<float>() : nullptr;
   }

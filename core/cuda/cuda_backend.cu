@@ -3,6 +3,7 @@
 #include "core/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -138,6 +139,7 @@ class CudaBackend final : public Backend {
     side_fork_ = std::make_unique<Event>();
     side_done_ = std::make_unique<Event>();
     side_workspace_.reset(allocate(kGemmWorkspaceBytes));
+    for (auto& e : timing_marks_) e = std::make_unique<Event>(cudaEventDefault);
     // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
     // scratch only receives trial outputs that nothing reads, so the two share it.
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
@@ -318,6 +320,36 @@ class CudaBackend final : public Backend {
     IRIS_CUDA_CHECK(cudaEventSynchronize(stop.get()));
     float ms = 0.f;
     IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms;
+  }
+
+  void record_timing_mark(int slot) override {
+    bind();
+    IRIS_CHECK(slot >= 0 && slot < kTimingMarks, "timing mark slot ", slot, " is outside 0..",
+               kTimingMarks - 1);
+    IRIS_CHECK(!on_side_, "record_timing_mark while side work is open (end_side_work first)");
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream_->get(), &capture));
+    IRIS_CHECK(capture == cudaStreamCaptureStatusNone,
+               "record_timing_mark inside a graph capture: the event would become a node of the "
+               "graph instead of timing this moment; record marks between captured bodies");
+    // The mark is on the main stream; side work issued before it must be part of what it covers.
+    join_side_work();
+    IRIS_CUDA_CHECK(cudaEventRecord(timing_marks_[slot]->get(), stream_->get()));
+    timing_recorded_[static_cast<size_t>(slot)] = true;
+  }
+
+  double timing_mark_elapsed_ms(int from, int to) override {
+    bind();
+    for (int s : {from, to})
+      IRIS_CHECK(s >= 0 && s < kTimingMarks && timing_recorded_[static_cast<size_t>(s)],
+                 "timing mark slot ", s, " was never recorded");
+    // Both, so that marks given in either order are complete before they are compared.
+    IRIS_CUDA_CHECK(cudaEventSynchronize(timing_marks_[from]->get()));
+    IRIS_CUDA_CHECK(cudaEventSynchronize(timing_marks_[to]->get()));
+    float ms = 0.f;
+    IRIS_CUDA_CHECK(
+        cudaEventElapsedTime(&ms, timing_marks_[from]->get(), timing_marks_[to]->get()));
     return ms;
   }
 
@@ -1179,6 +1211,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Stream> side_stream_;
   std::unique_ptr<Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
+  std::unique_ptr<Event> timing_marks_[kTimingMarks];
+  std::array<bool, kTimingMarks> timing_recorded_{};
   DeviceBuffer side_workspace_;
   DeviceBuffer train_scratch_;
   size_t train_scratch_bytes_ = 0;
