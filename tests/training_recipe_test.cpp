@@ -201,6 +201,7 @@ TEST_F(RecipeTest, CudaGraphSectionTakesListsAndNullsAndRefusesMaps) {
                                         "cuda_graph:\n  cuda_graph_impl: Local\n"
                                         "  cuda_graph_modules: [attn, mlp]\n"
                                         "  cuda_graph_warmup_steps: 2\n"
+                                        "  vision_cuda_graph_impl: local\n"
                                         "  vision_cuda_graph_modules:\n    - attn\n    - mlp\n"
                                         "  vision_cuda_graph_buckets: [1024, 2304, 4608]\n"
                                         "  max_vision_cuda_graph_seq_length: 4608\n"
@@ -279,7 +280,7 @@ TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
   });
   EXPECT_HAS(msg, "not divisible by 4");
 
-  // A valid combination resolves; the modules, which iris train refuses, get a note.
+  // A valid combination resolves, modules included.
   const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml",
                                     {"cuda_graph.vision_cuda_graph_impl=local",
                                      "cuda_graph.max_vision_cuda_graph_seq_length=1024",
@@ -287,19 +288,16 @@ TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
   EXPECT_EQ(r.cuda_graph.vision.impl, VisionGraphImpl::local);
   EXPECT_EQ(r.cuda_graph.vision.max_seq_length, 1024);
   EXPECT_FALSE(r.cuda_graph.vision.buckets.empty());
-  auto modules_noted = [](const Recipe& recipe) {
-    bool noted = false;
-    for (const std::string& n : recipe.notes)
-      noted |= n.find("does not implement cuda_graph_modules") != std::string::npos;
-    return noted;
-  };
-  EXPECT_TRUE(modules_noted(r));
+  EXPECT_EQ(r.cuda_graph.vision.modules.size(), 2u);
   EXPECT_HAS(recipe_to_yaml(r), "vision_cuda_graph_impl: local");
-  // Whole-layer graphs are what iris train runs: nothing to note.
-  EXPECT_FALSE(modules_noted(load_recipe_text(
-      tiny_recipe(), "r.yaml",
-      {"cuda_graph.vision_cuda_graph_impl=local",
-       "cuda_graph.max_vision_cuda_graph_seq_length=1024", "cuda_graph.cuda_graph_impl=local"})));
+  // Modules without the impl they select parts of would do nothing: refused, naming the fix.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {"cuda_graph.vision_cuda_graph_modules=[attn]"});
+  });
+  EXPECT_HAS(msg, "set vision_cuda_graph_impl=local");
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"cuda_graph.cuda_graph_modules=[mlp]"}); });
+  EXPECT_HAS(msg, "set cuda_graph_impl=local");
 }
 
 TEST_F(RecipeTest, TensorAndPipelineParallelAreNotSupportedYet) {

@@ -1052,15 +1052,17 @@ void validate(Recipe& r) {
     }
   }
   for (const std::string& w : r.cuda_graph.warnings) r.notes.push_back("cuda_graph: " + w);
-  // The trainer captures whole layers only (trainer.cpp refuses modules when graphs are on); a
-  // dry run says so rather than passing a recipe that the run then refuses.
-  if ((r.cuda_graph.language.impl != GraphImpl::none ||
-       r.cuda_graph.vision.impl != VisionGraphImpl::none) &&
-      (!r.cuda_graph.language.modules.empty() || !r.cuda_graph.vision.modules.empty()))
-    r.notes.push_back(
-        "cuda_graph: valid, but iris train does not implement cuda_graph_modules or "
-        "vision_cuda_graph_modules yet and will refuse them; leave them empty to capture whole "
-        "layers");
+  // Modules select parts of what an impl captures: without that impl they would do nothing.
+  const auto& cg = r.cuda_graph;
+  IRIS_CHECK(cg.language.modules.empty() || cg.language.impl == GraphImpl::local,
+             "recipe: cuda_graph.cuda_graph_modules selects parts of each layer for "
+             "cuda_graph.cuda_graph_impl local; with cuda_graph_impl ",
+             cg.language.impl == GraphImpl::none ? "none" : "full_iteration",
+             " it would do nothing: leave it empty or set cuda_graph_impl=local");
+  IRIS_CHECK(cg.vision.modules.empty() || cg.vision.impl == VisionGraphImpl::local,
+             "recipe: cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
+             "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "
+             "do nothing: leave it empty or set vision_cuda_graph_impl=local");
 }
 
 Recipe load(const std::string& text, const std::string& source,

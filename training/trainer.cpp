@@ -228,21 +228,8 @@ namespace {
 
 TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParallel& dp) {
   const Recipe& r = recipe;
-  // A setting that would be accepted and then not acted on is refused instead.
   const bool graphs_on = r.cuda_graph.language.impl != GraphImpl::none ||
                          r.cuda_graph.vision.impl != VisionGraphImpl::none;
-  // A setting that would be accepted and then not acted on is refused instead.
-  IRIS_CHECK(
-      r.cuda_graph.language.modules.empty() || r.cuda_graph.language.impl == GraphImpl::local,
-      "cuda_graph.cuda_graph_modules selects parts of each layer for "
-      "cuda_graph.cuda_graph_impl local; with cuda_graph_impl ",
-      r.cuda_graph.language.impl == GraphImpl::none ? "none" : "full_iteration",
-      " it would do nothing: leave it empty or set cuda_graph_impl=local");
-  IRIS_CHECK(
-      r.cuda_graph.vision.modules.empty() || r.cuda_graph.vision.impl == VisionGraphImpl::local,
-      "cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
-      "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "
-      "do nothing: leave it empty or set vision_cuda_graph_impl=local");
   const std::string run_dir = r.checkpoint.dir;
   fs::create_directories(run_dir);
   // Everything below reads or writes the run directory: one run at a time. Of a multi-process
