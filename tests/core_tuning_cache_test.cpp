@@ -1,6 +1,7 @@
 // The persistent GEMM tuning cache (core/tuning_cache.h): its format, what a damaged or foreign
 // file does (one warning, then replaced), atomic writes under concurrent writers, the cache
-// directory.
+// directory, and on a GPU that a tuned algorithm comes back from the file and computes the same
+// bits.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,9 +20,19 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/fs.h"
 #include "core/tuning_cache.h"
 #include "test_util.h"
+
+#ifdef IRIS_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <random>
+
+#include "core/cuda/gemm.h"
+#include "core/cuda/gemm_tuning.h"
+#endif
 
 namespace iris {
 namespace {
@@ -463,6 +474,208 @@ TEST(GemmTuningCache, ModesHaveNames) {
   EXPECT_EQ(to_string(GemmTuning::cached), "cached");
   EXPECT_EQ(to_string(GemmTuning::tune), "tune");
 }
+
+#ifdef IRIS_WITH_CUDA
+
+// ---- on a GPU: a tuned algorithm is restored from the file and used ----
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(p); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+std::vector<uint16_t> random_bf16(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(-scale, scale);
+  std::vector<uint16_t> out(n);
+  for (uint16_t& v : out) {
+    const float f = uni(rng);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &f, 4);
+    v = static_cast<uint16_t>(bits >> 16);
+  }
+  return out;
+}
+
+bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
+  return std::memcmp(a.data, b.data, sizeof(a.data)) == 0;
+}
+
+class GemmTuningGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device: the cuBLASLt side is not exercised";
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    workspace_ = std::make_unique<DeviceBuffer>(kWorkspace);
+    scratch_ = std::make_unique<DeviceBuffer>(kScratch);
+    x_ = std::make_unique<DeviceBuffer>(kM * kK * 2);
+    w_ = std::make_unique<DeviceBuffer>(kN * kK * 2);
+    bias_ = std::make_unique<DeviceBuffer>(kN * 2);
+    y_ = std::make_unique<DeviceBuffer>(kM * kN * 2);
+    upload(*x_, random_bf16(kM * kK, 1, 1.f));
+    upload(*w_, random_bf16(kN * kK, 2, 0.05f));
+    upload(*bias_, random_bf16(kN, 3, 1.f));
+  }
+  void TearDown() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  void upload(const DeviceBuffer& b, const std::vector<uint16_t>& host) {
+    ASSERT_EQ(cudaMemcpy(b.p, host.data(), host.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::unique_ptr<cuda::LtGemm> make_gemm(GemmTuningCache* cache, GemmTuning mode) {
+    auto g =
+        std::make_unique<cuda::LtGemm>(workspace_->p, kWorkspace, scratch_->p, kScratch, cache);
+    g->set_tuning(mode);
+    return g;
+  }
+  // y = x w^T + bias (overwriting y, which holds garbage first); y's bits.
+  std::vector<uint16_t> run(cuda::LtGemm& g) {
+    EXPECT_EQ(cudaMemsetAsync(y_->p, 0x7f, kM * kN * 2, stream_), cudaSuccess);
+    EXPECT_TRUE(g.run(y_->as<uint16_t>(), x_->as<uint16_t>(), w_->as<uint16_t>(),
+                      bias_->as<uint16_t>(), kM, kN, kK, false, false, stream_));
+    std::vector<uint16_t> out(kM * kN);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(out.data(), y_->p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+  std::optional<cuda::LtGemm::PlanInfo> info(const cuda::LtGemm& g) const {
+    return g.plan_info(y_->as<uint16_t>(), x_->as<uint16_t>(), w_->as<uint16_t>(),
+                       bias_->as<uint16_t>(), kM, kN, kK, false, false);
+  }
+
+  // A mid-sized shape, where the heuristic offers several candidates.
+  static constexpr int64_t kM = 768, kN = 1024, kK = 2048;
+  static constexpr size_t kWorkspace = size_t{32} << 20, kScratch = size_t{16} << 20;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceBuffer> workspace_, scratch_, x_, w_, bias_, y_;
+};
+
+TEST_F(GemmTuningGpu, ATunedAlgorithmIsRestoredFromTheFileAndComputesTheSameBits) {
+  const std::string path = fresh_dir("gpu_restore") + "/" + kGemmTuningFileName;
+  const GemmTuningIdentity id = cuda::gemm_tuning_identity(0);
+  Collected warnings;
+
+  // Tune, and persist.
+  GemmTuningCache tuned_cache(path, id, warnings.sink());
+  auto tuner = make_gemm(&tuned_cache, GemmTuning::tune);
+  const std::vector<uint16_t> tuned_out = run(*tuner);
+  const auto tuned = info(*tuner);
+  ASSERT_TRUE(tuned);
+  ASSERT_EQ(tuned->source, cuda::LtGemm::Source::timed);
+  EXPECT_EQ(tuner->plan_counts().timed, 1);
+  ASSERT_TRUE(tuned_cache.save());
+
+  // A new process's view: a fresh cache read from the file, a planner with no plans.
+  GemmTuningCache reloaded(path, id, warnings.sink());
+  auto user = make_gemm(&reloaded, GemmTuning::cached);
+  EXPECT_FALSE(info(*user));
+  const std::vector<uint16_t> cached_out = run(*user);
+  const auto restored = info(*user);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->source, cuda::LtGemm::Source::cache);
+  EXPECT_TRUE(same_algo(restored->algo, tuned->algo));
+  EXPECT_EQ(cached_out, tuned_out) << "the cached algorithm computes other bits";
+  EXPECT_EQ(user->plan_counts().cached, 1);
+
+  // Heuristic mode ignores the cache and takes the first candidate.
+  auto first = make_gemm(&reloaded, GemmTuning::heuristic);
+  run(*first);
+  ASSERT_TRUE(info(*first));
+  EXPECT_EQ(info(*first)->source, cuda::LtGemm::Source::heuristic);
+  // Tune mode retimes what the file holds (another process recorded it), once.
+  auto retuner = make_gemm(&reloaded, GemmTuning::tune);
+  run(*retuner);
+  EXPECT_EQ(info(*retuner)->source, cuda::LtGemm::Source::timed);
+  auto second = make_gemm(&reloaded, GemmTuning::tune);
+  run(*second);
+  EXPECT_EQ(info(*second)->source, cuda::LtGemm::Source::cache)
+      << "a shape this process timed is timed again";
+  EXPECT_TRUE(warnings.warnings.empty()) << warnings.warnings.front();
+}
+
+TEST_F(GemmTuningGpu, AnEntryCuBlasLtRefusesFallsBackToTheFirstChoiceAndIsDropped) {
+  const std::string path = fresh_dir("gpu_refused") + "/" + kGemmTuningFileName;
+  const GemmTuningIdentity id = cuda::gemm_tuning_identity(0);
+  {
+    GemmTuningCache cache(path, id);
+    auto tuner = make_gemm(&cache, GemmTuning::tune);
+    run(*tuner);
+    ASSERT_TRUE(cache.save());
+  }
+  // The one entry, with words no cuBLASLt configuration has.
+  GemmTuningFile f = read_gemm_tuning_file(path, id);
+  ASSERT_EQ(f.state, GemmTuningFile::State::usable) << f.problem;
+  ASSERT_EQ(f.entries.size(), 1u);
+  const std::string key = f.entries.begin()->first;
+  f.entries.begin()->second.algo.fill(~uint64_t{0});
+  write_file_atomic(path, serialize_gemm_tuning(id, f.entries));
+
+  auto reference = make_gemm(nullptr, GemmTuning::heuristic);
+  const std::vector<uint16_t> first_choice = run(*reference);
+  GemmTuningCache cache(path, id);
+  auto user = make_gemm(&cache, GemmTuning::cached);
+  const std::vector<uint16_t> out = run(*user);
+  ASSERT_TRUE(info(*user));
+  EXPECT_EQ(info(*user)->source, cuda::LtGemm::Source::heuristic);
+  EXPECT_TRUE(same_algo(info(*user)->algo, info(*reference)->algo));
+  EXPECT_EQ(out, first_choice);
+  EXPECT_EQ(user->plan_counts().rejected, 1);
+  EXPECT_FALSE(cache.find(key)) << "the refused entry was kept";
+  EXPECT_TRUE(cache.has_unsaved_changes());
+  ASSERT_TRUE(cache.save());
+  EXPECT_EQ(read_gemm_tuning_file(path, id).entries.count(key), 0u);
+}
+
+TEST_F(GemmTuningGpu, TheBackendTunesIntoTheCacheDirectoryAndReadsItBack) {
+  const std::string dir = fresh_dir("gpu_backend");
+  EnvVar cache_dir("IRIS_CACHE_DIR", dir);
+  const std::string path = dir + "/" + kGemmTuningFileName;
+  constexpr int64_t M = 512, N = 768, K = 1024;
+  std::vector<float> hx(M * K), hw(N * K);
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  for (float& v : hx) v = uni(rng);
+  for (float& v : hw) v = 0.05f * uni(rng);
+  auto linear_bits = [&](Backend& be) {
+    void* px = be.allocate(M * K * 2);
+    void* pw = be.allocate(N * K * 2);
+    void* py = be.allocate(M * N * 2);
+    const Tensor x(px, DType::bf16, Device::cuda, {M, K}), w(pw, DType::bf16, Device::cuda, {N, K}),
+        y(py, DType::bf16, Device::cuda, {M, N});
+    be.write(x, hx.data(), DType::f32);
+    be.write(w, hw.data(), DType::f32);
+    be.linear(y, x, w, Tensor(), false);
+    std::vector<uint16_t> out(M * N);
+    be.read(out.data(), DType::bf16, y);
+    be.deallocate(px), be.deallocate(pw), be.deallocate(py);
+    return out;
+  };
+  std::vector<uint16_t> tuned;
+  {
+    auto be = make_cuda_backend(0);
+    EXPECT_EQ(be->gemm_tuning_report().mode, GemmTuning::cached);  // the default
+    EXPECT_EQ(be->gemm_tuning_report().cache_path, path);
+    be->set_gemm_tuning(GemmTuning::tune);
+    tuned = linear_bits(*be);
+    EXPECT_EQ(be->gemm_tuning_report().plans.timed, 1);
+    EXPECT_FALSE(fs::exists(path)) << "tuning results are written when saved, not before";
+    ASSERT_TRUE(be->save_gemm_tuning());
+  }
+  auto be = make_cuda_backend(0);
+  EXPECT_EQ(linear_bits(*be), tuned);
+  const GemmTuningReport r = be->gemm_tuning_report();
+  EXPECT_EQ(r.plans.cached, 1);
+  EXPECT_EQ(r.plans.timed, 0);
+  EXPECT_EQ(r.plans.heuristic, 0);
+}
+
+#endif  // IRIS_WITH_CUDA
 
 }  // namespace
 }  // namespace iris
