@@ -296,7 +296,7 @@ int run_bench_command(int argc, char** argv) {
       "iris bench"};
   std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
   int iters = 5;
-  bool quick = false;
+  bool quick = false, tune = false;
   std::vector<std::string> only;
   std::string profile_case;
   app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
@@ -308,6 +308,10 @@ int run_bench_command(int argc, char** argv) {
                  "command printing the same figures as JSON for comparison, e.g. "
                  "'python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json'");
   app.add_flag("--quick", quick, "smaller shapes (for smoke tests on the CPU)");
+  app.add_flag("--tune", tune,
+               "time the cuBLASLt candidates of every GEMM shape the benchmark runs and save the "
+               "fastest to the GEMM tuning cache, which later commands on this GPU then use "
+               "(without it, shapes missing from the cache take cuBLASLt's first choice)");
   app.add_option("--only", only, "figures to measure (default: all)")
       ->delimiter(',')
       ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention", "gemm"}));
@@ -322,6 +326,13 @@ int run_bench_command(int argc, char** argv) {
   }
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
   auto be = make_backend(dev);
+  const bool on_gpu = be->device() == Device::cuda;
+  if (tune) {
+    if (on_gpu)
+      be->set_gemm_tuning(GemmTuning::tune);
+    else
+      std::fprintf(stderr, "note: --tune has no effect on the CPU: only GPU GEMMs are tuned\n");
+  }
   const ModelConfig cfg = ModelConfig::from_file(config_path);
 
   // Shapes of the standard figures (smaller under --quick so that the CPU can run them).
@@ -621,6 +632,17 @@ int run_bench_command(int argc, char** argv) {
   results["hardware"] = {{"gemm_tflops", hw.gemm_tflops}, {"copy_gbps", hw.copy_gbps}};
   results["device"] = be->name();
   results["config"] = config_path;
+  // Where the GEMMs took their algorithms: the figures above depend on it.
+  const GemmTuningReport tuning = be->gemm_tuning_report();
+  const bool tuning_saved = tune && on_gpu && be->save_gemm_tuning();
+  if (on_gpu)
+    results["gemm_tuning"] = {{"mode", std::string(to_string(tuning.mode))},
+                              {"cache", tuning.cache_path},
+                              {"timed", tuning.plans.timed},
+                              {"cached", tuning.plans.cached},
+                              {"first_choice", tuning.plans.heuristic},
+                              {"rejected", tuning.plans.rejected},
+                              {"saved", tuning_saved}};
 
   json peer_results;
   if (!peer.empty()) {
@@ -630,6 +652,21 @@ int run_bench_command(int argc, char** argv) {
 
   std::printf("iris bench: %s on %s (GEMM %.1f TFLOP/s, copy %.1f GB/s measured)\n",
               config_path.c_str(), be->name().c_str(), hw.gemm_tflops, hw.copy_gbps);
+  if (on_gpu) {
+    std::printf(
+        "GEMM algorithms: %lld timed now, %lld from the tuning cache, %lld cuBLASLt's "
+        "first choice",
+        static_cast<long long>(tuning.plans.timed), static_cast<long long>(tuning.plans.cached),
+        static_cast<long long>(tuning.plans.heuristic));
+    if (tuning.plans.rejected > 0)
+      std::printf(" (%lld cached entries no longer valid, dropped)",
+                  static_cast<long long>(tuning.plans.rejected));
+    if (tuning_saved)
+      std::printf("; saved to %s", tuning.cache_path.c_str());
+    else if (!tune && tuning.plans.heuristic > 0)
+      std::printf("; iris bench --tune times them and fills the cache");
+    std::printf("\n");
+  }
   std::printf("%-34s %14s %-6s %12s\n", "figure", "value", "unit", "of limit");
   for (const Row& r : rows) {
     std::printf("%-34s %14.2f %-6s", r.name.c_str(), r.value, r.unit.c_str());

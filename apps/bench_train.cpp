@@ -106,8 +106,9 @@ int run_bench_train(int argc, char** argv) {
   const json peer_results = peer.empty() ? json() : run_peer(peer);
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
   auto be = make_backend(dev);
-  // As the trainer: no timing-based GEMM choices, so that runs repeat bit for bit.
-  be->set_gemm_autotune(false);
+  // As the trainer: cuBLASLt's first choices, neither timed nor cached, so that runs repeat bit
+  // for bit.
+  be->set_gemm_tuning(GemmTuning::heuristic);
   const bool on_gpu = be->device() == Device::cuda;
   const ModelConfig cfg = ModelConfig::from_file(config_path);
   const HardwareLimits hw = measure_limits(*be, !on_gpu, 5);

@@ -53,6 +53,7 @@ struct GenerateOptions {
   bool json = false;
   bool ignore_eos = false;
   bool no_cuda_graphs = false;
+  bool tune = false;
   std::string logits_out;
   int64_t max_image_pixels = kDefaultMaxImagePixels;
   std::vector<std::pair<std::string, std::string>> graph_flags;
@@ -489,6 +490,7 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--logits-out", o.logits_out, "write the logits after the prompt (safetensors)")
       ->type_name("FILE")
       ->group(more);
+  app.add_flag("--tune", o.tune, "time GEMM algorithms and keep them (GPU)")->group(more);
   app.add_option("--max-image-pixels", o.max_image_pixels,
                  "refuse larger images, from the file's header")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 40)))
@@ -625,6 +627,25 @@ int run_generate_command(int argc, char** argv) {
   }
   if (!o.logits_out.empty()) check_logits_out(o.logits_out, o.model_dir, o.images);
   std::unique_ptr<Backend> backend = make_backend(device);
+  // Without --tune a GEMM shape takes the tuning cache's algorithm, or cuBLASLt's first choice at
+  // once: timing candidates costs a one-shot run more than it saves.
+  if (o.tune) {
+    if (on_gpu)
+      backend->set_gemm_tuning(GemmTuning::tune);
+    else
+      std::fprintf(stderr, "note: --tune has no effect on the CPU: only GPU GEMMs are tuned\n");
+  }
+  // The picks timed under --tune go to the cache once the run is done.
+  auto save_tuning = [&] {
+    if (!o.tune || !on_gpu) return;
+    const GemmTuningReport r = backend->gemm_tuning_report();
+    // A failed save has said why already (a warning).
+    if (backend->save_gemm_tuning())
+      std::fprintf(stderr, "note: --tune: %lld GEMM shapes timed, saved to %s\n",
+                   static_cast<long long>(r.plans.timed), r.cache_path.c_str());
+    else if (r.plans.timed == 0)
+      std::fprintf(stderr, "note: --tune: no GEMM shape of this run had candidates to time\n");
+  };
 
   const fs::path tok_path = fs::path(o.model_dir) / "tokenizer.json";
   IRIS_CHECK(fs::exists(tok_path), "no tokenizer.json in ", o.model_dir,
@@ -714,7 +735,9 @@ int run_generate_command(int argc, char** argv) {
                       load_ms,
                       preprocess_ms,
                       model.weight_load_times()};
-    return run_chat(run, model, req, batch);
+    const int rc = run_chat(run, model, req, batch);
+    save_tuning();
+    return rc;
   }
 
   req.prompt_ids =
@@ -748,6 +771,7 @@ int run_generate_command(int argc, char** argv) {
     print_timings(load_ms, model.weight_load_times(), preprocess_ms, images.size(), t,
                   t.decode_tokens_per_s(), backend->name(), req.sampling.seed);
   }
+  save_tuning();
   return 0;
 }
 

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "core/tuning_cache.h"
 
 namespace iris {
 
@@ -54,10 +55,24 @@ class Backend {
   virtual void begin_side_work() {}
   virtual void end_side_work() {}
   virtual void join_side_work() {}
-  // Whether GEMM algorithms may be chosen by timing candidates (the default: fastest, but two
-  // processes may pick differently and round differently). Training turns it off so that a run
-  // resumed in a new process continues bit for bit. Affects GEMM shapes first seen afterwards.
-  virtual void set_gemm_autotune(bool on) { (void)on; }
+  // How GEMM algorithms are chosen for shapes first planned afterwards (core/tuning_cache.h):
+  // `cached` (the default) takes the persistent tuning cache's pick for a shape it holds and
+  // cuBLASLt's first choice otherwise, never timing on the user's time; `tune` times each new
+  // shape's candidates and records the fastest, which save_gemm_tuning() then writes;
+  // `heuristic` takes cuBLASLt's first choice always and ignores the cache, so that the choice
+  // depends only on the GPU, the library and the shape (training uses it: a run resumed in a new
+  // process continues bit for bit whatever the cache holds). No-op where GEMMs are not tuned.
+  virtual void set_gemm_tuning(GemmTuning mode) { (void)mode; }
+  // The switch from before the cache: on times new shapes (now also recording them, `tune`), off
+  // takes the first choice (`heuristic`).
+  void set_gemm_autotune(bool on) {
+    set_gemm_tuning(on ? GemmTuning::tune : GemmTuning::heuristic);
+  }
+  // Writes the tuning cache file when this process recorded picks; true when it did. A failure is
+  // a warning, never an error: tuning results are an optimisation.
+  virtual bool save_gemm_tuning() { return false; }
+  // The current mode, the cache file and where the GEMM plans made so far took their algorithm.
+  virtual GemmTuningReport gemm_tuning_report() { return {}; }
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
   // Op tapes, for the recording graph stand-in (core/graph_capture.h): between begin_op_tape()

@@ -27,7 +27,9 @@ class TapingBackend final : public Backend {
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override;
   void synchronize() override;
   void* native_stream() override { return in_->native_stream(); }
-  void set_gemm_autotune(bool on) override { in_->set_gemm_autotune(on); }
+  void set_gemm_tuning(GemmTuning mode) override { in_->set_gemm_tuning(mode); }
+  bool save_gemm_tuning() override { return in_->save_gemm_tuning(); }
+  GemmTuningReport gemm_tuning_report() override { return in_->gemm_tuning_report(); }
   size_t device_memory_in_use() override { return in_->device_memory_in_use(); }
   void profiler_collect(bool on) override { in_->profiler_collect(on); }
   double device_span_ms(const std::function<void()>& enqueue) override {

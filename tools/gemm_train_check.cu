@@ -1,12 +1,13 @@
 // Standalone check of iris::cuda::LtTrainGemm (core/cuda/gemm_train.cu) against an fp64 host
 // reference: forward_f32, backward_input (bf16 / f32, with and without accumulation) and
 // backward_weight (dw and db, accumulating into random initial values), each run twice for
-// bitwise determinism, plus a CUDA-graph replay and an instance with tuning off. Prints PASS/FAIL
+// bitwise determinism, plus a CUDA-graph replay and an instance that takes the heuristic's first
+// choice (the main one times the candidates, without a tuning cache). Prints PASS/FAIL
 // per check; the exit status is the number of failures.
 //
 // Build and run (from the repository root):
 // clang-format off
-//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm_train.cu core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
+//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm_train.cu core/cuda/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
 //   /tmp/gemm_train_check
 // clang-format on
 //
@@ -214,6 +215,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
   std::printf("-- %s%s\n", tag.c_str(), c.misalign ? " (operands misaligned)" : "");
   const cudaStream_t s = ctx.stream;
   LtTrainGemm gemm(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
+  gemm.set_tuning(iris::GemmTuning::tune);
 
   const Bf16Host x = random_bf16(M * K, 11 + M), w = random_bf16(N * K, 22 + N),
                  dy = random_bf16(M * N, 33 + K);
@@ -251,7 +253,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
            same_bits(y1.data(), y2.data(), M * N * 4));
 
     LtTrainGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
-    untuned.set_tuning(false);
+    untuned.set_tuning(iris::GemmTuning::heuristic);
     untuned.forward_f32(y.ptr<float>(), d_x, d_w, M, N, K, s);
     const auto y3 = download(y.ptr<float>(), M * N);
     report(tag + "forward_f32 (tuning off)", rel_l2(y3, ref, {}), 1e-5, true);
@@ -374,7 +376,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
         same_bits(dw3.data(), dw0.data(), N * K * 4) && same_bits(db3.data(), db1.data(), N * 4));
 
     LtTrainGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
-    untuned.set_tuning(false);
+    untuned.set_tuning(iris::GemmTuning::heuristic);
     const auto [dw4, db4] = run(untuned, true);
     const auto [dw5, db5] = run(untuned, true);
     report(tag + "backward_weight dw (tuning off)", rel_l2(dw4, ref, dw0), 1e-5,

@@ -398,7 +398,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   int n_replicas = 1;
   if (on_gpu) {
     gpu = make_cuda_backend(dp.cuda_device());
-    gpu->set_gemm_autotune(false);
+    // cuBLASLt's first choice for every GEMM, neither timed nor read from the tuning cache: the
+    // algorithm decides the rounding, and a run resumed in a new process (after someone filled
+    // the cache, or on a newer cache) must continue bit for bit.
+    gpu->set_gemm_tuning(GemmTuning::heuristic);
     master = allocate_weights(*gpu, cfg, DType::f32);
     working = allocate_weights(*gpu, cfg);
     upload_weights(*gpu, *master, *params);

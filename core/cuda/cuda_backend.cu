@@ -16,6 +16,7 @@
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/gemm.h"
 #include "core/cuda/gemm_train.h"
+#include "core/cuda/gemm_tuning.h"
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/train_kernels.h"
@@ -133,8 +134,12 @@ class CudaBackend final : public Backend {
     tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
     decode_buffer_.reset(allocate(kDecodeScratchBytes));
     argmax_keys_.reset(allocate(kArgmaxScratchRows * sizeof(unsigned long long)));
-    gemm_ = std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes,
-                                           tune_scratch_.get(), kGemmTuneScratchBytes);
+    // The file is read when the first GEMM is planned from it, not here.
+    tuning_cache_ = std::make_unique<GemmTuningCache>(gemm_tuning_cache_path(),
+                                                      cuda::gemm_tuning_identity(device_));
+    gemm_ =
+        std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes, tune_scratch_.get(),
+                                       kGemmTuneScratchBytes, tuning_cache_.get());
     side_stream_ = std::make_unique<Stream>();
     side_fork_ = std::make_unique<Event>();
     side_done_ = std::make_unique<Event>();
@@ -143,7 +148,8 @@ class CudaBackend final : public Backend {
     // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
     // scratch only receives trial outputs that nothing reads, so the two share it.
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
-                                                tune_scratch_.get(), kGemmTuneScratchBytes);
+                                                tune_scratch_.get(), kGemmTuneScratchBytes,
+                                                tuning_cache_.get());
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
     scratch_.partial_sum = scratch_.partial_max + rows;
@@ -157,7 +163,8 @@ class CudaBackend final : public Backend {
     // Training: its GEMMs share the main stream's workspace and tuning scratch (one op at a time),
     // and one scratch buffer serves the deterministic reductions.
     train_gemm_ = std::make_unique<cuda::LtTrainGemm>(workspace_.get(), kGemmWorkspaceBytes,
-                                                      tune_scratch_.get(), kGemmTuneScratchBytes);
+                                                      tune_scratch_.get(), kGemmTuneScratchBytes,
+                                                      tuning_cache_.get());
     train_scratch_bytes_ =
         cuda::train_scratch_bytes(kTrainMaxCols, kTrainMaxLossRows, kTrainMaxTensors);
     train_scratch_.reset(allocate(train_scratch_bytes_));
@@ -353,10 +360,22 @@ class CudaBackend final : public Backend {
     return ms;
   }
 
-  void set_gemm_autotune(bool on) override {
-    gemm_->set_tuning(on);
-    side_gemm_->set_tuning(on);
-    train_gemm_->set_tuning(on);
+  void set_gemm_tuning(GemmTuning mode) override {
+    gemm_->set_tuning(mode);
+    side_gemm_->set_tuning(mode);
+    train_gemm_->set_tuning(mode);
+  }
+
+  bool save_gemm_tuning() override { return tuning_cache_->save(); }
+
+  GemmTuningReport gemm_tuning_report() override {
+    GemmTuningReport r;
+    r.mode = gemm_->tuning();
+    r.cache_path = tuning_cache_->path();
+    r.plans += gemm_->plan_counts();
+    r.plans += side_gemm_->plan_counts();
+    r.plans += train_gemm_->plan_counts();
+    return r;
   }
 
   // Graph capture starts and ends on the main stream; side work joins it through events.
@@ -1216,6 +1235,8 @@ class CudaBackend final : public Backend {
   DeviceBuffer side_workspace_;
   DeviceBuffer train_scratch_;
   size_t train_scratch_bytes_ = 0;
+  // Shared by the planners below, which are destroyed first.
+  std::unique_ptr<GemmTuningCache> tuning_cache_;
   // Destroyed before the workspaces they use.
   std::unique_ptr<cuda::LtTrainGemm> train_gemm_;
   std::unique_ptr<cuda::LtGemm> gemm_;

@@ -1,9 +1,11 @@
 #include "core/cuda/gemm.h"
 
+#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/gemm_tuning.h"
 
 namespace iris::cuda {
 namespace {
@@ -24,32 +26,83 @@ constexpr int kTimedRounds = 3;
 }  // namespace
 
 LtGemm::LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch,
-               size_t tune_scratch_bytes)
+               size_t tune_scratch_bytes, GemmTuningCache* cache)
     : workspace_(workspace),
       workspace_bytes_(workspace_bytes),
       tune_scratch_(tune_scratch),
-      tune_scratch_bytes_(tune_scratch_bytes) {
+      tune_scratch_bytes_(tune_scratch_bytes),
+      cache_(cache) {
   IRIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
   IRIS_CUDA_CHECK(cudaEventCreate(&start_));
   IRIS_CUDA_CHECK(cudaEventCreate(&stop_));
 }
 
+void LtGemm::destroy(Plan& p) {
+  // Called from the destructor too: failures while tearing down are ignored.
+  if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+  if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+  if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+  if (p.op) cublasLtMatmulDescDestroy(p.op);
+  p = Plan{};
+}
+
 LtGemm::~LtGemm() {
-  // Destructors never throw: failures while tearing down are ignored.
-  for (auto& [key, p] : plans_) {
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
-    if (p.op) cublasLtMatmulDescDestroy(p.op);
-  }
+  for (auto& [key, p] : plans_) destroy(p);
   if (start_) cudaEventDestroy(start_);
   if (stop_) cudaEventDestroy(stop_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
-int LtGemm::fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, uint16_t* y,
-                    const uint16_t* x, const uint16_t* w, const uint16_t* bias, bool accumulate,
-                    cudaStream_t stream) {
+LtGemm::Key LtGemm::key_of(const uint16_t* y, const uint16_t* x, const uint16_t* w,
+                           const uint16_t* bias, int64_t m, int64_t n, int64_t k, bool accumulate,
+                           bool gelu) {
+  return Key{m,
+             n,
+             k,
+             bias != nullptr,
+             gelu,
+             accumulate,
+             alignment_of(x),
+             alignment_of(w),
+             alignment_of(y)};
+}
+
+std::string LtGemm::cache_key(const Key& key) {
+  const auto [m, n, k, has_bias, gelu, accumulate, align_x, align_w, align_y] = key;
+  GemmTuningKey t;
+  t.op = "linear";
+  t.m = m, t.n = n, t.k = k;
+  t.epilogue = gelu ? (has_bias ? "gelu_bias" : "gelu") : has_bias ? "bias" : "none";
+  t.accumulate = accumulate;
+  // cuBLASLt's A is w, B is x, D is y (see plan()).
+  t.align_a = align_w, t.align_b = align_x, t.align_d = align_y;
+  return t.text();
+}
+
+std::optional<LtGemm::PlanInfo> LtGemm::plan_info(const uint16_t* y, const uint16_t* x,
+                                                  const uint16_t* w, const uint16_t* bias,
+                                                  int64_t m, int64_t n, int64_t k, bool accumulate,
+                                                  bool gelu) const {
+  const auto it = plans_.find(key_of(y, x, w, bias, m, n, k, accumulate, gelu));
+  if (it == plans_.end() || it->second.op == nullptr) return std::nullopt;
+  return PlanInfo{it->second.algo, it->second.source};
+}
+
+GemmPlanCounts LtGemm::plan_counts() const {
+  GemmPlanCounts c;
+  for (const auto& [key, p] : plans_) {
+    if (p.op == nullptr) continue;
+    if (p.source == Source::heuristic) ++c.heuristic;
+    if (p.source == Source::cache) ++c.cached;
+    if (p.source == Source::timed) ++c.timed;
+  }
+  c.rejected = rejected_;
+  return c;
+}
+
+LtGemm::Pick LtGemm::fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
+                             uint16_t* y, const uint16_t* x, const uint16_t* w,
+                             const uint16_t* bias, bool accumulate, cudaStream_t stream) {
   // Trial outputs: an accumulating GEMM reads y, so its trials write the scratch buffer (whose
   // contents do not matter); otherwise y itself, which the real call overwrites afterwards.
   uint16_t* out = accumulate ? static_cast<uint16_t*>(tune_scratch_) : y;
@@ -67,7 +120,7 @@ int LtGemm::fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes_ &&
         launch(i) == CUBLAS_STATUS_SUCCESS)
       usable.push_back(i);
-  if (usable.empty()) return 0;
+  if (usable.empty()) return {};
   // Each candidate's best of several rounds, the rounds interleaved over the candidates: clock
   // ramps and other work on the GPU then weigh on all of them alike instead of on whichever
   // happened to be timed at that moment. Timed once each, fc2 of eight 448x448 images (6272 x
@@ -89,7 +142,9 @@ int LtGemm::fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int
   int best = usable[0];
   for (int i : usable)
     if (best_ms[i] < best_ms[best]) best = i;
-  return best;
+  // Every candidate failed while timed: nothing was learnt, and the first choice stays.
+  if (!std::isfinite(best_ms[best])) return {};
+  return {true, best, 1000.0 * best_ms[best] / kTimedReps};
 }
 
 const LtGemm::Plan& LtGemm::plan(const Key& key, uint16_t* y, const uint16_t* x, const uint16_t* w,
@@ -162,32 +217,54 @@ const LtGemm::Plan& LtGemm::plan(const Key& key, uint16_t* y, const uint16_t* x,
     IRIS_FAIL("cuBLASLt has no bf16 algorithm for linear M=", m, " N=", n, " K=", k,
               " (alignments x ", align_x, ", w ", align_w, ", y ", align_y, ")");
   }
-  // Candidates are timed once per shape on the real operands, outside graph capture only (a
-  // capture cannot wait for events). Whatever is chosen is kept for the process, so that a graph
-  // and the eager path always run the same algorithm and agree bit for bit.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool fits_scratch = !accumulate || m * n * static_cast<int64_t>(sizeof(uint16_t)) <=
-                                               static_cast<int64_t>(tune_scratch_bytes_);
-  int chosen = 0;
-  if (tuning_ && found > 1 && capture == cudaStreamCaptureStatusNone && fits_scratch)
-    chosen = fastest(p, results, found, y, x, w, bias, accumulate, stream);
-  p.algo = results[chosen].algo;
+  // The heuristic's first choice, unless the cache has a pick (checked before it is trusted) or
+  // tuning times the candidates: once per shape and process, on the real operands, outside graph
+  // capture only (a capture cannot wait for events). Whatever is chosen is kept for the life of
+  // this object, so that a graph and the eager path always run the same algorithm and agree bit
+  // for bit.
+  try {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool fits_scratch = !accumulate || m * n * static_cast<int64_t>(sizeof(uint16_t)) <=
+                                                 static_cast<int64_t>(tune_scratch_bytes_);
+    const bool can_time = tuning_ == GemmTuning::tune && found > 1 &&
+                          capture == cudaStreamCaptureStatusNone && fits_scratch;
+    const std::string ckey = cache_ != nullptr ? cache_key(key) : std::string();
+    p.algo = results[0].algo;
+    p.source = Source::heuristic;
+    // Tuning retimes what an earlier process recorded, not what this one did (the side stream's
+    // planner then takes the main one's pick).
+    if (cache_ != nullptr && tuning_ != GemmTuning::heuristic &&
+        !(can_time && !cache_->recorded(ckey))) {
+      if (const auto entry = cache_->find(ckey)) {
+        const cublasLtMatmulAlgo_t algo = algo_of(*entry);
+        if (algo_fits(handle_, p.op, p.a, p.b, p.c, p.c, algo, workspace_bytes_)) {
+          p.algo = algo;
+          p.source = Source::cache;
+        } else {
+          cache_->drop(ckey);
+          ++rejected_;
+        }
+      }
+    }
+    if (p.source == Source::heuristic && can_time) {
+      const Pick pick = fastest(p, results, found, y, x, w, bias, accumulate, stream);
+      if (pick.timed) {
+        p.algo = results[pick.index].algo;
+        p.source = Source::timed;
+        if (cache_ != nullptr) cache_->record(ckey, tuning_entry_of(p.algo, pick.us));
+      }
+    }
+  } catch (...) {
+    destroy(p);
+    throw;
+  }
   return plans_.emplace(key, p).first->second;
 }
 
 bool LtGemm::run(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
                  int64_t n, int64_t k, bool accumulate, bool gelu, cudaStream_t stream) {
-  const Key key{m,
-                n,
-                k,
-                bias != nullptr,
-                gelu,
-                accumulate,
-                alignment_of(x),
-                alignment_of(w),
-                alignment_of(y)};
-  const Plan& p = plan(key, y, x, w, bias, stream);
+  const Plan& p = plan(key_of(y, x, w, bias, m, n, k, accumulate, gelu), y, x, w, bias, stream);
   if (p.op == nullptr) return false;
   if (bias != nullptr)
     IRIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,

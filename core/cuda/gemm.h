@@ -7,7 +7,11 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <string>
 #include <tuple>
+
+#include "core/tuning_cache.h"
 
 namespace iris::cuda {
 
@@ -15,8 +19,10 @@ class LtGemm {
  public:
   // `workspace` (device memory owned by the caller) is handed to every matmul; `tune_scratch`
   // (also the caller's) receives the outputs of trial runs when algorithms are timed for an
-  // accumulating GEMM, whose real output is also an input.
-  LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch, size_t tune_scratch_bytes);
+  // accumulating GEMM, whose real output is also an input. `cache` (the caller's, may be null:
+  // then nothing is read or recorded) is the persistent tuning cache.
+  LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch, size_t tune_scratch_bytes,
+         GemmTuningCache* cache = nullptr);
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
@@ -26,10 +32,25 @@ class LtGemm {
   // algorithm for that GELU epilogue (the caller runs the unfused ops); any other failure throws.
   bool run(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
            int64_t n, int64_t k, bool accumulate, bool gelu, cudaStream_t stream);
-  // With tuning off, plans made afterwards take the heuristic's first candidate: the choice then
-  // depends only on the GPU, the library and the shape, not on a timing race, so another process
-  // (a resumed training run) computes the same bits.
-  void set_tuning(bool on) { tuning_ = on; }
+  // How plans made from now on choose their algorithm (GemmTuning in core/tuning_cache.h; the
+  // default is cached). Existing plans are kept, so that eager calls and captured graphs keep
+  // running the same algorithms. Candidates are timed only outside stream capture: timing waits
+  // on events.
+  void set_tuning(GemmTuning mode) { tuning_ = mode; }
+  GemmTuning tuning() const { return tuning_; }
+
+  // Where a plan's algorithm came from.
+  enum class Source { heuristic, cache, timed };
+  struct PlanInfo {
+    cublasLtMatmulAlgo_t algo;
+    Source source;
+  };
+  // The plan that run() with these arguments would use, if it has been made (nullopt also for a
+  // GELU epilogue that has no algorithm).
+  std::optional<PlanInfo> plan_info(const uint16_t* y, const uint16_t* x, const uint16_t* w,
+                                    const uint16_t* bias, int64_t m, int64_t n, int64_t k,
+                                    bool accumulate, bool gelu) const;
+  GemmPlanCounts plan_counts() const;
 
  private:
   // The algorithm depends on the shape, the epilogue and the operands' alignment (a pointer
@@ -40,13 +61,24 @@ class LtGemm {
     cublasLtMatmulDesc_t op = nullptr;  // null: no algorithm for this GELU epilogue
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    Source source = Source::heuristic;
   };
+  static Key key_of(const uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                    int64_t m, int64_t n, int64_t k, bool accumulate, bool gelu);
+  static std::string cache_key(const Key& key);
   const Plan& plan(const Key& key, uint16_t* y, const uint16_t* x, const uint16_t* w,
                    const uint16_t* bias, cudaStream_t stream);
-  // Index of the fastest of `count` candidate algorithms, timed on the real operands.
-  int fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, uint16_t* y,
-              const uint16_t* x, const uint16_t* w, const uint16_t* bias, bool accumulate,
-              cudaStream_t stream);
+  // The fastest of `count` candidate algorithms, timed on the real operands: its index and its
+  // best time per call in microseconds. Not timed when no candidate would run (index 0 then).
+  struct Pick {
+    bool timed = false;
+    int index = 0;
+    double us = 0;
+  };
+  Pick fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, uint16_t* y,
+               const uint16_t* x, const uint16_t* w, const uint16_t* bias, bool accumulate,
+               cudaStream_t stream);
+  static void destroy(Plan& p);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_;
@@ -55,7 +87,9 @@ class LtGemm {
   size_t tune_scratch_bytes_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   std::map<Key, Plan> plans_;
-  bool tuning_ = true;
+  GemmTuningCache* cache_;
+  GemmTuning tuning_ = GemmTuning::cached;
+  int64_t rejected_ = 0;  // cached entries that failed the check (over the object's life)
 };
 
 }  // namespace iris::cuda

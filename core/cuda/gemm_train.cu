@@ -3,11 +3,13 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
+#include "core/cuda/gemm_tuning.h"
 
 namespace iris::cuda {
 namespace {
@@ -30,6 +32,9 @@ constexpr int kTimedRounds = 3;
 // is kept: near ties then resolve the same way in every process instead of by timing noise (the
 // algorithm decides the rounding, so a stable pick keeps runs comparable bit for bit).
 constexpr float kTieMargin = 0.02f;
+
+// The ops by their Op value, in errors and in tuning cache keys.
+constexpr const char* kOpNames[] = {"forward_f32", "backward_input", "backward_weight"};
 
 // One cuBLASLt problem, column-major: D[d_rows, d_cols] = op(A) op(B), A and B stored as
 // [rows, cols] with leading dimension ld (before op is applied).
@@ -142,11 +147,12 @@ void launch_column_sum(float* db, const uint16_t* dy, int64_t m, int64_t n, cuda
 }  // namespace
 
 LtTrainGemm::LtTrainGemm(void* workspace, size_t workspace_bytes, void* tune_scratch,
-                         size_t tune_scratch_bytes)
+                         size_t tune_scratch_bytes, GemmTuningCache* cache)
     : workspace_(workspace),
       workspace_bytes_(workspace_bytes),
       tune_scratch_(tune_scratch),
-      tune_scratch_bytes_(tune_scratch_bytes) {
+      tune_scratch_bytes_(tune_scratch_bytes),
+      cache_(cache) {
   IRIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
   IRIS_CUDA_CHECK(cudaEventCreate(&start_));
   IRIS_CUDA_CHECK(cudaEventCreate(&stop_));
@@ -166,6 +172,28 @@ LtTrainGemm::~LtTrainGemm() {
 }
 
 // ---- keys: the alignments are those of cuBLASLt's operands in problem_of's order ----
+
+std::string LtTrainGemm::cache_key(const Key& key) {
+  const auto [op, m, n, k, d_f32, accumulate, align_a, align_b, align_d] = key;
+  GemmTuningKey t;
+  t.op = kOpNames[op];
+  t.m = m, t.n = n, t.k = k;
+  t.out_f32 = d_f32;
+  t.accumulate = accumulate;
+  t.align_a = align_a, t.align_b = align_b, t.align_d = align_d;
+  return t.text();
+}
+
+GemmPlanCounts LtTrainGemm::plan_counts() const {
+  GemmPlanCounts c;
+  for (const auto& [key, p] : plans_) {
+    if (p.source == Source::heuristic) ++c.heuristic;
+    if (p.source == Source::cache) ++c.cached;
+    if (p.source == Source::timed) ++c.timed;
+  }
+  c.rejected = rejected_;
+  return c;
+}
 
 LtTrainGemm::Key LtTrainGemm::forward_f32_key(const float* y, const uint16_t* x, const uint16_t* w,
                                               int64_t m, int64_t n, int64_t k) {
@@ -210,9 +238,10 @@ bool LtTrainGemm::has_backward_weight_plan(const float* dw, const uint16_t* dy, 
 
 // ---- plans ----
 
-int LtTrainGemm::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count,
-                         void* d, const void* a, const void* b, bool accumulate,
-                         cudaStream_t stream) {
+LtTrainGemm::Pick LtTrainGemm::fastest(const Plan& p,
+                                       const cublasLtMatmulHeuristicResult_t* results, int count,
+                                       void* d, const void* a, const void* b, bool accumulate,
+                                       cudaStream_t stream) {
   // Trial outputs: an accumulating GEMM reads D, so its trials write the scratch buffer (whose
   // contents do not matter); otherwise D itself, which the real call overwrites afterwards.
   void* out = accumulate ? tune_scratch_ : d;
@@ -227,7 +256,7 @@ int LtTrainGemm::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* r
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes_ &&
         launch(i) == CUBLAS_STATUS_SUCCESS)
       usable.push_back(i);
-  if (usable.empty()) return 0;
+  if (usable.empty()) return {};
   std::vector<float> best_ms(count, std::numeric_limits<float>::infinity());
   for (int round = 0; round < kTimedRounds; ++round)
     for (int i : usable) {
@@ -242,9 +271,12 @@ int LtTrainGemm::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* r
     }
   float fastest_ms = std::numeric_limits<float>::infinity();
   for (int i : usable) fastest_ms = std::min(fastest_ms, best_ms[i]);
+  // Every candidate failed while timed: nothing was learnt, and the first choice stays.
+  if (!std::isfinite(fastest_ms)) return {};
   for (int i : usable)
-    if (best_ms[i] <= fastest_ms * (1.f + kTieMargin)) return i;
-  return usable[0];
+    if (best_ms[i] <= fastest_ms * (1.f + kTieMargin))
+      return {true, i, 1000.0 * best_ms[i] / kTimedReps};
+  return {};
 }
 
 const LtTrainGemm::Plan& LtTrainGemm::plan(const Key& key, void* d, const void* a, const void* b,
@@ -264,6 +296,7 @@ const LtTrainGemm::Plan& LtTrainGemm::plan(const Key& key, void* d, const void* 
   cublasLtMatmulPreference_t pref = nullptr;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
+  uint32_t found_mask = 0;  // the reduction schemes the candidates were asked with
   // Builds the descriptors and asks the heuristic, with the deterministic reduction schemes
   // first; should none of those fit (not seen so far), with any scheme: cuBLASLt's own schemes
   // still reduce in a fixed order for a fixed algorithm.
@@ -310,6 +343,7 @@ const LtTrainGemm::Plan& LtTrainGemm::plan(const Key& key, void* d, const void* 
       if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d, pref, kCandidates,
                                            results, &found);
+      found_mask = mask;
       // "No algorithm" may come back as NOT_SUPPORTED; the wider mask is tried next.
       if (s == CUBLAS_STATUS_NOT_SUPPORTED) {
         s = CUBLAS_STATUS_SUCCESS;
@@ -322,15 +356,15 @@ const LtTrainGemm::Plan& LtTrainGemm::plan(const Key& key, void* d, const void* 
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     destroy();
     IRIS_CUBLAS_CHECK(st);
-    static const char* const kNames[] = {"forward_f32", "backward_input", "backward_weight"};
-    IRIS_FAIL("cuBLASLt has no bf16 algorithm for ", kNames[op], " M=", m, " N=", n, " K=", k, " (",
-              d_f32 ? "f32" : "bf16", " output; alignments A ", align_a, ", B ", align_b, ", D ",
-              align_d, ")");
+    IRIS_FAIL("cuBLASLt has no bf16 algorithm for ", kOpNames[op], " M=", m, " N=", n, " K=", k,
+              " (", d_f32 ? "f32" : "bf16", " output; alignments A ", align_a, ", B ", align_b,
+              ", D ", align_d, ")");
   }
-  // Candidates are timed once per key on the real operands, outside graph capture only (a capture
-  // cannot wait for events). Whatever is chosen is kept for the life of this object, so that a
-  // graph and the eager path always run the same algorithm and agree bit for bit.
-  int chosen = 0;
+  // The heuristic's first choice, unless the cache has a pick (checked, its reduction scheme
+  // included, before it is trusted) or tuning times the candidates: once per key and process, on
+  // the real operands, outside graph capture only (a capture cannot wait for events). Whatever is
+  // chosen is kept for the life of this object, so that a graph and the eager path always run the
+  // same algorithm and agree bit for bit.
   try {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -340,13 +374,38 @@ const LtTrainGemm::Plan& LtTrainGemm::plan(const Key& key, void* d, const void* 
         !accumulate ||
         (tune_scratch_ != nullptr && d_bytes <= static_cast<int64_t>(tune_scratch_bytes_) &&
          alignment_of(tune_scratch_, 0) >= align_d);
-    if (tuning_ && found > 1 && capture == cudaStreamCaptureStatusNone && fits_scratch)
-      chosen = fastest(p, results, found, d, a, b, accumulate, stream);
+    const bool can_time = tuning_ == GemmTuning::tune && found > 1 &&
+                          capture == cudaStreamCaptureStatusNone && fits_scratch;
+    const std::string ckey = cache_ != nullptr ? cache_key(key) : std::string();
+    p.algo = results[0].algo;
+    p.source = Source::heuristic;
+    // Tuning retimes what an earlier process recorded, not what this one did.
+    if (cache_ != nullptr && tuning_ != GemmTuning::heuristic &&
+        !(can_time && !cache_->recorded(ckey))) {
+      if (const auto entry = cache_->find(ckey)) {
+        const cublasLtMatmulAlgo_t algo = algo_of(*entry);
+        if (algo_reduction_in(algo, found_mask) &&
+            algo_fits(handle_, p.op, p.a, p.b, p.d, p.d, algo, workspace_bytes_)) {
+          p.algo = algo;
+          p.source = Source::cache;
+        } else {
+          cache_->drop(ckey);
+          ++rejected_;
+        }
+      }
+    }
+    if (p.source == Source::heuristic && can_time) {
+      const Pick pick = fastest(p, results, found, d, a, b, accumulate, stream);
+      if (pick.timed) {
+        p.algo = results[pick.index].algo;
+        p.source = Source::timed;
+        if (cache_ != nullptr) cache_->record(ckey, tuning_entry_of(p.algo, pick.us));
+      }
+    }
   } catch (...) {
     destroy();
     throw;
   }
-  p.algo = results[chosen].algo;
   return plans_.emplace(key, p).first->second;
 }
 
