@@ -264,6 +264,13 @@ class TracingBackend final : public Backend {
     in_.add_interpolated_rows(y, table, index, weight);
   }
   void argmax_rows(const Tensor& out, const Tensor& x) override { in_.argmax_rows(out, x); }
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) override {
+    in_.vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
+                      merge_size, grid_side);
+  }
 
  private:
   void flag(const char* what) {

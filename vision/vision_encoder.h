@@ -42,8 +42,25 @@ struct VisionWeights {
   std::vector<PatchMergerWeights> deepstack_mergers;
 };
 
-// Everything an encoder call needs besides the pixels, laid out on the host for `rows` rows
-// (rows >= the real patch count when padded for a graph bucket).
+// The host's share of one encoder call: the row and segment counts that run() passes to the ops.
+struct VisionCall {
+  int64_t n_patches = 0;  // real patches, summed over images
+  int64_t rows = 0;       // n_patches plus padding
+  int n_segments = 0;     // segments that hold rows (image frames + the padding segment)
+};
+
+// Checks `grids` (one per image, in order) and counts its rows and segments. `padded_rows` = 0
+// means no padding; `segment_capacity` = 0 means no limit on the segments.
+VisionCall plan_vision_call(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                            int64_t padded_rows = 0, int segment_capacity = 0);
+
+// `grids` as Backend::vision_tables reads them, into `out` (resized to
+// vision_grids_numel(capacity); unused entries zero).
+void pack_vision_grids(const std::vector<GridTHW>& grids, int capacity, std::vector<int32_t>& out);
+
+// The tables of an encoder call laid out on the host for `rows` rows (rows >= the real patch
+// count when padded for a graph bucket): what Backend::vision_tables writes on the device, by
+// the same code as the CPU backend's op (vision_tables_host).
 struct VisionInputs {
   int64_t n_patches = 0;  // real patches, summed over images
   int64_t rows = 0;       // n_patches plus padding
@@ -56,7 +73,7 @@ struct VisionInputs {
   std::vector<float> pos_weight;   // [rows, 4]
 };
 
-// Plans the inputs for `grids` (one per image, in order). `padded_rows` = 0 means no padding;
+// The tables for `grids` (one per image, in order). `padded_rows` = 0 means no padding;
 // `segment_capacity` = 0 means exactly the segments used.
 VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
                                 int64_t padded_rows = 0, int segment_capacity = 0);
