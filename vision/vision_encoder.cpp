@@ -247,11 +247,12 @@ VisionEncoder::VisionEncoder(Backend& backend, const VisionConfig& cfg,
   IRIS_CHECK(max_rows > 0 && max_rows % unit == 0, "vision max rows ", max_rows,
              " must be a positive multiple of ", unit);
   IRIS_CHECK(max_segments > 0, "vision encoder needs at least one segment");
+  inv_freq_ = vision_rope_inv_freq(cfg.head_dim(), cfg.rope_theta);
+  grids_host_.assign(static_cast<size_t>(vision_grids_numel(max_segments)), 0);
   Arena plan;
   allocate(plan);
   arena_ = Arena(backend, plan.used());
   allocate(arena_);
-  zero_rows_.clear();
 }
 
 void VisionEncoder::allocate(Arena& a) {
@@ -259,6 +260,7 @@ void VisionEncoder::allocate(Arena& a) {
   const int64_t S = max_rows_, D = cfg_.hidden_size, M = cfg_.merged_dim();
   const int64_t Sm = S / cfg_.merge_unit();
   pixels_ = a.alloc(dt, {S, cfg_.patch_dim()});
+  grids_ = a.alloc(DType::i32, {vision_grids_numel(max_segments_)});
   cos_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
   sin_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
   pos_index_ = a.alloc(DType::i32, {S, 4});
@@ -278,28 +280,19 @@ void VisionEncoder::allocate(Arena& a) {
     deepstack_.push_back(a.alloc(dt, {Sm, cfg_.out_hidden_size}));
 }
 
-void VisionEncoder::upload(const float* pixel_values, const VisionInputs& in) {
-  IRIS_CHECK(in.rows <= max_rows_, "vision call of ", in.rows, " patch rows exceeds the planned ",
-             max_rows_, " (raise the maximum vision sequence length)");
-  IRIS_CHECK(static_cast<int>(in.cu_seqlens.size()) - 1 <= max_segments_, "vision call has ",
-             in.cu_seqlens.size() - 1, " segments; the encoder was planned for ", max_segments_);
-  const int64_t pd = cfg_.patch_dim();
-  backend_.write(pixels_.slice(0, in.n_patches), pixel_values, DType::f32);
-  if (in.rows > in.n_patches) {
-    // Padding rows are zeros, written from a host buffer sized once for the largest padding.
-    const size_t pad = static_cast<size_t>((in.rows - in.n_patches) * pd);
-    if (zero_rows_.size() < pad) zero_rows_.assign(static_cast<size_t>(max_rows_ * pd), 0.0f);
-    backend_.write(pixels_.slice(in.n_patches, in.rows), zero_rows_.data(), DType::f32);
-  }
-  backend_.write(cos_.slice(0, in.rows), in.cos.data(), DType::f32);
-  backend_.write(sin_.slice(0, in.rows), in.sin.data(), DType::f32);
-  backend_.write(pos_index_.slice(0, in.rows), in.pos_index.data(), DType::i32);
-  backend_.write(pos_weight_.slice(0, in.rows), in.pos_weight.data(), DType::f32);
-  std::vector<int32_t> cu(in.cu_seqlens);
-  cu.resize(static_cast<size_t>(max_segments_) + 1, cu.back());
-  backend_.write(cu_seqlens_, cu.data(), DType::i32);
-  const int32_t real_rows = static_cast<int32_t>(in.n_patches);
-  backend_.write(real_rows_, &real_rows, DType::i32);
+VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
+                                 int64_t padded_rows) {
+  const VisionCall call = plan_vision_call(cfg_, grids, padded_rows, max_segments_);
+  IRIS_CHECK(call.rows <= max_rows_, "vision call of ", call.rows,
+             " patch rows exceeds the planned ", max_rows_,
+             " (raise the maximum vision sequence length)");
+  // The grids first: a few ints that rarely wait, while the pixel write below may wait for the
+  // staging buffer it shares with them.
+  pack_vision_grids(grids, max_segments_, grids_host_);
+  backend_.write(grids_, grids_host_.data(), DType::i32);
+  backend_.write(pixels_.slice(0, call.n_patches), pixel_values, DType::f32);
+  if (call.rows > call.n_patches) backend_.fill_zero(pixels_.slice(call.n_patches, call.rows));
+  return call;
 }
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
@@ -320,6 +313,11 @@ VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
 void VisionEncoder::run_embed(int64_t S) {
   IRIS_CHECK(S > 0 && S <= max_rows_ && S % cfg_.merge_unit() == 0, "vision run over ", S,
              " rows (planned ", max_rows_, ")");
+  // The tables of the grids in grids_, on the device: inside a captured graph they follow each
+  // replay's images, and the host uploads no tables.
+  backend_.vision_tables(cos_.slice(0, S), sin_.slice(0, S), pos_index_.slice(0, S),
+                         pos_weight_.slice(0, S), cu_seqlens_, real_rows_, grids_, inv_freq_,
+                         cfg_.spatial_merge_size, cfg_.position_grid_side());
   Tensor x = x_.slice(0, S);
   backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
   backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
@@ -354,10 +352,9 @@ VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
 
 VisionEncoder::Output VisionEncoder::encode(const float* pixel_values,
                                             const std::vector<GridTHW>& grids) {
-  const VisionInputs in = plan_vision_inputs(cfg_, grids);
-  upload(pixel_values, in);
-  Output out = run(in.rows, in.n_segments);
-  const int64_t real = in.n_patches / cfg_.merge_unit();
+  const VisionCall call = upload(pixel_values, grids);
+  Output out = run(call.rows, call.n_segments);
+  const int64_t real = call.n_patches / cfg_.merge_unit();
   out.embeds = out.embeds.slice(0, real);
   for (Tensor& d : out.deepstack) d = d.slice(0, real);
   return out;
