@@ -1,6 +1,7 @@
 #include "vision/vision_encoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -290,7 +291,10 @@ VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<Gr
   // staging buffer it shares with them.
   pack_vision_grids(grids, max_segments_, grids_host_);
   backend_.write(grids_, grids_host_.data(), DType::i32);
+  const auto t0 = std::chrono::steady_clock::now();
   backend_.write(pixels_.slice(0, call.n_patches), pixel_values, DType::f32);
+  last_pixel_upload_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (call.rows > call.n_patches) backend_.fill_zero(pixels_.slice(call.n_patches, call.rows));
   return call;
 }

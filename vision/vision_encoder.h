@@ -165,6 +165,10 @@ class VisionEncoder {
   // (0: no padding). Returns what run() takes.
   VisionCall upload(const float* pixel_values, const std::vector<GridTHW>& grids,
                     int64_t padded_rows = 0);
+  // Host milliseconds the last upload() spent writing pixel rows, which is the part of a call's
+  // host time that grows with the images (and can wait for the staging buffer): benchmarks
+  // report the enqueue time without it.
+  double last_pixel_upload_ms() const { return last_pixel_upload_ms_; }
   // Computes from the static buffers for the last upload()'s row count and segments, the tables
   // first. Captures in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding
   // included).
@@ -211,6 +215,7 @@ class VisionEncoder {
   std::vector<Tensor> deepstack_;
   std::vector<float> inv_freq_;      // the 2D RoPE frequencies, a kernel argument of the tables
   std::vector<int32_t> grids_host_;  // staging for grids_, sized once
+  double last_pixel_upload_ms_ = 0;
 };
 
 }  // namespace iris
