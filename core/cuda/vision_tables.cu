@@ -36,20 +36,21 @@ __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index,
                                      int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
                                      int capacity, int64_t rows, int head_dim, Freqs freqs, int m,
                                      int G) {
-  // Per image: its first row, t, h, w. The capacity is small (the images of one call), so each
-  // block builds the table serially in one thread rather than running a parallel scan.
+  // Per image: its first row, t, h, w. The grids are loaded by as many threads as there are
+  // images, and one thread adds up the rows from shared memory: the capacity is small (the
+  // images of one call), so a serial sum costs less than a parallel scan's barriers.
   extern __shared__ int4 images[];
-  __shared__ int n_images;
   __shared__ int64_t n_patches;
+  const int n = min(max(grids[0], 0), capacity);
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    images[i] = make_int4(0, grids[1 + 3 * i], grids[2 + 3 * i], grids[3 + 3 * i]);
+  __syncthreads();
   if (threadIdx.x == 0) {
-    const int n = min(max(grids[0], 0), capacity);
     int64_t row = 0;
     for (int i = 0; i < n; ++i) {
-      const int t = grids[1 + 3 * i], h = grids[2 + 3 * i], w = grids[3 + 3 * i];
-      images[i] = make_int4(static_cast<int>(min(row, rows)), t, h, w);
-      row += static_cast<int64_t>(t) * h * w;
+      images[i].x = static_cast<int>(min(row, rows));
+      row += static_cast<int64_t>(images[i].y) * images[i].z * images[i].w;
     }
-    n_images = n;
     n_patches = min(row, rows);
     if (blockIdx.x == 0) {
       // One segment per frame, the padding's own, then zero-length segments up to the capacity.
@@ -90,7 +91,7 @@ __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index,
       continue;
     }
     int i = 0;
-    while (i + 1 < n_images && row >= images[i + 1].x) ++i;
+    while (i + 1 < n && row >= images[i + 1].x) ++i;
     const int4 im = images[i];
     const int64_t frame = static_cast<int64_t>(im.z) * im.w;
     // The patch order of the host: frames, then merge windows row-major, then within a window.
