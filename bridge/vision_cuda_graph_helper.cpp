@@ -15,7 +15,7 @@ PaddedVisionCall plan_padded_vision_call(const VisionConfig& model, const Vision
   call.n_patches = count_patches(grids);
   IRIS_CHECK(call.n_patches > 0, "a vision call needs at least one image with patches");
   call.bucket = choose_vision_bucket(graphs, call.n_patches);
-  if (call.bucket) call.inputs = plan_vision_inputs(model, grids, *call.bucket, segment_capacity);
+  if (call.bucket) call.call = plan_vision_call(model, grids, *call.bucket, segment_capacity);
   return call;
 }
 
@@ -156,7 +156,7 @@ VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
                    static_cast<long long>(cfg_.vision.buckets.back()));
     return encoder_->encode(pixel_values, grids);
   }
-  encoder_->upload(pixel_values, call.inputs);
+  encoder_->upload(pixel_values, grids, *call.bucket);
   BucketGraph& b = bucket_graph(*call.bucket);
   run_bucket(b);
   last_bucket_ = b.rows;
@@ -246,8 +246,7 @@ void VisionCudaGraphHelper::capture_now() {
     for (BucketGraph& b : buckets_) {
       if (b.captured()) continue;
       // An all-padding call: one segment of zero rows, which is all a capture needs.
-      encoder_->upload(
-          &no_pixels, plan_vision_inputs(encoder_->config(), {}, b.rows, encoder_->max_segments()));
+      encoder_->upload(&no_pixels, {}, b.rows);
       if (b.eager_runs < std::min(warmup_steps_, 1)) run_bucket(b);
       b.eager_runs = std::max(b.eager_runs, warmup_steps_);
       run_bucket(b);

@@ -1,10 +1,11 @@
 // CUDA graphs for one pipeline stage of Qwen3-VL inference: the vision encoder (one padded graph
 // per bucket, under the vision graph config) and the decode step (under the language graph
 // config). What it does better than Megatron-Bridge's VisionTECudaGraphHelper:
-//  - images of a call keep their own attention segments after padding (cu_seqlens and the 2D
-//    RoPE tables are graph inputs, uploaded before every replay), so padding never changes an
-//    image's output and equal patch counts with different image boundaries never replay stale
-//    segments;
+//  - images of a call keep their own attention segments after padding (the images' grid sizes
+//    are a graph input, uploaded before every replay, and the graph's first kernel computes
+//    cu_seqlens and the 2D RoPE and position tables from them), so padding never changes an
+//    image's output, equal patch counts with different image boundaries never replay stale
+//    segments, and the host's share of a call is the pixels and a few ints;
 //  - several buckets instead of one fixed maximum, all sharing the encoder's buffers (planned
 //    once for the largest bucket: a bucket allocates nothing), and an explicit overflow policy;
 //  - capture and deletion never wait on other stages; a stage without a vision encoder creates
@@ -34,12 +35,12 @@ class Qwen3VLModel;
 class TextDecoder;
 
 // One encoder call padded for a graph: the bucket for its patches (nullopt above the largest
-// bucket) and, when there is one, its inputs planned for bucket rows and segment_capacity
-// segments (padding rows in a segment of their own).
+// bucket) and, when there is one, the call checked for bucket rows and segment_capacity segments
+// (padding rows in a segment of their own).
 struct PaddedVisionCall {
   int64_t n_patches = 0;
   std::optional<int64_t> bucket;
-  VisionInputs inputs;
+  VisionCall call;
 };
 PaddedVisionCall plan_padded_vision_call(const VisionConfig& model, const VisionGraphConfig& graphs,
                                          const std::vector<GridTHW>& grids, int segment_capacity);

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "core/tuning_cache.h"
@@ -184,6 +185,31 @@ class Backend {
                                      const Tensor& weight) = 0;
   // out i32 [M] = argmax over each row of x[M, N] (lowest index wins ties).
   virtual void argmax_rows(const Tensor& out, const Tensor& x) = 0;
+  // The per-call tables of a vision encoder call, computed from its images' grid sizes, which
+  // are read when the op runs: a captured graph computes the tables of whatever grids were
+  // written before its replay, so one graph serves every mix of images of a bucket and the host
+  // uploads a few ints instead of the tables. grids i32 [1 + 3 * C] (vision_grids_numel, in
+  // core/vision_tables.h): the image count n, then (t, h, w) per image; C = segment capacity.
+  // The rows are each image's patches in order (per frame, in merge-window order), then padding.
+  // Outputs, R = cos.rows(), head_dim = cos.cols() (a multiple of 4):
+  //   cos, sin f32 [R, head_dim]: 2D RoPE, per row the first quarter-pairs rotate with the patch
+  //     row r (angle r * inv_freq[j]), the next with the column, the second half repeats the
+  //     first; padding rows cos 1, sin 0;
+  //   pos_index i32 [R, 4], pos_weight f32 [R, 4]: the bilinear corners and weights of the
+  //     learned grid_side^2 position grid at torch.linspace(0, grid_side - 1, h or w) (HF's
+  //     fast_pos_embed_interpolate); padding rows index 0, weight 0;
+  //   cu_seqlens i32 [C + 1]: one segment per image frame, the padding rows (when R exceeds the
+  //     patches) one of their own, then zero-length segments up to C;
+  //   real_rows i32 [1]: the patch count.
+  // inv_freq (head_dim / 4 values, vision_rope_inv_freq), merge_size and grid_side are fixed per
+  // model. The CPU computes exactly vision_tables_host (and refuses invalid grids); the CUDA
+  // kernel gives the same indices, weights and segments bit for bit, and cos/sin within an ulp
+  // or two of glibc's cosf/sinf (it rounds a double-precision sincos, which glibc's float
+  // functions do not always match); it cannot refuse, so its caller validates the grids.
+  virtual void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                             const Tensor& pos_weight, const Tensor& cu_seqlens,
+                             const Tensor& real_rows, const Tensor& grids,
+                             const std::vector<float>& inv_freq, int merge_size, int grid_side) = 0;
 
   // Fused ops. Each has a default made of the ops above, which is its definition (and the CPU
   // oracle's implementation); a backend overrides it where one kernel beats the sequence.

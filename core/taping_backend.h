@@ -139,6 +139,16 @@ class TapingBackend final : public Backend {
   void argmax_rows(const Tensor& out, const Tensor& x) override {
     tape([=, inner = in_.get()] { inner->argmax_rows(out, x); });
   }
+  // inv_freq is copied into the tape: a host value, frozen at capture as a kernel argument is.
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) override {
+    tape([=, inner = in_.get()] {
+      inner->vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
+                           merge_size, grid_side);
+    });
+  }
   void linear_gelu_tanh(const Tensor& y, const Tensor& x, const Tensor& w,
                         const Tensor& bias) override {
     tape([=, inner = in_.get()] { inner->linear_gelu_tanh(y, x, w, bias); });

@@ -273,6 +273,13 @@ class TracingBackend final : public Backend {
     in_.add_interpolated_rows(y, table, index, weight);
   }
   void argmax_rows(const Tensor& out, const Tensor& x) override { in_.argmax_rows(out, x); }
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) override {
+    in_.vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
+                      merge_size, grid_side);
+  }
 
  private:
   void flag(const char* what) {
@@ -355,10 +362,14 @@ TEST(PaddedVisionLayout, TwoSmallImagesMatchHandComputedLayouts) {
   g.max_seq_length = 64;
   g.buckets = {32, 64};
   // Image A: 2x2 patches (one merge window). Image B: 2x6 patches (three windows). 16 patches.
-  const PaddedVisionCall call = plan_padded_vision_call(v, g, {{1, 2, 2}, {1, 2, 6}}, 4);
+  const std::vector<GridTHW> grids = {{1, 2, 2}, {1, 2, 6}};
+  const PaddedVisionCall call = plan_padded_vision_call(v, g, grids, 4);
   ASSERT_TRUE(call.bucket.has_value());
   EXPECT_EQ(*call.bucket, 32);
-  const VisionInputs& in = call.inputs;
+  EXPECT_EQ(call.call.n_patches, 16);
+  EXPECT_EQ(call.call.rows, 32);
+  EXPECT_EQ(call.call.n_segments, 3);
+  const VisionInputs in = plan_vision_inputs(v, grids, *call.bucket, 4);
   EXPECT_EQ(in.n_patches, 16);
   EXPECT_EQ(in.rows, 32);
   // Two images, then the padding rows as a third segment, then an empty fourth.
@@ -426,8 +437,9 @@ TEST(PaddedVisionLayout, ExactFitHasNoPaddingSegmentAndOverflowHasNoBucket) {
   const PaddedVisionCall exact = plan_padded_vision_call(v, g, {{1, 4, 4}, {1, 4, 4}}, 3);
   ASSERT_TRUE(exact.bucket.has_value());
   EXPECT_EQ(*exact.bucket, 32);
-  EXPECT_EQ(exact.inputs.cu_seqlens, (std::vector<int32_t>{0, 16, 32, 32}));
-  EXPECT_EQ(exact.inputs.n_segments, 2);
+  EXPECT_EQ(exact.call.n_segments, 2);
+  EXPECT_EQ(plan_vision_inputs(v, {{1, 4, 4}, {1, 4, 4}}, 32, 3).cu_seqlens,
+            (std::vector<int32_t>{0, 16, 32, 32}));
   const PaddedVisionCall over = plan_padded_vision_call(v, g, {{1, 8, 8}, {1, 2, 2}}, 3);
   EXPECT_EQ(over.n_patches, 68);
   EXPECT_FALSE(over.bucket.has_value());
@@ -529,7 +541,7 @@ TEST_F(CpuGraphs, PaddedEncoderEqualsTheUnpaddedEncoder) {
       plan_padded_vision_call(m.config().vision, cfg.vision, *grids_, enc.max_segments());
   ASSERT_EQ(call.n_patches, 560);
   ASSERT_EQ(*call.bucket, 640);
-  enc.upload(pixels_->data(), call.inputs);
+  enc.upload(pixels_->data(), *grids_, *call.bucket);
   const auto padded = enc.run(*call.bucket, enc.max_segments());
   ASSERT_EQ(padded.embeds.dim(0), 160);
   EXPECT_TRUE(all_close(rows_of(*cpu_, padded.embeds, 0, 140), want, kTight, kTight));
@@ -610,6 +622,53 @@ TEST_F(CpuGraphs, EqualPatchCountsWithOtherImageBoundariesReplayFreshSegments) {
     }
   EXPECT_EQ(count_ops(api.log(), Op::begin_capture), 1);
   EXPECT_EQ(count_ops(api.log(), Op::launch), 5);
+}
+
+// Two image mixes of one bucket (640 rows): two images, then three of other sizes. The graph is
+// captured on the first; a replay of it must compute the second's tables (the image count, the
+// segments, the RoPE and position tables) from the grids uploaded before it, inside the replay,
+// and give what an eager run of the second mix gives, bit for bit.
+std::vector<GridTHW> other_mix_of_bucket_640() {
+  return {{1, 10, 8}, {1, 12, 12}, {1, 14, 20}};  // 80 + 144 + 280 = 504 patches
+}
+
+// The real merged rows of an encoder output, embeddings then each DeepStack feature.
+std::vector<float> merged_rows(Backend& be, const VisionEncoder::Output& out, int64_t rows) {
+  std::vector<float> v = read_f32(be, out.embeds.slice(0, rows));
+  for (const Tensor& d : out.deepstack) {
+    const std::vector<float> ds = read_f32(be, d.slice(0, rows));
+    v.insert(v.end(), ds.begin(), ds.end());
+  }
+  return v;
+}
+
+TEST_F(CpuGraphs, OneBucketGraphComputesEachImageMixsTablesInsideTheReplay) {
+  RecordingGraphApi api;
+  TracingBackend be(*cpu_, api);
+  {
+    Qwen3VLModel m(be, test::fixture_dir(), fixture_limits());
+    VisionEncoder& enc = m.vision();
+    const std::vector<std::vector<GridTHW>> mixes = {*grids_, other_mix_of_bucket_640()};
+    std::vector<std::vector<float>> want;
+    for (const auto& grids : mixes) {
+      const VisionCall call = enc.upload(pixels_->data(), grids, 640);
+      want.push_back(merged_rows(be, enc.run(640, enc.max_segments()), call.n_patches / 4));
+    }
+    ASSERT_NE(want[0].size(), want[1].size());
+
+    VisionCudaGraphHelper h(m, split_stages(m.config(), 1)[0], make_configs("block", 0), api);
+    for (int round = 0; round < 2; ++round)
+      for (size_t i = 0; i < mixes.size(); ++i) {
+        const auto out = h.encode(pixels_->data(), mixes[i]);
+        EXPECT_EQ(h.last_bucket(), 640);
+        EXPECT_EQ(merged_rows(be, out, out.embeds.dim(0)), want[i])
+            << "mix " << i << ", round " << round;
+      }
+    // Captured on the first call, replayed for the other three, the three-image mix included.
+    EXPECT_EQ(count_ops(api.log(), Op::begin_capture), 1);
+    EXPECT_EQ(count_ops(api.log(), Op::launch, "vision bucket 640"), 3);
+  }
+  EXPECT_TRUE(be.violations.empty()) << be.violations.front();
 }
 
 TEST_F(CpuGraphs, AddingAnImageLeavesTheOtherImagesUnchanged) {
@@ -946,7 +1005,7 @@ TEST_F(CudaGraphModel, VisionReplayIsBitIdenticalToEagerOnTheSamePaddedInput) {
   const GraphConfigs cfg = make_configs("block", 1);
   const PaddedVisionCall call =
       plan_padded_vision_call(m.config().vision, cfg.vision, grids_, enc.max_segments());
-  enc.upload(pixels_.data(), call.inputs);
+  enc.upload(pixels_.data(), grids_, *call.bucket);
   const auto eager = enc.run(*call.bucket, enc.max_segments());
   const std::vector<float> want = read_f32(*be_, eager.embeds.slice(0, 140));
   std::vector<std::vector<float>> want_ds;
@@ -960,6 +1019,28 @@ TEST_F(CudaGraphModel, VisionReplayIsBitIdenticalToEagerOnTheSamePaddedInput) {
       EXPECT_EQ(read_f32(*be_, out.deepstack[k]), want_ds[k]) << "call " << call_no;
   }
   EXPECT_TRUE(h.graphs_created(GraphSet::vision));
+}
+
+TEST_F(CudaGraphModel, OneBucketGraphReplaysAnotherImageMixBitForBit) {
+  Qwen3VLModel m(*be_, test::fixture_dir(), fixture_limits());
+  VisionEncoder& enc = m.vision();
+  const std::vector<std::vector<GridTHW>> mixes = {grids_, other_mix_of_bucket_640()};
+  std::vector<std::vector<float>> want;
+  for (const auto& grids : mixes) {
+    const VisionCall call = enc.upload(pixels_.data(), grids, 640);
+    want.push_back(merged_rows(*be_, enc.run(640, enc.max_segments()), call.n_patches / 4));
+  }
+  VisionCudaGraphHelper h(m, split_stages(m.config(), 1)[0], make_configs("block", 1));
+  // Warm-up and capture on the first mix; then replays of the second, the first, the second.
+  const size_t order[] = {0, 0, 1, 0, 1};
+  for (size_t call_no = 0; call_no < std::size(order); ++call_no) {
+    const size_t i = order[call_no];
+    const auto out = h.encode(pixels_.data(), mixes[i]);
+    EXPECT_EQ(h.last_bucket(), 640);
+    EXPECT_EQ(merged_rows(*be_, out, out.embeds.dim(0)), want[i])
+        << "call " << call_no << " (mix " << i << ")";
+  }
+  EXPECT_EQ(h.graph_count(GraphSet::vision), 1u);
 }
 
 TEST_F(CudaGraphModel, PaddedGraphsGiveTheTopOneTokensOfTheUnpaddedPath) {

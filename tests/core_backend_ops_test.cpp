@@ -26,6 +26,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -38,6 +40,7 @@
 #include "core/arena.h"
 #include "core/backend.h"
 #include "core/dtype.h"
+#include "core/vision_tables.h"
 
 #ifdef IRIS_WITH_CUDA
 #include <cuda_runtime.h>
@@ -903,6 +906,101 @@ TEST_F(BackendOps, ArgmaxRows) {
       s.be().argmax_rows(out, xt);
       return std::vector<Tensor>{out};
     });
+  }
+}
+
+// Distance in units in the last place between two finite floats (their bit patterns ordered so
+// that the count runs through zero).
+int64_t ulp_distance(float a, float b) {
+  auto ordered = [](float f) {
+    int32_t i;
+    std::memcpy(&i, &f, sizeof i);
+    return i < 0 ? int64_t{std::numeric_limits<int32_t>::min()} - i : int64_t{i};
+  };
+  return std::llabs(ordered(a) - ordered(b));
+}
+
+// The CUDA kernel computes the tables from the grids on the device; indices, weights, segments
+// and the real row count must be the CPU's bit for bit (the linspace and weight arithmetic is
+// rounded step by step, as on the host). cos/sin round a double-precision sincos, where the CPU
+// calls glibc's cosf/sinf: those differ by an ulp in about 1% of the values, so they may differ
+// by at most 2 ulps here.
+TEST_F(BackendOps, VisionTables) {
+  struct Case {
+    const char* name;
+    int head_dim, grid_side;
+    float theta;
+    std::vector<int32_t> grids;  // t, h, w per image
+    int64_t rows;
+    int capacity;
+  };
+  const Case cases[] = {
+      {"one 448 image", 64, 48, 10000.0f, {1, 28, 28}, 784, 2},
+      {"eight 448 images",
+       64,
+       48,
+       10000.0f,
+       {1, 28, 28, 1, 28, 28, 1, 28, 28, 1, 28, 28, 1, 28, 28, 1, 28, 28, 1, 28, 28, 1, 28, 28},
+       6272,
+       9},
+      {"eight mixed images",
+       72,
+       48,
+       10000.0f,
+       {1, 28, 28, 1, 16, 40, 1, 56, 14, 1, 2, 2, 1, 30, 18, 1, 8, 64, 1, 84, 84, 1, 4, 6},
+       10344,
+       9},
+      {"three images in a 4096 bucket",
+       64,
+       48,
+       10000.0f,
+       {1, 28, 28, 1, 20, 36, 1, 12, 12},
+       4096,
+       17},
+      {"frames in a bucket", 16, 32, 1000000.0f, {2, 16, 16, 3, 8, 12, 1, 10, 10}, 1024, 8},
+      {"the tiny grid", 8, 4, 10000.0f, {1, 2, 2, 1, 2, 6}, 32, 4},
+      {"all padding", 64, 48, 10000.0f, {}, 256, 4},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t R = c.rows, hd = c.head_dim;
+    const int n = static_cast<int>(c.grids.size() / 3);
+    std::vector<int32_t> packed(static_cast<size_t>(vision_grids_numel(c.capacity)), 5);
+    packed[0] = n;  // entries past the images stay 5, a grid the kernel must not read
+    std::copy(c.grids.begin(), c.grids.end(), packed.begin() + 1);
+    const std::vector<float> inv_freq = vision_rope_inv_freq(c.head_dim, c.theta);
+    Side cpu(*cpu_), gpu(*gpu_);
+    auto run = [&](Side& s) {
+      // Outputs start as sentinels, so an element the kernel skips cannot match the CPU's.
+      std::vector<Tensor> t = {
+          s.make(Kind::f32, {R, hd}, std::vector<float>(R * hd, kSentinel)),
+          s.make(Kind::f32, {R, hd}, std::vector<float>(R * hd, kSentinel)),
+          s.make_i32({R, 4}, std::vector<int32_t>(R * 4, -1)),
+          s.make(Kind::f32, {R, 4}, std::vector<float>(R * 4, kSentinel)),
+          s.make_i32({c.capacity + 1}, std::vector<int32_t>(c.capacity + 1, -1)),
+          s.make_i32({1}, {-1})};
+      const Tensor grids = s.make_i32({vision_grids_numel(c.capacity)}, packed);
+      s.be().vision_tables(t[0], t[1], t[2], t[3], t[4], t[5], grids, inv_freq, 2, c.grid_side);
+      return t;
+    };
+    const std::vector<Tensor> want = run(cpu), got = run(gpu);
+    int64_t worst = 0, differing = 0;
+    for (int k : {0, 1}) {
+      const std::vector<float> a = gpu.get(got[k]), b = cpu.get(want[k]);
+      for (size_t e = 0; e < a.size(); ++e) {
+        const int64_t d = ulp_distance(a[e], b[e]);
+        worst = std::max(worst, d);
+        differing += d != 0;
+      }
+    }
+    EXPECT_LE(worst, 2) << "cos/sin ulps";
+    std::printf("[ ulps     ] vision_tables %-30s cos/sin: %lld of %lld differ, at most %lld ulp\n",
+                c.name, static_cast<long long>(differing), static_cast<long long>(2 * R * hd),
+                static_cast<long long>(worst));
+    for (int k : {2, 3, 4, 5})
+      EXPECT_TRUE(matches(gpu.get(got[k]), cpu.get(want[k]), kExact)) << "output " << k;
+    EXPECT_TRUE(cpu.guards_intact());
+    EXPECT_TRUE(gpu.guards_intact());
   }
 }
 

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "bridge/rope_index.h"
+#include "core/vision_tables.h"
 #include "language/mrope.h"
 
 namespace iris {
@@ -93,6 +94,7 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
   if (!limits_.text_buckets.empty() && limits_.vision_buckets.empty() && limits.max_patches > 0)
     limits_.vision_buckets = {limits.max_patches};
   grads_ = allocate_weights(backend, cfg, DType::f32);
+  v_inv_freq_ = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
   Arena plan;
   allocate(plan);
   arena_ = Arena(backend, plan.used());
@@ -133,7 +135,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   v_sin_ = a.alloc(F, {S, v.head_dim()});
   pos_index_ = a.alloc(I32, {S, 4});
   pos_weight_ = a.alloc(F, {S, 4});
-  v_cu_ = a.alloc(I32, {limits_.max_images + 2});  // + the padding segment
+  v_cu_ = a.alloc(I32, {vision_segment_capacity() + 1});
+  v_grids_ = a.alloc(I32, {vision_grids_numel(vision_segment_capacity())});
   v_real_rows_ = a.alloc(I32, {1});
 
   // A block's tensors are its own when its backward reads them as the forward left them; the
@@ -438,18 +441,14 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   }
   if (S > 0) {
     // Padded: the padding rows form the last segment, and the segment count is the capacity
-    // (zero-length segments at the tail), so that it is the same for every micro-batch.
-    const int capacity = limits_.max_images + 1;
-    const VisionInputs vin = plan_vision_inputs(v, grids, padded_ ? Sb : 0, capacity);
-    n_segments_ = padded_ ? capacity : vin.n_segments;
-    be_.write(v_cos_.slice(0, Sb), vin.cos.data(), DType::f32);
-    be_.write(v_sin_.slice(0, Sb), vin.sin.data(), DType::f32);
-    be_.write(pos_index_.slice(0, Sb), vin.pos_index.data(), DType::i32);
-    be_.write(pos_weight_.slice(0, Sb), vin.pos_weight.data(), DType::f32);
-    be_.write(v_cu_, vin.cu_seqlens.data(), DType::i32);
+    // (zero-length segments at the tail), so that it is the same for every micro-batch. Only
+    // the grids go up; vision_forward computes the tables from them.
+    const int capacity = vision_segment_capacity();
+    const VisionCall call = plan_vision_call(v, grids, padded_ ? Sb : 0, capacity);
+    n_segments_ = padded_ ? capacity : call.n_segments;
+    pack_vision_grids(grids, capacity, h_grids_);
+    be_.write(v_grids_, h_grids_.data(), DType::i32);
     if (Sb > S) be_.fill_zero(pixels_.slice(S, Sb));
-    const int32_t real_rows = static_cast<int32_t>(S);
-    be_.write(v_real_rows_, &real_rows, DType::i32);
   }
 }
 
@@ -618,6 +617,11 @@ void TrainableQwen3VL::vision_forward(bool module_graphs) {
   const VisionConfig& v = cfg_.vision;
   const VisionWeights& w = params_.vision;
   const int64_t S = S_;
+  // The micro-batch's tables from its grids (in the vision graph, when there is one); the
+  // backward reads them as the forward left them.
+  be_.vision_tables(v_cos_.slice(0, S), v_sin_.slice(0, S), pos_index_.slice(0, S),
+                    pos_weight_.slice(0, S), v_cu_, v_real_rows_, v_grids_, v_inv_freq_,
+                    v.spatial_merge_size, v.position_grid_side());
   be_.linear(vx_[0].slice(0, S), pixels_.slice(0, S), w.patch_w, w.patch_b, false);
   be_.add_interpolated_rows(vx_[0].slice(0, S), w.pos_embed, pos_index_.slice(0, S),
                             pos_weight_.slice(0, S));

@@ -195,6 +195,8 @@ class TrainableQwen3VL {
   // The rows past a padded micro-batch's tokens that scatters and gathers of padding use: one
   // row after the bucket, never read by a layer.
   int64_t sink_rows() const { return padded_ ? 1 : 0; }
+  // Vision attention segments a micro-batch may use: its images and the padding's.
+  int vision_segment_capacity() const { return limits_.max_images + 1; }
   // module_graphs: the blocks' halves named in TrainGraphs::vision_modules replay graphs.
   void vision_forward(bool module_graphs);
   // Block l's saved activations over the current micro-batch's rows.
@@ -242,12 +244,15 @@ class TrainableQwen3VL {
   int n_text_segments_ = 0;
 
   // Host staging, sized once.
-  std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_;
+  std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_, h_grids_;
   std::vector<float> h_cos_, h_sin_;
   // Inputs.
   Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_,
       loss_total_;
-  Tensor pixels_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_;
+  // The vision inputs are the pixels and the grids; the vision forward's first op computes the
+  // tables (RoPE, interpolation, segments, real rows) from the grids on the device.
+  Tensor pixels_, v_grids_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_;
+  std::vector<float> v_inv_freq_;
   // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
   // At the planned row count; blocks share the tensors that are recomputed (or, with the tower

@@ -1,28 +1,13 @@
 #include "vision/vision_encoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
-#include <cstring>
+#include <limits>
+
+#include "core/vision_tables.h"
 
 namespace iris {
-namespace {
-
-// torch.linspace in float32: the two halves are computed from opposite ends.
-std::vector<float> torch_linspace(float start, float end, int64_t steps) {
-  std::vector<float> out(static_cast<size_t>(steps));
-  if (steps == 1) {
-    out[0] = start;
-    return out;
-  }
-  const float step = (end - start) / static_cast<float>(steps - 1);
-  const int64_t half = steps / 2;
-  for (int64_t i = 0; i < steps; ++i)
-    out[i] = i < half ? start + step * static_cast<float>(i)
-                      : end - step * static_cast<float>(steps - 1 - i);
-  return out;
-}
-
-}  // namespace
 
 int64_t count_patches(const std::vector<GridTHW>& grids) {
   int64_t n = 0;
@@ -182,100 +167,77 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
   vision_attention_backward(be, cfg, w, g, b, seg, s);
 }
 
-VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
-                                int64_t padded_rows, int segment_capacity) {
+VisionCall plan_vision_call(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                            int64_t padded_rows, int segment_capacity) {
   const int m = cfg.spatial_merge_size;
-  const int hd = cfg.head_dim();
-  const int G = cfg.position_grid_side();
-  VisionInputs in;
-  in.n_patches = count_patches(grids);
-  in.rows = padded_rows > 0 ? padded_rows : in.n_patches;
-  IRIS_CHECK(in.rows >= in.n_patches, "vision padding to ", in.rows, " rows is smaller than the ",
-             in.n_patches, " patches of this call");
-  in.cos.assign(static_cast<size_t>(in.rows * hd), 1.0f);
-  in.sin.assign(static_cast<size_t>(in.rows * hd), 0.0f);
-  in.pos_index.assign(static_cast<size_t>(in.rows * 4), 0);
-  in.pos_weight.assign(static_cast<size_t>(in.rows * 4), 0.0f);
-  in.cu_seqlens.push_back(0);
-
-  // inv_freq over rot_dim = hd/2, computed in float32 as torch does, then rounded to bf16: HF
-  // keeps it in a buffer that is cast with the model, so checkpoints run through
-  // model.to(bfloat16) (the released weights and our goldens) rotate with bf16 frequencies, as
-  // the text M-RoPE does (language/mrope.cpp). Measured against an f64 HF run: unrounded
-  // frequencies move the vision qkv gradients by 8e-5 of their scale, rounded by 3e-6.
-  const int rot_dim = hd / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(rot_dim / 2));
-  for (int j = 0; j < rot_dim / 2; ++j)
-    inv_freq[j] =
-        round_bf16(1.0f / std::pow(cfg.rope_theta, static_cast<float>(2 * j) / float(rot_dim)));
-
-  // Per-axis tables: a row's angles depend only on its patch row or column, so the trig runs
-  // once per distinct coordinate (not per patch), which keeps the host's share of a multi-image
-  // encoder call small. The values are the same floats as computing them per patch.
-  const int quarter = rot_dim / 2;
-  std::vector<float> axis_cos, axis_sin;
-  auto axis_tables = [&](int64_t n) {
-    axis_cos.resize(static_cast<size_t>(n * quarter));
-    axis_sin.resize(static_cast<size_t>(n * quarter));
-    for (int64_t p = 0; p < n; ++p)
-      for (int j = 0; j < quarter; ++j) {
-        const float f = static_cast<float>(p) * inv_freq[j];
-        axis_cos[p * quarter + j] = std::cos(f);
-        axis_sin[p * quarter + j] = std::sin(f);
-      }
-  };
-  int64_t row = 0;
+  VisionCall call;
+  int64_t segments = 0;
   for (const auto& g : grids) {
     const int64_t t = g[0], h = g[1], w = g[2];
+    // The device reads the grids as i32, and no patch count below may overflow.
+    const int64_t limit = std::numeric_limits<int32_t>::max();
     IRIS_CHECK(t >= 1 && h >= 1 && w >= 1 && h % m == 0 && w % m == 0, "image grid [", t, ", ", h,
                ", ", w, "] must be positive with height and width divisible by ", m);
-    const std::vector<float> hs = torch_linspace(0.0f, float(G - 1), h);
-    const std::vector<float> ws = torch_linspace(0.0f, float(G - 1), w);
-    axis_tables(std::max(h, w));
-    const size_t seg = static_cast<size_t>(quarter) * sizeof(float);
-    for (int64_t f = 0; f < t; ++f) {
-      for (int64_t br = 0; br < h / m; ++br)
-        for (int64_t bc = 0; bc < w / m; ++bc)
-          for (int ir = 0; ir < m; ++ir)
-            for (int ic = 0; ic < m; ++ic, ++row) {
-              const int64_t r = br * m + ir, c = bc * m + ic;
-              // 2D RoPE: the first quarter-pairs rotate with the row, the next with the column,
-              // and the second half repeats the first.
-              float* cr = &in.cos[row * hd];
-              float* sr = &in.sin[row * hd];
-              for (int half : {0, rot_dim}) {
-                std::memcpy(cr + half, &axis_cos[r * quarter], seg);
-                std::memcpy(sr + half, &axis_sin[r * quarter], seg);
-                std::memcpy(cr + half + quarter, &axis_cos[c * quarter], seg);
-                std::memcpy(sr + half + quarter, &axis_sin[c * quarter], seg);
-              }
-              // Bilinear corners of the learned grid.
-              const int h0 = static_cast<int>(hs[r]), w0 = static_cast<int>(ws[c]);
-              const int h1 = std::min(h0 + 1, G - 1), w1 = std::min(w0 + 1, G - 1);
-              const float dh = hs[r] - static_cast<float>(h0);
-              const float dw = ws[c] - static_cast<float>(w0);
-              int32_t* pi = &in.pos_index[row * 4];
-              float* pw = &in.pos_weight[row * 4];
-              pi[0] = h0 * G + w0;
-              pi[1] = h0 * G + w1;
-              pi[2] = h1 * G + w0;
-              pi[3] = h1 * G + w1;
-              pw[0] = (1.0f - dh) * (1.0f - dw);
-              pw[1] = (1.0f - dh) * dw;
-              pw[2] = dh * (1.0f - dw);
-              pw[3] = dh * dw;
-            }
-      in.cu_seqlens.push_back(static_cast<int32_t>(row));
-    }
+    IRIS_CHECK(t <= limit && h <= limit && w <= limit && h * w <= limit &&
+                   t * (h * w) <= limit - call.n_patches,
+               "image grid [", t, ", ", h, ", ", w, "] makes the call exceed ", limit, " patches");
+    call.n_patches += t * h * w;
+    segments += t;
   }
-  if (in.rows > in.n_patches) in.cu_seqlens.push_back(static_cast<int32_t>(in.rows));
-  in.n_segments = static_cast<int>(in.cu_seqlens.size()) - 1;
-  if (segment_capacity > 0) {
-    IRIS_CHECK(in.n_segments <= segment_capacity, "this encoder call has ", in.n_segments,
+  call.rows = padded_rows > 0 ? padded_rows : call.n_patches;
+  IRIS_CHECK(call.rows >= call.n_patches, "vision padding to ", call.rows,
+             " rows is smaller than the ", call.n_patches, " patches of this call");
+  if (call.rows > call.n_patches) ++segments;  // the padding rows' own segment
+  if (segment_capacity > 0)
+    IRIS_CHECK(segments <= segment_capacity, "this encoder call has ", segments,
                " segments but the buffer holds ", segment_capacity,
                " (too many images in one call)");
-    in.cu_seqlens.resize(static_cast<size_t>(segment_capacity) + 1, in.cu_seqlens.back());
-  }
+  call.n_segments = static_cast<int>(segments);
+  return call;
+}
+
+void pack_vision_grids(const std::vector<GridTHW>& grids, int capacity, std::vector<int32_t>& out) {
+  IRIS_CHECK(static_cast<int64_t>(grids.size()) <= capacity, grids.size(),
+             " images in one vision call, more than its ", capacity, " segments");
+  out.assign(static_cast<size_t>(vision_grids_numel(capacity)), 0);
+  out[0] = static_cast<int32_t>(grids.size());
+  for (size_t i = 0; i < grids.size(); ++i)
+    for (int k = 0; k < 3; ++k) {
+      IRIS_CHECK(grids[i][k] >= 0 && grids[i][k] <= std::numeric_limits<int32_t>::max(),
+                 "image grid entry ", grids[i][k], " does not fit the device's i32 grids");
+      out[1 + 3 * i + k] = static_cast<int32_t>(grids[i][k]);
+    }
+}
+
+VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                                int64_t padded_rows, int segment_capacity) {
+  const VisionCall call = plan_vision_call(cfg, grids, padded_rows, segment_capacity);
+  const int hd = cfg.head_dim();
+  // The tables are written for a capacity; without one, for exactly the segments used.
+  const int capacity = std::max(segment_capacity > 0 ? segment_capacity : call.n_segments, 1);
+  std::vector<int32_t> packed;
+  pack_vision_grids(grids, capacity, packed);
+  VisionInputs in;
+  in.n_patches = call.n_patches;
+  in.rows = call.rows;
+  in.n_segments = call.n_segments;
+  in.cos.resize(static_cast<size_t>(in.rows * hd));
+  in.sin.resize(in.cos.size());
+  in.pos_index.resize(static_cast<size_t>(in.rows * 4));
+  in.pos_weight.resize(in.pos_index.size());
+  in.cu_seqlens.resize(static_cast<size_t>(capacity) + 1);
+  int32_t real_rows = 0;
+  VisionTablesOut out;
+  out.cos = in.cos.data();
+  out.sin = in.sin.data();
+  out.pos_index = in.pos_index.data();
+  out.pos_weight = in.pos_weight.data();
+  out.cu_seqlens = in.cu_seqlens.data();
+  out.real_rows = &real_rows;
+  vision_tables_host(out, packed.data(), capacity, in.rows, hd,
+                     vision_rope_inv_freq(hd, cfg.rope_theta), cfg.spatial_merge_size,
+                     cfg.position_grid_side());
+  if (segment_capacity <= 0) in.cu_seqlens.resize(static_cast<size_t>(in.n_segments) + 1);
   return in;
 }
 
@@ -286,11 +248,12 @@ VisionEncoder::VisionEncoder(Backend& backend, const VisionConfig& cfg,
   IRIS_CHECK(max_rows > 0 && max_rows % unit == 0, "vision max rows ", max_rows,
              " must be a positive multiple of ", unit);
   IRIS_CHECK(max_segments > 0, "vision encoder needs at least one segment");
+  inv_freq_ = vision_rope_inv_freq(cfg.head_dim(), cfg.rope_theta);
+  grids_host_.assign(static_cast<size_t>(vision_grids_numel(max_segments)), 0);
   Arena plan;
   allocate(plan);
   arena_ = Arena(backend, plan.used());
   allocate(arena_);
-  zero_rows_.clear();
 }
 
 void VisionEncoder::allocate(Arena& a) {
@@ -298,6 +261,7 @@ void VisionEncoder::allocate(Arena& a) {
   const int64_t S = max_rows_, D = cfg_.hidden_size, M = cfg_.merged_dim();
   const int64_t Sm = S / cfg_.merge_unit();
   pixels_ = a.alloc(dt, {S, cfg_.patch_dim()});
+  grids_ = a.alloc(DType::i32, {vision_grids_numel(max_segments_)});
   cos_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
   sin_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
   pos_index_ = a.alloc(DType::i32, {S, 4});
@@ -317,28 +281,22 @@ void VisionEncoder::allocate(Arena& a) {
     deepstack_.push_back(a.alloc(dt, {Sm, cfg_.out_hidden_size}));
 }
 
-void VisionEncoder::upload(const float* pixel_values, const VisionInputs& in) {
-  IRIS_CHECK(in.rows <= max_rows_, "vision call of ", in.rows, " patch rows exceeds the planned ",
-             max_rows_, " (raise the maximum vision sequence length)");
-  IRIS_CHECK(static_cast<int>(in.cu_seqlens.size()) - 1 <= max_segments_, "vision call has ",
-             in.cu_seqlens.size() - 1, " segments; the encoder was planned for ", max_segments_);
-  const int64_t pd = cfg_.patch_dim();
-  backend_.write(pixels_.slice(0, in.n_patches), pixel_values, DType::f32);
-  if (in.rows > in.n_patches) {
-    // Padding rows are zeros, written from a host buffer sized once for the largest padding.
-    const size_t pad = static_cast<size_t>((in.rows - in.n_patches) * pd);
-    if (zero_rows_.size() < pad) zero_rows_.assign(static_cast<size_t>(max_rows_ * pd), 0.0f);
-    backend_.write(pixels_.slice(in.n_patches, in.rows), zero_rows_.data(), DType::f32);
-  }
-  backend_.write(cos_.slice(0, in.rows), in.cos.data(), DType::f32);
-  backend_.write(sin_.slice(0, in.rows), in.sin.data(), DType::f32);
-  backend_.write(pos_index_.slice(0, in.rows), in.pos_index.data(), DType::i32);
-  backend_.write(pos_weight_.slice(0, in.rows), in.pos_weight.data(), DType::f32);
-  std::vector<int32_t> cu(in.cu_seqlens);
-  cu.resize(static_cast<size_t>(max_segments_) + 1, cu.back());
-  backend_.write(cu_seqlens_, cu.data(), DType::i32);
-  const int32_t real_rows = static_cast<int32_t>(in.n_patches);
-  backend_.write(real_rows_, &real_rows, DType::i32);
+VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
+                                 int64_t padded_rows) {
+  const VisionCall call = plan_vision_call(cfg_, grids, padded_rows, max_segments_);
+  IRIS_CHECK(call.rows <= max_rows_, "vision call of ", call.rows,
+             " patch rows exceeds the planned ", max_rows_,
+             " (raise the maximum vision sequence length)");
+  // The grids first: a few ints that rarely wait, while the pixel write below may wait for the
+  // staging buffer it shares with them.
+  pack_vision_grids(grids, max_segments_, grids_host_);
+  backend_.write(grids_, grids_host_.data(), DType::i32);
+  const auto t0 = std::chrono::steady_clock::now();
+  backend_.write(pixels_.slice(0, call.n_patches), pixel_values, DType::f32);
+  last_pixel_upload_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (call.rows > call.n_patches) backend_.fill_zero(pixels_.slice(call.n_patches, call.rows));
+  return call;
 }
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
@@ -359,6 +317,11 @@ VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
 void VisionEncoder::run_embed(int64_t S) {
   IRIS_CHECK(S > 0 && S <= max_rows_ && S % cfg_.merge_unit() == 0, "vision run over ", S,
              " rows (planned ", max_rows_, ")");
+  // The tables of the grids in grids_, on the device: inside a captured graph they follow each
+  // replay's images, and the host uploads no tables.
+  backend_.vision_tables(cos_.slice(0, S), sin_.slice(0, S), pos_index_.slice(0, S),
+                         pos_weight_.slice(0, S), cu_seqlens_, real_rows_, grids_, inv_freq_,
+                         cfg_.spatial_merge_size, cfg_.position_grid_side());
   Tensor x = x_.slice(0, S);
   backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
   backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
@@ -393,10 +356,9 @@ VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
 
 VisionEncoder::Output VisionEncoder::encode(const float* pixel_values,
                                             const std::vector<GridTHW>& grids) {
-  const VisionInputs in = plan_vision_inputs(cfg_, grids);
-  upload(pixel_values, in);
-  Output out = run(in.rows, in.n_segments);
-  const int64_t real = in.n_patches / cfg_.merge_unit();
+  const VisionCall call = upload(pixel_values, grids);
+  Output out = run(call.rows, call.n_segments);
+  const int64_t real = call.n_patches / cfg_.merge_unit();
   out.embeds = out.embeds.slice(0, real);
   for (Tensor& d : out.deepstack) d = d.slice(0, real);
   return out;

@@ -2,8 +2,10 @@
 // blocks attending within per-image segments, the patch merger and the DeepStack mergers.
 //
 // An encoder call is split in two halves so that the second can be captured in a CUDA graph:
-// upload() copies the host-planned inputs (pixel rows, RoPE tables, interpolation indices and
-// weights, cu_seqlens) into static buffers, and run() computes from those buffers only.
+// upload() copies the host inputs (the pixel rows and the images' grid sizes, a few ints) into
+// static buffers, and run() computes from those buffers only, starting with the call's tables
+// (2D RoPE, position-embedding interpolation, cu_seqlens: Backend::vision_tables), so that a
+// replay computes the tables of the grids uploaded before it.
 #pragma once
 
 #include <array>
@@ -42,8 +44,27 @@ struct VisionWeights {
   std::vector<PatchMergerWeights> deepstack_mergers;
 };
 
-// Everything an encoder call needs besides the pixels, laid out on the host for `rows` rows
-// (rows >= the real patch count when padded for a graph bucket).
+// The host's share of one encoder call: the row and segment counts that run() passes to the ops.
+// The tables themselves are computed on the device from the grids.
+struct VisionCall {
+  int64_t n_patches = 0;  // real patches, summed over images
+  int64_t rows = 0;       // n_patches plus padding
+  int n_segments = 0;     // segments that hold rows (image frames + the padding segment)
+};
+
+// Checks `grids` (one per image, in order) and counts its rows and segments. `padded_rows` = 0
+// means no padding; `segment_capacity` = 0 means no limit on the segments.
+VisionCall plan_vision_call(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                            int64_t padded_rows = 0, int segment_capacity = 0);
+
+// `grids` as Backend::vision_tables reads them, into `out` (resized to
+// vision_grids_numel(capacity); unused entries zero).
+void pack_vision_grids(const std::vector<GridTHW>& grids, int capacity, std::vector<int32_t>& out);
+
+// The tables of an encoder call laid out on the host for `rows` rows (rows >= the real patch
+// count when padded for a graph bucket): what Backend::vision_tables writes on the device, by
+// the same code as the CPU backend's op (vision_tables_host). The encoder computes them on its
+// backend; this host form is the reference tests compare against.
 struct VisionInputs {
   int64_t n_patches = 0;  // real patches, summed over images
   int64_t rows = 0;       // n_patches plus padding
@@ -56,7 +77,7 @@ struct VisionInputs {
   std::vector<float> pos_weight;   // [rows, 4]
 };
 
-// Plans the inputs for `grids` (one per image, in order). `padded_rows` = 0 means no padding;
+// The tables for `grids` (one per image, in order). `padded_rows` = 0 means no padding;
 // `segment_capacity` = 0 means exactly the segments used.
 VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
                                 int64_t padded_rows = 0, int segment_capacity = 0);
@@ -139,15 +160,24 @@ class VisionEncoder {
     std::vector<Tensor> deepstack;  // one [rows/4, out_hidden] per DeepStack tap
   };
 
-  // pixel_values: host f32 [inputs.n_patches, patch_dim]; padding rows are zero-filled.
-  void upload(const float* pixel_values, const VisionInputs& inputs);
-  // Computes from the static buffers for the last upload()'s row count and segments. Captures
-  // in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding included).
+  // Checks the call (plan_vision_call with this encoder's segment capacity), writes the grids
+  // and pixel_values (host f32 [patches, patch_dim]) and zeroes the padding up to padded_rows
+  // (0: no padding). Returns what run() takes.
+  VisionCall upload(const float* pixel_values, const std::vector<GridTHW>& grids,
+                    int64_t padded_rows = 0);
+  // Host milliseconds the last upload() spent writing pixel rows, which is the part of a call's
+  // host time that grows with the images (and can wait for the staging buffer): benchmarks
+  // report the enqueue time without it.
+  double last_pixel_upload_ms() const { return last_pixel_upload_ms_; }
+  // Computes from the static buffers for the last upload()'s row count and segments, the tables
+  // first. Captures in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding
+  // included).
   Output run(int64_t rows, int n_segments);
-  // run() in pieces, for per-layer graphs: the patch and position embedding, one block (with its
-  // DeepStack tap), then the main merger. run() == embed, every block in order, finish, except
-  // that run() overlaps each DeepStack merger with the blocks after it (side work), which a
-  // block captured as a graph of its own cannot leave unjoined: run_block's merger is in order.
+  // run() in pieces, for per-layer graphs: the tables with the patch and position embedding, one
+  // block (with its DeepStack tap), then the main merger. run() == embed, every block in order,
+  // finish, except that run() overlaps each DeepStack merger with the blocks after it (side
+  // work), which a block captured as a graph of its own cannot leave unjoined: run_block's
+  // merger is in order.
   void run_embed(int64_t rows);
   void run_block(int layer, int64_t rows, int n_segments) {
     run_block(layer, rows, n_segments, false);
@@ -175,13 +205,17 @@ class VisionEncoder {
   int64_t max_rows_;
   int max_segments_;
   Arena arena_;
-  // Static inputs (what a captured graph reads).
-  Tensor pixels_, cos_, sin_, pos_index_, pos_weight_, cu_seqlens_;
+  // Static inputs (what a captured graph reads): the pixels and the grids.
+  Tensor pixels_, grids_;
+  // The tables run() computes from grids_ before the first block.
+  Tensor cos_, sin_, pos_index_, pos_weight_, cu_seqlens_;
   Tensor real_rows_;  // i32 [1]: the real patch count; rows past it are padding
   // Activations.
   Tensor x_, xn_, qkv_, attn_, mlp_, merged_norm_, merger_hidden_, embeds_;
   std::vector<Tensor> deepstack_;
-  std::vector<float> zero_rows_;  // host padding for pixel uploads, sized once
+  std::vector<float> inv_freq_;      // the 2D RoPE frequencies, a kernel argument of the tables
+  std::vector<int32_t> grids_host_;  // staging for grids_, sized once
+  double last_pixel_upload_ms_ = 0;
 };
 
 }  // namespace iris

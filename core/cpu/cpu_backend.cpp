@@ -13,6 +13,7 @@
 #include "core/cpu/cpu_gemm.h"
 #include "core/cpu/cpu_train_ops.h"
 #include "core/taping_backend.h"
+#include "core/vision_tables.h"
 
 namespace iris {
 namespace {
@@ -391,6 +392,38 @@ class CpuBackend final : public Backend {
         yr[c] += acc;
       }
     }
+  }
+
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) override {
+    check_f32(cos, "vision_tables cos");
+    check_f32(sin, "vision_tables sin");
+    check_i32(pos_index, "vision_tables pos_index");
+    check_f32(pos_weight, "vision_tables pos_weight");
+    check_i32(cu_seqlens, "vision_tables cu_seqlens");
+    check_i32(real_rows, "vision_tables real_rows");
+    check_i32(grids, "vision_tables grids");
+    const int64_t R = cos.rows(), hd = cos.cols();
+    const int64_t capacity = cu_seqlens.numel() - 1;
+    IRIS_CHECK(sin.rows() == R && sin.cols() == hd && pos_index.numel() == R * 4 &&
+                   pos_weight.numel() == R * 4 && real_rows.numel() == 1 && capacity >= 1 &&
+                   capacity <= INT32_MAX && grids.numel() == vision_grids_numel(int(capacity)),
+               "vision_tables: cos ", cos.shape_str(), ", sin ", sin.shape_str(), ", pos_index ",
+               pos_index.shape_str(), ", pos_weight ", pos_weight.shape_str(), ", cu_seqlens ",
+               cu_seqlens.shape_str(), ", real_rows ", real_rows.shape_str(), ", grids ",
+               grids.shape_str(),
+               " (expected [R, hd] twice, [R, 4] twice, [C + 1], [1], [1 + 3C])");
+    VisionTablesOut out;
+    out.cos = cos.as<float>();
+    out.sin = sin.as<float>();
+    out.pos_index = pos_index.as<int32_t>();
+    out.pos_weight = pos_weight.as<float>();
+    out.cu_seqlens = cu_seqlens.as<int32_t>();
+    out.real_rows = real_rows.as<int32_t>();
+    vision_tables_host(out, grids.as<int32_t>(), static_cast<int>(capacity), R,
+                       static_cast<int>(hd), inv_freq, merge_size, grid_side);
   }
 
   void argmax_rows(const Tensor& out, const Tensor& x) override {

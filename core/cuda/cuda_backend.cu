@@ -20,6 +20,7 @@
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/train_kernels.h"
+#include "core/vision_tables.h"
 
 namespace iris {
 namespace {
@@ -668,6 +669,42 @@ class CudaBackend final : public Backend {
     cuda::launch_argmax_rows(static_cast<int32_t*>(out.data), cbf(x), x.rows(), x.cols(),
                              static_cast<unsigned long long*>(argmax_keys_.get()),
                              kArgmaxScratchRows, stream());
+  }
+
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) override {
+    bind();
+    check_f32(cos, "vision_tables", "cos");
+    check_f32(sin, "vision_tables", "sin");
+    check_index(pos_index, "vision_tables", "pos_index");
+    check_f32(pos_weight, "vision_tables", "pos_weight");
+    check_index(cu_seqlens, "vision_tables", "cu_seqlens");
+    check_index(real_rows, "vision_tables", "real_rows");
+    check_index(grids, "vision_tables", "grids");
+    const int64_t R = cos.rows(), hd = cos.cols(), capacity = cu_seqlens.numel() - 1;
+    IRIS_CHECK(sin.rows() == R && sin.cols() == hd && pos_index.numel() == R * 4 &&
+                   pos_weight.numel() == R * 4 && real_rows.numel() == 1 && capacity >= 1 &&
+                   capacity <= cuda::kVisionTablesMaxCapacity &&
+                   grids.numel() == vision_grids_numel(static_cast<int>(capacity)) &&
+                   R <= std::numeric_limits<int32_t>::max(),
+               "vision_tables: cos ", cos.shape_str(), ", sin ", sin.shape_str(), ", pos_index ",
+               pos_index.shape_str(), ", pos_weight ", pos_weight.shape_str(), ", cu_seqlens ",
+               cu_seqlens.shape_str(), ", real_rows ", real_rows.shape_str(), ", grids ",
+               grids.shape_str(), " (expected [R, hd] twice, [R, 4] twice, [C + 1] with C at most ",
+               cuda::kVisionTablesMaxCapacity, ", [1], [1 + 3C])");
+    IRIS_CHECK(hd % 4 == 0 && hd <= 4 * cuda::kVisionTablesMaxQuarter &&
+                   static_cast<int64_t>(inv_freq.size()) == hd / 4 && merge_size >= 1 &&
+                   grid_side >= 1,
+               "vision_tables: head_dim ", hd, " (a multiple of 4 up to ",
+               4 * cuda::kVisionTablesMaxQuarter, ") with ", inv_freq.size(),
+               " frequencies, merge size ", merge_size, ", grid side ", grid_side);
+    cuda::launch_vision_tables(f32(cos), f32(sin), static_cast<int32_t*>(pos_index.data),
+                               f32(pos_weight), static_cast<int32_t*>(cu_seqlens.data),
+                               static_cast<int32_t*>(real_rows.data), ci32(grids),
+                               static_cast<int>(capacity), R, static_cast<int>(hd), inv_freq.data(),
+                               merge_size, grid_side, stream());
   }
 
   // ---- Training ops (core/backend.h): kernels of train_kernels.cu, attention_train.cu and

@@ -29,6 +29,18 @@ void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int3
 void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
                         unsigned long long* key_scratch, int64_t scratch_rows, cudaStream_t s);
 
+// ---- vision tables (vision_tables.cu) ----
+// Backend::vision_tables: inv_freq holds head_dim / 4 host values (copied into the launch);
+// head_dim is a multiple of 4 up to 4 * kVisionTablesMaxQuarter, the capacity at most
+// kVisionTablesMaxCapacity segments (one shared-memory entry each). The grids are read on the
+// device and cannot be refused there: invalid ones give wrong tables but no write out of bounds.
+constexpr int kVisionTablesMaxQuarter = 64;
+constexpr int kVisionTablesMaxCapacity = 2048;
+void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos_weight,
+                          int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
+                          int capacity, int64_t rows, int head_dim, const float* inv_freq,
+                          int merge_size, int grid_side, cudaStream_t s);
+
 // ---- skinny GEMMs for a few rows (gemv.cu) ----
 constexpr int64_t kGemvMaxM = 8;
 // Raises the dynamic shared-memory limit of the GEMV kernels; called once per device.
