@@ -257,6 +257,7 @@ constexpr int kChatMaxImagesPerMessage = 16;
 struct ChatRun {
   const GenerateOptions& options;
   const Tokenizer& tokenizer;
+  const ChatFormat& chat_format;
   const PreprocessorConfig& preprocessor;
   const Backend& backend;
   bool cuda_graphs = false;
@@ -281,7 +282,7 @@ const char* const kChatHelp =
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
              const PreprocessedBatch& first_images) {
   const GenerateOptions& o = run.options;
-  ChatSession session(model, run.tokenizer, o.system, settings);
+  ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
   std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
   // The images of the next message, pixel rows in order: the --image files for the first, then
@@ -349,7 +350,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       continue;
     }
 
-    ChatMessage message;
+    UserMessage message;
     message.text = line;
     message.pixel_values = grids.empty() ? nullptr : pixels.data();
     message.grids = grids;
@@ -407,6 +408,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
                   run.backend.name(), settings.sampling.seed);
   return failed ? 1 : 0;
 }
+
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
@@ -627,6 +629,7 @@ int run_generate_command(int argc, char** argv) {
   IRIS_CHECK(fs::exists(tok_path), "no tokenizer.json in ", o.model_dir,
              " (copy the checkpoint's tokenizer.json there)");
   const Tokenizer tokenizer = Tokenizer::from_file(tok_path.string());
+  const ChatFormat chat_format = ChatFormat::from_dir(o.model_dir);
   const ModelConfig cfg = ModelConfig::from_file((fs::path(o.model_dir) / "config.json").string());
   GraphModelTraits traits;
   traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
@@ -703,12 +706,16 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o, tokenizer, pre, *backend, graph_helper != nullptr, load_ms, preprocess_ms};
+    const ChatRun run{o,       tokenizer,    chat_format, pre, *backend, graph_helper != nullptr,
+                      load_ms, preprocess_ms};
     return run_chat(run, model, req, batch);
   }
 
-  req.prompt_ids =
-      build_generation_prompt(tokenizer, grids, o.prompt, o.system, cfg.vision.spatial_merge_size);
+  std::vector<ChatMessage> messages;
+  if (!o.system.empty()) messages.push_back({"system", {ChatPart::make_text(o.system)}});
+  messages.push_back(user_message(o.prompt, grids.size()));
+  const std::string prompt_text = chat_format.render(messages, true);
+  req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
   req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
   req.grids = grids;
   req.keep_prompt_logits = !o.logits_out.empty();

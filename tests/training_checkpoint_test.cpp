@@ -462,7 +462,7 @@ TEST_F(TinyTrainingTest, ResumingGivesTheLossesOfAnUninterruptedRun) {
   auto state = [](const std::string& run) {
     nlohmann::json j =
         nlohmann::json::parse(read_text_file(run + "/step_0000006/trainer_state.json"));
-    EXPECT_EQ(j["files"].size(), 8u);
+    EXPECT_EQ(j["files"].size(), 9u);  // chat_template.jinja among them
     j.erase("files");
     return j;
   };
@@ -637,7 +637,7 @@ Greedy greedy(const std::string& dir, const std::string& image, int n) {
   const PreprocessedImage img = preprocess_image(load_image(image), pp);
   const std::vector<GridTHW> grids{img.grid_thw};
   model.encode_images(img.pixel_values.data<float>(), grids);
-  model.prefill(build_generation_prompt(tok, grids, kShapesPrompt, ""));
+  model.prefill(build_generation_prompt(tok, ChatFormat::from_dir(dir), grids, kShapesPrompt, ""));
   Greedy g;
   for (int i = 0; i < n; ++i) {
     const std::vector<float> logits = model.last_logits();
@@ -662,6 +662,10 @@ TEST_F(TinyTrainingTest, ExportIsAnHfDirectoryWithTheSameGreedyTokens) {
     EXPECT_TRUE(fs::is_regular_file(fs::path(out) / f)) << f;
   EXPECT_FALSE(fs::exists(out + ".tmp"));
   EXPECT_FALSE(fs::exists(fs::path(out) / "optimizer.safetensors"));
+  // The chat template the run trained with, found first when the export is prompted.
+  EXPECT_EQ(read_text_file(out + "/chat_template.jinja"),
+            read_text_file(test::data_dir() + "/chat_templates/qwen3_vl_instruct.jinja"));
+  EXPECT_EQ(ChatFormat::from_dir(out).source(), out + "/chat_template.jinja");
   const auto config = nlohmann::json::parse(read_text_file(out + "/config.json"));
   EXPECT_EQ(config["dtype"], "bfloat16");
   EXPECT_EQ(config["architectures"][0], "Qwen3VLForConditionalGeneration");
