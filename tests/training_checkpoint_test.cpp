@@ -619,6 +619,27 @@ TEST_F(TinyTrainingTest, StartsFromAPretrainedDirectory) {
             read_text_file(test::fixture_dir() + "/generation_config.json"));
 }
 
+// data.chat_template renders the conversations and travels with the checkpoints, so that the
+// export is prompted as the run trained; the run's log says which template it used.
+TEST_F(TinyTrainingTest, AChatTemplateFileIsTrainedWithAndKept) {
+  const std::string run = run_dir("run");
+  const std::string file = test::data_dir() + "/chat_templates/qwen2_vl.jinja";
+  TrainerOptions o = quiet();
+  std::FILE* log = std::tmpfile();
+  ASSERT_NE(log, nullptr);
+  o.out = log;
+  const TrainResult r = run_training(
+      recipe(run, {"data.chat_template=" + file, "train.train_iters=1", "train.eval_interval=0"}),
+      o);
+  EXPECT_EQ(r.final_iteration, 1);
+  EXPECT_EQ(read_text_file(run + "/step_0000001/chat_template.jinja"), read_text_file(file));
+  std::rewind(log);
+  std::string text;
+  for (int c; (c = std::fgetc(log)) != EOF;) text += static_cast<char>(c);
+  std::fclose(log);
+  EXPECT_NE(text.find("chat template: " + file), std::string::npos) << text;
+}
+
 struct Greedy {
   std::vector<int32_t> tokens;
   std::vector<float> first_logits;  // after the prompt

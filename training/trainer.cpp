@@ -328,11 +328,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
 
   const Tokenizer tok = Tokenizer::from_file(r.model.tokenizer);
   const PreprocessorConfig pp = recipe_preprocessor(r);
-  // The model's own chat template: hf_dir's, else the one beside the tokenizer.
-  std::vector<std::string> chat_dirs;
-  if (!r.model.hf_dir.empty()) chat_dirs.push_back(r.model.hf_dir);
-  chat_dirs.push_back(fs::path(r.model.tokenizer).parent_path().string());
-  const ChatFormat chat = ChatFormat::from_dirs(chat_dirs);
+  const ChatFormat chat = recipe_chat_format(r);
   const SideFiles side = side_files(r, tok, pp, chat);
 
   // Data. The files' fingerprints go into every checkpoint, so that a resume can tell when the
@@ -498,6 +494,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   MetricsLog log(lo, state.iteration);
   for (const std::string& w : found.warnings) log.message(w);
   log.message(chat.describe());
+  if (!chat.has_template() && !chat.kwargs().empty())
+    log.message("note: data.enable_thinking has no effect: the built-in ChatML has no variables");
   if (!resume_dir.empty())
     for (const std::string& change : data_changes(state.data_files, data_files))
       log.message(str_cat("warning: ", change, "; the resumed run continues at epoch ",
