@@ -19,6 +19,7 @@
 #include "bridge/vision_cuda_graph_helper.h"
 #include "core/fs.h"
 #include "core/graph_config.h"
+#include "core/json_read.h"
 #include "core/safetensors.h"
 #include "core/text_distance.h"
 #include "language/tokenizer.h"
@@ -57,6 +58,10 @@ struct GenerateOptions {
   std::string logits_out;
   int64_t max_image_pixels = kDefaultMaxImagePixels;
   std::vector<std::pair<std::string, std::string>> graph_flags;
+  std::string chat_template_file;
+  std::string chat_template_kwargs;  // a JSON object
+  std::string reasoning;             // on, off, or empty: the template's default
+  bool verbose = false;
 };
 
 // --logits-out names a file to create or replace; it must not be one of the files this run reads
@@ -260,6 +265,7 @@ constexpr int kChatMaxImagesPerMessage = 16;
 struct ChatRun {
   const GenerateOptions& options;
   const Tokenizer& tokenizer;
+  const ChatFormat& chat_format;
   const PreprocessorConfig& preprocessor;
   const Backend& backend;
   bool cuda_graphs = false;
@@ -285,7 +291,7 @@ const char* const kChatHelp =
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
              const PreprocessedBatch& first_images) {
   const GenerateOptions& o = run.options;
-  ChatSession session(model, run.tokenizer, o.system, settings);
+  ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
   std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
   // The images of the next message, pixel rows in order: the --image files for the first, then
@@ -353,7 +359,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       continue;
     }
 
-    ChatMessage message;
+    UserMessage message;
     message.text = line;
     message.pixel_values = grids.empty() ? nullptr : pixels.data();
     message.grids = grids;
@@ -411,6 +417,41 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
                   run.backend.name(), settings.sampling.seed);
   return failed ? 1 : 0;
 }
+
+// The checkpoint's chat template, or --chat-template-file's, with --chat-template-kwargs and
+// --reasoning as its variables.
+ChatFormat generate_chat_format(const GenerateOptions& o) {
+  ChatFormat chat =
+      o.chat_template_file.empty()
+          ? ChatFormat::from_dir(o.model_dir)
+          : ChatFormat::from_file(o.chat_template_file, "--chat-template-file", {o.model_dir});
+  if (!o.chat_template_kwargs.empty()) {
+    IRIS_CHECK(json_nesting_depth(o.chat_template_kwargs, kMaxJsonDepth) <= kMaxJsonDepth,
+               "--chat-template-kwargs nests deeper than ", kMaxJsonDepth, " levels");
+    nlohmann::ordered_json kwargs;
+    try {
+      kwargs = nlohmann::ordered_json::parse(o.chat_template_kwargs);
+    } catch (const std::exception& e) {
+      IRIS_FAIL("--chat-template-kwargs is not JSON (", json_error_text(e),
+                "); give an object such as '{\"enable_thinking\": false}'");
+    }
+    chat.set_kwargs(kwargs, "--chat-template-kwargs");
+  }
+  if (!o.reasoning.empty()) {
+    IRIS_CHECK(!chat.kwargs().contains("enable_thinking"),
+               "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
+    chat.set_kwargs({{"enable_thinking", o.reasoning == "on"}}, "--reasoning");
+  }
+  if (o.verbose) std::fprintf(stderr, "%s\n", chat.describe().c_str());
+  if (!chat.has_template() && !chat.kwargs().empty())
+    std::fprintf(stderr,
+                 "note: %s has no effect: %s has no chat template, so the built-in ChatML is "
+                 "used\n",
+                 o.reasoning.empty() ? "--chat-template-kwargs" : "--reasoning",
+                 o.model_dir.c_str());
+  return chat;
+}
+
 }  // namespace
 
 int run_generate_command(int argc, char** argv) {
@@ -483,6 +524,9 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "one JSON object, not a stream (a chat: one a turn)");
+  app.add_option("--reasoning", o.reasoning, "on|off: the template's enable_thinking")
+      ->type_name("on|off")
+      ->check(quiet(CLI::IsMember({"on", "off"})));
 
   const std::string more = "Less common";
   app.add_flag("--ignore-eos", o.ignore_eos, "keep generating past end-of-sequence tokens")
@@ -495,6 +539,16 @@ int run_generate_command(int argc, char** argv) {
                  "refuse larger images, from the file's header")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 40)))
       ->capture_default_str()
+      ->group(more);
+  app.add_option("--chat-template-file", o.chat_template_file,
+                 "Jinja chat template instead of the model's own")
+      ->type_name("FILE")
+      ->group(more);
+  app.add_option("--chat-template-kwargs", o.chat_template_kwargs,
+                 "template variables, e.g. {\"enable_thinking\":false}")
+      ->type_name("JSON")
+      ->group(more);
+  app.add_flag("-v,--verbose", o.verbose, "print the chat template's source and the prompt")
       ->group(more);
 
   const std::string llama = "llama-mtmd-cli flags with no effect here";
@@ -651,6 +705,7 @@ int run_generate_command(int argc, char** argv) {
   IRIS_CHECK(fs::exists(tok_path), "no tokenizer.json in ", o.model_dir,
              " (copy the checkpoint's tokenizer.json there)");
   const Tokenizer tokenizer = Tokenizer::from_file(tok_path.string());
+  const ChatFormat chat_format = generate_chat_format(o);
   const ModelConfig cfg = ModelConfig::from_file((fs::path(o.model_dir) / "config.json").string());
   GraphModelTraits traits;
   traits.has_deepstack = !cfg.vision.deepstack_visual_indexes.empty();
@@ -729,6 +784,7 @@ int run_generate_command(int argc, char** argv) {
   if (chat) {
     const ChatRun run{o,
                       tokenizer,
+                      chat_format,
                       pre,
                       *backend,
                       graph_helper != nullptr,
@@ -740,8 +796,12 @@ int run_generate_command(int argc, char** argv) {
     return rc;
   }
 
-  req.prompt_ids =
-      build_generation_prompt(tokenizer, grids, o.prompt, o.system, cfg.vision.spatial_merge_size);
+  std::vector<ChatMessage> messages;
+  if (!o.system.empty()) messages.push_back({"system", {ChatPart::make_text(o.system)}});
+  messages.push_back(user_message(o.prompt, grids.size()));
+  const std::string prompt_text = chat_format.render(messages, true);
+  if (o.verbose) std::fprintf(stderr, "prompt:\n%s\n", prompt_text.c_str());
+  req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
   req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
   req.grids = grids;
   req.keep_prompt_logits = !o.logits_out.empty();

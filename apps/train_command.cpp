@@ -49,7 +49,10 @@ int run_train_command(int argc, char** argv) {
     for (const std::string& note : recipe.notes) std::printf("note: %s\n", note.c_str());
   }
   if (dry_run) {
-    if (speaks) std::printf("recipe is valid (dry run: nothing trained)\n");
+    // The chat template is part of what a run would use: a bad one fails here, not at step 0.
+    const ChatFormat chat = recipe_chat_format(recipe);
+    if (speaks)
+      std::printf("%s\nrecipe is valid (dry run: nothing trained)\n", chat.describe().c_str());
     return 0;
   }
   std::fflush(stdout);

@@ -1,18 +1,22 @@
 #include "bridge/chat_prompt.h"
 
+#include <filesystem>
+
+#include "chat_template/jinja.h"
 #include "core/error.h"
+#include "core/fs.h"
+#include "core/json_read.h"
 
 namespace iris {
 
 namespace {
 
-void append_image(std::string& s, const GridTHW& g, int m) {
-  const int64_t n = g[0] * g[1] * g[2] / (int64_t(m) * m);
-  s += "<|vision_start|>";
-  s.reserve(s.size() + static_cast<size_t>(n) * 13 + 64);
-  for (int64_t i = 0; i < n; ++i) s += "<|image_pad|>";
-  s += "<|vision_end|>";
-}
+namespace fs = std::filesystem;
+using nlohmann::ordered_json;
+
+constexpr std::string_view kImageBlock = "<|vision_start|><|image_pad|><|vision_end|>";
+constexpr const char* kTemplateFiles =
+    "chat_template.jinja, chat_template.json, tokenizer_config.json";
 
 size_t count_markers(const std::string& text) {
   size_t n = 0;
@@ -22,46 +26,243 @@ size_t count_markers(const std::string& text) {
   return n;
 }
 
+// The "chat_template" of a chat_template.json or tokenizer_config.json: a string, or a list of
+// named templates of which transformers takes "default". Empty when the file has none.
+std::string template_in_json(const nlohmann::json& j, const std::string& path) {
+  if (!j.is_object() || !j.contains("chat_template") || j["chat_template"].is_null()) return "";
+  const nlohmann::json& t = j["chat_template"];
+  if (t.is_string()) return t.get<std::string>();
+  if (t.is_array()) {
+    for (const nlohmann::json& named : t)
+      if (named.is_object() && named.value("name", "") == "default" && named.contains("template") &&
+          named["template"].is_string())
+        return named["template"].get<std::string>();
+    IRIS_FAIL(path, ": chat_template lists named templates but none named \"default\"");
+  }
+  IRIS_FAIL(path, ": chat_template must be a string, got ", json_excerpt(t));
+}
+
+// bos_token, eos_token, pad_token and unk_token of a tokenizer_config.json, as strings (a token
+// may be written as {"content": ...}).
+ordered_json special_tokens_of(const nlohmann::json& cfg) {
+  ordered_json out = ordered_json::object();
+  if (!cfg.is_object()) return out;
+  for (const char* key : {"bos_token", "eos_token", "pad_token", "unk_token"}) {
+    if (!cfg.contains(key)) continue;
+    const nlohmann::json& v = cfg[key];
+    if (v.is_string()) {
+      out[key] = v.get<std::string>();
+    } else if (v.is_object() && v.contains("content") && v["content"].is_string()) {
+      out[key] = v["content"].get<std::string>();
+    }
+  }
+  return out;
+}
+
+ordered_json special_tokens_in(const std::vector<std::string>& dirs) {
+  for (const std::string& d : dirs) {
+    const fs::path cfg = fs::path(d) / "tokenizer_config.json";
+    if (fs::exists(cfg)) return special_tokens_of(read_json_file(cfg.string(), "tokenizer config"));
+  }
+  return ordered_json::object();
+}
+
+ordered_json message_json(const ChatMessage& m) {
+  ordered_json j;
+  j["role"] = m.role;
+  bool images = false;
+  for (const ChatPart& p : m.content) images = images || p.kind == ChatPart::Kind::image;
+  if (!images) {
+    std::string text;
+    for (const ChatPart& p : m.content) text += p.text;
+    j["content"] = text;
+    return j;
+  }
+  ordered_json items = ordered_json::array();
+  for (const ChatPart& p : m.content) {
+    if (p.kind == ChatPart::Kind::image)
+      items.push_back({{"type", "image"}});
+    else
+      items.push_back({{"type", "text"}, {"text", p.text}});
+  }
+  j["content"] = std::move(items);
+  return j;
+}
+
 }  // namespace
 
-std::string render_generation_prompt(const std::vector<GridTHW>& grids, const std::string& user,
-                                     const std::string& system, int m) {
-  std::string s;
-  if (!system.empty()) s += "<|im_start|>system\n" + system + "<|im_end|>\n";
-  return s + render_user_turn(grids, user, m);
-}
-
-std::string render_user_turn(const std::vector<GridTHW>& grids, const std::string& user, int m) {
-  std::string s = "<|im_start|>user\n";
-  const size_t markers = count_markers(user);
+ChatMessage user_message(const std::string& text, size_t n_images) {
+  ChatMessage m{"user", {}};
+  const size_t markers = count_markers(text);
   if (markers == 0) {
-    for (const GridTHW& g : grids) append_image(s, g, m);
-    s += user;
-  } else {
-    IRIS_CHECK(
-        markers == grids.size(), "the prompt has ", markers, " ", kMediaMarker, " marker",
-        markers == 1 ? "" : "s", " but ", grids.size(), " image",
-        grids.size() == 1 ? " was" : "s were",
-        " given (--image or /image); write one marker per image, or none to put the images before "
-        "the text");
-    size_t pos = 0;
-    for (const GridTHW& g : grids) {
-      const size_t at = user.find(kMediaMarker, pos);
-      s.append(user, pos, at - pos);
-      append_image(s, g, m);
-      pos = at + kMediaMarker.size();
-    }
-    s.append(user, pos, std::string::npos);
+    for (size_t i = 0; i < n_images; ++i) m.content.push_back(ChatPart::make_image());
+    m.content.push_back(ChatPart::make_text(text));
+    return m;
   }
-  s += "<|im_end|>\n<|im_start|>assistant\n";
-  return s;
+  IRIS_CHECK(
+      markers == n_images, "the prompt has ", markers, " ", kMediaMarker, " marker",
+      markers == 1 ? "" : "s", " but ", n_images, " image", n_images == 1 ? " was" : "s were",
+      " given (--image or /image); write one marker per image, or none to put the images before "
+      "the text");
+  size_t pos = 0;
+  for (size_t i = 0; i < n_images; ++i) {
+    const size_t at = text.find(kMediaMarker, pos);
+    if (at > pos) m.content.push_back(ChatPart::make_text(text.substr(pos, at - pos)));
+    m.content.push_back(ChatPart::make_image());
+    pos = at + kMediaMarker.size();
+  }
+  if (pos < text.size()) m.content.push_back(ChatPart::make_text(text.substr(pos)));
+  return m;
 }
 
-std::vector<int32_t> build_generation_prompt(const Tokenizer& tok,
+int64_t image_token_count(const GridTHW& grid, int merge_size) {
+  const int64_t m2 = int64_t{merge_size} * merge_size;
+  const int64_t patches = grid[0] * grid[1] * grid[2];
+  IRIS_CHECK(merge_size >= 1 && grid[0] >= 1 && grid[1] >= 1 && grid[2] >= 1 && patches % m2 == 0,
+             "image grid [", grid[0], ", ", grid[1], ", ", grid[2],
+             "] is not a positive grid divisible by merge_size^2 = ", m2,
+             "; grids come from preprocess_image");
+  return patches / m2;
+}
+
+ChatFormat::ChatFormat() = default;
+ChatFormat::~ChatFormat() = default;
+ChatFormat::ChatFormat(const ChatFormat&) = default;
+ChatFormat& ChatFormat::operator=(const ChatFormat&) = default;
+
+ChatFormat ChatFormat::from_dir(const std::string& dir) {
+  return from_dirs({dir});
+}
+
+ChatFormat ChatFormat::from_dirs(const std::vector<std::string>& dirs) {
+  ChatFormat f;
+  f.special_tokens_ = special_tokens_in(dirs);
+  for (const std::string& d : dirs) {
+    if (d.empty()) continue;
+    f.searched_ += (f.searched_.empty() ? "" : " or ") + d;
+    const fs::path jinja = fs::path(d) / "chat_template.jinja";
+    if (fs::exists(jinja)) {
+      f.text_ = read_text_file(jinja.string(), "chat template");
+      f.source_ = jinja.string();
+    } else {
+      for (const char* name : {"chat_template.json", "tokenizer_config.json"}) {
+        const fs::path p = fs::path(d) / name;
+        if (!fs::exists(p)) continue;
+        f.text_ = template_in_json(read_json_file(p.string(), name), p.string());
+        if (!f.text_.empty()) {
+          f.source_ = p.string();
+          break;
+        }
+      }
+    }
+    if (!f.text_.empty()) {
+      const std::string name =
+          f.source_.size() > 5 && f.source_.compare(f.source_.size() - 5, 5, ".json") == 0
+              ? f.source_ + " (chat_template)"
+              : f.source_;
+      f.template_ = std::make_shared<const jinja::Template>(f.text_, name);
+      return f;
+    }
+  }
+  return f;
+}
+
+ChatFormat ChatFormat::from_file(const std::string& path, const std::string& what,
+                                 const std::vector<std::string>& special_tokens_dirs) {
+  ChatFormat f;
+  f.special_tokens_ = special_tokens_in(special_tokens_dirs);
+  const std::string text = read_text_file(path, what);
+  std::string name = what + " " + path;
+  f.text_ = text;
+  // A JSON object is a chat_template.json or tokenizer_config.json; anything else is Jinja.
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && text[first] == '{' && path.size() > 5 &&
+      path.compare(path.size() - 5, 5, ".json") == 0) {
+    f.text_ = template_in_json(parse_json(text, what + " " + path), what + " " + path);
+    IRIS_CHECK(!f.text_.empty(), what, " ", path, " has no \"chat_template\"");
+    name += " (chat_template)";
+  }
+  f.source_ = path;
+  f.template_ = std::make_shared<const jinja::Template>(f.text_, name);
+  return f;
+}
+
+std::string ChatFormat::describe() const {
+  if (has_template()) return "chat template: " + source_;
+  if (searched_.empty()) return "chat template: the built-in ChatML";
+  return str_cat("chat template: none in ", searched_, " (", kTemplateFiles,
+                 "); using the built-in ChatML");
+}
+
+void ChatFormat::set_kwargs(const ordered_json& kwargs, const std::string& what) {
+  IRIS_CHECK(kwargs.is_object(), what,
+             " must be a JSON object such as {\"enable_thinking\": false}", ", got ",
+             json_excerpt(nlohmann::json::parse(kwargs.dump())));
+  for (const auto& [k, v] : kwargs.items()) {
+    IRIS_CHECK(k != "messages" && k != "add_generation_prompt" && k != "tools" && k != "documents",
+               what, " may not set \"", k, "\": Iris passes the conversation itself");
+    kwargs_[k] = v;
+  }
+}
+
+std::string ChatFormat::render(const std::vector<ChatMessage>& messages,
+                               bool add_generation_prompt) const {
+  if (!has_template()) {
+    std::string s;
+    for (const ChatMessage& m : messages) {
+      s += "<|im_start|>" + m.role + "\n";
+      for (const ChatPart& p : m.content)
+        s += p.kind == ChatPart::Kind::image ? std::string(kImageBlock) : p.text;
+      s += "<|im_end|>\n";
+    }
+    if (add_generation_prompt) s += "<|im_start|>assistant\n";
+    return s;
+  }
+  ordered_json ctx;
+  ordered_json list = ordered_json::array();
+  for (const ChatMessage& m : messages) list.push_back(message_json(m));
+  ctx["messages"] = std::move(list);
+  ctx["tools"] = nullptr;
+  ctx["documents"] = nullptr;
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  for (const auto& [k, v] : special_tokens_.items()) ctx[k] = v;
+  for (const auto& [k, v] : kwargs_.items()) ctx[k] = v;
+  return template_->render(ctx);
+}
+
+std::vector<int32_t> encode_chat_text(const Tokenizer& tok, const std::string& text,
+                                      const std::vector<GridTHW>& grids, int merge_size) {
+  const int32_t pad = tok.token_id("<|image_pad|>");
+  const std::vector<int32_t> ids = tok.encode(text);
+  const auto pads = static_cast<size_t>(std::count(ids.begin(), ids.end(), pad));
+  IRIS_CHECK(pads == grids.size(), "the chat has ", pads, " image placeholder",
+             pads == 1 ? "" : "s", " (<|image_pad|>) for ", grids.size(), " image",
+             grids.size() == 1 ? "" : "s",
+             ": the chat template must write each image once, and text may not spell "
+             "<|image_pad|>");
+  int64_t total = static_cast<int64_t>(ids.size()) - static_cast<int64_t>(pads);
+  for (const GridTHW& g : grids) total += image_token_count(g, merge_size);
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(total));
+  size_t next = 0;
+  for (int32_t id : ids) {
+    if (id != pad) {
+      out.push_back(id);
+      continue;
+    }
+    out.insert(out.end(), static_cast<size_t>(image_token_count(grids[next++], merge_size)), pad);
+  }
+  return out;
+}
+
+std::vector<int32_t> build_generation_prompt(const Tokenizer& tok, const ChatFormat& format,
                                              const std::vector<GridTHW>& grids,
                                              const std::string& user, const std::string& system,
                                              int m) {
-  return tok.encode(render_generation_prompt(grids, user, system, m));
+  std::vector<ChatMessage> messages;
+  if (!system.empty()) messages.push_back({"system", {ChatPart::make_text(system)}});
+  messages.push_back(user_message(user, grids.size()));
+  return encode_chat_text(tok, format.render(messages, true), grids, m);
 }
 
 }  // namespace iris

@@ -1,13 +1,20 @@
-// The Qwen3-VL chat format for inference prompts: an optional system turn, one user turn with the
-// images before the text (as HF's processor renders content [image..., text]), and the
-// generation prompt. No default system prompt (Qwen3-VL has none).
+// Conversations as the model saw them in training: the checkpoint's own chat template, rendered as
+// transformers' apply_chat_template renders it (chat_template/jinja.h), for `iris generate`, the
+// interactive chat and the training data alike, so that inference and training cannot drift.
 //
-// As in llama-mtmd-cli, the user text may instead place each image with a <__media__> marker:
-// image i goes where marker i is (content [text, image, text, ...]). Markers, when present, must
-// be exactly one per image.
+// The template is looked up as transformers' processor and tokenizer look for it: the model
+// directory's chat_template.jinja, else the "chat_template" of chat_template.json, else that of
+// tokenizer_config.json. A checkpoint with none gets the built-in ChatML that Qwen3-VL Instruct's
+// template writes for plain conversations (no default system prompt):
+//   <|im_start|>{role}\n{content}<|im_end|>\n ... [<|im_start|>assistant\n]
+//
+// The template writes each image as <|vision_start|><|image_pad|><|vision_end|>; encode_chat_text
+// then gives image k grid_t * grid_h * grid_w / merge^2 pads, as HF's processor expands them.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,22 +24,93 @@
 
 namespace iris {
 
+namespace jinja {
+class Template;
+}
+
 // llama-mtmd-cli's default media marker.
 inline constexpr std::string_view kMediaMarker = "<__media__>";
 
-// The prompt text with every image's <|image_pad|> expanded to its merged-token count
-// (grid_t * gh * gw / merge^2), as HF's processor expands it before tokenising.
-std::string render_generation_prompt(const std::vector<GridTHW>& image_grids,
-                                     const std::string& user_text, const std::string& system_text,
-                                     int spatial_merge_size);
+struct ChatPart {
+  enum class Kind { text, image };
+  Kind kind = Kind::text;
+  std::string text;  // text parts only; image parts take the next grid in order
 
-// The part of a conversation's prompt that one user message adds: its turn and the generation
-// prompt ("<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n"); images as above.
-// render_generation_prompt is the optional system turn followed by this.
-std::string render_user_turn(const std::vector<GridTHW>& image_grids, const std::string& user_text,
-                             int spatial_merge_size);
+  static ChatPart make_text(std::string t) { return {Kind::text, std::move(t)}; }
+  static ChatPart make_image() { return {Kind::image, {}}; }
+};
 
-std::vector<int32_t> build_generation_prompt(const Tokenizer& tokenizer,
+// A message as transformers takes it: content without images is a string, content with images a
+// list of {"type": "image"} and {"type": "text", "text": ...} items.
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant"
+  std::vector<ChatPart> content;
+};
+
+// A user message from a command-line prompt: the images before the text (as HF's processor renders
+// content [image..., text]), or, as in llama-mtmd-cli, image i where the text's marker i is
+// (content [text, image, text, ...]). Markers, when present, must be exactly one per image.
+ChatMessage user_message(const std::string& text, size_t n_images);
+
+// <|image_pad|> tokens one image expands to.
+int64_t image_token_count(const GridTHW& grid, int merge_size = 2);
+
+class ChatFormat {
+ public:
+  // The built-in ChatML.
+  ChatFormat();
+  ~ChatFormat();
+  ChatFormat(const ChatFormat&);
+  ChatFormat& operator=(const ChatFormat&);
+
+  // The template of a checkpoint or tokenizer directory, and the special tokens (bos_token,
+  // eos_token, pad_token, unk_token) of its tokenizer_config.json, which transformers also passes
+  // to the template. No template there: the built-in ChatML.
+  static ChatFormat from_dir(const std::string& dir);
+  // The first of `dirs` that has a template (training looks in model.hf_dir, then beside the
+  // tokenizer); the special tokens from the first with a tokenizer_config.json.
+  static ChatFormat from_dirs(const std::vector<std::string>& dirs);
+  // A template file given by the user (--chat-template-file, data.chat_template): Jinja text, or
+  // a JSON file with a "chat_template" string (chat_template.json, tokenizer_config.json). The
+  // special tokens come from `special_tokens_dirs` as for from_dirs. `what` names the option in
+  // errors.
+  static ChatFormat from_file(const std::string& path, const std::string& what,
+                              const std::vector<std::string>& special_tokens_dirs = {});
+
+  bool has_template() const { return template_ != nullptr; }
+  // Where the template came from ("DIR/tokenizer_config.json"); empty for the built-in ChatML.
+  const std::string& source() const { return source_; }
+  const std::string& template_text() const { return text_; }
+  // One line for verbose output: the template's source, or that the built-in ChatML is used and
+  // where no template was found.
+  std::string describe() const;
+
+  // Extra template variables, as apply_chat_template's keyword arguments (enable_thinking,
+  // add_vision_id, ...): a JSON object. `what` names where they came from in errors.
+  void set_kwargs(const nlohmann::ordered_json& kwargs, const std::string& what);
+  const nlohmann::ordered_json& kwargs() const { return kwargs_; }
+
+  // The conversation as text, each image written once as <|image_pad|> between
+  // <|vision_start|> and <|vision_end|>, then (add_generation_prompt) the start of the reply.
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+
+ private:
+  std::shared_ptr<const jinja::Template> template_;
+  std::string source_, text_;
+  std::string searched_;  // where no template was found (for describe())
+  nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();
+  nlohmann::ordered_json kwargs_ = nlohmann::ordered_json::object();
+};
+
+// Tokenizes rendered chat text and expands the k-th <|image_pad|> to grid k's token count, as
+// HF's processor does before tokenizing. The pads must be one per grid: a template that drops
+// or repeats an image (or text that spells <|image_pad|>) is an error.
+std::vector<int32_t> encode_chat_text(const Tokenizer& tokenizer, const std::string& text,
+                                      const std::vector<GridTHW>& image_grids, int merge_size);
+
+// The prompt for one user message (with an optional system message) and the generation prompt:
+// what `iris generate -p` and the shapes evaluation feed the model.
+std::vector<int32_t> build_generation_prompt(const Tokenizer& tokenizer, const ChatFormat& format,
                                              const std::vector<GridTHW>& image_grids,
                                              const std::string& user_text,
                                              const std::string& system_text,

@@ -1,9 +1,14 @@
-// A multi-turn chat over one Qwen3-VL whose KV cache keeps the conversation between turns: a turn
-// prefills only what is new (the end of the previous reply's turn, the user's message with its
-// images, the generation prompt) and generates from there. Each turn gives the tokens a one-shot
-// generate() of the whole conversation would give: the same prompt ids (earlier replies as the ids
-// generated, never re-tokenised text), the same M-RoPE positions, the same sampling history and
-// a fresh sampler with the same seed.
+// A multi-turn chat over one Qwen3-VL whose KV cache keeps the conversation between turns. Each
+// turn's prompt is the chat template's rendering of the whole conversation (bridge/chat_prompt.h),
+// with every earlier reply that the template writes back unchanged kept as the ids generated
+// (never re-tokenised text): a turn prefills only what follows the cached tokens and gives the
+// tokens of a one-shot generate() over that prompt (the same M-RoPE positions, the same sampling
+// history, a fresh sampler with the same seed).
+//
+// A template may rewrite earlier turns once the conversation goes on (Qwen3-VL Thinking drops the
+// reasoning of replies before the last question): the conversation's ids are then kept up to the
+// start of the first turn that changed, the rest is tokenised from the new rendering, and the KV
+// cache is cut back to what still holds.
 #pragma once
 
 #include <cstdint>
@@ -11,12 +16,14 @@
 #include <string>
 #include <vector>
 
+#include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
 #include "language/tokenizer.h"
 
 namespace iris {
 
-struct ChatMessage {
+// One message typed into the chat, with its images.
+struct UserMessage {
   std::string text;  // may place the images with <__media__> markers, as a one-shot prompt
   const float* pixel_values = nullptr;  // the message's images, preprocessed, or null
   std::vector<GridTHW> grids;
@@ -35,10 +42,11 @@ class ChatSession {
   // fields are filled per turn. The session owns the model's KV
   // cache from now on: generating through the model elsewhere in between breaks the chat (it is
   // detected and refused).
-  ChatSession(Qwen3VLModel& model, const Tokenizer& tokenizer, std::string system_prompt,
-              GenerationRequest settings);
+  ChatSession(Qwen3VLModel& model, const Tokenizer& tokenizer, ChatFormat format,
+              std::string system_prompt, GenerationRequest settings);
 
-  // The ids the next turn would prefill for a message with these images and text.
+  // The ids the next turn would prefill for a message with these images and text (after the
+  // cached tokens that still hold).
   std::vector<int32_t> turn_ids(const std::vector<GridTHW>& grids, const std::string& text) const;
 
   // Runs one turn: the reply streams through on_token (stop ids are not streamed). A message
@@ -46,27 +54,63 @@ class ChatSession {
   // as it was; a reply that reaches the end of the context stops there (context_full). Any other
   // failure after the model started clears the conversation (its cache rows are then unknown) and
   // says so.
-  ChatReply send(const ChatMessage& message, const std::function<void(int32_t)>& on_token = {});
+  ChatReply send(const UserMessage& message, const std::function<void(int32_t)>& on_token = {});
 
   // Forgets the conversation and the model's cached rows; the system prompt stays.
   void clear();
 
-  // Every id of the conversation so far, one-shot prompt order: the system turn, each user turn
-  // and each reply, a reply closed with <|im_end|>\n (in place of the stop id it ended with, or
-  // after its last token when it was cut short).
-  const std::vector<int32_t>& conversation() const { return conversation_; }
+  // Every id of the conversation so far, one-shot prompt order: the template's rendering of the
+  // messages, each reply as the ids generated (without the stop id it ended with) followed by what
+  // the template writes after a reply (<|im_end|>\n).
+  const std::vector<int32_t>& conversation() const { return conv_.ids; }
+  // The text conversation() stands for, each image written once as <|image_pad|>.
+  const std::string& conversation_text() const { return text_; }
   // The leading ids of conversation() that are in the KV cache (all but the last reply's last
   // sampled token and its closing, which the next turn feeds).
   int64_t cached_tokens() const { return cached_; }
   int turns() const { return turns_; }
 
  private:
+  // A point where the conversation's text and ids can be split without changing how the rest
+  // tokenises (the start of an added token: <|im_start|>).
+  struct Mark {
+    size_t text = 0, ids = 0;
+  };
+  // The next turn's prompt: `ids` (the whole conversation), whose first `reuse` are in the KV
+  // cache and stay there; images from `first_image` on (of the conversation's) are in the rest.
+  // Ids with their marks and where each image's pads start (a reply may hold generated pad
+  // ids, so images are not counted from the ids).
+  struct Ids {
+    std::vector<int32_t> ids;
+    std::vector<Mark> marks;
+    std::vector<size_t> image_starts;
+    // The first `n` ids with their marks and images, and `text` from offset `from` on after them.
+    Ids prefix(size_t text_from, size_t n) const;
+  };
+  struct Plan {
+    std::vector<ChatMessage> messages;
+    std::string text;
+    Ids conv;
+    int64_t reuse = 0;
+    size_t first_image = 0;
+  };
+  Plan plan(const std::vector<GridTHW>& grids, const std::string& text) const;
+  // Tokenises `text` from offset `from` on after `out` (whose images are the first of `grids`).
+  void append_text(const std::string& text, size_t from, const std::vector<GridTHW>& grids,
+                   Ids& out) const;
+
   Qwen3VLModel& model_;
   Tokenizer tokenizer_;
+  ChatFormat format_;
   std::string system_;
   GenerationRequest settings_;
-  std::vector<int32_t> reply_end_;  // <|im_end|>\n
-  std::vector<int32_t> conversation_;
+  int32_t pad_id_ = 0;
+  int64_t patch_values_ = 0;  // floats per patch row
+  std::vector<ChatMessage> messages_;
+  std::vector<std::vector<float>> pixels_;  // every image of the conversation, in order
+  std::vector<GridTHW> grids_;
+  Ids conv_;  // conversation_ with its marks and images
+  std::string text_;
   int64_t cached_ = 0;
   int turns_ = 0;
 };

@@ -73,6 +73,22 @@ void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<Gr
 void Qwen3VLModel::clear_cache() {
   n_past_ = 0;
   delta_ = 0;
+  next_position_after_.clear();
+}
+
+void Qwen3VLModel::truncate_cache(int64_t rows) {
+  IRIS_CHECK(rows >= 0 && rows <= n_past_, "cannot keep ", rows, " of the ", n_past_,
+             " cached tokens");
+  if (rows == n_past_) return;
+  if (rows == 0) {
+    clear_cache();
+    return;
+  }
+  const int64_t next = next_position_after_[static_cast<size_t>(rows - 1)];
+  IRIS_CHECK(next >= 0, "cannot cut the cached tokens inside an image");
+  n_past_ = rows;
+  delta_ = next - rows;
+  next_position_after_.resize(static_cast<size_t>(rows));
 }
 
 void Qwen3VLModel::prefill(const std::vector<int32_t>& ids, const HiddenObserver& observer) {
@@ -103,6 +119,9 @@ void Qwen3VLModel::extend(const std::vector<int32_t>& ids, const HiddenObserver&
              grids_.size(), " encoded images produce ", vision_rows_, " embeddings");
   rope_ = compute_rope_index(ids, grids_, pad, cfg_.vision.spatial_merge_size, next_position());
   delta_ = rope_.delta - n_past_;
+  // A text token's three M-RoPE rows are equal; the token after it takes the next position.
+  for (int64_t i = 0; i < L; ++i)
+    next_position_after_.push_back(ids[i] == pad ? -1 : rope_.positions[i] + 1);
   prompt_logits_.clear();
   int64_t image_rank = 0;  // image rows consumed by earlier chunks
   for (int64_t c0 = 0; c0 < L; c0 += limits_.max_step_tokens) {
@@ -168,6 +187,7 @@ void Qwen3VLModel::decode(int32_t token) {
     decode_step_with_graph_helpers(graphs_);
   }
   last_row_in_step_ = 0;
+  next_position_after_.push_back(position + 1);
   ++n_past_;
 }
 

@@ -64,6 +64,10 @@ class Qwen3VLModel {
   void decode(int32_t token);
   // Forgets the cached tokens; the next prefill or extend starts at row and position 0.
   void clear_cache();
+  // Keeps the first `rows` cached tokens and forgets the rest, so that the next extend continues
+  // after them (a chat whose template rewrote the end of the conversation). The cut may not fall
+  // inside an image.
+  void truncate_cache(int64_t rows);
 
   int64_t n_past() const { return n_past_; }
   // The position the next token fed takes: one past the largest position of the cached tokens
@@ -104,6 +108,9 @@ class Qwen3VLModel {
   RopeIndex rope_;
   int64_t n_past_ = 0;
   int64_t delta_ = 0;  // position of cache row r (r >= n_past_) is r + delta_
+  // Per cached row, the position a token after it would take; -1 for an image's rows, after which
+  // the cache may not be cut.
+  std::vector<int64_t> next_position_after_;
   int64_t last_row_in_step_ = 0;
   std::vector<float> prompt_logits_;
   std::vector<float> cos_, sin_;  // host staging, sized once

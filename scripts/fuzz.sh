@@ -14,7 +14,7 @@ cd "$root"
 seconds=${FUZZ_SECONDS:-30}
 jobs=${IRIS_JOBS:-$(nproc)}
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(safetensors model_config tokenizer_json prompt image recipe jsonl)
+[ ${#targets[@]} -eq 0 ] && targets=(safetensors model_config tokenizer_json prompt image recipe jsonl chat_template)
 command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is needed (apt-get install clang libclang-rt-dev libomp-dev)" >&2; exit 1; }
 [ -s tests/data/qwen3vl-tiny/tokenizer.json ] || scripts/fetch_tokenizer.sh
 

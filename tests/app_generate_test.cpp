@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
 #include "bridge/model_config.h"
 #include "core/backend.h"
@@ -915,6 +916,180 @@ TEST(AppGenerateChat, BadCommandsAreReportedAndQuitEndsTheChat) {
   EXPECT_EQ(chat.out, "");  // /quit came before the message
   expect_error(run_iris(fixture_generate() + " --device cpu --logits-out /tmp/x.safetensors"),
                "--logits-out needs a prompt");
+}
+
+// ---- Chat templates ----
+
+std::string template_file(const std::string& name) {
+  return test::data_dir() + "/chat_templates/" + name;
+}
+
+// The fixture carries Qwen3-VL Instruct's chat template; -v says so and shows the prompt it
+// renders, which the HF greedy tokens above were made with.
+TEST(AppGenerateChatTemplate, TheModelsOwnTemplateBuildsThePrompt) {
+  const RunResult r = run_iris(fixture_generate() + kCudaPrompt + kGreedy + " -v");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("chat template: " + test::fixture_dir() + "/tokenizer_config.json"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("prompt:\n<|im_start|>user\nWrite one sentence about CUDA graphs."
+                       "<|im_end|>\n<|im_start|>assistant\n\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(tokens_of(r.out), test::Golden().json()["text_greedy_ids"].get<std::vector<int32_t>>());
+}
+
+// A Thinking template's generation prompt opens the reasoning: two more prompt tokens
+// (<think>, "\n") than the Instruct template's, and so other greedy tokens.
+TEST(AppGenerateChatTemplate, AChatTemplateFileOverridesTheModels) {
+  const RunResult plain = run_iris(fixture_generate() + kCudaPrompt + kGreedy);
+  const RunResult thinking =
+      run_iris(fixture_generate() + kCudaPrompt + kGreedy + " -v --chat-template-file " +
+               q(template_file("qwen3_vl_thinking.jinja")));
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  ASSERT_EQ(thinking.exit_code, 0) << thinking.err;
+  EXPECT_EQ(nlohmann::json::parse(thinking.out)["prompt_tokens"],
+            nlohmann::json::parse(plain.out)["prompt_tokens"].get<int>() + 2);
+  EXPECT_NE(thinking.err.find("chat template: " + template_file("qwen3_vl_thinking.jinja")),
+            std::string::npos)
+      << thinking.err;
+  EXPECT_NE(thinking.err.find("<|im_start|>assistant\n<think>\n\n"), std::string::npos)
+      << thinking.err;
+  EXPECT_NE(tokens_of(thinking.out), tokens_of(plain.out));
+  // With an image, the template writes the image block and iris expands its pads.
+  const std::string img = " --image " + q(test::fixture_dir() + "/images/image0.png");
+  const RunResult image =
+      run_iris(fixture_generate() + img + " -p 'What is it?'" + kGreedy + " --chat-template-file " +
+               q(template_file("qwen2_vl.jinja")) + " -v");
+  ASSERT_EQ(image.exit_code, 0) << image.err;
+  EXPECT_NE(image.err.find("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                           "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                           "What is it?<|im_end|>\n<|im_start|>assistant\n"),
+            std::string::npos)
+      << image.err;
+}
+
+// enable_thinking as llama.cpp spells it (--chat-template-kwargs) and as --reasoning: Qwen3's
+// template closes an empty reasoning block in the generation prompt when it is false.
+TEST(AppGenerateChatTemplate, EnableThinkingReachesTheTemplate) {
+  const std::string base = fixture_generate() + kCudaPrompt + kGreedy +
+                           " -v --chat-template-file " + q(template_file("qwen3.jinja"));
+  const RunResult on = run_iris(base);
+  const RunResult off = run_iris(base + " --reasoning off");
+  const RunResult kwargs = run_iris(base + " --chat-template-kwargs '{\"enable_thinking\":false}'");
+  ASSERT_EQ(on.exit_code, 0) << on.err;
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  ASSERT_EQ(kwargs.exit_code, 0) << kwargs.err;
+  EXPECT_EQ(on.err.find("<think>"), std::string::npos) << on.err;
+  EXPECT_NE(off.err.find("<|im_start|>assistant\n<think>\n\n</think>\n\n"), std::string::npos)
+      << off.err;
+  EXPECT_EQ(nlohmann::json::parse(off.out)["prompt_tokens"],
+            nlohmann::json::parse(on.out)["prompt_tokens"].get<int>() + 4);
+  EXPECT_EQ(tokens_of(kwargs.out), tokens_of(off.out));
+  EXPECT_EQ(nlohmann::json::parse(kwargs.out)["prompt_tokens"],
+            nlohmann::json::parse(off.out)["prompt_tokens"]);
+  const RunResult explicit_on = run_iris(base + " --reasoning on");  // true: Qwen3's default
+  EXPECT_EQ(tokens_of(explicit_on.out), tokens_of(on.out));
+  EXPECT_NE(tokens_of(off.out), tokens_of(on.out));
+  expect_error(
+      run_iris(base + " --reasoning off --chat-template-kwargs '{\"enable_thinking\":true}'"),
+      "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
+  expect_error(run_iris(base + " --chat-template-kwargs '{enable_thinking: false}'"),
+               "--chat-template-kwargs is not JSON");
+  expect_error(run_iris(base + " --chat-template-kwargs '[1]'"),
+               "--chat-template-kwargs must be a JSON object");
+  expect_error(run_iris(base + " --reasoning maybe"), "--reasoning");
+}
+
+// A checkpoint without a template gets the built-in ChatML, which -v says in one line: the same
+// prompt as the fixture's Instruct template, so HF's greedy tokens.
+TEST(AppGenerateChatTemplate, NoTemplateFallsBackToChatMLAndSaysSo) {
+  ScratchModel m;
+  auto cfg = nlohmann::ordered_json::parse(slurp(m.path("tokenizer_config.json")));
+  cfg.erase("chat_template");
+  std::ofstream(m.path("tokenizer_config.json")) << cfg.dump(2);
+  const RunResult r = run_iris("generate -m " + q(m.path()) + kCudaPrompt + kGreedy + " -v");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("chat template: none in " + m.path() +
+                       " (chat_template.jinja, chat_template.json, tokenizer_config.json); using "
+                       "the built-in ChatML"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(tokens_of(r.out), test::Golden().json()["text_greedy_ids"].get<std::vector<int32_t>>());
+  // Without -v, nothing is said about it; a template variable that cannot apply gets a note.
+  EXPECT_EQ(
+      run_iris("generate -m " + q(m.path()) + kCudaPrompt + kGreedy).err.find("chat template"),
+      std::string::npos);
+  const RunResult note =
+      run_iris("generate -m " + q(m.path()) + kCudaPrompt + kGreedy + " --reasoning off");
+  EXPECT_EQ(note.exit_code, 0) << note.err;
+  EXPECT_NE(note.err.find("note: --reasoning has no effect: " + m.path() +
+                          " has no chat template, so the built-in ChatML is used"),
+            std::string::npos)
+      << note.err;
+  // A chat_template.jinja beside it is the model's template from then on.
+  std::ofstream(m.path("chat_template.jinja"))
+      << "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+         "{% endfor %}<|im_start|>assistant\nSure:";
+  const RunResult own = run_iris("generate -m " + q(m.path()) + kCudaPrompt + kGreedy + " -v");
+  ASSERT_EQ(own.exit_code, 0) << own.err;
+  EXPECT_NE(own.err.find("chat template: " + m.path("chat_template.jinja")), std::string::npos)
+      << own.err;
+  EXPECT_NE(own.err.find("<|im_start|>assistant\nSure:"), std::string::npos) << own.err;
+}
+
+TEST(AppGenerateChatTemplate, ABadTemplateNamesTheFileAndLine) {
+  const std::string path = (test::scratch_dir() / "bad.jinja").string();
+  std::ofstream(path) << "{%- for m in messages %}\n{{ m.content | wordwrap(10) }}\n{% endfor %}";
+  expect_error(
+      run_iris(fixture_generate() + kCudaPrompt + kGreedy + " --chat-template-file " + q(path)),
+      "--chat-template-file " + path + ", line 2: the filter 'wordwrap' is not supported");
+  // Qwen3's text-only template cannot take an image, as in transformers.
+  expect_error(
+      run_iris(fixture_generate() + " --image " + q(test::fixture_dir() + "/images/image0.png") +
+               kCudaPrompt + kGreedy + " --chat-template-file " + q(template_file("qwen3.jinja"))),
+      "'list object' has no attribute 'startswith'");
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + kGreedy +
+                        " --chat-template-file /nonexistent/t.jinja"),
+               "/nonexistent/t.jinja");
+}
+
+// An interactive chat with a template that rewrites earlier replies: each turn gives the tokens
+// of a one-shot run over the whole conversation as the template renders it.
+TEST(AppGenerateChatTemplate, ChatTurnsFollowTheTemplate) {
+  const std::string flags = kChatFlags + std::string(" --json --chat-template-file ") +
+                            q(template_file("qwen3_vl_thinking.jinja"));
+  const RunResult chat = run_iris(fixture_generate() + flags, kTurn1 + "\n" + kTurn3 + "\n");
+  ASSERT_EQ(chat.exit_code, 0) << chat.err;
+  const std::vector<nlohmann::json> turns = json_lines(chat.out);
+  ASSERT_EQ(turns.size(), 2u) << chat.out;
+  const RunResult one1 = run_iris(fixture_generate() + flags + " -p " + q(kTurn1));
+  EXPECT_EQ(turns[0]["tokens"], nlohmann::json::parse(one1.out)["tokens"]);
+
+  const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
+  const ChatFormat thinking = ChatFormat::from_file(template_file("qwen3_vl_thinking.jinja"), "t");
+  const std::vector<ChatMessage> conversation = {
+      {"system", {ChatPart::make_text("You are terse.")}},
+      {"user", {ChatPart::make_text(kTurn1)}},
+      {"assistant",
+       {ChatPart::make_text(tok.decode(turns[0]["tokens"].get<std::vector<int32_t>>()))}},
+      {"user", {ChatPart::make_text(kTurn3)}}};
+  const std::string dir = test::fixture_dir();
+  const ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
+  GenerationRequest req;
+  req.prompt_ids = encode_chat_text(tok, thinking.render(conversation, true), {}, 2);
+  req.max_new_tokens = 12;
+  req.sampling.temperature = 0;
+  req.stop_ids = default_stop_ids(dir, [&](const std::string& t) { return tok.token_id(t); });
+  req.sampleable = sampleable_ids(tok, cfg.text.vocab_size);
+  auto be = make_cpu_backend();
+  ModelLimits limits;
+  limits.max_context = 1024;
+  limits.max_step_tokens = 256;
+  Qwen3VLModel model(*be, dir, limits);
+  GenerationResult want = generate(model, req);
+  if (want.stopped) want.tokens.pop_back();
+  EXPECT_EQ(turns[1]["tokens"].get<std::vector<int32_t>>(), want.tokens);
 }
 
 }  // namespace

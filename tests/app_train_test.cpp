@@ -142,6 +142,16 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
   EXPECT_NE(e.output.find("cuda_graph_impl: none"), std::string::npos);
   EXPECT_NE(e.output.find("recipe is valid"), std::string::npos);
   EXPECT_FALSE(fs::exists(run));
+  // The chat template the run would render its conversations with; a broken one fails here.
+  EXPECT_NE(e.output.find("chat template: "), std::string::npos) << e.output;
+  const std::string bad = (root_ / "bad.jinja").string();
+  std::ofstream(bad) << "{% for m in messages %}{{ m|wordcount }}{% endfor %}";
+  const Exit broken = iris({"train", "--recipe", recipe, "--dry-run", "data.chat_template=" + bad});
+  EXPECT_EQ(broken.code, 1) << broken.output;
+  EXPECT_NE(broken.output.find("data.chat_template " + bad +
+                               ", line 1: the filter 'wordcount' is not supported"),
+            std::string::npos)
+      << broken.output;
 
   const Exit listed = iris({"train", "--list-keys"});
   EXPECT_EQ(listed.code, 0);

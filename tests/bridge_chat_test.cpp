@@ -67,6 +67,8 @@ class ChatFixture : public ::testing::Test {
     settings_.sampling.temperature = 0;
     settings_.stop_ids = {tokenizer_->token_id("<|im_end|>"),
                           tokenizer_->token_id("<|endoftext|>")};
+    format_ = ChatFormat::from_dir(test::fixture_dir());
+    ASSERT_TRUE(format_.has_template());
   }
 
   std::vector<int32_t> encode(const std::string& s) const { return tokenizer_->encode(s); }
@@ -102,8 +104,8 @@ class ChatFixture : public ::testing::Test {
     return generate(m, req);
   }
 
-  ChatMessage message(const std::string& text, const Image* image = nullptr) const {
-    ChatMessage m;
+  UserMessage message(const std::string& text, const Image* image = nullptr) const {
+    UserMessage m;
     m.text = text;
     if (image != nullptr) {
       m.pixel_values = image->pixels.data();
@@ -115,7 +117,7 @@ class ChatFixture : public ::testing::Test {
   // Three turns (the second with an image), /clear, a fourth with the other image: each turn's
   // tokens against a one-shot run of the whole conversation on `one_shot_model`.
   void expect_turns_equal_one_shot(Qwen3VLModel& chat_model, Qwen3VLModel& one_shot_model) {
-    ChatSession chat(chat_model, *tokenizer_, kSystem, settings_);
+    ChatSession chat(chat_model, *tokenizer_, format_, kSystem, settings_);
     const std::vector<int32_t> p1 =
         encode("<|im_start|>system\n" + kSystem + "<|im_end|>\n<|im_start|>user\n" + kText1 +
                "<|im_end|>\n<|im_start|>assistant\n");
@@ -161,6 +163,7 @@ class ChatFixture : public ::testing::Test {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::vector<Image> images_;
   GenerationRequest settings_;
+  ChatFormat format_;  // the fixture's own chat template (Qwen3-VL Instruct's)
 };
 
 // The running M-RoPE position at a text boundary is all a continuation needs: the positions of a
@@ -215,10 +218,10 @@ TEST_F(ChatFixture, ContinuedPrefillLogitsEqualTheWholePrefill) {
   auto be = make_cpu_backend();
   Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
   Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
-  ChatSession chat(chat_model, *tokenizer_, "", settings_);
+  ChatSession chat(chat_model, *tokenizer_, format_, "", settings_);
   const ChatReply r1 = chat.send(message(kText1));
   const std::vector<int32_t> p2 =
-      continued(build_generation_prompt(*tokenizer_, {}, kText1, ""), r1.result,
+      continued(build_generation_prompt(*tokenizer_, format_, {}, kText1, ""), r1.result,
                 user_turn_with_image(images_[0].grid, kText2));
   const ChatReply r2 = chat.send(message(kText2, &images_[0]));
   const GenerationResult o2 = one_shot(one_shot_model, p2, &images_[0]);
@@ -235,12 +238,13 @@ TEST_F(ChatFixture, ContinuedPrefillLogitsEqualTheWholePrefill) {
 
 TEST_F(ChatFixture, AMessageBeyondTheContextIsRefusedAndTheChatGoesOn) {
   auto be = make_cpu_backend();
-  const std::vector<int32_t> p1 = build_generation_prompt(*tokenizer_, {}, kText1, kSystem);
+  const std::vector<int32_t> p1 =
+      build_generation_prompt(*tokenizer_, format_, {}, kText1, kSystem);
   // Room for the first prompt and 5 reply tokens: the reply stops there.
   const int64_t context = static_cast<int64_t>(p1.size()) + 5;
   Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits(context));
   Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
-  ChatSession chat(chat_model, *tokenizer_, kSystem, settings_);
+  ChatSession chat(chat_model, *tokenizer_, format_, kSystem, settings_);
   const ChatReply r1 = chat.send(message(kText1));
   EXPECT_TRUE(r1.context_full);
   const GenerationResult o1 = one_shot(one_shot_model, p1);
@@ -267,7 +271,7 @@ TEST_F(ChatFixture, AMessageBeyondTheContextIsRefusedAndTheChatGoesOn) {
 
   // A first message larger than the whole context says to raise it.
   Qwen3VLModel tiny(*be, test::fixture_dir(), chat_limits(16));
-  ChatSession small(tiny, *tokenizer_, kSystem, settings_);
+  ChatSession small(tiny, *tokenizer_, format_, kSystem, settings_);
   try {
     small.send(message(kText1));
     ADD_FAILURE() << "a message larger than the context was accepted";
@@ -276,11 +280,66 @@ TEST_F(ChatFixture, AMessageBeyondTheContextIsRefusedAndTheChatGoesOn) {
   }
 }
 
+// Qwen3-VL Thinking's template rewrites a reply once another question follows (it keeps only
+// what comes after </think>, and the generation prompt's "<think>\n" is gone): each turn still
+// gives the tokens of a one-shot run over the template's rendering of the whole conversation,
+// built here from the template alone, and the chat refills its cache only from the rewritten
+// reply on.
+TEST_F(ChatFixture, ATemplateThatRewritesEarlierRepliesStillGivesOneShotTokens) {
+  const ChatFormat thinking = ChatFormat::from_file(
+      test::data_dir() + "/chat_templates/qwen3_vl_thinking.jinja", "chat template");
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  ChatSession chat(chat_model, *tokenizer_, thinking, kSystem, settings_);
+  std::vector<ChatMessage> conversation = {{"system", {ChatPart::make_text(kSystem)}}};
+  std::vector<GridTHW> grids;
+  std::vector<float> pixels;
+  const std::vector<UserMessage> turns = {message(kText1), message(kText2, &images_[1]),
+                                          message(kText3)};
+  for (size_t t = 0; t < turns.size(); ++t) {
+    SCOPED_TRACE("turn " + std::to_string(t + 1));
+    // Where the last reply's turn starts: the conversation before it, rendered without a
+    // generation prompt.
+    const std::vector<ChatMessage> before_reply(conversation.begin(),
+                                                conversation.end() - (t > 0 ? 1 : 0));
+    const int64_t kept = static_cast<int64_t>(
+        encode_chat_text(*tokenizer_, thinking.render(before_reply, false), grids, 2).size());
+    conversation.push_back(user_message(turns[t].text, turns[t].grids.size()));
+    if (!turns[t].grids.empty()) {
+      grids.push_back(images_[1].grid);
+      pixels.insert(pixels.end(), images_[1].pixels.begin(), images_[1].pixels.end());
+    }
+    const std::string text = thinking.render(conversation, true);
+    const std::string generation_prompt = "<|im_start|>assistant\n<think>\n";
+    ASSERT_EQ(text.substr(text.size() - generation_prompt.size()), generation_prompt);
+    GenerationRequest req = settings_;
+    req.prompt_ids = encode_chat_text(*tokenizer_, text, grids, 2);
+    req.pixel_values = pixels.empty() ? nullptr : pixels.data();
+    req.grids = grids;
+    GenerationResult want = generate(one_shot_model, req);
+    const ChatReply got = chat.send(turns[t]);
+    EXPECT_EQ(got.result.tokens, want.tokens);
+    if (t > 0) {
+      EXPECT_EQ(got.result.timings.prompt_tokens,
+                static_cast<int64_t>(req.prompt_ids.size()) - kept)
+          << "the chat should refill from the rewritten reply on";
+    }
+    if (want.stopped) want.tokens.pop_back();
+    conversation.push_back({"assistant", {ChatPart::make_text(tokenizer_->decode(want.tokens))}});
+  }
+  // What the chat holds is the template's rendering of the whole conversation.
+  EXPECT_EQ(chat.conversation_text(), thinking.render(conversation, false));
+  EXPECT_EQ(chat.conversation(),
+            encode_chat_text(*tokenizer_, thinking.render(conversation, false), grids, 2));
+  EXPECT_LE(chat.cached_tokens(), chat_model.n_past());
+}
+
 // Generating through the model behind the chat's back is detected, not built upon.
 TEST_F(ChatFixture, AModelUsedOutsideTheChatIsRefused) {
   auto be = make_cpu_backend();
   Qwen3VLModel m(*be, test::fixture_dir(), chat_limits());
-  ChatSession chat(m, *tokenizer_, "", settings_);
+  ChatSession chat(m, *tokenizer_, format_, "", settings_);
   const ChatReply r = chat.send(message(kText1));
   m.decode(r.result.tokens.back());
   EXPECT_THROW(chat.send(message(kText3)), Error);
@@ -319,9 +378,9 @@ TEST_F(ChatFixture, CudaChatWithDecodeGraphsEqualsTheEagerChat) {
   VisionCudaGraphHelper helper(graphed, split_stages(graphed.config(), 1)[0],
                                cuda_graphs(false, 1));
   graphed.attach_graphs(&helper);
-  ChatSession a(eager, *tokenizer_, kSystem, settings_),
-      b(graphed, *tokenizer_, kSystem, settings_);
-  const std::vector<ChatMessage> turns = {message(kText1), message(kText2, &images_[1]),
+  ChatSession a(eager, *tokenizer_, format_, kSystem, settings_),
+      b(graphed, *tokenizer_, format_, kSystem, settings_);
+  const std::vector<UserMessage> turns = {message(kText1), message(kText2, &images_[1]),
                                           message(kText3)};
   for (size_t t = 0; t < turns.size(); ++t) {
     const ChatReply ra = a.send(turns[t]), rb = b.send(turns[t]);
@@ -374,8 +433,9 @@ TEST_F(ChatFixture, CudaGraphedChatTurnsMatchOneShotPrefillsWithinBf16) {
                 static_cast<std::ptrdiff_t>(order[0]))
           << what;
   };
-  ChatSession chat(graphed, *tokenizer_, kSystem, settings_);
-  const std::vector<int32_t> p1 = build_generation_prompt(*tokenizer_, {}, kText1, kSystem);
+  ChatSession chat(graphed, *tokenizer_, format_, kSystem, settings_);
+  const std::vector<int32_t> p1 =
+      build_generation_prompt(*tokenizer_, format_, {}, kText1, kSystem);
   const ChatReply r1 = chat.send(message(kText1));
   expect_close(r1.result.prompt_logits, one_shot(one_shot_model, p1).prompt_logits, "turn 1");
   const std::vector<int32_t> p2 =

@@ -462,7 +462,7 @@ TEST_F(TinyTrainingTest, ResumingGivesTheLossesOfAnUninterruptedRun) {
   auto state = [](const std::string& run) {
     nlohmann::json j =
         nlohmann::json::parse(read_text_file(run + "/step_0000006/trainer_state.json"));
-    EXPECT_EQ(j["files"].size(), 8u);
+    EXPECT_EQ(j["files"].size(), 9u);  // chat_template.jinja among them
     j.erase("files");
     return j;
   };
@@ -619,6 +619,27 @@ TEST_F(TinyTrainingTest, StartsFromAPretrainedDirectory) {
             read_text_file(test::fixture_dir() + "/generation_config.json"));
 }
 
+// data.chat_template renders the conversations and travels with the checkpoints, so that the
+// export is prompted as the run trained; the run's log says which template it used.
+TEST_F(TinyTrainingTest, AChatTemplateFileIsTrainedWithAndKept) {
+  const std::string run = run_dir("run");
+  const std::string file = test::data_dir() + "/chat_templates/qwen2_vl.jinja";
+  TrainerOptions o = quiet();
+  std::FILE* log = std::tmpfile();
+  ASSERT_NE(log, nullptr);
+  o.out = log;
+  const TrainResult r = run_training(
+      recipe(run, {"data.chat_template=" + file, "train.train_iters=1", "train.eval_interval=0"}),
+      o);
+  EXPECT_EQ(r.final_iteration, 1);
+  EXPECT_EQ(read_text_file(run + "/step_0000001/chat_template.jinja"), read_text_file(file));
+  std::rewind(log);
+  std::string text;
+  for (int c; (c = std::fgetc(log)) != EOF;) text += static_cast<char>(c);
+  std::fclose(log);
+  EXPECT_NE(text.find("chat template: " + file), std::string::npos) << text;
+}
+
 struct Greedy {
   std::vector<int32_t> tokens;
   std::vector<float> first_logits;  // after the prompt
@@ -637,7 +658,7 @@ Greedy greedy(const std::string& dir, const std::string& image, int n) {
   const PreprocessedImage img = preprocess_image(load_image(image), pp);
   const std::vector<GridTHW> grids{img.grid_thw};
   model.encode_images(img.pixel_values.data<float>(), grids);
-  model.prefill(build_generation_prompt(tok, grids, kShapesPrompt, ""));
+  model.prefill(build_generation_prompt(tok, ChatFormat::from_dir(dir), grids, kShapesPrompt, ""));
   Greedy g;
   for (int i = 0; i < n; ++i) {
     const std::vector<float> logits = model.last_logits();
@@ -662,6 +683,10 @@ TEST_F(TinyTrainingTest, ExportIsAnHfDirectoryWithTheSameGreedyTokens) {
     EXPECT_TRUE(fs::is_regular_file(fs::path(out) / f)) << f;
   EXPECT_FALSE(fs::exists(out + ".tmp"));
   EXPECT_FALSE(fs::exists(fs::path(out) / "optimizer.safetensors"));
+  // The chat template the run trained with, found first when the export is prompted.
+  EXPECT_EQ(read_text_file(out + "/chat_template.jinja"),
+            read_text_file(test::data_dir() + "/chat_templates/qwen3_vl_instruct.jinja"));
+  EXPECT_EQ(ChatFormat::from_dir(out).source(), out + "/chat_template.jinja");
   const auto config = nlohmann::json::parse(read_text_file(out + "/config.json"));
   EXPECT_EQ(config["dtype"], "bfloat16");
   EXPECT_EQ(config["architectures"][0], "Qwen3VLForConditionalGeneration");

@@ -11,6 +11,7 @@
 
 #include "bridge/chat_prompt.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/dataset.h"
@@ -39,6 +40,12 @@ const PreprocessorConfig& pp() {
   static const PreprocessorConfig c =
       PreprocessorConfig::from_file(test::fixture_dir() + "/preprocessor_config.json");
   return c;
+}
+
+// The fixture's own chat template (Qwen3-VL Instruct's), which training renders with.
+const ChatFormat& fixture_chat() {
+  static const ChatFormat f = ChatFormat::from_dir(test::fixture_dir());
+  return f;
 }
 
 std::string jsonl_dir() {
@@ -106,46 +113,53 @@ TEST(TrainingChatFormat, SpecialTokenIdsAreQwens) {
   EXPECT_EQ(enc("<|im_end|>\n"), (std::vector<int32_t>{kImEnd, kNewline}));
 }
 
+// The same layout from the fixture's chat template (Qwen3-VL Instruct's) and from the built-in
+// ChatML that a checkpoint without a template gets.
 TEST(TrainingChatFormat, LabelsCoverAssistantTurnsThroughImEndAndNewline) {
-  const std::vector<ChatMessage> msgs = {
-      {"user", {ChatPart::make_image(), ChatPart::make_text("What is it?")}},
-      {"assistant", {ChatPart::make_text("A dog.")}},
-      {"user", {ChatPart::make_text("Sure?")}},
-      {"assistant", {ChatPart::make_text("Yes")}}};
-  const ChatTokens t = build_chat_tokens(tok(), msgs, {{1, 4, 6}});  // 24 patches -> 6 pads
-  const std::vector<int32_t> a1 = enc("A dog."), a2 = enc("Yes"), q1 = enc("What is it?"),
-                             q2 = enc("Sure?");
-  const std::vector<int32_t> expected = cat({{kImStart, kUser, kNewline},
-                                             image_ids(6),
-                                             q1,
-                                             {kImEnd, kNewline},
-                                             {kImStart, kAssistant, kNewline},
-                                             a1,
-                                             {kImEnd, kNewline},
-                                             {kImStart, kUser, kNewline},
-                                             q2,
-                                             {kImEnd, kNewline},
-                                             {kImStart, kAssistant, kNewline},
-                                             a2,
-                                             {kImEnd, kNewline}});
-  ASSERT_EQ(t.ids, expected);
-  ASSERT_EQ(t.labels.size(), t.ids.size());
+  for (const ChatFormat& format : {fixture_chat(), ChatFormat()}) {
+    SCOPED_TRACE(format.describe());
+    const std::vector<ChatMessage> msgs = {
+        {"user", {ChatPart::make_image(), ChatPart::make_text("What is it?")}},
+        {"assistant", {ChatPart::make_text("A dog.")}},
+        {"user", {ChatPart::make_text("Sure?")}},
+        {"assistant", {ChatPart::make_text("Yes")}}};
+    const ChatTokens t =
+        build_chat_tokens(tok(), format, msgs, {{1, 4, 6}});  // 24 patches -> 6 pads
+    const std::vector<int32_t> a1 = enc("A dog."), a2 = enc("Yes"), q1 = enc("What is it?"),
+                               q2 = enc("Sure?");
+    const std::vector<int32_t> expected = cat({{kImStart, kUser, kNewline},
+                                               image_ids(6),
+                                               q1,
+                                               {kImEnd, kNewline},
+                                               {kImStart, kAssistant, kNewline},
+                                               a1,
+                                               {kImEnd, kNewline},
+                                               {kImStart, kUser, kNewline},
+                                               q2,
+                                               {kImEnd, kNewline},
+                                               {kImStart, kAssistant, kNewline},
+                                               a2,
+                                               {kImEnd, kNewline}});
+    ASSERT_EQ(t.ids, expected);
+    ASSERT_EQ(t.labels.size(), t.ids.size());
 
-  // Hand-computed spans: the first reply starts after user turn (3 + 8 + |q1| + 2) and its header.
-  const size_t user1 = 3 + 8 + q1.size() + 2;
-  const size_t reply1 = user1 + 3, end1 = reply1 + a1.size() + 2;  // one past the "\n"
-  const size_t user2 = end1, reply2 = user2 + 3 + q2.size() + 2 + 3;
-  const size_t end2 = reply2 + a2.size() + 2;
-  ASSERT_EQ(end2, t.ids.size());
-  for (size_t i = 0; i < t.ids.size(); ++i) {
-    const bool learned = (i >= reply1 && i < end1) || (i >= reply2 && i < end2);
-    EXPECT_EQ(t.labels[i], learned ? t.ids[i] : kIgnoreLabel) << "position " << i;
+    // Hand-computed spans: the first reply starts after user turn (3 + 8 + |q1| + 2) and its
+    // header.
+    const size_t user1 = 3 + 8 + q1.size() + 2;
+    const size_t reply1 = user1 + 3, end1 = reply1 + a1.size() + 2;  // one past the "\n"
+    const size_t user2 = end1, reply2 = user2 + 3 + q2.size() + 2 + 3;
+    const size_t end2 = reply2 + a2.size() + 2;
+    ASSERT_EQ(end2, t.ids.size());
+    for (size_t i = 0; i < t.ids.size(); ++i) {
+      const bool learned = (i >= reply1 && i < end1) || (i >= reply2 && i < end2);
+      EXPECT_EQ(t.labels[i], learned ? t.ids[i] : kIgnoreLabel) << "position " << i;
+    }
+    EXPECT_EQ(t.labels[end1 - 2], kImEnd);
+    EXPECT_EQ(t.labels[end1 - 1], kNewline);
+    EXPECT_EQ(t.labels[reply1 - 1], kIgnoreLabel);  // the "\n" of "assistant\n"
+    EXPECT_EQ(t.labels[reply1 - 2], kIgnoreLabel);  // "assistant"
+    for (size_t i = 3; i < 3 + 8; ++i) EXPECT_EQ(t.labels[i], kIgnoreLabel);  // vision tokens
   }
-  EXPECT_EQ(t.labels[end1 - 2], kImEnd);
-  EXPECT_EQ(t.labels[end1 - 1], kNewline);
-  EXPECT_EQ(t.labels[reply1 - 1], kIgnoreLabel);  // the "\n" of "assistant\n"
-  EXPECT_EQ(t.labels[reply1 - 2], kIgnoreLabel);  // "assistant"
-  for (size_t i = 3; i < 3 + 8; ++i) EXPECT_EQ(t.labels[i], kIgnoreLabel);  // vision tokens
 }
 
 TEST(TrainingChatFormat, GoldenPrompt) {
@@ -170,23 +184,23 @@ TEST(TrainingChatFormat, GoldenPrompt) {
   ASSERT_EQ(enc(expanded), golden_ids);
 
   const std::string text = "Describe these two pictures.";
-  EXPECT_EQ(build_generation_prompt(tok(), grids, text, ""), golden_ids);
+  EXPECT_EQ(build_generation_prompt(tok(), fixture_chat(), grids, text, ""), golden_ids);
   const std::vector<ChatMessage> msgs = {
       {"user", {ChatPart::make_image(), ChatPart::make_image(), ChatPart::make_text(text)}}};
-  EXPECT_EQ(build_chat_prompt(tok(), msgs, grids), golden_ids);
+  EXPECT_EQ(build_chat_prompt(tok(), fixture_chat(), msgs, grids), golden_ids);
 
   // Training and the CLI agree with a system turn and without images too.
   const std::vector<ChatMessage> with_system = {{"system", {ChatPart::make_text("Be brief.")}},
                                                 msgs[0]};
-  EXPECT_EQ(build_chat_prompt(tok(), with_system, grids),
-            build_generation_prompt(tok(), grids, text, "Be brief."));
+  EXPECT_EQ(build_chat_prompt(tok(), fixture_chat(), with_system, grids),
+            build_generation_prompt(tok(), fixture_chat(), grids, text, "Be brief."));
   std::vector<int32_t> text_ids;
   for (float v : golden.tensor("text_input_ids").to_f32())
     text_ids.push_back(static_cast<int32_t>(v));
-  EXPECT_EQ(
-      build_chat_prompt(
-          tok(), {{"user", {ChatPart::make_text("Write one sentence about CUDA graphs.")}}}, {}),
-      text_ids);
+  EXPECT_EQ(build_chat_prompt(
+                tok(), fixture_chat(),
+                {{"user", {ChatPart::make_text("Write one sentence about CUDA graphs.")}}}, {}),
+            text_ids);
 }
 
 // <__media__> markers (llama-mtmd-cli's) place each image inside the text; the CLI's prompt must
@@ -194,20 +208,22 @@ TEST(TrainingChatFormat, GoldenPrompt) {
 TEST(TrainingChatFormat, MediaMarkersPlaceImagesInTheText) {
   const std::vector<GridTHW> grids = {{1, 14, 20}, {1, 28, 10}};
   const std::string text = "Describe these two pictures.";
-  EXPECT_EQ(build_generation_prompt(tok(), grids, "<__media__><__media__>" + text, ""),
-            build_generation_prompt(tok(), grids, text, ""));
+  EXPECT_EQ(
+      build_generation_prompt(tok(), fixture_chat(), grids, "<__media__><__media__>" + text, ""),
+      build_generation_prompt(tok(), fixture_chat(), grids, text, ""));
   const std::vector<ChatMessage> placed = {
       {"user",
        {ChatPart::make_text("First "), ChatPart::make_image(), ChatPart::make_text(", then "),
         ChatPart::make_image(), ChatPart::make_text(". Which is larger?")}}};
   const std::vector<int32_t> ids = build_generation_prompt(
-      tok(), grids, "First <__media__>, then <__media__>. Which is larger?", "");
-  EXPECT_EQ(ids, build_chat_prompt(tok(), placed, grids));
-  EXPECT_NE(ids, build_generation_prompt(tok(), grids, "First , then . Which is larger?", ""));
+      tok(), fixture_chat(), grids, "First <__media__>, then <__media__>. Which is larger?", "");
+  EXPECT_EQ(ids, build_chat_prompt(tok(), fixture_chat(), placed, grids));
+  EXPECT_NE(ids, build_generation_prompt(tok(), fixture_chat(), grids,
+                                         "First , then . Which is larger?", ""));
   for (const std::string& wrong :
        {std::string("one <__media__> only"), std::string("<__media__><__media__><__media__>")}) {
     try {
-      build_generation_prompt(tok(), grids, wrong, "");
+      build_generation_prompt(tok(), fixture_chat(), grids, wrong, "");
       ADD_FAILURE() << wrong;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("one marker per image"), std::string::npos) << e.what();
@@ -218,25 +234,127 @@ TEST(TrainingChatFormat, MediaMarkersPlaceImagesInTheText) {
 TEST(TrainingChatFormat, RejectsBrokenConversations) {
   const std::vector<ChatMessage> reserved = {{"user", {ChatPart::make_text("hi<|im_end|>")}},
                                              {"assistant", {ChatPart::make_text("x")}}};
-  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), reserved, {}); }).find("<|im_end|>"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { build_chat_tokens(tok(), fixture_chat(), reserved, {}); }).find("<|im_end|>"),
+      std::string::npos);
   const std::vector<ChatMessage> pad_text = {{"user", {ChatPart::make_text("<|image_pad|>")}}};
-  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), pad_text, {}); }).find("special token"),
+  EXPECT_NE(error_of([&] {
+              build_chat_tokens(tok(), fixture_chat(), pad_text, {});
+            }).find("special token"),
             std::string::npos);
   const std::vector<ChatMessage> image_reply = {{"assistant", {ChatPart::make_image()}}};
-  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), image_reply, {kRedGrid}); }).find("user turns"),
+  EXPECT_NE(error_of([&] {
+              build_chat_tokens(tok(), fixture_chat(), image_reply, {kRedGrid});
+            }).find("user turns"),
             std::string::npos);
   const std::vector<ChatMessage> one_image = {{"user", {ChatPart::make_image()}}};
-  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), one_image, {}); }).find("grids"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { build_chat_tokens(tok(), fixture_chat(), one_image, {}); }).find("grids"),
+      std::string::npos);
   EXPECT_NE(error_of([&] {
-              build_chat_tokens(tok(), one_image, {kRedGrid, kRedGrid});
+              build_chat_tokens(tok(), fixture_chat(), one_image, {kRedGrid, kRedGrid});
             }).find("2 image grids"),
             std::string::npos);
   const std::vector<ChatMessage> role = {{"tool", {ChatPart::make_text("x")}}};
-  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), role, {}); }).find("'tool'"),
+  EXPECT_NE(error_of([&] { build_chat_tokens(tok(), fixture_chat(), role, {}); }).find("'tool'"),
             std::string::npos);
   EXPECT_NE(error_of([&] { image_token_count({1, 3, 3}); }).find("merge_size"), std::string::npos);
+}
+
+// Training sequences are the chat template's rendering: for every conversation of golden.json
+// (transformers' apply_chat_template over the saved Qwen templates), the training builder's ids
+// are the golden text's, its images expanded, and the inference prompt builder's too.
+TEST(TrainingChatFormat, SequencesAreTheChatTemplatesRendering) {
+  const nlohmann::ordered_json golden = nlohmann::ordered_json::parse(
+      read_text_file(test::data_dir() + "/chat_templates/golden.json", "golden.json"));
+  int n = 0;
+  for (const auto& entry : golden["templates"]) {
+    for (const auto& c : entry["cases"]) {
+      const std::string file = entry["file"];
+      SCOPED_TRACE(file + ": " + c["name"].get<std::string>());
+      ChatFormat f = ChatFormat::from_file(test::data_dir() + "/chat_templates/" + file, "template",
+                                           {test::fixture_dir()});
+      if (!c["kwargs"].empty()) f.set_kwargs(c["kwargs"], "kwargs");
+      std::vector<ChatMessage> messages;
+      std::vector<GridTHW> grids;
+      for (const auto& m : c["messages"]) {
+        ChatMessage cm{m["role"].get<std::string>(), {}};
+        if (m["content"].is_string()) {
+          cm.content.push_back(ChatPart::make_text(m["content"].get<std::string>()));
+        } else {
+          for (const auto& item : m["content"]) {
+            if (item["type"] == "image") {
+              cm.content.push_back(ChatPart::make_image());
+              grids.push_back(grids.size() % 2 ? kBlueGrid : kRedGrid);
+            } else {
+              cm.content.push_back(ChatPart::make_text(item["text"].get<std::string>()));
+            }
+          }
+        }
+        messages.push_back(std::move(cm));
+      }
+      const std::vector<int32_t> want =
+          encode_chat_text(tok(), c["text"].get<std::string>(), grids, 2);
+      if (c["add_generation_prompt"].get<bool>()) {
+        EXPECT_EQ(build_chat_prompt(tok(), f, messages, grids), want);
+      } else {
+        const ChatTokens t = build_chat_tokens(tok(), f, messages, grids);
+        EXPECT_EQ(t.ids, want);
+        const bool replies = messages.back().role == "assistant";
+        EXPECT_EQ(std::count(t.labels.begin(), t.labels.end(), kIgnoreLabel) <
+                      static_cast<int64_t>(t.labels.size()),
+                  replies);
+      }
+      ++n;
+    }
+  }
+  EXPECT_GE(n, 15);
+}
+
+// What a model learns from the text a template writes, as tokens decoded: every assistant turn
+// after its header, <|im_end|> and "\n" included.
+std::string learned_text(const ChatTokens& t) {
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < t.ids.size(); ++i)
+    if (t.labels[i] != kIgnoreLabel) ids.push_back(t.labels[i]);
+  return tok().decode(ids);
+}
+
+TEST(TrainingChatFormat, AThinkingTemplatesLastReplyIsLearnedWithItsReasoning) {
+  const ChatFormat thinking = ChatFormat::from_file(
+      test::data_dir() + "/chat_templates/qwen3_vl_thinking.jinja", "template");
+  const std::string thought = "<think>\nRound and red.\n</think>\n\nA red circle.";
+  const std::vector<ChatMessage> one = {
+      {"user", {ChatPart::make_image(), ChatPart::make_text("What is it?")}},
+      {"assistant", {ChatPart::make_text(thought)}}};
+  EXPECT_EQ(learned_text(build_chat_tokens(tok(), thinking, one, {kRedGrid})),
+            thought + "<|im_end|>\n");
+  // An earlier reply's reasoning is dropped by the template, so it is not learned; the last reply
+  // without reasoning gets the template's empty think block.
+  const std::vector<ChatMessage> two = {one[0],
+                                        one[1],
+                                        {"user", {ChatPart::make_text("Sure?")}},
+                                        {"assistant", {ChatPart::make_text("Yes.")}}};
+  EXPECT_EQ(learned_text(build_chat_tokens(tok(), thinking, two, {kRedGrid})),
+            "A red circle.<|im_end|>\n<think>\n\n</think>\n\nYes.<|im_end|>\n");
+  // A reply that starts with newlines: its first "\n" merges with the header's, which Qwen's rule
+  // skips as the header's.
+  const std::vector<ChatMessage> newline = {{"user", {ChatPart::make_text("Hi")}},
+                                            {"assistant", {ChatPart::make_text("\n\nHello")}}};
+  const ChatTokens t = build_chat_tokens(tok(), fixture_chat(), newline, {});
+  EXPECT_EQ(learned_text(t), "Hello<|im_end|>\n");
+}
+
+TEST(TrainingChatFormat, ATemplateWithoutChatMLTurnsIsRefused) {
+  const std::string path = write_scratch(
+      "plain.jinja", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}");
+  const ChatFormat plain = ChatFormat::from_file(path, "data.chat_template");
+  const std::vector<ChatMessage> msgs = {{"user", {ChatPart::make_text("Hi")}},
+                                         {"assistant", {ChatPart::make_text("Hello")}}};
+  EXPECT_EQ(error_of([&] { build_chat_tokens(tok(), plain, msgs, {}); }),
+            "the chat template (" + path +
+                ") does not write assistant turns as <|im_start|>assistant\\n...<|im_end|>, "
+                "which is how Iris finds the tokens to learn");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,7 +362,7 @@ TEST(TrainingChatFormat, RejectsBrokenConversations) {
 
 TEST(TrainingData, MessagesFormat) {
   const std::string file = jsonl_dir() + "/messages.jsonl";
-  Dataset ds(config_for({file}), tok(), pp());
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.size(), 3);  // the blank line is not a sample
 
   // Line 1: system, user [image, text], assistant.
@@ -313,7 +431,7 @@ TEST(TrainingData, MessagesFormat) {
 
 TEST(TrainingData, ConversationsFormat) {
   const std::string file = jsonl_dir() + "/conversations.jsonl";
-  Dataset ds(config_for({file}), tok(), pp());
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
   ASSERT_EQ(ds.size(), 2);
 
   // "<image>\n" before the question renders like the messages form [image, text].
@@ -331,7 +449,7 @@ TEST(TrainingData, ConversationsFormat) {
   const std::vector<ChatMessage> same = {
       {"user", {ChatPart::make_image(), ChatPart::make_text("What colour is the square?")}},
       {"assistant", {ChatPart::make_text("Red.")}}};
-  EXPECT_EQ(s.ids, build_chat_tokens(tok(), same, {kRedGrid}).ids);
+  EXPECT_EQ(s.ids, build_chat_tokens(tok(), fixture_chat(), same, {kRedGrid}).ids);
 
   // Two tags placing two images mid-sentence (whitespace at the tags dropped), a system turn, two
   // replies.
@@ -363,7 +481,7 @@ TEST(TrainingData, ConversationsFormat) {
 TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
   const PreprocessedImage red = preprocess_image(load_image(jsonl_dir() + "/images/red.png"), pp());
   {
-    Dataset ds(config_for({jsonl_dir() + "/nested/relative.jsonl"}), tok(), pp());
+    Dataset ds(config_for({jsonl_dir() + "/nested/relative.jsonl"}), tok(), pp(), fixture_chat());
     const Sample s = ds.next();
     EXPECT_EQ(s.grids, std::vector<GridTHW>{kRedGrid});
     EXPECT_TRUE(
@@ -372,14 +490,14 @@ TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
   DataConfig c = config_for({jsonl_dir() + "/image_root.jsonl"});
   c.image_root = jsonl_dir() + "/images";
   {
-    Dataset ds(c, tok(), pp());
+    Dataset ds(c, tok(), pp(), fixture_chat());
     const Sample s = ds.next();
     EXPECT_EQ(s.grids, std::vector<GridTHW>{kRedGrid});
     EXPECT_EQ(s.pixel_values.size(), static_cast<size_t>(red.pixel_values.numel()));
   }
   // Without image_root "red.png" is looked up beside the JSONL file, where it is not.
   c.image_root.clear();
-  Dataset ds(c, tok(), pp());
+  Dataset ds(c, tok(), pp(), fixture_chat());
   const std::string err = error_of([&] { ds.next(); });
   EXPECT_NE(err.find("image_root.jsonl:1"), std::string::npos) << err;
   EXPECT_NE(err.find("red.png"), std::string::npos) << err;
@@ -403,12 +521,12 @@ TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
                             static_cast<int64_t>(enc("Red.").size()) + 2;
   c.seq_length = image_len;
   {
-    Dataset ds(c, tok(), pp());
+    Dataset ds(c, tok(), pp(), fixture_chat());
     ds.next();
     EXPECT_EQ(static_cast<int64_t>(ds.next().ids.size()), image_len);  // exactly at the limit
   }
   c.seq_length = image_len - 1;
-  Dataset ds(c, tok(), pp());
+  Dataset ds(c, tok(), pp(), fixture_chat());
   std::vector<std::string> seen;
   for (int i = 0; i < 6; ++i) seen.push_back(ds.next().source);  // three epochs
   for (const std::string& s : seen) EXPECT_EQ(s.find(":2"), std::string::npos) << s;
@@ -422,14 +540,14 @@ TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
 
   // Nothing fits: the error says so instead of looping forever.
   c.seq_length = 5;
-  Dataset none(c, tok(), pp());
+  Dataset none(c, tok(), pp(), fixture_chat());
   const std::string err = error_of([&] { none.next(); });
   EXPECT_NE(err.find("seq_length"), std::string::npos) << err;
 }
 
 TEST(TrainingData, BadLinesSkippedWithFileAndLine) {
   const std::string file = jsonl_dir() + "/bad.jsonl";
-  Dataset ds(config_for({file}), tok(), pp());
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
   // Malformed JSON (2), no messages/conversations (5) and a tag/image mismatch (7) are found while
   // reading; the missing (3) and corrupt (4) images when the workers get to them.
   EXPECT_EQ(ds.size(), 4);
@@ -451,11 +569,11 @@ TEST(TrainingData, BadLinesSkippedWithFileAndLine) {
 TEST(TrainingData, OnBadSampleErrorNamesFileAndLine) {
   DataConfig c = config_for({jsonl_dir() + "/bad.jsonl"});
   c.on_bad_sample = DataConfig::OnBad::error;
-  std::string err = error_of([&] { Dataset ds(c, tok(), pp()); });
+  std::string err = error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); });
   EXPECT_NE(err.find("bad.jsonl:2: malformed JSON"), std::string::npos) << err;
 
   c.train_files = {jsonl_dir() + "/bad_image.jsonl"};
-  Dataset ds(c, tok(), pp());
+  Dataset ds(c, tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.next().source, c.train_files[0] + ":1");
   err = error_of([&] { ds.next(); });
   EXPECT_NE(err.find("bad_image.jsonl:2: "), std::string::npos) << err;
@@ -471,7 +589,8 @@ TEST(TrainingData, OverlongLinesAreAnErrorNamingFileAndLine) {
   const std::string path = write_scratch("long.jsonl", ok_line + "\n" + ok_line + "\n{\"x\": \"" +
                                                            std::string(kMaxJsonlLineBytes, 'x') +
                                                            "\"}\n" + ok_line + "\n");
-  const std::string err = error_of([&] { Dataset ds(config_for({path}), tok(), pp()); });
+  const std::string err =
+      error_of([&] { Dataset ds(config_for({path}), tok(), pp(), fixture_chat()); });
   EXPECT_NE(err.find("long.jsonl:3: the line is longer than " + std::to_string(kMaxJsonlLineBytes)),
             std::string::npos)
       << err.substr(0, 300);
@@ -482,7 +601,7 @@ TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
   // As a train file: an error at indexing.
   const std::string fifo = (scratch_dir() / "train_fifo.jsonl").string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
-  std::string err = error_of([&] { Dataset ds(config_for({fifo}), tok(), pp()); });
+  std::string err = error_of([&] { Dataset ds(config_for({fifo}), tok(), pp(), fixture_chat()); });
   EXPECT_NE(err.find("train file " + fifo + " is a FIFO"), std::string::npos) << err;
   // As an image of a line: a bad sample, where a data worker once blocked forever.
   const std::string image = (scratch_dir() / "fifo_image.png").string();
@@ -493,7 +612,7 @@ TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
           R"("}, {"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "a pipe"}]})"
           "\n" +
           kTextLine + "\n");
-  Dataset ds(config_for({path}), tok(), pp());
+  Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.next().source, path + ":2");
   EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(ds.stats().bad_examples);
 }
@@ -501,7 +620,7 @@ TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
 TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
   DataConfig c = config_for({jsonl_dir() + "/messages.jsonl"});
   c.max_image_pixels = 64 * 64;  // red.png (line 1) is 64x64, blue.png (line 2) 96x64
-  Dataset ds(c, tok(), pp());
+  Dataset ds(c, tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.next().source, c.train_files[0] + ":1");
   EXPECT_NE(ds.next().source, c.train_files[0] + ":2");
   EXPECT_TRUE(
@@ -515,7 +634,7 @@ TEST(TrainingData, DeeplyNestedLinesAreBadSamplesNotCrashes) {
   const std::string path =
       write_scratch("deep.jsonl", "{\"messages\": " + std::string(100000, '[') +
                                       std::string(100000, ']') + "}\n" + kTextLine + "\n");
-  Dataset ds(config_for({path}), tok(), pp());
+  Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.stats().bad_samples, 1);
   EXPECT_TRUE(has_example(ds.stats(), path + ":1: malformed JSON: the line nests"))
       << join(ds.stats().bad_examples);
@@ -556,7 +675,7 @@ TEST(TrainingData, StructureErrors) {
   text +=
       R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})";
   const std::string file = write_scratch("structure.jsonl", text + "\n");
-  Dataset ds(config_for({file}), tok(), pp());
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.size(), 1);
   EXPECT_EQ(ds.stats().bad_samples, static_cast<int64_t>(cases.size()));
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -603,7 +722,7 @@ TEST(TrainingData, DeterministicShuffleAndResume) {
   c.num_workers = 3;
   c.prefetch = 5;
 
-  Dataset a(c, tok(), pp());
+  Dataset a(c, tok(), pp(), fixture_chat());
   ASSERT_EQ(a.size(), n);
   const std::vector<std::string> seq = take_sources(a, 60);  // 22 usable per epoch: ~3 epochs
   EXPECT_EQ(a.stats().bad_samples, 1);
@@ -625,10 +744,10 @@ TEST(TrainingData, DeterministicShuffleAndResume) {
 
   // The same seed gives the same sequence with any number of workers; another seed does not.
   c.num_workers = 0;
-  Dataset sync(c, tok(), pp());
+  Dataset sync(c, tok(), pp(), fixture_chat());
   EXPECT_EQ(take_sources(sync, 60), seq);
   c.seed = 8;
-  Dataset other(c, tok(), pp());
+  Dataset other(c, tok(), pp(), fixture_chat());
   EXPECT_NE(take_sources(other, 22), e0);
   c.seed = 7;
   c.num_workers = 2;
@@ -636,11 +755,11 @@ TEST(TrainingData, DeterministicShuffleAndResume) {
   // Resume: a fresh dataset seeked to a saved position continues the sequence exactly, including
   // positions just after the skipped bad line and across epoch boundaries.
   for (int cut : {1, 9, 21, 22, 30, 47}) {
-    Dataset first(c, tok(), pp());
+    Dataset first(c, tok(), pp(), fixture_chat());
     const std::vector<std::string> before = take_sources(first, cut);
     ASSERT_EQ(before, std::vector<std::string>(seq.begin(), seq.begin() + cut));
     const DataPosition pos = first.position();
-    Dataset resumed(c, tok(), pp());
+    Dataset resumed(c, tok(), pp(), fixture_chat());
     resumed.seek(pos);
     EXPECT_EQ(resumed.position(), pos);
     EXPECT_EQ(take_sources(resumed, 60 - cut),
@@ -648,7 +767,7 @@ TEST(TrainingData, DeterministicShuffleAndResume) {
         << "resumed at sample " << cut << " (epoch " << pos.epoch << ", index " << pos.index << ")";
   }
   // Seeking back inside one dataset replays too, discarding what the workers had prepared.
-  Dataset again(c, tok(), pp());
+  Dataset again(c, tok(), pp(), fixture_chat());
   take_sources(again, 5);
   const DataPosition p5 = again.position();
   const std::vector<std::string> next10 = take_sources(again, 10);
@@ -663,7 +782,7 @@ TEST(TrainingData, DeterministicShuffleAndResume) {
 
 TEST(TrainingData, PositionCountsLinesConsidered) {
   const std::string file = write_scratch("pos.jsonl", text_lines(5, 2));
-  Dataset ds(config_for({file}), tok(), pp());
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.position(), (DataPosition{0, 0}));
   ds.next();
   EXPECT_EQ(ds.position(), (DataPosition{0, 1}));
@@ -678,10 +797,10 @@ TEST(TrainingData, WorkersProduceIdenticalSamples) {
   DataConfig c =
       config_for({jsonl_dir() + "/messages.jsonl", jsonl_dir() + "/conversations.jsonl"});
   c.num_workers = 0;
-  Dataset sync(c, tok(), pp());
+  Dataset sync(c, tok(), pp(), fixture_chat());
   c.num_workers = 4;
   c.prefetch = 2;
-  Dataset threaded(c, tok(), pp());
+  Dataset threaded(c, tok(), pp(), fixture_chat());
   for (int i = 0; i < 7; ++i) {
     const Sample a = sync.next(), b = threaded.next();
     EXPECT_EQ(a.source, b.source);
@@ -692,7 +811,7 @@ TEST(TrainingData, WorkersProduceIdenticalSamples) {
   }
   // Destroying a dataset whose workers are mid-flight must not hang or crash.
   c.prefetch = 8;
-  { Dataset idle(c, tok(), pp()); }
+  { Dataset idle(c, tok(), pp(), fixture_chat()); }
 }
 
 TEST(TrainingData, MockMode) {
@@ -702,7 +821,7 @@ TEST(TrainingData, MockMode) {
   c.mock_text_tokens = 21;
   c.mock_samples = 5;
   c.seq_length = 4096;
-  Dataset ds(c, tok(), pp());
+  Dataset ds(c, tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.size(), 5);
   const Sample s = ds.next();
   EXPECT_EQ(s.source.rfind("mock:", 0), 0u);
@@ -723,7 +842,7 @@ TEST(TrainingData, MockMode) {
   EXPECT_EQ(s.ids[reply_start - 2], kAssistant);
 
   // Deterministic and distinct per index.
-  Dataset again(c, tok(), pp());
+  Dataset again(c, tok(), pp(), fixture_chat());
   const Sample t = again.next();
   EXPECT_EQ(t.ids, s.ids);
   EXPECT_EQ(t.pixel_values, s.pixel_values);
@@ -732,27 +851,31 @@ TEST(TrainingData, MockMode) {
   EXPECT_NE(u.pixel_values, s.pixel_values);
 
   c.seq_length = 100;
-  Dataset too_small(c, tok(), pp());
+  Dataset too_small(c, tok(), pp(), fixture_chat());
   EXPECT_NE(error_of([&] { too_small.next(); }).find("seq_length"), std::string::npos);
 }
 
 TEST(TrainingData, ConfigErrors) {
   DataConfig c;
-  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("train_files"), std::string::npos);
-  c.train_files = {jsonl_dir() + "/does_not_exist.jsonl"};
-  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("does_not_exist.jsonl"),
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); }).find("train_files"),
             std::string::npos);
+  c.train_files = {jsonl_dir() + "/does_not_exist.jsonl"};
+  EXPECT_NE(
+      error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); }).find("does_not_exist.jsonl"),
+      std::string::npos);
   c.train_files = {jsonl_dir() + "/messages.jsonl"};
   c.prefetch = 0;
-  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("prefetch"), std::string::npos);
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); }).find("prefetch"),
+            std::string::npos);
   c.prefetch = 4;
   c.seq_length = 0;
-  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp()); }).find("seq_length"), std::string::npos);
+  EXPECT_NE(error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); }).find("seq_length"),
+            std::string::npos);
   // Every line bad: the error names the first.
   c.seq_length = 2048;
   const std::string file = write_scratch("all_bad.jsonl", "not json\n");
   c.train_files = {file};
-  const std::string err = error_of([&] { Dataset ds(c, tok(), pp()); });
+  const std::string err = error_of([&] { Dataset ds(c, tok(), pp(), fixture_chat()); });
   EXPECT_NE(err.find(file + ":1"), std::string::npos) << err;
 }
 

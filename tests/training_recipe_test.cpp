@@ -595,6 +595,36 @@ TEST_F(RecipeTest, FuzzFindingsLoadOrFailCleanly) {
              "model.config holds text that is not valid UTF-8");
 }
 
+// The chat template a run renders with: the model's own (beside model.tokenizer for a random
+// model), data.chat_template instead when set, with data.enable_thinking passed unless auto.
+TEST_F(RecipeTest, ChatTemplateKeysPickTheTemplateAndItsVariables) {
+  const Recipe own = load_recipe_text(tiny_recipe(), "r.yaml");
+  EXPECT_EQ(own.data.chat_template, "");
+  EXPECT_EQ(own.data.enable_thinking, "auto");
+  const ChatFormat fixture = recipe_chat_format(own);
+  EXPECT_EQ(fixture.source(), test::fixture_dir() + "/tokenizer_config.json");
+  EXPECT_TRUE(fixture.kwargs().empty());
+
+  const std::string file = test::data_dir() + "/chat_templates/qwen3.jinja";
+  const Recipe other = load_recipe_text(
+      tiny_recipe(), "r.yaml", {"data.chat_template=" + file, "data.enable_thinking=false"});
+  const ChatFormat f = recipe_chat_format(other);
+  EXPECT_EQ(f.source(), file);
+  EXPECT_EQ(f.kwargs(), nlohmann::ordered_json({{"enable_thinking", false}}));
+  const std::vector<ChatMessage> hi = {{"user", {ChatPart::make_text("Hi")}}};
+  EXPECT_HAS(f.render(hi, true), "<think>\n\n</think>");
+  EXPECT_HAS(recipe_to_yaml(other), "enable_thinking: false");
+
+  EXPECT_HAS(
+      error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"data.enable_thinking=maybe"}); }),
+      "data.enable_thinking");
+  EXPECT_HAS(error_of([] {
+               recipe_chat_format(load_recipe_text(tiny_recipe(), "r.yaml",
+                                                   {"data.chat_template=/nonexistent/t.jinja"}));
+             }),
+             "/nonexistent/t.jinja");
+}
+
 TEST_F(RecipeTest, SchemaDocumentsEveryKey) {
   const std::vector<RecipeKey> keys = recipe_schema();
   ASSERT_GT(keys.size(), 40u);

@@ -278,7 +278,7 @@ TEST(TrainingShapes, FewVisionTokensAndLoadable) {
   c.train_files = {(dir / "train.jsonl").string()};
   c.shuffle = false;
   const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
-  Dataset ds(c, tok, small);
+  Dataset ds(c, tok, small, ChatFormat::from_dir(test::fixture_dir()));
   ASSERT_EQ(ds.size(), 6);
   const std::vector<json> lines = read_jsonl(dir / "train.jsonl");
   for (int i = 0; i < 6; ++i) {

@@ -1,5 +1,6 @@
 #include "training/chat_format.h"
 
+#include <algorithm>
 #include <array>
 #include <string_view>
 
@@ -9,114 +10,78 @@ namespace iris {
 
 namespace {
 
-constexpr std::string_view kImStart = "<|im_start|>";
-constexpr std::string_view kImEnd = "<|im_end|>";
-constexpr std::string_view kImagePad = "<|image_pad|>";
-constexpr std::string_view kImageBlock = "<|vision_start|><|image_pad|><|vision_end|>";
 constexpr std::array<std::string_view, 6> kReserved = {"<|im_start|>",     "<|im_end|>",
                                                        "<|vision_start|>", "<|vision_end|>",
                                                        "<|image_pad|>",    "<|video_pad|>"};
 
-void check_text(const std::string& text, const std::string& role) {
-  for (std::string_view r : kReserved) {
-    IRIS_CHECK(text.find(r) == std::string::npos, "the ", role, " text contains the special token ",
-               r,
-               ", which would break the chat layout (turns or image placement); remove it from the "
-               "text (images are given as image parts, not as tokens)");
-  }
-}
-
-// One turn, "<|im_start|>role\n...<|im_end|>\n", with each image's single pad expanded. Encoding
-// turn by turn gives the same ids as encoding the whole conversation: every turn starts with an
-// added token, and the tokenizer never merges across added tokens.
-void append_turn(const Tokenizer& tok, const ChatMessage& m, const std::vector<GridTHW>& grids,
-                 size_t& next_grid, int merge_size, int32_t pad_id, ChatTokens& out,
-                 int64_t assistant_header_len) {
-  const bool user = m.role == "user";
-  IRIS_CHECK(user || m.role == "assistant" || m.role == "system", "unknown chat role '", m.role,
-             "'; use system, user or assistant");
-  std::string text;
-  text += kImStart;
-  text += m.role;
-  text += '\n';
+// What the template is not asked to judge: roles, where images may be, the grids, and text that
+// would forge the layout.
+void check_messages(const std::vector<ChatMessage>& messages, size_t n_grids) {
   size_t images = 0;
-  for (const ChatPart& p : m.content) {
-    if (p.kind == ChatPart::Kind::image) {
-      IRIS_CHECK(user, "an image in a ", m.role,
-                 " turn; images may only appear in user turns (the model cannot emit images)");
-      text += kImageBlock;
-      ++images;
-    } else {
-      check_text(p.text, m.role);
-      text += p.text;
+  for (const ChatMessage& m : messages) {
+    IRIS_CHECK(m.role == "user" || m.role == "assistant" || m.role == "system",
+               "unknown chat role '", m.role, "'; use system, user or assistant");
+    for (const ChatPart& p : m.content) {
+      if (p.kind == ChatPart::Kind::image) {
+        IRIS_CHECK(m.role == "user", "an image in a ", m.role,
+                   " turn; images may only appear in user turns (the model cannot emit images)");
+        ++images;
+        continue;
+      }
+      for (std::string_view r : kReserved)
+        IRIS_CHECK(p.text.find(r) == std::string::npos, "the ", m.role,
+                   " text contains the special token ", r,
+                   ", which would break the chat layout (turns or image placement); remove it "
+                   "from the text (images are given as image parts, not as tokens)");
     }
   }
-  text += kImEnd;
-  text += '\n';
-  IRIS_CHECK(next_grid + images <= grids.size(), "the conversation has more image parts than the ",
-             grids.size(), " image grids given; pass one grid per image, in order");
-
-  const std::vector<int32_t> ids = tok.encode(text);
-  const size_t begin = out.ids.size();
-  for (int32_t id : ids) {
-    if (id == pad_id) {
-      const int64_t n = image_token_count(grids[next_grid++], merge_size);
-      out.ids.insert(out.ids.end(), static_cast<size_t>(n), pad_id);
-    } else {
-      out.ids.push_back(id);
-    }
-  }
-  out.labels.resize(out.ids.size(), kIgnoreLabel);
-  if (m.role == "assistant") {
-    // Qwen's rule: unmask from two tokens after the "assistant" token (past "assistant\n") to the
-    // end of the turn, which takes in <|im_end|> and the "\n" after it.
-    for (size_t i = begin + static_cast<size_t>(assistant_header_len); i < out.ids.size(); ++i)
-      out.labels[i] = out.ids[i];
-  }
-}
-
-int64_t header_length(const Tokenizer& tok, const std::string& role) {
-  return static_cast<int64_t>(tok.encode(std::string(kImStart) + role + "\n").size());
-}
-
-ChatTokens build(const Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                 const std::vector<GridTHW>& grids, int merge_size) {
-  IRIS_CHECK(merge_size >= 1, "merge_size = ", merge_size, " must be at least 1");
-  const int32_t pad_id = tok.token_id(std::string(kImagePad));
-  const int64_t header = header_length(tok, "assistant");
-  ChatTokens out;
-  size_t next_grid = 0;
-  for (const ChatMessage& m : messages)
-    append_turn(tok, m, grids, next_grid, merge_size, pad_id, out, header);
-  IRIS_CHECK(next_grid == grids.size(), "the conversation has ", next_grid, " image parts but ",
-             grids.size(), " image grids were given; pass one grid per image, in order");
-  return out;
+  IRIS_CHECK(images == n_grids, "the conversation has ", images, " image parts but ", n_grids,
+             " image grids were given; pass one grid per image, in order");
 }
 
 }  // namespace
 
-int64_t image_token_count(const GridTHW& grid, int merge_size) {
-  const int64_t m2 = int64_t{merge_size} * merge_size;
-  const int64_t patches = grid[0] * grid[1] * grid[2];
-  IRIS_CHECK(grid[0] >= 1 && grid[1] >= 1 && grid[2] >= 1 && patches % m2 == 0, "image grid [",
-             grid[0], ", ", grid[1], ", ", grid[2],
-             "] is not a positive grid divisible by merge_size^2 = ", m2,
-             "; grids come from preprocess_image");
-  return patches / m2;
+ChatTokens build_chat_tokens(const Tokenizer& tok, const ChatFormat& format,
+                             const std::vector<ChatMessage>& messages,
+                             const std::vector<GridTHW>& grids, int merge_size) {
+  IRIS_CHECK(merge_size >= 1, "merge_size = ", merge_size, " must be at least 1");
+  check_messages(messages, grids.size());
+  ChatTokens out;
+  out.ids = encode_chat_text(tok, format.render(messages, false), grids, merge_size);
+  out.labels.assign(out.ids.size(), kIgnoreLabel);
+  // Qwen's rule: from two tokens after <|im_start|> "assistant" (past its "\n", which may have
+  // merged with newlines the reply starts with) to the end of the turn, which takes in <|im_end|>
+  // and the "\n" after it.
+  const std::vector<int32_t> role = tok.encode("<|im_start|>assistant");
+  const int32_t im_end = tok.token_id("<|im_end|>");
+  const std::vector<int32_t> newline = tok.encode("\n");
+  const size_t n = out.ids.size();
+  bool labelled = false;
+  for (size_t i = 0; i + role.size() < n; ++i) {
+    if (!std::equal(role.begin(), role.end(), out.ids.begin() + static_cast<int64_t>(i))) continue;
+    const size_t start = i + role.size() + 1;
+    size_t end = start;
+    while (end < n && out.ids[end] != im_end) ++end;
+    if (end < n) ++end;  // <|im_end|>
+    if (end < n && newline.size() == 1 && out.ids[end] == newline[0]) ++end;
+    for (size_t k = start; k < end; ++k) out.labels[k] = out.ids[k];
+    labelled = labelled || end > start;
+    i = std::max(i, end) - 1;
+  }
+  bool has_reply = false;
+  for (const ChatMessage& m : messages) has_reply = has_reply || m.role == "assistant";
+  IRIS_CHECK(!has_reply || labelled, "the chat template ",
+             format.has_template() ? "(" + format.source() + ") " : std::string(),
+             "does not write assistant turns as <|im_start|>assistant\\n...<|im_end|>, which is "
+             "how Iris finds the tokens to learn");
+  return out;
 }
 
-ChatTokens build_chat_tokens(const Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                             const std::vector<GridTHW>& image_grids, int merge_size) {
-  return build(tok, messages, image_grids, merge_size);
-}
-
-std::vector<int32_t> build_chat_prompt(const Tokenizer& tok,
+std::vector<int32_t> build_chat_prompt(const Tokenizer& tok, const ChatFormat& format,
                                        const std::vector<ChatMessage>& messages,
-                                       const std::vector<GridTHW>& image_grids, int merge_size) {
-  std::vector<int32_t> ids = build(tok, messages, image_grids, merge_size).ids;
-  const std::vector<int32_t> gen = tok.encode(std::string(kImStart) + "assistant\n");
-  ids.insert(ids.end(), gen.begin(), gen.end());
-  return ids;
+                                       const std::vector<GridTHW>& grids, int merge_size) {
+  check_messages(messages, grids.size());
+  return encode_chat_text(tok, format.render(messages, true), grids, merge_size);
 }
 
 }  // namespace iris

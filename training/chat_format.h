@@ -1,14 +1,12 @@
-// Qwen3-VL chat token sequences for training and inference (spec sections 2.7, 5 and 6).
+// Training sequences of Qwen3-VL chats (spec sections 2.7, 5 and 6), rendered with the chat
+// template the checkpoint is prompted with at inference (bridge/chat_prompt.h), so that a model is
+// fine-tuned on exactly the layout `iris generate` feeds it.
 //
-// A conversation renders as ChatML with no default system prompt:
-//   [<|im_start|>system\n{text}<|im_end|>\n]
-//   <|im_start|>user\n{content}<|im_end|>\n
-//   <|im_start|>assistant\n{content}<|im_end|>\n ...
-// where an image part becomes <|vision_start|> + N x <|image_pad|> + <|vision_end|>, with
-// N = grid_t * grid_h * grid_w / merge_size^2, and text parts are copied verbatim. Training labels
-// follow the official Qwen fine-tuning code: -100 everywhere except assistant turns, which are
-// labelled from the token after "<|im_start|>assistant\n" through the closing <|im_end|> and the
-// "\n" after it.
+// Training labels follow the official Qwen fine-tuning code: -100 everywhere except assistant
+// turns, which are labelled from the token after "<|im_start|>assistant\n" through the closing
+// <|im_end|> and the "\n" after it. A Thinking template's reasoning (<think>...</think>) in the
+// final reply is part of the reply and so labelled; reasoning it drops from earlier replies is not
+// in the sequence at all.
 #pragma once
 
 #include <cstdint>
@@ -23,40 +21,26 @@ namespace iris {
 
 inline constexpr int32_t kIgnoreLabel = -100;
 
-struct ChatPart {
-  enum class Kind { text, image };
-  Kind kind = Kind::text;
-  std::string text;  // text parts only; image parts take the next grid in order
-
-  static ChatPart make_text(std::string t) { return {Kind::text, std::move(t)}; }
-  static ChatPart make_image() { return {Kind::image, {}}; }
-};
-
-struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
-  std::vector<ChatPart> content;
-};
-
 struct ChatTokens {
   std::vector<int32_t> ids;
   std::vector<int32_t> labels;  // same length as ids; kIgnoreLabel where nothing is learned
 };
 
-// <|image_pad|> tokens one image expands to.
-int64_t image_token_count(const GridTHW& grid, int merge_size = 2);
-
-// The whole conversation with labels. `image_grids` holds one grid per image part, in the order
-// the parts appear. Throws iris::Error for an unknown role, an image in a non-user turn, a grid
-// count that does not match the image parts, or text spelling one of the structural special tokens
-// (<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>), which
-// the tokenizer would turn into the real token and so corrupt the turn or image layout.
-ChatTokens build_chat_tokens(const Tokenizer& tok, const std::vector<ChatMessage>& messages,
+// The whole conversation, rendered by `format` without a generation prompt, with labels.
+// `image_grids` holds one grid per image part, in the order the parts appear. Throws iris::Error
+// for an unknown role, an image in a non-user turn, a grid count that does not match the image
+// parts, text spelling one of the structural special tokens (<|im_start|>, <|im_end|>,
+// <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>), which the tokenizer would turn
+// into the real token and so corrupt the turn or image layout, and a template that does not write
+// assistant turns as <|im_start|>assistant\n...<|im_end|>, which the labels are found by.
+ChatTokens build_chat_tokens(const Tokenizer& tok, const ChatFormat& format,
+                             const std::vector<ChatMessage>& messages,
                              const std::vector<GridTHW>& image_grids, int merge_size = 2);
 
-// Inference prompt: the messages followed by the generation prompt "<|im_start|>assistant\n".
-// For one user turn of [image..., text] this equals build_generation_prompt (bridge/chat_prompt.h,
-// which the CLI uses), so a model fine-tuned on these sequences is prompted the way it was trained.
-std::vector<int32_t> build_chat_prompt(const Tokenizer& tok,
+// Inference prompt: the messages rendered by `format` with the generation prompt. For one user
+// turn of [image..., text] this equals build_generation_prompt (bridge/chat_prompt.h, which the
+// CLI uses).
+std::vector<int32_t> build_chat_prompt(const Tokenizer& tok, const ChatFormat& format,
                                        const std::vector<ChatMessage>& messages,
                                        const std::vector<GridTHW>& image_grids, int merge_size = 2);
 

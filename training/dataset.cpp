@@ -295,10 +295,12 @@ struct Dataset::Impl {
   DataConfig cfg;
   Tokenizer tok;
   PreprocessorConfig pp;
+  ChatFormat format;
   std::vector<Record> records;
   int64_t n = 0;
 
-  // Token ids the mock builds sequences from.
+  // Token ids the mock builds sequences from. Mock samples are random tokens laid out as one
+  // ChatML exchange for throughput runs, not conversations, so they skip the chat template.
   std::vector<int32_t> user_header, assistant_header, turn_end;
   int32_t vision_start = 0, vision_end = 0, image_pad = 0;
 
@@ -321,8 +323,8 @@ struct Dataset::Impl {
   std::mutex perm_mu;
   std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> perms;
 
-  Impl(const DataConfig& c, const Tokenizer& t, const PreprocessorConfig& p)
-      : cfg(c), tok(t), pp(p) {}
+  Impl(const DataConfig& c, const Tokenizer& t, const PreprocessorConfig& p, const ChatFormat& f)
+      : cfg(c), tok(t), pp(p), format(f) {}
 
   std::string source_of(int64_t rec) const {
     if (cfg.mock) return "mock:" + std::to_string(rec);
@@ -432,7 +434,7 @@ struct Dataset::Impl {
       images.push_back(load_image(p, cfg.max_image_pixels));
     Sample s;
     for (const ImageRGB8& img : images) s.grids.push_back(grid_of(img, pp));
-    ChatTokens t = build_chat_tokens(tok, parsed.messages, s.grids, pp.merge_size);
+    ChatTokens t = build_chat_tokens(tok, format, parsed.messages, s.grids, pp.merge_size);
     s.ids = std::move(t.ids);
     s.labels = std::move(t.labels);
     if (static_cast<int64_t>(s.ids.size()) > cfg.seq_length) {
@@ -606,8 +608,9 @@ struct Dataset::Impl {
   }
 };
 
-Dataset::Dataset(const DataConfig& cfg, const Tokenizer& tok, const PreprocessorConfig& pp)
-    : impl_(std::make_unique<Impl>(cfg, tok, pp)) {
+Dataset::Dataset(const DataConfig& cfg, const Tokenizer& tok, const PreprocessorConfig& pp,
+                 const ChatFormat& format)
+    : impl_(std::make_unique<Impl>(cfg, tok, pp, format)) {
   cfg.validate();
   pp.validate();
   if (cfg.mock) {

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "bridge/chat_prompt.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -89,8 +90,10 @@ class Dataset {
  public:
   // Reads and checks every line of the train files (JSON syntax and structure; images are read
   // later, by the workers). With on_bad_sample = error a bad line throws iris::Error naming
-  // file:line; with skip it is counted in stats(). Throws when no line is usable.
-  Dataset(const DataConfig& cfg, const Tokenizer& tok, const PreprocessorConfig& pp);
+  // file:line; with skip it is counted in stats(). Throws when no line is usable. The
+  // conversations are rendered with `format`, the chat template of the model being trained.
+  Dataset(const DataConfig& cfg, const Tokenizer& tok, const PreprocessorConfig& pp,
+          const ChatFormat& format);
   ~Dataset();
   Dataset(const Dataset&) = delete;
   Dataset& operator=(const Dataset&) = delete;

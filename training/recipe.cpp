@@ -105,6 +105,16 @@ std::vector<Field> fields(Recipe& r) {
       {"data.max_image_pixels", &d.config.max_image_pixels,
        "images with more pixels (read from the file's header) are bad samples, refused before "
        "decoding"},
+      {"data.chat_template",
+       &d.chat_template,
+       "Jinja chat template file (or a JSON file with \"chat_template\") for the conversations; "
+       "empty: the model's own (model.hf_dir's, else the one beside model.tokenizer)",
+       {},
+       true},
+      {"data.enable_thinking",
+       &d.enable_thinking,
+       "enable_thinking passed to the chat template; auto: not passed (the template's default)",
+       {"auto", "true", "false"}},
       {"data.mock", &d.config.mock,
        "generate random samples instead of reading files (performance runs)"},
       {"data.mock_image_sizes", &d.config.mock_image_sizes,
@@ -1089,6 +1099,19 @@ Recipe load(const std::string& text, const std::string& source,
 }
 
 }  // namespace
+
+ChatFormat recipe_chat_format(const Recipe& r) {
+  std::vector<std::string> dirs;
+  if (!r.model.hf_dir.empty()) dirs.push_back(r.model.hf_dir);
+  if (!r.model.tokenizer.empty())
+    dirs.push_back(fs::path(r.model.tokenizer).parent_path().string());
+  ChatFormat f = r.data.chat_template.empty()
+                     ? ChatFormat::from_dirs(dirs)
+                     : ChatFormat::from_file(r.data.chat_template, "data.chat_template", dirs);
+  if (r.data.enable_thinking != "auto")
+    f.set_kwargs({{"enable_thinking", r.data.enable_thinking == "true"}}, "data.enable_thinking");
+  return f;
+}
 
 PreprocessorConfig recipe_preprocessor(const Recipe& r) {
   PreprocessorConfig pp;

@@ -42,6 +42,12 @@ struct DataRecipe {
   // Preprocessor pixel bounds; 0 keeps the preprocessor config's value (hf_dir's
   // preprocessor_config.json, else Qwen3-VL's defaults).
   int64_t min_pixels = 0, max_pixels = 0;
+  // A chat template file to render the conversations with instead of the model's own (hf_dir's,
+  // else the one beside the tokenizer); it is saved with the checkpoints, so an export is prompted
+  // the same way.
+  std::string chat_template;
+  // enable_thinking for the chat template: auto (not passed), true or false.
+  std::string enable_thinking = "auto";
 };
 
 struct TrainRecipe {
@@ -133,6 +139,11 @@ struct Recipe {
 // The image preprocessor a run uses: <model.hf_dir>/preprocessor_config.json when there is one,
 // else Qwen3-VL's defaults, with data.min_pixels / data.max_pixels applied.
 PreprocessorConfig recipe_preprocessor(const Recipe& r);
+
+// The chat template a run renders its conversations with: data.chat_template when set, else the
+// model's own (<model.hf_dir>'s, else the one beside model.tokenizer), else the built-in ChatML;
+// data.enable_thinking passed to it unless auto.
+ChatFormat recipe_chat_format(const Recipe& r);
 
 // Throws when a and b differ in a field that decides the weight shapes; the message names the
 // field, both sources and ends with `fix`.

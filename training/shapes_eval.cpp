@@ -71,6 +71,7 @@ ShapesScore evaluate_shapes(
   const Tokenizer tok = Tokenizer::from_file((fs::path(model_dir) / "tokenizer.json").string());
   const ModelConfig cfg = ModelConfig::from_file((fs::path(model_dir) / "config.json").string());
   const PreprocessorConfig pre = model_preprocessor(model_dir, cfg);
+  const ChatFormat chat = ChatFormat::from_dir(model_dir);
   // Size the model for the largest image of the split: every sample is planned within it.
   std::vector<PreprocessedImage> images;
   int64_t max_patches = 0;
@@ -94,7 +95,7 @@ ShapesScore evaluate_shapes(
     GenerationRequest req;
     req.grids = {images[i].grid_thw};
     req.pixel_values = images[i].pixel_values.data<float>();
-    req.prompt_ids = build_generation_prompt(tok, req.grids, samples[i].prompt, "",
+    req.prompt_ids = build_generation_prompt(tok, chat, req.grids, samples[i].prompt, "",
                                              model.config().vision.spatial_merge_size);
     req.max_new_tokens = opt.max_new_tokens;
     req.stop_ids = stop;

@@ -85,19 +85,23 @@ struct SideFiles {
   std::vector<std::pair<std::string, std::string>> files;  // name, contents
 };
 
-SideFiles side_files(const Recipe& r, const Tokenizer& tok, const PreprocessorConfig& pp) {
+SideFiles side_files(const Recipe& r, const Tokenizer& tok, const PreprocessorConfig& pp,
+                     const ChatFormat& chat) {
   SideFiles s;
   s.files.emplace_back("tokenizer.json", read_text_file(r.model.tokenizer));
-  // tokenizer_config.json and chat_template.jinja come from where the tokenizer or the model does.
+  // tokenizer_config.json comes from where the model or the tokenizer does.
   std::vector<fs::path> dirs;
   if (!r.model.hf_dir.empty()) dirs.push_back(r.model.hf_dir);
   dirs.push_back(fs::path(r.model.tokenizer).parent_path());
-  for (const char* name : {"tokenizer_config.json", "chat_template.jinja"})
-    for (const fs::path& d : dirs)
-      if (fs::is_regular_file(d / name)) {
-        s.files.emplace_back(name, read_text_file((d / name).string()));
-        break;
-      }
+  for (const fs::path& d : dirs)
+    if (fs::is_regular_file(d / "tokenizer_config.json")) {
+      s.files.emplace_back("tokenizer_config.json",
+                           read_text_file((d / "tokenizer_config.json").string()));
+      break;
+    }
+  // The template the run trained with, wherever it came from: chat_template.jinja is what
+  // inference looks for first, so an export is prompted as it was trained.
+  if (chat.has_template()) s.files.emplace_back("chat_template.jinja", chat.template_text());
   s.files.emplace_back("preprocessor_config.json", preprocessor_json(pp).dump(2) + "\n");
   const fs::path gen = fs::path(r.model.hf_dir) / "generation_config.json";
   s.files.emplace_back("generation_config.json", !r.model.hf_dir.empty() && fs::is_regular_file(gen)
@@ -318,7 +322,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
 
   const Tokenizer tok = Tokenizer::from_file(r.model.tokenizer);
   const PreprocessorConfig pp = recipe_preprocessor(r);
-  const SideFiles side = side_files(r, tok, pp);
+  const ChatFormat chat = recipe_chat_format(r);
+  const SideFiles side = side_files(r, tok, pp, chat);
 
   // Data. The files' fingerprints go into every checkpoint, so that a resume can tell when the
   // data changed under it (its position would then point into other samples).
@@ -326,7 +331,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (!r.data.config.mock)
     for (const std::string& f : r.data.config.train_files)
       data_files.push_back(fingerprint_data_file(f));
-  Dataset train_data(r.data.config, tok, pp);
+  Dataset train_data(r.data.config, tok, pp, chat);
   if (!resume_dir.empty()) {
     IRIS_CHECK(state.data_seed == r.data.config.seed, "the checkpoint ", resume_dir,
                " was trained with data seed ", state.data_seed, " but train.seed is ",
@@ -342,7 +347,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     ec.train_files = r.data.eval_files;
     ec.shuffle = false;
     ec.seed = r.data.config.seed + 1;  // mock mode: held-out samples differ from training ones
-    eval_data = std::make_unique<Dataset>(ec, tok, pp);
+    eval_data = std::make_unique<Dataset>(ec, tok, pp, chat);
   }
 
   // One micro-batch packs micro_batch_size samples; the activation memory is planned for the
@@ -491,6 +496,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   }
   MetricsLog log(lo, state.iteration);
   for (const std::string& w : found.warnings) log.message(w);
+  log.message(chat.describe());
+  if (!chat.has_template() && !chat.kwargs().empty())
+    log.message("note: data.enable_thinking has no effect: the built-in ChatML has no variables");
   if (!resume_dir.empty())
     for (const std::string& change : data_changes(state.data_files, data_files))
       log.message(str_cat("warning: ", change, "; the resumed run continues at epoch ",

@@ -1,0 +1,230 @@
+// ChatFormat: where a checkpoint's chat template is found (chat_template.jinja, chat_template.json,
+// tokenizer_config.json, in that order; none: the built-in ChatML), what it is given (the
+// conversation as transformers passes it, the special tokens, extra variables), the golden
+// renderings through ChatMessage, and the image pads expanded after it.
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bridge/chat_prompt.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "test_util.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::ordered_json;
+using test::error_of;
+
+std::string template_path(const std::string& file) {
+  return test::data_dir() + "/chat_templates/" + file;
+}
+
+std::string read(const std::string& path) {
+  return read_text_file(path, "test file");
+}
+
+// A fresh directory per test with the given files.
+class Dir {
+ public:
+  explicit Dir(const std::string& name) : path_(test::scratch_dir() / name) {
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  void write(const std::string& file, const std::string& text) const {
+    std::ofstream(path_ / file, std::ios::binary) << text;
+  }
+  std::string path() const { return path_.string(); }
+  std::string path(const std::string& file) const { return (path_ / file).string(); }
+
+ private:
+  fs::path path_;
+};
+
+std::string tokenizer_config_with(const std::string& chat_template) {
+  ordered_json cfg = {{"eos_token", "<|im_end|>"}, {"pad_token", "<|endoftext|>"}};
+  if (!chat_template.empty()) cfg["chat_template"] = chat_template;
+  return cfg.dump();
+}
+
+const std::vector<ChatMessage> kHello = {{"user", {ChatPart::make_text("Hello")}}};
+
+TEST(ChatFormat, LooksForTheTemplateAsTransformersDoes) {
+  Dir d("lookup");
+  d.write("tokenizer_config.json", tokenizer_config_with("from tokenizer_config"));
+  ChatFormat f = ChatFormat::from_dir(d.path());
+  EXPECT_EQ(f.source(), d.path("tokenizer_config.json"));
+  EXPECT_EQ(f.render(kHello, true), "from tokenizer_config");
+  d.write("chat_template.json", ordered_json{{"chat_template", "from chat_template.json"}}.dump());
+  EXPECT_EQ(ChatFormat::from_dir(d.path()).render(kHello, true), "from chat_template.json");
+  d.write("chat_template.jinja", "from chat_template.jinja");
+  f = ChatFormat::from_dir(d.path());
+  EXPECT_EQ(f.render(kHello, true), "from chat_template.jinja");
+  EXPECT_EQ(f.describe(), "chat template: " + d.path("chat_template.jinja"));
+
+  // transformers' list of named templates: the one named "default".
+  Dir named("named");
+  named.write("tokenizer_config.json",
+              ordered_json{{"chat_template",
+                            {{{"name", "tool_use"}, {"template", "tools"}},
+                             {{"name", "default"}, {"template", "plain"}}}}}
+                  .dump());
+  EXPECT_EQ(ChatFormat::from_dir(named.path()).render(kHello, true), "plain");
+
+  // The first directory with a template wins (training: model.hf_dir, then the tokenizer's).
+  Dir none("none");
+  none.write("tokenizer_config.json", tokenizer_config_with(""));
+  EXPECT_EQ(ChatFormat::from_dirs({none.path(), d.path()}).render(kHello, true),
+            "from chat_template.jinja");
+}
+
+TEST(ChatFormat, NoTemplateIsTheBuiltInChatMLAndSaysSo) {
+  Dir d("no_template");
+  d.write("tokenizer_config.json", tokenizer_config_with(""));
+  const ChatFormat f = ChatFormat::from_dir(d.path());
+  EXPECT_FALSE(f.has_template());
+  EXPECT_EQ(f.describe(), "chat template: none in " + d.path() +
+                              " (chat_template.jinja, chat_template.json, "
+                              "tokenizer_config.json); using the built-in ChatML");
+  const std::vector<ChatMessage> conv = {
+      {"system", {ChatPart::make_text("Be brief.")}},
+      {"user", {ChatPart::make_image(), ChatPart::make_text("What is it?")}},
+      {"assistant", {ChatPart::make_text("A dog.")}}};
+  EXPECT_EQ(f.render(conv, true),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+            "<|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\nA dog."
+            "<|im_end|>\n<|im_start|>assistant\n");
+  // What Qwen3-VL Instruct's template writes for the same conversation.
+  const ChatFormat instruct =
+      ChatFormat::from_file(template_path("qwen3_vl_instruct.jinja"), "template");
+  EXPECT_EQ(f.render(conv, true), instruct.render(conv, true));
+  EXPECT_EQ(f.render(conv, false), instruct.render(conv, false));
+}
+
+TEST(ChatFormat, TheTemplateSeesWhatTransformersPasses) {
+  Dir d("context");
+  d.write("tokenizer_config.json", ordered_json{{"eos_token", {{"content", "<|im_end|>"}}},
+                                                {"pad_token", "<|endoftext|>"},
+                                                {"bos_token", nullptr}}
+                                       .dump());
+  d.write("chat_template.jinja",
+          "{{ messages|tojson }}|{{ add_generation_prompt }}|{{ tools }}|{{ documents }}|"
+          "{{ eos_token }}|{{ pad_token }}|{{ bos_token is defined }}|{{ enable_thinking }}");
+  ChatFormat f = ChatFormat::from_dir(d.path());
+  const std::vector<ChatMessage> conv = {
+      {"user", {ChatPart::make_text("a"), ChatPart::make_image(), ChatPart::make_text("b")}},
+      {"assistant", {ChatPart::make_text("c"), ChatPart::make_text("d")}}};
+  EXPECT_EQ(f.render(conv, false),
+            "[{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}, {\"type\": "
+            "\"image\"}, {\"type\": \"text\", \"text\": \"b\"}]}, {\"role\": \"assistant\", "
+            "\"content\": \"cd\"}]|False|None|None|<|im_end|>|<|endoftext|>|False|");
+  f.set_kwargs({{"enable_thinking", false}}, "--reasoning");
+  EXPECT_NE(f.render(conv, true).find("|True|None|None|<|im_end|>|<|endoftext|>|False|False"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] {
+              f.set_kwargs({{"messages", 1}}, "--chat-template-kwargs");
+            }),
+            "--chat-template-kwargs may not set \"messages\": Iris passes the conversation itself");
+  EXPECT_NE(error_of([&] {
+              f.set_kwargs(ordered_json::array(), "--chat-template-kwargs");
+            }).find("must be a JSON object"),
+            std::string::npos);
+}
+
+TEST(ChatFormat, TemplateFilesGivenByTheUser) {
+  Dir d("files");
+  d.write("t.jinja", "{% for m in messages %}[{{ m.content }}]{% endfor %}");
+  d.write("t.json", ordered_json{{"chat_template", "json: {{ messages|length }}"}}.dump());
+  d.write("empty.json", "{}");
+  d.write("bad.jinja", "line one\n{% for m in messages %}{{ m.content|upper }}{% endfor %}");
+  EXPECT_EQ(ChatFormat::from_file(d.path("t.jinja"), "--chat-template-file").render(kHello, true),
+            "[Hello]");
+  EXPECT_EQ(ChatFormat::from_file(d.path("t.json"), "--chat-template-file").render(kHello, true),
+            "json: 1");
+  EXPECT_EQ(error_of([&] { ChatFormat::from_file(d.path("empty.json"), "--chat-template-file"); }),
+            "--chat-template-file " + d.path("empty.json") + " has no \"chat_template\"");
+  EXPECT_EQ(error_of([&] { ChatFormat::from_file(d.path("bad.jinja"), "--chat-template-file"); }),
+            "--chat-template-file " + d.path("bad.jinja") +
+                ", line 2: the filter 'upper' is not supported (Iris supports length, count, "
+                "string, trim and tojson)");
+  EXPECT_NE(error_of([&] {
+              ChatFormat::from_file(d.path("missing.jinja"), "--chat-template-file");
+            }).find("missing.jinja"),
+            std::string::npos);
+}
+
+// The conversations of golden.json through ChatMessage, as the CLI, the chat and training build
+// them: the same text as transformers.
+TEST(ChatFormat, RendersTheGoldenConversations) {
+  const ordered_json golden = ordered_json::parse(read(template_path("golden.json")));
+  int n = 0;
+  for (const auto& entry : golden["templates"]) {
+    for (const auto& c : entry["cases"]) {
+      ChatFormat f = ChatFormat::from_file(template_path(entry["file"].get<std::string>()),
+                                           "template", {test::fixture_dir()});
+      if (!c["kwargs"].empty()) f.set_kwargs(c["kwargs"], "kwargs");
+      std::vector<ChatMessage> messages;
+      for (const auto& m : c["messages"]) {
+        ChatMessage cm{m["role"].get<std::string>(), {}};
+        if (m["content"].is_string()) {
+          cm.content.push_back(ChatPart::make_text(m["content"].get<std::string>()));
+        } else {
+          for (const auto& item : m["content"])
+            cm.content.push_back(item["type"] == "image"
+                                     ? ChatPart::make_image()
+                                     : ChatPart::make_text(item["text"].get<std::string>()));
+        }
+        messages.push_back(std::move(cm));
+      }
+      EXPECT_EQ(f.render(messages, c["add_generation_prompt"].get<bool>()),
+                c["text"].get<std::string>())
+          << entry["file"] << ": " << c["name"];
+      ++n;
+    }
+  }
+  EXPECT_GE(n, 50);
+}
+
+TEST(ChatFormat, ImagePadsAreExpandedAfterTheTemplate) {
+  const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
+  const int32_t pad = tok.token_id("<|image_pad|>");
+  const std::string text =
+      "<|vision_start|><|image_pad|><|vision_end|>a<|vision_start|>"
+      "<|image_pad|><|vision_end|>";
+  const std::vector<int32_t> ids = encode_chat_text(tok, text, {{1, 4, 6}, {1, 2, 2}}, 2);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), pad), 6 + 1);
+  EXPECT_EQ(ids.size(), tok.encode(text).size() - 2 + 7);
+  EXPECT_EQ(error_of([&] {
+              encode_chat_text(tok, text, {{1, 4, 6}}, 2);
+            }),
+            "the chat has 2 image placeholders (<|image_pad|>) for 1 image: the chat template "
+            "must write each image once, and text may not spell <|image_pad|>");
+  // A template that drops an image (Qwen3-VL Instruct writes none for a system message).
+  const ChatFormat instruct =
+      ChatFormat::from_file(template_path("qwen3_vl_instruct.jinja"), "template");
+  const std::vector<ChatMessage> system_image = {{"system", {ChatPart::make_image()}},
+                                                 {"user", {ChatPart::make_text("hi")}}};
+  EXPECT_NE(error_of([&] {
+              encode_chat_text(tok, instruct.render(system_image, true), {{1, 2, 2}}, 2);
+            }).find("0 image placeholders"),
+            std::string::npos);
+}
+
+TEST(ChatFormat, MediaMarkersPlaceTheImages) {
+  const ChatMessage m = user_message("First <__media__>, then <__media__>.", 2);
+  ASSERT_EQ(m.content.size(), 5u);
+  EXPECT_EQ(m.content[0].text, "First ");
+  EXPECT_EQ(m.content[1].kind, ChatPart::Kind::image);
+  EXPECT_EQ(m.content[3].kind, ChatPart::Kind::image);
+  EXPECT_EQ(m.content[4].text, ".");
+  const ChatMessage before = user_message("Describe.", 2);
+  ASSERT_EQ(before.content.size(), 3u);
+  EXPECT_EQ(before.content[2].text, "Describe.");
+  EXPECT_NE(error_of([] { user_message("one <__media__>", 2); }).find("one marker per image"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace iris
