@@ -1,5 +1,7 @@
 #include "parallel/communicator.h"
 
+#include <cstdlib>
+
 #include "core/error.h"
 
 namespace iris {
@@ -67,7 +69,20 @@ int local_cuda_device(const LaunchEnv& env) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return 0;
   // A launcher that gives each process one visible GPU leaves n = 1: device 0 for everyone.
-  return env.local_rank % n;
+  // Two ranks on one GPU would only meet NCCL's "invalid usage" at its first collective.
+  if (n == 1 && env.local_rank > 0 && env.world > 1) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    IRIS_CHECK(visible != nullptr && *visible != '\0', "rank ", env.rank, " is process ",
+               env.local_rank + 1,
+               " on its host, which has one GPU: start one process per GPU (mpirun -np, srun "
+               "--ntasks-per-node), or train on the CPU (train.device=cpu)");
+    return 0;
+  }
+  IRIS_CHECK(env.local_rank < n, "rank ", env.rank, " is process ", env.local_rank + 1,
+             " on its host, which has ", n,
+             " GPUs: start one process per GPU (mpirun -np, srun --ntasks-per-node), or train on "
+             "the CPU (train.device=cpu)");
+  return env.local_rank;
 #else
   (void)env;
   return 0;

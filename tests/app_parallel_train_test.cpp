@@ -95,7 +95,9 @@ class AppParallelTrainTest : public ::testing::Test {
                   "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
                   "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
                   "train:\n  micro_batch_size: 1\n  global_batch_size: 4\n  train_iters: 3\n"
-                  "  seq_length: 64\n"
+                  // The CPU backend with the MPI communicator, also where a GPU is present
+                  // (several ranks on one GPU is an error of its own).
+                  "  seq_length: 64\n  device: cpu\n"
                   "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n"
                   "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
                   "logging:\n  log_interval: 1\n");
