@@ -33,7 +33,19 @@ void fill_random_weights(Backend& backend, ModelWeights& weights, const RandomIn
         at = (at + 7919) % kPool;  // a stride coprime with the pool size visits every entry
       }
     } else if (!bias) {
-      for (float& v : host) v = static_cast<float>(rng.normal() * std);
+      // The draws of one sequential stream in binding order, made on every thread (a 2B model is
+      // two billion Box-Muller pairs: a minute on one core).
+      constexpr int64_t kChunk = int64_t(1) << 16;
+      const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < chunks; ++c) {
+        SplitMix64 at = rng;
+        at.skip(SplitMix64::normal_draws(static_cast<uint64_t>(c * kChunk)));
+        const int64_t end = std::min(n, (c + 1) * kChunk);
+        for (int64_t i = c * kChunk; i < end; ++i)
+          host[static_cast<size_t>(i)] = static_cast<float>(at.normal() * std);
+      }
+      rng.skip(SplitMix64::normal_draws(static_cast<uint64_t>(n)));
     }
     backend.write(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]), host.data(),
                   DType::f32);

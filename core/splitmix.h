@@ -12,12 +12,10 @@ class SplitMix64 {
  public:
   explicit SplitMix64(uint64_t seed) : state_(seed) {}
 
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  uint64_t next() { return finalize(state_ += kGamma); }
+  // The state only ever advances by kGamma, so draw k of any stream can be computed without the
+  // k before it: a parallel fill gives the bits of the sequential one.
+  void skip(uint64_t draws) { state_ += draws * kGamma; }
   // Uniform in [0, n) by rejection (no modulo bias).
   uint64_t below(uint64_t n) {
     const uint64_t limit = ~uint64_t{0} - (~uint64_t{0} % n);
@@ -37,8 +35,17 @@ class SplitMix64 {
   }
   // Folds a value into the state (seed derivation).
   void mix(uint64_t v) { state_ ^= v; }
+  // normal() draws exactly two values (no rejection), so normal number k of a stream is at draw
+  // 2k; normal_draws says how far a stream of n normals advances.
+  static constexpr uint64_t normal_draws(uint64_t n) { return 2 * n; }
 
  private:
+  static constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+  static uint64_t finalize(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
   uint64_t state_;
 };
 

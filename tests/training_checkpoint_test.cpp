@@ -14,11 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "bridge/hf_weights.h"
 #include "bridge/qwen3vl_model.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/safetensors.h"
+#include "core/splitmix.h"
 #include "language/tokenizer.h"
 #include "test_util.h"
 #include "training/chat_format.h"
@@ -375,6 +377,37 @@ TEST_F(CheckpointTest, RandomInitIsSeededAndFollowsHf) {
   };
   EXPECT_NEAR(stddev(host(a->text.embed)), 0.2, 0.002);
   EXPECT_NEAR(stddev(host(a->vision.blocks[0].fc1_w)), 0.05, 0.005);
+}
+
+// The initialisation is one SplitMix64 stream of normals in binding order (so a seed gives the
+// same weights on every machine), whatever number of threads draws it.
+TEST_F(CheckpointTest, RandomInitIsOneSequentialStreamOnAnyThreadCount) {
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  const std::string text = read_text_file(test::fixture_dir() + "/config.json");
+  auto cpu = make_cpu_backend();
+  auto w = allocate_weights(*cpu, cfg);
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(3);
+  init_random_weights(*cpu, *w, text, 11);
+  omp_set_num_threads(threads);
+  SplitMix64 rng(11);
+  int64_t checked = 0;
+  for (const WeightBinding& b : w->bindings) {
+    const Tensor t = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
+    std::vector<float> got(static_cast<size_t>(t.numel()));
+    cpu->read(got.data(), DType::f32, t);
+    const bool bias = b.hf_name.ends_with(".bias");
+    const bool norm =
+        !bias && b.hf_shape.size() == 1 && b.hf_name.find("norm") != std::string::npos;
+    if (bias || norm) continue;
+    const double std = b.hf_name.starts_with("model.visual.") ? 0.05 : 0.2;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const float want = static_cast<float>(rng.normal() * std);
+      if (got[i] != want) FAIL() << b.hf_name << "[" << i << "] " << got[i] << " != " << want;
+    }
+    checked += static_cast<int64_t>(got.size());
+  }
+  EXPECT_GT(checked, int64_t(1) << 17);  // tensors above one chunk of the parallel fill
 }
 
 // A few steps of the tiny fixture on a small shapes set: small enough for CI.
