@@ -38,6 +38,12 @@ class Backend {
 
   // dst.numel() elements from host memory of type src_dtype, converted to dst.dtype.
   virtual void write(const Tensor& dst, const void* host_src, DType src_dtype) = 0;
+  // A backend whose writes go through host staging (CUDA: pinned memory, reused once the copies
+  // it fed are done) makes a write wait for the device when the staging is full. A caller that
+  // writes up to `bytes` between two points where it waits anyway (a training step, which ends
+  // in a read) reserves them here, once and outside any step, so that its writes never wait and
+  // the host queues the whole step ahead of the device. Writing directly: nothing to do.
+  virtual void reserve_write_staging(size_t bytes) { (void)bytes; }
   // src.numel() elements into host memory as dst_dtype (waits for pending work).
   virtual void read(void* host_dst, DType dst_dtype, const Tensor& src) = 0;
   // dst = src, same dtype and element count, both on this backend.

@@ -24,6 +24,7 @@ class TapingBackend final : public Backend {
   void* allocate(size_t bytes) override;
   void deallocate(void* ptr) override;
   void write(const Tensor& dst, const void* host_src, DType src_dtype) override;
+  void reserve_write_staging(size_t bytes) override { in_->reserve_write_staging(bytes); }
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override;
   void synchronize() override;
   void* native_stream() override { return in_->native_stream(); }

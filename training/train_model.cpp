@@ -251,6 +251,15 @@ void TrainableQwen3VL::allocate(Arena& a) {
     d_ds_.push_back(a.alloc(A, {Sm, out}));
 }
 
+size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
+  size_t bytes = 0;
+  for (const Tensor* t : {&ids_, &pad_rows_, &label_rows_, &targets_, &cos_, &sin_, &text_cu_,
+                          &grad_scale_, &pixels_, &v_grids_})
+    if (t->defined())
+      bytes += (static_cast<size_t>(t->numel()) * dtype_size(t->dtype) + 255) / 256 * 256;
+  return bytes;
+}
+
 void TrainableQwen3VL::zero_grads() {
   // Weights of one config share one layout in every dtype, so the gradients are one flat span.
   be_.fill_zero(Tensor(grads_->arena.base(), DType::f32, be_.device(),

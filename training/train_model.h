@@ -175,6 +175,10 @@ class TrainableQwen3VL {
   const ModelConfig& config() const { return cfg_; }
   const TrainLimits& limits() const { return limits_; }
   size_t arena_bytes() const { return arena_.capacity(); }
+  // The most bytes one micro-batch writes from the host (its inputs at the planned maximum, each
+  // write rounded up as a backend stages it): what Backend::reserve_write_staging needs per
+  // micro-batch for the host to queue a whole step without waiting.
+  size_t write_bytes_per_micro_batch() const;
   // The part of the arena that holds the layers' activations (what train.recompute and a frozen
   // tower shrink); the rest is inputs, the loss's workspace and the backward's scratch.
   size_t activation_bytes() const { return activation_bytes_; }

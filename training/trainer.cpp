@@ -454,6 +454,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   } graphs_first{graphs_on ? replicas[0].get() : nullptr};
   TrainableQwen3VL& model = *replicas[0];
   Backend& be = model.backend();
+  // A step's writes (its micro-batches' inputs and the optimizer's few values) stage at once, so
+  // the host queues the step without waiting for the device's copies of its first micro-batches.
+  be.reserve_write_staging(static_cast<size_t>(r.train.global_batch_size / micro) *
+                               model.write_bytes_per_micro_batch() +
+                           (size_t{1} << 16));
   // The sharded optimizer updates the weights the model reads in place, which on the GPU are a
   // bf16 copy of the f32 master weights: not sharded yet.
   const bool sharded = r.optimizer.distributed && dp.world() > 1;

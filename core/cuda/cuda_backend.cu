@@ -247,12 +247,12 @@ class CudaBackend final : public Backend {
       const size_t bytes = static_cast<size_t>(m) * elem;
       // Small writes pack into the current half of the staging buffer; a full half hands over
       // to the other, which is reusable once its last copy (tracked by an event) is done.
-      if (staging_offset_ + bytes > kStagingChunk) {
+      if (staging_offset_ + bytes > staging_half_bytes_) {
         staging_half_ ^= 1;
         IRIS_CUDA_CHECK(cudaEventSynchronize(staging_events_[staging_half_]->get()));
         staging_offset_ = 0;
       }
-      char* stage = staging_->data() + staging_half_ * kStagingChunk + staging_offset_;
+      char* stage = staging_->data() + staging_half_ * staging_half_bytes_ + staging_offset_;
       convert_host(stage, dst.dtype, static_cast<const char*>(host_src) + i * src_elem, src_dtype,
                    m);
       IRIS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.data) + i * elem, stage, bytes,
@@ -261,6 +261,22 @@ class CudaBackend final : public Backend {
       staging_offset_ += (bytes + 255) / 256 * 256;
       i += m;
     }
+  }
+
+  void reserve_write_staging(size_t bytes) override {
+    bind();
+    // Each half holds what the caller writes between its waits, so a write reuses a half only
+    // once the copies of an earlier span are done. Past kMaxStagingHalf the first writes of a
+    // span wait for the copies of the previous one, which leaves the host that far ahead.
+    const size_t half =
+        std::min(kMaxStagingHalf, (std::max(bytes, kStagingChunk) + 4095) / 4096 * 4096);
+    if (half <= staging_half_bytes_) return;
+    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    staging_.reset();
+    staging_ = std::make_unique<PinnedBuffer>(2 * half);
+    staging_half_bytes_ = half;
+    staging_half_ = 0;
+    staging_offset_ = 0;
   }
 
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override {
@@ -1152,6 +1168,7 @@ class CudaBackend final : public Backend {
   }
 
   static constexpr size_t kStagingChunk = size_t{8} << 20;
+  static constexpr size_t kMaxStagingHalf = size_t{1} << 30;
   // cuBLASLt's recommendation for Hopper.
   static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
   // Trial outputs of accumulating GEMMs while their algorithms are timed (gemm.h): covers the
@@ -1258,6 +1275,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Event> staging_events_[2];
   std::unique_ptr<PinnedBuffer> staging_;
   int staging_half_ = 0;
+  size_t staging_half_bytes_ = kStagingChunk;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
   DeviceBuffer tune_scratch_;
