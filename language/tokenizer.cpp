@@ -262,11 +262,174 @@ struct Tokenizer::Impl {
 
 namespace {
 
+// The bulk of a tokenizer.json is model.vocab and model.merges: some 150k entries each for Qwen.
+// As a DOM they cost most of a load (a node per string, a std::map per object, all freed again),
+// so this reader streams them into flat lists and builds a DOM of the rest only. It reads only
+// what a well-formed file holds: anything else there (a parse error, a non-integer id, a merge of
+// another shape, a key given twice) stops it, and the file is read again as a whole DOM, whose
+// checks name the problem. Either way the tokenizer is the same.
+class BulkReader {
+ public:
+  struct Merge {
+    std::string left, right;
+  };
+  json rest;  // the document without model.vocab and model.merges
+  std::vector<std::pair<std::string, int64_t>> vocab;
+  std::vector<Merge> merges;
+  bool has_vocab = false, has_merges = false;
+
+  bool null() { return value(nullptr); }
+  bool boolean(bool v) { return value(v); }
+  bool number_integer(json::number_integer_t v) { return mode_ == Mode::dom && value(v); }
+  bool number_unsigned(json::number_unsigned_t v) {
+    if (mode_ == Mode::vocab) {
+      if (v > static_cast<json::number_unsigned_t>(kMaxTokenId)) return false;
+      vocab.emplace_back(std::move(key_), static_cast<int64_t>(v));
+      return true;
+    }
+    return value(v);
+  }
+  bool number_float(json::number_float_t v, const std::string&) { return value(v); }
+  bool string(std::string& v) {
+    if (mode_ == Mode::merges) {  // the older "left right" form
+      const size_t space = v.find(' ');
+      if (space == std::string::npos || v.find(' ', space + 1) != std::string::npos) return false;
+      merges.push_back({v.substr(0, space), v.substr(space + 1)});
+      return true;
+    }
+    if (mode_ == Mode::merge_pair) {
+      if (pair_size_ == 0) pair_.left = std::move(v);
+      if (pair_size_ == 1) pair_.right = std::move(v);
+      return ++pair_size_ <= 2;
+    }
+    return value(std::move(v));
+  }
+  bool binary(json::binary_t&) { return false; }
+  bool start_object(std::size_t) {
+    if (mode_ != Mode::dom) return false;
+    if (in_model_object() && key_ == "vocab") {
+      if (has_vocab) return false;
+      has_vocab = true;
+      mode_ = Mode::vocab;
+      vocab.reserve(1 << 18);
+      return true;
+    }
+    const bool model = stack_.size() == 1 && key_ == "model";
+    stack_.push_back(place(json::value_t::object));
+    if (model) model_ = stack_.back();
+    return true;
+  }
+  bool key(std::string& k) {
+    if (mode_ == Mode::vocab) {
+      key_ = std::move(k);
+      return true;
+    }
+    if (mode_ != Mode::dom) return false;
+    // A key given twice keeps its last value in a DOM; these lists would keep both.
+    if (stack_.back() == model_ && (k == "vocab" || k == "merges") &&
+        (k == "vocab" ? has_vocab : has_merges))
+      return false;
+    key_ = k;
+    member_ = &(*stack_.back())[k];
+    return true;
+  }
+  bool end_object() {
+    if (mode_ == Mode::vocab) {
+      mode_ = Mode::dom;
+      return true;
+    }
+    stack_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) {
+    if (mode_ == Mode::merges) {
+      mode_ = Mode::merge_pair;
+      pair_size_ = 0;
+      return true;
+    }
+    if (mode_ != Mode::dom) return false;
+    if (in_model_object() && key_ == "merges") {
+      if (has_merges) return false;
+      has_merges = true;
+      mode_ = Mode::merges;
+      merges.reserve(1 << 18);
+      return true;
+    }
+    stack_.push_back(place(json::value_t::array));
+    return true;
+  }
+  bool end_array() {
+    if (mode_ == Mode::merge_pair) {
+      if (pair_size_ != 2) return false;
+      merges.push_back(std::move(pair_));
+      mode_ = Mode::merges;
+      return true;
+    }
+    if (mode_ == Mode::merges) {
+      mode_ = Mode::dom;
+      return true;
+    }
+    stack_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) {
+    return false;
+  }
+
+ private:
+  enum class Mode { dom, vocab, merges, merge_pair };
+
+  bool in_model_object() const { return !stack_.empty() && stack_.back() == model_; }
+  // Where the next value goes: the root, the end of the current array, or the member whose key
+  // came last.
+  template <typename V>
+  json* place(V&& v) {
+    if (stack_.empty()) {
+      rest = json(std::forward<V>(v));
+      return &rest;
+    }
+    if (stack_.back()->is_array()) {
+      stack_.back()->emplace_back(std::forward<V>(v));
+      return &stack_.back()->back();
+    }
+    *member_ = json(std::forward<V>(v));
+    return member_;
+  }
+  template <typename V>
+  bool value(V&& v) {
+    if (mode_ != Mode::dom) return false;
+    place(std::forward<V>(v));
+    return true;
+  }
+
+  Mode mode_ = Mode::dom;
+  std::vector<json*> stack_;
+  json* model_ = nullptr;
+  json* member_ = nullptr;
+  std::string key_;
+  Merge pair_;
+  int pair_size_ = 0;
+};
+
+// What the bulk reader found that a well-formed file cannot hold (a token or id given twice): the
+// whole-DOM reading names it.
+struct BulkAnomaly {};
+
 class Loader {
  public:
   explicit Loader(std::string source) : source_(std::move(source)) {}
 
   std::shared_ptr<Tokenizer::Impl> load(std::string_view text) {
+    if (json_nesting_depth(text, kMaxJsonDepth) <= kMaxJsonDepth) {
+      BulkReader bulk;
+      if (json::sax_parse(text.begin(), text.end(), &bulk) && bulk.has_vocab && bulk.has_merges &&
+          !bulk.vocab.empty()) {
+        try {
+          return load(bulk.rest, &bulk);
+        } catch (const BulkAnomaly&) {
+        }
+      }
+    }
     json root;
     try {
       root = parse_json(text, source_);
@@ -274,12 +437,19 @@ class Loader {
       IRIS_FAIL(e.what(),
                 "; re-fetch it with scripts/fetch_tokenizer.sh or point to a tokenizer.json");
     }
+    return load(root, nullptr);
+  }
+
+ private:
+  // bulk: model.vocab and model.merges as the bulk reader listed them (root lacks them), or null
+  // to read them from root.
+  std::shared_ptr<Tokenizer::Impl> load(const json& root, BulkReader* bulk) {
     impl_ = std::make_shared<Tokenizer::Impl>();
     impl_->source = source_;
     try {
       IRIS_CHECK(root.is_object(), source_,
                  " is not a tokenizer.json: the top level is not an object");
-      load_model(member(root, "model", "the top level"));
+      load_model(member(root, "model", "the top level"), bulk);
       load_normalizer(root.value("normalizer", json()));
       load_added_tokens(root);
       load_pre_tokenizer(root.value("pre_tokenizer", json()));
@@ -290,7 +460,6 @@ class Loader {
     return std::move(impl_);
   }
 
- private:
   const json& member(const json& object, const char* key, const char* where) {
     IRIS_CHECK(object.is_object() && object.contains(key), source_, ": ", where, " has no \"", key,
                "\" entry; is this a Hugging Face tokenizer.json?");
@@ -306,6 +475,11 @@ class Loader {
   }
 
   void set_token(int32_t id, const std::string& spelling, uint8_t flags) {
+    impl_->id_of_spelling[spelling] = id;
+    set_token_entry(id, spelling, flags);
+  }
+  // set_token without the spelling's map entry.
+  void set_token_entry(int32_t id, const std::string& spelling, uint8_t flags) {
     Tokenizer::Impl& t = *impl_;
     if (static_cast<size_t>(id) >= t.token_flags.size()) {
       t.token_bytes.resize(id + 1);
@@ -315,10 +489,9 @@ class Loader {
     t.token_bytes[id] = bytes_of_spelling(spelling);
     t.token_spellings[id] = spelling;
     t.token_flags[id] |= flags | Tokenizer::Impl::kPresent;
-    t.id_of_spelling[spelling] = id;
   }
 
-  void load_model(const json& model) {
+  void load_model(const json& model, BulkReader* bulk) {
     const std::string type = model.value("type", "BPE");
     IRIS_CHECK(type == "BPE", source_, ": model type \"", type,
                "\" is not supported; only byte-level BPE (Qwen, GPT-2 style) is implemented");
@@ -333,17 +506,29 @@ class Loader {
     }
     impl_->ignore_merges = model.value("ignore_merges", false);
 
-    const json& vocab = member(model, "vocab", "model");
-    IRIS_CHECK(vocab.is_object() && !vocab.empty(), source_,
-               ": model.vocab must be a non-empty object mapping tokens to ids");
-    impl_->id_of_spelling.reserve(vocab.size() + 64);
-    for (const auto& [spelling, id_value] : vocab.items()) {
-      const int32_t id = checked_id(id_value, spelling);
-      IRIS_CHECK(static_cast<size_t>(id) >= impl_->token_flags.size() ||
-                     !(impl_->token_flags[id] & Tokenizer::Impl::kPresent),
-                 source_, ": id ", id, " is given to both \"", impl_->token_spellings[id],
-                 "\" and \"", spelling, "\" in model.vocab");
-      set_token(id, spelling, 0);
+    if (bulk != nullptr) {
+      impl_->id_of_spelling.reserve(bulk->vocab.size() + 64);
+      for (const auto& [spelling, id] : bulk->vocab) {
+        if (static_cast<size_t>(id) < impl_->token_flags.size() &&
+            (impl_->token_flags[id] & Tokenizer::Impl::kPresent))
+          throw BulkAnomaly{};
+        if (!impl_->id_of_spelling.try_emplace(spelling, static_cast<int32_t>(id)).second)
+          throw BulkAnomaly{};
+        set_token_entry(static_cast<int32_t>(id), spelling, 0);
+      }
+    } else {
+      const json& vocab = member(model, "vocab", "model");
+      IRIS_CHECK(vocab.is_object() && !vocab.empty(), source_,
+                 ": model.vocab must be a non-empty object mapping tokens to ids");
+      impl_->id_of_spelling.reserve(vocab.size() + 64);
+      for (const auto& [spelling, id_value] : vocab.items()) {
+        const int32_t id = checked_id(id_value, spelling);
+        IRIS_CHECK(static_cast<size_t>(id) >= impl_->token_flags.size() ||
+                       !(impl_->token_flags[id] & Tokenizer::Impl::kPresent),
+                   source_, ": id ", id, " is given to both \"", impl_->token_spellings[id],
+                   "\" and \"", spelling, "\" in model.vocab");
+        set_token(id, spelling, 0);
+      }
     }
     for (int b = 0; b < 256; ++b) {
       std::string spelling;
@@ -353,7 +538,22 @@ class Loader {
                  b, " (\"", spelling, "\"), so it is not a byte-level BPE vocabulary");
       impl_->byte_tokens[b] = it->second;
     }
-    load_merges(member(model, "merges", "model"));
+    if (bulk != nullptr) {
+      impl_->merges.reserve(bulk->merges.size());
+      for (size_t rank = 0; rank < bulk->merges.size(); ++rank)
+        add_merge(bulk->merges[rank].left, bulk->merges[rank].right, rank);
+    } else {
+      load_merges(member(model, "merges", "model"));
+    }
+  }
+
+  void add_merge(const std::string& left, const std::string& right, size_t rank) {
+    const int32_t left_id = vocab_id(left, rank);
+    const int32_t right_id = vocab_id(right, rank);
+    const int32_t merged_id = vocab_id(left + right, rank);
+    // A repeated pair keeps its first (best) rank, as in HF.
+    impl_->merges.try_emplace(pair_key(left_id, right_id),
+                              MergeTarget{static_cast<int32_t>(rank), merged_id});
   }
 
   void load_merges(const json& merges) {
@@ -377,12 +577,7 @@ class Loader {
         IRIS_FAIL(source_, ": merge ", rank, " is ", json_excerpt(merge),
                   "; expected [\"left\", \"right\"] or \"left right\"");
       }
-      const int32_t left_id = vocab_id(left, rank);
-      const int32_t right_id = vocab_id(right, rank);
-      const int32_t merged_id = vocab_id(left + right, rank);
-      // A repeated pair keeps its first (best) rank, as in HF.
-      impl_->merges.try_emplace(pair_key(left_id, right_id),
-                                MergeTarget{static_cast<int32_t>(rank), merged_id});
+      add_merge(left, right, rank);
     }
   }
 

@@ -154,6 +154,31 @@ TEST_F(QwenTokenizerTest, NfcMakesDecomposedAndComposedTextAlike) {
   EXPECT_NE(tok().encode("e\xCC\x81"), tok().encode("e"));
 }
 
+// The loader streams model.vocab and model.merges past the DOM, and reads a file whose lists it
+// does not take as they stand (here a vocabulary entry given twice, which a DOM keeps once) as a
+// whole DOM instead: both readings give the same tokenizer.
+TEST_F(QwenTokenizerTest, StreamedAndWholeDomReadingsGiveTheSameTokenizer) {
+  std::string text = read_text_file(test::tokenizer_path());
+  const size_t vocab = text.find("\"vocab\"");
+  ASSERT_NE(vocab, std::string::npos);
+  const size_t brace = text.find('{', vocab);
+  ASSERT_NE(brace, std::string::npos);
+  const std::string first = tok().token_string(0);
+  text.insert(brace + 1, json(first).dump() + ": 0, ");
+  const Tokenizer dom = Tokenizer::from_json_text(text, "tokenizer.json");
+  ASSERT_EQ(dom.vocab_size(), tok().vocab_size());
+  for (int32_t id = 0; id < tok().vocab_size(); ++id) {
+    ASSERT_EQ(dom.contains_id(id), tok().contains_id(id)) << id;
+    if (!tok().contains_id(id)) continue;
+    ASSERT_EQ(dom.token_string(id), tok().token_string(id)) << id;
+    ASSERT_EQ(dom.is_special(id), tok().is_special(id)) << id;
+  }
+  for (const json& c : cases()) {
+    const std::string t = c.at("text");
+    EXPECT_EQ(dom.encode(t), tok().encode(t)) << t;
+  }
+}
+
 TEST_F(QwenTokenizerTest, AddedTokensSplitTextAnywhere) {
   const int32_t im_end = tok().token_id("<|im_end|>");
   std::vector<int32_t> expected = tok().encode("abc");
