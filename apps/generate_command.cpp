@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -704,7 +705,10 @@ int run_generate_command(int argc, char** argv) {
   const fs::path tok_path = fs::path(o.model_dir) / "tokenizer.json";
   IRIS_CHECK(fs::exists(tok_path), "no tokenizer.json in ", o.model_dir,
              " (copy the checkpoint's tokenizer.json there)");
-  const Tokenizer tokenizer = Tokenizer::from_file(tok_path.string());
+  // Parsing tokenizer.json (a JSON of some 11 MB for Qwen) takes as long as reading a small
+  // model's weights, and needs none of them: it runs beside the load.
+  std::future<Tokenizer> tokenizer_loading = std::async(
+      std::launch::async, [path = tok_path.string()] { return Tokenizer::from_file(path); });
   const ChatFormat chat_format = generate_chat_format(o);
   const ModelConfig cfg = ModelConfig::from_file((fs::path(o.model_dir) / "config.json").string());
   GraphModelTraits traits;
@@ -724,11 +728,6 @@ int run_generate_command(int argc, char** argv) {
     pre.min_pixels = o.image_min_tokens * token_pixels;
     pre.max_pixels = std::max(pre.max_pixels, pre.min_pixels);
   }
-  // Prompt ids index the embedding table: a tokenizer larger than the model's vocabulary would
-  // read past it.
-  IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
-             tokenizer.vocab_size(), " token ids but config.json's text_config.vocab_size is ",
-             cfg.text.vocab_size, "; the tokenizer belongs to another model");
 
   // Images are decoded before the model is sized so that the vision buffers fit them exactly.
   const auto t_pre = std::chrono::steady_clock::now();
@@ -767,6 +766,12 @@ int run_generate_command(int argc, char** argv) {
     graph_helper = std::make_unique<VisionCudaGraphHelper>(model, split_stages(cfg, 1)[0], graphs);
     model.attach_graphs(graph_helper.get());
   }
+  const Tokenizer tokenizer = tokenizer_loading.get();
+  // Prompt ids index the embedding table: a tokenizer larger than the model's vocabulary would
+  // read past it.
+  IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
+             tokenizer.vocab_size(), " token ids but config.json's text_config.vocab_size is ",
+             cfg.text.vocab_size, "; the tokenizer belongs to another model");
   const double load_ms = ms_since(t_load) - preprocess_ms;
 
   GenerationRequest req;
@@ -782,15 +787,9 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o,
-                      tokenizer,
-                      chat_format,
-                      pre,
-                      *backend,
-                      graph_helper != nullptr,
-                      load_ms,
-                      preprocess_ms,
-                      model.weight_load_times()};
+    const ChatRun run{o,       tokenizer,     chat_format,
+                      pre,     *backend,      graph_helper != nullptr,
+                      load_ms, preprocess_ms, model.weight_load_times()};
     const int rc = run_chat(run, model, req, batch);
     save_tuning();
     return rc;
