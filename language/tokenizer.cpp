@@ -314,7 +314,8 @@ class BulkReader {
       vocab.reserve(1 << 18);
       return true;
     }
-    const bool model = stack_.size() == 1 && key_ == "model";
+    // A member of the root object (a map node, which stays where it is).
+    const bool model = stack_.size() == 1 && stack_.back()->is_object() && key_ == "model";
     stack_.push_back(place(json::value_t::object));
     if (model) model_ = stack_.back();
     return true;
