@@ -227,6 +227,67 @@ TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {
   expect_graphs_replay_eager(true, {all_modes()[2], all_modes()[3], all_modes()[6]});
 }
 
+// full_iteration over a whole step: micro-batches of one bucket shape (but other tokens, labels
+// and pixels, so that a micro-batch reading another's inputs would show) run as one graph over
+// their input slots, and a step of mixed shapes runs micro-batch by micro-batch; both give the
+// eager losses and gradients bit for bit.
+TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
+  load(make_cpu_backend());
+  const Samples& s = *samples_;
+  TrainSample other_text = s.image, other_pixels = s.image;
+  for (size_t i = 0; i < other_text.ids.size(); ++i)
+    if (other_text.ids[i] != cfg_.image_token_id && i % 2 == 1) {
+      other_text.ids[i] = 300 + static_cast<int32_t>(i);
+      other_text.labels[i] = other_text.ids[i];
+    }
+  for (float& v : other_pixels.pixel_values) v = 0.5f - v;
+  const std::vector<std::vector<std::vector<const TrainSample*>>> steps = {
+      {{&s.image}, {&other_text}, {&other_pixels}},
+      {{&s.image}, {&s.text}, {&s.longer}},
+  };
+  const TrainLimits limits = padded_limits(s);
+  auto trace = [&](TrainableQwen3VL& m, bool by_step) {
+    Trace t;
+    for (int round = 0; round < 3; ++round)
+      for (const auto& step : steps) {
+        m.zero_grads();
+        if (by_step)
+          m.queue_step(step, 1.0f / 64);
+        else
+          for (const auto& mb : step) m.queue_forward_backward(mb, 1.0f / 64);
+        t.losses.push_back(m.take_loss_sum());
+        t.grads.push_back(all_grads(m));
+      }
+    return t;
+  };
+  TrainableQwen3VL eager(*be_, cfg_, *params_, limits);
+  const Trace want = trace(eager, false);
+  auto api = make_graph_api(*be_);
+  TrainableQwen3VL m(*be_, cfg_, *params_, limits);
+  TrainGraphs g;
+  g.decoder = GraphImpl::full_iteration;
+  g.step_micro_batches = 3;
+  g.warmup_runs = 1;
+  m.use_graphs(*api, g);
+  const Trace got = trace(m, true);
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], want.losses[i]) << "step " << i;
+    for (size_t k = 0; k < got.grads[i].size(); ++k)
+      ASSERT_EQ(got.grads[i][k], want.grads[i][k])
+          << "step " << i << ": " << m.grads().bindings[k].hf_name;
+  }
+  size_t step_graphs = 0, micro_batch_graphs = 0;
+  for (const std::string& k : m.graph_keys()) {
+    step_graphs += k.rfind("step of 3 micro-batches", 0) == 0;
+    micro_batch_graphs += k.rfind("micro-batch", 0) == 0;
+  }
+  EXPECT_EQ(step_graphs, 1u);
+  // The mixed step's shapes: the image sample and the longer one pad to one bucket, and replay
+  // one graph from the model's own inputs.
+  EXPECT_EQ(micro_batch_graphs, 2u);
+}
+
 TEST_F(TrainingGraphs, RefusedWithoutBucketsAndAboveTheLargestBucketPerOverflow) {
   load(make_cpu_backend());
   auto api = make_graph_api(*be_);

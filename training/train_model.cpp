@@ -294,6 +294,129 @@ int64_t TrainableQwen3VL::queue_forward_backward(const std::vector<const TrainSa
   return n_label_real_;
 }
 
+int64_t TrainableQwen3VL::queue_step(
+    const std::vector<std::vector<const TrainSample*>>& micro_batches, float grad_scale) {
+  int64_t labelled = 0;
+  const size_t n = micro_batches.size();
+  if (graph_api_ == nullptr || graphs_.decoder != GraphImpl::full_iteration || n < 2 ||
+      n > slots_.size()) {
+    for (const auto& mb : micro_batches) labelled += queue_forward_backward(mb, grad_scale);
+    return labelled;
+  }
+  // The inputs of every micro-batch go up before any of them runs: the graph of the step reads
+  // each from its own slot.
+  for (size_t i = 0; i < n; ++i) {
+    use_slot(i);
+    prepare(micro_batches[i]);
+    be_.write(grad_scale_, &grad_scale, DType::f32);
+    keep_shape(slots_[i]);
+    labelled += n_label_real_;
+  }
+  // One graph when every micro-batch has the shape (and so the host values) of the first, and
+  // each one's backward runs.
+  const InputSlot& first = slots_[0];
+  bool one_shape = first.padded;
+  for (size_t i = 0; i < n && one_shape; ++i) {
+    const InputSlot& s = slots_[i];
+    one_shape = s.padded && s.L == first.L && s.S == first.S && s.n_pad == first.n_pad &&
+                s.n_label == first.n_label && s.n_segments == first.n_segments &&
+                s.n_text_segments == first.n_text_segments && s.n_label_real > 0;
+  }
+  const bool lm = !frozen_.language_model;
+  const bool vision_grads = first.S > 0 && (!frozen_.vision_tower || !frozen_.merger);
+  if (one_shape && (lm || vision_grads)) {
+    graphed(str_cat("step of ", n, " micro-batches fwd+bwd L", first.L, " S", first.S, " frozen ",
+                    int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
+            [this, n, vision_grads] {
+              for (size_t i = 0; i < n; ++i) {
+                use_slot(i);
+                micro_batch(true, vision_grads, loss_total_, false);
+              }
+            });
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      move_into_own_inputs(i);
+      run_prepared(true, loss_total_);
+    }
+  }
+  use_slot(0);
+  return labelled;
+}
+
+void TrainableQwen3VL::move_into_own_inputs(size_t i) {
+  if (i != 0) {
+    const InputSlot& s = slots_[i];
+    InputSlot& own = slots_[0];
+    auto rows = [this](const Tensor& dst, const Tensor& src, int64_t n) {
+      if (n > 0) be_.copy(dst.slice(0, n), src.slice(0, n));
+    };
+    rows(own.ids, s.ids, s.L);
+    rows(own.cos, s.cos, s.L);
+    rows(own.sin, s.sin, s.L);
+    rows(own.pad_rows, s.pad_rows, s.n_pad);
+    rows(own.label_rows, s.label_rows, s.n_label);
+    rows(own.targets, s.targets, s.n_label);
+    be_.copy(own.text_cu, s.text_cu);
+    be_.copy(own.grad_scale, s.grad_scale);
+    if (s.S > 0) {
+      rows(own.pixels, s.pixels, s.S);
+      be_.copy(own.v_grids, s.v_grids);
+    }
+    own.padded = s.padded, own.n_label_real = s.n_label_real, own.L = s.L, own.S = s.S;
+    own.n_pad = s.n_pad, own.n_label = s.n_label, own.n_segments = s.n_segments;
+    own.n_text_segments = s.n_text_segments;
+  }
+  use_slot(0);
+}
+
+void TrainableQwen3VL::plan_input_slots(int n) {
+  slots_.assign(static_cast<size_t>(std::max(n, 1)), InputSlot{});
+  InputSlot& own = slots_[0];
+  own.ids = ids_, own.pad_rows = pad_rows_, own.label_rows = label_rows_, own.targets = targets_;
+  own.cos = cos_, own.sin = sin_, own.text_cu = text_cu_, own.grad_scale = grad_scale_;
+  own.pixels = pixels_, own.v_grids = v_grids_;
+  auto place = [&](Arena& a) {
+    for (size_t i = 1; i < slots_.size(); ++i) {
+      InputSlot& s = slots_[i];
+      for (auto [dst, src] : {std::pair{&s.ids, &own.ids},
+                              {&s.pad_rows, &own.pad_rows},
+                              {&s.label_rows, &own.label_rows},
+                              {&s.targets, &own.targets},
+                              {&s.cos, &own.cos},
+                              {&s.sin, &own.sin},
+                              {&s.text_cu, &own.text_cu},
+                              {&s.grad_scale, &own.grad_scale},
+                              {&s.pixels, &own.pixels},
+                              {&s.v_grids, &own.v_grids}})
+        if (src->defined()) *dst = a.alloc(src->dtype, src->dims());
+    }
+  };
+  Arena plan;
+  place(plan);
+  slot_arena_ = Arena();
+  if (plan.used() == 0) return;
+  slot_arena_ = Arena(be_, plan.used());
+  place(slot_arena_);
+  // As the model's own arena: rows a padded micro-batch gathers but never writes are finite.
+  be_.fill_zero(Tensor(slot_arena_.base(), DType::f32, be_.device(),
+                       {static_cast<int64_t>(slot_arena_.capacity() / sizeof(float))}));
+}
+
+void TrainableQwen3VL::use_slot(size_t i) {
+  const InputSlot& s = slots_[i];
+  ids_ = s.ids, pad_rows_ = s.pad_rows, label_rows_ = s.label_rows, targets_ = s.targets;
+  cos_ = s.cos, sin_ = s.sin, text_cu_ = s.text_cu, grad_scale_ = s.grad_scale;
+  pixels_ = s.pixels, v_grids_ = s.v_grids;
+  padded_ = s.padded, n_label_real_ = s.n_label_real, L_ = s.L, S_ = s.S, n_pad_ = s.n_pad;
+  n_label_ = s.n_label, n_segments_ = s.n_segments, n_text_segments_ = s.n_text_segments;
+}
+
+void TrainableQwen3VL::keep_shape(InputSlot& slot) const {
+  slot.padded = padded_, slot.n_label_real = n_label_real_, slot.L = L_, slot.S = S_;
+  slot.n_pad = n_pad_, slot.n_label = n_label_, slot.n_segments = n_segments_;
+  slot.n_text_segments = n_text_segments_;
+}
+
 double TrainableQwen3VL::take_loss_sum() {
   float total = 0.0f;
   be_.read(&total, DType::f32, loss_total_);
@@ -464,10 +587,14 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
 void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
                            float grad_scale, const Tensor& loss_out) {
   prepare(batch);
+  be_.write(grad_scale_, &grad_scale, DType::f32);
+  run_prepared(backward, loss_out);
+}
+
+void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_real_ > 0 && (lm || vision_grads);
-  be_.write(grad_scale_, &grad_scale, DType::f32);
   // Graphs serve the trainer's path (the loss adds into loss_total_) on padded micro-batches.
   const bool graphs = graph_api_ != nullptr && padded_ && loss_out.data == loss_total_.data;
   if (!graphs) {
@@ -552,9 +679,12 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
              "captures the whole micro-batch): leave it empty");
   IRIS_CHECK(graphs.vision_modules.empty() || graphs.vision,
              "cuda_graph.vision_cuda_graph_modules needs vision_cuda_graph_impl local");
+  IRIS_CHECK(graphs.step_micro_batches >= 0, "TrainGraphs.step_micro_batches must not be negative");
   delete_graphs();
   graph_api_ = &api;
   graphs_ = graphs;
+  // A full-iteration step replays one graph over input slots planned here, outside any step.
+  plan_input_slots(graphs.decoder == GraphImpl::full_iteration ? graphs.step_micro_batches : 1);
 }
 
 void TrainableQwen3VL::delete_graphs() {

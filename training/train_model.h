@@ -108,6 +108,10 @@ struct TrainGraphs {
   // block, and the patch embedding, the mergers and the rest run eagerly.
   std::vector<GraphModule> vision_modules;
   int warmup_runs = 3;
+  // With decoder full_iteration: the micro-batches of one step (queue_step) to plan input slots
+  // for, so that a step whose micro-batches all pad to one bucket shape runs as one graph; up to
+  // 1: one graph per micro-batch. Each slot holds a micro-batch's inputs at the planned maximum.
+  int step_micro_batches = 0;
   // A micro-batch above the largest bucket: run eagerly (counted in overflow_runs()) or fail.
   bool overflow_is_error = false;
 };
@@ -129,6 +133,12 @@ class TrainableQwen3VL {
   // micro-batch). Returns the micro-batch's labelled tokens.
   int64_t queue_forward_backward(const std::vector<const TrainSample*>& micro_batch,
                                  float grad_scale);
+  // queue_forward_backward of a step's micro-batches in order. With full_iteration graphs planned
+  // for them (TrainGraphs::step_micro_batches) and all of them padded to one bucket shape, every
+  // micro-batch's inputs go up first, each into a slot of its own, and the forwards and backwards
+  // run as one graph; otherwise micro-batch by micro-batch. Returns the labelled tokens.
+  int64_t queue_step(const std::vector<std::vector<const TrainSample*>>& micro_batches,
+                     float grad_scale);
   // The summed loss of the micro-batches queued since the last call; resets the total.
   double take_loss_sum();
   // One sample as a micro-batch.
@@ -191,6 +201,8 @@ class TrainableQwen3VL {
   LossStats run_and_read(const std::vector<const TrainSample*>& batch, bool backward,
                          float grad_scale);
   void prepare(const std::vector<const TrainSample*>& batch);
+  // The graphs or eager work of the micro-batch prepare() set up.
+  void run_prepared(bool backward, const Tensor& loss_out);
   // Replays the graph called `key`, or runs `body` (warm-up, or graphs off), or captures it.
   void graphed(const std::string& key, const std::function<void()>& body);
   // graphed(key, body) when `as_graph`, else body() (eagerly, or inside an enclosing capture).
@@ -236,6 +248,24 @@ class TrainableQwen3VL {
   int64_t graph_memory_bytes_ = 0;
   int64_t overflow_runs_ = 0;
   PaddingStats padding_;
+
+  // A step's micro-batches as queue_step holds them: the inputs prepare() writes and the shape it
+  // sets, per micro-batch. Slot 0 is the model's own inputs; use_slot points the inputs and the
+  // shape at a slot's.
+  struct InputSlot {
+    Tensor ids, pad_rows, label_rows, targets, cos, sin, text_cu, grad_scale, pixels, v_grids;
+    bool padded = false;
+    int64_t n_label_real = 0, L = 0, S = 0, n_pad = 0, n_label = 0;
+    int n_segments = 0, n_text_segments = 0;
+  };
+  std::vector<InputSlot> slots_;
+  Arena slot_arena_;
+  void plan_input_slots(int n);
+  void use_slot(size_t i);
+  // Copies slot i's inputs and shape into slot 0 and uses it: graphs of single micro-batches
+  // were captured reading the model's own inputs.
+  void move_into_own_inputs(size_t i);
+  void keep_shape(InputSlot& slot) const;
 
   // The current micro-batch's shape (padded: the bucket's).
   bool padded_ = false;

@@ -124,17 +124,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // queue_forward_backward of every micro-batch, micro-batch i on replica i % replicas.size(); the
-// losses stay on each replica's device total. With several replicas (CPU only) each runs on a
-// thread of its own, and the ops inside run on that one thread. Returns the labelled tokens seen.
+// losses stay on each replica's device total. One replica takes the step whole (queue_step: with
+// full_iteration graphs, one graph). With several replicas (CPU only) each runs on a thread of its
+// own, and the ops inside run on that one thread. Returns the labelled tokens seen.
 int64_t run_on_replicas(const std::vector<std::unique_ptr<TrainableQwen3VL>>& replicas,
                         const std::vector<std::vector<const TrainSample*>>& micro_batches,
                         float grad_scale) {
   const auto n = static_cast<int64_t>(replicas.size());
+  if (n == 1) return replicas[0]->queue_step(micro_batches, grad_scale);
   std::vector<int64_t> labelled(micro_batches.size(), 0);
-  if (n == 1) {
-    for (size_t i = 0; i < micro_batches.size(); ++i)
-      labelled[i] = replicas[0]->queue_forward_backward(micro_batches[i], grad_scale);
-  } else {
+  {
     // An exception must not leave an OpenMP region; the first one is rethrown after it.
     std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
     const int n_threads = static_cast<int>(n);
@@ -443,6 +442,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     tg.vision_modules = r.cuda_graph.vision.modules;
     tg.warmup_runs = r.cuda_graph.language.warmup_steps;
     tg.overflow_is_error = r.cuda_graph.vision.overflow == VisionGraphOverflow::error;
+    // This rank's micro-batches of a step (data_parallel.h: micro-batch i is rank i % world's).
+    tg.step_micro_batches = static_cast<int>(
+        (r.train.global_batch_size / micro + dp.world() - 1 - dp.rank()) / dp.world());
     replicas[0]->use_graphs(*graph_api, tg);
   }
   // The graphs go before the API that destroys them, on every way out of this function.
