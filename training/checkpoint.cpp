@@ -282,6 +282,11 @@ void remove_checkpoint_debris(const std::string& run_dir) {
 
 std::string commit_checkpoint(const std::string& run_dir, int64_t step,
                               const std::function<void(const std::string& dir)>& fill) {
+  fill(begin_checkpoint(run_dir, step));
+  return finish_checkpoint(run_dir, step);
+}
+
+std::string begin_checkpoint(const std::string& run_dir, int64_t step) {
   fs::create_directories(run_dir);
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(run_dir) / name;
@@ -291,7 +296,13 @@ std::string commit_checkpoint(const std::string& run_dir, int64_t step,
              "checkpoint.dir (or set another checkpoint.dir) and restart");
   fs::remove_all(tmp_dir);
   fs::create_directory(tmp_dir);
-  fill(tmp_dir.string());
+  return tmp_dir.string();
+}
+
+std::string finish_checkpoint(const std::string& run_dir, int64_t step) {
+  const std::string name = checkpoint_name(step);
+  const fs::path final_dir = fs::path(run_dir) / name;
+  const fs::path tmp_dir = fs::path(run_dir) / (name + ".tmp");
   fsync_dir(tmp_dir);
   std::error_code ec;
   fs::rename(tmp_dir, final_dir, ec);

@@ -191,7 +191,11 @@ std::vector<Field> fields(Recipe& r) {
       {"logging.plot", &l.plot,
        "SVG of loss and learning rate, relative to the run directory; empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
-      {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size, "pipeline stages"},
+      {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size,
+       "pipeline stages (processes = pipeline_parallel_size x data_parallel_size; CPU backend)"},
+      {"parallel.pipeline_layers", &p.pipeline_layers,
+       "decoder layers per pipeline stage, e.g. [10, 18]; empty: balanced by training FLOPs "
+       "(the vision encoder on stage 0, the lm_head on the last)"},
       {"parallel.data_parallel_size", &p.data_parallel_size,
        "data-parallel processes: the launcher's process count (mpirun -np N, srun) divided by "
        "pipeline_parallel_size"},
@@ -904,10 +908,24 @@ void validate(Recipe& r) {
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
              ": tensor parallelism is not supported yet (set it to 1 and use "
              "parallel.data_parallel_size with mpirun -np N)");
-  IRIS_CHECK(p.pipeline_parallel_size == 1,
-             "recipe: parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
-             ": pipeline parallelism is not supported yet (set it to 1 and use "
-             "parallel.data_parallel_size with mpirun -np N)");
+  IRIS_CHECK(p.pipeline_layers.empty() ||
+                 static_cast<int64_t>(p.pipeline_layers.size()) == p.pipeline_parallel_size,
+             "recipe: parallel.pipeline_layers lists ", p.pipeline_layers.size(),
+             " stages but parallel.pipeline_parallel_size is ", p.pipeline_parallel_size,
+             "; give one layer count per stage, or [] for an automatic split");
+  for (double n : p.pipeline_layers)
+    IRIS_CHECK(n >= 1 && n == std::floor(n) && n < 1e6,
+               "recipe: parallel.pipeline_layers entries are layer counts, positive integers; got ",
+               n);
+  IRIS_CHECK(p.pipeline_parallel_size == 1 || !r.optimizer.distributed,
+             "recipe: optimizer.distributed (the sharded optimizer) does not combine with "
+             "parallel.pipeline_parallel_size=",
+             p.pipeline_parallel_size, " yet; set optimizer.distributed=false");
+  IRIS_CHECK(p.pipeline_parallel_size == 1 || t.eval_interval == 0,
+             "recipe: train.eval_interval does not combine with parallel.pipeline_parallel_size=",
+             p.pipeline_parallel_size,
+             " yet (evaluation runs on one process); set "
+             "train.eval_interval=0");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;
