@@ -428,7 +428,11 @@ void AdamW::save(const std::string& path) const {
     v.resize(m.size());
     be_.read(m.data(), DType::f32, flat_m_);
     be_.read(v.data(), DType::f32, flat_v_);
-    be_.read(param_steps.data(), DType::i64, steps_dev_);
+    // One step count per table row: every tensor, or a pipeline stage's held ones.
+    std::vector<int64_t> row_steps(static_cast<size_t>(steps_dev_.numel()));
+    be_.read(row_steps.data(), DType::i64, steps_dev_);
+    for (size_t k = 0; k < my_rows_.size(); ++k)
+      param_steps[static_cast<size_t>(my_rows_[k].tensor)] = row_steps[k];
   }
   std::vector<SafetensorsWriteItem> items;
   items.reserve(3 * n);
