@@ -243,17 +243,20 @@ TEST_F(AppPipelineTrainTest, CheckpointsResumeUnderAnotherPipelineSplit) {
   EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
 }
 
-// Rank 1 (the last stage) is stopped (SIGSTOP) a few seconds into a long run: rank 0 waits for it
+// Rank 1 (the last stage) is stopped (SIGSTOP) a second into a long run: rank 0 waits for it
 // in a pipeline or gradient-norm exchange, gives up after parallel.timeout_seconds and aborts the
 // job, which ends the stopped rank too.
 TEST_F(AppPipelineTrainTest, AStageThatStopsRespondingEndsEveryRank) {
   const std::string recipe = write_recipe();
-  // $$ is the shell, which exec turns into iris: the background job stops iris itself.
+  // $$ is the shell, which exec turns into iris: the background job stops iris itself, once rank 0
+  // has written the resolved config (after MPI is up and the groups are made, so that what rank 0
+  // waits in is one of the run's bounded exchanges, not MPI's start-up).
+  const std::string run_dir = (root_ / "run").string();
   const std::string script =
-      std::string(
-          "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (sleep 4; kill -STOP $$) & fi; "
-          "exec ") +
-      IRIS_BINARY + " train --recipe " + recipe + " checkpoint.dir=" + (root_ / "run").string() +
+      "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (i=0; while [ ! -e " + run_dir +
+      "/resolved_config.yaml ] && [ $i -lt 300 ]; do sleep 0.2; i=$((i+1)); done; sleep 1; "
+      "kill -STOP $$) & fi; exec " +
+      IRIS_BINARY + " train --recipe " + recipe + " checkpoint.dir=" + run_dir +
       " parallel.pipeline_parallel_size=2 parallel.timeout_seconds=3 train.train_iters=100000 "
       "logging.log_interval=100000 checkpoint.save_final=false";
   std::vector<std::string> args = mpirun_prefix(2);

@@ -777,7 +777,18 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   std::vector<StepMetrics> run_intervals;
   int64_t peak_memory = 0;
   StepTimer step_timer(be);
-  size_t graphs_at_interval_start = model.graph_count();
+  // A pipeline stage's graphs are those of all its micro-batch models.
+  auto graph_count = [&] {
+    size_t n = 0;
+    for (const auto& m : replicas) n += m->graph_count();
+    return n;
+  };
+  auto capture_ms = [&] {
+    double ms = 0;
+    for (const auto& m : replicas) ms += m->capture_ms();
+    return ms;
+  };
+  size_t graphs_at_interval_start = graph_count();
   double interval_loss_sum = 0;
   int64_t unread_labels = 0;  // labelled tokens of the steps whose loss is still on the device
   auto interval_start = std::chrono::steady_clock::now();
@@ -882,9 +893,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
           on_gpu ? static_cast<int64_t>(gpu->device_memory_in_use()) : peak_host_memory_bytes();
       // The loss read above waited for the device, so these marks are complete.
       interval.device_seconds = step_timer.take_seconds();
-      interval.graphs_captured =
-          static_cast<int64_t>(model.graph_count() - graphs_at_interval_start);
-      graphs_at_interval_start = model.graph_count();
+      interval.graphs_captured = static_cast<int64_t>(graph_count() - graphs_at_interval_start);
+      graphs_at_interval_start = graph_count();
       peak_memory = std::max(peak_memory, interval.memory_bytes);
       log.log(interval);
       run_intervals.push_back(interval);
@@ -927,7 +937,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
   if (graphs_on) {
     const auto& p = model.padding_stats();
-    log.message(str_cat("graphs: ", model.graph_count(), " captured in ", int(model.capture_ms()),
+    log.message(str_cat("graphs: ", graph_count(), " captured in ", int(capture_ms()),
                         " ms; padding: ", p.tokens, " of ", p.padded_tokens, " tokens and ",
                         p.patches, " of ", p.padded_patches, " patch rows real; ",
                         model.overflow_runs(),
@@ -952,8 +962,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                : peak_host_memory_bytes();
     sum.decoder_graphs = to_string(r.cuda_graph.language.impl);
     sum.vision_graphs = to_string(r.cuda_graph.vision.impl);
-    sum.graph_count = static_cast<int64_t>(model.graph_count());
-    sum.capture_ms = model.capture_ms();
+    sum.graph_count = static_cast<int64_t>(graph_count());
+    sum.capture_ms = capture_ms();
     sum.graph_memory_bytes = model.graph_memory_bytes();
     sum.overflow_runs = model.overflow_runs();
     for (const auto& m : replicas) {
