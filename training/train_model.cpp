@@ -498,6 +498,9 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
 
 void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
                            float grad_scale, const Tensor& loss_out) {
+  IRIS_CHECK(limits_.stage.count == 1, "pipeline ", limits_.stage.describe(),
+             " holds part of the model: run it with stage_prepare, stage_forward and "
+             "stage_backward, its neighbours' tensors handed over between them");
   prepare(batch);
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
