@@ -12,9 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "bridge/model_config.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
+#include "training/pipeline_parallel.h"
 #include "training/recipe.h"
 
 namespace iris {
@@ -338,6 +340,32 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   EXPECT_HAS(msg, "parallel.data_parallel_size must be >= 1");
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.timeout_seconds=0"}); });
   EXPECT_HAS(msg, "parallel.timeout_seconds must be >= 1");
+}
+
+// The automatic split puts the least work on its busiest stage, counting the vision encoder on
+// stage 0 and the lm_head on the last; a given split must cover the model's layers exactly.
+TEST_F(RecipeTest, PipelineSplitBalancesTheStagesAndChecksTheLayerList) {
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  ASSERT_EQ(cfg.text.num_hidden_layers, 3);
+  auto layers = [&](const std::vector<double>& given, PipelineCosts c) {
+    std::vector<int> out;
+    for (const PipelineStage& st : pipeline_split(cfg, 2, given, c)) {
+      EXPECT_EQ(st.has_vision, st.index == 0);
+      EXPECT_EQ(st.has_head, st.index == 1);
+      out.push_back(st.n_layers());
+    }
+    return out;
+  };
+  EXPECT_EQ(layers({}, {1, 0, 0}), (std::vector<int>{1, 2}));    // a tie: the earliest
+  EXPECT_EQ(layers({}, {1, 1.5, 0}), (std::vector<int>{1, 2}));  // a heavy vision encoder
+  EXPECT_EQ(layers({}, {1, 0, 1.5}), (std::vector<int>{2, 1}));  // a heavy lm_head
+  EXPECT_EQ(layers({2, 1}, {1, 0, 1e9}), (std::vector<int>{2, 1}));
+  EXPECT_HAS(error_of([&] {
+               pipeline_split(cfg, 2, {1, 1}, {});
+             }),
+             "parallel.pipeline_layers [1, 1] holds 2 layers but the model has 3");
+  EXPECT_HAS(error_of([&] { pipeline_split(cfg, 4, {}, {}); }),
+             "parallel.pipeline_parallel_size 4 is more stages than the model's 3");
 }
 
 TEST_F(RecipeTest, GlobalBatchMustBeAMultipleOfMicroBatchTimesDataParallel) {
