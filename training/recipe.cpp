@@ -921,11 +921,6 @@ void validate(Recipe& r) {
              "recipe: optimizer.distributed (the sharded optimizer) does not combine with "
              "parallel.pipeline_parallel_size=",
              p.pipeline_parallel_size, " yet; set optimizer.distributed=false");
-  IRIS_CHECK(p.pipeline_parallel_size == 1 || t.eval_interval == 0,
-             "recipe: train.eval_interval does not combine with parallel.pipeline_parallel_size=",
-             p.pipeline_parallel_size,
-             " yet (evaluation runs on one process); set "
-             "train.eval_interval=0");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;

@@ -562,11 +562,12 @@ void TrainableQwen3VL::backward_part(bool vision_grads, bool layer_graphs) {
 }
 
 int64_t TrainableQwen3VL::stage_prepare(const std::vector<const TrainSample*>& batch,
-                                        float grad_scale) {
+                                        float grad_scale, bool forward_only) {
   prepare(batch);
   const bool lm = !frozen_.language_model;
+  stage_forward_only_ = forward_only;
   stage_vision_grads_ = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
-  stage_backward_ = n_label_real_ > 0 && (lm || stage_vision_grads_);
+  stage_backward_ = !forward_only && n_label_real_ > 0 && (lm || stage_vision_grads_);
   be_.write(grad_scale_, &grad_scale, DType::f32);
   return n_label_real_;
 }
@@ -577,8 +578,20 @@ bool graphs_full_iteration(const TrainGraphs& g) {
 }
 }  // namespace
 
+double TrainableQwen3VL::take_forward_loss_sum() {
+  float total = 0.0f;
+  be_.read(&total, DType::f32, loss_sum_);
+  be_.fill_zero(loss_sum_);
+  return total;
+}
+
 void TrainableQwen3VL::stage_forward() {
-  const bool graphs = graph_api_ != nullptr && padded_;
+  // Evaluation runs eagerly, as the whole model's forward() does.
+  const bool graphs = graph_api_ != nullptr && padded_ && !stage_forward_only_;
+  if (stage_forward_only_) {
+    forward_part(false, loss_sum_, false);
+    return;
+  }
   if (graphs && graphs_full_iteration(graphs_)) {
     // The exchange with the neighbouring stages splits the micro-batch: its forward and its
     // backward are a graph each.

@@ -161,7 +161,11 @@ class TrainableQwen3VL {
   // next stage sent, stage_backward, send backward_outputs(). The lists are in one order on
   // both sides of a boundary (the hidden state with its padding sink row, then the DeepStack
   // features a later layer injects, by layer); a list may be empty. Returns the labelled tokens.
-  int64_t stage_prepare(const std::vector<const TrainSample*>& micro_batch, float grad_scale);
+  // forward_only (evaluation): no backward, and the loss goes to a total of its own, which
+  // take_forward_loss_sum reads, rather than the training total.
+  int64_t stage_prepare(const std::vector<const TrainSample*>& micro_batch, float grad_scale,
+                        bool forward_only = false);
+  double take_forward_loss_sum();
   void stage_forward();
   bool stage_backward_needed() const { return stage_backward_; }
   void stage_backward();
@@ -261,6 +265,7 @@ class TrainableQwen3VL {
   // follows from the samples and the frozen parts).
   bool stage_backward_ = false;
   bool stage_vision_grads_ = false;
+  bool stage_forward_only_ = false;
   FreezeSpec frozen_;
   Arena arena_;
   size_t activation_bytes_ = 0;

@@ -763,10 +763,24 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       for (int64_t i = 0; i < micro; ++i) eval_batch.push_back(next_sample(*eval_data));
       std::vector<const TrainSample*> mb;
       for (const TrainSample& s : eval_batch) mb.push_back(&s);
-      const LossStats ls = model.forward(mb);
-      loss_sum += ls.loss_sum;
-      em.labelled_tokens += ls.n_tokens;
+      if (pipelined) {
+        // Forward only, one micro-batch at a time through the stages.
+        em.labelled_tokens += model.stage_prepare(mb, 0.0f, /*forward_only=*/true);
+        dp.stage_exchange({}, model.forward_inputs(), {}, {}, "the evaluation's forward receive");
+        model.stage_forward();
+        dp.stage_exchange({}, {}, model.forward_outputs(), {}, "the evaluation's forward send");
+        // Read per micro-batch and added in f64, as forward() is (zero before the last stage).
+        loss_sum += model.take_forward_loss_sum();
+      } else {
+        const LossStats ls = model.forward(mb);
+        loss_sum += ls.loss_sum;
+        em.labelled_tokens += ls.n_tokens;
+      }
       em.samples += micro;
+    }
+    if (pipelined) {
+      // Every pipeline evaluates the whole set: the last stage of the first one counts.
+      loss_sum = dp.global_loss_sum(dp.replica() == 0 ? loss_sum : 0.0);
     }
     em.loss = em.labelled_tokens > 0 ? loss_sum / em.labelled_tokens : 0.0;
     log.log_eval(em);
