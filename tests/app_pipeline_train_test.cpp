@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
 
@@ -145,7 +146,7 @@ class AppPipelineTrainTest : public ::testing::Test {
   int runs_ = 0;
 };
 
-TEST_F(AppPipelineTrainTest, TwoStagesGiveTheLossesOfOneProcessWhereverTheSplitFalls) {
+TEST_F(AppPipelineTrainTest, StagesGiveTheLossesOfOneProcessWhereverTheSplitFalls) {
   const std::string recipe = write_recipe();
   const fs::path single = root_ / "single";
   // Evaluation after the last step: the stages run it forward only.
@@ -161,24 +162,32 @@ TEST_F(AppPipelineTrainTest, TwoStagesGiveTheLossesOfOneProcessWhereverTheSplitF
   ASSERT_EQ(losses(single, "eval_loss").size(), 1u);
   // The fixture has 3 layers and injects DeepStack features after layers 0 and 1: [1, 2] sends
   // the second feature (and its gradient back) across the boundary; [2, 1] splits after both
-  // injections; [] is the FLOP-balanced split.
-  for (const char* layers : {"[1, 2]", "[2, 1]", "[]"}) {
-    SCOPED_TRACE(layers);
-    const fs::path dir = root_ / ("pp_" + std::to_string(std::string(layers).size()));
+  // injections; [] is the FLOP-balanced split. Three stages add a middle stage, which exchanges
+  // with both neighbours and keeps two micro-batches in flight.
+  const struct {
+    int stages;
+    const char* layers;
+  } cases[] = {{2, "[1, 2]"}, {2, "[2, 1]"}, {2, "[]"}, {3, "[]"}};
+  for (const auto& c : cases) {
+    const std::string layers = c.layers;
+    SCOPED_TRACE(std::to_string(c.stages) + " stages, " + layers);
+    const fs::path dir =
+        root_ / ("pp" + std::to_string(c.stages) + "_" + std::to_string(layers.size()));
     std::vector<std::string> pp_args{"train",
                                      "--recipe",
                                      recipe,
                                      "checkpoint.dir=" + dir.string(),
-                                     "parallel.pipeline_parallel_size=2",
-                                     std::string("parallel.pipeline_layers=") + layers};
+                                     "parallel.pipeline_parallel_size=" + std::to_string(c.stages),
+                                     "parallel.pipeline_layers=" + layers};
     pp_args.insert(pp_args.end(), eval.begin(), eval.end());
-    const Exit b = mpirun(2, pp_args);
+    const Exit b = mpirun(c.stages, pp_args);
     ASSERT_EQ(b.code, 0) << b.output;
-    EXPECT_NE(b.output.find("pipeline parallel: 2 processes started by mpirun = 2 stages x 1 "
-                            "data-parallel replicas"),
+    EXPECT_NE(b.output.find(str_cat("pipeline parallel: ", c.stages,
+                                    " processes started by mpirun = ", c.stages,
+                                    " stages x 1 data-parallel replicas")),
               std::string::npos)
         << b.output;
-    if (std::string(layers) == "[1, 2]") {
+    if (layers == "[1, 2]") {
       EXPECT_NE(b.output.find("stage 0: decoder layers 0-0, vision encoder and mergers, "
                               "embedding; ranks 0"),
                 std::string::npos)
