@@ -76,7 +76,8 @@ std::string DataParallel::layout(int64_t micro_batches_per_step, int64_t micro) 
 
 DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
                                          ModelWeights* const* weights, int n_weights,
-                                         bool reduce_gradients) {
+                                         bool reduce_gradients,
+                                         const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   if (env_.world == 1) return Link(*this);
   IRIS_CHECK(stages_ == 1 || be.device() == Device::cpu, "parallel.pipeline_parallel_size ",
              stages_,
@@ -96,7 +97,8 @@ DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
   const Tensor flat(grads.arena.base(), DType::f32, be.device(),
                     {static_cast<int64_t>(grads.arena.capacity() / sizeof(float))});
   if (reduce_gradients && reduce_over != nullptr)
-    reducer_ = std::make_unique<GradReducer>(be, *reduce_over, flat);
+    reducer_ = std::make_unique<GradReducer>(be, *reduce_over, flat,
+                                             GradReducer::kDefaultBucketElements, ranges);
   // Every rank initialises or loads the same weights; copying rank 0's makes that a guarantee
   // rather than an assumption (a file changed under one rank, a different build).
   for (int i = 0; i < n_weights; ++i)

@@ -29,6 +29,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bridge/hf_weights.h"
@@ -84,9 +85,11 @@ class DataParallel {
   // With more than one rank: the communicator for `be`'s device (MPI on the CPU, NCCL on CUDA),
   // the gradient reducer over `grads` (one flat span) unless a sharded optimizer sums them
   // (reduce_gradients false), and rank 0's weights copied to every rank. Does nothing for a
-  // single process. Keep the Link while `be` lives.
+  // single process. Keep the Link while `be` lives. reduce_ranges: the element ranges of the flat
+  // gradients to sum (a pipeline stage's own tensors); empty: all of them.
   [[nodiscard]] Link connect(Backend& be, ModelWeights& grads, ModelWeights* const* weights,
-                             int n_weights, bool reduce_gradients = true);
+                             int n_weights, bool reduce_gradients = true,
+                             const std::vector<std::pair<int64_t, int64_t>>& reduce_ranges = {});
   // The communicator connect() made; null for a single process.
   Communicator* communicator() { return comm_.get(); }
   // Pipelines only (after connect): the stages of this rank's pipeline, in stage order (for the

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include <omp.h>
 
@@ -519,9 +520,33 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
              "optimizer.distributed shards the optimizer on the CPU backend only for now; set "
              "optimizer.distributed=false to train on GPUs with ",
              dp.world(), " data-parallel ranks (or train.device=cpu)");
+  // A stage's data-parallel group sums only the gradients the stage computes (the rest are zero):
+  // runs of its tensors in the flat gradients, alignment gaps between them included, so that the
+  // group makes few exchanges.
+  std::vector<std::pair<int64_t, int64_t>> reduce_ranges;
+  if (pipelined) {
+    const ModelWeights& g = model.grads();
+    std::vector<std::tuple<int64_t, int64_t, bool>> tensors;  // begin, end, held
+    for (const WeightBinding& b : g.bindings) {
+      const Tensor t = b.tensor();
+      const auto begin = static_cast<int64_t>(
+          (static_cast<const char*>(t.data) - static_cast<const char*>(g.arena.base())) /
+          sizeof(float));
+      tensors.emplace_back(begin, begin + t.numel(), model.holds(b.hf_name));
+    }
+    std::sort(tensors.begin(), tensors.end());
+    bool extend = false;
+    for (const auto& [begin, end, held] : tensors) {
+      if (held && extend)
+        reduce_ranges.back().second = std::max(reduce_ranges.back().second, end);
+      else if (held)
+        reduce_ranges.push_back({begin, end});
+      extend = held;
+    }
+  }
   ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
   const DataParallel::Link dp_link =
-      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded);
+      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded, reduce_ranges);
   // A pipeline stage updates the tensors it computes, and the gradient norm is the pipeline's.
   StageTensors stage_tensors;
   if (pipelined) {
