@@ -10,8 +10,9 @@
 // their own part and then add the two. The same terms in another order change that gradient in
 // its last bits, and through the update the later losses by a few f32 ulps. Every other gradient
 // is summed in the single process's order (each stage's backwards run in micro-batch order into
-// one buffer), the first step's loss is exact, and training_graphs_test checks the stages' other
-// gradients bit for bit.
+// one buffer), the first step's loss is exact, a run with the language model frozen (no tied
+// gradient) is exact throughout, and training_graphs_test checks the stages' other gradients bit
+// for bit.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -199,6 +200,27 @@ TEST_F(AppPipelineTrainTest, StagesGiveTheLossesOfOneProcessWhereverTheSplitFall
     expect_close_losses(losses(dir), want, b.output);
     // After three updates: within the tolerance too, none of them exact.
     expect_close_losses(losses(dir, "eval_loss"), losses(single, "eval_loss"), b.output, false);
+  }
+}
+
+// With the language model frozen the tied embedding gets no gradient, and nothing is summed in
+// another order: two stages give one process's losses and gradient norms bit for bit (the
+// vision tower and mergers still train through the stages' backward).
+TEST_F(AppPipelineTrainTest, WithoutATiedGradientTwoStagesAreBitForBit) {
+  const std::string recipe = write_recipe();
+  const fs::path single = root_ / "single", pp = root_ / "pp";
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + single.string(),
+                       "train.freeze_language_model=true"},
+                      "1");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b = mpirun(2, {"train", "--recipe", recipe, "checkpoint.dir=" + pp.string(),
+                            "train.freeze_language_model=true", "parallel.pipeline_parallel_size=2",
+                            "parallel.pipeline_layers=[1, 2]"});
+  ASSERT_EQ(b.code, 0) << b.output;
+  for (const char* key : {"loss", "grad_norm"}) {
+    const std::vector<double> want = losses(single, key), got = losses(pp, key);
+    ASSERT_EQ(want.size(), 3u) << key;
+    EXPECT_EQ(got, want) << key;
   }
 }
 
