@@ -311,9 +311,18 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   // what does not combine with it yet says so by key.
   const Recipe pp =
       load_recipe_text(tiny_recipe(), "r.yaml",
-                       {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 3]"});
+                       {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 2]"});
   EXPECT_EQ(pp.parallel.pipeline_parallel_size, 2);
-  EXPECT_EQ(pp.parallel.pipeline_layers, (std::vector<double>{1, 3}));
+  EXPECT_EQ(pp.parallel.pipeline_layers, (std::vector<double>{1, 2}));
+  // Checked against the model's layers when the recipe loads, before any process is launched.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 3]"});
+  });
+  EXPECT_HAS(msg, "recipe: parallel.pipeline_layers [1, 3] holds 4 layers but the model has 3");
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.pipeline_parallel_size=4"}); });
+  EXPECT_HAS(msg, "parallel.pipeline_parallel_size 4 is more stages than the model's 3");
   msg = error_of([] {
     load_recipe_text(tiny_recipe(), "r.yaml",
                      {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[4]"});

@@ -20,6 +20,7 @@
 #include "core/fs.h"
 #include "core/json_read.h"
 #include "training/lr_schedule.h"
+#include "training/pipeline_parallel.h"
 
 namespace iris {
 namespace {
@@ -1063,6 +1064,13 @@ void validate(Recipe& r) {
     IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",
                t.seq_length, " exceeds the model's max_position_embeddings ",
                mc.text.max_position_embeddings);
+    // The split against the model's layers, before any process is launched for it.
+    try {
+      pipeline_split(mc, static_cast<int>(std::min<int64_t>(p.pipeline_parallel_size, 1 << 20)),
+                     r.parallel.pipeline_layers, {});
+    } catch (const Error& e) {
+      IRIS_FAIL("recipe: ", e.what());
+    }
     GraphModelTraits traits;
     traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
     traits.spatial_merge_size = mc.vision.spatial_merge_size;
