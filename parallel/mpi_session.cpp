@@ -201,15 +201,27 @@ void MpiSession::exchange(const Transfer* sends, int n_sends, const Transfer* re
   IRIS_CHECK(n_sends >= 0 && n_recvs >= 0 && n_sends <= kMaxTransfers && n_recvs <= kMaxTransfers,
              what, ": at most ", kMaxTransfers, " sends and receives per exchange, got ", n_sends,
              " and ", n_recvs);
-  MPI_Request reqs[2 * kMaxTransfers];
+  // A message above one MPI call's count goes in pieces, posted (and so matched) in order.
+  constexpr int kMaxRequests = 8 * kMaxTransfers;
+  MPI_Request reqs[kMaxRequests];
   int n = 0;
+  auto post = [&](const Transfer& t, bool send) {
+    size_t off = 0;
+    do {
+      IRIS_CHECK(n < kMaxRequests, what, ": more than ", kMaxRequests,
+                 " pieces in one exchange; its messages are too large");
+      char* at = static_cast<char*>(t.buf) + off;
+      const int count = static_cast<int>(std::min(kMaxPiece, t.bytes - off));
+      if (send)
+        IRIS_MPI_CHECK(MPI_Isend(at, count, MPI_BYTE, t.peer, 0, comm_of(*this), &reqs[n++]));
+      else
+        IRIS_MPI_CHECK(MPI_Irecv(at, count, MPI_BYTE, t.peer, 0, comm_of(*this), &reqs[n++]));
+      off += kMaxPiece;
+    } while (off < t.bytes);
+  };
   // Receives first, so that every send finds its receive posted.
-  for (int i = 0; i < n_recvs; ++i)
-    IRIS_MPI_CHECK(MPI_Irecv(recvs[i].buf, as_count(recvs[i].bytes, what), MPI_BYTE, recvs[i].peer,
-                             0, comm_of(*this), &reqs[n++]));
-  for (int i = 0; i < n_sends; ++i)
-    IRIS_MPI_CHECK(MPI_Isend(sends[i].buf, as_count(sends[i].bytes, what), MPI_BYTE, sends[i].peer,
-                             0, comm_of(*this), &reqs[n++]));
+  for (int i = 0; i < n_recvs; ++i) post(recvs[i], false);
+  for (int i = 0; i < n_sends; ++i) post(sends[i], true);
   if (n > 0) wait_bounded(reqs, n, timeout_seconds_, world_rank_, what);
 }
 
