@@ -100,22 +100,49 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   if (shard_over != nullptr) {
     setup_shard(*shard_over, bucket_elements);
     mine = rows_[static_cast<size_t>(shard_over->rank())];
+  } else if (pipeline != nullptr) {
+    IRIS_CHECK(pipeline->held.size() == size_t(pipeline->stages->size()),
+               "AdamW: the pipeline lists ", pipeline->held.size(),
+               " stages but its communicator has ", pipeline->stages->size());
+    IRIS_CHECK(working == nullptr,
+               "AdamW: a pipeline stage's optimizer needs the master weights to be the weights the "
+               "model reads (the CPU backend)");
+    for (size_t i = 0; i < n; ++i) {
+      const Tensor t = master.bindings[i].tensor();
+      if (pipeline->held[size_t(pipeline->stages->rank())][i])
+        mine.push_back({static_cast<int64_t>(i), offset_in(master, t), t.numel()});
+    }
+    setup_pipeline(*pipeline);
+    // The moments span the stage's tensors only, from its first to its last in the flat layout
+    // (the buffers are viewed from there, as a shard is).
+    shard_begin_ = flat_master_.numel();
+    shard_end_ = 0;
+    for (const Row& row : mine) {
+      shard_begin_ = std::min(shard_begin_, row.flat_begin);
+      shard_end_ = std::max(shard_end_, row.flat_begin + row.length);
+    }
+    IRIS_CHECK(!mine.empty(), "AdamW: this pipeline stage holds no tensor");
+    flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
+    flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+    auto plan_state = [&](Arena& a) {
+      flat_m_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
+      flat_v_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
+    };
+    Arena planning;
+    plan_state(planning);
+    shard_state_ = Arena(be_, planning.used());
+    plan_state(shard_state_);
   } else {
     m_ = allocate_weights(backend, cfg, DType::f32);
     v_ = allocate_weights(backend, cfg, DType::f32);
     check_same_bindings(master, *m_, "moments (config differs from the parameters')");
-    IRIS_CHECK(pipeline == nullptr || pipeline->held.size() == size_t(pipeline->stages->size()),
-               "AdamW: the pipeline lists ", pipeline ? pipeline->held.size() : 0,
-               " stages but its communicator has ", pipeline ? pipeline->stages->size() : 0);
     for (size_t i = 0; i < n; ++i) {
       const Tensor t = master.bindings[i].tensor();
       IRIS_CHECK(offset_in(*m_, m_->bindings[i].tensor()) == offset_in(master, t),
                  "AdamW: the moments of '", master.bindings[i].hf_name,
                  "' are laid out unlike the master weights");
-      if (pipeline != nullptr && !pipeline->held[size_t(pipeline->stages->rank())][i]) continue;
       mine.push_back({static_cast<int64_t>(i), offset_in(master, t), t.numel()});
     }
-    if (pipeline != nullptr) setup_pipeline(*pipeline);
     flat_m_ = flat(be_, *m_, DType::f32);
     flat_v_ = flat(be_, *v_, DType::f32);
   }
@@ -264,7 +291,7 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
 }
 
 size_t AdamW::state_bytes() const {
-  if (comm_ != nullptr) return shard_state_.capacity();
+  if (m_ == nullptr) return shard_state_.capacity();
   return m_->arena.capacity() + v_->arena.capacity();
 }
 
@@ -273,12 +300,14 @@ size_t AdamW::exchange_bytes() const {
 }
 
 ModelWeights& AdamW::exp_avg() {
-  IRIS_CHECK(m_ != nullptr, "AdamW::exp_avg: the moments are sharded over the ranks");
+  IRIS_CHECK(m_ != nullptr,
+             "AdamW::exp_avg: the moments are sharded over the ranks or pipeline stages");
   return *m_;
 }
 
 ModelWeights& AdamW::exp_avg_sq() {
-  IRIS_CHECK(v_ != nullptr, "AdamW::exp_avg_sq: the moments are sharded over the ranks");
+  IRIS_CHECK(v_ != nullptr,
+             "AdamW::exp_avg_sq: the moments are sharded over the ranks or pipeline stages");
   return *v_;
 }
 
@@ -439,7 +468,8 @@ void AdamW::save(const std::string& path) const {
   for (size_t i = 0; i < n; ++i) {
     if (!saves(i)) continue;
     const WeightBinding& b = master_.bindings[i];
-    const int64_t off = offset_in(master_, b.tensor());
+    // The host copy starts at the stage's first element, or (sharded: gathered whole) at 0.
+    const int64_t off = offset_in(master_, b.tensor()) - (comm_ != nullptr ? 0 : shard_begin_);
     items.push_back({"exp_avg." + b.hf_name, DType::f32, b.hf_shape, m.data() + off});
     items.push_back({"exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape, v.data() + off});
     items.push_back({"step." + b.hf_name, DType::i64, {1}, &param_steps[i]});
