@@ -305,13 +305,17 @@ TEST_F(AppPipelineTrainTest, AStageThatStopsRespondingEndsEveryRank) {
       "/resolved_config.yaml ] && [ $i -lt 300 ]; do sleep 0.2; i=$((i+1)); done; sleep 1; "
       "kill -STOP $$) & fi; exec " +
       IRIS_BINARY + " train --recipe " + recipe + " checkpoint.dir=" + run_dir +
-      " parallel.pipeline_parallel_size=2 parallel.timeout_seconds=3 train.train_iters=100000 "
+      " parallel.pipeline_parallel_size=2 parallel.timeout_seconds=5 train.train_iters=100000 "
       "logging.log_interval=100000 checkpoint.save_final=false";
   std::vector<std::string> args = mpirun_prefix(2);
   args.insert(args.end(), {"sh", "-c", script});
   const Exit e = run(args, mpi_env());
   EXPECT_NE(e.code, 0) << e.output;
-  EXPECT_NE(e.output.find("rank 0 waited more than 3 s"), std::string::npos) << e.output;
+  // Rank 0 waits for the stopped rank; on a loaded machine rank 1 may already have waited out
+  // the timeout for rank 0 before it was stopped, which ends the job the same way.
+  EXPECT_TRUE(e.output.find("rank 0 waited more than 5 s") != std::string::npos ||
+              e.output.find("rank 1 waited more than 5 s") != std::string::npos)
+      << e.output;
   EXPECT_LT(e.seconds, 60) << e.output;
 }
 
