@@ -75,7 +75,9 @@ MPI_Comm comm_of(const MpiSession& s) {
 }  // namespace
 
 MpiSession::~MpiSession() {
-  // Freed before MPI_Finalize (the groups live in the trainer, the world session to the end).
+  // Freed before MPI_Finalize (the groups live in the trainer, the world session to the end). A
+  // destructor cannot throw, so a failure here is left unreported, as finalize_at_exit leaves
+  // its own: the job is ending either way.
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (group_ && group_->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&group_->comm);
