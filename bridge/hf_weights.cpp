@@ -237,10 +237,16 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
 }
 
 void save_weights(Backend& backend, const ModelWeights& w, const std::string& path, DType dtype) {
+  save_weights(backend, w, path, dtype, {});
+}
+
+void save_weights(Backend& backend, const ModelWeights& w, const std::string& path, DType dtype,
+                  const std::function<bool(const std::string&)>& keep) {
   std::vector<std::vector<uint64_t>> storage;
   std::vector<SafetensorsWriteItem> items;
   storage.reserve(w.bindings.size());
   for (const WeightBinding& b : w.bindings) {
+    if (keep && !keep(b.hf_name)) continue;
     const int64_t rows = b.hf_shape[0];
     const Tensor src = b.target->slice(b.row_offset, b.row_offset + rows);
     storage.emplace_back((src.numel() * dtype_size(dtype) + 7) / 8);

@@ -2,6 +2,7 @@
 // Import (checkpoint -> backend memory) and export (backend memory -> safetensors) both use it.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,5 +58,8 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
 // Writes the weights as HF safetensors (bf16 unless dtype says otherwise), atomically.
 void save_weights(Backend& backend, const ModelWeights& weights, const std::string& path,
                   DType dtype = DType::bf16);
+// The same for the tensors `keep` accepts (by HF name) only: one shard of a checkpoint.
+void save_weights(Backend& backend, const ModelWeights& weights, const std::string& path,
+                  DType dtype, const std::function<bool(const std::string&)>& keep);
 
 }  // namespace iris

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/arena.h"
@@ -19,8 +20,11 @@ class GradReducer {
   // in a few calls, small enough that the scratch stays a fraction of the gradients.
   static constexpr int64_t kDefaultBucketElements = int64_t(1) << 25;
 
+  // ranges: the element ranges [begin, end) of `grads` to sum, ascending and disjoint (a pipeline
+  // stage's own tensors; the others' gradients are zero there); empty: all of it.
   GradReducer(Backend& be, Communicator& comm, const Tensor& grads,
-              int64_t bucket_elements = kDefaultBucketElements);
+              int64_t bucket_elements = kDefaultBucketElements,
+              const std::vector<std::pair<int64_t, int64_t>>& ranges = {});
   // Sums every rank's gradients, bucket by bucket in address order (queued on the communicator's
   // stream on CUDA, ordered after the backward and before the optimizer by events).
   void reduce();

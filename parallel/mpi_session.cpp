@@ -60,6 +60,29 @@ bool MpiSession::available() {
   return true;
 }
 
+struct MpiSession::Group {
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+
+struct MpiSessionAccess {
+  static MPI_Comm comm(const MpiSession& s) { return s.group_ ? s.group_->comm : MPI_COMM_WORLD; }
+};
+
+namespace {
+MPI_Comm comm_of(const MpiSession& s) {
+  return MpiSessionAccess::comm(s);
+}
+}  // namespace
+
+MpiSession::~MpiSession() {
+  // Freed before MPI_Finalize (the groups live in the trainer, the world session to the end). A
+  // destructor cannot throw, so a failure here is left unreported, as finalize_at_exit leaves
+  // its own: the job is ending either way.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (group_ && group_->comm != MPI_COMM_NULL && !finalized) MPI_Comm_free(&group_->comm);
+}
+
 MpiSession& MpiSession::start(const LaunchEnv& env) {
   static MpiSession session;
   int initialized = 0;
@@ -74,6 +97,7 @@ MpiSession& MpiSession::start(const LaunchEnv& env) {
   }
   IRIS_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &session.rank_));
   IRIS_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &session.size_));
+  session.world_rank_ = session.rank_;
   IRIS_CHECK(session.rank_ == env.rank && session.size_ == env.world, "the launcher (",
              env.launcher, ") says rank ", env.rank, " of ", env.world, " but MPI says rank ",
              session.rank_, " of ", session.size_,
@@ -114,15 +138,15 @@ void MpiSession::all_gather(const void* in, void* out, size_t bytes, const char*
   const bool in_place = in == static_cast<const char*>(out) + static_cast<size_t>(rank_) * bytes;
   MPI_Request req;
   IRIS_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : in, count, MPI_BYTE, out, count, MPI_BYTE,
-                                MPI_COMM_WORLD, &req));
-  wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+                                comm_of(*this), &req));
+  wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
 }
 
 void MpiSession::all_to_all(const void* in, void* out, size_t bytes, const char* what) {
   const int count = as_count(bytes, what);
   MPI_Request req;
-  IRIS_MPI_CHECK(MPI_Ialltoall(in, count, MPI_BYTE, out, count, MPI_BYTE, MPI_COMM_WORLD, &req));
-  wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+  IRIS_MPI_CHECK(MPI_Ialltoall(in, count, MPI_BYTE, out, count, MPI_BYTE, comm_of(*this), &req));
+  wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
 }
 
 void MpiSession::broadcast(void* buf, size_t bytes, int root, const char* what) {
@@ -130,8 +154,8 @@ void MpiSession::broadcast(void* buf, size_t bytes, int root, const char* what) 
     MPI_Request req;
     IRIS_MPI_CHECK(MPI_Ibcast(static_cast<char*>(buf) + off,
                               static_cast<int>(std::min(kMaxPiece, bytes - off)), MPI_BYTE, root,
-                              MPI_COMM_WORLD, &req));
-    wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+                              comm_of(*this), &req));
+    wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
   }
 }
 
@@ -140,8 +164,8 @@ void MpiSession::send(const void* buf, size_t bytes, int peer, const char* what)
     MPI_Request req;
     IRIS_MPI_CHECK(MPI_Isend(static_cast<const char*>(buf) + off,
                              static_cast<int>(std::min(kMaxPiece, bytes - off)), MPI_BYTE, peer, 0,
-                             MPI_COMM_WORLD, &req));
-    wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+                             comm_of(*this), &req));
+    wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
   }
 }
 
@@ -150,15 +174,57 @@ void MpiSession::recv(void* buf, size_t bytes, int peer, const char* what) {
     MPI_Request req;
     IRIS_MPI_CHECK(MPI_Irecv(static_cast<char*>(buf) + off,
                              static_cast<int>(std::min(kMaxPiece, bytes - off)), MPI_BYTE, peer, 0,
-                             MPI_COMM_WORLD, &req));
-    wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+                             comm_of(*this), &req));
+    wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
   }
 }
 
 void MpiSession::barrier(const char* what) {
   MPI_Request req;
-  IRIS_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &req));
-  wait_bounded(&req, 1, timeout_seconds_, rank_, what);
+  IRIS_MPI_CHECK(MPI_Ibarrier(comm_of(*this), &req));
+  wait_bounded(&req, 1, timeout_seconds_, world_rank_, what);
+}
+
+std::unique_ptr<MpiSession> MpiSession::split(int color, int key, const char* what) {
+  barrier(what);
+  std::unique_ptr<MpiSession> g(new MpiSession);
+  g->group_ = std::make_unique<Group>();
+  IRIS_MPI_CHECK(MPI_Comm_split(comm_of(*this), color, key, &g->group_->comm));
+  IRIS_MPI_CHECK(MPI_Comm_set_errhandler(g->group_->comm, MPI_ERRORS_RETURN));
+  IRIS_MPI_CHECK(MPI_Comm_rank(g->group_->comm, &g->rank_));
+  IRIS_MPI_CHECK(MPI_Comm_size(g->group_->comm, &g->size_));
+  g->world_rank_ = world_rank_;
+  g->timeout_seconds_ = timeout_seconds_;
+  return g;
+}
+
+void MpiSession::exchange(const Transfer* sends, int n_sends, const Transfer* recvs, int n_recvs,
+                          const char* what) {
+  IRIS_CHECK(n_sends >= 0 && n_recvs >= 0 && n_sends <= kMaxTransfers && n_recvs <= kMaxTransfers,
+             what, ": at most ", kMaxTransfers, " sends and receives per exchange, got ", n_sends,
+             " and ", n_recvs);
+  // A message above one MPI call's count goes in pieces, posted (and so matched) in order.
+  constexpr int kMaxRequests = 8 * kMaxTransfers;
+  MPI_Request reqs[kMaxRequests];
+  int n = 0;
+  auto post = [&](const Transfer& t, bool send) {
+    size_t off = 0;
+    do {
+      IRIS_CHECK(n < kMaxRequests, what, ": more than ", kMaxRequests,
+                 " pieces in one exchange; its messages are too large");
+      char* at = static_cast<char*>(t.buf) + off;
+      const int count = static_cast<int>(std::min(kMaxPiece, t.bytes - off));
+      if (send)
+        IRIS_MPI_CHECK(MPI_Isend(at, count, MPI_BYTE, t.peer, 0, comm_of(*this), &reqs[n++]));
+      else
+        IRIS_MPI_CHECK(MPI_Irecv(at, count, MPI_BYTE, t.peer, 0, comm_of(*this), &reqs[n++]));
+      off += kMaxPiece;
+    } while (off < t.bytes);
+  };
+  // Receives first, so that every send finds its receive posted.
+  for (int i = 0; i < n_recvs; ++i) post(recvs[i], false);
+  for (int i = 0; i < n_sends; ++i) post(sends[i], true);
+  if (n > 0) wait_bounded(reqs, n, timeout_seconds_, world_rank_, what);
 }
 
 void MpiSession::abort(int code) {
@@ -196,6 +262,14 @@ void MpiSession::recv(void*, size_t, int, const char*) {
   IRIS_FAIL("built without MPI");
 }
 void MpiSession::barrier(const char*) {
+  IRIS_FAIL("built without MPI");
+}
+struct MpiSession::Group {};
+MpiSession::~MpiSession() = default;
+std::unique_ptr<MpiSession> MpiSession::split(int, int, const char*) {
+  IRIS_FAIL("built without MPI");
+}
+void MpiSession::exchange(const Transfer*, int, const Transfer*, int, const char*) {
   IRIS_FAIL("built without MPI");
 }
 void MpiSession::abort(int code) {

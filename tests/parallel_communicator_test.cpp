@@ -203,6 +203,53 @@ TEST_F(Collectives, GradReducerBucketsGiveTheRankOrderSum) {
   EXPECT_TRUE(same_bits(grads, rank_order_sum(n)));
 }
 
+// A pipeline stage's data-parallel group sums only its own tensors' ranges: the rank-order sum
+// there, this rank's values untouched elsewhere.
+TEST_F(Collectives, GradReducerSumsOnlyTheGivenRanges) {
+  auto cpu = make_cpu_backend();
+  const int64_t n = 5003;
+  const std::vector<std::pair<int64_t, int64_t>> ranges{{0, 17}, {100, 2100}, {4000, 5003}};
+  std::vector<float> grads = data_of(rank_, n);
+  GradReducer reducer(*cpu, *comm_, view(grads), 1000, ranges);
+  reducer.reduce();
+  const std::vector<float> sum = rank_order_sum(n), mine = data_of(rank_, n);
+  for (int64_t i = 0; i < n; ++i) {
+    bool inside = false;
+    for (const auto& [b, e] : ranges) inside = inside || (i >= b && i < e);
+    const float want = inside ? sum[size_t(i)] : mine[size_t(i)];
+    ASSERT_EQ(std::memcmp(&grads[size_t(i)], &want, sizeof(float)), 0) << "element " << i;
+  }
+  EXPECT_THROW(GradReducer(*cpu, *comm_, view(grads), 1000, {{10, 20}, {15, 30}}), Error);
+  EXPECT_THROW(GradReducer(*cpu, *comm_, view(grads), 1000, {{10, n + 1}}), Error);
+}
+
+// Pipeline groups: split() makes sub-groups that run collectives of their own, and exchange()
+// posts a send and a receive together, so every rank can send to the next while receiving from
+// the previous (past the eager limit, where two blocking sends would wait on each other).
+TEST_F(Collectives, SplitGroupsAndPairedExchangesDoNotDeadlock) {
+  auto group = session_->split(rank_ % 2, rank_, "the test split");
+  const int members = (world_ + 1 - rank_ % 2) / 2;
+  ASSERT_EQ(group->size(), members);
+  EXPECT_EQ(group->rank(), rank_ / 2);
+  std::vector<int> ranks(static_cast<size_t>(members));
+  group->all_gather(&rank_, ranks.data(), sizeof(int), "the test gather");
+  for (int k = 0; k < members; ++k) EXPECT_EQ(ranks[size_t(k)], rank_ % 2 + 2 * k);
+
+  if (world_ < 2) return;
+  const int64_t n = 1 << 16;
+  const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+  std::vector<float> out = data_of(rank_, n), in(static_cast<size_t>(n)), out2 = data_of(-rank_, 7),
+                     in2(7);
+  // Two messages each way in one call, received in the order they were posted.
+  const MpiSession::Transfer sends[] = {{out.data(), out.size() * sizeof(float), next},
+                                        {out2.data(), out2.size() * sizeof(float), next}};
+  const MpiSession::Transfer recvs[] = {{in.data(), in.size() * sizeof(float), prev},
+                                        {in2.data(), in2.size() * sizeof(float), prev}};
+  session_->exchange(sends, 2, recvs, 2, "the test ring");
+  EXPECT_TRUE(same_bits(in, data_of(prev, n)));
+  EXPECT_TRUE(same_bits(in2, data_of(-prev, 7)));
+}
+
 TEST_F(Collectives, ShardExchangeSumsEachShardAndGathersEveryShard) {
   auto cpu = make_cpu_backend();
   // A length with a tail for the last rank, in one bucket and in many (packed) ones.

@@ -1,6 +1,8 @@
 // Training graphs: bucket padding changes no loss and no gradient beyond fp32 rounding, and every
 // graph setting replays exactly what eager runs on the same padded micro-batches (the CPU through
-// the recording stand-in, which replays the ops it taped; CUDA through real graphs).
+// the recording stand-in, which replays the ops it taped; CUDA through real graphs). Two pipeline
+// stages in one process give the whole model's losses and gradients, and each captures and
+// deletes only the graphs of what it holds.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include "bridge/hf_weights.h"
 #include "core/graph_capture.h"
 #include "test_util.h"
+#include "training/pipeline_parallel.h"
 #include "training/train_model.h"
 #include "training_test_util.h"
 
@@ -315,6 +318,122 @@ TEST_F(TrainingGraphs, RefusedWithoutBucketsAndAboveTheLargestBucketPerOverflow)
   bad.text_buckets = {128};
   bad.vision_buckets = {30};  // not whole merge windows
   EXPECT_THROW(TrainableQwen3VL(*be_, cfg_, *params_, bad), Error);
+}
+
+// Copies what one stage sends into what the next receives, checking that the lists agree.
+void hand_over(Backend& be, const std::vector<Tensor>& from, const std::vector<Tensor>& to) {
+  ASSERT_EQ(from.size(), to.size());
+  for (size_t k = 0; k < from.size(); ++k) {
+    ASSERT_EQ(from[k].shape_str(), to[k].shape_str()) << "tensor " << k;
+    be.copy(to[k], from[k]);
+  }
+}
+
+// Two stages of one model in one process, the hand-over between them done by copies: the losses
+// are the whole model's bit for bit and so is every gradient a single stage computes; the tied
+// embedding's (stage 0's lookup + the last stage's lm_head) only to rounding, its terms being
+// added in another order. With graphs each stage captures only its own parts (stage 1 no vision
+// graph, no layer of stage 0), replays eager exactly, and deletes only its own graphs. The splits
+// fall between the DeepStack taps (on stage 0) and their injection at layer 1, and after both
+// injections (the fixture injects after layers 0 and 1 of 3).
+TEST_F(TrainingGraphs, PipelineStagesInOneProcessGiveTheWholeModelAndOwnTheirGraphs) {
+  load(make_cpu_backend());
+  ASSERT_TRUE(cfg_.tie_word_embeddings);
+  ASSERT_EQ(cfg_.text.num_hidden_layers, 3);
+  const TrainLimits limits = padded_limits(*samples_);
+  TrainableQwen3VL whole(*be_, cfg_, *params_, limits);
+  const Trace want = run(whole);
+  const Mode modes[] = {{"eager", GraphImpl::none, false},
+                        {"vision only", GraphImpl::none, true},
+                        {"vision + decoder local", GraphImpl::local, true},
+                        {"full_iteration", GraphImpl::full_iteration, false}};
+  // Every graph setting on the split that sends a DeepStack feature across; eager on the other
+  // (CI's time).
+  for (const std::vector<double> split : {std::vector<double>{1, 2}, {2, 1}}) {
+    const std::vector<PipelineStage> st = pipeline_split(cfg_, 2, split, {});
+    for (const Mode& mode : modes) {
+      const bool graphed = mode.decoder != GraphImpl::none || mode.vision;
+      if (graphed != (split[0] == 1)) continue;
+      SCOPED_TRACE(str_cat("split ", split[0], "+", split[1], ", ", mode.name));
+      TrainLimits l0 = limits, l1 = limits;
+      l0.stage = st[0];
+      l1.stage = st[1];
+      TrainableQwen3VL s0(*be_, cfg_, *params_, l0), s1(*be_, cfg_, *params_, l1);
+      EXPECT_LT(s1.activation_bytes(), whole.activation_bytes());
+      EXPECT_LT(s0.activation_bytes(), whole.activation_bytes());
+      auto api = make_graph_api(*be_);
+      const bool graphs = mode.decoder != GraphImpl::none || mode.vision;
+      if (graphs) {
+        TrainGraphs g;
+        g.decoder = mode.decoder;
+        g.vision = mode.vision;
+        g.warmup_runs = 1;
+        s0.use_graphs(*api, g);
+        s1.use_graphs(*api, g);
+      }
+      const auto mbs = schedule(*samples_);
+      for (size_t i = 0; i < mbs.size(); ++i) {
+        s0.zero_grads();
+        s1.zero_grads();
+        EXPECT_EQ(s0.stage_prepare(mbs[i], 1.0f / 64), s1.stage_prepare(mbs[i], 1.0f / 64));
+        ASSERT_EQ(s0.stage_backward_needed(), s1.stage_backward_needed());
+        EXPECT_TRUE(s0.forward_inputs().empty());
+        EXPECT_TRUE(s1.forward_outputs().empty());
+        s0.stage_forward();
+        hand_over(*be_, s0.forward_outputs(), s1.forward_inputs());
+        s1.stage_forward();
+        ASSERT_TRUE(s1.stage_backward_needed());
+        s1.stage_backward();
+        hand_over(*be_, s1.backward_outputs(), s0.backward_inputs());
+        s0.stage_backward();
+        EXPECT_EQ(s0.take_loss_sum(), 0.0);
+        EXPECT_EQ(s1.take_loss_sum(), want.losses[i]) << "micro-batch " << i;
+        const auto g0 = all_grads(s0), g1 = all_grads(s1);
+        for (size_t k = 0; k < g0.size(); ++k) {
+          const std::string& name = s0.grads().bindings[k].hf_name;
+          const bool h0 = s0.holds(name), h1 = s1.holds(name);
+          ASSERT_TRUE(h0 || h1) << name;
+          if (h0 && h1) {
+            // The tied embedding: the sum of the two stages' parts.
+            ASSERT_EQ(name, "model.language_model.embed_tokens.weight");
+            std::vector<float> sum(g0[k].size());
+            float scale = 0;
+            for (size_t e = 0; e < sum.size(); ++e) {
+              sum[e] = g0[k][e] + g1[k][e];
+              scale = std::max(scale, std::abs(want.grads[i][k][e]));
+            }
+            EXPECT_TRUE(test::all_close(sum, want.grads[i][k], 1e-5f, 1e-6f * scale)) << name;
+            continue;
+          }
+          // A tensor's gradient is on the stage that holds it, and zero on the other.
+          ASSERT_EQ(h0 ? g0[k] : g1[k], want.grads[i][k]) << "micro-batch " << i << ": " << name;
+          for (float v : h0 ? g1[k] : g0[k]) ASSERT_EQ(v, 0.0f) << name;
+        }
+      }
+      if (!graphs) continue;
+      // Stage 1 holds no vision: a vision-only setting leaves it without graphs.
+      EXPECT_TRUE(s0.graphs_created());
+      EXPECT_EQ(s1.graphs_created(), mode.decoder != GraphImpl::none);
+      for (const std::string& k : s1.graph_keys()) {
+        EXPECT_EQ(k.find("vision"), std::string::npos) << k;
+        for (int l = 0; l < st[0].end_layer; ++l)
+          EXPECT_NE(k.rfind(str_cat("layer ", l, " "), 0), 0u) << k;
+      }
+      for (const std::string& k : s0.graph_keys())
+        for (int l = st[1].first_layer; l < st[1].end_layer; ++l)
+          EXPECT_NE(k.rfind(str_cat("layer ", l, " "), 0), 0u) << k;
+      size_t vision = 0;
+      for (const std::string& k : s0.graph_keys()) vision += k.rfind("vision", 0) == 0;
+      EXPECT_EQ(vision > 0, mode.vision);
+      const size_t kept = s0.graph_count();
+      s1.delete_graphs();
+      EXPECT_FALSE(s1.graphs_created());
+      EXPECT_EQ(s0.graph_count(), kept);
+      s1.delete_graphs();  // none left: a no-op
+      s0.delete_graphs();
+      EXPECT_FALSE(s0.graphs_created());
+    }
+  }
 }
 
 TEST_F(TrainingGraphs, CudaGraphsReplayEagerBitForBit) {

@@ -1,6 +1,6 @@
 // Recipes: every shipped recipe validates; unknown keys, wrong types, bad graph combinations,
-// tensor or pipeline parallelism (not supported yet) and indivisible batches are errors that say
-// what to do; overrides apply; the resolved config reads back to itself.
+// tensor parallelism (not supported yet), pipeline split lists and indivisible batches are errors
+// that say what to do; overrides apply; the resolved config reads back to itself.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,9 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "bridge/model_config.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
+#include "training/pipeline_parallel.h"
 #include "training/recipe.h"
 
 namespace iris {
@@ -300,24 +302,79 @@ TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
   EXPECT_HAS(msg, "set cuda_graph_impl=local");
 }
 
-TEST_F(RecipeTest, TensorAndPipelineParallelAreNotSupportedYet) {
-  for (const char* o : {"parallel.tensor_parallel_size=2", "parallel.pipeline_parallel_size=4"}) {
-    SCOPED_TRACE(o);
-    const std::string msg = error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {o}); });
-    EXPECT_HAS(msg, std::string(o).substr(0, std::string(o).find('=')));
-    EXPECT_HAS(msg, "not supported yet");
-  }
+TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
+  std::string msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.tensor_parallel_size=2"}); });
+  EXPECT_HAS(msg, "parallel.tensor_parallel_size");
+  EXPECT_HAS(msg, "not supported yet");
+  // Pipeline parallelism is accepted; its split list must have one positive count per stage, and
+  // what does not combine with it yet says so by key.
+  const Recipe pp =
+      load_recipe_text(tiny_recipe(), "r.yaml",
+                       {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 2]"});
+  EXPECT_EQ(pp.parallel.pipeline_parallel_size, 2);
+  EXPECT_EQ(pp.parallel.pipeline_layers, (std::vector<double>{1, 2}));
+  // Checked against the model's layers when the recipe loads, before any process is launched.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 3]"});
+  });
+  EXPECT_HAS(msg, "recipe: parallel.pipeline_layers [1, 3] holds 4 layers but the model has 3");
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.pipeline_parallel_size=4"}); });
+  EXPECT_HAS(msg, "parallel.pipeline_parallel_size 4 is more stages than the model's 3");
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[4]"});
+  });
+  EXPECT_HAS(msg, "parallel.pipeline_layers lists 1 stages");
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1.5, 2]"});
+  });
+  EXPECT_HAS(msg, "parallel.pipeline_layers entries are layer counts");
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.pipeline_parallel_size=2", "optimizer.distributed=true"});
+  });
+  EXPECT_HAS(msg, "optimizer.distributed");
   // Data parallelism is the launcher's business (checked when the run starts, against it).
   const Recipe r = load_recipe_text(
       tiny_recipe(), "r.yaml",
       {"parallel.data_parallel_size=2", "train.global_batch_size=4", "train.micro_batch_size=1"});
   EXPECT_EQ(r.parallel.data_parallel_size, 2);
   EXPECT_EQ(r.accumulation_steps, 2);
-  std::string msg = error_of(
+  msg = error_of(
       [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.data_parallel_size=0"}); });
   EXPECT_HAS(msg, "parallel.data_parallel_size must be >= 1");
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.timeout_seconds=0"}); });
   EXPECT_HAS(msg, "parallel.timeout_seconds must be >= 1");
+}
+
+// The automatic split puts the least work on its busiest stage, counting the vision encoder on
+// stage 0 and the lm_head on the last; a given split must cover the model's layers exactly.
+TEST_F(RecipeTest, PipelineSplitBalancesTheStagesAndChecksTheLayerList) {
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  ASSERT_EQ(cfg.text.num_hidden_layers, 3);
+  auto layers = [&](const std::vector<double>& given, PipelineCosts c) {
+    std::vector<int> out;
+    for (const PipelineStage& st : pipeline_split(cfg, 2, given, c)) {
+      EXPECT_EQ(st.has_vision, st.index == 0);
+      EXPECT_EQ(st.has_head, st.index == 1);
+      out.push_back(st.n_layers());
+    }
+    return out;
+  };
+  EXPECT_EQ(layers({}, {1, 0, 0}), (std::vector<int>{1, 2}));    // a tie: the earliest
+  EXPECT_EQ(layers({}, {1, 1.5, 0}), (std::vector<int>{1, 2}));  // a heavy vision encoder
+  EXPECT_EQ(layers({}, {1, 0, 1.5}), (std::vector<int>{2, 1}));  // a heavy lm_head
+  EXPECT_EQ(layers({2, 1}, {1, 0, 1e9}), (std::vector<int>{2, 1}));
+  EXPECT_HAS(error_of([&] {
+               pipeline_split(cfg, 2, {1, 1}, {});
+             }),
+             "parallel.pipeline_layers [1, 1] holds 2 layers but the model has 3");
+  EXPECT_HAS(error_of([&] { pipeline_split(cfg, 4, {}, {}); }),
+             "parallel.pipeline_parallel_size 4 is more stages than the model's 3");
 }
 
 TEST_F(RecipeTest, GlobalBatchMustBeAMultipleOfMicroBatchTimesDataParallel) {

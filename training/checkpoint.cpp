@@ -282,6 +282,11 @@ void remove_checkpoint_debris(const std::string& run_dir) {
 
 std::string commit_checkpoint(const std::string& run_dir, int64_t step,
                               const std::function<void(const std::string& dir)>& fill) {
+  fill(begin_checkpoint(run_dir, step));
+  return finish_checkpoint(run_dir, step);
+}
+
+std::string begin_checkpoint(const std::string& run_dir, int64_t step) {
   fs::create_directories(run_dir);
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(run_dir) / name;
@@ -291,7 +296,13 @@ std::string commit_checkpoint(const std::string& run_dir, int64_t step,
              "checkpoint.dir (or set another checkpoint.dir) and restart");
   fs::remove_all(tmp_dir);
   fs::create_directory(tmp_dir);
-  fill(tmp_dir.string());
+  return tmp_dir.string();
+}
+
+std::string finish_checkpoint(const std::string& run_dir, int64_t step) {
+  const std::string name = checkpoint_name(step);
+  const fs::path final_dir = fs::path(run_dir) / name;
+  const fs::path tmp_dir = fs::path(run_dir) / (name + ".tmp");
   fsync_dir(tmp_dir);
   std::error_code ec;
   fs::rename(tmp_dir, final_dir, ec);
@@ -466,12 +477,15 @@ void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
   write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
 
   {
-    SafetensorsFile weights((fs::path(src) / "model.safetensors").string());
+    // One file, or the shards of a pipelined run with their index: exported as one file.
+    const SafetensorsCheckpoint weights(src);
+    const std::vector<std::string> names = weights.names();
     std::vector<std::vector<uint64_t>> storage;
     std::vector<SafetensorsWriteItem> items;
-    storage.reserve(weights.entries().size());
+    storage.reserve(names.size());
     std::vector<float> f32;
-    for (const auto& [name, e] : weights.entries()) {
+    for (const std::string& name : names) {
+      const SafetensorsEntry& e = weights.at(name);
       int64_t n = 1;
       for (int64_t d : e.shape) n *= d;
       f32.resize(static_cast<size_t>(n));
@@ -509,9 +523,14 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
                "complete checkpoint");
     src = newest;
   }
-  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"})
+  for (const char* f : {"config.json", "tokenizer.json"})
     IRIS_CHECK(fs::is_regular_file(fs::path(src) / f), "checkpoint ", src, " lacks ", f,
                "; it was not written by iris train");
+  IRIS_CHECK(fs::is_regular_file(fs::path(src) / "model.safetensors") ||
+                 fs::is_regular_file(fs::path(src) / "model.safetensors.index.json"),
+             "checkpoint ", src,
+             " lacks model.safetensors (or a pipelined run's model.safetensors.index.json); it "
+             "was not written by iris train");
   IRIS_CHECK(!out_dir.empty(), "the export directory is empty; name a directory to create");
   fs::path out = fs::path(out_dir).lexically_normal();
   if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir

@@ -80,6 +80,12 @@ class RunLock {
 // step directory is never replaced: that is an error (the trainer checks for it before training).
 std::string commit_checkpoint(const std::string& run_dir, int64_t step,
                               const std::function<void(const std::string& dir)>& fill);
+// commit_checkpoint in two halves, for checkpoints that several processes write (each pipeline
+// stage its own files): begin makes the fresh temporary directory and returns it, the writers
+// fill it, and finish (after every writer is done) flushes it, renames it into place and points
+// `latest` at it, returning the checkpoint's directory. One process calls both.
+std::string begin_checkpoint(const std::string& run_dir, int64_t step);
+std::string finish_checkpoint(const std::string& run_dir, int64_t step);
 
 // Deletes the oldest of `owned` (steps of checkpoints this run wrote or continued) until at most
 // `keep_last` remain (0 keeps all), and removes them from `owned`. No other directory is touched.

@@ -9,6 +9,7 @@
 namespace iris {
 
 DataParallel::DataParallel(const ParallelRecipe& p) : env_(read_launch_env()) {
+  stages_ = static_cast<int>(p.pipeline_parallel_size);
   const int64_t expected = static_cast<int64_t>(env_.world) / p.pipeline_parallel_size;
   if (!env_.launched()) {
     IRIS_CHECK(p.data_parallel_size == 1, "parallel.data_parallel_size is ", p.data_parallel_size,
@@ -16,6 +17,12 @@ DataParallel::DataParallel(const ParallelRecipe& p) : env_(read_launch_env()) {
                "it with `mpirun -np ",
                p.data_parallel_size * p.pipeline_parallel_size,
                " iris train --recipe ...` (or srun), or set parallel.data_parallel_size=1");
+    IRIS_CHECK(p.pipeline_parallel_size == 1, "parallel.pipeline_parallel_size is ",
+               p.pipeline_parallel_size,
+               " but iris was started as a single process; pipeline stages are processes: start "
+               "it with `mpirun -np ",
+               p.data_parallel_size * p.pipeline_parallel_size, " iris train --recipe ...`");
+    stages_ = 1;
     return;
   }
   IRIS_CHECK(p.data_parallel_size == expected &&
@@ -25,6 +32,7 @@ DataParallel::DataParallel(const ParallelRecipe& p) : env_(read_launch_env()) {
              " processes; set parallel.data_parallel_size=", env_.world,
              " (processes / parallel.pipeline_parallel_size) or launch ",
              p.data_parallel_size * p.pipeline_parallel_size, " processes");
+  replicas_ = env_.world / stages_;
   if (env_.world == 1) return;  // `mpirun -np 1`: a single process, MPI left alone
   session_ = &MpiSession::start(env_);
   session_->set_timeout(static_cast<double>(p.timeout_seconds));
@@ -38,13 +46,24 @@ int DataParallel::cuda_device() const {
 
 std::string DataParallel::layout(int64_t micro_batches_per_step, int64_t micro) const {
   if (env_.world == 1) return "";
-  std::string text = str_cat("data parallel: ", env_.world, " processes started by ", env_.launcher,
-                             "; each step's ", micro_batches_per_step, " micro-batches of ", micro,
-                             " samples go round the ranks");
-  for (int r = 0; r < env_.world; ++r) {
-    text += str_cat("\n  rank ", r, ": micro-batches");
+  std::string text =
+      stages_ == 1
+          ? str_cat("data parallel: ", env_.world, " processes started by ", env_.launcher,
+                    "; each step's ", micro_batches_per_step, " micro-batches of ", micro,
+                    " samples go round the ranks")
+          : str_cat("pipeline parallel: ", env_.world, " processes started by ", env_.launcher,
+                    " = ", stages_, " stages x ", replicas_,
+                    " data-parallel replicas (rank = stage x ", replicas_,
+                    " + replica); each step's ", micro_batches_per_step, " micro-batches of ",
+                    micro,
+                    " samples go round the replicas, each through its pipeline in 1F1B order");
+  if (stages_ > 1 && replicas_ == 1) return text;
+  for (int r = 0; r < replicas_; ++r) {
+    text += stages_ == 1 ? str_cat("\n  rank ", r, ": micro-batches")
+                         : str_cat("\n  replica ", r, " (ranks ", r, ", ", replicas_ + r,
+                                   stages_ > 2 ? ", ..." : "", "): micro-batches");
     int64_t shown = 0;
-    for (int64_t i = r; i < micro_batches_per_step; i += env_.world, ++shown) {
+    for (int64_t i = r; i < micro_batches_per_step; i += replicas_, ++shown) {
       if (shown == 4) {
         text += " ...";
         break;
@@ -57,14 +76,29 @@ std::string DataParallel::layout(int64_t micro_batches_per_step, int64_t micro) 
 
 DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
                                          ModelWeights* const* weights, int n_weights,
-                                         bool reduce_gradients) {
+                                         bool reduce_gradients,
+                                         const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   if (env_.world == 1) return Link(*this);
+  IRIS_CHECK(stages_ == 1 || be.device() == Device::cpu, "parallel.pipeline_parallel_size ",
+             stages_,
+             ": pipeline parallelism runs on the CPU backend (MPI) for now; set train.device=cpu "
+             "or parallel.pipeline_parallel_size=1");
   comm_ = be.device() == Device::cuda ? make_nccl_communicator(be, session_, env_.rank, env_.world)
                                       : make_mpi_communicator(*session_);
+  Communicator* reduce_over = comm_.get();
+  if (stages_ > 1) {
+    dp_session_ = session_->split(stage(), replica(), "the data-parallel group split");
+    pipe_session_ = session_->split(replica(), stage(), "the pipeline group split");
+    dp_comm_ = make_mpi_communicator(*dp_session_);
+    pipe_comm_ = make_mpi_communicator(*pipe_session_);
+    reduce_over = replicas_ > 1 ? dp_comm_.get() : nullptr;
+  }
   // Gradients of one config share one layout, so they are one flat span (as zero_grads uses).
   const Tensor flat(grads.arena.base(), DType::f32, be.device(),
                     {static_cast<int64_t>(grads.arena.capacity() / sizeof(float))});
-  if (reduce_gradients) reducer_ = std::make_unique<GradReducer>(be, *comm_, flat);
+  if (reduce_gradients && reduce_over != nullptr)
+    reducer_ = std::make_unique<GradReducer>(be, *reduce_over, flat,
+                                             GradReducer::kDefaultBucketElements, ranges);
   // Every rank initialises or loads the same weights; copying rank 0's makes that a guarantee
   // rather than an assumption (a file changed under one rank, a different build).
   for (int i = 0; i < n_weights; ++i)
@@ -79,10 +113,55 @@ DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
 void DataParallel::disconnect() {
   reducer_.reset();
   comm_.reset();
+  dp_comm_.reset();
+  pipe_comm_.reset();
+  dp_session_.reset();
+  pipe_session_.reset();
+}
+
+void DataParallel::stage_exchange(const std::vector<Tensor>& send_prev,
+                                  const std::vector<Tensor>& recv_prev,
+                                  const std::vector<Tensor>& send_next,
+                                  const std::vector<Tensor>& recv_next, const char* what) {
+  MpiSession::Transfer sends[MpiSession::kMaxTransfers], recvs[MpiSession::kMaxTransfers];
+  int ns = 0, nr = 0;
+  auto add = [&](MpiSession::Transfer* list, int& n, const std::vector<Tensor>& ts, int stage) {
+    if (ts.empty()) return;
+    IRIS_CHECK(stage >= 0 && stage < stages_, what, ": stage ", this->stage(),
+               " has no neighbour stage ", stage);
+    for (const Tensor& t : ts) {
+      IRIS_CHECK(t.device == Device::cpu, what, ": pipeline stages exchange CPU tensors");
+      IRIS_CHECK(n < MpiSession::kMaxTransfers, what, ": more than ", MpiSession::kMaxTransfers,
+                 " tensors in one exchange");
+      list[n++] = MpiSession::Transfer{t.data, t.nbytes(), stage_rank(stage)};
+    }
+  };
+  add(sends, ns, send_prev, stage() - 1);
+  add(sends, ns, send_next, stage() + 1);
+  add(recvs, nr, recv_prev, stage() - 1);
+  add(recvs, nr, recv_next, stage() + 1);
+  if (ns + nr > 0) session_->exchange(sends, ns, recvs, nr, what);
+}
+
+void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch) {
+  if (stages_ == 1 || (stage() != 0 && stage() != stages_ - 1)) return;
+  const bool first = stage() == 0;
+  const int peer = first ? stages_ - 1 : 0;
+  MpiSession::Transfer send{grad.data, grad.nbytes(), stage_rank(peer)};
+  MpiSession::Transfer recv{scratch.data, scratch.nbytes(), stage_rank(peer)};
+  session_->exchange(&send, 1, &recv, 1, "the tied-embedding gradient exchange");
+  // Stage 0's term first on both sides: the same bits, so both copies stay identical.
+  if (first)
+    be.add(grad, grad, scratch);
+  else
+    be.add(grad, scratch, grad);
 }
 
 std::string DataParallel::describe() const {
   if (!comm_) return "";
+  if (!reducer_ && stages_ > 1)
+    return str_cat(comm_->name(), " point-to-point activations between ", stages_,
+                   " pipeline stages, no gradient reduction (one replica)");
   if (!reducer_) return str_cat(comm_->name(), " gradient reduce-scatter in the sharded optimizer");
   return str_cat(comm_->name(), " gradient all-reduce in ", reducer_->buckets(),
                  " fixed-order buckets, scratch ", reducer_->scratch_bytes() / (size_t(1) << 20),

@@ -15,12 +15,22 @@
 // the resume position agree everywhere) and trains on its own micro-batches only. Rank 0 writes
 // the run directory (lock, checkpoints, metrics); every rank's weights stay identical because
 // every rank applies the same reduced gradients.
+//
+// With pipeline parallelism (parallel.pipeline_parallel_size P > 1) the world is a grid of P
+// stages x D data-parallel replicas, laid out as Megatron-LM lays out its pipeline dimension:
+// outermost, so consecutive ranks hold the same stage of different replicas, rank = stage * D +
+// replica. The ranks of one stage form a data-parallel group (micro-batch i of a step belongs to
+// replica i % D, and the group sums its gradients in group-rank order as above); the ranks of one
+// replica form a pipeline, whose stages exchange activations point to point and sum their
+// gradient norms and tied-embedding gradients in stage order.
 #pragma once
 
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bridge/hf_weights.h"
 #include "core/backend.h"
@@ -44,12 +54,20 @@ class DataParallel {
 
   int rank() const { return env_.rank; }
   int world() const { return env_.world; }
+  // The process grid: this rank's pipeline stage of stages(), and its data-parallel replica of
+  // replicas() (the index of its pipeline).
+  int stages() const { return stages_; }
+  int stage() const { return env_.rank / replicas_; }
+  int replicas() const { return replicas_; }
+  int replica() const { return env_.rank % replicas_; }
+  // The world rank that holds `stage` of this rank's pipeline.
+  int stage_rank(int stage) const { return stage * replicas_ + replica(); }
   // The rank that writes the run directory and the log.
   bool writer() const { return env_.rank == 0; }
   // The GPU this rank trains on.
   int cuda_device() const;
-  // Micro-batch i of every step is trained by rank i % world.
-  bool owns(int64_t micro_index) const { return micro_index % env_.world == env_.rank; }
+  // Micro-batch i of every step is trained by replica i % replicas().
+  bool owns(int64_t micro_index) const { return micro_index % replicas_ == replica(); }
   // One line per rank: which micro-batches (and samples) of each step it trains.
   std::string layout(int64_t micro_batches_per_step, int64_t micro_batch_size) const;
 
@@ -67,11 +85,27 @@ class DataParallel {
   // With more than one rank: the communicator for `be`'s device (MPI on the CPU, NCCL on CUDA),
   // the gradient reducer over `grads` (one flat span) unless a sharded optimizer sums them
   // (reduce_gradients false), and rank 0's weights copied to every rank. Does nothing for a
-  // single process. Keep the Link while `be` lives.
+  // single process. Keep the Link while `be` lives. reduce_ranges: the element ranges of the flat
+  // gradients to sum (a pipeline stage's own tensors); empty: all of them.
   [[nodiscard]] Link connect(Backend& be, ModelWeights& grads, ModelWeights* const* weights,
-                             int n_weights, bool reduce_gradients = true);
+                             int n_weights, bool reduce_gradients = true,
+                             const std::vector<std::pair<int64_t, int64_t>>& reduce_ranges = {});
   // The communicator connect() made; null for a single process.
   Communicator* communicator() { return comm_.get(); }
+  // Pipelines only (after connect): the stages of this rank's pipeline, in stage order (for the
+  // gradient norm over every stage).
+  Communicator* pipeline_communicator() { return pipe_comm_.get(); }
+  // Posts the sends to and receives from the neighbouring stages of this rank's pipeline, then
+  // waits for all of them (bounded by parallel.timeout_seconds): CPU tensors, in the order the
+  // neighbour posts its halves. A list may be empty; a stage without that neighbour passes empty
+  // lists for it.
+  void stage_exchange(const std::vector<Tensor>& send_prev, const std::vector<Tensor>& recv_prev,
+                      const std::vector<Tensor>& send_next, const std::vector<Tensor>& recv_next,
+                      const char* what);
+  // Tied embeddings: stage 0 and the last stage of a pipeline each hold the embedding and its
+  // gradient; this sums the two (stage 0's first) on both, so that both apply one update.
+  // Nothing to do for one stage or for a rank on another stage. `scratch`: f32 like `grad`.
+  void sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch);
   // Communicator and scratch bytes, for the memory plan ("" for one process).
   std::string describe() const;
   // Sums the gradients over the ranks (fixed order); after the backward of the last micro-batch.
@@ -92,8 +126,10 @@ class DataParallel {
   void disconnect();
 
   LaunchEnv env_;
+  int stages_ = 1, replicas_ = 1;
   MpiSession* session_ = nullptr;
-  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<MpiSession> dp_session_, pipe_session_;
+  std::unique_ptr<Communicator> comm_, dp_comm_, pipe_comm_;
   std::unique_ptr<GradReducer> reducer_;
 };
 

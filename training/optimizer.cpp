@@ -34,6 +34,12 @@ void check_same_bindings(const ModelWeights& a, const ModelWeights& b, const cha
 
 }  // namespace
 
+int StageTensors::owner(size_t tensor) const {
+  for (size_t s = 0; s < held.size(); ++s)
+    if (held[s][tensor]) return static_cast<int>(s);
+  IRIS_FAIL("no pipeline stage holds tensor ", tensor);
+}
+
 double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen) {
   double ss = 0.0;
   for (const WeightBinding& b : grads.bindings) {
@@ -64,7 +70,7 @@ Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
 
 AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
              const AdamWConfig& config, ModelWeights* working, Communicator* shard_over,
-             int64_t bucket_elements)
+             int64_t bucket_elements, const StageTensors* pipeline)
     : be_(backend), config_(config), master_(master), grads_(grads), working_(working) {
   IRIS_CHECK(
       config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
@@ -94,6 +100,38 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   if (shard_over != nullptr) {
     setup_shard(*shard_over, bucket_elements);
     mine = rows_[static_cast<size_t>(shard_over->rank())];
+  } else if (pipeline != nullptr) {
+    IRIS_CHECK(pipeline->held.size() == size_t(pipeline->stages->size()),
+               "AdamW: the pipeline lists ", pipeline->held.size(),
+               " stages but its communicator has ", pipeline->stages->size());
+    IRIS_CHECK(working == nullptr,
+               "AdamW: a pipeline stage's optimizer needs the master weights to be the weights the "
+               "model reads (the CPU backend)");
+    for (size_t i = 0; i < n; ++i) {
+      const Tensor t = master.bindings[i].tensor();
+      if (pipeline->held[size_t(pipeline->stages->rank())][i])
+        mine.push_back({static_cast<int64_t>(i), offset_in(master, t), t.numel()});
+    }
+    setup_pipeline(*pipeline);
+    // The moments span the stage's tensors only, from its first to its last in the flat layout
+    // (the buffers are viewed from there, as a shard is).
+    shard_begin_ = flat_master_.numel();
+    shard_end_ = 0;
+    for (const Row& row : mine) {
+      shard_begin_ = std::min(shard_begin_, row.flat_begin);
+      shard_end_ = std::max(shard_end_, row.flat_begin + row.length);
+    }
+    IRIS_CHECK(!mine.empty(), "AdamW: this pipeline stage holds no tensor");
+    flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
+    flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+    auto plan_state = [&](Arena& a) {
+      flat_m_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
+      flat_v_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
+    };
+    Arena planning;
+    plan_state(planning);
+    shard_state_ = Arena(be_, planning.used());
+    plan_state(shard_state_);
   } else {
     m_ = allocate_weights(backend, cfg, DType::f32);
     v_ = allocate_weights(backend, cfg, DType::f32);
@@ -143,6 +181,50 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
 
 AdamW::~AdamW() = default;
 
+void AdamW::setup_pipeline(const StageTensors& pipeline) {
+  const size_t n = master_.bindings.size();
+  norm_comm_ = pipeline.stages;
+  const int stages = norm_comm_->size();
+  owner_.resize(n);
+  held_.resize(n);
+  rows_.assign(static_cast<size_t>(stages), {});
+  for (int q = 0; q < stages; ++q) {
+    IRIS_CHECK(pipeline.held[size_t(q)].size() == n, "AdamW: stage ", q, " lists ",
+               pipeline.held[size_t(q)].size(), " tensors, the model has ", n);
+    for (size_t i = 0; i < n; ++i)
+      if (pipeline.held[size_t(q)][i]) rows_[size_t(q)].push_back({static_cast<int64_t>(i), 0, 0});
+  }
+  rows_max_ = 1;
+  for (const auto& r : rows_) rows_max_ = std::max<int64_t>(rows_max_, int64_t(r.size()));
+  norm_order_.assign(n, {});
+  for (size_t i = 0; i < n; ++i) {
+    owner_[i] = pipeline.owner(i);
+    held_[i] = pipeline.held[size_t(norm_comm_->rank())][i];
+    const auto& rows = rows_[size_t(owner_[i])];
+    for (size_t k = 0; k < rows.size(); ++k)
+      if (rows[k].tensor == static_cast<int64_t>(i))
+        norm_order_[i].push_back(owner_[i] * rows_max_ + static_cast<int64_t>(k));
+  }
+  auto plan_tables = [&](Arena& a) {
+    row_sums_ = a.alloc(DType::i64, {rows_max_});
+    all_row_sums_ = a.alloc(DType::i64, {stages * rows_max_});
+  };
+  Arena planning_tables;
+  plan_tables(planning_tables);
+  shard_tables_ = Arena(be_, planning_tables.used());
+  plan_tables(shard_tables_);
+  be_.fill_zero(row_sums_);
+  host_row_sums_.resize(static_cast<size_t>(stages * rows_max_));
+}
+
+bool AdamW::saves(size_t tensor) const {
+  return owner_.empty() || owner_[tensor] == norm_comm_->rank();
+}
+
+bool AdamW::loads(size_t tensor) const {
+  return held_.empty() || held_[tensor];
+}
+
 std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, int64_t n,
                                                        int world) {
   std::vector<std::vector<Row>> rows(static_cast<size_t>(world));
@@ -165,6 +247,7 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
   IRIS_CHECK(comm.device() == be_.device(), "AdamW: the communicator (", comm.name(),
              ") is not on the optimizer's device");
   comm_ = &comm;
+  norm_comm_ = &comm;
   const int64_t n = flat_master_.numel();
   const int world = comm.size();
   exchange_ =
@@ -208,7 +291,7 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
 }
 
 size_t AdamW::state_bytes() const {
-  if (comm_ != nullptr) return shard_state_.capacity();
+  if (m_ == nullptr) return shard_state_.capacity();
   return m_->arena.capacity() + v_->arena.capacity();
 }
 
@@ -217,12 +300,14 @@ size_t AdamW::exchange_bytes() const {
 }
 
 ModelWeights& AdamW::exp_avg() {
-  IRIS_CHECK(m_ != nullptr, "AdamW::exp_avg: the moments are sharded over the ranks");
+  IRIS_CHECK(m_ != nullptr,
+             "AdamW::exp_avg: the moments are sharded over the ranks or pipeline stages");
   return *m_;
 }
 
 ModelWeights& AdamW::exp_avg_sq() {
-  IRIS_CHECK(v_ != nullptr, "AdamW::exp_avg_sq: the moments are sharded over the ranks");
+  IRIS_CHECK(v_ != nullptr,
+             "AdamW::exp_avg_sq: the moments are sharded over the ranks or pipeline stages");
   return *v_;
 }
 
@@ -253,7 +338,7 @@ void AdamW::write_hyper(const FreezeSpec& frozen) {
 
 void AdamW::sharded_norm() {
   be_.grad_sum_squares(row_sums_.slice(0, spans_.rows()), flat_grads_, spans_, hyper_);
-  comm_->all_gather(all_row_sums_, row_sums_);
+  norm_comm_->all_gather(all_row_sums_, row_sums_);
   be_.read(host_row_sums_.data(), DType::i64, all_row_sums_);
   // grad_norm_clip's sum: tensor by tensor in order, a split tensor as its parts in rank order.
   double ss = 0.0;
@@ -281,6 +366,8 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   be_.write(lr_, &scheduled_lr, DType::f32);
   if (exchange_) {
     exchange_->reduce_scatter();
+    sharded_norm();
+  } else if (norm_comm_ != nullptr) {
     sharded_norm();
   } else {
     be_.grad_norm_clip(grad_stats_, flat_grads_, spans_, hyper_, config_.clip_grad_norm);
@@ -370,13 +457,19 @@ void AdamW::save(const std::string& path) const {
     v.resize(m.size());
     be_.read(m.data(), DType::f32, flat_m_);
     be_.read(v.data(), DType::f32, flat_v_);
-    be_.read(param_steps.data(), DType::i64, steps_dev_);
+    // One step count per table row: every tensor, or a pipeline stage's held ones.
+    std::vector<int64_t> row_steps(static_cast<size_t>(steps_dev_.numel()));
+    be_.read(row_steps.data(), DType::i64, steps_dev_);
+    for (size_t k = 0; k < my_rows_.size(); ++k)
+      param_steps[static_cast<size_t>(my_rows_[k].tensor)] = row_steps[k];
   }
   std::vector<SafetensorsWriteItem> items;
   items.reserve(3 * n);
   for (size_t i = 0; i < n; ++i) {
+    if (!saves(i)) continue;
     const WeightBinding& b = master_.bindings[i];
-    const int64_t off = offset_in(master_, b.tensor());
+    // The host copy starts at the stage's first element, or (sharded: gathered whole) at 0.
+    const int64_t off = offset_in(master_, b.tensor()) - (comm_ != nullptr ? 0 : shard_begin_);
     items.push_back({"exp_avg." + b.hf_name, DType::f32, b.hf_shape, m.data() + off});
     items.push_back({"exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape, v.data() + off});
     items.push_back({"step." + b.hf_name, DType::i64, {1}, &param_steps[i]});
@@ -391,7 +484,18 @@ void AdamW::save(const std::string& path) const {
 }
 
 void AdamW::load(const std::string& path) {
-  SafetensorsFile file(path);
+  load(std::vector<std::string>{path});
+}
+
+void AdamW::load(const std::vector<std::string>& paths) {
+  IRIS_CHECK(!paths.empty(), "AdamW::load: no state file given");
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  for (const std::string& p : paths) files.push_back(std::make_unique<SafetensorsFile>(p));
+  const std::string& path = paths[0];
+  const SafetensorsFile& file = *files[0];
+  for (size_t f = 1; f < files.size(); ++f)
+    IRIS_CHECK(files[f]->metadata() == file.metadata(), paths[f], " and ", path,
+               " are parts of different optimizer states (their metadata differ)");
   const auto& meta = file.metadata();
   const auto fmt = meta.find("format");
   IRIS_CHECK(fmt != meta.end() && fmt->second == "iris-adamw", path,
@@ -405,17 +509,24 @@ void AdamW::load(const std::string& path) {
     IRIS_FAIL(path, " has a malformed 'steps' metadata entry '", st->second, "'");
   }
   auto entry = [&](const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
-    IRIS_CHECK(file.contains(name), path, " lacks '", name,
-               "'; was it saved for a model with another config?");
-    const SafetensorsEntry& e = file.at(name);
-    IRIS_CHECK(e.dtype == dtype && e.shape == shape, path, ": '", name, "' is ",
+    size_t f = 0;
+    while (f < files.size() && !files[f]->contains(name)) ++f;
+    IRIS_CHECK(f<files.size(), path, files.size()> 1 ? " (and its other parts)" : "", " lacks '",
+               name, "'; was it saved for a model with another config?");
+    const SafetensorsEntry& e = files[f]->at(name);
+    IRIS_CHECK(e.dtype == dtype && e.shape == shape, paths[f], ": '", name, "' is ",
                dtype_name(e.dtype), " ", shape_text(e.shape), ", expected ", dtype_name(dtype), " ",
                shape_text(shape));
     return e.data;
   };
   // Check everything before touching the state, so a bad file leaves the optimizer as it was.
   std::vector<const void*> src;
-  for (const WeightBinding& b : master_.bindings) {
+  for (size_t i = 0; i < master_.bindings.size(); ++i) {
+    const WeightBinding& b = master_.bindings[i];
+    if (!loads(i)) {
+      src.insert(src.end(), 3, nullptr);
+      continue;
+    }
     src.push_back(entry("exp_avg." + b.hf_name, DType::f32, b.hf_shape));
     src.push_back(entry("exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape));
     src.push_back(entry("step." + b.hf_name, DType::i64, {1}));

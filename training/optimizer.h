@@ -31,6 +31,18 @@ struct AdamWConfig {
   float lr_scale(ModelPart part) const;
 };
 
+// Pipeline parallel: the tensors (by binding index) each stage of a pipeline computes gradients
+// for, and the stages' communicator (stage order). A stage updates only the tensors it holds; the
+// gradient norm is the global one, each tensor's sum of squares taken from the first stage that
+// holds it and the tensors added in binding order, as one process adds them (a tensor held by two
+// stages, the tied embedding, has the same summed gradient on both and counts once).
+struct StageTensors {
+  Communicator* stages = nullptr;
+  std::vector<std::vector<bool>> held;  // [stage][tensor]
+  // The stage that saves and counts tensor i: the first that holds it.
+  int owner(size_t tensor) const;
+};
+
 // L2 norm over the gradients of every parameter that is not frozen (summed in f64; CPU tensors).
 double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 
@@ -59,7 +71,8 @@ class AdamW {
   // its exchanges move at most bucket_elements elements at a time.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
-        Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25);
+        Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
+        const StageTensors* pipeline = nullptr);
   ~AdamW();
 
   // Clips the gradients to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale by
@@ -94,8 +107,12 @@ class AdamW {
   // checks that every tensor is present with the right shape. The file does not depend on the
   // backend: a state saved on one device loads on another. Sharded, save() runs on rank 0 after
   // every rank's gather_state(), and load() reads this rank's shard.
+  // Pipeline stages save the tensors they own (StageTensors::owner) and load the ones they hold,
+  // each found by name in whichever of `paths` has it, so a state written by one split loads
+  // under another.
   void save(const std::string& path) const;
   void load(const std::string& path);
+  void load(const std::vector<std::string>& paths);
   // Sharded: every rank's shard of the state to rank 0, for its save() (every rank calls it; the
   // host copy on rank 0 lasts until save()). Unsharded: nothing to do.
   void gather_state();
@@ -108,6 +125,10 @@ class AdamW {
   static std::vector<std::vector<Row>> shard_rows(const ModelWeights& w, int64_t n, int world);
   void setup_shard(Communicator& comm, int64_t bucket_elements);
   void sharded_norm();
+  void setup_pipeline(const StageTensors& pipeline);
+  // Whether this rank saves (and loads) tensor i.
+  bool saves(size_t tensor) const;
+  bool loads(size_t tensor) const;
   void write_hyper(const FreezeSpec& frozen);
   void read_norm_history();
   // Gradient norms of steps not yet read back, kept on the device; a full history is read
@@ -137,6 +158,11 @@ class AdamW {
   // Sharded state: this rank's shard [shard_begin_, shard_end_) of the flat buffers, which
   // flat_master_ and flat_grads_ view; full_* are the whole buffers the exchanges move.
   Communicator* comm_ = nullptr;
+  // The ranks the norm's sums of squares are gathered from: comm_ when sharded, the pipeline's
+  // stages when pipelined.
+  Communicator* norm_comm_ = nullptr;
+  std::vector<int> owner_;  // pipelined: each tensor's owning stage
+  std::vector<bool> held_;  // pipelined: whether this stage holds each tensor
   Tensor full_master_, full_grads_;
   // Per tensor, where its rows' sums of squares sit in all_row_sums_, in rank order.
   std::vector<std::vector<int64_t>> norm_order_;

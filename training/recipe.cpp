@@ -20,6 +20,7 @@
 #include "core/fs.h"
 #include "core/json_read.h"
 #include "training/lr_schedule.h"
+#include "training/pipeline_parallel.h"
 
 namespace iris {
 namespace {
@@ -191,7 +192,11 @@ std::vector<Field> fields(Recipe& r) {
       {"logging.plot", &l.plot,
        "SVG of loss and learning rate, relative to the run directory; empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
-      {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size, "pipeline stages"},
+      {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size,
+       "pipeline stages (processes = pipeline_parallel_size x data_parallel_size; CPU backend)"},
+      {"parallel.pipeline_layers", &p.pipeline_layers,
+       "decoder layers per pipeline stage, e.g. [10, 18]; empty: balanced by training FLOPs "
+       "(the vision encoder on stage 0, the lm_head on the last)"},
       {"parallel.data_parallel_size", &p.data_parallel_size,
        "data-parallel processes: the launcher's process count (mpirun -np N, srun) divided by "
        "pipeline_parallel_size"},
@@ -904,10 +909,19 @@ void validate(Recipe& r) {
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
              ": tensor parallelism is not supported yet (set it to 1 and use "
              "parallel.data_parallel_size with mpirun -np N)");
-  IRIS_CHECK(p.pipeline_parallel_size == 1,
-             "recipe: parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
-             ": pipeline parallelism is not supported yet (set it to 1 and use "
-             "parallel.data_parallel_size with mpirun -np N)");
+  IRIS_CHECK(p.pipeline_layers.empty() ||
+                 static_cast<int64_t>(p.pipeline_layers.size()) == p.pipeline_parallel_size,
+             "recipe: parallel.pipeline_layers lists ", p.pipeline_layers.size(),
+             " stages but parallel.pipeline_parallel_size is ", p.pipeline_parallel_size,
+             "; give one layer count per stage, or [] for an automatic split");
+  for (double n : p.pipeline_layers)
+    IRIS_CHECK(n >= 1 && n == std::floor(n) && n < 1e6,
+               "recipe: parallel.pipeline_layers entries are layer counts, positive integers; got ",
+               n);
+  IRIS_CHECK(p.pipeline_parallel_size == 1 || !r.optimizer.distributed,
+             "recipe: optimizer.distributed (the sharded optimizer) does not combine with "
+             "parallel.pipeline_parallel_size=",
+             p.pipeline_parallel_size, " yet; set optimizer.distributed=false");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;
@@ -1050,6 +1064,13 @@ void validate(Recipe& r) {
     IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",
                t.seq_length, " exceeds the model's max_position_embeddings ",
                mc.text.max_position_embeddings);
+    // The split against the model's layers, before any process is launched for it.
+    try {
+      pipeline_split(mc, static_cast<int>(std::min<int64_t>(p.pipeline_parallel_size, 1 << 20)),
+                     r.parallel.pipeline_layers, {});
+    } catch (const Error& e) {
+      IRIS_FAIL("recipe: ", e.what());
+    }
     GraphModelTraits traits;
     traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
     traits.spatial_merge_size = mc.vision.spatial_merge_size;

@@ -108,6 +108,11 @@ struct LoggingRecipe {
 struct ParallelRecipe {
   int64_t tensor_parallel_size = 1;
   int64_t pipeline_parallel_size = 1;
+  // Decoder layers per pipeline stage, in stage order (they sum to the model's layers); empty:
+  // split automatically, balancing the training FLOPs of a full micro-batch with the vision
+  // encoder counted on stage 0 and the lm_head on the last stage. Numbers, for the recipe's
+  // list type; each must be a positive integer.
+  std::vector<double> pipeline_layers;
   // Processes that each train on their share of every global batch; must equal the launcher's
   // process count (mpirun -np N, srun) divided by pipeline_parallel_size.
   int64_t data_parallel_size = 1;

@@ -43,6 +43,19 @@ ModelPart model_part(const std::string& name) {
             "model.language_model.* or lm_head.*)");
 }
 
+bool stage_holds(const PipelineStage& st, bool tied_embeddings, const std::string& name) {
+  if (model_part(name) != ModelPart::language_model) return st.has_vision;
+  static const std::string kLayers = "model.language_model.layers.";
+  if (starts_with(name, kLayers.c_str())) {
+    const int l = std::stoi(name.substr(kLayers.size()));
+    return l >= st.first_layer && l < st.end_layer;
+  }
+  if (starts_with(name, "model.language_model.embed_tokens."))
+    return st.has_embed() || (st.has_head && tied_embeddings);
+  // The final norm and lm_head.
+  return st.has_head;
+}
+
 bool FreezeSpec::frozen(const std::string& name) const {
   switch (model_part(name)) {
     case ModelPart::vision_tower:
@@ -56,7 +69,7 @@ bool FreezeSpec::frozen(const std::string& name) const {
 }
 
 TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
-                                   const TrainLimits& limits)
+                                   const TrainLimits& limits, ModelWeights* shared_grads)
     : be_(backend), cfg_(cfg), params_(params), limits_(limits) {
   IRIS_CHECK(params.text.embed.defined() && params.text.embed.dtype == backend.compute_dtype() &&
                  params.text.embed.device == backend.device(),
@@ -93,7 +106,24 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
              "vision buckets need text buckets: the padded vision rows land in the text's padding");
   if (!limits_.text_buckets.empty() && limits_.vision_buckets.empty() && limits.max_patches > 0)
     limits_.vision_buckets = {limits.max_patches};
-  grads_ = allocate_weights(backend, cfg, DType::f32);
+  PipelineStage& st = limits_.stage;
+  if (st.count == 1) {
+    st = PipelineStage{};
+    st.end_layer = t.num_hidden_layers;
+  }
+  validate_stage(cfg, st);
+  IRIS_CHECK(st.has_vision == st.has_embed(), "pipeline ", st.describe(),
+             ": the vision encoder belongs to stage 0, whose embedding its features join");
+  if (shared_grads != nullptr) {
+    IRIS_CHECK(shared_grads->bindings.size() == params.bindings.size() &&
+                   shared_grads->text.embed.dtype == DType::f32 &&
+                   shared_grads->text.embed.device == backend.device(),
+               "shared gradients must be f32 weights of the same config on the same backend");
+    grads_ = shared_grads;
+  } else {
+    own_grads_ = allocate_weights(backend, cfg, DType::f32);
+    grads_ = own_grads_.get();
+  }
   v_inv_freq_ = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
   Arena plan;
   allocate(plan);
@@ -113,15 +143,19 @@ void TrainableQwen3VL::allocate(Arena& a) {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
   const DType F = DType::f32, I32 = DType::i32, A = be_.compute_dtype();
+  const PipelineStage& st = limits_.stage;
   const int64_t L = limits_.max_seq_len, H = t.hidden_size;
-  const int64_t S = limits_.max_patches, Sm = S / v.merge_unit(), D = v.hidden_size,
-                M = v.merged_dim(), Iv = v.intermediate_size, nh = v.num_heads;
+  // A stage without the encoder plans no vision rows; the merged-row count still sizes the
+  // DeepStack features it receives and the image-pad row table every stage derives.
+  const int64_t Sm_all = limits_.max_patches / v.merge_unit();
+  const int64_t S = st.has_vision ? limits_.max_patches : 0, Sm = S / v.merge_unit(),
+                D = v.hidden_size, M = v.merged_dim(), Iv = v.intermediate_size, nh = v.num_heads;
   const int64_t out = v.out_hidden_size;
 
   // Text tensors that scatters and gathers address get one more row: a padded micro-batch's sink.
   const int64_t Ls = L + 1;
   ids_ = a.alloc(I32, {L});
-  pad_rows_ = a.alloc(I32, {std::max(L, Sm)});
+  pad_rows_ = a.alloc(I32, {std::max(L, Sm_all)});
   label_rows_ = a.alloc(I32, {L});
   targets_ = a.alloc(I32, {L});
   cos_ = a.alloc(F, {L, t.head_dim});
@@ -187,16 +221,23 @@ void TrainableQwen3VL::allocate(Arena& a) {
     m.out = a.alloc(A, {Sm, out});
   };
   merger(merger_, S);
+  // Stage 0 runs every DeepStack merger; a later stage keeps only the features that cross it
+  // (those injected at its layers or after), as they arrive.
   ds_.assign(v.deepstack_visual_indexes.size(), {});
-  for (auto& m : ds_) merger(m, Sm);
+  for (size_t k = 0; k < ds_.size(); ++k) {
+    if (st.has_vision)
+      merger(ds_[k], Sm);
+    else if (static_cast<int>(k) >= st.first_layer)
+      ds_[k].out = a.alloc(A, {Sm_all, out});
+  }
 
-  tx_.clear();
-  for (int l = 0; l <= t.num_hidden_layers; ++l) tx_.push_back(a.alloc(A, {Ls, H}));
+  tx_.assign(static_cast<size_t>(t.num_hidden_layers) + 1, Tensor());
+  for (int l = st.first_layer; l <= st.end_layer; ++l) tx_[l] = a.alloc(A, {Ls, H});
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
   const bool t_keep_all = rc == Recompute::none, t_keep_layer = rc != Recompute::full;
   DecoderLayerBuffers ts;
-  for (size_t l = 0; l < tl_.size(); ++l) {
+  for (auto l = static_cast<size_t>(st.first_layer); l < static_cast<size_t>(st.end_layer); ++l) {
     DecoderLayerBuffers& x = tl_[l];
     x.x_in = tx_[l];
     x.x_out = tx_[l + 1];
@@ -215,13 +256,15 @@ void TrainableQwen3VL::allocate(Arena& a) {
   }
   t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
   activation_bytes_ = a.used() - activations_start;
-  final_ = a.alloc(A, {Ls, H});
-  final_rstd_ = a.alloc(F, {L});
-  xlab_ = a.alloc(A, {L, H});
-  dxlab_ = a.alloc(A, {L, H});
-  loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
-  const size_t ws = be_.lm_head_loss_workspace_bytes(loss_chunk_, H, t.vocab_size);
-  loss_workspace_ = a.alloc(F, {static_cast<int64_t>((ws + sizeof(float) - 1) / sizeof(float))});
+  if (st.has_head) {
+    final_ = a.alloc(A, {Ls, H});
+    final_rstd_ = a.alloc(F, {L});
+    xlab_ = a.alloc(A, {L, H});
+    dxlab_ = a.alloc(A, {L, H});
+    loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
+    const size_t ws = be_.lm_head_loss_workspace_bytes(loss_chunk_, H, t.vocab_size);
+    loss_workspace_ = a.alloc(F, {static_cast<int64_t>((ws + sizeof(float) - 1) / sizeof(float))});
+  }
 
   // Where the compute dtype is f32 the GEMMs read the f32 residual gradient itself.
   const bool f32_compute = A == F;
@@ -230,7 +273,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   // The input-side gradients that feed the norms' backwards stay f32: one bf16 rounding fewer on
   // the residual path (the CUDA golden gradients gained from it).
   t_dtmp_ = a.alloc(F, {Ls, H});
-  t_dloss_ = f32_compute ? t_dtmp_ : a.alloc(A, {Ls, H});
+  t_dloss_ = f32_compute || !st.has_head ? t_dtmp_ : a.alloc(A, {Ls, H});
   t_dattn_ = a.alloc(A, {L, t.q_width()});
   t_dqkv_ = a.alloc(A, {L, t.qkv_width()});
   t_dgu_ = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
@@ -246,9 +289,10 @@ void TrainableQwen3VL::allocate(Arena& a) {
   m_da_ = a.alloc(A, {Sm, M});
   m_dln_ = a.alloc(F, {Sm, M});
   d_embeds_ = a.alloc(A, {Sm, out});
-  d_ds_.clear();
-  for (size_t k = 0; k < v.deepstack_visual_indexes.size(); ++k)
-    d_ds_.push_back(a.alloc(A, {Sm, out}));
+  d_ds_.assign(v.deepstack_visual_indexes.size(), Tensor());
+  for (size_t k = 0; k < d_ds_.size(); ++k)
+    if (st.has_vision || static_cast<int>(k) >= st.first_layer)
+      d_ds_[k] = a.alloc(A, {Sm_all, out});
 }
 
 size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
@@ -532,7 +576,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
         compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
     mrope_tables(t, rope.positions.data(), n, h_cos_.data() + row * hd, h_sin_.data() + row * hd);
     const int64_t patches = count_patches(s->grids);
-    if (patches > 0)
+    if (patches > 0 && limits_.stage.has_vision)
       be_.write(pixels_.slice(patch_row, patch_row + patches), s->pixel_values.data(), DType::f32);
     patch_row += patches;
     grids.insert(grids.end(), s->grids.begin(), s->grids.end());
@@ -571,7 +615,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     be_.write(label_rows_.slice(0, n_label_), h_label_rows_.data(), DType::i32);
     be_.write(targets_.slice(0, n_label_), h_targets_.data(), DType::i32);
   }
-  if (S > 0) {
+  if (S > 0 && limits_.stage.has_vision) {
     // Padded: the padding rows form the last segment, and the segment count is the capacity
     // (zero-length segments at the tail), so that it is the same for every micro-batch. Only
     // the grids go up; vision_forward computes the tables from them.
@@ -586,6 +630,9 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
 
 void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool backward,
                            float grad_scale, const Tensor& loss_out) {
+  IRIS_CHECK(limits_.stage.count == 1, "pipeline ", limits_.stage.describe(),
+             " holds part of the model: run it with stage_prepare, stage_forward and "
+             "stage_backward, its neighbours' tensors handed over between them");
   prepare(batch);
   be_.write(grad_scale_, &grad_scale, DType::f32);
   run_prepared(backward, loss_out);
@@ -617,25 +664,140 @@ void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
 
 void TrainableQwen3VL::micro_batch(bool backward, bool vision_grads, const Tensor& loss_out,
                                    bool layer_graphs) {
-  // Inside a full_iteration capture this runs as one body; otherwise the vision encoder and the
-  // decoder layers may replay graphs of their own.
+  forward_part(backward, loss_out, layer_graphs);
+  if (backward) backward_part(vision_grads, layer_graphs);
+}
+
+void TrainableQwen3VL::forward_part(bool backward, const Tensor& loss_out, bool layer_graphs) {
+  // Inside a full_iteration capture the vision encoder runs in the enclosing body; otherwise it
+  // may replay graphs of its own.
   const bool vision_graphs = graph_api_ != nullptr && padded_ && graphs_.vision &&
                              graphs_.decoder != GraphImpl::full_iteration;
   const bool whole_encoder = vision_graphs && graphs_.vision_modules.empty();
   const bool vision_modules = vision_graphs && !graphs_.vision_modules.empty();
   const std::string vkey =
       str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
-  if (S_ > 0)
+  if (S_ > 0 && limits_.stage.has_vision)
     maybe_graphed(whole_encoder, str_cat("vision fwd ", vkey),
                   [this, vision_modules] { vision_forward(vision_modules); });
   text_forward(layer_graphs);
-  loss(backward, loss_out);
-  if (backward) {
-    text_backward(layer_graphs);
-    if (vision_grads)
-      maybe_graphed(whole_encoder, str_cat("vision bwd ", vkey),
-                    [this, vision_modules] { vision_backward(vision_modules); });
+  if (limits_.stage.has_head) loss(backward, loss_out);
+}
+
+void TrainableQwen3VL::backward_part(bool vision_grads, bool layer_graphs) {
+  const bool vision_graphs = graph_api_ != nullptr && padded_ && graphs_.vision &&
+                             graphs_.decoder != GraphImpl::full_iteration;
+  const bool whole_encoder = vision_graphs && graphs_.vision_modules.empty();
+  const bool vision_modules = vision_graphs && !graphs_.vision_modules.empty();
+  const std::string vkey =
+      str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
+  text_backward(layer_graphs);
+  if (vision_grads && limits_.stage.has_vision)
+    maybe_graphed(whole_encoder, str_cat("vision bwd ", vkey),
+                  [this, vision_modules] { vision_backward(vision_modules); });
+}
+
+int64_t TrainableQwen3VL::stage_prepare(const std::vector<const TrainSample*>& batch,
+                                        float grad_scale, bool forward_only) {
+  prepare(batch);
+  const bool lm = !frozen_.language_model;
+  stage_forward_only_ = forward_only;
+  stage_vision_grads_ = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
+  stage_backward_ = !forward_only && n_label_real_ > 0 && (lm || stage_vision_grads_);
+  be_.write(grad_scale_, &grad_scale, DType::f32);
+  return n_label_real_;
+}
+
+namespace {
+bool graphs_full_iteration(const TrainGraphs& g) {
+  return g.decoder == GraphImpl::full_iteration;
+}
+}  // namespace
+
+double TrainableQwen3VL::take_forward_loss_sum() {
+  float total = 0.0f;
+  be_.read(&total, DType::f32, loss_sum_);
+  be_.fill_zero(loss_sum_);
+  return total;
+}
+
+void TrainableQwen3VL::stage_forward() {
+  // Evaluation runs eagerly, as the whole model's forward() does.
+  const bool graphs = graph_api_ != nullptr && padded_ && !stage_forward_only_;
+  if (stage_forward_only_) {
+    forward_part(false, loss_sum_, false);
+    return;
   }
+  if (graphs && graphs_full_iteration(graphs_)) {
+    // The exchange with the neighbouring stages splits the micro-batch: its forward and its
+    // backward are a graph each.
+    graphed(
+        str_cat("stage fwd", stage_backward_ ? "+loss grad " : " ", "L", L_, " S", S_, " frozen ",
+                int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
+        [this] { forward_part(stage_backward_, loss_total_, false); });
+    return;
+  }
+  forward_part(stage_backward_, loss_total_, graphs && graphs_.decoder == GraphImpl::local);
+}
+
+void TrainableQwen3VL::stage_backward() {
+  IRIS_CHECK(stage_backward_, "stage_backward: this micro-batch has no backward");
+  const bool graphs = graph_api_ != nullptr && padded_;
+  if (graphs && graphs_full_iteration(graphs_)) {
+    graphed(str_cat("stage bwd L", L_, " S", S_, " frozen ", int(frozen_.vision_tower),
+                    int(frozen_.merger), int(frozen_.language_model)),
+            [this] { backward_part(stage_vision_grads_, false); });
+    return;
+  }
+  backward_part(stage_vision_grads_, graphs && graphs_.decoder == GraphImpl::local);
+}
+
+std::vector<Tensor> TrainableQwen3VL::forward_inputs() const {
+  const PipelineStage& st = limits_.stage;
+  std::vector<Tensor> out;
+  if (st.has_embed()) return out;
+  out.push_back(tx_[st.first_layer].slice(0, L_ + sink_rows()));
+  if (n_pad_ > 0)
+    for (int k = st.first_layer; k < deepstack_count(); ++k)
+      out.push_back(ds_[k].out.slice(0, n_pad_));
+  return out;
+}
+
+std::vector<Tensor> TrainableQwen3VL::forward_outputs() const {
+  const PipelineStage& st = limits_.stage;
+  std::vector<Tensor> out;
+  if (st.has_head) return out;
+  out.push_back(tx_[st.end_layer].slice(0, L_ + sink_rows()));
+  if (n_pad_ > 0)
+    for (int k = st.end_layer; k < deepstack_count(); ++k)
+      out.push_back(ds_[k].out.slice(0, n_pad_));
+  return out;
+}
+
+std::vector<Tensor> TrainableQwen3VL::backward_inputs() const {
+  const PipelineStage& st = limits_.stage;
+  std::vector<Tensor> out;
+  if (st.has_head) return out;
+  // The f32 residual gradient: what a single model hands from layer to layer.
+  out.push_back(t_dres_.slice(0, L_ + sink_rows()));
+  if (n_pad_ > 0)
+    for (int k = st.end_layer; k < deepstack_count(); ++k) out.push_back(d_ds_[k].slice(0, n_pad_));
+  return out;
+}
+
+std::vector<Tensor> TrainableQwen3VL::backward_outputs() const {
+  const PipelineStage& st = limits_.stage;
+  std::vector<Tensor> out;
+  if (st.has_embed()) return out;
+  out.push_back(t_dres_.slice(0, L_ + sink_rows()));
+  if (n_pad_ > 0)
+    for (int k = st.first_layer; k < deepstack_count(); ++k)
+      out.push_back(d_ds_[k].slice(0, n_pad_));
+  return out;
+}
+
+bool TrainableQwen3VL::holds(const std::string& name) const {
+  return stage_holds(limits_.stage, cfg_.tie_word_embeddings, name);
 }
 
 void TrainableQwen3VL::graphed(const std::string& key, const std::function<void()>& body) {
@@ -882,15 +1044,19 @@ void TrainableQwen3VL::text_forward(bool layer_graphs) {
   const Tensor pads = pad_rows_.slice(0, n_pad_);
   const DecoderAttention at = text_attention();
 
-  be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
-  if (n_pad_ > 0) be_.scatter_rows(tx_[0].slice(0, Ls), merger_.out.slice(0, n_pad_), pads, false);
+  const PipelineStage& st = limits_.stage;
+  if (st.has_embed()) {
+    be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
+    if (n_pad_ > 0)
+      be_.scatter_rows(tx_[0].slice(0, Ls), merger_.out.slice(0, n_pad_), pads, false);
+  }
   // Whole layers, or the halves TrainGraphs::decoder_modules names (the rest eagerly).
   const auto& modules = graphs_.decoder_modules;
   const bool whole = layer_graphs && modules.empty();
   const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
   const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
   const std::string shape = str_cat(" L", L, " pads ", n_pad_);
-  for (int l = 0; l < t.num_hidden_layers; ++l) {
+  for (int l = st.first_layer; l < st.end_layer; ++l) {
     const DecoderLayerBuffers b = text_layer(l);
     auto attention = [this, &t, &w, l, b, at] {
       decoder_attention_forward(be_, t, w.layers[l], b, at);
@@ -912,8 +1078,9 @@ void TrainableQwen3VL::text_forward(bool layer_graphs) {
     maybe_graphed(attn_graphs, str_cat("layer ", l, " attn fwd", shape), attention);
     maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp fwd", shape), mlp);
   }
-  be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
-                     tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
+  if (st.has_head)
+    be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
+                       tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
 }
 
 void TrainableQwen3VL::loss(bool backward, const Tensor& loss_out) {
@@ -952,12 +1119,17 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
   const Tensor pads = pad_rows_.slice(0, n_pad_);
   const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
   // With the sink row, which padding's gathers read as zero.
-  const Tensor dres_sink = t_dres_.slice(0, Ls), dloss_sink = t_dloss_.slice(0, Ls);
-  be_.fill_zero(dres_sink);
-  be_.fill_zero(dloss_sink);
-  be_.scatter_rows(dloss_sink, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
-  be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), t_dloss_.slice(0, L),
-                        tx_[t.num_hidden_layers].slice(0, L), final_rstd_.slice(0, L), w.norm_w);
+  const Tensor dres_sink = t_dres_.slice(0, Ls);
+  const PipelineStage& st = limits_.stage;
+  // A stage before the last starts from the gradient the next stage sent into dres.
+  if (st.has_head) {
+    const Tensor dloss_sink = t_dloss_.slice(0, Ls);
+    be_.fill_zero(dres_sink);
+    be_.fill_zero(dloss_sink);
+    be_.scatter_rows(dloss_sink, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
+    be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), t_dloss_.slice(0, L),
+                          tx_[t.num_hidden_layers].slice(0, L), final_rstd_.slice(0, L), w.norm_w);
+  }
   const DecoderAttention at = text_attention();
   const DecoderGradScratch scratch{dres,
                                    dres_c,
@@ -972,7 +1144,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
   const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
   const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
   const std::string shape = str_cat(" L", L, " pads ", n_pad_, " lm ", int(lm));
-  for (int l = t.num_hidden_layers - 1; l >= 0; --l) {
+  for (int l = st.end_layer - 1; l >= st.first_layer; --l) {
     const DecoderLayerBuffers b = text_layer(l);
     DecoderLayerWeights* gl = lm ? &g.layers[l] : nullptr;
     // The DeepStack gradient and the recomputation run with the MLP half, the first to need
@@ -1003,6 +1175,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.
+  if (!st.has_embed()) return;
   if (lm) be_.embedding_backward(g.embed, dres, ids_.slice(0, L), cfg_.image_token_id);
   if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres_sink, pads);
 }

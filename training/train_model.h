@@ -22,6 +22,7 @@
 
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
+#include "bridge/pipeline_stage.h"
 #include "core/arena.h"
 #include "core/backend.h"
 #include "core/graph_capture.h"
@@ -58,6 +59,11 @@ enum class ModelPart { vision_tower, merger, language_model };
 // The part the HF tensor `hf_name` belongs to (unknown names are an error).
 ModelPart model_part(const std::string& hf_name);
 
+// Whether pipeline stage `stage` computes (and so updates) the HF tensor `hf_name`: its decoder
+// layers, the vision encoder, mergers and embedding on stage 0, the final norm and lm_head on the
+// last stage, and with tied embeddings the embedding on the last stage too (as its lm_head).
+bool stage_holds(const PipelineStage& stage, bool tied_embeddings, const std::string& hf_name);
+
 struct FreezeSpec {
   bool vision_tower = false;
   bool merger = false;
@@ -91,6 +97,11 @@ struct TrainLimits {
   // largest bucket runs unpadded (and eagerly).
   std::vector<int64_t> text_buckets;
   std::vector<int64_t> vision_buckets;
+  // The pipeline stage this model is (bridge/pipeline_stage.h): it plans activations for, and
+  // runs, only its decoder layers, plus the vision encoder, its mergers and the embedding on
+  // stage 0 and the final norm, lm_head and loss on the last stage. count 1: the whole model
+  // (the layer range is filled in).
+  PipelineStage stage;
 };
 
 // Which parts of queue_forward_backward replay captured graphs (core/graph_capture.h). Graphs run
@@ -120,8 +131,12 @@ class TrainableQwen3VL {
  public:
   // params: the weights the forward reads, in the backend's compute dtype (allocate_weights /
   // load_weights on `backend`); kept by reference (the optimizer rewrites them in place).
+  // shared_grads: accumulate into these gradients (another model of the same stage and
+  // parameters) rather than into gradients of its own. A pipeline stage keeps one model per
+  // micro-batch in flight, each with its own activations; their backwards run in micro-batch
+  // order into one buffer, which is the order a single model sums them in.
   TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
-                   const TrainLimits& limits);
+                   const TrainLimits& limits, ModelWeights* shared_grads = nullptr);
 
   // Loss of a micro-batch (samples packed as described above).
   LossStats forward(const std::vector<const TrainSample*>& micro_batch);
@@ -146,6 +161,31 @@ class TrainableQwen3VL {
   LossStats forward_backward(const TrainSample& s, float grad_scale) {
     return forward_backward({&s}, grad_scale);
   }
+
+  // ---- Pipeline stages (TrainLimits::stage) ----
+  // queue_forward_backward in halves, so that the activations and their gradients can cross
+  // between stages. Per micro-batch: stage_prepare (every stage derives the metadata, M-RoPE
+  // tables and labels from the samples itself), then fill forward_inputs() with what the
+  // previous stage sent, stage_forward (the loss goes to the queued total on the last stage),
+  // send forward_outputs(); when stage_backward_needed(), fill backward_inputs() with what the
+  // next stage sent, stage_backward, send backward_outputs(). The lists are in one order on
+  // both sides of a boundary (the hidden state with its padding sink row, then the DeepStack
+  // features a later layer injects, by layer); a list may be empty. Returns the labelled tokens.
+  // forward_only (evaluation): no backward, and the loss goes to a total of its own, which
+  // take_forward_loss_sum reads, rather than the training total.
+  int64_t stage_prepare(const std::vector<const TrainSample*>& micro_batch, float grad_scale,
+                        bool forward_only = false);
+  double take_forward_loss_sum();
+  void stage_forward();
+  bool stage_backward_needed() const { return stage_backward_; }
+  void stage_backward();
+  std::vector<Tensor> forward_inputs() const;
+  std::vector<Tensor> forward_outputs() const;
+  std::vector<Tensor> backward_inputs() const;
+  std::vector<Tensor> backward_outputs() const;
+  const PipelineStage& stage() const { return limits_.stage; }
+  // Whether this stage computes the HF tensor `hf_name` (the tied embedding: stage 0 and the last).
+  bool holds(const std::string& hf_name) const;
 
   // Captures and replays graphs in queue_forward_backward from now on (a model planned with text
   // buckets only). `api` must outlive the graphs: delete_graphs() before it goes.
@@ -208,6 +248,10 @@ class TrainableQwen3VL {
   // graphed(key, body) when `as_graph`, else body() (eagerly, or inside an enclosing capture).
   void maybe_graphed(bool as_graph, const std::string& key, const std::function<void()>& body);
   void micro_batch(bool backward, bool vision_grads, const Tensor& loss_out, bool layer_graphs);
+  void forward_part(bool backward, const Tensor& loss_out, bool layer_graphs);
+  void backward_part(bool vision_grads, bool layer_graphs);
+  // The DeepStack features (by injection layer) that cross this stage's input or output boundary.
+  int deepstack_count() const { return static_cast<int>(ds_.size()); }
   // The rows past a padded micro-batch's tokens that scatters and gathers of padding use: one
   // row after the bucket, never read by a layer.
   int64_t sink_rows() const { return padded_ ? 1 : 0; }
@@ -230,8 +274,14 @@ class TrainableQwen3VL {
   Backend& be_;
   ModelConfig cfg_;
   ModelWeights& params_;
-  std::unique_ptr<ModelWeights> grads_;
+  std::unique_ptr<ModelWeights> own_grads_;
+  ModelWeights* grads_ = nullptr;
   TrainLimits limits_;
+  // Stage mode: whether the current micro-batch's backward runs (the same on every stage: it
+  // follows from the samples and the frozen parts).
+  bool stage_backward_ = false;
+  bool stage_vision_grads_ = false;
+  bool stage_forward_only_ = false;
   FreezeSpec frozen_;
   Arena arena_;
   size_t activation_bytes_ = 0;

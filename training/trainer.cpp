@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
+#include <tuple>
 
 #include <omp.h>
 
@@ -26,6 +28,7 @@
 #include "training/lr_schedule.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
+#include "training/pipeline_parallel.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -36,6 +39,31 @@ using nlohmann::json;
 
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
+
+// A pipeline stage's part of a checkpoint, named as Hugging Face names the shards of a model.
+std::string stage_file(const char* stem, int stage, int stages) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "%s-%05d-of-%05d.safetensors", stem, stage + 1, stages);
+  return name;
+}
+
+// The optimizer state of a checkpoint: one file, or one per pipeline stage that wrote it; the
+// tensors are found by name in whichever holds them, so any split resumes any other.
+std::vector<std::string> optimizer_files(const std::string& dir) {
+  const fs::path whole = fs::path(dir) / kOptimizerFile;
+  if (fs::exists(whole)) return {whole.string()};
+  std::vector<std::string> parts;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("optimizer-", 0) == 0 && name.find("-of-") != std::string::npos &&
+        name.size() > 12 && name.substr(name.size() - 12) == ".safetensors")
+      parts.push_back(e.path().string());
+  }
+  IRIS_CHECK(!parts.empty(), dir, " holds neither ", kOptimizerFile,
+             " nor the optimizer-NNNNN-of-NNNNN.safetensors parts of a pipelined run");
+  std::sort(parts.begin(), parts.end());
+  return parts;
+}
 
 // A config.json as HF loads it: model types and architectures filled in when a hand-written
 // (inline) config leaves them out.
@@ -378,6 +406,23 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                "train.max_vision_patches");
     limits.vision_buckets = vg.buckets;
   }
+  // Pipeline stages: this rank plans and runs its stage's share of the model only.
+  const bool pipelined = dp.stages() > 1;
+  std::vector<PipelineStage> stages;
+  if (pipelined) {
+    const TrainedParts trained{!r.train.freeze_vision_tower, !r.train.freeze_merger,
+                               !r.train.freeze_language_model};
+    const int64_t T = limits.max_seq_len;
+    std::vector<GridTHW> image;
+    if (limits.max_patches > 0) image.push_back({1, 1, limits.max_patches});
+    const double text = training_flops(cfg, {T, 0, {}}, trained);
+    PipelineCosts costs;
+    costs.layer = text / cfg.text.num_hidden_layers;
+    costs.first = training_flops(cfg, {T, 0, image}, trained) - text;
+    costs.last = training_flops(cfg, {T, T, {}}, trained) - text;
+    stages = pipeline_split(cfg, dp.stages(), r.parallel.pipeline_layers, costs);
+    limits.stage = stages[static_cast<size_t>(dp.stage())];
+  }
   int64_t n_params = 0;
   for (const WeightBinding& b : params->bindings) {
     int64_t n = 1;
@@ -425,8 +470,19 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
         n_params * int64_t(sizeof(float)) <= kReplicaGradientBudget && dp.world() == 1 && !graphs_on
             ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
             : 1;
-    for (int k = 0; k < n_replicas; ++k)
+    if (pipelined) {
+      // A stage keeps the activations of every micro-batch 1F1B has in flight on it, in models
+      // of their own over one gradient buffer.
+      const int slots =
+          pipeline_slots(dp.stage(), dp.stages(), static_cast<int>(n_micro / dp.replicas()));
       replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
+      for (int k = 1; k < slots; ++k)
+        replicas.push_back(
+            std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits, &replicas[0]->grads()));
+    } else {
+      for (int k = 0; k < n_replicas; ++k)
+        replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
+    }
   }
   for (auto& m : replicas)
     m->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
@@ -442,18 +498,25 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     tg.vision_modules = r.cuda_graph.vision.modules;
     tg.warmup_runs = r.cuda_graph.language.warmup_steps;
     tg.overflow_is_error = r.cuda_graph.vision.overflow == VisionGraphOverflow::error;
-    // This rank's micro-batches of a step (data_parallel.h: micro-batch i is rank i % world's).
-    tg.step_micro_batches = static_cast<int>(
-        (r.train.global_batch_size / micro + dp.world() - 1 - dp.rank()) / dp.world());
-    replicas[0]->use_graphs(*graph_api, tg);
+    // This replica's micro-batches of a step (data_parallel.h: micro-batch i is replica
+    // i % replicas'), which a full_iteration step graph plans input slots for; a pipeline stage
+    // exchanges with its neighbours between micro-batches, so its graphs stop there.
+    tg.step_micro_batches = pipelined ? 0
+                                      : static_cast<int>((r.train.global_batch_size / micro +
+                                                          dp.replicas() - 1 - dp.replica()) /
+                                                         dp.replicas());
+    // Graph replicas are pipeline slots (one thread runs them in turn); CPU micro-batch threads
+    // keep graphs off.
+    for (auto& m : replicas) m->use_graphs(*graph_api, tg);
   }
   // The graphs go before the API that destroys them, on every way out of this function.
   struct GraphsFirst {
-    TrainableQwen3VL* model;
+    std::vector<std::unique_ptr<TrainableQwen3VL>>* models;
     ~GraphsFirst() {
-      if (model != nullptr) model->delete_graphs();
+      if (models != nullptr)
+        for (auto& m : *models) m->delete_graphs();
     }
-  } graphs_first{graphs_on ? replicas[0].get() : nullptr};
+  } graphs_first{graphs_on ? &replicas : nullptr};
   TrainableQwen3VL& model = *replicas[0];
   Backend& be = model.backend();
   // A step's writes (its micro-batches' inputs and the optimizer's few values) stage at once, so
@@ -468,12 +531,59 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
              "optimizer.distributed shards the optimizer on the CPU backend only for now; set "
              "optimizer.distributed=false to train on GPUs with ",
              dp.world(), " data-parallel ranks (or train.device=cpu)");
+  // A stage's data-parallel group sums only the gradients the stage computes (the rest are zero):
+  // runs of its tensors in the flat gradients, alignment gaps between them included, so that the
+  // group makes few exchanges.
+  std::vector<std::pair<int64_t, int64_t>> reduce_ranges;
+  if (pipelined) {
+    const ModelWeights& g = model.grads();
+    std::vector<std::tuple<int64_t, int64_t, bool>> tensors;  // begin, end, held
+    for (const WeightBinding& b : g.bindings) {
+      const Tensor t = b.tensor();
+      const auto begin = static_cast<int64_t>(
+          (static_cast<const char*>(t.data) - static_cast<const char*>(g.arena.base())) /
+          sizeof(float));
+      tensors.emplace_back(begin, begin + t.numel(), model.holds(b.hf_name));
+    }
+    std::sort(tensors.begin(), tensors.end());
+    bool extend = false;
+    for (const auto& [begin, end, held] : tensors) {
+      if (held && extend)
+        reduce_ranges.back().second = std::max(reduce_ranges.back().second, end);
+      else if (held)
+        reduce_ranges.push_back({begin, end});
+      extend = held;
+    }
+  }
   ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
   const DataParallel::Link dp_link =
-      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded);
+      dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded, reduce_ranges);
+  // A pipeline stage updates the tensors it computes, and the gradient norm is the pipeline's.
+  StageTensors stage_tensors;
+  if (pipelined) {
+    stage_tensors.stages = dp.pipeline_communicator();
+    for (const PipelineStage& st : stages) {
+      stage_tensors.held.emplace_back();
+      for (const WeightBinding& b : params->bindings)
+        stage_tensors.held.back().push_back(stage_holds(st, cfg.tie_word_embeddings, b.hf_name));
+    }
+  }
   AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get(),
-            sharded ? dp.communicator() : nullptr);
-  if (!resume_dir.empty()) opt.load((fs::path(resume_dir) / kOptimizerFile).string());
+            sharded ? dp.communicator() : nullptr, int64_t(1) << 25,
+            pipelined ? &stage_tensors : nullptr);
+  // Tied embeddings across stages: room for the other stage's gradient, allocated once.
+  const bool tied_across =
+      pipelined && cfg.tie_word_embeddings && (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
+  Arena tied_arena;
+  Tensor tied_scratch;
+  if (tied_across) {
+    const Tensor& g = model.grads().text.embed;
+    Arena plan;
+    plan.alloc(DType::f32, {g.numel()});
+    tied_arena = Arena(be, plan.used());
+    tied_scratch = tied_arena.alloc(DType::f32, {g.numel()});
+  }
+  if (!resume_dir.empty()) opt.load(optimizer_files(resume_dir));
   const LrSchedule schedule(
       parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
       static_cast<float>(r.optimizer.min_lr), r.schedule.warmup_iters,
@@ -512,15 +622,16 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                           state.data_position.epoch, ", sample ", state.data_position.index,
                           " of the data as it is now, so samples may be skipped or repeated"));
 
-  log.message(str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
-                      " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
-                      " parameters, global batch ", r.train.global_batch_size, " = ",
-                      r.train.micro_batch_size, " x ", r.accumulation_steps, " accumulation steps",
-                      dp.world() > 1 ? str_cat(" x ", dp.world(), " data-parallel ranks") : "",
-                      ", on ", be.name(), ", activation arena ",
-                      model.arena_bytes() / (1024 * 1024), " MiB",
-                      n_replicas > 1 ? str_cat(" x ", n_replicas, " micro-batch threads") : "",
-                      ", run directory ", run_dir));
+  log.message(
+      str_cat(resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at",
+              " iteration ", state.iteration, " of ", r.train.train_iters, ": ", n_params,
+              " parameters, global batch ", r.train.global_batch_size, " = ",
+              r.train.micro_batch_size, " x ", r.accumulation_steps, " accumulation steps",
+              dp.replicas() > 1 ? str_cat(" x ", dp.replicas(), " data-parallel ranks") : "",
+              pipelined ? str_cat(", through ", dp.stages(), " pipeline stages") : "", ", on ",
+              be.name(), ", activation arena ", model.arena_bytes() / (1024 * 1024), " MiB",
+              n_replicas > 1 ? str_cat(" x ", n_replicas, " micro-batch threads") : "",
+              ", run directory ", run_dir));
   {
     // The memory planned for the run, by category; nothing is allocated once steps begin.
     const auto mib = [](size_t b) { return str_cat(b / (size_t(1) << 20), " MiB"); };
@@ -531,7 +642,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                     ", AdamW moments ", mib(opt.state_bytes()), ", activations ",
                     mib(model.activation_bytes()), " (train.recompute ", r.train.recompute,
                     ") and workspace ", mib(model.arena_bytes() - model.activation_bytes()), " x ",
-                    n_replicas);
+                    replicas.size(),
+                    pipelined ? " (this stage's parts, per micro-batch in flight)" : "");
     if (opt.shards() > 1)
       plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
                       " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
@@ -556,6 +668,26 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   }
   log.message("peak for MFU: " + peak.source);
   if (dp.world() > 1) log.message(dp.layout(r.train.global_batch_size / micro, micro));
+  if (pipelined) {
+    // Which graphs each stage captures: its own layers', and the encoder's on stage 0 only.
+    std::vector<std::string> graph_sets;
+    for (const PipelineStage& st : stages) {
+      std::string g;
+      if (r.cuda_graph.language.impl != GraphImpl::none)
+        g = str_cat("decoder ", to_string(r.cuda_graph.language.impl), " (layers ", st.first_layer,
+                    "-", st.end_layer - 1, ")");
+      if (st.has_vision && r.cuda_graph.vision.impl != VisionGraphImpl::none &&
+          r.cuda_graph.language.impl != GraphImpl::full_iteration)
+        g += str_cat(g.empty() ? "" : ", ", "vision ", to_string(r.cuda_graph.vision.impl));
+      graph_sets.push_back(g);
+    }
+    log.message(str_cat(
+        "pipeline stages (",
+        r.parallel.pipeline_layers.empty() ? "split by training FLOPs" : "parallel.pipeline_layers",
+        "; stage s keeps the activations of min(", dp.stages(),
+        " - s, micro-batches per replica) micro-batches):\n",
+        describe_pipeline(stages, dp.replicas(), graph_sets)));
+  }
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
                         " threads and this run has ", omp_get_max_threads(),
@@ -570,7 +702,54 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   result.start_iteration = state.iteration;
   result.last_checkpoint = resume_dir;
 
+  // Pipelined: every rank calls it. Rank 0 makes step_N.tmp, the first replica of each stage
+  // writes the tensors (and their moments) that its stage owns as one shard, and once all have
+  // written, rank 0 adds the shard index, the side files and the trainer state and renames it.
+  auto save_pipelined = [&](int64_t iteration) {
+    const fs::path d = fs::path(run_dir) / (checkpoint_name(iteration) + ".tmp");
+    if (dp.writer()) begin_checkpoint(run_dir, iteration);
+    dp.barrier("the checkpoint directory");
+    const int P = dp.stages();
+    std::vector<int> owner;
+    for (size_t i = 0; i < params->bindings.size(); ++i) owner.push_back(stage_tensors.owner(i));
+    if (dp.replica() == 0) {
+      const int me = dp.stage();
+      std::set<std::string> mine;
+      for (size_t i = 0; i < owner.size(); ++i)
+        if (owner[i] == me) mine.insert(params->bindings[i].hf_name);
+      save_weights(*cpu, *params, (d / stage_file("model", me, P)).string(), DType::f32,
+                   [&](const std::string& name) { return mine.count(name) > 0; });
+      opt.save((d / stage_file("optimizer", me, P)).string());
+    }
+    dp.barrier("the checkpoint's stage files");
+    if (!dp.writer()) return;
+    state.data_position = train_data.position();
+    state.data_seed = r.data.config.seed;
+    state.threads = omp_get_max_threads();
+    state.data_files = data_files;
+    json weight_map = json::object();
+    int64_t total = 0;
+    for (size_t i = 0; i < params->bindings.size(); ++i) {
+      const WeightBinding& b = params->bindings[i];
+      weight_map[b.hf_name] = stage_file("model", owner[i], P);
+      total += b.tensor().numel() * int64_t(sizeof(float));
+    }
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_file_atomic((d / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+    write_file_atomic((d / "config.json").string(), config_text);
+    for (const auto& [name, text] : side.files) write_file_atomic((d / name).string(), text);
+    write_file_atomic((d / "resolved_config.yaml").string(), resolved);
+    state.files = list_checkpoint_files(d.string());
+    save_trainer_state((d / kStateFile).string(), state);
+    result.last_checkpoint = finish_checkpoint(run_dir, iteration);
+    log.message("saved checkpoint " + result.last_checkpoint);
+    owned.push_back(iteration);
+    prune_checkpoints(run_dir, owned, r.checkpoint.keep_last);
+  };
+
   auto save = [&](int64_t iteration) {
+    if (pipelined) return save_pipelined(iteration);
+    if (!dp.writer()) return;
     state.data_position = train_data.position();
     state.data_seed = r.data.config.seed;
     state.threads = omp_get_max_threads();
@@ -620,10 +799,24 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       for (int64_t i = 0; i < micro; ++i) eval_batch.push_back(next_sample(*eval_data));
       std::vector<const TrainSample*> mb;
       for (const TrainSample& s : eval_batch) mb.push_back(&s);
-      const LossStats ls = model.forward(mb);
-      loss_sum += ls.loss_sum;
-      em.labelled_tokens += ls.n_tokens;
+      if (pipelined) {
+        // Forward only, one micro-batch at a time through the stages.
+        em.labelled_tokens += model.stage_prepare(mb, 0.0f, /*forward_only=*/true);
+        dp.stage_exchange({}, model.forward_inputs(), {}, {}, "the evaluation's forward receive");
+        model.stage_forward();
+        dp.stage_exchange({}, {}, model.forward_outputs(), {}, "the evaluation's forward send");
+        // Read per micro-batch and added in f64, as forward() is (zero before the last stage).
+        loss_sum += model.take_forward_loss_sum();
+      } else {
+        const LossStats ls = model.forward(mb);
+        loss_sum += ls.loss_sum;
+        em.labelled_tokens += ls.n_tokens;
+      }
       em.samples += micro;
+    }
+    if (pipelined) {
+      // Every pipeline evaluates the whole set: the last stage of the first one counts.
+      loss_sum = dp.global_loss_sum(dp.replica() == 0 ? loss_sum : 0.0);
     }
     em.loss = em.labelled_tokens > 0 ? loss_sum / em.labelled_tokens : 0.0;
     log.log_eval(em);
@@ -634,7 +827,18 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   std::vector<StepMetrics> run_intervals;
   int64_t peak_memory = 0;
   StepTimer step_timer(be);
-  size_t graphs_at_interval_start = model.graph_count();
+  // A pipeline stage's graphs are those of all its micro-batch models.
+  auto graph_count = [&] {
+    size_t n = 0;
+    for (const auto& m : replicas) n += m->graph_count();
+    return n;
+  };
+  auto capture_ms = [&] {
+    double ms = 0;
+    for (const auto& m : replicas) ms += m->capture_ms();
+    return ms;
+  };
+  size_t graphs_at_interval_start = graph_count();
   double interval_loss_sum = 0;
   int64_t unread_labels = 0;  // labelled tokens of the steps whose loss is still on the device
   auto interval_start = std::chrono::steady_clock::now();
@@ -673,9 +877,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     }
     // Micro-batch i runs on replica i % n_replicas, each replica's in order, and the replicas are
     // summed in order: the result depends on the thread count but not on timing.
-    const int64_t counted = run_on_replicas(replicas, micro_batches, grad_scale);
+    const int64_t counted = pipelined ? run_pipeline_step(replicas, micro_batches, grad_scale, dp)
+                                      : run_on_replicas(replicas, micro_batches, grad_scale);
     for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
     dp.reduce_gradients();
+    if (tied_across) dp.sum_tied_gradient(be, model.grads().text.embed, tied_scratch);
     for (size_t i = 0; i < batch.size(); ++i) {
       const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
@@ -737,9 +943,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
           on_gpu ? static_cast<int64_t>(gpu->device_memory_in_use()) : peak_host_memory_bytes();
       // The loss read above waited for the device, so these marks are complete.
       interval.device_seconds = step_timer.take_seconds();
-      interval.graphs_captured =
-          static_cast<int64_t>(model.graph_count() - graphs_at_interval_start);
-      graphs_at_interval_start = model.graph_count();
+      interval.graphs_captured = static_cast<int64_t>(graph_count() - graphs_at_interval_start);
+      graphs_at_interval_start = graph_count();
       peak_memory = std::max(peak_memory, interval.memory_bytes);
       log.log(interval);
       run_intervals.push_back(interval);
@@ -750,13 +955,13 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     if (eval_data && it % r.train.eval_interval == 0) evaluate(it);
     // A sharded optimizer's state comes to rank 0 from every rank.
     if (saving) opt.gather_state();
-    if (saving && dp.writer()) save(it);
+    if (saving) save(it);
     log.progress(it);
     // Every rank stops after the same step, whichever of them the signal reached.
     const int stop_signal = dp.agreed_stop(stop.received());
     if (stop_signal != 0) {
       if (!saving) opt.gather_state();
-      if (!saving && dp.writer()) save(it);
+      if (!saving) save(it);
       result.stop_signal = stop_signal;
     }
   }
@@ -782,7 +987,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
   if (graphs_on) {
     const auto& p = model.padding_stats();
-    log.message(str_cat("graphs: ", model.graph_count(), " captured in ", int(model.capture_ms()),
+    log.message(str_cat("graphs: ", graph_count(), " captured in ", int(capture_ms()),
                         " ms; padding: ", p.tokens, " of ", p.padded_tokens, " tokens and ",
                         p.patches, " of ", p.padded_patches, " patch rows real; ",
                         model.overflow_runs(),
@@ -807,8 +1012,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                : peak_host_memory_bytes();
     sum.decoder_graphs = to_string(r.cuda_graph.language.impl);
     sum.vision_graphs = to_string(r.cuda_graph.vision.impl);
-    sum.graph_count = static_cast<int64_t>(model.graph_count());
-    sum.capture_ms = model.capture_ms();
+    sum.graph_count = static_cast<int64_t>(graph_count());
+    sum.capture_ms = capture_ms();
     sum.graph_memory_bytes = model.graph_memory_bytes();
     sum.overflow_runs = model.overflow_runs();
     for (const auto& m : replicas) {

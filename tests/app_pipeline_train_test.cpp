@@ -1,0 +1,323 @@
+// iris train with pipeline stages under mpirun on the CPU backend (MPI point to point): 2 stages,
+// split before and after a DeepStack injection layer, and 2 stages x 2 data-parallel replicas
+// give the losses (and evaluation losses) of one process with the same global batch; checkpoints
+// of a pipelined run resume in one process and the reverse; and a stage that stops responding
+// ends every rank with a non-zero status within parallel.timeout_seconds.
+//
+// Why a tolerance and not bit equality: the tiny fixture ties its embeddings, so the embedding's
+// gradient has two parts, the lookup's (stage 0) and the lm_head's (the last stage). One process
+// adds them into one buffer micro-batch by micro-batch, lm_head part first; the stages each sum
+// their own part and then add the two. The same terms in another order change that gradient in
+// its last bits, and through the update the later losses by a few f32 ulps. Every other gradient
+// is summed in the single process's order (each stage's backwards run in micro-batch order into
+// one buffer), the first step's loss is exact, a run with the language model frozen (no tied
+// gradient) is exact throughout, and training_graphs_test checks the stages' other gradients bit
+// for bit.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cfloat>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "test_util.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Exit {
+  int code = -1;  // exit status, or -1 when killed by a signal
+  std::string output;
+  double seconds = 0;
+};
+
+// Relative difference allowed between a pipelined run's loss and one process's (see the top).
+constexpr double kLossUlps = 8;
+
+class AppPipelineTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(IRIS_MPIEXEC).empty())
+      GTEST_SKIP() << "built without MPI (install libopenmpi-dev openmpi-bin: scripts/setup.sh)";
+    root_ = fs::temp_directory_path() /
+            ("iris_app_pipeline_test_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!root_.empty()) fs::remove_all(root_);
+  }
+
+  Exit run(const std::vector<std::string>& args, const std::vector<std::string>& env) {
+    const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
+    const auto t0 = std::chrono::steady_clock::now();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      FILE* f = std::freopen(log.c_str(), "w", stdout);
+      if (f != nullptr) ::dup2(STDOUT_FILENO, STDERR_FILENO);
+      for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      ::_exit(127);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    Exit e;
+    if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
+    e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    e.output = read_text_file(log);
+    return e;
+  }
+  Exit iris(std::vector<std::string> args, const std::string& threads) {
+    args.insert(args.begin(), IRIS_BINARY);
+    return run(args, {"OMP_NUM_THREADS=" + threads});
+  }
+  static std::vector<std::string> mpi_env() {
+    return {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"};
+  }
+  std::vector<std::string> mpirun_prefix(int np) {
+    std::vector<std::string> all{IRIS_MPIEXEC, "-np", std::to_string(np)};
+    if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) all.push_back(IRIS_MPIEXEC_FLAGS);
+    return all;
+  }
+  Exit mpirun(int np, std::vector<std::string> args) {
+    std::vector<std::string> all = mpirun_prefix(np);
+    all.push_back(IRIS_BINARY);
+    all.insert(all.end(), args.begin(), args.end());
+    return run(all, mpi_env());
+  }
+
+  std::string write_recipe() {
+    const Exit d = iris({"data", "shapes", "--out", (root_ / "shapes").string(), "--n", "24",
+                         "--seed", "7", "--heldout", "0.25"},
+                        "1");
+    EXPECT_EQ(d.code, 0) << d.output;
+    const std::string path = (root_ / "tiny.yaml").string();
+    write_file_atomic(
+        path, "model:\n  init: random\n  init_seed: 3\n  config: " + test::fixture_dir() +
+                  "/config.json\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
+                  "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
+                  "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
+                  "train:\n  micro_batch_size: 1\n  global_batch_size: 4\n  train_iters: 3\n"
+                  "  seq_length: 64\n"
+                  "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n  weight_decay: 0.1\n"
+                  "  clip_grad: 1.0\n"
+                  "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
+                  "logging:\n  log_interval: 1\n");
+    return path;
+  }
+
+  // The training ("loss") or evaluation ("eval_loss") records of a run, in order.
+  static std::vector<double> losses(const fs::path& run, const char* key = "loss") {
+    std::ifstream f(run / "metrics.jsonl");
+    std::vector<double> out;
+    for (std::string line; std::getline(f, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains(key)) out.push_back(j[key].get<double>());
+    }
+    return out;
+  }
+
+  static void expect_close_losses(const std::vector<double>& got, const std::vector<double>& want,
+                                  const std::string& output, bool first_exact = true) {
+    ASSERT_EQ(got.size(), want.size()) << output;
+    ASSERT_FALSE(got.empty());
+    // Before any update the tied gradient has not yet been used: the first loss is exact.
+    if (first_exact) EXPECT_EQ(got[0], want[0]);
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], kLossUlps * FLT_EPSILON * std::abs(want[i]))
+          << "iteration " << i + 1;
+  }
+
+  fs::path root_;
+  int runs_ = 0;
+};
+
+TEST_F(AppPipelineTrainTest, StagesGiveTheLossesOfOneProcessWhereverTheSplitFalls) {
+  const std::string recipe = write_recipe();
+  const fs::path single = root_ / "single";
+  // Evaluation after the last step: the stages run it forward only.
+  const std::vector<std::string> eval{
+      "train.eval_interval=3", "train.eval_iters=1",
+      "data.eval_files=[" + (root_ / "shapes/heldout.jsonl").string() + "]"};
+  std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + single.string()};
+  args.insert(args.end(), eval.begin(), eval.end());
+  const Exit a = iris(args, "1");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const std::vector<double> want = losses(single);
+  ASSERT_EQ(want.size(), 3u);
+  ASSERT_EQ(losses(single, "eval_loss").size(), 1u);
+  // The fixture has 3 layers and injects DeepStack features after layers 0 and 1: [1, 2] sends
+  // the second feature (and its gradient back) across the boundary; [2, 1] splits after both
+  // injections; [] is the FLOP-balanced split. Three stages add a middle stage, which exchanges
+  // with both neighbours and keeps two micro-batches in flight.
+  const struct {
+    int stages;
+    const char* layers;
+  } cases[] = {{2, "[1, 2]"}, {2, "[2, 1]"}, {2, "[]"}, {3, "[]"}};
+  for (const auto& c : cases) {
+    const std::string layers = c.layers;
+    SCOPED_TRACE(std::to_string(c.stages) + " stages, " + layers);
+    const fs::path dir =
+        root_ / ("pp" + std::to_string(c.stages) + "_" + std::to_string(layers.size()));
+    std::vector<std::string> pp_args{"train",
+                                     "--recipe",
+                                     recipe,
+                                     "checkpoint.dir=" + dir.string(),
+                                     "parallel.pipeline_parallel_size=" + std::to_string(c.stages),
+                                     "parallel.pipeline_layers=" + layers};
+    pp_args.insert(pp_args.end(), eval.begin(), eval.end());
+    const Exit b = mpirun(c.stages, pp_args);
+    ASSERT_EQ(b.code, 0) << b.output;
+    EXPECT_NE(b.output.find(str_cat("pipeline parallel: ", c.stages,
+                                    " processes started by mpirun = ", c.stages,
+                                    " stages x 1 data-parallel replicas")),
+              std::string::npos)
+        << b.output;
+    if (layers == "[1, 2]") {
+      EXPECT_NE(b.output.find("stage 0: decoder layers 0-0, vision encoder and mergers, "
+                              "embedding; ranks 0"),
+                std::string::npos)
+          << b.output;
+      EXPECT_NE(b.output.find("stage 1: decoder layers 1-2, final norm, lm_head and loss; ranks 1"),
+                std::string::npos)
+          << b.output;
+    }
+    expect_close_losses(losses(dir), want, b.output);
+    // After three updates: within the tolerance too, none of them exact.
+    expect_close_losses(losses(dir, "eval_loss"), losses(single, "eval_loss"), b.output, false);
+  }
+}
+
+// With the language model frozen the tied embedding gets no gradient, and nothing is summed in
+// another order: two stages give one process's losses and gradient norms bit for bit (the
+// vision tower and mergers still train through the stages' backward).
+TEST_F(AppPipelineTrainTest, WithoutATiedGradientTwoStagesAreBitForBit) {
+  const std::string recipe = write_recipe();
+  const fs::path single = root_ / "single", pp = root_ / "pp";
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + single.string(),
+                       "train.freeze_language_model=true"},
+                      "1");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b = mpirun(2, {"train", "--recipe", recipe, "checkpoint.dir=" + pp.string(),
+                            "train.freeze_language_model=true", "parallel.pipeline_parallel_size=2",
+                            "parallel.pipeline_layers=[1, 2]"});
+  ASSERT_EQ(b.code, 0) << b.output;
+  for (const char* key : {"loss", "grad_norm"}) {
+    const std::vector<double> want = losses(single, key), got = losses(pp, key);
+    ASSERT_EQ(want.size(), 3u) << key;
+    EXPECT_EQ(got, want) << key;
+  }
+}
+
+// 2 stages x 2 replicas against one process of 2 micro-batch threads (the reduction structure of
+// 2 data-parallel ranks: training/data_parallel.h).
+TEST_F(AppPipelineTrainTest, StagesTimesReplicasGiveTheLossesOfOneProcess) {
+  const std::string recipe = write_recipe();
+  const fs::path single = root_ / "single", grid = root_ / "grid";
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + single.string()}, "2");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b = mpirun(4, {"train", "--recipe", recipe, "checkpoint.dir=" + grid.string(),
+                            "parallel.pipeline_parallel_size=2", "parallel.data_parallel_size=2"});
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_NE(b.output.find("2 stages x 2 data-parallel replicas (rank = stage x 2 + replica)"),
+            std::string::npos)
+      << b.output;
+  EXPECT_NE(b.output.find("replica 1 (ranks 1, 3): micro-batches 1"), std::string::npos)
+      << b.output;
+  expect_close_losses(losses(grid), losses(single), b.output);
+}
+
+// A checkpoint written by two stages (each its own shard of the weights and of the optimizer
+// state, found by name) resumes in one process, and one process's checkpoint resumes in two
+// stages, to the losses of a run never stopped.
+TEST_F(AppPipelineTrainTest, CheckpointsResumeUnderAnotherPipelineSplit) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> schedule{"schedule.decay_iters=4", "checkpoint.save_interval=2"};
+  auto train = [&](const fs::path& dir, int stages, int iters) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                                  "train.train_iters=" + std::to_string(iters)};
+    args.insert(args.end(), schedule.begin(), schedule.end());
+    if (stages == 1) return iris(args, "1");
+    args.push_back("parallel.pipeline_parallel_size=" + std::to_string(stages));
+    return mpirun(stages, args);
+  };
+  const fs::path whole = root_ / "whole";
+  const Exit u = train(whole, 1, 4);
+  ASSERT_EQ(u.code, 0) << u.output;
+  const std::vector<double> want = losses(whole);
+  ASSERT_EQ(want.size(), 4u);
+  const struct {
+    const char* name;
+    int first, second;
+  } cases[] = {{"pp2_to_pp1", 2, 1}, {"pp1_to_pp2", 1, 2}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = root_ / c.name;
+    const Exit first = train(dir, c.first, 2);
+    ASSERT_EQ(first.code, 0) << first.output;
+    if (c.first == 2) {
+      // Each stage's shard, the index that maps every tensor to one, and the optimizer parts.
+      for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                            "model.safetensors.index.json", "optimizer-00001-of-00002.safetensors",
+                            "optimizer-00002-of-00002.safetensors"})
+        EXPECT_TRUE(fs::is_regular_file(dir / "step_0000002" / f)) << f;
+      EXPECT_FALSE(fs::exists(dir / "step_0000002.tmp"));
+    }
+    const Exit second = train(dir, c.second, 4);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+    expect_close_losses(losses(dir), want, second.output);
+  }
+  // A pipelined checkpoint exports as one Hugging Face model.
+  const fs::path out = root_ / "export";
+  const Exit ex =
+      iris({"export", (root_ / "pp2_to_pp1" / "step_0000002").string(), out.string()}, "1");
+  ASSERT_EQ(ex.code, 0) << ex.output;
+  EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+}
+
+// Rank 1 (the last stage) is stopped (SIGSTOP) a second into a long run: rank 0 waits for it
+// in a pipeline or gradient-norm exchange, gives up after parallel.timeout_seconds and aborts the
+// job, which ends the stopped rank too.
+TEST_F(AppPipelineTrainTest, AStageThatStopsRespondingEndsEveryRank) {
+  const std::string recipe = write_recipe();
+  // $$ is the shell, which exec turns into iris: the background job stops iris itself, once rank 0
+  // has written the resolved config (after MPI is up and the groups are made, so that what rank 0
+  // waits in is one of the run's bounded exchanges, not MPI's start-up).
+  const std::string run_dir = (root_ / "run").string();
+  const std::string script =
+      "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (i=0; while [ ! -e " + run_dir +
+      "/resolved_config.yaml ] && [ $i -lt 300 ]; do sleep 0.2; i=$((i+1)); done; sleep 1; "
+      "kill -STOP $$) & fi; exec " +
+      IRIS_BINARY + " train --recipe " + recipe + " checkpoint.dir=" + run_dir +
+      " parallel.pipeline_parallel_size=2 parallel.timeout_seconds=5 train.train_iters=100000 "
+      "logging.log_interval=100000 checkpoint.save_final=false";
+  std::vector<std::string> args = mpirun_prefix(2);
+  args.insert(args.end(), {"sh", "-c", script});
+  const Exit e = run(args, mpi_env());
+  EXPECT_NE(e.code, 0) << e.output;
+  // Rank 0 waits for the stopped rank; on a loaded machine rank 1 may already have waited out
+  // the timeout for rank 0 before it was stopped, which ends the job the same way.
+  EXPECT_TRUE(e.output.find("rank 0 waited more than 5 s") != std::string::npos ||
+              e.output.find("rank 1 waited more than 5 s") != std::string::npos)
+      << e.output;
+  EXPECT_LT(e.seconds, 60) << e.output;
+}
+
+}  // namespace
+}  // namespace iris
