@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# iris generate against llama-mtmd-cli on the GPU machine, one-shot, as a user runs them: the
+# whole command's wall time (load, the images, 64 greedy tokens) on the same random-weight
+# Qwen3-VL-2B checkpoint (tools/make_random_checkpoint.py; llama.cpp gets it as bf16 GGUF through
+# its own convert_hf_to_gguf.py) and the same images, for one 448, 896 and 1344 pixel square and
+# eight 448 squares. Iris runs with its GEMM tuning cache empty, then filled by `iris generate
+# --tune` on the same command. Each timed command runs RUNS times (3) after one untimed run that
+# puts the files in the page cache; the table has the median.
+#
+# Iris's warm figures come from one chat process that sends the same message four times with
+# /clear between: the vision encode and prefill of turns two and three (the fastest of the two,
+# before the vision graph's capture at the fourth use) are what a warm process takes.
+#
+# The peer is not part of Iris: LLAMA_MTMD_CLI is a llama-mtmd-cli built on the GPU machine
+# (CUDA, architecture 90) and LLAMA_DIR the llama.cpp source it was built from, whose
+# convert_hf_to_gguf.py (with gguf-py) writes the bf16 GGUF and the mmproj GGUF. Carry .deps and
+# tests/data/qwen3vl-tiny/tokenizer.json. Results go to $OUT (or out/).
+source "$(dirname "$0")/gpu_env.sh"
+runs=${RUNS:-3}
+tok=tests/data/qwen3vl-tiny/tokenizer.json
+model=${MODEL_DIR:-/tmp/qwen3vl-2b-random}
+work=/tmp/generate_vs_llama
+mkdir -p "$work"
+export NCCL_NVLS_ENABLE=0
+
+if [ ! -x build-gpu/iris ]; then build_gpu iris || exit 1; fi
+
+if [ ! -f "$model/config.json" ]; then
+  python3 tools/make_random_checkpoint.py --config recipes/configs/qwen3vl_2b.json \
+    --tokenizer $tok --out "$model" || exit 1
+  cp tests/data/qwen3vl-tiny/preprocessor_config.json tests/data/qwen3vl-tiny/tokenizer_config.json \
+    "$model/"
+fi
+llama=${LLAMA_MTMD_CLI:?set LLAMA_MTMD_CLI to a llama-mtmd-cli binary}
+llama_dir=${LLAMA_DIR:?set LLAMA_DIR to the llama.cpp source of that binary}
+if [ ! -f $work/model.gguf ]; then
+  (export PYTHONPATH=$llama_dir/gguf-py:$llama_dir &&
+    python3 $llama_dir/convert_hf_to_gguf.py "$model" --outtype bf16 --outfile $work/model.gguf &&
+    python3 $llama_dir/convert_hf_to_gguf.py "$model" --outtype bf16 --mmproj \
+      --outfile $work/mmproj.gguf) >"$out/convert.log" 2>&1 || { tail -30 "$out/convert.log"; exit 1; }
+fi
+python3 - "$work" <<'EOF' || exit 1
+import sys, numpy as np
+from PIL import Image
+work = sys.argv[1]
+rng = np.random.default_rng(7)
+for side in (448, 896, 1344):
+    for k in range(8 if side == 448 else 1):
+        y, x = np.mgrid[0:side, 0:side] / side
+        img = np.stack([x, y, (x + y) / 2], -1) * 200 + rng.integers(0, 55, (side, side, 3))
+        Image.fromarray(img.astype(np.uint8)).save(f"{work}/img{side}_{k}.png")
+EOF
+prompt="Describe the picture."
+declare -A images=(
+  [1x448]="$work/img448_0.png" [1x896]="$work/img896_0.png" [1x1344]="$work/img1344_0.png"
+  [8x448]="$(ls $work/img448_*.png | tr '\n' ' ')")
+rows=(1x448 1x896 1x1344 8x448)
+
+wall() {  # wall time in seconds of "$@", output to $log
+  local t0 t1
+  t0=$(date +%s.%N)
+  "$@" >"$log" 2>&1 || { echo "FAILED: $*" >&2; tail -5 "$log" >&2; }
+  t1=$(date +%s.%N)
+  echo "$t1 - $t0" | bc
+}
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}'; }
+
+results=$out/generate_vs_llama.tsv
+printf 'row\tllama_s\tiris_empty_s\tiris_filled_s\n' >"$results"
+for row in "${rows[@]}"; do
+  llama_args=(-m $work/model.gguf --mmproj $work/mmproj.gguf -ngl 99 -c 8192 -n 64 --temp 0
+    --ignore-eos -p "$prompt")
+  iris_args=(generate -m "$model" -c 8192 -n 64 --temp 0 --ignore-eos -p "$prompt" --device cuda)
+  for f in ${images[$row]}; do llama_args+=(--image "$f"); iris_args+=(--image "$f"); done
+  log=$out/llama_$row.log
+  wall $llama "${llama_args[@]}" >/dev/null
+  l=() e=() f=()
+  for i in $(seq $runs); do l+=("$(wall $llama "${llama_args[@]}")"); done
+  log=$out/iris_empty_$row.log
+  for i in $(seq $((runs + 1))); do
+    rm -rf $work/cache_empty
+    s=$(IRIS_CACHE_DIR=$work/cache_empty wall build-gpu/iris "${iris_args[@]}")
+    [ "$i" -gt 1 ] && e+=("$s")
+  done
+  cp "$log" "$out/iris_empty_$row.txt"
+  rm -rf $work/cache_filled
+  log=$out/iris_tune_$row.log
+  IRIS_CACHE_DIR=$work/cache_filled wall build-gpu/iris "${iris_args[@]}" --tune >/dev/null
+  log=$out/iris_filled_$row.log
+  for i in $(seq $runs); do f+=("$(IRIS_CACHE_DIR=$work/cache_filled wall build-gpu/iris "${iris_args[@]}")"); done
+  cp "$log" "$out/iris_filled_$row.txt"
+  printf '%s\t%s\t%s\t%s\n' "$row" "$(median "${l[@]}")" "$(median "${e[@]}")" \
+    "$(median "${f[@]}")" | tee -a "$results"
+  # Warm: one chat process, the same message four times.
+  chat=""
+  for k in 1 2 3 4; do
+    for img in ${images[$row]}; do chat+="/image $img"$'\n'; done
+    chat+="$prompt"$'\n/clear\n'
+  done
+  printf '%s' "$chat" | IRIS_CACHE_DIR=$work/cache_filled build-gpu/iris generate -m "$model" \
+    -c 8192 -n 64 --temp 0 --ignore-eos --device cuda --json >"$out/iris_chat_$row.jsonl" 2>"$out/iris_chat_$row.err"
+  IRIS_CACHE_DIR=$work/cache_filled build-gpu/iris "${iris_args[@]}" --json \
+    >"$out/iris_oneshot_filled_$row.json" 2>/dev/null
+  rm -rf $work/cache_empty
+  IRIS_CACHE_DIR=$work/cache_empty build-gpu/iris "${iris_args[@]}" --json \
+    >"$out/iris_oneshot_empty_$row.json" 2>/dev/null
+done
+python3 - "$out" "${rows[@]}" <<'EOF'
+import json, sys, csv
+out, rows = sys.argv[1], sys.argv[2:]
+table = {r["row"]: r for r in csv.DictReader(open(f"{out}/generate_vs_llama.tsv"), delimiter="\t")}
+print("\n| input | llama-mtmd-cli s | iris, cache empty s (ratio) | iris, cache filled s (ratio) |")
+print("|---|---|---|---|")
+for row in rows:
+    t = table[row]; l = float(t["llama_s"]); e = float(t["iris_empty_s"]); f = float(t["iris_filled_s"])
+    print(f"| {row} | {l:.2f} | {e:.2f} ({e / l:.2f}x) | {f:.2f} ({f / l:.2f}x) |")
+print("\n| input | load ms (read / upload) | first vision ms, empty / filled | warm vision ms | bar 1.5x+50 | first prefill ms, empty / filled | warm prefill ms | bar |")
+print("|---|---|---|---|---|---|---|---|")
+for row in rows:
+    turns = [json.loads(l) for l in open(f"{out}/iris_chat_{row}.jsonl") if l.startswith("{")]
+    warm_v = min(t["timings"]["vision_encode_ms"] for t in turns[1:3])
+    warm_p = min(t["timings"]["prefill_ms"] for t in turns[1:3])
+    e = json.load(open(f"{out}/iris_oneshot_empty_{row}.json"))["timings"]
+    f = json.load(open(f"{out}/iris_oneshot_filled_{row}.json"))["timings"]
+    load = f"{f['load_ms']:.0f} ({f.get('weights_read_ms', 0):.0f} / {f.get('weights_upload_ms', 0):.0f})"
+    bv, bp = 1.5 * warm_v + 50, 1.5 * warm_p + 50
+    print(f"| {row} | {load} | {e['vision_encode_ms']:.1f} / {f['vision_encode_ms']:.1f} | {warm_v:.1f} | {bv:.1f} | "
+          f"{e['prefill_ms']:.1f} / {f['prefill_ms']:.1f} | {warm_p:.1f} | {bp:.1f} |")
+EOF
