@@ -289,6 +289,11 @@ TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
   // The mixed step's shapes: the image sample and the longer one pad to one bucket, and replay
   // one graph from the model's own inputs.
   EXPECT_EQ(micro_batch_graphs, 2u);
+  const auto sets = m.graph_memory_by_set();
+  EXPECT_EQ(sets.size(), m.graph_count());
+  int64_t held = 0;
+  for (const auto& set : sets) held += set.second;
+  EXPECT_EQ(held, m.graph_memory_bytes());
 }
 
 TEST_F(TrainingGraphs, RefusedWithoutBucketsAndAboveTheLargestBucketPerOverflow) {

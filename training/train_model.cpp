@@ -816,7 +816,15 @@ void TrainableQwen3VL::graphed(const std::string& key, const std::function<void(
   set.graph = capture_and_run(*graph_api_, be_, key, body);
   capture_ms_ +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  graph_memory_bytes_ += static_cast<int64_t>(be_.device_memory_in_use()) - memory_before;
+  set.memory_bytes = static_cast<int64_t>(be_.device_memory_in_use()) - memory_before;
+  graph_memory_bytes_ += set.memory_bytes;
+}
+
+std::vector<std::pair<std::string, int64_t>> TrainableQwen3VL::graph_memory_by_set() const {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const auto& [key, set] : graph_sets_)
+    if (set.graph.valid()) out.emplace_back(key, set.memory_bytes);
+  return out;
 }
 
 void TrainableQwen3VL::maybe_graphed(bool as_graph, const std::string& key,

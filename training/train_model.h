@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bridge/hf_weights.h"
@@ -201,6 +202,8 @@ class TrainableQwen3VL {
   // Device memory the captures took (in use after each capture minus before it, summed): the
   // graphs' own memory, as the device reports it (0 on the CPU, which reports none).
   int64_t graph_memory_bytes() const { return graph_memory_bytes_; }
+  // The same per captured graph, by key: what each set holds.
+  std::vector<std::pair<std::string, int64_t>> graph_memory_by_set() const;
   // Micro-batches run unpadded because they were above the largest bucket.
   int64_t overflow_runs() const { return overflow_runs_; }
   // Real and padded tokens and patch rows of the micro-batches run so far (padding's cost).
@@ -290,6 +293,7 @@ class TrainableQwen3VL {
   struct GraphSet {
     int eager_runs = 0;
     CapturedGraph graph;
+    int64_t memory_bytes = 0;
   };
   GraphApi* graph_api_ = nullptr;
   TrainGraphs graphs_;

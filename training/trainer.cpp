@@ -992,6 +992,21 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                         p.patches, " of ", p.padded_patches, " patch rows real; ",
                         model.overflow_runs(),
                         " micro-batches above the largest bucket ran eagerly"));
+    if (on_gpu) {
+      // What the graphs hold, by set: the largest one names the shape that costs most.
+      std::pair<std::string, int64_t> largest{"", -1};
+      int64_t total = 0;
+      size_t sets = 0;
+      for (const auto& m : replicas)
+        for (const auto& set : m->graph_memory_by_set()) {
+          total += set.second;
+          ++sets;
+          if (set.second > largest.second) largest = set;
+        }
+      if (sets > 0)
+        log.message(str_cat("graph memory: ", total >> 20, " MiB in ", sets, " graphs; largest '",
+                            largest.first, "', ", largest.second >> 20, " MiB"));
+    }
   }
   if (dp.writer()) {
     RunSummary sum;
