@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/fs.h"
+#include "process_util.h"
 #include "test_util.h"
 
 namespace iris {
@@ -24,33 +25,11 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct Exit {
-  int code = -1;  // exit status, or -1 when killed by a signal
-  std::string output;
-};
+using Exit = test::ProcessExit;
 
 // Runs `args` (argv[0] looked up in PATH) with stdout and stderr into `log`.
 Exit run(const std::vector<std::string>& args, const std::string& log) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-    }
-    std::vector<std::string> copy = args;
-    std::vector<char*> argv;
-    for (std::string& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execvp(argv[0], argv.data());
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  Exit e;
-  if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
-  e.output = fs::exists(log) ? read_text_file(log) : "";
-  return e;
+  return test::run_process(args, log);
 }
 
 class PerfScriptsTest : public ::testing::Test {

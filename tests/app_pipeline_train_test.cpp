@@ -29,6 +29,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "process_util.h"
 #include "test_util.h"
 
 namespace iris {
@@ -36,11 +37,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Exit {
-  int code = -1;  // exit status, or -1 when killed by a signal
-  std::string output;
-  double seconds = 0;
-};
+using Exit = test::ProcessExit;
 
 // Relative difference allowed between a pipelined run's loss and one process's (see the top).
 constexpr double kLossUlps = 8;
@@ -62,25 +59,7 @@ class AppPipelineTrainTest : public ::testing::Test {
 
   Exit run(const std::vector<std::string>& args, const std::vector<std::string>& env) {
     const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
-    const auto t0 = std::chrono::steady_clock::now();
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      FILE* f = std::freopen(log.c_str(), "w", stdout);
-      if (f != nullptr) ::dup2(STDOUT_FILENO, STDERR_FILENO);
-      for (const std::string& e : env) ::putenv(const_cast<char*>(e.c_str()));
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      ::_exit(127);
-    }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    Exit e;
-    if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
-    e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    e.output = read_text_file(log);
-    return e;
+    return test::run_process(args, log, env);
   }
   Exit iris(std::vector<std::string> args, const std::string& threads) {
     args.insert(args.begin(), IRIS_BINARY);

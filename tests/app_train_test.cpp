@@ -21,6 +21,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "process_util.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
 
@@ -34,36 +35,13 @@ using Clock = std::chrono::steady_clock;
 pid_t spawn_iris(const std::vector<std::string>& args, const std::string& log) {
   std::vector<std::string> all{IRIS_BINARY};
   all.insert(all.end(), args.begin(), args.end());
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-    }
-    std::vector<char*> argv;
-    for (std::string& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  return pid;
+  return test::spawn_process(all, log, {}, /*append=*/true);
 }
 
-struct Exit {
-  int code = -1;  // exit status, or -1 when killed by a signal
-  int signal = 0;
-  std::string output;
-};
+using Exit = test::ProcessExit;
 
 Exit wait_exit(pid_t pid, const std::string& log) {
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  Exit e;
-  if (WIFEXITED(status)) e.code = WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
-  e.output = fs::exists(log) ? read_text_file(log) : "";
-  return e;
+  return test::wait_process(pid, log);
 }
 
 class AppTrainTest : public ::testing::Test {
