@@ -752,48 +752,35 @@ void TrainableQwen3VL::stage_backward() {
   backward_part(stage_vision_grads_, graphs && graphs_.decoder == GraphImpl::local);
 }
 
+std::vector<Tensor> TrainableQwen3VL::boundary(int layer, bool gradients) const {
+  std::vector<Tensor> out;
+  // The hidden state, or the f32 residual gradient (what a single model hands from layer to
+  // layer), with the padding's sink row.
+  out.push_back((gradients ? t_dres_ : tx_[layer]).slice(0, L_ + sink_rows()));
+  if (n_pad_ > 0)
+    for (int k = layer; k < deepstack_count(); ++k)
+      out.push_back((gradients ? d_ds_[k] : ds_[k].out).slice(0, n_pad_));
+  return out;
+}
+
 std::vector<Tensor> TrainableQwen3VL::forward_inputs() const {
   const PipelineStage& st = limits_.stage;
-  std::vector<Tensor> out;
-  if (st.has_embed()) return out;
-  out.push_back(tx_[st.first_layer].slice(0, L_ + sink_rows()));
-  if (n_pad_ > 0)
-    for (int k = st.first_layer; k < deepstack_count(); ++k)
-      out.push_back(ds_[k].out.slice(0, n_pad_));
-  return out;
+  return st.has_embed() ? std::vector<Tensor>() : boundary(st.first_layer, false);
 }
 
 std::vector<Tensor> TrainableQwen3VL::forward_outputs() const {
   const PipelineStage& st = limits_.stage;
-  std::vector<Tensor> out;
-  if (st.has_head) return out;
-  out.push_back(tx_[st.end_layer].slice(0, L_ + sink_rows()));
-  if (n_pad_ > 0)
-    for (int k = st.end_layer; k < deepstack_count(); ++k)
-      out.push_back(ds_[k].out.slice(0, n_pad_));
-  return out;
+  return st.has_head ? std::vector<Tensor>() : boundary(st.end_layer, false);
 }
 
 std::vector<Tensor> TrainableQwen3VL::backward_inputs() const {
   const PipelineStage& st = limits_.stage;
-  std::vector<Tensor> out;
-  if (st.has_head) return out;
-  // The f32 residual gradient: what a single model hands from layer to layer.
-  out.push_back(t_dres_.slice(0, L_ + sink_rows()));
-  if (n_pad_ > 0)
-    for (int k = st.end_layer; k < deepstack_count(); ++k) out.push_back(d_ds_[k].slice(0, n_pad_));
-  return out;
+  return st.has_head ? std::vector<Tensor>() : boundary(st.end_layer, true);
 }
 
 std::vector<Tensor> TrainableQwen3VL::backward_outputs() const {
   const PipelineStage& st = limits_.stage;
-  std::vector<Tensor> out;
-  if (st.has_embed()) return out;
-  out.push_back(t_dres_.slice(0, L_ + sink_rows()));
-  if (n_pad_ > 0)
-    for (int k = st.first_layer; k < deepstack_count(); ++k)
-      out.push_back(d_ds_[k].slice(0, n_pad_));
-  return out;
+  return st.has_embed() ? std::vector<Tensor>() : boundary(st.first_layer, true);
 }
 
 bool TrainableQwen3VL::holds(const std::string& name) const {

@@ -253,6 +253,9 @@ class TrainableQwen3VL {
   void micro_batch(bool backward, bool vision_grads, const Tensor& loss_out, bool layer_graphs);
   void forward_part(bool backward, const Tensor& loss_out, bool layer_graphs);
   void backward_part(bool vision_grads, bool layer_graphs);
+  // What crosses the stage boundary before decoder layer `layer`, forward or (gradients) backward:
+  // the hidden state, then the DeepStack features injected at that layer or later, by layer.
+  std::vector<Tensor> boundary(int layer, bool gradients) const;
   // The DeepStack features (by injection layer) that cross this stage's input or output boundary.
   int deepstack_count() const { return static_cast<int>(ds_.size()); }
   // The rows past a padded micro-batch's tokens that scatters and gathers of padding use: one
