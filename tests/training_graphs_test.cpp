@@ -284,6 +284,11 @@ TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
   for (const std::string& k : m.graph_keys()) {
     step_graphs += k.rfind("step of 3 micro-batches", 0) == 0;
     micro_batch_graphs += k.rfind("micro-batch", 0) == 0;
+    // The loss's label slots pad to a power of two, not to the text bucket.
+    const int64_t tokens = std::stoll(k.substr(k.find(" L") + 2));
+    const int64_t labels = std::stoll(k.substr(k.find(" labels ") + 8));
+    EXPECT_LT(labels, tokens) << k;
+    EXPECT_EQ(labels & (labels - 1), 0) << k;
   }
   EXPECT_EQ(step_graphs, 1u);
   // The mixed step's shapes: the image sample and the longer one pad to one bucket, and replay

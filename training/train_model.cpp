@@ -369,8 +369,9 @@ int64_t TrainableQwen3VL::queue_step(
   const bool lm = !frozen_.language_model;
   const bool vision_grads = first.S > 0 && (!frozen_.vision_tower || !frozen_.merger);
   if (one_shape && (lm || vision_grads)) {
-    graphed(str_cat("step of ", n, " micro-batches fwd+bwd L", first.L, " S", first.S, " frozen ",
-                    int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
+    graphed(str_cat("step of ", n, " micro-batches fwd+bwd L", first.L, " S", first.S, " labels ",
+                    first.n_label, " frozen ", int(frozen_.vision_tower), int(frozen_.merger),
+                    int(frozen_.language_model)),
             [this, n, vision_grads] {
               for (size_t i = 0; i < n; ++i) {
                 use_slot(i);
@@ -596,8 +597,15 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     }
     if (Lb > L) h_text_cu_.push_back(static_cast<int32_t>(Lb));
     n_text_segments_ = limits_.max_samples + 1;
-    h_label_rows_.resize(static_cast<size_t>(Lb), static_cast<int32_t>(Lb));
-    h_targets_.resize(static_cast<size_t>(Lb), kIgnoreIndex);
+    // The loss runs over every label slot, a host value that a graph keeps: the slots pad to a
+    // power of two (from 64, at most the bucket) rather than to the bucket, which would run the
+    // lm_head over rows only the sink holds (a 4096-token sample with 1,650 labels: 2.5x its
+    // loss work).
+    int64_t label_slots = 64;
+    while (label_slots < n_label_real_) label_slots *= 2;
+    label_slots = std::min(label_slots, Lb);
+    h_label_rows_.resize(static_cast<size_t>(label_slots), static_cast<int32_t>(Lb));
+    h_targets_.resize(static_cast<size_t>(label_slots), kIgnoreIndex);
     h_pad_rows_.resize(static_cast<size_t>(Sb / v.merge_unit()), static_cast<int32_t>(Lb));
   }
   L_ = Lb;
@@ -650,8 +658,9 @@ void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   }
   // A key names every host value its body passes to an op: the shapes (bucket lengths, merged
   // rows), the phase and what is frozen. Everything else the body reads is in device memory.
-  const std::string shape = str_cat("L", L_, " S", S_, " frozen ", int(frozen_.vision_tower),
-                                    int(frozen_.merger), int(frozen_.language_model));
+  const std::string shape =
+      str_cat("L", L_, " S", S_, " labels ", n_label_, " frozen ", int(frozen_.vision_tower),
+              int(frozen_.merger), int(frozen_.language_model));
   if (graphs_.decoder == GraphImpl::full_iteration) {
     graphed(str_cat("micro-batch ", backward ? "fwd+bwd " : "fwd ", shape),
             [this, backward, vision_grads, loss_out] {
@@ -731,10 +740,10 @@ void TrainableQwen3VL::stage_forward() {
   if (graphs && graphs_full_iteration(graphs_)) {
     // The exchange with the neighbouring stages splits the micro-batch: its forward and its
     // backward are a graph each.
-    graphed(
-        str_cat("stage fwd", stage_backward_ ? "+loss grad " : " ", "L", L_, " S", S_, " frozen ",
-                int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
-        [this] { forward_part(stage_backward_, loss_total_, false); });
+    graphed(str_cat("stage fwd", stage_backward_ ? "+loss grad " : " ", "L", L_, " S", S_,
+                    " labels ", n_label_, " frozen ", int(frozen_.vision_tower),
+                    int(frozen_.merger), int(frozen_.language_model)),
+            [this] { forward_part(stage_backward_, loss_total_, false); });
     return;
   }
   forward_part(stage_backward_, loss_total_, graphs && graphs_.decoder == GraphImpl::local);
@@ -744,8 +753,8 @@ void TrainableQwen3VL::stage_backward() {
   IRIS_CHECK(stage_backward_, "stage_backward: this micro-batch has no backward");
   const bool graphs = graph_api_ != nullptr && padded_;
   if (graphs && graphs_full_iteration(graphs_)) {
-    graphed(str_cat("stage bwd L", L_, " S", S_, " frozen ", int(frozen_.vision_tower),
-                    int(frozen_.merger), int(frozen_.language_model)),
+    graphed(str_cat("stage bwd L", L_, " S", S_, " labels ", n_label_, " frozen ",
+                    int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
             [this] { backward_part(stage_vision_grads_, false); });
     return;
   }
