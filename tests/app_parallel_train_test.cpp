@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/fs.h"
-#include "process_util.h"
+#include "mpirun_test_util.h"
 #include "test_util.h"
 
 namespace iris {
@@ -28,71 +28,9 @@ namespace fs = std::filesystem;
 
 using Exit = test::ProcessExit;
 
-class AppParallelTrainTest : public ::testing::Test {
+class AppParallelTrainTest : public test::MpirunTest {
  protected:
-  void SetUp() override {
-    if (std::string(IRIS_MPIEXEC).empty())
-      GTEST_SKIP() << "built without MPI (install libopenmpi-dev openmpi-bin: scripts/setup.sh)";
-    root_ = fs::temp_directory_path() /
-            ("iris_app_parallel_test_" + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root_);
-    fs::create_directories(root_);
-  }
-  void TearDown() override {
-    if (!root_.empty()) fs::remove_all(root_);
-  }
-
-  // Runs argv with extra environment variables, stdout and stderr into one log.
-  Exit run(const std::vector<std::string>& args, const std::vector<std::string>& env) {
-    const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
-    return test::run_process(args, log, env);
-  }
-  Exit iris(std::vector<std::string> args, const std::string& threads) {
-    args.insert(args.begin(), IRIS_BINARY);
-    return run(args, {"OMP_NUM_THREADS=" + threads});
-  }
-  // `mpirun -np N iris ...`, one thread per rank.
-  Exit mpirun(int np, std::vector<std::string> args) {
-    std::vector<std::string> all{IRIS_MPIEXEC, "-np", std::to_string(np)};
-    if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) all.push_back(IRIS_MPIEXEC_FLAGS);
-    all.push_back(IRIS_BINARY);
-    all.insert(all.end(), args.begin(), args.end());
-    return run(
-        all, {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"});
-  }
-
-  std::string write_recipe() {
-    const Exit d = iris({"data", "shapes", "--out", (root_ / "shapes").string(), "--n", "24",
-                         "--seed", "7", "--heldout", "0.25"},
-                        "1");
-    EXPECT_EQ(d.code, 0) << d.output;
-    const std::string path = (root_ / "tiny.yaml").string();
-    write_file_atomic(
-        path, "model:\n  init: random\n  init_seed: 3\n  config: " + test::fixture_dir() +
-                  "/config.json\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
-                  "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
-                  "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
-                  "train:\n  micro_batch_size: 1\n  global_batch_size: 4\n  train_iters: 3\n"
-                  // The CPU backend with the MPI communicator, also where a GPU is present
-                  // (several ranks on one GPU is an error of its own).
-                  "  seq_length: 64\n  device: cpu\n"
-                  "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n"
-                  "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
-                  "logging:\n  log_interval: 1\n");
-    return path;
-  }
-
-  static std::vector<double> losses(const fs::path& run) {
-    std::ifstream f(run / "metrics.jsonl");
-    std::vector<double> out;
-    for (std::string line; std::getline(f, line);)
-      out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-    return out;
-  }
-
-  fs::path root_;
-  int runs_ = 0;
+  AppParallelTrainTest() : MpirunTest("iris_app_parallel_test_") {}
 };
 
 TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {

@@ -29,7 +29,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
-#include "process_util.h"
+#include "mpirun_test_util.h"
 #include "test_util.h"
 
 namespace iris {
@@ -42,73 +42,12 @@ using Exit = test::ProcessExit;
 // Relative difference allowed between a pipelined run's loss and one process's (see the top).
 constexpr double kLossUlps = 8;
 
-class AppPipelineTrainTest : public ::testing::Test {
+class AppPipelineTrainTest : public test::MpirunTest {
  protected:
-  void SetUp() override {
-    if (std::string(IRIS_MPIEXEC).empty())
-      GTEST_SKIP() << "built without MPI (install libopenmpi-dev openmpi-bin: scripts/setup.sh)";
-    root_ = fs::temp_directory_path() /
-            ("iris_app_pipeline_test_" + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root_);
-    fs::create_directories(root_);
-  }
-  void TearDown() override {
-    if (!root_.empty()) fs::remove_all(root_);
-  }
-
-  Exit run(const std::vector<std::string>& args, const std::vector<std::string>& env) {
-    const std::string log = (root_ / ("log_" + std::to_string(++runs_) + ".txt")).string();
-    return test::run_process(args, log, env);
-  }
-  Exit iris(std::vector<std::string> args, const std::string& threads) {
-    args.insert(args.begin(), IRIS_BINARY);
-    return run(args, {"OMP_NUM_THREADS=" + threads});
-  }
-  static std::vector<std::string> mpi_env() {
-    return {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"};
-  }
-  std::vector<std::string> mpirun_prefix(int np) {
-    std::vector<std::string> all{IRIS_MPIEXEC, "-np", std::to_string(np)};
-    if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) all.push_back(IRIS_MPIEXEC_FLAGS);
-    return all;
-  }
-  Exit mpirun(int np, std::vector<std::string> args) {
-    std::vector<std::string> all = mpirun_prefix(np);
-    all.push_back(IRIS_BINARY);
-    all.insert(all.end(), args.begin(), args.end());
-    return run(all, mpi_env());
-  }
+  AppPipelineTrainTest() : MpirunTest("iris_app_pipeline_test_") {}
 
   std::string write_recipe() {
-    const Exit d = iris({"data", "shapes", "--out", (root_ / "shapes").string(), "--n", "24",
-                         "--seed", "7", "--heldout", "0.25"},
-                        "1");
-    EXPECT_EQ(d.code, 0) << d.output;
-    const std::string path = (root_ / "tiny.yaml").string();
-    write_file_atomic(
-        path, "model:\n  init: random\n  init_seed: 3\n  config: " + test::fixture_dir() +
-                  "/config.json\n  tokenizer: " + test::fixture_dir() + "/tokenizer.json\n" +
-                  "data:\n  train_files: [" + (root_ / "shapes/train.jsonl").string() +
-                  "]\n  min_pixels: 4096\n  max_pixels: 4096\n  num_workers: 1\n"
-                  "train:\n  micro_batch_size: 1\n  global_batch_size: 4\n  train_iters: 3\n"
-                  "  seq_length: 64\n"
-                  "optimizer:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n  weight_decay: 0.1\n"
-                  "  clip_grad: 1.0\n"
-                  "schedule:\n  kind: cosine\n  warmup_iters: 1\n"
-                  "logging:\n  log_interval: 1\n");
-    return path;
-  }
-
-  // The training ("loss") or evaluation ("eval_loss") records of a run, in order.
-  static std::vector<double> losses(const fs::path& run, const char* key = "loss") {
-    std::ifstream f(run / "metrics.jsonl");
-    std::vector<double> out;
-    for (std::string line; std::getline(f, line);) {
-      const nlohmann::json j = nlohmann::json::parse(line);
-      if (j.contains(key)) out.push_back(j[key].get<double>());
-    }
-    return out;
+    return MpirunTest::write_recipe("  weight_decay: 0.1\n  clip_grad: 1.0\n");
   }
 
   static void expect_close_losses(const std::vector<double>& got, const std::vector<double>& want,
@@ -121,9 +60,6 @@ class AppPipelineTrainTest : public ::testing::Test {
       EXPECT_NEAR(got[i], want[i], kLossUlps * FLT_EPSILON * std::abs(want[i]))
           << "iteration " << i + 1;
   }
-
-  fs::path root_;
-  int runs_ = 0;
 };
 
 TEST_F(AppPipelineTrainTest, StagesGiveTheLossesOfOneProcessWhereverTheSplitFalls) {
