@@ -138,6 +138,14 @@ TEST(AppGenerate, TextGreedyMatchesHF) {
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["prompt_tokens"], 15);
   EXPECT_TRUE(j["timings"].contains("decode_tokens_per_s"));
+  // The load's parts: the tokenizer parses beside the weights, so neither exceeds the whole.
+  const auto& t = j["timings"];
+  for (const char* part : {"device_init_ms", "tokenizer_ms", "weights_read_ms"}) {
+    ASSERT_TRUE(t.contains(part)) << part;
+    EXPECT_GE(t[part].get<double>(), 0.0) << part;
+    EXPECT_LE(t[part].get<double>(), t["load_ms"].get<double>()) << part;
+  }
+  EXPECT_GT(t["tokenizer_ms"].get<double>(), 0.0);
 }
 
 TEST(AppGenerate, StreamsTextAndPrintsTimings) {
