@@ -295,12 +295,32 @@ void TrainableQwen3VL::allocate(Arena& a) {
       d_ds_[k] = a.alloc(A, {Sm_all, out});
 }
 
+const std::array<Tensor TrainableQwen3VL::*, TrainableQwen3VL::kInputs>&
+TrainableQwen3VL::input_members() {
+  static const std::array<Tensor TrainableQwen3VL::*, kInputs> members = {
+      &TrainableQwen3VL::ids_,     &TrainableQwen3VL::pad_rows_,   &TrainableQwen3VL::label_rows_,
+      &TrainableQwen3VL::targets_, &TrainableQwen3VL::cos_,        &TrainableQwen3VL::sin_,
+      &TrainableQwen3VL::text_cu_, &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,
+      &TrainableQwen3VL::v_grids_};
+  return members;
+}
+
+TrainableQwen3VL::BatchShape TrainableQwen3VL::shape() const {
+  return BatchShape{padded_, L_, S_, n_pad_, n_label_, n_segments_, n_text_segments_};
+}
+
+void TrainableQwen3VL::set_shape(const BatchShape& s) {
+  padded_ = s.padded, L_ = s.L, S_ = s.S, n_pad_ = s.n_pad, n_label_ = s.n_label;
+  n_segments_ = s.n_segments, n_text_segments_ = s.n_text_segments;
+}
+
 size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
   size_t bytes = 0;
-  for (const Tensor* t : {&ids_, &pad_rows_, &label_rows_, &targets_, &cos_, &sin_, &text_cu_,
-                          &grad_scale_, &pixels_, &v_grids_})
-    if (t->defined())
-      bytes += (static_cast<size_t>(t->numel()) * dtype_size(t->dtype) + 255) / 256 * 256;
+  for (Tensor TrainableQwen3VL::*m : input_members()) {
+    const Tensor& t = this->*m;
+    if (t.defined())
+      bytes += (static_cast<size_t>(t.numel()) * dtype_size(t.dtype) + 255) / 256 * 256;
+  }
   return bytes;
 }
 
@@ -353,19 +373,16 @@ int64_t TrainableQwen3VL::queue_step(
     use_slot(i);
     prepare(micro_batches[i]);
     be_.write(grad_scale_, &grad_scale, DType::f32);
-    keep_shape(slots_[i]);
+    slots_[i].shape = shape();
+    slots_[i].n_label_real = n_label_real_;
     labelled += n_label_real_;
   }
   // One graph when every micro-batch has the shape (and so the host values) of the first, and
   // each one's backward runs.
-  const InputSlot& first = slots_[0];
+  const BatchShape& first = slots_[0].shape;
   bool one_shape = first.padded;
-  for (size_t i = 0; i < n && one_shape; ++i) {
-    const InputSlot& s = slots_[i];
-    one_shape = s.padded && s.L == first.L && s.S == first.S && s.n_pad == first.n_pad &&
-                s.n_label == first.n_label && s.n_segments == first.n_segments &&
-                s.n_text_segments == first.n_text_segments && s.n_label_real > 0;
-  }
+  for (size_t i = 0; i < n && one_shape; ++i)
+    one_shape = slots_[i].shape == first && slots_[i].n_label_real > 0;
   const bool lm = !frozen_.language_model;
   const bool vision_grads = first.S > 0 && (!frozen_.vision_tower || !frozen_.merger);
   if (one_shape && (lm || vision_grads)) {
@@ -392,49 +409,31 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
   if (i != 0) {
     const InputSlot& s = slots_[i];
     InputSlot& own = slots_[0];
-    auto rows = [this](const Tensor& dst, const Tensor& src, int64_t n) {
-      if (n > 0) be_.copy(dst.slice(0, n), src.slice(0, n));
-    };
-    rows(own.ids, s.ids, s.L);
-    rows(own.cos, s.cos, s.L);
-    rows(own.sin, s.sin, s.L);
-    rows(own.pad_rows, s.pad_rows, s.n_pad);
-    rows(own.label_rows, s.label_rows, s.n_label);
-    rows(own.targets, s.targets, s.n_label);
-    be_.copy(own.text_cu, s.text_cu);
-    be_.copy(own.grad_scale, s.grad_scale);
-    if (s.S > 0) {
-      rows(own.pixels, s.pixels, s.S);
-      be_.copy(own.v_grids, s.v_grids);
+    // The rows of each input (in input_members' order) that prepare() wrote; -1: all of it.
+    const BatchShape& b = s.shape;
+    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label, b.L,
+                                   b.L, -1,      -1,        b.S,       b.S > 0 ? -1 : 0};
+    for (size_t k = 0; k < kInputs; ++k) {
+      if (rows[k] < 0)
+        be_.copy(own.inputs[k], s.inputs[k]);
+      else if (rows[k] > 0)
+        be_.copy(own.inputs[k].slice(0, rows[k]), s.inputs[k].slice(0, rows[k]));
     }
-    own.padded = s.padded, own.n_label_real = s.n_label_real, own.L = s.L, own.S = s.S;
-    own.n_pad = s.n_pad, own.n_label = s.n_label, own.n_segments = s.n_segments;
-    own.n_text_segments = s.n_text_segments;
+    own.shape = s.shape;
+    own.n_label_real = s.n_label_real;
   }
   use_slot(0);
 }
 
 void TrainableQwen3VL::plan_input_slots(int n) {
   slots_.assign(static_cast<size_t>(std::max(n, 1)), InputSlot{});
-  InputSlot& own = slots_[0];
-  own.ids = ids_, own.pad_rows = pad_rows_, own.label_rows = label_rows_, own.targets = targets_;
-  own.cos = cos_, own.sin = sin_, own.text_cu = text_cu_, own.grad_scale = grad_scale_;
-  own.pixels = pixels_, own.v_grids = v_grids_;
+  for (size_t k = 0; k < kInputs; ++k) slots_[0].inputs[k] = this->*input_members()[k];
   auto place = [&](Arena& a) {
-    for (size_t i = 1; i < slots_.size(); ++i) {
-      InputSlot& s = slots_[i];
-      for (auto [dst, src] : {std::pair{&s.ids, &own.ids},
-                              {&s.pad_rows, &own.pad_rows},
-                              {&s.label_rows, &own.label_rows},
-                              {&s.targets, &own.targets},
-                              {&s.cos, &own.cos},
-                              {&s.sin, &own.sin},
-                              {&s.text_cu, &own.text_cu},
-                              {&s.grad_scale, &own.grad_scale},
-                              {&s.pixels, &own.pixels},
-                              {&s.v_grids, &own.v_grids}})
-        if (src->defined()) *dst = a.alloc(src->dtype, src->dims());
-    }
+    for (size_t i = 1; i < slots_.size(); ++i)
+      for (size_t k = 0; k < kInputs; ++k) {
+        const Tensor& own = slots_[0].inputs[k];
+        if (own.defined()) slots_[i].inputs[k] = a.alloc(own.dtype, own.dims());
+      }
   };
   Arena plan;
   place(plan);
@@ -449,17 +448,9 @@ void TrainableQwen3VL::plan_input_slots(int n) {
 
 void TrainableQwen3VL::use_slot(size_t i) {
   const InputSlot& s = slots_[i];
-  ids_ = s.ids, pad_rows_ = s.pad_rows, label_rows_ = s.label_rows, targets_ = s.targets;
-  cos_ = s.cos, sin_ = s.sin, text_cu_ = s.text_cu, grad_scale_ = s.grad_scale;
-  pixels_ = s.pixels, v_grids_ = s.v_grids;
-  padded_ = s.padded, n_label_real_ = s.n_label_real, L_ = s.L, S_ = s.S, n_pad_ = s.n_pad;
-  n_label_ = s.n_label, n_segments_ = s.n_segments, n_text_segments_ = s.n_text_segments;
-}
-
-void TrainableQwen3VL::keep_shape(InputSlot& slot) const {
-  slot.padded = padded_, slot.n_label_real = n_label_real_, slot.L = L_, slot.S = S_;
-  slot.n_pad = n_pad_, slot.n_label = n_label_, slot.n_segments = n_segments_;
-  slot.n_text_segments = n_text_segments_;
+  for (size_t k = 0; k < kInputs; ++k) this->*input_members()[k] = s.inputs[k];
+  set_shape(s.shape);
+  n_label_real_ = s.n_label_real;
 }
 
 double TrainableQwen3VL::take_loss_sum() {

@@ -13,6 +13,7 @@
 // scratch and the loss's workspace; a step allocates nothing.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -306,14 +307,26 @@ class TrainableQwen3VL {
   int64_t overflow_runs_ = 0;
   PaddingStats padding_;
 
-  // A step's micro-batches as queue_step holds them: the inputs prepare() writes and the shape it
-  // sets, per micro-batch. Slot 0 is the model's own inputs; use_slot points the inputs and the
+  // The host values a micro-batch's ops take (TrainableQwen3VL's members of the same names): one
+  // graph serves micro-batches whose shapes are equal.
+  struct BatchShape {
+    bool padded = false;
+    int64_t L = 0, S = 0, n_pad = 0, n_label = 0;
+    int n_segments = 0, n_text_segments = 0;
+    bool operator==(const BatchShape&) const = default;
+  };
+  BatchShape shape() const;
+  void set_shape(const BatchShape& shape);
+  // The tensors prepare() writes, in one order.
+  static constexpr size_t kInputs = 10;
+  static const std::array<Tensor TrainableQwen3VL::*, kInputs>& input_members();
+  // A step's micro-batches as queue_step holds them: the inputs prepare() wrote and the shape it
+  // set, per micro-batch. Slot 0 holds the model's own inputs; use_slot points the inputs and the
   // shape at a slot's.
   struct InputSlot {
-    Tensor ids, pad_rows, label_rows, targets, cos, sin, text_cu, grad_scale, pixels, v_grids;
-    bool padded = false;
-    int64_t n_label_real = 0, L = 0, S = 0, n_pad = 0, n_label = 0;
-    int n_segments = 0, n_text_segments = 0;
+    std::array<Tensor, kInputs> inputs;
+    BatchShape shape;
+    int64_t n_label_real = 0;
   };
   std::vector<InputSlot> slots_;
   Arena slot_arena_;
@@ -322,7 +335,6 @@ class TrainableQwen3VL {
   // Copies slot i's inputs and shape into slot 0 and uses it: graphs of single micro-batches
   // were captured reading the model's own inputs.
   void move_into_own_inputs(size_t i);
-  void keep_shape(InputSlot& slot) const;
 
   // The current micro-batch's shape (padded: the bucket's).
   bool padded_ = false;
