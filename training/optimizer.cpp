@@ -205,16 +205,20 @@ void AdamW::setup_pipeline(const StageTensors& pipeline) {
       if (rows[k].tensor == static_cast<int64_t>(i))
         norm_order_[i].push_back(owner_[i] * rows_max_ + static_cast<int64_t>(k));
   }
-  auto plan_tables = [&](Arena& a) {
+  plan_row_sums(stages);
+}
+
+void AdamW::plan_row_sums(int64_t groups) {
+  auto plan = [&](Arena& a) {
     row_sums_ = a.alloc(DType::i64, {rows_max_});
-    all_row_sums_ = a.alloc(DType::i64, {stages * rows_max_});
+    all_row_sums_ = a.alloc(DType::i64, {groups * rows_max_});
   };
-  Arena planning_tables;
-  plan_tables(planning_tables);
-  shard_tables_ = Arena(be_, planning_tables.used());
-  plan_tables(shard_tables_);
+  Arena planning;
+  plan(planning);
+  shard_tables_ = Arena(be_, planning.used());
+  plan(shard_tables_);
   be_.fill_zero(row_sums_);
-  host_row_sums_.resize(static_cast<size_t>(stages * rows_max_));
+  host_row_sums_.resize(static_cast<size_t>(groups * rows_max_));
 }
 
 bool AdamW::saves(size_t tensor) const {
@@ -273,16 +277,7 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
   plan(shard_state_);
   flat_m_ = flat_m_.slice(0, shard_end_ - shard_begin_);
   flat_v_ = flat_v_.slice(0, shard_end_ - shard_begin_);
-  auto plan_tables = [&](Arena& a) {
-    row_sums_ = a.alloc(DType::i64, {rows_max_});
-    all_row_sums_ = a.alloc(DType::i64, {world * rows_max_});
-  };
-  Arena planning_tables;
-  plan_tables(planning_tables);
-  shard_tables_ = Arena(be_, planning_tables.used());
-  plan_tables(shard_tables_);
-  be_.fill_zero(row_sums_);
-  host_row_sums_.resize(static_cast<size_t>(world * rows_max_));
+  plan_row_sums(world);
   norm_order_.assign(master_.bindings.size(), {});
   for (int q = 0; q < world; ++q)
     for (size_t k = 0; k < rows_[static_cast<size_t>(q)].size(); ++k)

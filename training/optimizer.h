@@ -171,6 +171,8 @@ class AdamW {
   int64_t shard_begin_ = 0, shard_end_ = 0, rows_max_ = 0;
   std::vector<std::vector<Row>> rows_;  // every rank's rows
   Tensor row_sums_, all_row_sums_;      // f64 bits: this rank's, every rank's [world, rows_max_]
+  // row_sums_ and all_row_sums_ for `groups` ranks or stages that each sum their own rows.
+  void plan_row_sums(int64_t groups);
   std::vector<double> host_row_sums_;
   mutable std::vector<float> gathered_m_, gathered_v_;  // rank 0, from gather_state to save
   mutable std::vector<int64_t> gathered_steps_;
