@@ -19,16 +19,23 @@ std::vector<PipelineStage> split_stages(const ModelConfig& cfg, int n_stages) {
              " decoder layers into ", n_stages,
              " pipeline stages: every stage needs at least one layer (use 1 to ", n_layers, ")");
   const int base = n_layers / n_stages, extra = n_layers % n_stages;
+  std::vector<int> counts;
+  for (int i = 0; i < n_stages; ++i) counts.push_back(base + (i >= n_stages - extra ? 1 : 0));
+  return stages_of_layer_counts(counts);
+}
+
+std::vector<PipelineStage> stages_of_layer_counts(const std::vector<int>& layer_counts) {
+  const int n = static_cast<int>(layer_counts.size());
   std::vector<PipelineStage> out;
   int first = 0;
-  for (int i = 0; i < n_stages; ++i) {
+  for (int i = 0; i < n; ++i) {
     PipelineStage s;
     s.index = i;
-    s.count = n_stages;
+    s.count = n;
     s.has_vision = i == 0;
     s.first_layer = first;
-    s.end_layer = first + base + (i >= n_stages - extra ? 1 : 0);
-    s.has_head = i == n_stages - 1;
+    s.end_layer = first + layer_counts[static_cast<size_t>(i)];
+    s.has_head = i == n - 1;
     first = s.end_layer;
     out.push_back(s);
   }

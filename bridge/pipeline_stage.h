@@ -28,6 +28,10 @@ struct PipelineStage {
 // the layers do not divide evenly the extra layers go to the later stages.
 std::vector<PipelineStage> split_stages(const ModelConfig& cfg, int n_stages);
 
+// Consecutive stages holding layer_counts[i] layers each, from layer 0: the vision encoder on the
+// first, the head on the last.
+std::vector<PipelineStage> stages_of_layer_counts(const std::vector<int>& layer_counts);
+
 // Checks that `stage` is one stage of a valid split of this model; the message names the field.
 void validate_stage(const ModelConfig& cfg, const PipelineStage& stage);
 

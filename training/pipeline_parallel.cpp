@@ -62,20 +62,8 @@ std::vector<PipelineStage> pipeline_split(const ModelConfig& cfg, int n_stages,
       b = a;
     }
   }
-  std::vector<PipelineStage> out;
-  int first = 0;
-  for (int s = 0; s < n_stages; ++s) {
-    PipelineStage st;
-    st.index = s;
-    st.count = n_stages;
-    st.has_vision = s == 0;
-    st.first_layer = first;
-    st.end_layer = first + counts[s];
-    st.has_head = s == n_stages - 1;
-    first = st.end_layer;
-    validate_stage(cfg, st);
-    out.push_back(st);
-  }
+  std::vector<PipelineStage> out = stages_of_layer_counts(counts);
+  for (const PipelineStage& st : out) validate_stage(cfg, st);
   return out;
 }
 
