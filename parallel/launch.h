@@ -13,6 +13,8 @@ struct LaunchEnv {
   int rank = 0;
   int world = 1;
   int local_rank = 0;  // rank among the processes of this host: picks the GPU
+  // Processes of this run on this host, which share its cores.
+  int local_size = 1;
   // "mpirun", "srun", or "" when no launcher started the process.
   std::string launcher;
   bool launched() const { return !launcher.empty(); }

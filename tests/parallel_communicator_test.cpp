@@ -36,10 +36,12 @@ TEST(LaunchEnv, ReadsMpirunAndSrunAndDefaultsToOneProcess) {
   EXPECT_FALSE(none.launched());
   EXPECT_EQ(none.rank, 0);
   EXPECT_EQ(none.world, 1);
+  EXPECT_EQ(none.local_size, 1);
 
   const LaunchEnv ompi = env_of({{"OMPI_COMM_WORLD_SIZE", "4"},
                                  {"OMPI_COMM_WORLD_RANK", "3"},
                                  {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
                                  {"SLURM_PROCID", "0"},
                                  {"SLURM_STEP_ID", "0"},
                                  {"SLURM_NTASKS", "2"}});
@@ -47,16 +49,19 @@ TEST(LaunchEnv, ReadsMpirunAndSrunAndDefaultsToOneProcess) {
   EXPECT_EQ(ompi.world, 4);
   EXPECT_EQ(ompi.rank, 3);
   EXPECT_EQ(ompi.local_rank, 1);
+  EXPECT_EQ(ompi.local_size, 2);
 
   const LaunchEnv srun = env_of({{"SLURM_PROCID", "5"},
                                  {"SLURM_STEP_ID", "0"},
                                  {"SLURM_NTASKS", "8"},
                                  {"SLURM_STEP_NUM_TASKS", "6"},
-                                 {"SLURM_LOCALID", "2"}});
+                                 {"SLURM_LOCALID", "2"},
+                                 {"SLURM_STEP_TASKS_PER_NODE", "3(x2)"}});
   EXPECT_EQ(srun.launcher, "srun");
   EXPECT_EQ(srun.world, 6);
   EXPECT_EQ(srun.rank, 5);
   EXPECT_EQ(srun.local_rank, 2);
+  EXPECT_EQ(srun.local_size, 3);
 
   // An sbatch script is one process even though its allocation has several tasks.
   const LaunchEnv batch = env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}});

@@ -764,5 +764,15 @@ TEST_F(TinyTrainingTest, ExportIsAnHfDirectoryWithTheSameGreedyTokens) {
   EXPECT_THROW(export_checkpoint(root_.string(), run_dir("export2")), Error);
 }
 
+TEST(GpuHostThreads, TheCoresLeftByTheDataWorkersAndTheStepThreadShared) {
+  EXPECT_EQ(gpu_host_threads(16, 1, 4), 11);
+  EXPECT_EQ(gpu_host_threads(16, 1, 0), 15);
+  // Two ranks on one host share its cores.
+  EXPECT_EQ(gpu_host_threads(16, 2, 2), 5);
+  // Never none, however many workers.
+  EXPECT_EQ(gpu_host_threads(2, 1, 4), 1);
+  EXPECT_EQ(gpu_host_threads(8, 16, 0), 1);
+}
+
 }  // namespace
 }  // namespace iris

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "language/tokenizer.h"
+#include "parallel/launch.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
 #include "training/data_parallel.h"
@@ -238,6 +240,10 @@ void upload_weights(Backend& be, ModelWeights& dst, const ModelWeights& src) {
 }
 
 }  // namespace
+
+int gpu_host_threads(int cores, int processes_on_host, int data_workers) {
+  return std::max(1, cores / std::max(1, processes_on_host) - data_workers - 1);
+}
 
 void init_random_weights(Backend& backend, ModelWeights& weights, const std::string& config_json,
                          uint64_t seed) {
@@ -687,6 +693,18 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
         "; stage s keeps the activations of min(", dp.stages(),
         " - s, micro-batches per replica) micro-batches):\n",
         describe_pipeline(stages, dp.replicas(), graph_sets)));
+  }
+  // After the weights are drawn and uploaded, which use every core. OMP_NUM_THREADS, when set,
+  // is the user's own choice.
+  if (on_gpu && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const int cores = omp_get_num_procs();
+    const int local = read_launch_env().local_size;
+    const int threads = gpu_host_threads(cores, local, r.data.config.num_workers);
+    omp_set_num_threads(threads);
+    log.message(str_cat("host threads: ", threads, " (", cores, " cores",
+                        local > 1 ? str_cat(" shared by ", local, " processes") : std::string(),
+                        ", less ", r.data.config.num_workers,
+                        " data workers and the step's own thread; OMP_NUM_THREADS overrides)"));
   }
   if (!resume_dir.empty() && state.threads > 0 && state.threads != omp_get_max_threads())
     log.message(str_cat("note: the checkpoint was written with ", state.threads,
