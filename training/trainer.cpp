@@ -721,7 +721,12 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       const int me = dp.stage();
       std::set<std::string> mine;
       for (size_t i = 0; i < owner.size(); ++i)
-        if (owner[i] == me) mine.insert(params->bindings[i].hf_name);
+        if (owner[i] == me) {
+          mine.insert(params->bindings[i].hf_name);
+          // On the GPU the stage's master weights are the f32 copy on the device.
+          if (on_gpu)
+            gpu->read(params->bindings[i].tensor().data, DType::f32, master->bindings[i].tensor());
+        }
       save_weights(*cpu, *params, (d / stage_file("model", me, P)).string(), DType::f32,
                    [&](const std::string& name) { return mine.count(name) > 0; });
       opt.save((d / stage_file("optimizer", me, P)).string());
