@@ -62,6 +62,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(Backend&, MpiSession*, int,
 bool nccl_available() {
   return false;
 }
+
+std::unique_ptr<StallWatchdog> make_stall_watchdog(Backend&, double, int) {
+  return nullptr;
+}
 #endif
 
 int local_cuda_device(const LaunchEnv& env) {

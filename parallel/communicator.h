@@ -11,6 +11,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 
 #include "core/backend.h"
@@ -40,6 +41,20 @@ class Communicator {
   virtual void broadcast(const Tensor& buf, int root) = 0;
   virtual void send(const Tensor& t, int peer) = 0;
   virtual void recv(const Tensor& t, int peer) = 0;
+  // One point-to-point message of a grouped exchange: all of `t` to or from rank `peer` (this
+  // communicator's numbering; a rank may name itself).
+  struct Transfer {
+    Tensor t;
+    int peer = 0;
+  };
+  // Posts every receive and send at once and completes them together, so that two ranks that
+  // post each other's halves in one call cannot deadlock however large the messages are;
+  // messages between two ranks in one direction match in the order they are posted. MPI waits
+  // for them on the host, bounded by parallel.timeout_seconds; NCCL queues them as one group on
+  // its stream (ordered as the other calls are) and does not wait. `what` names the exchange in
+  // errors. At most MpiSession::kMaxTransfers of each on MPI.
+  virtual void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
+                        const char* what) = 0;
   // Local: out[n] (f32) = ((pieces[0] + pieces[1]) + ...) + pieces[size() - 1] over the size()
   // pieces of pieces[size() * n] (f32). out must not overlap pieces.
   virtual void sum_pieces(const Tensor& out, const Tensor& pieces) = 0;
@@ -52,6 +67,21 @@ class Communicator {
   // scratch: f32 of at least N elements rounded up to a multiple of size().
   void all_reduce(const Tensor& buf, const Tensor& scratch);
 };
+
+// NCCL waits on the GPU with no timeout: a peer that stops responding leaves this rank's kernels
+// spinning and its host blocked in its next read from the device, or in a launch once the queue
+// is full, where no exception can reach it. The watchdog bounds that wait as MpiSession bounds
+// the host's: mark() records a point on the backend's stream (no host wait; once a step), and a
+// thread of its own checks the oldest point not yet reached. When the GPU has reached no point
+// for `timeout_seconds` (parallel.timeout_seconds) while one is pending, it prints why and ends
+// the process with exit code 1, which makes the launcher (mpirun, srun) end every other rank.
+class StallWatchdog {
+ public:
+  virtual ~StallWatchdog() = default;
+  virtual void mark() = 0;
+};
+// Null without NCCL (no multi-GPU run to watch). `rank` names the process in the message.
+std::unique_ptr<StallWatchdog> make_stall_watchdog(Backend& be, double timeout_seconds, int rank);
 
 // Scratch elements all_reduce needs for a buffer of n elements on `world` ranks.
 int64_t all_reduce_scratch_elements(int64_t n, int world);

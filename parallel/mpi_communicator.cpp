@@ -44,6 +44,26 @@ class MpiCommunicator final : public Communicator {
     check(t, "recv");
     s_.recv(t.data, t.nbytes(), peer, "recv");
   }
+  void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
+                const char* what) override {
+    IRIS_CHECK(sends.size() <= size_t(MpiSession::kMaxTransfers) &&
+                   recvs.size() <= size_t(MpiSession::kMaxTransfers),
+               what, ": more than ", MpiSession::kMaxTransfers,
+               " sends or receives in one exchange");
+    MpiSession::Transfer s[MpiSession::kMaxTransfers], r[MpiSession::kMaxTransfers];
+    auto fill = [&](MpiSession::Transfer* out, std::span<const Transfer> in) {
+      for (size_t i = 0; i < in.size(); ++i) {
+        check(in[i].t, what);
+        IRIS_CHECK(in[i].peer >= 0 && in[i].peer < size(), what, ": peer ", in[i].peer,
+                   " is not a rank of this communicator of ", size());
+        out[i] = MpiSession::Transfer{in[i].t.data, in[i].t.nbytes(), in[i].peer};
+      }
+    };
+    fill(s, sends);
+    fill(r, recvs);
+    if (!sends.empty() || !recvs.empty())
+      s_.exchange(s, static_cast<int>(sends.size()), r, static_cast<int>(recvs.size()), what);
+  }
   void sum_pieces(const Tensor& out, const Tensor& pieces) override {
     check(out, "sum_pieces");
     check(pieces, "sum_pieces");

@@ -5,8 +5,16 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "core/cuda/cuda_check.h"
 #include "core/error.h"
@@ -108,6 +116,31 @@ class NcclCommunicator final : public Communicator {
     Ordered o(*this);
     IRIS_NCCL_CHECK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_));
   }
+  void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
+                const char* what) override {
+    // Every check before the group opens, so that a bad call leaves no group half built.
+    bool any = false;
+    for (const auto* list : {&sends, &recvs})
+      for (const Transfer& x : *list) {
+        check(x.t, what);
+        IRIS_CHECK(x.peer >= 0 && x.peer < world_, what, ": peer ", x.peer,
+                   " is not a rank of this communicator of ", world_);
+        any = any || x.t.nbytes() > 0;
+      }
+    if (!any) return;
+    Ordered o(*this);
+    // One group: NCCL posts the receives and sends together, and (as MPI does) matches the
+    // messages between two ranks in one direction in the order they are posted. Both sides
+    // compute the same sizes, so an empty message is skipped on both.
+    IRIS_NCCL_CHECK(ncclGroupStart());
+    for (const Transfer& x : recvs)
+      if (x.t.nbytes() > 0)
+        IRIS_NCCL_CHECK(ncclRecv(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_));
+    for (const Transfer& x : sends)
+      if (x.t.nbytes() > 0)
+        IRIS_NCCL_CHECK(ncclSend(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_));
+    IRIS_NCCL_CHECK(ncclGroupEnd());
+  }
   void sum_pieces(const Tensor& out, const Tensor& pieces) override {
     check(out, "sum_pieces");
     check(pieces, "sum_pieces");
@@ -158,7 +191,109 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t before_ = nullptr, after_ = nullptr;
 };
 
+// Step ends reached, as the GPU writes them into host memory: the watchdog thread reads them
+// with no CUDA call, which could wait behind the main thread's blocked one.
+__global__ void store_reached_kernel(unsigned long long* reached, unsigned long long seq) {
+  *reinterpret_cast<volatile unsigned long long*>(reached) = seq;
+  __threadfence_system();
+}
+
+class MarkWatchdog final : public StallWatchdog {
+ public:
+  MarkWatchdog(Backend& be, double timeout_seconds, int rank)
+      : stream_(static_cast<cudaStream_t>(be.native_stream())),
+        timeout_(timeout_seconds),
+        rank_(rank) {
+    IRIS_CHECK(be.device() == Device::cuda, "the stall watchdog watches a CUDA backend");
+    void* host = nullptr;
+    IRIS_CUDA_CHECK(cudaHostAlloc(&host, sizeof(unsigned long long), cudaHostAllocMapped));
+    reached_host_ = static_cast<unsigned long long*>(host);
+    *reached_host_ = 0;
+    void* dev = nullptr;
+    IRIS_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+    reached_dev_ = static_cast<unsigned long long*>(dev);
+    thread_ = std::thread([this] { watch(); });
+  }
+  ~MarkWatchdog() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+    // The last mark may still be queued: it writes this memory.
+    cudaStreamSynchronize(stream_);
+    cudaFreeHost(reached_host_);
+  }
+
+  void mark() override {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return;  // a graph must not hold the mark
+    const unsigned long long seq = marked_.load(std::memory_order_relaxed) + 1;
+    marked_at_[seq % kTimes].store(Clock::now().time_since_epoch().count(),
+                                   std::memory_order_relaxed);
+    marked_.store(seq, std::memory_order_release);
+    store_reached_kernel<<<1, 1, 0, stream_>>>(reached_dev_, seq);
+    IRIS_CUDA_LAUNCH_CHECK();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  // Mark times kept; a host further ahead overwrites the oldest with later times, which only
+  // lengthens the wait tolerated.
+  static constexpr size_t kTimes = 64;
+
+  void watch() {
+    unsigned long long seen = 0;
+    Clock::time_point progress = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; })) {
+      const unsigned long long reached =
+          *reinterpret_cast<volatile unsigned long long*>(reached_host_);
+      const unsigned long long marked = marked_.load(std::memory_order_acquire);
+      if (reached != seen) {
+        seen = reached;
+        progress = Clock::now();
+      }
+      if (reached >= marked) continue;
+      const Clock::time_point pending_since{
+          Clock::duration(marked_at_[(reached + 1) % kTimes].load(std::memory_order_relaxed))};
+      const double waited =
+          std::chrono::duration<double>(Clock::now() - std::max(progress, pending_since)).count();
+      if (waited > timeout_) {
+        std::fflush(stdout);
+        std::fprintf(stderr,
+                     "error: rank %d: the GPU has not finished a step for %.0f s: a collective "
+                     "or pipeline exchange waits in NCCL for a rank that stopped responding or "
+                     "died (parallel.timeout_seconds is %.0f); ending the job\n",
+                     rank_, waited, timeout_);
+        std::fflush(stderr);
+        // The main thread may be blocked inside a CUDA call, where no exception reaches it, so
+        // the process ends here (its kernels with it); its launcher then ends the other ranks.
+        std::_Exit(1);
+      }
+    }
+  }
+
+  cudaStream_t stream_;
+  double timeout_;
+  int rank_;
+  unsigned long long* reached_host_ = nullptr;
+  unsigned long long* reached_dev_ = nullptr;
+  std::atomic<unsigned long long> marked_{0};
+  std::array<std::atomic<Clock::rep>, kTimes> marked_at_{};
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
+
+std::unique_ptr<StallWatchdog> make_stall_watchdog(Backend& be, double timeout_seconds, int rank) {
+  return std::make_unique<MarkWatchdog>(be, timeout_seconds, rank);
+}
 
 std::unique_ptr<Communicator> make_nccl_communicator(Backend& be, MpiSession* session, int rank,
                                                      int world) {

@@ -255,6 +255,26 @@ TEST_F(Collectives, SplitGroupsAndPairedExchangesDoNotDeadlock) {
   EXPECT_TRUE(same_bits(in2, data_of(-prev, 7)));
 }
 
+TEST_F(Collectives, GroupedExchangeMatchesInPostingOrderAndReachesItself) {
+  // Two messages each way round the ring in one call (received in the order posted, neither
+  // waiting for the other), plus one to this rank itself; with one rank the ring is this rank.
+  const int64_t n = 1 << 16;  // past the eager limit: a real rendezvous
+  const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
+  std::vector<float> out = data_of(rank_, n), in(static_cast<size_t>(n)), out2 = data_of(-rank_, 7),
+                     in2(7), self_out = data_of(100 + rank_, 5), self_in(5);
+  using T = Communicator::Transfer;
+  const T sends[] = {{view(out), next}, {view(out2), next}, {view(self_out), rank_}};
+  const T recvs[] = {{view(in), prev}, {view(in2), prev}, {view(self_in), rank_}};
+  comm_->exchange(sends, recvs, "the test exchange");
+  EXPECT_TRUE(same_bits(in, data_of(prev, n)));
+  EXPECT_TRUE(same_bits(in2, data_of(-prev, 7)));
+  EXPECT_TRUE(same_bits(self_in, data_of(100 + rank_, 5)));
+  // Nothing to move is no call at all; a peer outside the communicator is refused.
+  comm_->exchange({}, {}, "the empty exchange");
+  const T bad[] = {{view(out2), world_}};
+  EXPECT_THROW(comm_->exchange(bad, {}, "the bad exchange"), Error);
+}
+
 TEST_F(Collectives, ShardExchangeSumsEachShardAndGathersEveryShard) {
   auto cpu = make_cpu_backend();
   // A length with a tail for the last rank, in one bucket and in many (packed) ones.

@@ -79,20 +79,29 @@ DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
                                          bool reduce_gradients,
                                          const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   if (env_.world == 1) return Link(*this);
-  IRIS_CHECK(stages_ == 1 || be.device() == Device::cpu, "parallel.pipeline_parallel_size ",
-             stages_,
-             ": pipeline parallelism runs on the CPU backend (MPI) for now; set train.device=cpu "
-             "or parallel.pipeline_parallel_size=1");
-  comm_ = be.device() == Device::cuda ? make_nccl_communicator(be, session_, env_.rank, env_.world)
-                                      : make_mpi_communicator(*session_);
+  const bool cuda = be.device() == Device::cuda;
+  comm_ = cuda ? make_nccl_communicator(be, session_, env_.rank, env_.world)
+               : make_mpi_communicator(*session_);
   Communicator* reduce_over = comm_.get();
   if (stages_ > 1) {
+    // Keys: a group's rank is the replica in the data-parallel group and the stage in the
+    // pipeline, which is how stage_exchange and sum_tied_gradient name their peers.
     dp_session_ = session_->split(stage(), replica(), "the data-parallel group split");
     pipe_session_ = session_->split(replica(), stage(), "the pipeline group split");
-    dp_comm_ = make_mpi_communicator(*dp_session_);
-    pipe_comm_ = make_mpi_communicator(*pipe_session_);
+    // Every rank makes the data-parallel group's communicator before the pipeline's: NCCL's
+    // initialisation waits for the group's ranks, so one order everywhere cannot deadlock.
+    auto group = [&](MpiSession& s) {
+      return cuda ? make_nccl_communicator(be, &s, s.rank(), s.size()) : make_mpi_communicator(s);
+    };
+    dp_comm_ = group(*dp_session_);
+    pipe_comm_ = group(*pipe_session_);
+    IRIS_CHECK(pipe_comm_->rank() == stage() && dp_comm_->rank() == replica(),
+               "the pipeline group split gave rank ", env_.rank, " pipeline rank ",
+               pipe_comm_->rank(), " (stage ", stage(), ") and data-parallel rank ",
+               dp_comm_->rank(), " (replica ", replica(), ")");
     reduce_over = replicas_ > 1 ? dp_comm_.get() : nullptr;
   }
+  if (cuda) watchdog_ = make_stall_watchdog(be, session_->timeout(), env_.rank);
   // Gradients of one config share one layout, so they are one flat span (as zero_grads uses).
   const Tensor flat(grads.arena.base(), DType::f32, be.device(),
                     {static_cast<int64_t>(grads.arena.capacity() / sizeof(float))});
@@ -111,6 +120,7 @@ DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
 }
 
 void DataParallel::disconnect() {
+  watchdog_.reset();
   reducer_.reset();
   comm_.reset();
   dp_comm_.reset();
@@ -123,38 +133,44 @@ void DataParallel::stage_exchange(const std::vector<Tensor>& send_prev,
                                   const std::vector<Tensor>& recv_prev,
                                   const std::vector<Tensor>& send_next,
                                   const std::vector<Tensor>& recv_next, const char* what) {
-  MpiSession::Transfer sends[MpiSession::kMaxTransfers], recvs[MpiSession::kMaxTransfers];
+  IRIS_CHECK(pipe_comm_ != nullptr, what, ": the pipeline is not connected");
+  using Transfer = Communicator::Transfer;
+  constexpr int kMax = MpiSession::kMaxTransfers;
+  Transfer sends[kMax], recvs[kMax];
   int ns = 0, nr = 0;
-  auto add = [&](MpiSession::Transfer* list, int& n, const std::vector<Tensor>& ts, int stage) {
+  // Peers by stage: the pipeline communicator's rank is the stage (connect's split key).
+  auto add = [&](Transfer* list, int& n, const std::vector<Tensor>& ts, int stage) {
     if (ts.empty()) return;
     IRIS_CHECK(stage >= 0 && stage < stages_, what, ": stage ", this->stage(),
                " has no neighbour stage ", stage);
     for (const Tensor& t : ts) {
-      IRIS_CHECK(t.device == Device::cpu, what, ": pipeline stages exchange CPU tensors");
-      IRIS_CHECK(n < MpiSession::kMaxTransfers, what, ": more than ", MpiSession::kMaxTransfers,
-                 " tensors in one exchange");
-      list[n++] = MpiSession::Transfer{t.data, t.nbytes(), stage_rank(stage)};
+      IRIS_CHECK(n < kMax, what, ": more than ", kMax, " tensors in one exchange");
+      list[n++] = Transfer{t, stage};
     }
   };
   add(sends, ns, send_prev, stage() - 1);
   add(sends, ns, send_next, stage() + 1);
   add(recvs, nr, recv_prev, stage() - 1);
   add(recvs, nr, recv_next, stage() + 1);
-  if (ns + nr > 0) session_->exchange(sends, ns, recvs, nr, what);
+  if (ns + nr > 0) pipe_comm_->exchange({sends, size_t(ns)}, {recvs, size_t(nr)}, what);
 }
 
 void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch) {
   if (stages_ == 1 || (stage() != 0 && stage() != stages_ - 1)) return;
   const bool first = stage() == 0;
   const int peer = first ? stages_ - 1 : 0;
-  MpiSession::Transfer send{grad.data, grad.nbytes(), stage_rank(peer)};
-  MpiSession::Transfer recv{scratch.data, scratch.nbytes(), stage_rank(peer)};
-  session_->exchange(&send, 1, &recv, 1, "the tied-embedding gradient exchange");
-  // Stage 0's term first on both sides: the same bits, so both copies stay identical.
+  const Communicator::Transfer send{grad, peer}, recv{scratch, peer};
+  pipe_comm_->exchange({&send, 1}, {&recv, 1}, "the tied-embedding gradient exchange");
+  // Stage 0's term first on both sides: the same bits, so both copies stay identical. (On CUDA
+  // the add is queued after the exchange, which the backend's stream waits for.)
   if (first)
     be.add(grad, grad, scratch);
   else
     be.add(grad, scratch, grad);
+}
+
+void DataParallel::mark_progress() {
+  if (watchdog_) watchdog_->mark();
 }
 
 std::string DataParallel::describe() const {

@@ -95,10 +95,12 @@ class DataParallel {
   // Pipelines only (after connect): the stages of this rank's pipeline, in stage order (for the
   // gradient norm over every stage).
   Communicator* pipeline_communicator() { return pipe_comm_.get(); }
-  // Posts the sends to and receives from the neighbouring stages of this rank's pipeline, then
-  // waits for all of them (bounded by parallel.timeout_seconds): CPU tensors, in the order the
-  // neighbour posts its halves. A list may be empty; a stage without that neighbour passes empty
-  // lists for it.
+  // Posts the sends to and receives from the neighbouring stages of this rank's pipeline as one
+  // grouped exchange of the pipeline communicator (Communicator::exchange), in the order the
+  // neighbour posts its halves: on the CPU (MPI) the host waits for them, bounded by
+  // parallel.timeout_seconds; on CUDA (NCCL) they are queued between the backend's work and the
+  // host goes on (the stall watchdog bounds the wait). A list may be empty; a stage without that
+  // neighbour passes empty lists for it.
   void stage_exchange(const std::vector<Tensor>& send_prev, const std::vector<Tensor>& recv_prev,
                       const std::vector<Tensor>& send_next, const std::vector<Tensor>& recv_next,
                       const char* what);
@@ -106,6 +108,9 @@ class DataParallel {
   // gradient; this sums the two (stage 0's first) on both, so that both apply one update.
   // Nothing to do for one stage or for a rank on another stage. `scratch`: f32 like `grad`.
   void sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch);
+  // On CUDA with more than one rank: a point the stall watchdog (parallel/communicator.h) expects
+  // the GPU to reach within parallel.timeout_seconds; once per step, after its work is queued.
+  void mark_progress();
   // Communicator and scratch bytes, for the memory plan ("" for one process).
   std::string describe() const;
   // Sums the gradients over the ranks (fixed order); after the backward of the last micro-batch.
@@ -131,6 +136,7 @@ class DataParallel {
   std::unique_ptr<MpiSession> dp_session_, pipe_session_;
   std::unique_ptr<Communicator> comm_, dp_comm_, pipe_comm_;
   std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<StallWatchdog> watchdog_;
 };
 
 }  // namespace iris

@@ -104,9 +104,8 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
     IRIS_CHECK(pipeline->held.size() == size_t(pipeline->stages->size()),
                "AdamW: the pipeline lists ", pipeline->held.size(),
                " stages but its communicator has ", pipeline->stages->size());
-    IRIS_CHECK(working == nullptr,
-               "AdamW: a pipeline stage's optimizer needs the master weights to be the weights the "
-               "model reads (the CPU backend)");
+    IRIS_CHECK(pipeline->stages->device() == backend.device(), "AdamW: the pipeline's ",
+               pipeline->stages->name(), " communicator is not on the optimizer's device");
     for (size_t i = 0; i < n; ++i) {
       const Tensor t = master.bindings[i].tensor();
       if (pipeline->held[size_t(pipeline->stages->rank())][i])
@@ -245,9 +244,6 @@ std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, in
 }
 
 void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
-  IRIS_CHECK(working_ == nullptr,
-             "AdamW: a sharded optimizer needs the master weights to be the weights the model "
-             "reads (the CPU backend); a separate working copy is not sharded yet");
   IRIS_CHECK(comm.device() == be_.device(), "AdamW: the communicator (", comm.name(),
              ") is not on the optimizer's device");
   comm_ = &comm;
@@ -283,6 +279,64 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
     for (size_t k = 0; k < rows_[static_cast<size_t>(q)].size(); ++k)
       norm_order_[static_cast<size_t>(rows_[static_cast<size_t>(q)][k].tensor)].push_back(
           q * rows_max_ + static_cast<int64_t>(k));
+  if (working_ != nullptr) plan_working_gather();
+}
+
+void AdamW::plan_working_gather() {
+  // Each rank's step rewrites the working copy of the elements of its shard, which in the
+  // working arena's own layout (its alignment gaps may differ from the f32 arena's) are one
+  // contiguous range: the tensors lie in the same order in both arenas, so the working offset
+  // of a shard boundary grows with it. Rank 0's range starts at 0 and the last one's ends at the
+  // arena's end, so that the ranges tile the arena, gaps included.
+  const int world = comm_->size();
+  const size_t n = master_.bindings.size();
+  std::vector<std::pair<int64_t, size_t>> order;  // master offset, tensor
+  for (size_t i = 0; i < n; ++i)
+    order.push_back({offset_in(master_, master_.bindings[i].tensor()), i});
+  std::sort(order.begin(), order.end());
+  int64_t last = -1;
+  for (const auto& [off, i] : order) {
+    const int64_t w = offset_in(*working_, working_->bindings[i].tensor());
+    IRIS_CHECK(w > last,
+               "AdamW: the working weights lie in another tensor order than the master "
+               "weights ('",
+               master_.bindings[i].hf_name,
+               "'); allocate both with allocate_weights from one config");
+    last = w;
+  }
+  const int64_t nw = flat_working_.numel();
+  // The working element of f32 element x, a shard boundary: inside a tensor at the same place
+  // in its working copy, elsewhere where the next tensor starts.
+  auto to_working = [&](int64_t x) {
+    for (const auto& [off, i] : order) {
+      const int64_t len = master_.bindings[i].tensor().numel();
+      if (x < off + len)
+        return offset_in(*working_, working_->bindings[i].tensor()) + std::max<int64_t>(0, x - off);
+    }
+    return nw;
+  };
+  const int64_t nm = full_master_.numel();
+  working_ranges_.clear();
+  for (int q = 0; q < world; ++q) {
+    const int64_t b = q == 0 ? 0 : to_working(ShardExchange::begin(nm, world, q));
+    const int64_t e = q == world - 1 ? nw : to_working(ShardExchange::end(nm, world, q));
+    working_ranges_.push_back({b, e});
+  }
+  // Every rank's range to every other rank, in place, as one grouped exchange: the ranges differ
+  // in length, which an all-gather cannot take, and the bytes moved are an all-gather's.
+  const int me = comm_->rank();
+  const auto [b, e] = working_ranges_[static_cast<size_t>(me)];
+  for (int q = 0; q < world; ++q) {
+    if (q == me) continue;
+    working_sends_.push_back({flat_working_.slice(b, e), q});
+    const auto [qb, qe] = working_ranges_[static_cast<size_t>(q)];
+    working_recvs_.push_back({flat_working_.slice(qb, qe), q});
+  }
+}
+
+void AdamW::gather_working() {
+  if (!working_sends_.empty())
+    comm_->exchange(working_sends_, working_recvs_, "the sharded optimizer's weight gather");
 }
 
 size_t AdamW::state_bytes() const {
@@ -372,7 +426,12 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
-  if (exchange_) exchange_->all_gather();
+  // With a working copy only it is gathered; the f32 master outside the shard goes stale until
+  // gather_state() (a checkpoint) gathers it.
+  if (exchange_ && working_ != nullptr)
+    gather_working();
+  else if (exchange_)
+    exchange_->all_gather();
   ++steps_;
 }
 
@@ -395,6 +454,8 @@ std::vector<float> AdamW::take_grad_norms() {
 void AdamW::gather_state() {
   if (comm_ == nullptr) return;
   const int world = comm_->size();
+  // The checkpoint reads the whole f32 master on rank 0.
+  if (working_ != nullptr) exchange_->all_gather();
   if (comm_->rank() != 0) {
     comm_->send(flat_m_, 0);
     comm_->send(flat_v_, 0);
@@ -415,13 +476,25 @@ void AdamW::gather_state() {
       be_.read(gathered_m_.data() + b, DType::f32, flat_m_);
       be_.read(gathered_v_.data() + b, DType::f32, flat_v_);
       be_.read(row_steps.data(), DType::i64, steps_dev_);
-    } else {
-      // The MPI communicator moves host memory (sharding runs on the CPU backend).
+    } else if (comm_->device() == Device::cpu) {
+      // The MPI communicator moves host memory.
       comm_->recv(Tensor(gathered_m_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(gathered_v_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(row_steps.data(), DType::i64, Device::cpu,
                          {static_cast<int64_t>(row_steps.size())}),
                   q);
+    } else {
+      // NCCL moves device memory: each piece lands in the gradients, which are spent until the
+      // next step zeroes them (no buffer of its own), and is read from there.
+      const Tensor stage = full_grads_.slice(0, e - b);
+      comm_->recv(stage, q);
+      be_.read(gathered_m_.data() + b, DType::f32, stage);
+      comm_->recv(stage, q);
+      be_.read(gathered_v_.data() + b, DType::f32, stage);
+      const Tensor steps(full_grads_.data, DType::i64, full_grads_.device,
+                         {static_cast<int64_t>(row_steps.size())});
+      comm_->recv(steps, q);
+      be_.read(row_steps.data(), DType::i64, steps);
     }
     for (size_t k = 0; k < rows.size(); ++k) {
       int64_t& s = gathered_steps_[static_cast<size_t>(rows[k].tensor)];

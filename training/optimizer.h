@@ -60,8 +60,11 @@ double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 // order: the unsharded norm bit for bit wherever no tensor is split, and otherwise an f64 sum of
 // squares that may differ in its last bits (a split tensor's two partial sums are rounded apart),
 // which reaches the f32 norm, and so the clip and the weights, only when it sits that close to an
-// f32 rounding boundary. Sharding needs the master weights to be the weights the model reads (the
-// CPU backend) for now. Checkpoints hold the unsharded state: gather_state() brings every shard to
+// f32 rounding boundary. With a working copy (CUDA) each rank keeps its shard of the f32 master
+// weights up to date, rewrites the working copy of its shard, and the ranks gather the working
+// copy (its own layout: each shard's elements are one range of the working arena); the master
+// weights outside the shard go stale until gather_state() gathers them for a checkpoint.
+// Checkpoints hold the unsharded state: gather_state() brings every shard to
 // rank 0, and load() takes each rank's shard of any file, whatever world size wrote it.
 class AdamW {
  public:
@@ -124,6 +127,9 @@ class AdamW {
   // Each rank's rows, in flat order (the same table on every rank).
   static std::vector<std::vector<Row>> shard_rows(const ModelWeights& w, int64_t n, int world);
   void setup_shard(Communicator& comm, int64_t bucket_elements);
+  // Sharded with a working copy: each rank's range of the working arena, and their gather.
+  void plan_working_gather();
+  void gather_working();
   void sharded_norm();
   void setup_pipeline(const StageTensors& pipeline);
   // Whether this rank saves (and loads) tensor i.
@@ -167,6 +173,8 @@ class AdamW {
   // Per tensor, where its rows' sums of squares sit in all_row_sums_, in rank order.
   std::vector<std::vector<int64_t>> norm_order_;
   std::unique_ptr<ShardExchange> exchange_;
+  std::vector<std::pair<int64_t, int64_t>> working_ranges_;  // [rank]: begin, end
+  std::vector<Communicator::Transfer> working_sends_, working_recvs_;
   Arena shard_state_, shard_tables_;
   int64_t shard_begin_ = 0, shard_end_ = 0, rows_max_ = 0;
   std::vector<std::vector<Row>> rows_;  // every rank's rows

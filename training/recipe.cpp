@@ -193,7 +193,7 @@ std::vector<Field> fields(Recipe& r) {
        "SVG of loss and learning rate, relative to the run directory; empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
       {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size,
-       "pipeline stages (processes = pipeline_parallel_size x data_parallel_size; CPU backend)"},
+       "pipeline stages (processes = pipeline_parallel_size x data_parallel_size)"},
       {"parallel.pipeline_layers", &p.pipeline_layers,
        "decoder layers per pipeline stage, e.g. [10, 18]; empty: balanced by training FLOPs "
        "(the vision encoder on stage 0, the lm_head on the last)"},

@@ -462,6 +462,15 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     upload_weights(*gpu, *master, *params);
     upload_weights(*gpu, *working, *params);
     replicas.push_back(std::make_unique<TrainableQwen3VL>(*gpu, cfg, *working, limits));
+    if (pipelined) {
+      // As on the CPU: a model per micro-batch 1F1B keeps in flight, over one gradient buffer.
+      const int slots =
+          pipeline_slots(dp.stage(), dp.stages(),
+                         static_cast<int>(r.train.global_batch_size / micro / dp.replicas()));
+      for (int k = 1; k < slots; ++k)
+        replicas.push_back(
+            std::make_unique<TrainableQwen3VL>(*gpu, cfg, *working, limits, &replicas[0]->grads()));
+    }
   } else {
     // A small model's ops are too small to split across threads without most of the time going
     // to barriers, so each thread trains whole micro-batches on a replica of its own
@@ -530,13 +539,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   be.reserve_write_staging(static_cast<size_t>(r.train.global_batch_size / micro) *
                                model.write_bytes_per_micro_batch() +
                            (size_t{1} << 16));
-  // The sharded optimizer updates the weights the model reads in place, which on the GPU are a
-  // bf16 copy of the f32 master weights: not sharded yet.
+  // ZeRO-1: each rank keeps the optimizer state of its shard (on the GPU with the f32 master
+  // weights of the shard; the bf16 weights the model reads are gathered whole every step).
   const bool sharded = r.optimizer.distributed && dp.world() > 1;
-  IRIS_CHECK(!(sharded && on_gpu),
-             "optimizer.distributed shards the optimizer on the CPU backend only for now; set "
-             "optimizer.distributed=false to train on GPUs with ",
-             dp.world(), " data-parallel ranks (or train.device=cpu)");
   // A stage's data-parallel group sums only the gradients the stage computes (the rest are zero):
   // runs of its tensors in the flat gradients, alignment gaps between them included, so that the
   // group makes few exchanges.
@@ -734,7 +739,12 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       const int me = dp.stage();
       std::set<std::string> mine;
       for (size_t i = 0; i < owner.size(); ++i)
-        if (owner[i] == me) mine.insert(params->bindings[i].hf_name);
+        if (owner[i] == me) {
+          mine.insert(params->bindings[i].hf_name);
+          // On the GPU the stage's master weights are the f32 copy on the device.
+          if (on_gpu)
+            gpu->read(params->bindings[i].tensor().data, DType::f32, master->bindings[i].tensor());
+        }
       save_weights(*cpu, *params, (d / stage_file("model", me, P)).string(), DType::f32,
                    [&](const std::string& name) { return mine.count(name) > 0; });
       opt.save((d / stage_file("optimizer", me, P)).string());
@@ -823,6 +833,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
         dp.stage_exchange({}, model.forward_inputs(), {}, {}, "the evaluation's forward receive");
         model.stage_forward();
         dp.stage_exchange({}, {}, model.forward_outputs(), {}, "the evaluation's forward send");
+        dp.mark_progress();
         // Read per micro-batch and added in f64, as forward() is (zero before the last stage).
         loss_sum += model.take_forward_loss_sum();
       } else {
@@ -913,6 +924,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // Queued behind the backward: the loss and the gradient norm stay on the device until the
     // next logged step (a step with a non-finite gradient changes no weight meanwhile).
     opt.step(lr, model.frozen());
+    // The step's end, which the GPU must reach within parallel.timeout_seconds (NCCL has no
+    // timeout of its own); no host wait.
+    dp.mark_progress();
     interval.host_seconds += seconds_since(step_start);
     step_timer.end_step();
     ++interval.steps;
