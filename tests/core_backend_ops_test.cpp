@@ -450,6 +450,15 @@ TEST_F(BackendOps, AddAndGelu) {
         s.be().add(y, a, b);
         return std::vector<Tensor>{y};
       });
+      // f32 operands (gradients) add exactly as the CPU does.
+      compare("add f32 " + tag, kExact, [&](Side& s) {
+        Rng rng(32);
+        Tensor a = s.make(Kind::f32, {n}, rng.normal(n));
+        Tensor b = s.make(Kind::f32, {n}, rng.normal(n));
+        Tensor y = in_place ? a : s.make(Kind::f32, {n}, rng.normal(n));
+        s.be().add(y, a, b);
+        return std::vector<Tensor>{y};
+      });
       compare("gelu_tanh " + tag, kElementwise, [&](Side& s) {
         Rng rng(31);
         Tensor x = s.make(Kind::act, {n}, rng.normal(n, 0.f, 3.f));

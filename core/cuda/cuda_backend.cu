@@ -481,6 +481,18 @@ class CudaBackend final : public Backend {
 
   void add(const Tensor& y, const Tensor& a, const Tensor& b) override {
     bind();
+    if (y.dtype == DType::f32) {
+      // Gradients (the tied embedding's two parts in a pipeline) are summed in f32.
+      for (const Tensor* t : {&y, &a, &b}) {
+        check_device(*t, "add");
+        IRIS_CHECK(t->dtype == DType::f32, "add: f32 y needs f32 a and b, got ", a.shape_str(),
+                   " and ", b.shape_str());
+      }
+      IRIS_CHECK(a.numel() == y.numel() && b.numel() == y.numel(), "add: ", y.shape_str(), " = ",
+                 a.shape_str(), " + ", b.shape_str(), " (element counts differ)");
+      cuda::launch_add_f32(y.as<float>(), a.as<float>(), b.as<float>(), y.numel(), stream());
+      return;
+    }
     check_act(y, "add", "y");
     check_act(a, "add", "a");
     check_act(b, "add", "b");

@@ -303,6 +303,13 @@ __global__ void argmax_finish_kernel(int32_t* out, const unsigned long long* key
   if (row < rows) out[row] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(keys[row]));
 }
 
+// f32 operands (gradients): one rounding per element, as the CPU backend's add.
+__global__ void add_f32_kernel(float* y, const float* a, const float* b, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __fadd_rn(a[i], b[i]);
+}
+
 int row_threads(int64_t cols_per_thread_unit) {
   // Enough threads to cover a row of 1024-4096 elements in one 16-byte pass, no more.
   if (cols_per_thread_unit >= 256) return 256;
@@ -317,6 +324,12 @@ void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cu
   if (n == 0) return;
   const int64_t n_vec = aligned16(y) && aligned16(a) && aligned16(b) ? n / 8 : 0;
   binary_kernel<<<grid_for(n_vec > 0 ? n_vec : n), kThreads, 0, s>>>(y, a, b, n, n_vec, AddOp{});
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_add_f32(float* y, const float* a, const float* b, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_f32_kernel<<<grid_for(n), kThreads, 0, s>>>(y, a, b, n);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 

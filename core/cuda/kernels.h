@@ -11,6 +11,7 @@ namespace iris::cuda {
 
 // ---- elementwise (elementwise.cu) ----
 void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cudaStream_t s);
+void launch_add_f32(float* y, const float* a, const float* b, int64_t n, cudaStream_t s);
 void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
