@@ -44,6 +44,10 @@ class Backend {
   // in a read) reserves them here, once and outside any step, so that its writes never wait and
   // the host queues the whole step ahead of the device. Writing directly: nothing to do.
   virtual void reserve_write_staging(size_t bytes) { (void)bytes; }
+  // Seconds the host spent in writes waiting for the device to finish with the staging since the
+  // last call: a host that runs ahead of the device by the staging's depth waits there, which is
+  // throttling, not work.
+  virtual double take_write_wait_seconds() { return 0; }
   // src.numel() elements into host memory as dst_dtype (waits for pending work).
   virtual void read(void* host_dst, DType dst_dtype, const Tensor& src) = 0;
   // dst = src, same dtype and element count, both on this backend.

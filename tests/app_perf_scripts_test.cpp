@@ -99,6 +99,8 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
     EXPECT_LE(st.at(part).get<double>(), step) << part;
   }
   EXPECT_GE(st.at("data_seconds_per_step").get<double>(), 0);
+  // The CPU backend writes directly: its host never waits for write staging.
+  EXPECT_EQ(st.at("host_wait_seconds_per_step").get<double>(), 0);
   EXPECT_TRUE(st.at("mfu").is_null()) << "no MFU on the CPU";
   EXPECT_TRUE(r.at("peak_flops").at("per_gpu").is_null());
   EXPECT_NE(r.at("peak_flops").at("source").get<std::string>().find("CPU"), std::string::npos);
@@ -119,6 +121,7 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
     const json m = json::parse(line);
     EXPECT_EQ(m.at("steps").get<int64_t>(), 1);
     EXPECT_GT(m.at("host_enqueue_s_per_step").get<double>(), 0);
+    EXPECT_EQ(m.at("host_wait_s_per_step").get<double>(), 0);
     EXPECT_GT(m.at("device_s_per_step").get<double>(), 0);
     EXPECT_TRUE(m.at("mfu").is_null());
   }

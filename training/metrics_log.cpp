@@ -109,6 +109,7 @@ nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
           {"step_s", per_step(m.seconds)},
           {"data_s_per_step", per_step(m.data_seconds)},
           {"host_enqueue_s_per_step", per_step(m.host_seconds)},
+          {"host_wait_s_per_step", per_step(m.host_wait_seconds)},
           {"device_s_per_step", per_step(m.device_seconds)},
           {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
           {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
@@ -207,6 +208,7 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
     seconds += m.seconds;
     s.data_seconds += m.data_seconds;
     s.host_seconds += m.host_seconds;
+    s.host_wait_seconds += m.host_wait_seconds;
     s.device_seconds += m.device_seconds;
     tokens += static_cast<double>(m.tokens);
     flops += m.flops;
@@ -216,6 +218,7 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
   s.step_seconds = seconds / n;
   s.data_seconds /= n;
   s.host_seconds /= n;
+  s.host_wait_seconds /= n;
   s.device_seconds /= n;
   s.tokens_per_second = seconds > 0 ? tokens / seconds : 0;
   s.flops_per_second = seconds > 0 ? flops / seconds : 0;
@@ -238,6 +241,7 @@ std::string run_summary_json(const RunSummary& r) {
       {"step_seconds", maybe(steady, st.step_seconds)},
       {"data_seconds_per_step", maybe(steady, st.data_seconds)},
       {"host_enqueue_seconds_per_step", maybe(steady, st.host_seconds)},
+      {"host_wait_seconds_per_step", maybe(steady, st.host_wait_seconds)},
       {"device_seconds_per_step", maybe(steady, st.device_seconds)},
       {"tokens_per_s_per_gpu", maybe(steady, st.tokens_per_second / ranks)},
       {"tflops_per_s_per_gpu", maybe(steady, flops_per_gpu / 1e12)},
@@ -345,8 +349,11 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
     line += str_cat(" | MFU ", fmt("%.1f", 100 * m.tflops_per_second() * 1e12 / ranks / peak), "%");
   if (m.steps > 0)
     line += str_cat(" | step ", fmt("%.4g", m.seconds / m.steps), " s (host ",
-                    fmt("%.4g", m.host_seconds / m.steps), ", device ",
-                    fmt("%.4g", m.device_seconds / m.steps), ")");
+                    fmt("%.4g", m.host_seconds / m.steps),
+                    m.host_wait_seconds > 0
+                        ? str_cat(", host waiting ", fmt("%.4g", m.host_wait_seconds / m.steps))
+                        : std::string(),
+                    ", device ", fmt("%.4g", m.device_seconds / m.steps), ")");
   return line;
 }
 
@@ -473,6 +480,7 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
         };
         m.data_seconds = total("data_s_per_step");
         m.host_seconds = total("host_enqueue_s_per_step");
+        m.host_wait_seconds = total("host_wait_s_per_step");
         m.device_seconds = total("device_s_per_step");
         history_.push_back(m);
       }

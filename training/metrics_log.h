@@ -69,13 +69,17 @@ struct StepMetrics {
   // Optimizer steps in the interval, and three parts of their time, summed over them:
   //  data: waiting for the step's samples (the data pipeline);
   //  host enqueue: from the samples in hand to the return of the optimizer step, by which time
-  //    the step's work is queued (a launch-bound step's host enqueue is close to its step time);
+  //    the step's work is queued (a launch-bound step's host enqueue is close to its step time),
+  //    less host wait;
+  //  host wait: the part of that the host spent waiting for the device to free write staging
+  //    (a host that runs ahead of a busy device by the staging's depth waits there);
   //  device: from the step's start, as the device reached it (the work queued before it done),
   //    to the end of its last work (timing marks, read without a synchronisation per step; the
   //    host clock on the CPU, where it equals host enqueue).
   int64_t steps = 0;
   double data_seconds = 0;
   double host_seconds = 0;
+  double host_wait_seconds = 0;
   double device_seconds = 0;
   int64_t graphs_captured = 0;  // graphs captured during the interval (warm-up, not steady state)
 
@@ -116,7 +120,8 @@ class StepTimer {
 struct SteadyState {
   int64_t steps = 0;  // 0: no interval qualified, and every figure below is 0
   int64_t first_iteration = 0, last_iteration = 0;
-  double step_seconds = 0, data_seconds = 0, host_seconds = 0, device_seconds = 0;
+  double step_seconds = 0, data_seconds = 0, host_seconds = 0, host_wait_seconds = 0,
+         device_seconds = 0;
   double tokens_per_second = 0, flops_per_second = 0;
 };
 SteadyState steady_state(const std::vector<StepMetrics>& intervals);

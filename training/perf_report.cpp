@@ -190,6 +190,8 @@ std::string format_report(const json& r) {
   line("step time", num(st.at("step_seconds"), "%.4f s"));
   line("  data wait", num(st.at("data_seconds_per_step"), "%.4f s per step"));
   line("  host enqueue", num(st.at("host_enqueue_seconds_per_step"), "%.4f s per step"));
+  line("  host waiting", num(st.value("host_wait_seconds_per_step", json()),
+                             "%.4f s per step (for write staging the device still reads)"));
   line("  device", num(st.at("device_seconds_per_step"), "%.4f s per step"));
   line("tokens/s per GPU", num(st.at("tokens_per_s_per_gpu"), "%.1f"));
   line("model TFLOP/s per GPU", num(st.at("tflops_per_s_per_gpu"), "%.4g"));
@@ -229,9 +231,9 @@ SweepTable sweep_table(const std::vector<json>& reports) {
   IRIS_CHECK(!reports.empty(), "a sweep table needs at least one report");
   SweepTable t;
   const json& ref_step = at(reports.front(), "/steady_state/step_seconds");
-  const std::vector<std::string> header{"variant", "step s",     "tok/s/GPU",   "TFLOP/s/GPU",
-                                        "MFU",     "speed-up",   "peak mem",    "graph mem",
-                                        "graphs",  "capture ms", "host s/step", "device s/step"};
+  const std::vector<std::string> header{
+      "variant",   "step s", "tok/s/GPU",  "TFLOP/s/GPU", "MFU",         "speed-up",     "peak mem",
+      "graph mem", "graphs", "capture ms", "host s/step", "wait s/step", "device s/step"};
   std::vector<std::vector<std::string>> cells{header};
   t.json = {{"reference", reports.front().at("label")}, {"rows", json::array()}};
   for (const json& r : reports) {
@@ -249,6 +251,7 @@ SweepTable sweep_table(const std::vector<json>& reports) {
                      std::to_string(g.at("count").get<int64_t>()),
                      fmt("%.1f", g.at("capture_ms").get<double>()),
                      num(st.at("host_enqueue_seconds_per_step"), "%.4f"),
+                     num(st.value("host_wait_seconds_per_step", json()), "%.4f"),
                      num(st.at("device_seconds_per_step"), "%.4f")});
     t.json["rows"].push_back(
         {{"variant", r.at("label")},
@@ -266,6 +269,7 @@ SweepTable sweep_table(const std::vector<json>& reports) {
          {"capture_ms", g.at("capture_ms")},
          {"data_seconds_per_step", st.at("data_seconds_per_step")},
          {"host_enqueue_seconds_per_step", st.at("host_enqueue_seconds_per_step")},
+         {"host_wait_seconds_per_step", st.value("host_wait_seconds_per_step", json())},
          {"device_seconds_per_step", st.at("device_seconds_per_step")},
          {"padding", r.at("padding")}});
   }

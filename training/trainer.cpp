@@ -927,7 +927,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // The step's end, which the GPU must reach within parallel.timeout_seconds (NCCL has no
     // timeout of its own); no host wait.
     dp.mark_progress();
-    interval.host_seconds += seconds_since(step_start);
+    // Waits for the device inside the step's writes are throttling, not enqueue work.
+    const double waited = be.take_write_wait_seconds();
+    interval.host_wait_seconds += waited;
+    interval.host_seconds += seconds_since(step_start) - waited;
     step_timer.end_step();
     ++interval.steps;
 
@@ -1081,9 +1084,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       log.message(str_cat(
           "steady state (iterations ", st.first_iteration, "-", st.last_iteration, "): step ",
           g4(st.step_seconds), " s (data ", g4(st.data_seconds), ", host enqueue ",
-          g4(st.host_seconds), ", device ", g4(st.device_seconds), "), ",
-          g4(st.tokens_per_second / per_rank), " tokens/s and ",
-          g4(st.flops_per_second / per_rank / 1e12), " model TFLOP/s per ",
+          g4(st.host_seconds), ", host waiting for write staging ", g4(st.host_wait_seconds),
+          ", device ", g4(st.device_seconds), "), ", g4(st.tokens_per_second / per_rank),
+          " tokens/s and ", g4(st.flops_per_second / per_rank / 1e12), " model TFLOP/s per ",
           on_gpu ? "GPU" : "process",
           peak.flops_per_second > 0
               ? ", MFU " + g4(100 * st.flops_per_second / per_rank / peak.flops_per_second) + "%"

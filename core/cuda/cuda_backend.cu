@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <cuda_profiler_api.h>
 
@@ -249,7 +251,10 @@ class CudaBackend final : public Backend {
       // to the other, which is reusable once its last copy (tracked by an event) is done.
       if (staging_offset_ + bytes > staging_half_bytes_) {
         staging_half_ ^= 1;
+        const auto wait_start = std::chrono::steady_clock::now();
         IRIS_CUDA_CHECK(cudaEventSynchronize(staging_events_[staging_half_]->get()));
+        write_wait_seconds_ +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
         staging_offset_ = 0;
       }
       char* stage = staging_->data() + staging_half_ * staging_half_bytes_ + staging_offset_;
@@ -278,6 +283,8 @@ class CudaBackend final : public Backend {
     staging_half_ = 0;
     staging_offset_ = 0;
   }
+
+  double take_write_wait_seconds() override { return std::exchange(write_wait_seconds_, 0.0); }
 
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override {
     bind();
@@ -1288,6 +1295,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<PinnedBuffer> staging_;
   int staging_half_ = 0;
   size_t staging_half_bytes_ = kStagingChunk;
+  double write_wait_seconds_ = 0;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
   DeviceBuffer tune_scratch_;
