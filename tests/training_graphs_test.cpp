@@ -291,6 +291,14 @@ TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
     EXPECT_EQ(labels & (labels - 1), 0) << k;
   }
   EXPECT_EQ(step_graphs, 1u);
+  // Host time went to preparing inputs in both models, and to launching graphs in the graphed one.
+  const TrainableQwen3VL::HostSeconds graphed = m.take_host_seconds();
+  const TrainableQwen3VL::HostSeconds plain = eager.take_host_seconds();
+  EXPECT_GT(graphed.prepare, 0);
+  EXPECT_GT(graphed.graph_launch, 0);
+  EXPECT_GT(plain.prepare, 0);
+  EXPECT_EQ(plain.graph_launch, 0);
+  EXPECT_EQ(m.take_host_seconds().prepare, 0) << "taking the figures resets them";
   // The mixed step's shapes: the image sample and the longer one pad to one bucket, and replay
   // one graph from the model's own inputs.
   EXPECT_EQ(micro_batch_graphs, 2u);

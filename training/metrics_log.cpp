@@ -110,6 +110,8 @@ nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
           {"data_s_per_step", per_step(m.data_seconds)},
           {"host_enqueue_s_per_step", per_step(m.host_seconds)},
           {"host_wait_s_per_step", per_step(m.host_wait_seconds)},
+          {"host_prepare_s_per_step", per_step(m.host_prepare_seconds)},
+          {"graph_launch_s_per_step", per_step(m.graph_launch_seconds)},
           {"device_s_per_step", per_step(m.device_seconds)},
           {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
           {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
@@ -209,6 +211,8 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
     s.data_seconds += m.data_seconds;
     s.host_seconds += m.host_seconds;
     s.host_wait_seconds += m.host_wait_seconds;
+    s.host_prepare_seconds += m.host_prepare_seconds;
+    s.graph_launch_seconds += m.graph_launch_seconds;
     s.device_seconds += m.device_seconds;
     tokens += static_cast<double>(m.tokens);
     flops += m.flops;
@@ -219,6 +223,8 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
   s.data_seconds /= n;
   s.host_seconds /= n;
   s.host_wait_seconds /= n;
+  s.host_prepare_seconds /= n;
+  s.graph_launch_seconds /= n;
   s.device_seconds /= n;
   s.tokens_per_second = seconds > 0 ? tokens / seconds : 0;
   s.flops_per_second = seconds > 0 ? flops / seconds : 0;
@@ -242,6 +248,8 @@ std::string run_summary_json(const RunSummary& r) {
       {"data_seconds_per_step", maybe(steady, st.data_seconds)},
       {"host_enqueue_seconds_per_step", maybe(steady, st.host_seconds)},
       {"host_wait_seconds_per_step", maybe(steady, st.host_wait_seconds)},
+      {"host_prepare_seconds_per_step", maybe(steady, st.host_prepare_seconds)},
+      {"graph_launch_seconds_per_step", maybe(steady, st.graph_launch_seconds)},
       {"device_seconds_per_step", maybe(steady, st.device_seconds)},
       {"tokens_per_s_per_gpu", maybe(steady, st.tokens_per_second / ranks)},
       {"tflops_per_s_per_gpu", maybe(steady, flops_per_gpu / 1e12)},
@@ -481,6 +489,8 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
         m.data_seconds = total("data_s_per_step");
         m.host_seconds = total("host_enqueue_s_per_step");
         m.host_wait_seconds = total("host_wait_s_per_step");
+        m.host_prepare_seconds = total("host_prepare_s_per_step");
+        m.graph_launch_seconds = total("graph_launch_s_per_step");
         m.device_seconds = total("device_s_per_step");
         history_.push_back(m);
       }

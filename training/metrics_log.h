@@ -71,6 +71,8 @@ struct StepMetrics {
   //  host enqueue: from the samples in hand to the return of the optimizer step, by which time
   //    the step's work is queued (a launch-bound step's host enqueue is close to its step time),
   //    less host wait;
+  //    Of it: host prepare, the micro-batches' inputs made and uploaded, and graph launch, the
+  //    launches of captured graphs (summed over the threads of a CPU run's micro-batch replicas);
   //  host wait: the part of that the host spent waiting for the device to free write staging
   //    (a host that runs ahead of a busy device by the staging's depth waits there);
   //  device: from the step's start, as the device reached it (the work queued before it done),
@@ -80,6 +82,7 @@ struct StepMetrics {
   double data_seconds = 0;
   double host_seconds = 0;
   double host_wait_seconds = 0;
+  double host_prepare_seconds = 0, graph_launch_seconds = 0;
   double device_seconds = 0;
   int64_t graphs_captured = 0;  // graphs captured during the interval (warm-up, not steady state)
 
@@ -121,7 +124,7 @@ struct SteadyState {
   int64_t steps = 0;  // 0: no interval qualified, and every figure below is 0
   int64_t first_iteration = 0, last_iteration = 0;
   double step_seconds = 0, data_seconds = 0, host_seconds = 0, host_wait_seconds = 0,
-         device_seconds = 0;
+         host_prepare_seconds = 0, graph_launch_seconds = 0, device_seconds = 0;
   double tokens_per_second = 0, flops_per_second = 0;
 };
 SteadyState steady_state(const std::vector<StepMetrics>& intervals);

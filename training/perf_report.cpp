@@ -190,6 +190,10 @@ std::string format_report(const json& r) {
   line("step time", num(st.at("step_seconds"), "%.4f s"));
   line("  data wait", num(st.at("data_seconds_per_step"), "%.4f s per step"));
   line("  host enqueue", num(st.at("host_enqueue_seconds_per_step"), "%.4f s per step"));
+  line("    prepare inputs",
+       num(st.value("host_prepare_seconds_per_step", json()), "%.4f s per step"));
+  line("    graph launches",
+       num(st.value("graph_launch_seconds_per_step", json()), "%.4f s per step"));
   line("  host waiting", num(st.value("host_wait_seconds_per_step", json()),
                              "%.4f s per step (for write staging the device still reads)"));
   line("  device", num(st.at("device_seconds_per_step"), "%.4f s per step"));

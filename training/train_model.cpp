@@ -470,6 +470,13 @@ LossStats TrainableQwen3VL::run_and_read(const std::vector<const TrainSample*>& 
 }
 
 void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
+  struct Timed {
+    double& total;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~Timed() {
+      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+  } timed{host_seconds_.prepare};
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
   IRIS_CHECK(!batch.empty(), "the micro-batch has no samples");
@@ -790,7 +797,10 @@ bool TrainableQwen3VL::holds(const std::string& name) const {
 void TrainableQwen3VL::graphed(const std::string& key, const std::function<void()>& body) {
   GraphSet& set = graph_sets_[key];
   if (set.graph.valid()) {
+    const auto start = std::chrono::steady_clock::now();
     set.graph.launch();
+    host_seconds_.graph_launch +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return;
   }
   if (set.eager_runs < graphs_.warmup_runs) {

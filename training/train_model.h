@@ -200,6 +200,12 @@ class TrainableQwen3VL {
   // The names of the captured graphs (each names its part, phase and shape).
   std::vector<std::string> graph_keys() const;
   double capture_ms() const { return capture_ms_; }
+  // Host seconds, since the last call, of two parts of queueing micro-batches: preparing their
+  // inputs (metadata, tables and the uploads of both) and launching captured graphs.
+  struct HostSeconds {
+    double prepare = 0, graph_launch = 0;
+  };
+  HostSeconds take_host_seconds() { return std::exchange(host_seconds_, HostSeconds{}); }
   // Device memory the captures took (in use after each capture minus before it, summed): the
   // graphs' own memory, as the device reports it (0 on the CPU, which reports none).
   int64_t graph_memory_bytes() const { return graph_memory_bytes_; }
@@ -303,6 +309,7 @@ class TrainableQwen3VL {
   TrainGraphs graphs_;
   std::map<std::string, GraphSet> graph_sets_;
   double capture_ms_ = 0;
+  HostSeconds host_seconds_;
   int64_t graph_memory_bytes_ = 0;
   int64_t overflow_runs_ = 0;
   PaddingStats padding_;

@@ -930,6 +930,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // Waits for the device inside the step's writes are throttling, not enqueue work.
     const double waited = be.take_write_wait_seconds();
     interval.host_wait_seconds += waited;
+    for (auto& m : replicas) {
+      const TrainableQwen3VL::HostSeconds h = m->take_host_seconds();
+      interval.host_prepare_seconds += h.prepare;
+      interval.graph_launch_seconds += h.graph_launch;
+    }
     interval.host_seconds += seconds_since(step_start) - waited;
     step_timer.end_step();
     ++interval.steps;
@@ -1084,9 +1089,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       log.message(str_cat(
           "steady state (iterations ", st.first_iteration, "-", st.last_iteration, "): step ",
           g4(st.step_seconds), " s (data ", g4(st.data_seconds), ", host enqueue ",
-          g4(st.host_seconds), ", host waiting for write staging ", g4(st.host_wait_seconds),
-          ", device ", g4(st.device_seconds), "), ", g4(st.tokens_per_second / per_rank),
-          " tokens/s and ", g4(st.flops_per_second / per_rank / 1e12), " model TFLOP/s per ",
+          g4(st.host_seconds), " (preparing inputs ", g4(st.host_prepare_seconds),
+          ", launching graphs ", g4(st.graph_launch_seconds), "), host waiting for write staging ",
+          g4(st.host_wait_seconds), ", device ", g4(st.device_seconds), "), ",
+          g4(st.tokens_per_second / per_rank), " tokens/s and ",
+          g4(st.flops_per_second / per_rank / 1e12), " model TFLOP/s per ",
           on_gpu ? "GPU" : "process",
           peak.flops_per_second > 0
               ? ", MFU " + g4(100 * st.flops_per_second / per_rank / peak.flops_per_second) + "%"
