@@ -7,6 +7,8 @@
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
 #   pp2 x dp2 vs 1 GPU       4 GPUs only
+#   resume                   half the steps, a checkpoint, the rest under another layout (1 GPU,
+#                            zero1 dp2, pp2) against the uninterrupted 1-GPU run
 #   stall / kill             a rank stopped (SIGSTOP) or killed (SIGKILL) mid-run: every rank
 #                            must exit non-zero within parallel.timeout_seconds (+ slack)
 # Exactness: on the CPU backend dp2 is bit-identical to one process with 2 threads, but one GPU
@@ -58,7 +60,7 @@ rm -rf $runs && mkdir -p $runs
 common=(--recipe recipes/qwen3vl_tiny_shapes.yaml train.train_iters=$steps train.device=cuda
   "data.train_files=[$data/train.jsonl]" "data.eval_files=[$data/heldout.jsonl]"
   logging.log_interval=1 train.eval_interval=0 checkpoint.save_interval=0 checkpoint.resume=never
-  schedule.warmup_iters=2
+  schedule.warmup_iters=2 schedule.decay_iters=$steps
   model.config.vision_config.depth=2 "model.config.vision_config.deepstack_visual_indexes=[0,1]")
 graphs=(cuda_graph.cuda_graph_impl=local cuda_graph.vision_cuda_graph_impl=local)
 
@@ -68,7 +70,8 @@ run() {
   local name=$1 np=$2
   shift 2
   local dir=$runs/$name cmd=() start rc
-  rm -rf "$dir"
+  # KEEP=1: a resume leg, which continues the run already in the folder.
+  [ "${KEEP:-0}" = 1 ] || rm -rf "$dir"
   if [ "$np" -gt 1 ]; then cmd=("${mpi[@]}" -np "$np"); fi
   cmd+=(build-gpu/iris train "${common[@]}" checkpoint.dir="$dir" "$@")
   start=$(date +%s)
@@ -157,6 +160,32 @@ if [ "$ngpu" -ge 2 ]; then
   compare "graphs: pp2 vs 1 GPU" pp2_graphs gpu1_graphs yes
   compare "graphs: pp2 vs eager pp2" pp2_graphs pp2_1_3
   compare "graphs vs eager, 1 GPU" gpu1_graphs gpu1
+fi
+# Checkpoints written under one layout and resumed under another (the sharded optimizer's state
+# re-sharded or gathered), half the steps each: the losses of an uninterrupted run.
+half=$((steps / 2))
+resume() {
+  local name=$1 np1=$2 np2=$3
+  shift 3
+  local first=() second=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do first+=("$1"); shift; done
+  shift
+  second=("$@")
+  # A first leg that failed leaves its status for the table: the second would start afresh.
+  run "$name" "$np1" train.train_iters=$half checkpoint.save_interval=$half checkpoint.resume=auto \
+    ${first[@]+"${first[@]}"} || return
+  KEEP=1 run "$name" "$np2" checkpoint.save_interval=$half checkpoint.resume=auto \
+    ${second[@]+"${second[@]}"}
+}
+resume resume_gpu1 1 1 --
+compare "resume: 1 GPU, split in two" resume_gpu1 gpu1 yes exact
+if [ "$ngpu" -ge 2 ]; then
+  resume resume_zero1_to_gpu1 2 1 parallel.data_parallel_size=2 optimizer.distributed=true --
+  resume resume_gpu1_to_zero1 1 2 -- parallel.data_parallel_size=2 optimizer.distributed=true
+  resume resume_pp2_to_gpu1 2 1 parallel.pipeline_parallel_size=2 "parallel.pipeline_layers=[1,3]" --
+  compare "resume: zero1 dp2 -> 1 GPU" resume_zero1_to_gpu1 gpu1 no
+  compare "resume: 1 GPU -> zero1 dp2" resume_gpu1_to_zero1 gpu1 yes
+  compare "resume: pp2 -> 1 GPU" resume_pp2_to_gpu1 gpu1 yes
 fi
 if [ "$ngpu" -ge 4 ]; then
   run pp2_dp2 4 parallel.pipeline_parallel_size=2 parallel.data_parallel_size=2 \
