@@ -294,8 +294,8 @@ TEST_F(Collectives, GradReducerStartsEachBucketOnceItsTensorsAreFinal) {
     plain.reduce();
   }
   std::vector<float> grads;
+  fill(grads);  // its storage stays put from here on
   RecordingCommunicator rec(*comm_, grads);
-  fill(grads);
   GradReducer reducer(*cpu, rec, view(grads), 1000, {}, tensors);
   ASSERT_GT(reducer.buckets(), 5);
   const int64_t step = 1000 / world_ * world_;
