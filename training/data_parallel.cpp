@@ -213,6 +213,12 @@ std::function<void(const Tensor&)> DataParallel::gradients_final_hook() {
   return [r = reducer_.get()](const Tensor& grad) { r->gradient_final(grad); };
 }
 
+std::string DataParallel::overlap_summary() const {
+  if (!reducer_) return "";
+  return str_cat("gradient reduction: ", reducer_->launched_early(), " of ", reducer_->buckets(),
+                 " buckets started during the backward of the last step's last micro-batch");
+}
+
 void DataParallel::reduce_gradients() {
   if (reducer_) reducer_->reduce();
 }

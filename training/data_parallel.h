@@ -131,6 +131,10 @@ class DataParallel {
   // Launches the buckets the hook has not, and orders the optimizer after all of them. Nothing
   // to do when a sharded optimizer sums them.
   void reduce_gradients();
+  // How many of the gradient buckets started during the backward in the last step (this rank's
+  // count; a rank whose last micro-batch had no image starts the vision's after it); "" without
+  // a reducer.
+  std::string overlap_summary() const;
   // The rank-order sum of every rank's local loss sum.
   double global_loss_sum(double local);
   // The stop signal any rank received (its number), so that every rank stops after the same

@@ -1023,6 +1023,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     log.message(str_cat("data: ", skipped_large, " samples with more than ", limits.max_patches,
                         " vision patches skipped (train.max_vision_patches)"));
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
+  if (const std::string o = dp.overlap_summary(); !o.empty()) log.message(o);
   if (graphs_on) {
     const auto& p = model.padding_stats();
     log.message(str_cat("graphs: ", graph_count(), " captured in ", int(capture_ms()),
