@@ -41,9 +41,7 @@ GradReducer::GradReducer(Backend& be, Communicator& comm, const Tensor& grads,
     const int64_t begin = tensors_[i].first, end = tensors_[i].second;
     IRIS_CHECK(begin >= 0 && begin < end && end <= n && (i == 0 || tensors_[i - 1].second <= begin),
                "GradReducer: tensor [", begin, ", ", end,
-               ") is empty, overlaps another or lies "
-               "outside the ",
-               n, " gradients");
+               ") is empty, overlaps another or lies outside the ", n, " gradients");
     // The first bucket ending after the tensor's start, up to the first starting at its end.
     const auto first = std::partition_point(spans_.begin(), spans_.end(),
                                             [&](const auto& s) { return s.second <= begin; });

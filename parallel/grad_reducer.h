@@ -1,7 +1,8 @@
 // Data-parallel gradient reduction over one flat f32 gradient span (whose address never moves), in
 // buckets: each bucket is a contiguous span that the communicator sums in rank order
 // (Communicator::all_reduce), so every rank ends with the same bits, run after run. The scratch
-// the exchange needs is one bucket, allocated here once; nothing is allocated per step.
+// the exchange needs is one bucket, allocated here once; nothing is allocated per step (buckets
+// in flight together share it: they queue one after another on the communicator's stream).
 //
 // The reduction can overlap the backward, as Megatron-LM's and PyTorch DDP's do: the model names
 // each gradient tensor once the step's last write to it is queued (gradient_final), and a bucket
