@@ -66,6 +66,16 @@ class Communicator {
   // buf[N] = the rank-order sum of every rank's buf, the same bits on every rank, for any N.
   // scratch: f32 of at least N elements rounded up to a multiple of size().
   void all_reduce(const Tensor& buf, const Tensor& scratch);
+
+  // Overlap with the backend's work. Between begin_detached() and end_detached() each call still
+  // starts after the backend's work queued before it, but the backend's later work stops waiting
+  // for it, so that the backend goes on computing while the calls run (gradient buckets during
+  // the backward); end_detached() makes the backend's later work wait for every call made since.
+  // Meanwhile the caller keeps the backend's work off the memory the calls touch. On CUDA the
+  // order is kept by events, with no host wait; MPI completes each call on the host, so there is
+  // nothing to do.
+  virtual void begin_detached() {}
+  virtual void end_detached() {}
 };
 
 // NCCL waits on the GPU with no timeout: a peer that stops responding leaves this rank's kernels

@@ -141,6 +141,14 @@ class NcclCommunicator final : public Communicator {
         IRIS_NCCL_CHECK(ncclSend(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_));
     IRIS_NCCL_CHECK(ncclGroupEnd());
   }
+  void begin_detached() override { detached_ = true; }
+  void end_detached() override {
+    if (!detached_) return;
+    detached_ = false;
+    // The stream runs its calls in order, so waiting for its last one waits for all of them.
+    IRIS_CUDA_CHECK(cudaEventRecord(after_, stream_));
+    IRIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(be_.native_stream()), after_, 0));
+  }
   void sum_pieces(const Tensor& out, const Tensor& pieces) override {
     check(out, "sum_pieces");
     check(pieces, "sum_pieces");
@@ -160,7 +168,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   // Brackets one call: the communicator's stream waits for the backend's work so far, and the
-  // backend's stream waits for the call.
+  // backend's stream waits for the call (unless detached: then end_detached() makes it wait).
   class Ordered {
    public:
     explicit Ordered(NcclCommunicator& c) : c_(c) {
@@ -169,7 +177,7 @@ class NcclCommunicator final : public Communicator {
       IRIS_CUDA_CHECK(cudaStreamWaitEvent(c_.stream_, c_.before_, 0));
     }
     ~Ordered() noexcept(false) {
-      if (std::uncaught_exceptions() > 0) return;
+      if (std::uncaught_exceptions() > 0 || c_.detached_) return;
       auto compute = static_cast<cudaStream_t>(c_.be_.native_stream());
       IRIS_CUDA_CHECK(cudaEventRecord(c_.after_, c_.stream_));
       IRIS_CUDA_CHECK(cudaStreamWaitEvent(compute, c_.after_, 0));
@@ -189,6 +197,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t before_ = nullptr, after_ = nullptr;
+  bool detached_ = false;
 };
 
 // Step ends reached, as the GPU writes them into host memory: the watchdog thread reads them

@@ -3,6 +3,10 @@
 # optimizer and pipeline stages over NCCL, on the tiny shapes recipe from one fixed start, each
 # run's logged losses compared with a reference run's:
 #   dp2 vs 1 GPU             mpirun -np 2, parallel.data_parallel_size=2, the same global batch
+#   dp2 overlap              small gradient buckets (dozens) started during the backward of the
+#                            last micro-batch, against the same buckets summed after it
+#                            (parallel.overlap_grad_reduce=false) and against dp2's one bucket:
+#                            bit-identical; the summary row says how many started early
 #   zero1 dp2 vs dp2         optimizer.distributed=true against the unsharded dp2 run
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
@@ -144,14 +148,28 @@ echo "== training runs ($steps steps each)"
 run gpu1 1
 if [ "$ngpu" -ge 2 ]; then
   run dp2 2 parallel.data_parallel_size=2
+  run dp2_buckets 2 parallel.data_parallel_size=2 parallel.grad_bucket_elements=65536
+  run dp2_after 2 parallel.data_parallel_size=2 parallel.grad_bucket_elements=65536 \
+    parallel.overlap_grad_reduce=false
   run zero1_dp2 2 parallel.data_parallel_size=2 optimizer.distributed=true
   run pp2_1_3 2 parallel.pipeline_parallel_size=2 "parallel.pipeline_layers=[1,3]"
   run pp2_2_2 2 parallel.pipeline_parallel_size=2 "parallel.pipeline_layers=[2,2]"
   run gpu1_graphs 1 "${graphs[@]}"
-  run dp2_graphs 2 parallel.data_parallel_size=2 "${graphs[@]}"
+  run dp2_graphs 2 parallel.data_parallel_size=2 parallel.grad_bucket_elements=65536 "${graphs[@]}"
   run pp2_graphs 2 parallel.pipeline_parallel_size=2 "parallel.pipeline_layers=[1,3]" "${graphs[@]}"
   compare "dp2 vs 1 GPU" dp2 gpu1 no
   compare "zero1 dp2 vs dp2" zero1_dp2 dp2 yes exact
+  compare "dp2 overlap vs after bwd" dp2_buckets dp2_after yes exact
+  compare "dp2 overlap vs one bucket" dp2_buckets dp2 yes exact
+  for r in dp2_buckets dp2_graphs; do
+    early=$(grep -o 'gradient reduction: [0-9]* of [0-9]* buckets' "$out/run_$r.log" | head -1)
+    n=$(echo "$early" | awk '{print $3}')
+    if [ -n "$n" ] && [ "$n" -gt 0 ]; then
+      row "overlap started: $r" PASS "${early#gradient reduction: } started during the backward"
+    else
+      row "overlap started: $r" FAIL "no bucket started during the backward (run_$r.log)"
+    fi
+  done
   compare "zero1 dp2 vs 1 GPU" zero1_dp2 gpu1 no
   compare "pp2 [1,3] vs 1 GPU" pp2_1_3 gpu1 yes
   compare "pp2 [2,2] vs 1 GPU" pp2_2_2 gpu1 yes

@@ -64,6 +64,35 @@ TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {
   }
 }
 
+// The gradient buckets start during the backward of each step's last micro-batch (the default),
+// each once its gradients are final; in small buckets (dozens of them, most started early) and
+// with the overlap off, data parallel 2 gives one process's losses and weights bit for bit.
+TEST_F(AppParallelTrainTest, OverlappedReductionInSmallBucketsGivesOneProcessBitForBit) {
+  const std::string recipe = write_recipe();
+  const fs::path single = root_ / "single";
+  const Exit a = iris({"train", "--recipe", recipe, "checkpoint.dir=" + single.string()}, "2");
+  ASSERT_EQ(a.code, 0) << a.output;
+  for (const bool overlap : {true, false}) {
+    SCOPED_TRACE(overlap ? "overlapped" : "after the backward");
+    const fs::path dp = root_ / (overlap ? "overlapped" : "after");
+    const Exit b =
+        mpirun(2, {"train", "--recipe", recipe, "checkpoint.dir=" + dp.string(),
+                   "parallel.data_parallel_size=2", "parallel.grad_bucket_elements=4099",
+                   std::string("parallel.overlap_grad_reduce=") + (overlap ? "true" : "false")});
+    ASSERT_EQ(b.code, 0) << b.output;
+    EXPECT_NE(b.output.find(overlap ? "each started during the last micro-batch's backward"
+                                    : "after the backward (parallel.overlap_grad_reduce off)"),
+              std::string::npos)
+        << b.output;
+    const std::vector<double> la = losses(single), lb = losses(dp);
+    ASSERT_EQ(la.size(), 3u);
+    ASSERT_EQ(lb.size(), la.size()) << b.output;
+    for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
+    EXPECT_EQ(read_text_file((single / "step_0000003/model.safetensors").string()),
+              read_text_file((dp / "step_0000003/model.safetensors").string()));
+  }
+}
+
 TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAFractionOfTheState) {
   const std::string recipe = write_recipe();
   // Weight decay and clipping on, so that every part of the sharded update (decay by tensor

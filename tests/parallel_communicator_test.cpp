@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -226,6 +227,122 @@ TEST_F(Collectives, GradReducerSumsOnlyTheGivenRanges) {
   }
   EXPECT_THROW(GradReducer(*cpu, *comm_, view(grads), 1000, {{10, 20}, {15, 30}}), Error);
   EXPECT_THROW(GradReducer(*cpu, *comm_, view(grads), 1000, {{10, n + 1}}), Error);
+}
+
+// Passes every call to the MPI communicator and notes which buckets all_reduce reduced: each
+// all_reduce of a bucket of at least size() elements gathers into the bucket's start once.
+class RecordingCommunicator final : public Communicator {
+ public:
+  RecordingCommunicator(Communicator& inner, const std::vector<float>& grads)
+      : inner_(inner), begin_(grads.data()), end_(grads.data() + grads.size()) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string name() const override { return inner_.name(); }
+  Device device() const override { return inner_.device(); }
+  void all_gather(const Tensor& out, const Tensor& in) override {
+    const auto* p = static_cast<const float*>(out.data);
+    if (p >= begin_ && p < end_) gathered.push_back(p - begin_);
+    inner_.all_gather(out, in);
+  }
+  void all_to_all(const Tensor& out, const Tensor& in) override { inner_.all_to_all(out, in); }
+  void broadcast(const Tensor& buf, int root) override { inner_.broadcast(buf, root); }
+  void send(const Tensor& t, int peer) override { inner_.send(t, peer); }
+  void recv(const Tensor& t, int peer) override { inner_.recv(t, peer); }
+  void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
+                const char* what) override {
+    inner_.exchange(sends, recvs, what);
+  }
+  void sum_pieces(const Tensor& out, const Tensor& pieces) override {
+    inner_.sum_pieces(out, pieces);
+  }
+  void begin_detached() override { ++detached; }
+  void end_detached() override { ++attached; }
+
+  std::vector<int64_t> gathered;  // bucket starts, in launch order
+  int detached = 0, attached = 0;
+
+ private:
+  Communicator& inner_;
+  const float *begin_, *end_;
+};
+
+// The reduction overlapped with the backward: the model names gradient tensors as the backward
+// finishes them, and each bucket starts once every tensor it overlaps is final. Every bucket is
+// launched exactly once per step, from the highest address down on every rank, whatever order
+// and subset of tensors a rank names (odd ranks name theirs in the opposite order and skip some,
+// as a rank whose last micro-batch has no image would), and the sums are reduce()'s bit for bit.
+TEST_F(Collectives, GradReducerStartsEachBucketOnceItsTensorsAreFinal) {
+  auto cpu = make_cpu_backend();
+  const int64_t n = 10007;
+  // Tensors of 1 to 900 elements with alignment gaps of 0 to 6 between them (zero on every rank).
+  std::mt19937 rng(5);
+  std::vector<std::pair<int64_t, int64_t>> tensors;
+  for (int64_t at = std::uniform_int_distribution<int64_t>(0, 6)(rng); at < n;) {
+    const int64_t end = std::min(n, at + std::uniform_int_distribution<int64_t>(1, 900)(rng));
+    tensors.push_back({at, end});
+    at = end + std::uniform_int_distribution<int64_t>(0, 6)(rng);
+  }
+  auto fill = [&](std::vector<float>& g) {
+    g.assign(size_t(n), 0.0f);
+    const std::vector<float> d = data_of(rank_, n);
+    for (const auto& [b, e] : tensors) std::copy(d.begin() + b, d.begin() + e, g.begin() + b);
+  };
+  std::vector<float> want;
+  fill(want);
+  {
+    GradReducer plain(*cpu, *comm_, view(want), 1000);
+    plain.reduce();
+  }
+  std::vector<float> grads;
+  fill(grads);  // its storage stays put from here on
+  RecordingCommunicator rec(*comm_, grads);
+  GradReducer reducer(*cpu, rec, view(grads), 1000, {}, tensors);
+  ASSERT_GT(reducer.buckets(), 5);
+  const int64_t step = 1000 / world_ * world_;
+  // Whether every tensor overlapping bucket k is marked.
+  auto complete = [&](int64_t k, const std::vector<char>& marked) {
+    const int64_t b = k * step, e = std::min(n, b + step);
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (tensors[i].first < e && tensors[i].second > b && !marked[i]) return false;
+    return true;
+  };
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "first step" : "second step");
+    fill(grads);
+    rec.gathered.clear();
+    std::vector<char> marked(tensors.size(), 0);
+    const bool odd = rank_ % 2 == 1;
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      const size_t i = odd ? j : tensors.size() - 1 - j;
+      if (odd && i % 3 == 0) continue;  // never named: launched by reduce()
+      const Tensor t = view(grads).slice(tensors[i].first, tensors[i].second);
+      reducer.gradient_final(t);
+      reducer.gradient_final(t);  // twice: no effect
+      marked[i] = 1;
+      // The buckets launched: the longest run of complete ones from the top.
+      int64_t expect = 0;
+      while (expect < reducer.buckets() && complete(reducer.buckets() - 1 - expect, marked))
+        ++expect;
+      ASSERT_EQ(reducer.launched(), expect) << "after tensor " << i;
+      ASSERT_EQ(static_cast<int64_t>(rec.gathered.size()), expect);
+    }
+    const int64_t early = reducer.launched();
+    if (!odd) EXPECT_EQ(early, reducer.buckets());
+    reducer.reduce();
+    EXPECT_EQ(reducer.launched(), 0);
+    EXPECT_EQ(reducer.launched_early(), early);
+    ASSERT_EQ(static_cast<int64_t>(rec.gathered.size()), reducer.buckets());
+    for (int64_t k = 0; k < reducer.buckets(); ++k)
+      EXPECT_EQ(rec.gathered[size_t(k)], (reducer.buckets() - 1 - k) * step) << "launch " << k;
+    EXPECT_TRUE(same_bits(grads, want));
+    EXPECT_EQ(rec.detached, round + 1);
+    EXPECT_EQ(rec.attached, round + 1);
+  }
+  // Only the given tensors, whole, may be named.
+  EXPECT_THROW(reducer.gradient_final(view(grads).slice(tensors[1].first, tensors[1].second - 1)),
+               Error);
+  EXPECT_THROW(reducer.gradient_final(view(want).slice(0, 10)), Error);
+  reducer.reduce();
 }
 
 // Pipeline groups: split() makes sub-groups that run collectives of their own, and exchange()

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -459,6 +460,135 @@ TEST_F(TrainingGraphs, CudaGraphsReplayEagerBitForBit) {
   load(make_cuda_backend(0));
   expect_graphs_replay_eager(false, all_modes());
   expect_graphs_replay_eager(true, all_modes());
+}
+
+// What the data-parallel reduction relies on to start buckets during the backward
+// (TrainableQwen3VL::on_gradients_final): in the backward of a step's last micro-batch the hook
+// names every gradient tensor the model computes, each at a point after which nothing in the step
+// writes it (its values then are its values after the step; on the CPU the hook reads them at
+// once), and only between graphs: never for an earlier micro-batch, never from a graph's body
+// (captured, replayed or warming up), so never with full_iteration graphs.
+class HookRecord {
+ public:
+  explicit HookRecord(Backend& be) : be_(be) {}
+  TrainableQwen3VL::GradientsFinal hook() {
+    return [this](const Tensor& g) {
+      const std::vector<float> v = read(g);
+      const auto [it, fresh] = named_.emplace(g.data, v);
+      if (!fresh) EXPECT_EQ(it->second, v) << "named again after a write";
+    };
+  }
+  void clear() { named_.clear(); }
+  size_t size() const { return named_.size(); }
+  // Every tensor `held` accepts is named, with its values now; no other one is.
+  template <class Held>
+  void expect_final(TrainableQwen3VL& m, Held held) {
+    size_t n_held = 0;
+    for (const WeightBinding& b : m.grads().bindings) {
+      const auto it = named_.find(b.target->data);
+      if (!held(b.hf_name)) {
+        EXPECT_EQ(it, named_.end()) << b.hf_name << " named by a stage that does not hold it";
+        continue;
+      }
+      ++n_held;
+      ASSERT_NE(it, named_.end()) << b.hf_name << " never named";
+      EXPECT_EQ(it->second, read(*b.target)) << b.hf_name << " written after it was named";
+    }
+    EXPECT_GT(n_held, 0u);
+  }
+
+ private:
+  std::vector<float> read(const Tensor& t) const {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    be_.read(v.data(), DType::f32, t);
+    return v;
+  }
+  Backend& be_;
+  std::map<const void*, std::vector<float>> named_;
+};
+
+TEST_F(TrainingGraphs, GradientHookNamesEachTensorAfterItsLastWriteOfTheStep) {
+  load(make_cpu_backend());
+  const TrainLimits limits = padded_limits(*samples_);
+  const auto mbs = schedule(*samples_);
+  // Steps of three micro-batches of different shapes, the last with an image: with one warm-up
+  // run, each shape runs eagerly, is captured, then replays.
+  std::vector<std::vector<std::vector<const TrainSample*>>> steps;
+  for (size_t i = 0; i + 3 <= mbs.size(); i += 3) steps.push_back({mbs[i], mbs[i + 1], mbs[i + 2]});
+  auto all = [](const std::string&) { return true; };
+  const std::vector<Mode> modes = all_modes();
+  struct Case {
+    const char* name;
+    const Mode* mode;  // null: eager
+    bool tower_frozen;
+  } cases[] = {{"eager", nullptr, false},         {"eager, tower frozen", nullptr, true},
+               {modes[2].name, &modes[2], false}, {modes[5].name, &modes[5], false},
+               {modes[6].name, &modes[6], true},  {modes[3].name, &modes[3], false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto api = make_graph_api(*be_);
+    TrainableQwen3VL m(*be_, cfg_, *params_, limits);
+    m.set_frozen(c.tower_frozen, false, false);
+    if (c.mode != nullptr) {
+      TrainGraphs g;
+      g.decoder = c.mode->decoder;
+      g.vision = c.mode->vision;
+      g.decoder_modules = c.mode->decoder_modules;
+      g.vision_modules = c.mode->vision_modules;
+      g.warmup_runs = 1;
+      m.use_graphs(*api, g);
+    }
+    HookRecord rec(*be_);
+    m.on_gradients_final(rec.hook());
+    const bool full = c.mode != nullptr && c.mode->decoder == GraphImpl::full_iteration;
+    for (const auto& step : steps) {
+      m.zero_grads();
+      rec.clear();
+      m.queue_step(step, 1.0f / 64);
+      if (full)
+        EXPECT_EQ(rec.size(), 0u);
+      else
+        rec.expect_final(m, all);
+      m.take_loss_sum();
+    }
+    // A micro-batch on its own is not known to be the step's last.
+    rec.clear();
+    m.queue_forward_backward(steps[0][2], 1.0f / 64);
+    EXPECT_EQ(rec.size(), 0u);
+    m.delete_graphs();
+  }
+
+  // Pipeline stages: the last backward of the step names the stage's own tensors (the tied
+  // embedding on both: stage 0's lookup and stage 1's lm_head).
+  const std::vector<PipelineStage> st = pipeline_split(cfg_, 2, {1, 2}, {});
+  TrainLimits l0 = limits, l1 = limits;
+  l0.stage = st[0];
+  l1.stage = st[1];
+  TrainableQwen3VL s0(*be_, cfg_, *params_, l0), s1(*be_, cfg_, *params_, l1);
+  HookRecord r0(*be_), r1(*be_);
+  s0.on_gradients_final(r0.hook());
+  s1.on_gradients_final(r1.hook());
+  for (const auto& step : steps) {
+    s0.zero_grads();
+    s1.zero_grads();
+    r0.clear();
+    r1.clear();
+    for (size_t i = 0; i < step.size(); ++i) {
+      const bool last = i + 1 == step.size();
+      s0.stage_prepare(step[i], 1.0f / 64);
+      s1.stage_prepare(step[i], 1.0f / 64);
+      s0.stage_forward();
+      hand_over(*be_, s0.forward_outputs(), s1.forward_inputs());
+      s1.stage_forward();
+      s1.stage_backward(last);
+      hand_over(*be_, s1.backward_outputs(), s0.backward_inputs());
+      s0.stage_backward(last);
+      if (!last) EXPECT_EQ(r0.size() + r1.size(), 0u);
+    }
+    r0.expect_final(s0, [&](const std::string& name) { return s0.holds(name); });
+    r1.expect_final(s1, [&](const std::string& name) { return s1.holds(name); });
+    s1.take_loss_sum();
+  }
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "core/backend.h"
 #include "parallel/communicator.h"
 #include "parallel/grad_reducer.h"
+#include "training/data_parallel.h"
 #include "training/optimizer.h"
 #include "training_test_util.h"
 
@@ -81,6 +82,47 @@ TEST(NcclWorldOfOne, TrainsToTheLossesOfTheStepWithoutIt) {
   ASSERT_EQ(plain.size(), nccl.size());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(plain[i], nccl[i]) << "step " << i + 1;
   EXPECT_NE(plain.front(), plain.back());  // the steps trained
+}
+
+// The reduction started during the backward (each bucket queued on NCCL's stream as soon as the
+// model names its tensors, the backend computing on) leaves the gradients of the plain backward
+// bit for bit, step after step: a bucket launched before its last write, or a next step's
+// zero_grads not waiting for the reduction, would show in the bits.
+TEST(NcclWorldOfOne, ReductionOverlappedWithTheBackwardGivesThePlainGradients) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!nccl_available()) GTEST_SKIP() << "built without NCCL";
+  test::Golden golden;
+  const TrainSample sample = test::golden_sample(golden);
+  auto cuda = make_cuda_backend(0);
+  cuda->set_gemm_autotune(false);
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto working = load_weights(*cuda, cfg, test::fixture_dir());
+  TrainableQwen3VL plain(*cuda, cfg, *working, TrainLimits{});
+  TrainableQwen3VL overlapped(*cuda, cfg, *working, TrainLimits{});
+  auto comm = make_nccl_communicator(*cuda, nullptr, 0, 1);
+  const Tensor flat(overlapped.grads().arena.base(), DType::f32, Device::cuda,
+                    {static_cast<int64_t>(overlapped.grads().arena.capacity() / sizeof(float))});
+  GradReducer reducer(*cuda, *comm, flat, 100003, {}, gradient_tensors(overlapped.grads()));
+  ASSERT_GT(reducer.buckets(), 2);
+  overlapped.on_gradients_final([&](const Tensor& g) { reducer.gradient_final(g); });
+  const float scale = 1.0f / static_cast<float>(2 * labelled_positions(sample.labels));
+  const std::vector<std::vector<const TrainSample*>> step = {{&sample}, {&sample}};
+  for (int s = 0; s < 3; ++s) {
+    SCOPED_TRACE(s);
+    plain.zero_grads();
+    overlapped.zero_grads();
+    plain.queue_step(step, scale);
+    overlapped.queue_step(step, scale);
+    EXPECT_GT(reducer.launched(), 0);  // before reduce(): overlapped
+    reducer.reduce();
+    EXPECT_EQ(reducer.launched_early(), reducer.buckets());  // the sample has an image
+    const auto want = test::all_grads(plain), got = test::all_grads(overlapped);
+    ASSERT_EQ(want.size(), got.size());
+    for (size_t k = 0; k < want.size(); ++k)
+      ASSERT_EQ(std::memcmp(want[k].data(), got[k].data(), want[k].size() * sizeof(float)), 0)
+          << overlapped.grads().bindings[k].hf_name;
+    EXPECT_EQ(plain.take_loss_sum(), overlapped.take_loss_sum());
+  }
 }
 
 TEST(NcclWorldOfOne, CollectivesMoveExactly) {

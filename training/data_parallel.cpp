@@ -1,5 +1,6 @@
 #include "training/data_parallel.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -8,8 +9,23 @@
 
 namespace iris {
 
+std::vector<std::pair<int64_t, int64_t>> gradient_tensors(const ModelWeights& grads) {
+  std::vector<std::pair<int64_t, int64_t>> tensors;
+  for (const WeightBinding& b : grads.bindings) {
+    const auto begin = static_cast<int64_t>(
+        (static_cast<const char*>(b.target->data) - static_cast<const char*>(grads.arena.base())) /
+        sizeof(float));
+    tensors.push_back({begin, begin + b.target->numel()});
+  }
+  std::sort(tensors.begin(), tensors.end());
+  tensors.erase(std::unique(tensors.begin(), tensors.end()), tensors.end());
+  return tensors;
+}
+
 DataParallel::DataParallel(const ParallelRecipe& p) : env_(read_launch_env()) {
   stages_ = static_cast<int>(p.pipeline_parallel_size);
+  overlap_ = p.overlap_grad_reduce;
+  bucket_elements_ = p.grad_bucket_elements;
   const int64_t expected = static_cast<int64_t>(env_.world) / p.pipeline_parallel_size;
   if (!env_.launched()) {
     IRIS_CHECK(p.data_parallel_size == 1, "parallel.data_parallel_size is ", p.data_parallel_size,
@@ -105,9 +121,11 @@ DataParallel::Link DataParallel::connect(Backend& be, ModelWeights& grads,
   // Gradients of one config share one layout, so they are one flat span (as zero_grads uses).
   const Tensor flat(grads.arena.base(), DType::f32, be.device(),
                     {static_cast<int64_t>(grads.arena.capacity() / sizeof(float))});
-  if (reduce_gradients && reduce_over != nullptr)
-    reducer_ = std::make_unique<GradReducer>(be, *reduce_over, flat,
-                                             GradReducer::kDefaultBucketElements, ranges);
+  if (reduce_gradients && reduce_over != nullptr) {
+    reducer_ = std::make_unique<GradReducer>(
+        be, *reduce_over, flat, bucket_elements_, ranges,
+        overlap_ ? gradient_tensors(grads) : std::vector<std::pair<int64_t, int64_t>>());
+  }
   // Every rank initialises or loads the same weights; copying rank 0's makes that a guarantee
   // rather than an assumption (a file changed under one rank, a different build).
   for (int i = 0; i < n_weights; ++i)
@@ -173,7 +191,7 @@ void DataParallel::mark_progress() {
   if (watchdog_) watchdog_->mark();
 }
 
-std::string DataParallel::describe() const {
+std::string DataParallel::describe(bool full_iteration_graphs) const {
   if (!comm_) return "";
   if (!reducer_ && stages_ > 1)
     return str_cat(comm_->name(), " point-to-point activations between ", stages_,
@@ -181,7 +199,24 @@ std::string DataParallel::describe() const {
   if (!reducer_) return str_cat(comm_->name(), " gradient reduce-scatter in the sharded optimizer");
   return str_cat(comm_->name(), " gradient all-reduce in ", reducer_->buckets(),
                  " fixed-order buckets, scratch ", reducer_->scratch_bytes() / (size_t(1) << 20),
-                 " MiB");
+                 " MiB, ",
+                 !overlap_ ? "after the backward (parallel.overlap_grad_reduce off)"
+                 : full_iteration_graphs
+                     ? "after the backward (full_iteration graphs hold the whole backward; "
+                       "eager runs and local graphs overlap it)"
+                     : "each started during the last micro-batch's backward as soon as its "
+                       "gradients are final (overlapped; not with full_iteration graphs)");
+}
+
+std::function<void(const Tensor&)> DataParallel::gradients_final_hook() {
+  if (!reducer_ || !overlap_) return {};
+  return [r = reducer_.get()](const Tensor& grad) { r->gradient_final(grad); };
+}
+
+std::string DataParallel::overlap_summary() const {
+  if (!reducer_) return "";
+  return str_cat("gradient reduction: ", reducer_->launched_early(), " of ", reducer_->buckets(),
+                 " buckets started during the backward of the last step's last micro-batch");
 }
 
 void DataParallel::reduce_gradients() {

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,6 +43,11 @@
 namespace iris {
 
 class MpiSession;
+
+// The element ranges of the gradient tensors in the flat span of `grads` (f32), ascending: each
+// binding's whole target once (q/k/v and gate/up share one; a tied lm_head has no binding of its
+// own). What TrainableQwen3VL::on_gradients_final names, for GradReducer.
+std::vector<std::pair<int64_t, int64_t>> gradient_tensors(const ModelWeights& grads);
 
 class DataParallel {
  public:
@@ -86,7 +92,9 @@ class DataParallel {
   // the gradient reducer over `grads` (one flat span) unless a sharded optimizer sums them
   // (reduce_gradients false), and rank 0's weights copied to every rank. Does nothing for a
   // single process. Keep the Link while `be` lives. reduce_ranges: the element ranges of the flat
-  // gradients to sum (a pipeline stage's own tensors); empty: all of them.
+  // gradients to sum (a pipeline stage's own tensors); empty: all of them. With
+  // parallel.overlap_grad_reduce the reducer learns the gradient tensors from `grads`' bindings,
+  // so that gradients_final_hook() can start its buckets during the backward.
   [[nodiscard]] Link connect(Backend& be, ModelWeights& grads, ModelWeights* const* weights,
                              int n_weights, bool reduce_gradients = true,
                              const std::vector<std::pair<int64_t, int64_t>>& reduce_ranges = {});
@@ -111,11 +119,22 @@ class DataParallel {
   // On CUDA with more than one rank: a point the stall watchdog (parallel/communicator.h) expects
   // the GPU to reach within parallel.timeout_seconds; once per step, after its work is queued.
   void mark_progress();
-  // Communicator and scratch bytes, for the memory plan ("" for one process).
-  std::string describe() const;
+  // Communicator and scratch bytes, and when the gradient buckets are reduced, for the memory
+  // plan ("" for one process). full_iteration_graphs: the backward runs inside graphs, so the
+  // reduction cannot start before it ends.
+  std::string describe(bool full_iteration_graphs = false) const;
+  // What each model's on_gradients_final calls (TrainableQwen3VL), so that the buckets start
+  // during the backward of the step's last micro-batch; empty when nothing overlaps (one
+  // process, a sharded optimizer, parallel.overlap_grad_reduce off). After connect.
+  std::function<void(const Tensor&)> gradients_final_hook();
   // Sums the gradients over the ranks (fixed order); after the backward of the last micro-batch.
-  // Nothing to do when a sharded optimizer sums them.
+  // Launches the buckets the hook has not, and orders the optimizer after all of them. Nothing
+  // to do when a sharded optimizer sums them.
   void reduce_gradients();
+  // How many of the gradient buckets started during the backward in the last step (this rank's
+  // count; a rank whose last micro-batch had no image starts the vision's after it); "" without
+  // a reducer.
+  std::string overlap_summary() const;
   // The rank-order sum of every rank's local loss sum.
   double global_loss_sum(double local);
   // The stop signal any rank received (its number), so that every rank stops after the same
@@ -132,6 +151,8 @@ class DataParallel {
 
   LaunchEnv env_;
   int stages_ = 1, replicas_ = 1;
+  bool overlap_ = true;
+  int64_t bucket_elements_ = GradReducer::kDefaultBucketElements;
   MpiSession* session_ = nullptr;
   std::unique_ptr<MpiSession> dp_session_, pipe_session_;
   std::unique_ptr<Communicator> comm_, dp_comm_, pipe_comm_;

@@ -85,8 +85,10 @@ int64_t run_pipeline_step(const std::vector<std::unique_ptr<TrainableQwen3VL>>& 
   auto prepare = [&](int i) {
     labelled += model(i).stage_prepare(micro_batches[size_t(i)], grad_scale);
   };
+  // The last micro-batch's backward is the step's last into the stage's gradients: the one whose
+  // gradients the data-parallel reduction may start on (TrainableQwen3VL::on_gradients_final).
   auto backward = [&](int j) {
-    if (model(j).stage_backward_needed()) model(j).stage_backward();
+    if (model(j).stage_backward_needed()) model(j).stage_backward(j == m - 1);
   };
   // What crosses a boundary for micro-batch i; nothing for a micro-batch without a backward.
   auto grads_in = [&](int j) {

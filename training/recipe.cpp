@@ -202,6 +202,12 @@ std::vector<Field> fields(Recipe& r) {
        "pipeline_parallel_size"},
       {"parallel.timeout_seconds", &p.timeout_seconds,
        "seconds a rank waits for the others in one exchange before the whole job is aborted"},
+      {"parallel.overlap_grad_reduce", &p.overlap_grad_reduce,
+       "start each gradient bucket's fixed-order all-reduce during the backward of the step's "
+       "last micro-batch, as soon as the bucket's gradients are final (eager and local graphs; "
+       "with full_iteration graphs it runs after the step); the same bits either way"},
+      {"parallel.grad_bucket_elements", &p.grad_bucket_elements,
+       "f32 elements per gradient all-reduce bucket (the scratch is one bucket)"},
   };
 }
 
@@ -905,6 +911,7 @@ void validate(Recipe& r) {
   r.accumulation_steps = t.global_batch_size / per_step;
 
   positive(p.timeout_seconds, "parallel.timeout_seconds");
+  positive(p.grad_bucket_elements, "parallel.grad_bucket_elements");
   IRIS_CHECK(p.tensor_parallel_size == 1,
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
              ": tensor parallelism is not supported yet (set it to 1 and use "

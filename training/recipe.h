@@ -118,6 +118,12 @@ struct ParallelRecipe {
   int64_t data_parallel_size = 1;
   // How long one rank waits for the others in a collective before the whole job is aborted.
   int64_t timeout_seconds = 900;
+  // Start each gradient bucket's all-reduce while the backward of the step's last micro-batch
+  // still runs (parallel/grad_reducer.h); the same bits either way.
+  bool overlap_grad_reduce = true;
+  // Elements per gradient bucket (f32): smaller buckets start earlier and cost less scratch,
+  // larger ones make fewer calls.
+  int64_t grad_bucket_elements = int64_t(1) << 25;
 };
 
 struct Recipe {

@@ -358,13 +358,32 @@ int64_t TrainableQwen3VL::queue_forward_backward(const std::vector<const TrainSa
   return n_label_real_;
 }
 
+namespace {
+
+// Sets a flag for a scope, and clears it on every way out.
+class FlagScope {
+ public:
+  FlagScope(bool& flag, bool value) : flag_(flag) { flag_ = value; }
+  ~FlagScope() { flag_ = false; }
+  FlagScope(const FlagScope&) = delete;
+  FlagScope& operator=(const FlagScope&) = delete;
+
+ private:
+  bool& flag_;
+};
+
+}  // namespace
+
 int64_t TrainableQwen3VL::queue_step(
     const std::vector<std::vector<const TrainSample*>>& micro_batches, float grad_scale) {
   int64_t labelled = 0;
   const size_t n = micro_batches.size();
   if (graph_api_ == nullptr || graphs_.decoder != GraphImpl::full_iteration || n < 2 ||
       n > slots_.size()) {
-    for (const auto& mb : micro_batches) labelled += queue_forward_backward(mb, grad_scale);
+    for (size_t i = 0; i < n; ++i) {
+      const FlagScope last(last_backward_, i + 1 == n);
+      labelled += queue_forward_backward(micro_batches[i], grad_scale);
+    }
     return labelled;
   }
   // The inputs of every micro-batch go up before any of them runs: the graph of the step reads
@@ -398,6 +417,7 @@ int64_t TrainableQwen3VL::queue_step(
   } else {
     for (size_t i = 0; i < n; ++i) {
       move_into_own_inputs(i);
+      const FlagScope last(last_backward_, i + 1 == n);
       run_prepared(true, loss_total_);
     }
   }
@@ -699,9 +719,49 @@ void TrainableQwen3VL::backward_part(bool vision_grads, bool layer_graphs) {
   const std::string vkey =
       str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
   text_backward(layer_graphs);
-  if (vision_grads && limits_.stage.has_vision)
+  if (vision_grads && limits_.stage.has_vision) {
     maybe_graphed(whole_encoder, str_cat("vision bwd ", vkey),
                   [this, vision_modules] { vision_backward(vision_modules); });
+    // All of them again: the hook was silent inside a whole-encoder graph.
+    vision_gradients_final();
+  }
+}
+
+void TrainableQwen3VL::gradient_final(const Tensor& grad) {
+  if (last_backward_ && graph_bodies_ == 0 && gradients_final_ && grad.defined())
+    gradients_final_(grad);
+}
+
+namespace {
+
+// Every tensor of a layer's, block's or merger's weights (a gradient the backward of that part
+// writes).
+template <class F>
+void each_tensor(const DecoderLayerWeights& w, F f) {
+  for (const Tensor* t : {&w.input_norm_w, &w.qkv_w, &w.q_norm_w, &w.k_norm_w, &w.o_w,
+                          &w.post_norm_w, &w.gate_up_w, &w.down_w})
+    f(*t);
+}
+template <class F>
+void each_tensor(const VisionBlockWeights& w, F f) {
+  for (const Tensor* t : {&w.norm1_w, &w.norm1_b, &w.qkv_w, &w.qkv_b, &w.proj_w, &w.proj_b,
+                          &w.norm2_w, &w.norm2_b, &w.fc1_w, &w.fc1_b, &w.fc2_w, &w.fc2_b})
+    f(*t);
+}
+template <class F>
+void each_tensor(const PatchMergerWeights& w, F f) {
+  for (const Tensor* t : {&w.norm_w, &w.norm_b, &w.fc1_w, &w.fc1_b, &w.fc2_w, &w.fc2_b}) f(*t);
+}
+
+}  // namespace
+
+void TrainableQwen3VL::vision_gradients_final() {
+  const VisionWeights& g = grads_->vision;
+  auto mark = [this](const Tensor& t) { gradient_final(t); };
+  each_tensor(g.merger, mark);
+  for (int l = static_cast<int>(g.blocks.size()) - 1; l >= 0; --l) each_tensor(g.blocks[l], mark);
+  for (const PatchMergerWeights& m : g.deepstack_mergers) each_tensor(m, mark);
+  for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b}) mark(*t);
 }
 
 int64_t TrainableQwen3VL::stage_prepare(const std::vector<const TrainSample*>& batch,
@@ -747,8 +807,9 @@ void TrainableQwen3VL::stage_forward() {
   forward_part(stage_backward_, loss_total_, graphs && graphs_.decoder == GraphImpl::local);
 }
 
-void TrainableQwen3VL::stage_backward() {
+void TrainableQwen3VL::stage_backward(bool last_of_step) {
   IRIS_CHECK(stage_backward_, "stage_backward: this micro-batch has no backward");
+  const FlagScope last(last_backward_, last_of_step);
   const bool graphs = graph_api_ != nullptr && padded_;
   if (graphs && graphs_full_iteration(graphs_)) {
     graphed(str_cat("stage bwd L", L_, " S", S_, " labels ", n_label_, " frozen ",
@@ -795,6 +856,13 @@ bool TrainableQwen3VL::holds(const std::string& name) const {
 }
 
 void TrainableQwen3VL::graphed(const std::string& key, const std::function<void()>& body) {
+  // A body's gradients are named after the graph (a hook inside would record into a capture, or
+  // differ between a graph's eager warm-up and its replays).
+  struct Nested {
+    int& depth;
+    explicit Nested(int& d) : depth(d) { ++depth; }
+    ~Nested() { --depth; }
+  } nested(graph_bodies_);
   GraphSet& set = graph_sets_[key];
   if (set.graph.valid()) {
     const auto start = std::chrono::steady_clock::now();
@@ -971,10 +1039,14 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
   if (tower) be_.fill_zero(dres);
   merger_backward(be_, v, w.merger, merger_grads(g.merger), merger_, vx_[v.depth], S, false,
                   d_embeds_, dres, scratch);
+  auto mark = [this](const Tensor& t) { gradient_final(t); };
+  each_tensor(g.merger, mark);
   if (!tower) {
-    for (size_t k = 0; k < taps.size(); ++k)
+    for (size_t k = 0; k < taps.size(); ++k) {
       merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
                       vx_[taps[k] + 1], S, true, d_ds_[k], Tensor(), scratch);
+      each_tensor(g.deepstack_mergers[k], mark);
+    }
     return;
   }
   for (int l = v.depth - 1; l >= 0; --l) {
@@ -984,6 +1056,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
       const size_t k = static_cast<size_t>(tap - taps.begin());
       merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
                       vx_[l + 1], S, true, d_ds_[k], dres, scratch);
+      each_tensor(g.deepstack_mergers[k], mark);
     }
     const VisionBlockBuffers b = vision_block(l);
     // The recomputation runs with the MLP half, whose backward is the first to read it.
@@ -1001,12 +1074,14 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
                   [this, &v, &w, &g, l, b, seg, scratch] {
                     vision_attention_backward(be_, v, w.blocks[l], g.blocks[l], b, seg, scratch);
                   });
+    each_tensor(g.blocks[l], mark);
   }
   // Embeddings: accumulate the position table's and the patch projection's gradients.
   be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
                                      pos_weight_.slice(0, S));
   be_.linear_backward_weight(g.patch_w, g.patch_b, in_compute_dtype(be_, dres, scratch.dres_c),
                              pixels_.slice(0, S));
+  for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b}) mark(*t);
 }
 
 // ---- Text --------------------------------------------------------------------------------------
@@ -1134,6 +1209,9 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
     be_.scatter_rows(dloss_sink, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
     be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), t_dloss_.slice(0, L),
                           tx_[t.num_hidden_layers].slice(0, L), final_rstd_.slice(0, L), w.norm_w);
+    // The loss wrote the lm_head's; tied, it is the embedding, which this stage may still add to.
+    gradient_final(g.norm_w);
+    if (!cfg_.tie_word_embeddings || !st.has_embed()) gradient_final(g.lm_head);
   }
   const DecoderAttention at = text_attention();
   const DecoderGradScratch scratch{dres,
@@ -1173,15 +1251,17 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
         mlp();
         attention();
       });
-      continue;
+    } else {
+      maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp bwd", shape), mlp);
+      maybe_graphed(attn_graphs, str_cat("layer ", l, " attn bwd", shape), attention);
     }
-    maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp bwd", shape), mlp);
-    maybe_graphed(attn_graphs, str_cat("layer ", l, " attn bwd", shape), attention);
+    each_tensor(g.layers[l], [this](const Tensor& x) { gradient_final(x); });
   }
   // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
   // tower, not to the pad token's embedding row.
   if (!st.has_embed()) return;
   if (lm) be_.embedding_backward(g.embed, dres, ids_.slice(0, L), cfg_.image_token_id);
+  gradient_final(g.embed);
   if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres_sink, pads);
 }
 

@@ -180,7 +180,8 @@ class TrainableQwen3VL {
   double take_forward_loss_sum();
   void stage_forward();
   bool stage_backward_needed() const { return stage_backward_; }
-  void stage_backward();
+  // last_of_step: this is the step's last backward into these gradients (on_gradients_final).
+  void stage_backward(bool last_of_step = false);
   std::vector<Tensor> forward_inputs() const;
   std::vector<Tensor> forward_outputs() const;
   std::vector<Tensor> backward_inputs() const;
@@ -218,6 +219,18 @@ class TrainableQwen3VL {
     int64_t tokens = 0, padded_tokens = 0, patches = 0, padded_patches = 0;
   };
   const PaddingStats& padding_stats() const { return padding_; }
+
+  // Data-parallel overlap (parallel/grad_reducer.h): during the backward of the step's last
+  // micro-batch (queue_step's last, or stage_backward(true)), `hook` is called with each gradient
+  // tensor of grads() (whole, as the weight structs hold it) as soon as the step's last op that
+  // writes it is queued, in backward order: the lm_head and final norm, the decoder layers from
+  // last to first, the embedding, then the vision mergers, blocks from last to first and patch
+  // embedding. It is called only between graphs, never from a graph's body (captured, replayed
+  // or warming up): with local graphs between the layers' graphs, with full_iteration not at all
+  // (the reduction then starts after the step). A tensor may be named again; one not written
+  // this step (a frozen part, no images) is still named where it would be. Empty: none.
+  using GradientsFinal = std::function<void(const Tensor& grad)>;
+  void on_gradients_final(GradientsFinal hook) { gradients_final_ = std::move(hook); }
 
   ModelWeights& grads() { return *grads_; }
   ModelWeights& params() { return params_; }
@@ -281,6 +294,10 @@ class TrainableQwen3VL {
   DecoderAttention text_attention() const;
   void loss(bool backward, const Tensor& loss_out);
   void text_backward(bool layer_graphs);
+  // on_gradients_final's hook for `grad`, when this backward is the step's last and no graph
+  // body is running.
+  void gradient_final(const Tensor& grad);
+  void vision_gradients_final();
   void vision_backward(bool module_graphs);
   VisionGradScratch vision_grad_scratch() const;
 
@@ -305,6 +322,9 @@ class TrainableQwen3VL {
     CapturedGraph graph;
     int64_t memory_bytes = 0;
   };
+  GradientsFinal gradients_final_;
+  bool last_backward_ = false;  // the backward running is the step's last
+  int graph_bodies_ = 0;        // graph bodies running (graphed() nests in captures)
   GraphApi* graph_api_ = nullptr;
   TrainGraphs graphs_;
   std::map<std::string, GraphSet> graph_sets_;

@@ -569,6 +569,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
   const DataParallel::Link dp_link =
       dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded, reduce_ranges);
+  // Each bucket's all-reduce starts during the backward of the step's last micro-batch, once its
+  // gradients are final.
+  if (const auto hook = dp.gradients_final_hook())
+    for (auto& m : replicas) m->on_gradients_final(hook);
   // A pipeline stage updates the tensors it computes, and the gradient norm is the pipeline's.
   StageTensors stage_tensors;
   if (pipelined) {
@@ -658,7 +662,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     if (opt.shards() > 1)
       plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
                       " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
-    if (dp.world() > 1) plan += ", " + dp.describe();
+    if (dp.world() > 1)
+      plan +=
+          ", " + dp.describe(graphs_on && r.cuda_graph.language.impl == GraphImpl::full_iteration);
     if (graphs_on) {
       std::string tb, vb;
       for (int64_t b : limits.text_buckets) tb += str_cat(tb.empty() ? "" : ",", b);
@@ -1025,6 +1031,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     log.message(str_cat("data: ", skipped_large, " samples with more than ", limits.max_patches,
                         " vision patches skipped (train.max_vision_patches)"));
   if (result.final_iteration == 0) result.final_iteration = state.iteration;
+  if (const std::string o = dp.overlap_summary(); !o.empty()) log.message(o);
   if (graphs_on) {
     const auto& p = model.padding_stats();
     log.message(str_cat("graphs: ", graph_count(), " captured in ", int(capture_ms()),
