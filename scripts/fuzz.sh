@@ -27,13 +27,13 @@ cmake --build build-fuzz -j"$jobs" --target "${targets[@]/#/fuzz_}"
 export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export OMP_NUM_THREADS=1
-status=0
-for t in "${targets[@]}"; do
-  corpus=build-fuzz/corpus/$t
-  artifacts=build-fuzz/artifacts/$t
+# One target a core at a time: each still runs its full time, and CI waits the least.
+fuzz_one() {
+  local t=$1
+  local corpus=build-fuzz/corpus/$t artifacts=build-fuzz/artifacts/$t
   mkdir -p "$corpus" "$artifacts"
   # Inputs larger than a few hundred KB only slow the search; 1 MB covers every seed.
-  log=build-fuzz/fuzz_$t.log
+  local log=build-fuzz/fuzz_$t.log runs cov
   if build-fuzz/fuzz_"$t" "$corpus" tests/data/fuzz/"$t" -max_total_time="$seconds" \
       -max_len=1048576 -timeout=20 -rss_limit_mb=3072 -print_final_stats=1 \
       -artifact_prefix="$artifacts/" >"$log" 2>&1; then
@@ -43,7 +43,18 @@ for t in "${targets[@]}"; do
   else
     echo "fuzz $t: FAILED, see $log and $artifacts/" >&2
     tail -n 40 "$log" >&2
-    status=1
+    return 1
+  fi
+}
+status=0
+pids=()
+for t in "${targets[@]}"; do
+  fuzz_one "$t" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge "$jobs" ]; then
+    wait "${pids[0]}" || status=1
+    pids=("${pids[@]:1}")
   fi
 done
+for p in ${pids[@]+"${pids[@]}"}; do wait "$p" || status=1; done
 exit $status
