@@ -1,6 +1,7 @@
 #include "bridge/vision_cuda_graph_helper.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 
 #include "bridge/qwen3vl_model.h"
@@ -135,6 +136,7 @@ VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
   IRIS_CHECK(encoder_ != nullptr, "encode() on pipeline ", stage_.describe(),
              ", which holds no vision encoder; the stage with the encoder encodes images");
   last_bucket_ = 0;
+  last_launch_ms_ = 0;
   if (!vision_active_ || vision_deleted_) return encoder_->encode(pixel_values, grids);
   const PaddedVisionCall call =
       plan_padded_vision_call(encoder_->config(), cfg_.vision, grids, encoder_->max_segments());
@@ -158,7 +160,13 @@ VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
   }
   encoder_->upload(pixel_values, grids, *call.bucket);
   BucketGraph& b = bucket_graph(*call.bucket);
+  const bool replay = b.captured();
+  const auto launch_start = std::chrono::steady_clock::now();
   run_bucket(b);
+  if (replay)
+    last_launch_ms_ =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - launch_start)
+            .count();
   last_bucket_ = b.rows;
   const int64_t real = call.n_patches / encoder_->config().merge_unit();
   VisionEncoder::Output out;

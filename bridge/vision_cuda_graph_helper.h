@@ -105,6 +105,10 @@ class VisionCudaGraphHelper {
   GraphApi& api() const { return *api_; }
   // Bucket of the last encode() call; 0 when it ran unpadded.
   int64_t last_bucket() const { return last_bucket_; }
+  // Host milliseconds the last encode() spent launching its captured graph(s) (in the layer
+  // scope with the eager glue between them); 0 when it ran eagerly. What remains of a call's
+  // host time past the pixel upload is planning and the grids' upload.
+  double last_launch_ms() const { return last_launch_ms_; }
   // Calls above the largest bucket that ran eagerly.
   int64_t overflow_calls() const { return overflow_calls_; }
 
@@ -144,6 +148,7 @@ class VisionCudaGraphHelper {
   bool vision_deleted_ = false;
   std::vector<BucketGraph> buckets_;
   int64_t last_bucket_ = 0;
+  double last_launch_ms_ = 0;
   int64_t overflow_calls_ = 0;
 
   bool decoder_active_ = false;

@@ -565,6 +565,8 @@ TEST_F(CpuGraphs, BucketGraphsWarmUpCaptureOnceAndReplayTheEagerResult) {
     EXPECT_TRUE(all_close(read_f32(*cpu_, out.embeds), want, kTight, kTight)) << "call " << call;
     // Two eager warmup calls, the third captures (and runs once), later ones replay.
     EXPECT_EQ(h.graphs_created(GraphSet::vision), call >= 2) << "call " << call;
+    // Only a replay is a launch.
+    EXPECT_EQ(h.last_launch_ms() > 0, call >= 3) << "call " << call;
   }
   const auto log = api.log();
   EXPECT_EQ(count_ops(log, Op::begin_capture), 1);
