@@ -11,7 +11,7 @@
 # /clear between: the vision encode and prefill of turns two and three (the fastest of the two,
 # before the vision graph's capture at the fourth use) are what a warm process takes.
 #
-# The peer is not part of Iris: LLAMA_MTMD_CLI is a llama-mtmd-cli built on the GPU machine
+# The peer is not part of Iris (without it the script measures Iris alone): LLAMA_MTMD_CLI is a llama-mtmd-cli built on the GPU machine
 # (CUDA, architecture 90) and LLAMA_DIR the llama.cpp source it was built from, whose
 # convert_hf_to_gguf.py (with gguf-py) writes the bf16 GGUF and the mmproj GGUF. Carry .deps and
 # tests/data/qwen3vl-tiny/tokenizer.json. Results go to $OUT (or out/).
@@ -31,9 +31,15 @@ if [ ! -f "$model/config.json" ]; then
   cp tests/data/qwen3vl-tiny/preprocessor_config.json tests/data/qwen3vl-tiny/tokenizer_config.json \
     "$model/"
 fi
-llama=${LLAMA_MTMD_CLI:?set LLAMA_MTMD_CLI to a llama-mtmd-cli binary}
-llama_dir=${LLAMA_DIR:?set LLAMA_DIR to the llama.cpp source of that binary}
-if [ ! -f $work/model.gguf ]; then
+# Without LLAMA_MTMD_CLI only Iris runs (its first-call and warm figures, the wall times without
+# the peer's column).
+llama=${LLAMA_MTMD_CLI:-}
+llama_dir=${LLAMA_DIR:-}
+if [ -n "$llama" ] && [ -z "$llama_dir" ]; then
+  echo "set LLAMA_DIR to the llama.cpp source of $llama" >&2
+  exit 2
+fi
+if [ -n "$llama" ] && [ ! -f $work/model.gguf ]; then
   (export PYTHONPATH=$llama_dir/gguf-py:$llama_dir &&
     python3 $llama_dir/convert_hf_to_gguf.py "$model" --outtype bf16 --outfile $work/model.gguf &&
     python3 $llama_dir/convert_hf_to_gguf.py "$model" --outtype bf16 --mmproj \
@@ -73,9 +79,13 @@ for row in "${rows[@]}"; do
   iris_args=(generate -m "$model" -c 8192 -n 64 --temp 0 --ignore-eos -p "$prompt" --device cuda)
   for f in ${images[$row]}; do llama_args+=(--image "$f"); iris_args+=(--image "$f"); done
   log=$out/llama_$row.log
-  wall $llama "${llama_args[@]}" >/dev/null
   l=() e=() f=()
-  for i in $(seq $runs); do l+=("$(wall $llama "${llama_args[@]}")"); done
+  if [ -n "$llama" ]; then
+    wall $llama "${llama_args[@]}" >/dev/null
+    for i in $(seq $runs); do l+=("$(wall $llama "${llama_args[@]}")"); done
+  else
+    l=(nan)
+  fi
   log=$out/iris_empty_$row.log
   for i in $(seq $((runs + 1))); do
     rm -rf $work/cache_empty
@@ -113,7 +123,10 @@ print("\n| input | llama-mtmd-cli s | iris, cache empty s (ratio) | iris, cache 
 print("|---|---|---|---|")
 for row in rows:
     t = table[row]; l = float(t["llama_s"]); e = float(t["iris_empty_s"]); f = float(t["iris_filled_s"])
-    print(f"| {row} | {l:.2f} | {e:.2f} ({e / l:.2f}x) | {f:.2f} ({f / l:.2f}x) |")
+    if l != l:  # no peer in this run
+        print(f"| {row} | - | {e:.2f} | {f:.2f} |")
+    else:
+        print(f"| {row} | {l:.2f} | {e:.2f} ({e / l:.2f}x) | {f:.2f} ({f / l:.2f}x) |")
 print("\n| input | load ms (read / upload) | first vision ms, empty / filled | warm vision ms | bar 1.5x+50 | first prefill ms, empty / filled | warm prefill ms | bar |")
 print("|---|---|---|---|---|---|---|---|")
 for row in rows:
