@@ -896,6 +896,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     interval.data_seconds += seconds_since(fetch_start);
 
     const auto step_start = std::chrono::steady_clock::now();
+    // Waits and host times outside the step (an evaluation, a checkpoint) are not the step's.
+    be.take_write_wait_seconds();
+    for (auto& m : replicas) m->take_host_seconds();
     step_timer.begin_step();
     model.zero_grads();
     const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
