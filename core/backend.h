@@ -221,6 +221,18 @@ class Backend {
                              const Tensor& real_rows, const Tensor& grids,
                              const std::vector<float>& inv_freq, int merge_size, int grid_side) = 0;
 
+  // The M-RoPE tables of a text call from its tokens' positions, which are read when the op runs
+  // (so that a captured graph follows each replay's positions and the host uploads 3 ints a
+  // token instead of the tables). positions i32 [L, 3]: (t, h, w) per token; inv_freq[j] and
+  // pair_axis[j] (0, 1 or 2), j < head_dim / 2: frequency pair j rotates with position axis
+  // pair_axis[j]. cos, sin f32 [L, head_dim]: cos[r, j] = cos[r, j + head_dim / 2] =
+  // cos(float(positions[r, pair_axis[j]]) * inv_freq[j]), likewise sin (language/mrope.h's
+  // mrope_tables, which the CPU computes exactly; the CUDA kernel rounds a double-precision
+  // sincos, within an ulp of glibc's cosf and sinf).
+  virtual void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                                const std::vector<float>& inv_freq,
+                                const std::vector<int>& pair_axis) = 0;
+
   // Fused ops. Each has a default made of the ops above, which is its definition (and the CPU
   // oracle's implementation); a backend overrides it where one kernel beats the sequence.
   //

@@ -141,6 +141,13 @@ class TapingBackend final : public Backend {
     tape([=, inner = in_.get()] { inner->argmax_rows(out, x); });
   }
   // inv_freq is copied into the tape: a host value, frozen at capture as a kernel argument is.
+  void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                        const std::vector<float>& inv_freq,
+                        const std::vector<int>& pair_axis) override {
+    tape([=, inner = in_.get()] {
+      inner->text_rope_tables(cos, sin, positions, inv_freq, pair_axis);
+    });
+  }
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,

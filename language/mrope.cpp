@@ -11,7 +11,7 @@ namespace {
 // cast with the model, so a checkpoint saved and run through model.to(bfloat16) (as the released
 // weights and our goldens were) rotates with bf16-rounded frequencies. Unrounded f32 frequencies
 // drift from HF by ~1e-3 at position 15 already (measured on the tiny fixture).
-std::vector<float> text_inv_freq(const TextConfig& cfg) {
+std::vector<float> inv_freq_bf16(const TextConfig& cfg) {
   const int half = cfg.head_dim / 2;
   std::vector<float> inv(static_cast<size_t>(half));
   for (int j = 0; j < half; ++j)
@@ -29,11 +29,21 @@ int interleaved_axis(const TextConfig& cfg, int j) {
 
 }  // namespace
 
+std::vector<float> mrope_inv_freq(const TextConfig& cfg) {
+  return inv_freq_bf16(cfg);
+}
+
+std::vector<int> mrope_pair_axes(const TextConfig& cfg) {
+  std::vector<int> axis(static_cast<size_t>(cfg.head_dim / 2));
+  for (int j = 0; j < cfg.head_dim / 2; ++j)
+    axis[static_cast<size_t>(j)] = interleaved_axis(cfg, j);
+  return axis;
+}
+
 void mrope_tables(const TextConfig& cfg, const int64_t* pos, int64_t n, float* cos, float* sin) {
-  const std::vector<float> inv = text_inv_freq(cfg);
+  const std::vector<float> inv = mrope_inv_freq(cfg);
   const int half = cfg.head_dim / 2;
-  std::vector<int> axis(static_cast<size_t>(half));
-  for (int j = 0; j < half; ++j) axis[j] = interleaved_axis(cfg, j);
+  const std::vector<int> axis = mrope_pair_axes(cfg);
   for (int64_t t = 0; t < n; ++t) {
     for (int j = 0; j < half; ++j) {
       const float f = static_cast<float>(pos[axis[j] * n + t]) * inv[j];

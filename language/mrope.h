@@ -14,6 +14,12 @@ namespace iris {
 void mrope_tables(const TextConfig& cfg, const int64_t* positions, int64_t n_tokens, float* cos,
                   float* sin);
 
+// What Backend::text_rope_tables takes to compute the same tables on a backend: frequency pair j
+// (j < head_dim / 2) turns at mrope_inv_freq(cfg)[j] with the position on axis
+// mrope_pair_axes(cfg)[j] (0 = T, 1 = H, 2 = W).
+std::vector<float> mrope_inv_freq(const TextConfig& cfg);
+std::vector<int> mrope_pair_axes(const TextConfig& cfg);
+
 // The same position on all three axes (text-only tokens and decode steps).
 void mrope_tables_1d(const TextConfig& cfg, int64_t first_position, int64_t n_tokens, float* cos,
                      float* sin);

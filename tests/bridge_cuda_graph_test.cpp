@@ -273,6 +273,11 @@ class TracingBackend final : public Backend {
     in_.add_interpolated_rows(y, table, index, weight);
   }
   void argmax_rows(const Tensor& out, const Tensor& x) override { in_.argmax_rows(out, x); }
+  void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                        const std::vector<float>& inv_freq,
+                        const std::vector<int>& pair_axis) override {
+    in_.text_rope_tables(cos, sin, positions, inv_freq, pair_axis);
+  }
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,

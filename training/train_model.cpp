@@ -125,6 +125,8 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
     grads_ = own_grads_.get();
   }
   v_inv_freq_ = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
+  rope_inv_freq_ = mrope_inv_freq(cfg_.text);
+  rope_axes_ = mrope_pair_axes(cfg_.text);
   Arena plan;
   allocate(plan);
   arena_ = Arena(backend, plan.used());
@@ -158,6 +160,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   pad_rows_ = a.alloc(I32, {std::max(L, Sm_all)});
   label_rows_ = a.alloc(I32, {L});
   targets_ = a.alloc(I32, {L});
+  positions_ = a.alloc(I32, {L, 3});
   cos_ = a.alloc(F, {L, t.head_dim});
   sin_ = a.alloc(F, {L, t.head_dim});
   text_cu_ = a.alloc(I32, {limits_.max_samples + 2});  // + the padding segment
@@ -298,10 +301,9 @@ void TrainableQwen3VL::allocate(Arena& a) {
 const std::array<Tensor TrainableQwen3VL::*, TrainableQwen3VL::kInputs>&
 TrainableQwen3VL::input_members() {
   static const std::array<Tensor TrainableQwen3VL::*, kInputs> members = {
-      &TrainableQwen3VL::ids_,     &TrainableQwen3VL::pad_rows_,   &TrainableQwen3VL::label_rows_,
-      &TrainableQwen3VL::targets_, &TrainableQwen3VL::cos_,        &TrainableQwen3VL::sin_,
-      &TrainableQwen3VL::text_cu_, &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,
-      &TrainableQwen3VL::v_grids_};
+      &TrainableQwen3VL::ids_,        &TrainableQwen3VL::pad_rows_,  &TrainableQwen3VL::label_rows_,
+      &TrainableQwen3VL::targets_,    &TrainableQwen3VL::positions_, &TrainableQwen3VL::text_cu_,
+      &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,    &TrainableQwen3VL::v_grids_};
   return members;
 }
 
@@ -431,8 +433,8 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
     InputSlot& own = slots_[0];
     // The rows of each input (in input_members' order) that prepare() wrote; -1: all of it.
     const BatchShape& b = s.shape;
-    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label, b.L,
-                                   b.L, -1,      -1,        b.S,       b.S > 0 ? -1 : 0};
+    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label,       b.L,
+                                   -1,  -1,      b.S,       b.S > 0 ? -1 : 0};
     for (size_t k = 0; k < kInputs; ++k) {
       if (rows[k] < 0)
         be_.copy(own.inputs[k], s.inputs[k]);
@@ -556,14 +558,12 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   padding_.patches += S;
   padding_.padded_patches += Sb;
 
-  const int hd = t.head_dim;
   h_ids_.resize(static_cast<size_t>(Lb));
   h_pad_rows_.clear();
   h_label_rows_.clear();
   h_targets_.clear();
   h_text_cu_.assign(1, 0);
-  h_cos_.resize(static_cast<size_t>(Lb * hd));
-  h_sin_.resize(static_cast<size_t>(Lb * hd));
+  h_positions_.resize(static_cast<size_t>(Lb * 3));
   std::vector<GridTHW> grids;
   int64_t row = 0, patch_row = 0;
   for (const TrainSample* s : batch) {
@@ -593,7 +593,12 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     std::copy(s->ids.begin(), s->ids.end(), h_ids_.begin() + row);
     const RopeIndex rope =
         compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
-    mrope_tables(t, rope.positions.data(), n, h_cos_.data() + row * hd, h_sin_.data() + row * hd);
+    // Token-major (t, h, w) per token; positions fit i32 (they stay below the token count plus
+    // the largest image side).
+    for (int64_t i = 0; i < n; ++i)
+      for (int a = 0; a < 3; ++a)
+        h_positions_[static_cast<size_t>((row + i) * 3 + a)] =
+            static_cast<int32_t>(rope.positions[static_cast<size_t>(a * n + i)]);
     const int64_t patches = count_patches(s->grids);
     if (patches > 0 && limits_.stage.has_vision)
       be_.write(pixels_.slice(patch_row, patch_row + patches), s->pixel_values.data(), DType::f32);
@@ -609,10 +614,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     // label slots and merged vision rows point at the sink row past the bucket, which no layer
     // reads; their targets are ignored, so they add no loss and a zero gradient.
     std::fill(h_ids_.begin() + L, h_ids_.end(), 0);
-    for (int64_t i = L; i < Lb; ++i) {
-      std::fill(h_cos_.begin() + i * hd, h_cos_.begin() + (i + 1) * hd, 1.0f);
-      std::fill(h_sin_.begin() + i * hd, h_sin_.begin() + (i + 1) * hd, 0.0f);
-    }
+    std::fill(h_positions_.begin() + L * 3, h_positions_.end(), 0);  // cos 1, sin 0
     if (Lb > L) h_text_cu_.push_back(static_cast<int32_t>(Lb));
     n_text_segments_ = limits_.max_samples + 1;
     // The loss runs over every label slot, a host value that a graph keeps: the slots pad to a
@@ -633,8 +635,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 2, h_text_cu_.back());
 
   be_.write(ids_.slice(0, Lb), h_ids_.data(), DType::i32);
-  be_.write(cos_.slice(0, Lb), h_cos_.data(), DType::f32);
-  be_.write(sin_.slice(0, Lb), h_sin_.data(), DType::f32);
+  be_.write(positions_.slice(0, Lb), h_positions_.data(), DType::i32);
   be_.write(text_cu_, h_text_cu_.data(), DType::i32);
   if (n_pad_ > 0) be_.write(pad_rows_.slice(0, n_pad_), h_pad_rows_.data(), DType::i32);
   if (n_label_ > 0) {
@@ -1125,6 +1126,9 @@ void TrainableQwen3VL::text_forward(bool layer_graphs) {
   const DecoderAttention at = text_attention();
 
   const PipelineStage& st = limits_.stage;
+  // The tables every layer's attention (and its backward) rotates with.
+  be_.text_rope_tables(cos_.slice(0, L), sin_.slice(0, L), positions_.slice(0, L), rope_inv_freq_,
+                       rope_axes_);
   if (st.has_embed()) {
     be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
     if (n_pad_ > 0)

@@ -345,7 +345,7 @@ class TrainableQwen3VL {
   BatchShape shape() const;
   void set_shape(const BatchShape& shape);
   // The tensors prepare() writes, in one order.
-  static constexpr size_t kInputs = 10;
+  static constexpr size_t kInputs = 9;
   static const std::array<Tensor TrainableQwen3VL::*, kInputs>& input_members();
   // A step's micro-batches as queue_step holds them: the inputs prepare() wrote and the shape it
   // set, per micro-batch. Slot 0 holds the model's own inputs; use_slot points the inputs and the
@@ -374,11 +374,14 @@ class TrainableQwen3VL {
   int n_text_segments_ = 0;
 
   // Host staging, sized once.
-  std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_, h_grids_;
-  std::vector<float> h_cos_, h_sin_;
-  // Inputs.
-  Tensor ids_, pad_rows_, label_rows_, targets_, cos_, sin_, text_cu_, grad_scale_, loss_sum_,
-      loss_total_;
+  std::vector<int32_t> h_ids_, h_pad_rows_, h_label_rows_, h_targets_, h_text_cu_, h_grids_,
+      h_positions_;
+  // Inputs. The text's M-RoPE tables (cos_, sin_) are computed from positions_ (i32 [L, 3]) by
+  // the text forward's first op, on the device.
+  Tensor ids_, pad_rows_, label_rows_, targets_, positions_, text_cu_, grad_scale_, loss_sum_,
+      loss_total_, cos_, sin_;
+  std::vector<float> rope_inv_freq_;
+  std::vector<int> rope_axes_;
   // The vision inputs are the pixels and the grids; the vision forward's first op computes the
   // tables (RoPE, interpolation, segments, real rows) from the grids on the device.
   Tensor pixels_, v_grids_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_;

@@ -37,6 +37,12 @@ void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t c
 // device and cannot be refused there: invalid ones give wrong tables but no write out of bounds.
 constexpr int kVisionTablesMaxQuarter = 64;
 constexpr int kVisionTablesMaxCapacity = 2048;
+// Backend::text_rope_tables (text_rope_tables.cu): half = head_dim / 2 frequency pairs, at most
+// kTextRopeMaxPairs, with their inverse frequencies and position axes.
+constexpr int kTextRopeMaxPairs = 256;
+void launch_text_rope_tables(float* cos, float* sin, const int32_t* positions, int64_t rows,
+                             int half, const float* inv_freq, const int* axis, cudaStream_t s);
+
 void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos_weight,
                           int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
                           int capacity, int64_t rows, int head_dim, const float* inv_freq,
