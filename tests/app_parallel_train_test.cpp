@@ -31,6 +31,17 @@ using Exit = test::ProcessExit;
 class AppParallelTrainTest : public test::MpirunTest {
  protected:
   AppParallelTrainTest() : MpirunTest("iris_app_parallel_test_") {}
+
+  // Run `got` logged run `want`'s three losses and saved its step-3 weights, bit for bit.
+  static void expect_same_three_steps(const fs::path& want, const fs::path& got,
+                                      const std::string& log) {
+    const std::vector<double> a = losses(want), b = losses(got);
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), a.size()) << log;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "iteration " << i + 1;
+    EXPECT_EQ(read_text_file((want / "step_0000003/model.safetensors").string()),
+              read_text_file((got / "step_0000003/model.safetensors").string()));
+  }
 };
 
 TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {
@@ -55,12 +66,7 @@ TEST_F(AppParallelTrainTest, DataParallelGivesTheLossesOfOneProcessBitForBit) {
                             std::to_string(np - 1)),
               std::string::npos)
         << b.output;
-    const std::vector<double> la = losses(single), lb = losses(dp);
-    ASSERT_EQ(la.size(), 3u);
-    ASSERT_EQ(lb.size(), la.size()) << b.output;
-    for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
-    EXPECT_EQ(read_text_file((single / "step_0000003/model.safetensors").string()),
-              read_text_file((dp / "step_0000003/model.safetensors").string()));
+    expect_same_three_steps(single, dp, b.output);
   }
 }
 
@@ -84,12 +90,7 @@ TEST_F(AppParallelTrainTest, OverlappedReductionInSmallBucketsGivesOneProcessBit
                                     : "after the backward (parallel.overlap_grad_reduce off)"),
               std::string::npos)
         << b.output;
-    const std::vector<double> la = losses(single), lb = losses(dp);
-    ASSERT_EQ(la.size(), 3u);
-    ASSERT_EQ(lb.size(), la.size()) << b.output;
-    for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
-    EXPECT_EQ(read_text_file((single / "step_0000003/model.safetensors").string()),
-              read_text_file((dp / "step_0000003/model.safetensors").string()));
+    expect_same_three_steps(single, dp, b.output);
   }
 }
 
