@@ -140,7 +140,8 @@ class TapingBackend final : public Backend {
   void argmax_rows(const Tensor& out, const Tensor& x) override {
     tape([=, inner = in_.get()] { inner->argmax_rows(out, x); });
   }
-  // inv_freq is copied into the tape: a host value, frozen at capture as a kernel argument is.
+  // inv_freq (and pair_axis) are copied into the tape: host values, frozen at capture as kernel
+  // arguments are.
   void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
                         const std::vector<float>& inv_freq,
                         const std::vector<int>& pair_axis) override {

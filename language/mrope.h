@@ -14,6 +14,9 @@ namespace iris {
 void mrope_tables(const TextConfig& cfg, const int64_t* positions, int64_t n_tokens, float* cos,
                   float* sin);
 
+// The 3 rows of n positions as Backend::text_rope_tables reads them: out[t * 3 + axis], i32.
+void mrope_positions_token_major(const int64_t* positions, int64_t n, int32_t* out);
+
 // What Backend::text_rope_tables takes to compute the same tables on a backend: frequency pair j
 // (j < head_dim / 2) turns at mrope_inv_freq(cfg)[j] with the position on axis
 // mrope_pair_axes(cfg)[j] (0 = T, 1 = H, 2 = W).

@@ -59,6 +59,8 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
 
   int rank() const { return env_.rank; }
+  // This run's processes on this host, which share its cores.
+  int local_processes() const { return env_.local_size; }
   int world() const { return env_.world; }
   // The process grid: this rank's pipeline stage of stages(), and its data-parallel replica of
   // replicas() (the index of its pipeline).

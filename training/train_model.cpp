@@ -593,12 +593,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     std::copy(s->ids.begin(), s->ids.end(), h_ids_.begin() + row);
     const RopeIndex rope =
         compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
-    // Token-major (t, h, w) per token; positions fit i32 (they stay below the token count plus
-    // the largest image side).
-    for (int64_t i = 0; i < n; ++i)
-      for (int a = 0; a < 3; ++a)
-        h_positions_[static_cast<size_t>((row + i) * 3 + a)] =
-            static_cast<int32_t>(rope.positions[static_cast<size_t>(a * n + i)]);
+    mrope_positions_token_major(rope.positions.data(), n, h_positions_.data() + row * 3);
     const int64_t patches = count_patches(s->grids);
     if (patches > 0 && limits_.stage.has_vision)
       be_.write(pixels_.slice(patch_row, patch_row + patches), s->pixel_values.data(), DType::f32);

@@ -22,7 +22,6 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "language/tokenizer.h"
-#include "parallel/launch.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
 #include "training/data_parallel.h"
@@ -709,7 +708,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   // is the user's own choice.
   if (on_gpu && std::getenv("OMP_NUM_THREADS") == nullptr) {
     const int cores = omp_get_num_procs();
-    const int local = read_launch_env().local_size;
+    const int local = dp.local_processes();
     const int threads = gpu_host_threads(cores, local, r.data.config.num_workers);
     omp_set_num_threads(threads);
     log.message(str_cat("host threads: ", threads, " (", cores, " cores",

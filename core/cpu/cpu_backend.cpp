@@ -13,6 +13,7 @@
 #include "core/cpu/cpu_gemm.h"
 #include "core/cpu/cpu_train_ops.h"
 #include "core/taping_backend.h"
+#include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
 
 namespace iris {
@@ -397,27 +398,12 @@ class CpuBackend final : public Backend {
   void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
                         const std::vector<float>& inv_freq,
                         const std::vector<int>& pair_axis) override {
-    check_f32(cos, "text_rope_tables cos");
-    check_f32(sin, "text_rope_tables sin");
-    check_i32(positions, "text_rope_tables positions");
-    const int64_t L = cos.rows(), hd = cos.cols(), half = hd / 2;
-    IRIS_CHECK(sin.rows() == L && sin.cols() == hd && positions.numel() == L * 3 && hd % 2 == 0 &&
-                   static_cast<int64_t>(inv_freq.size()) == half &&
-                   static_cast<int64_t>(pair_axis.size()) == half,
-               "text_rope_tables: cos ", cos.shape_str(), ", sin ", sin.shape_str(), ", positions ",
-               positions.shape_str(), " with ", inv_freq.size(), " frequencies and ",
-               pair_axis.size(), " axes (expected [L, hd] twice, [L, 3], ", "hd / 2 of each)");
-    for (int a : pair_axis) IRIS_CHECK(a >= 0 && a < 3, "text_rope_tables: axis ", a);
-    const int32_t* pos = positions.as<int32_t>();
-    float* c = cos.as<float>();
-    float* s = sin.as<float>();
-    // As mrope_tables computes them, so that the tables match it bit for bit.
-    for (int64_t t = 0; t < L; ++t)
-      for (int64_t j = 0; j < half; ++j) {
-        const float f = static_cast<float>(pos[t * 3 + pair_axis[j]]) * inv_freq[j];
-        c[t * hd + j] = c[t * hd + half + j] = std::cos(f);
-        s[t * hd + j] = s[t * hd + half + j] = std::sin(f);
-      }
+    check_cpu(cos, "text_rope_tables cos");
+    check_cpu(sin, "text_rope_tables sin");
+    check_cpu(positions, "text_rope_tables positions");
+    check_text_rope_tables(cos, sin, positions, inv_freq, pair_axis, "text_rope_tables");
+    text_rope_tables_host(cos.as<float>(), sin.as<float>(), positions.as<int32_t>(), cos.rows(),
+                          cos.cols(), inv_freq, pair_axis);
   }
 
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,

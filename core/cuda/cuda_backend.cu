@@ -22,6 +22,7 @@
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/train_kernels.h"
+#include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
 
 namespace iris {
@@ -710,21 +711,15 @@ class CudaBackend final : public Backend {
                         const std::vector<float>& inv_freq,
                         const std::vector<int>& pair_axis) override {
     bind();
-    check_f32(cos, "text_rope_tables", "cos");
-    check_f32(sin, "text_rope_tables", "sin");
-    check_index(positions, "text_rope_tables", "positions");
-    const int64_t L = cos.rows(), hd = cos.cols(), half = hd / 2;
-    IRIS_CHECK(sin.rows() == L && sin.cols() == hd && positions.numel() == L * 3 && hd % 2 == 0 &&
-                   half <= cuda::kTextRopeMaxPairs &&
-                   static_cast<int64_t>(inv_freq.size()) == half &&
-                   static_cast<int64_t>(pair_axis.size()) == half,
-               "text_rope_tables: cos ", cos.shape_str(), ", sin ", sin.shape_str(), ", positions ",
-               positions.shape_str(), " with ", inv_freq.size(), " frequencies and ",
-               pair_axis.size(), " axes (expected [L, hd] twice with hd up to ",
-               2 * cuda::kTextRopeMaxPairs, ", [L, 3], hd / 2 of each)");
-    for (int a : pair_axis) IRIS_CHECK(a >= 0 && a < 3, "text_rope_tables: axis ", a);
-    cuda::launch_text_rope_tables(f32(cos), f32(sin), ci32(positions), L, static_cast<int>(half),
-                                  inv_freq.data(), pair_axis.data(), stream());
+    check_device(cos, "text_rope_tables");
+    check_device(sin, "text_rope_tables");
+    check_device(positions, "text_rope_tables");
+    check_text_rope_tables(cos, sin, positions, inv_freq, pair_axis, "text_rope_tables");
+    IRIS_CHECK(cos.cols() / 2 <= cuda::kTextRopeMaxPairs, "text_rope_tables: head_dim ", cos.cols(),
+               " is above the kernel's ", 2 * cuda::kTextRopeMaxPairs);
+    cuda::launch_text_rope_tables(f32(cos), f32(sin), ci32(positions), cos.rows(),
+                                  static_cast<int>(cos.cols() / 2), inv_freq.data(),
+                                  pair_axis.data(), stream());
   }
 
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
