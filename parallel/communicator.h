@@ -81,10 +81,11 @@ class Communicator {
 // NCCL waits on the GPU with no timeout: a peer that stops responding leaves this rank's kernels
 // spinning and its host blocked in its next read from the device, or in a launch once the queue
 // is full, where no exception can reach it. The watchdog bounds that wait as MpiSession bounds
-// the host's: mark() records a point on the backend's stream (no host wait; once a step), and a
-// thread of its own checks the oldest point not yet reached. When the GPU has reached no point
-// for `timeout_seconds` (parallel.timeout_seconds) while one is pending, it prints why and ends
-// the process with exit code 1, which makes the launcher (mpirun, srun) end every other rank.
+// the host's: mark() records a point on the backend's stream (no host wait; at a step's end and
+// behind each pipeline exchange, since a stage stuck mid-step fills its launch queue before the
+// end), and a thread of its own checks the oldest point not yet reached. When the GPU has reached
+// no point for `timeout_seconds` (parallel.timeout_seconds) while one is pending, it prints why and
+// ends the process with exit code 1, which makes the launcher (mpirun, srun) end every other rank.
 class StallWatchdog {
  public:
   virtual ~StallWatchdog() = default;

@@ -170,7 +170,12 @@ void DataParallel::stage_exchange(const std::vector<Tensor>& send_prev,
   add(sends, ns, send_next, stage() + 1);
   add(recvs, nr, recv_prev, stage() - 1);
   add(recvs, nr, recv_next, stage() + 1);
-  if (ns + nr > 0) pipe_comm_->exchange({sends, size_t(ns)}, {recvs, size_t(nr)}, what);
+  if (ns + nr == 0) return;
+  pipe_comm_->exchange({sends, size_t(ns)}, {recvs, size_t(nr)}, what);
+  // A mark behind each exchange: a stage whose host then waits on its stream (a staging buffer,
+  // a read) while a peer has stopped still leaves a mark pending, which the watchdog times out;
+  // marks only at the step's end left such a wait unwatched, and the job hung.
+  mark_progress();
 }
 
 void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch) {
@@ -179,6 +184,7 @@ void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tens
   const int peer = first ? stages_ - 1 : 0;
   const Communicator::Transfer send{grad, peer}, recv{scratch, peer};
   pipe_comm_->exchange({&send, 1}, {&recv, 1}, "the tied-embedding gradient exchange");
+  mark_progress();
   // Stage 0's term first on both sides: the same bits, so both copies stay identical. (On CUDA
   // the add is queued after the exchange, which the backend's stream waits for.)
   if (first)
