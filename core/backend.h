@@ -48,6 +48,14 @@ class Backend {
   // last call: a host that runs ahead of the device by the staging's depth waits there, which is
   // throttling, not work.
   virtual double take_write_wait_seconds() { return 0; }
+  // Holds the device behind the work queued so far until release_device(), so that a host
+  // timed meanwhile queues work that cannot start: its enqueue time is then its own, not time
+  // blocked behind a busy device (a launch waits once the launch queue is full). The hold ends
+  // by itself after `limit_seconds`; release_device() waits for the device and says whether it
+  // did, in which case the host filled the queue (or waited for the device) before releasing.
+  // Nothing to hold where the host runs the ops itself.
+  virtual void hold_device(double limit_seconds) { (void)limit_seconds; }
+  virtual bool release_device() { return false; }
   // src.numel() elements into host memory as dst_dtype (waits for pending work).
   virtual void read(void* host_dst, DType dst_dtype, const Tensor& src) = 0;
   // dst = src, same dtype and element count, both on this backend.

@@ -25,6 +25,8 @@ class TapingBackend final : public Backend {
   void deallocate(void* ptr) override;
   void write(const Tensor& dst, const void* host_src, DType src_dtype) override;
   void reserve_write_staging(size_t bytes) override { in_->reserve_write_staging(bytes); }
+  void hold_device(double limit_seconds) override { in_->hold_device(limit_seconds); }
+  bool release_device() override { return in_->release_device(); }
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override;
   void synchronize() override;
   void* native_stream() override { return in_->native_stream(); }

@@ -16,7 +16,9 @@ source "$(dirname "$0")/gpu_env.sh"
 if [ ! -x build-gpu/iris ]; then build_gpu iris || exit 1; fi
 iters=${ITERS:-20}
 workloads=${WORKLOADS:-448 896}
+# PROBE (3): the last steps of each run, queued behind a held GPU for the host's own enqueue time.
 common=(--recipe qwen3vl_2b_pretrain_mock --device cuda --iters "$iters" --micro-batch-size 1
+  --host-probe-steps "${PROBE:-3}"
   --global-batch-size 8 train.freeze_vision_tower=false train.freeze_language_model=false
   data.num_workers=4)
 variants=(--variants "${VARIANTS:-scripts/performance/graph_variants.txt}")

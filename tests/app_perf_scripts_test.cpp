@@ -78,14 +78,15 @@ class PerfScriptsTest : public ::testing::Test {
 TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
   std::vector<std::string> args = tiny_run_args();
   const std::string out = (root_ / "run").string();
-  for (const char* a : {"--iters", "3", "--out"}) args.push_back(a);
+  for (const char* a : {"--iters", "5", "--host-probe-steps", "2", "--out"}) args.push_back(a);
   args.push_back(out);
   const Exit e = sh("run.sh", args);
   ASSERT_EQ(e.code, 0) << e.output;
   ASSERT_TRUE(fs::exists(fs::path(out) / "report.txt")) << e.output;
   const json r = json::parse(read_text_file(out + "/report.json"));
   const json& st = r.at("steady_state");
-  // Three steps logged one by one: the first interval is warm-up, iterations 2-3 the steady state.
+  // Five steps logged one by one: the first interval is warm-up, iterations 2-3 the steady state
+  // and 4-5 the probed steps (queued behind a held device; on the CPU nothing is held).
   EXPECT_EQ(st.at("steps").get<int64_t>(), 2);
   EXPECT_EQ(st.at("first_iteration").get<int64_t>(), 2);
   EXPECT_EQ(st.at("last_iteration").get<int64_t>(), 3);
@@ -115,11 +116,17 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
   // A performance run leaves no checkpoint, and its metrics records carry the step's parts.
   for (const auto& entry : fs::directory_iterator(out))
     EXPECT_NE(entry.path().filename().string().rfind("step_", 0), 0u) << entry.path();
+  const json& probe = r.at("host_probe");
+  EXPECT_EQ(probe.at("steps").get<int64_t>(), 2);
+  EXPECT_GT(probe.at("host_enqueue_seconds_per_step").get<double>(), 0);
+  EXPECT_EQ(probe.at("queue_full_steps").get<int64_t>(), 0);
   std::ifstream metrics(out + "/metrics.jsonl");
   int records = 0;
   for (std::string line; std::getline(metrics, line); ++records) {
     const json m = json::parse(line);
     EXPECT_EQ(m.at("steps").get<int64_t>(), 1);
+    EXPECT_EQ(m.at("probed_steps").get<int64_t>(), m.at("iteration").get<int64_t>() > 3 ? 1 : 0)
+        << line;
     EXPECT_GT(m.at("host_enqueue_s_per_step").get<double>(), 0);
     EXPECT_EQ(m.at("host_wait_s_per_step").get<double>(), 0);
     // Every step prepares its micro-batches' inputs; an eager run launches no graph.
@@ -128,9 +135,9 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
     EXPECT_GT(m.at("device_s_per_step").get<double>(), 0);
     EXPECT_TRUE(m.at("mfu").is_null());
   }
-  EXPECT_EQ(records, 3);
+  EXPECT_EQ(records, 5);
   const std::string text = read_text_file(out + "/report.txt");
-  for (const char* part : {"step time", "host enqueue", "MFU", "padding"})
+  for (const char* part : {"step time", "host enqueue", "host, device held", "MFU", "padding"})
     EXPECT_NE(text.find(part), std::string::npos) << part << " in " << text;
 }
 
@@ -180,6 +187,8 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
                                        "7",
                                        "--log-interval",
                                        "2",
+                                       "--host-probe-steps",
+                                       "3",
                                        "--seq-length",
                                        "96",
                                        "--recompute",
@@ -214,12 +223,12 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
   const Exit dry = run({"bash", "-c", command + " --dry-run"}, (root_ / "dry.txt").string());
   ASSERT_EQ(dry.code, 0) << command << "\n" << dry.output;
   for (const char* resolved :
-       {"train_iters: 7", "log_interval: 2", "seq_length: 96", "recompute: selective",
-        "device: cpu", "micro_batch_size: 1", "global_batch_size: 1", "cuda_graph_impl: local",
-        "cuda_graph_modules: [attn, mlp]", "vision_cuda_graph_impl: local",
-        "vision_cuda_graph_modules: [attn]", "max_vision_cuda_graph_seq_length: 512",
-        "vision_cuda_graph_buckets: [256, 512]", "cuda_graph_warmup_steps: 2", "save_final: false",
-        "eval_interval: 0"})
+       {"train_iters: 7", "log_interval: 2", "host_probe_steps: 3", "seq_length: 96",
+        "recompute: selective", "device: cpu", "micro_batch_size: 1", "global_batch_size: 1",
+        "cuda_graph_impl: local", "cuda_graph_modules: [attn, mlp]",
+        "vision_cuda_graph_impl: local", "vision_cuda_graph_modules: [attn]",
+        "max_vision_cuda_graph_seq_length: 512", "vision_cuda_graph_buckets: [256, 512]",
+        "cuda_graph_warmup_steps: 2", "save_final: false", "eval_interval: 0"})
     EXPECT_NE(dry.output.find(resolved), std::string::npos) << resolved << " in\n" << dry.output;
 }
 

@@ -334,6 +334,29 @@ TEST_F(CudaGraphs, TimingMarksTimeQueuedWorkAndAreRefusedInsideACapture) {
   EXPECT_GE(be_->timing_mark_elapsed_ms(2, 3), 0.0);
 }
 
+// logging.host_probe_steps's hold: work queued behind it waits until the host releases it, and
+// a hold the host outlasts ends by itself and says so.
+TEST_F(CudaGraphs, HoldDeviceKeepsQueuedWorkWaitingUntilReleasedOrItsLimit) {
+  AddBuffers buf(*be_, 2);
+  const std::vector<float> a = {1, 2}, b = {10, 20};
+  be_->write(buf.a, a.data(), DType::f32);
+  be_->write(buf.b, b.data(), DType::f32);
+  be_->synchronize();
+  be_->record_timing_mark(0);
+  be_->hold_device(5.0);
+  be_->record_timing_mark(1);
+  be_->add(buf.y, buf.a, buf.b);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(be_->release_device()) << "released by the host, not by its limit";
+  EXPECT_GE(be_->timing_mark_elapsed_ms(0, 1), 90.0) << "the hold did not hold the device";
+  EXPECT_EQ(read_f32(*be_, buf.y), (std::vector<float>{11, 22}));
+
+  be_->hold_device(0.02);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_TRUE(be_->release_device()) << "a hold past its limit ends by itself";
+  EXPECT_THROW(be_->release_device(), Error);
+}
+
 TEST_F(CudaGraphs, AHostSyncInsideCaptureFailsAndLeavesTheStreamUsable) {
   auto api = make_cuda_graph_api();
   AddBuffers buf(*be_, 2);

@@ -275,6 +275,25 @@ TEST(SteadyState, SkipsTheFirstIntervalAndEverythingUpToTheLastCapture) {
   EXPECT_EQ(steady_state({interval(1, 1, 1), interval(2, 1, 1, 1)}).steps, 0);
 }
 
+TEST(SteadyState, ProbedStepsStayOutAndHaveTheirOwnMeans) {
+  // Warm-up, two steady steps, then two probed ones (logging.host_probe_steps), one of which
+  // filled the launch queue.
+  std::vector<StepMetrics> run{interval(1, 1, 5), interval(2, 1, 1), interval(3, 1, 1),
+                               interval(4, 1, 3), interval(5, 1, 5)};
+  for (size_t i = 3; i < run.size(); ++i) run[i].probed_steps = 1;
+  run[4].probe_queue_full = 1;
+  const SteadyState s = steady_state(run);
+  EXPECT_EQ(s.steps, 2);
+  EXPECT_EQ(s.last_iteration, 3);
+  EXPECT_DOUBLE_EQ(s.step_seconds, 1.0);
+  const SteadyState p = host_probe(run);
+  EXPECT_EQ(p.steps, 2);
+  EXPECT_EQ(p.first_iteration, 4);
+  EXPECT_DOUBLE_EQ(p.host_seconds, (1.5 + 2.5) / 2);
+  EXPECT_EQ(p.probe_queue_full, 1);
+  EXPECT_EQ(host_probe({interval(1, 1, 5), interval(2, 1, 1)}).steps, 0);
+}
+
 TEST(StepTimer, SumsEachStepsSpanAcrossTheRingWithoutLosingSteps) {
   auto be = make_cpu_backend();
   StepTimer timer(*be);
@@ -351,7 +370,9 @@ TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
   fs::create_directories(eager);
   fs::create_directories(graphs);
   write_file_atomic((eager / "run_summary.json").string(), run_summary_json(r));
-  r.intervals = {interval(1, 1, 4, 2), interval(3, 2, 0.5)};
+  r.intervals = {interval(1, 1, 4, 2), interval(3, 2, 0.5), interval(4, 1, 0.2)};
+  r.intervals.back().probed_steps = 1;
+  r.intervals.back().probe_queue_full = 1;
   r.decoder_graphs = "local";
   r.graph_count = 2;
   write_file_atomic((graphs / "run_summary.json").string(), run_summary_json(r));
@@ -373,6 +394,13 @@ TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
   EXPECT_NE(t.text.find("1.00x"), std::string::npos) << t.text;
   EXPECT_NE(t.text.find("4.00x"), std::string::npos) << t.text;
   EXPECT_LT(t.text.find("\neager "), t.text.find("\ngraphs ")) << t.text;
+  // The probed step: not in the steady state, in its own column, marked where the queue filled.
+  EXPECT_TRUE(t.json.at("rows")[0].at("held_host_enqueue_seconds_per_step").is_null());
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[1].at("held_host_enqueue_seconds_per_step").get<double>(),
+                   0.1);
+  EXPECT_NE(t.text.find("0.1000 full"), std::string::npos) << t.text;
+  EXPECT_NE(format_report(b).find("host, device held     0.1000 s per step"), std::string::npos)
+      << format_report(b);
 
   // A summary without a field reports use is an error naming it.
   nlohmann::json broken =

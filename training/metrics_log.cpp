@@ -116,7 +116,9 @@ nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
           {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
           {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
           {"mfu", maybe(peak > 0, flops_per_gpu / peak)},
-          {"graphs_captured", m.graphs_captured}};
+          {"graphs_captured", m.graphs_captured},
+          {"probed_steps", m.probed_steps},
+          {"probe_queue_full", m.probe_queue_full}};
 }
 
 // Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, at boost clock. Matched in
@@ -195,15 +197,16 @@ double StepTimer::take_seconds() {
   return s;
 }
 
-SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
-  size_t begin = 1;
-  for (size_t i = 0; i < intervals.size(); ++i)
-    if (intervals[i].graphs_captured > 0) begin = std::max(begin, i + 1);
+namespace {
+
+// Per-step means over the intervals from `begin` that `take` accepts.
+template <typename Take>
+SteadyState mean_of(const std::vector<StepMetrics>& intervals, size_t begin, Take take) {
   SteadyState s;
   double seconds = 0, tokens = 0, flops = 0;
   for (size_t i = begin; i < intervals.size(); ++i) {
     const StepMetrics& m = intervals[i];
-    if (m.steps <= 0) continue;
+    if (m.steps <= 0 || !take(m)) continue;
     if (s.steps == 0) s.first_iteration = m.iteration - m.steps + 1;
     s.last_iteration = m.iteration;
     s.steps += m.steps;
@@ -214,6 +217,7 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
     s.host_prepare_seconds += m.host_prepare_seconds;
     s.graph_launch_seconds += m.graph_launch_seconds;
     s.device_seconds += m.device_seconds;
+    s.probe_queue_full += m.probe_queue_full;
     tokens += static_cast<double>(m.tokens);
     flops += m.flops;
   }
@@ -229,6 +233,20 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
   s.tokens_per_second = seconds > 0 ? tokens / seconds : 0;
   s.flops_per_second = seconds > 0 ? flops / seconds : 0;
   return s;
+}
+
+}  // namespace
+
+SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
+  size_t begin = 1;
+  for (size_t i = 0; i < intervals.size(); ++i)
+    if (intervals[i].graphs_captured > 0) begin = std::max(begin, i + 1);
+  // A probed step waited for the device to be held and released: not a steady step.
+  return mean_of(intervals, begin, [](const StepMetrics& m) { return m.probed_steps == 0; });
+}
+
+SteadyState host_probe(const std::vector<StepMetrics>& intervals) {
+  return mean_of(intervals, 0, [](const StepMetrics& m) { return m.probed_steps > 0; });
 }
 
 std::string run_summary_json(const RunSummary& r) {
@@ -259,6 +277,18 @@ std::string run_summary_json(const RunSummary& r) {
     steady_json["note"] =
         "no logged interval qualified: run more iterations (train.train_iters), log more often "
         "(logging.log_interval) or capture sooner (cuda_graph.cuda_graph_warmup_steps)";
+  const SteadyState probe = host_probe(r.intervals);
+  const bool probed = probe.steps > 0;
+  json probe_json{
+      {"rule",
+       "the run's last logging.host_probe_steps steps, each queued while the device was held "
+       "after a synchronisation: host enqueue without waits behind a busy device"},
+      {"steps", probe.steps},
+      {"host_enqueue_seconds_per_step", maybe(probed, probe.host_seconds)},
+      {"host_prepare_seconds_per_step", maybe(probed, probe.host_prepare_seconds)},
+      {"graph_launch_seconds_per_step", maybe(probed, probe.graph_launch_seconds)},
+      {"device_seconds_per_step", maybe(probed, probe.device_seconds)},
+      {"queue_full_steps", probe.probe_queue_full}};
   json out{
       {"format", "iris run summary 1"},
       {"device", r.device},
@@ -273,6 +303,7 @@ std::string run_summary_json(const RunSummary& r) {
         {"seq_length", r.seq_length},
         {"recompute", r.recompute}}},
       {"steady_state", steady_json},
+      {"host_probe", probe_json},
       {"peak_flops",
        {{"per_gpu", maybe(r.peak.flops_per_second > 0, r.peak.flops_per_second)},
         {"source", r.peak.source}}},

@@ -85,6 +85,10 @@ struct StepMetrics {
   double host_prepare_seconds = 0, graph_launch_seconds = 0;
   double device_seconds = 0;
   int64_t graphs_captured = 0;  // graphs captured during the interval (warm-up, not steady state)
+  // Steps queued behind a held device (logging.host_probe_steps), and how many of them filled
+  // the launch queue before the host was done (their host figure then includes that wait).
+  int64_t probed_steps = 0;
+  int64_t probe_queue_full = 0;
 
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
   double samples_per_second() const { return seconds > 0 ? samples / seconds : 0; }
@@ -126,8 +130,11 @@ struct SteadyState {
   double step_seconds = 0, data_seconds = 0, host_seconds = 0, host_wait_seconds = 0,
          host_prepare_seconds = 0, graph_launch_seconds = 0, device_seconds = 0;
   double tokens_per_second = 0, flops_per_second = 0;
+  int64_t probe_queue_full = 0;  // probed steps whose host filled the launch queue
 };
 SteadyState steady_state(const std::vector<StepMetrics>& intervals);
+// The same means over the probed steps (logging.host_probe_steps) alone.
+SteadyState host_probe(const std::vector<StepMetrics>& intervals);
 
 // What a run leaves for performance reports (run_summary.json in the run directory): the
 // steady state of this run's logged intervals, the graphs, padding and memory.

@@ -197,6 +197,22 @@ std::string format_report(const json& r) {
   line("  host waiting", num(st.value("host_wait_seconds_per_step", json()),
                              "%.4f s per step (for write staging the device still reads)"));
   line("  device", num(st.at("device_seconds_per_step"), "%.4f s per step"));
+  // Optional: written by runs since logging.host_probe_steps exists, and only when set.
+  const json probe = r.value("host_probe", json());
+  if (probe.is_object() && probe.value("steps", int64_t{0}) > 0) {
+    const int64_t full = probe.value("queue_full_steps", int64_t{0});
+    line("host, device held",
+         str_cat(num(probe.at("host_enqueue_seconds_per_step"), "%.4f s per step"), " (prepare ",
+                 num(probe.at("host_prepare_seconds_per_step"), "%.4f"), ", graph launches ",
+                 num(probe.at("graph_launch_seconds_per_step"), "%.4f"), "; the last ",
+                 probe.at("steps").get<int64_t>(),
+                 " steps, queued while the device waited: the host's own enqueue work",
+                 full > 0 ? str_cat("; ", full,
+                                    " of them filled the launch queue, so that figure includes "
+                                    "waiting for the device")
+                          : std::string(""),
+                 ")"));
+  }
   line("tokens/s per GPU", num(st.at("tokens_per_s_per_gpu"), "%.1f"));
   line("model TFLOP/s per GPU", num(st.at("tflops_per_s_per_gpu"), "%.4g"));
   const json& peak = r.at("peak_flops");
@@ -236,8 +252,9 @@ SweepTable sweep_table(const std::vector<json>& reports) {
   SweepTable t;
   const json& ref_step = at(reports.front(), "/steady_state/step_seconds");
   const std::vector<std::string> header{
-      "variant",   "step s", "tok/s/GPU",  "TFLOP/s/GPU", "MFU",         "speed-up",     "peak mem",
-      "graph mem", "graphs", "capture ms", "host s/step", "wait s/step", "device s/step"};
+      "variant",     "step s",      "tok/s/GPU",     "TFLOP/s/GPU",     "MFU",
+      "speed-up",    "peak mem",    "graph mem",     "graphs",          "capture ms",
+      "host s/step", "wait s/step", "device s/step", "held host s/step"};
   std::vector<std::vector<std::string>> cells{header};
   t.json = {{"reference", reports.front().at("label")}, {"rows", json::array()}};
   for (const json& r : reports) {
@@ -247,6 +264,12 @@ SweepTable sweep_table(const std::vector<json>& reports) {
     if (!ref_step.is_null() && !step.is_null() && step.get<double>() > 0)
       speedup = ref_step.get<double>() / step.get<double>();
     const json& g = r.at("graphs");
+    // The host's own enqueue (logging.host_probe_steps), "full" where it filled the launch
+    // queue and so still waited for the device.
+    const json probe = r.value("host_probe", json());
+    const bool probed = probe.is_object() && probe.value("steps", int64_t{0}) > 0;
+    const json held_host = probed ? probe.at("host_enqueue_seconds_per_step") : json();
+    const bool queue_full = probed && probe.value("queue_full_steps", int64_t{0}) > 0;
     cells.push_back({r.at("label").get<std::string>(), num(step, "%.4f"),
                      num(st.at("tokens_per_s_per_gpu"), "%.1f"),
                      num(st.at("tflops_per_s_per_gpu"), "%.4g"), num(st.at("mfu"), "%.1f%%", 100),
@@ -256,7 +279,8 @@ SweepTable sweep_table(const std::vector<json>& reports) {
                      fmt("%.1f", g.at("capture_ms").get<double>()),
                      num(st.at("host_enqueue_seconds_per_step"), "%.4f"),
                      num(st.value("host_wait_seconds_per_step", json()), "%.4f"),
-                     num(st.at("device_seconds_per_step"), "%.4f")});
+                     num(st.at("device_seconds_per_step"), "%.4f"),
+                     queue_full ? num(held_host, "%.4f") + " full" : num(held_host, "%.4f")});
     t.json["rows"].push_back(
         {{"variant", r.at("label")},
          {"run_dir", r.at("run_dir")},
@@ -275,6 +299,8 @@ SweepTable sweep_table(const std::vector<json>& reports) {
          {"host_enqueue_seconds_per_step", st.at("host_enqueue_seconds_per_step")},
          {"host_wait_seconds_per_step", st.value("host_wait_seconds_per_step", json())},
          {"device_seconds_per_step", st.at("device_seconds_per_step")},
+         {"held_host_enqueue_seconds_per_step", held_host},
+         {"held_queue_full", queue_full},
          {"padding", r.at("padding")}});
   }
   std::vector<size_t> width(header.size(), 0);

@@ -187,6 +187,11 @@ std::vector<Field> fields(Recipe& r) {
        "checkpoints; or the path of a step_NNNNNNN directory to start from (until <dir> has "
        "checkpoints of its own, which a restart then continues)"},
       {"logging.log_interval", &l.log_interval, "steps between log lines and metrics records"},
+      {"logging.host_probe_steps", &l.host_probe_steps,
+       "the run's last N steps are each queued while the GPU is held (after a synchronisation), "
+       "so that their host enqueue time is the host's own work, not time blocked behind a busy "
+       "device; reported apart from the steady state (run_summary.json host_probe, report.txt); "
+       "0: off"},
       {"logging.metrics_file", &l.metrics_file,
        "JSONL metrics, relative to the run directory; empty: off"},
       {"logging.plot", &l.plot,
@@ -970,6 +975,10 @@ void validate(Recipe& r) {
   IRIS_CHECK(!r.checkpoint.resume.empty(),
              "recipe: checkpoint.resume must be auto, never or a checkpoint path");
   positive(r.logging.log_interval, "logging.log_interval");
+  positive(r.logging.host_probe_steps, "logging.host_probe_steps", 0);
+  IRIS_CHECK(r.logging.host_probe_steps < t.train_iters, "recipe: logging.host_probe_steps ",
+             r.logging.host_probe_steps, " must be below train.train_iters ", t.train_iters,
+             " (the probed steps are the run's last ones, outside its steady state)");
   if (r.checkpoint.dir.empty()) {
     const std::string stem = fs::path(r.source).stem().string();
     r.checkpoint.dir = "runs/" + (stem.empty() ? std::string("recipe") : stem);

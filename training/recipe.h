@@ -101,6 +101,7 @@ struct CheckpointRecipe {
 
 struct LoggingRecipe {
   int64_t log_interval = 10;
+  int64_t host_probe_steps = 0;  // the run's last steps, each queued behind a held device
   std::string metrics_file = "metrics.jsonl";
   std::string plot = "training_curves.svg";
 };

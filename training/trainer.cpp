@@ -40,6 +40,9 @@ using nlohmann::json;
 
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
+// How long a probed step may hold the device (logging.host_probe_steps): far above any step's
+// enqueue, so that a hold that ends by itself means the host filled the launch queue.
+constexpr double kHostProbeHoldSeconds = 5.0;
 
 // A pipeline stage's part of a checkpoint, named as Hugging Face names the shards of a model.
 std::string stage_file(const char* stem, int stage, int stages) {
@@ -894,6 +897,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                " has no labelled token; every sample needs an assistant reply");
     interval.data_seconds += seconds_since(fetch_start);
 
+    // A probed step is queued while the device, idle after the synchronisation, is held: its
+    // host enqueue is then the host's own work, where a busy device makes the host wait in
+    // launches once the launch queue is full (a compute-bound step's host figure is mostly that).
+    const bool probed = it > r.train.train_iters - r.logging.host_probe_steps;
+    if (probed) {
+      be.synchronize();
+      be.hold_device(kHostProbeHoldSeconds);
+    }
     const auto step_start = std::chrono::steady_clock::now();
     // Waits and host times outside the step (an evaluation, a checkpoint) are not the step's.
     be.take_write_wait_seconds();
@@ -946,6 +957,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     interval.host_seconds += seconds_since(step_start) - waited;
     step_timer.end_step();
     ++interval.steps;
+    if (probed) {
+      ++interval.probed_steps;
+      if (be.release_device()) ++interval.probe_queue_full;
+    }
 
     state.iteration = it;
     state.consumed_samples += r.train.global_batch_size;
@@ -959,7 +974,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // checkpoint, so its averages cover fewer steps than an uninterrupted run's would.
     const bool saving = (r.checkpoint.save_interval > 0 && it % r.checkpoint.save_interval == 0) ||
                         (it == r.train.train_iters && r.checkpoint.save_final);
-    if (it % r.logging.log_interval == 0 || it == r.train.train_iters || saving) {
+    // A probed step is an interval of its own, kept out of the steady state.
+    const bool interval_ends = it % r.logging.log_interval == 0 || it == r.train.train_iters ||
+                               probed || it == r.train.train_iters - r.logging.host_probe_steps;
+    if (interval_ends || saving) {
       // The one read of the interval: its summed loss and each step's gradient norm.
       double loss_sum = 0;
       for (auto& m : replicas) loss_sum += m->take_loss_sum();
@@ -980,7 +998,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       interval_loss_sum += loss_sum;
       unread_labels = 0;
     }
-    if (it % r.logging.log_interval == 0 || it == r.train.train_iters) {
+    if (interval_ends) {
       interval.iteration = it;
       interval.loss = interval_loss_sum / static_cast<double>(interval.labelled_tokens);
       interval.learning_rate = lr;

@@ -84,6 +84,23 @@ struct DeviceFree {
 };
 using DeviceBuffer = std::unique_ptr<void, DeviceFree>;
 
+// Spins until the host writes a non-zero *release or `limit_ns` of the GPU's global timer pass;
+// *expired says which. Host-mapped memory, so that the host releases it with a plain store while
+// its stream is held.
+__global__ void hold_device_kernel(const volatile int* release, int* expired, uint64_t limit_ns) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (*release == 0) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > limit_ns) {
+      *expired = 1;
+      return;
+    }
+    __nanosleep(1000);
+  }
+  *expired = 0;
+}
+
 // ---- host-side dtype conversion for write()/read() ----
 
 // core/dtype's convert_elements with multi-threaded loops for the pairs weights and activations
@@ -286,6 +303,35 @@ class CudaBackend final : public Backend {
   }
 
   double take_write_wait_seconds() override { return std::exchange(write_wait_seconds_, 0.0); }
+
+  void hold_device(double limit_seconds) override {
+    bind();
+    IRIS_CHECK(!holding_, "hold_device: the device is already held");
+    if (hold_flags_ == nullptr) {
+      void* host = nullptr;
+      IRIS_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped));
+      hold_flags_.reset(host);
+    }
+    int* flags = static_cast<int*>(hold_flags_.get());
+    flags[0] = 0;  // release
+    flags[1] = 0;  // expired
+    int* dev = nullptr;
+    IRIS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), flags, 0));
+    hold_device_kernel<<<1, 1, 0, stream()>>>(dev, dev + 1,
+                                              static_cast<uint64_t>(limit_seconds * 1e9));
+    IRIS_CUDA_LAUNCH_CHECK();
+    holding_ = true;
+  }
+
+  bool release_device() override {
+    bind();
+    IRIS_CHECK(holding_, "release_device without hold_device");
+    holding_ = false;
+    volatile int* flags = static_cast<volatile int*>(hold_flags_.get());
+    flags[0] = 1;
+    IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return flags[1] != 0;
+  }
 
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override {
     bind();
@@ -1312,6 +1358,11 @@ class CudaBackend final : public Backend {
   int staging_half_ = 0;
   size_t staging_half_bytes_ = kStagingChunk;
   double write_wait_seconds_ = 0;
+  struct HostFree {
+    void operator()(void* p) const noexcept { cudaFreeHost(p); }
+  };
+  std::unique_ptr<void, HostFree> hold_flags_;  // hold_device's release and expired flags
+  bool holding_ = false;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
   DeviceBuffer tune_scratch_;
