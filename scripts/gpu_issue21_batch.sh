@@ -14,5 +14,5 @@ if [ "${CHECKS:-0}" = 1 ]; then
   timeout "${CHECK_SECONDS:-200}" scripts/gpu_train_graphs_check.sh >"$out/graphs_check.txt" 2>&1
   tail -25 "$out/graphs_check.txt"
   timeout 120 build-gpu/iris bench --config bench/configs/qwen3vl_2b.json --only vision --json "$out/bench_vision.json" >"$out/bench_vision.txt" 2>&1
-  grep -E "host enqueue|target" "$out/bench_vision.txt"
+  grep -E "host enqueue|target|device held|graph launch" "$out/bench_vision.txt"
 fi
