@@ -132,6 +132,7 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
     // Every step prepares its micro-batches' inputs; an eager run launches no graph.
     EXPECT_GT(m.at("host_prepare_s_per_step").get<double>(), 0);
     EXPECT_EQ(m.at("graph_launch_s_per_step").get<double>(), 0);
+    EXPECT_EQ(m.at("graph_launch_cpu_s_per_step").get<double>(), 0);
     EXPECT_GT(m.at("device_s_per_step").get<double>(), 0);
     EXPECT_TRUE(m.at("mfu").is_null());
   }

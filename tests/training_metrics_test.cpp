@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/thread_cpu_clock.h"
 #include "test_util.h"
 #include "training/metrics_log.h"
 #include "training/perf_report.h"
@@ -292,6 +293,21 @@ TEST(SteadyState, ProbedStepsStayOutAndHaveTheirOwnMeans) {
   EXPECT_DOUBLE_EQ(p.host_seconds, (1.5 + 2.5) / 2);
   EXPECT_EQ(p.probe_queue_full, 1);
   EXPECT_EQ(host_probe({interval(1, 1, 5), interval(2, 1, 1)}).steps, 0);
+}
+
+// What the graph launches' CPU figure rests on: work counts, sleeping does not.
+TEST(ThreadCpuClock, CountsWorkAndNotSleep) {
+  const double t0 = thread_cpu_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const double slept = thread_cpu_seconds() - t0;
+  // Busy until the clock says 50 ms of work, within 5 s however loaded the machine is.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  volatile double sink = 0;
+  const double t1 = thread_cpu_seconds();
+  while (thread_cpu_seconds() - t1 < 0.05 && std::chrono::steady_clock::now() < give_up)
+    sink = sink + 1;
+  EXPECT_LT(slept, 0.03);
+  EXPECT_GE(thread_cpu_seconds() - t1, 0.05) << "5 s of busy work did not reach 50 ms of CPU";
 }
 
 TEST(StepTimer, SumsEachStepsSpanAcrossTheRingWithoutLosingSteps) {

@@ -112,6 +112,7 @@ nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
           {"host_wait_s_per_step", per_step(m.host_wait_seconds)},
           {"host_prepare_s_per_step", per_step(m.host_prepare_seconds)},
           {"graph_launch_s_per_step", per_step(m.graph_launch_seconds)},
+          {"graph_launch_cpu_s_per_step", per_step(m.graph_launch_cpu_seconds)},
           {"device_s_per_step", per_step(m.device_seconds)},
           {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
           {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
@@ -216,6 +217,7 @@ SteadyState mean_of(const std::vector<StepMetrics>& intervals, size_t begin, Tak
     s.host_wait_seconds += m.host_wait_seconds;
     s.host_prepare_seconds += m.host_prepare_seconds;
     s.graph_launch_seconds += m.graph_launch_seconds;
+    s.graph_launch_cpu_seconds += m.graph_launch_cpu_seconds;
     s.device_seconds += m.device_seconds;
     s.probe_queue_full += m.probe_queue_full;
     tokens += static_cast<double>(m.tokens);
@@ -229,6 +231,7 @@ SteadyState mean_of(const std::vector<StepMetrics>& intervals, size_t begin, Tak
   s.host_wait_seconds /= n;
   s.host_prepare_seconds /= n;
   s.graph_launch_seconds /= n;
+  s.graph_launch_cpu_seconds /= n;
   s.device_seconds /= n;
   s.tokens_per_second = seconds > 0 ? tokens / seconds : 0;
   s.flops_per_second = seconds > 0 ? flops / seconds : 0;
@@ -268,6 +271,7 @@ std::string run_summary_json(const RunSummary& r) {
       {"host_wait_seconds_per_step", maybe(steady, st.host_wait_seconds)},
       {"host_prepare_seconds_per_step", maybe(steady, st.host_prepare_seconds)},
       {"graph_launch_seconds_per_step", maybe(steady, st.graph_launch_seconds)},
+      {"graph_launch_cpu_seconds_per_step", maybe(steady, st.graph_launch_cpu_seconds)},
       {"device_seconds_per_step", maybe(steady, st.device_seconds)},
       {"tokens_per_s_per_gpu", maybe(steady, st.tokens_per_second / ranks)},
       {"tflops_per_s_per_gpu", maybe(steady, flops_per_gpu / 1e12)},
@@ -287,6 +291,7 @@ std::string run_summary_json(const RunSummary& r) {
       {"host_enqueue_seconds_per_step", maybe(probed, probe.host_seconds)},
       {"host_prepare_seconds_per_step", maybe(probed, probe.host_prepare_seconds)},
       {"graph_launch_seconds_per_step", maybe(probed, probe.graph_launch_seconds)},
+      {"graph_launch_cpu_seconds_per_step", maybe(probed, probe.graph_launch_cpu_seconds)},
       {"device_seconds_per_step", maybe(probed, probe.device_seconds)},
       {"queue_full_steps", probe.probe_queue_full}};
   json out{
@@ -513,6 +518,8 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
         m.memory_bytes = j.value("memory_bytes", int64_t{0});
         m.steps = j.value("steps", int64_t{0});
         m.graphs_captured = j.value("graphs_captured", int64_t{0});
+        m.probed_steps = j.value("probed_steps", int64_t{0});
+        m.probe_queue_full = j.value("probe_queue_full", int64_t{0});
         // Per-step figures are null when an interval had no steps; the totals follow from them.
         const auto total = [&](const char* key) {
           return j.contains(key) && j[key].is_number() ? j[key].get<double>() * m.steps : 0.0;
@@ -522,6 +529,7 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
         m.host_wait_seconds = total("host_wait_s_per_step");
         m.host_prepare_seconds = total("host_prepare_s_per_step");
         m.graph_launch_seconds = total("graph_launch_s_per_step");
+        m.graph_launch_cpu_seconds = total("graph_launch_cpu_s_per_step");
         m.device_seconds = total("device_s_per_step");
         history_.push_back(m);
       }

@@ -83,6 +83,9 @@ struct StepMetrics {
   double host_seconds = 0;
   double host_wait_seconds = 0;
   double host_prepare_seconds = 0, graph_launch_seconds = 0;
+  // The launching thread's CPU time inside those launches: below their wall time where a launch
+  // slept while waiting for the device (a full launch queue) rather than working.
+  double graph_launch_cpu_seconds = 0;
   double device_seconds = 0;
   int64_t graphs_captured = 0;  // graphs captured during the interval (warm-up, not steady state)
   // Steps queued behind a held device (logging.host_probe_steps), and how many of them filled
@@ -128,7 +131,8 @@ struct SteadyState {
   int64_t steps = 0;  // 0: no interval qualified, and every figure below is 0
   int64_t first_iteration = 0, last_iteration = 0;
   double step_seconds = 0, data_seconds = 0, host_seconds = 0, host_wait_seconds = 0,
-         host_prepare_seconds = 0, graph_launch_seconds = 0, device_seconds = 0;
+         host_prepare_seconds = 0, graph_launch_seconds = 0, graph_launch_cpu_seconds = 0,
+         device_seconds = 0;
   double tokens_per_second = 0, flops_per_second = 0;
   int64_t probe_queue_full = 0;  // probed steps whose host filled the launch queue
 };

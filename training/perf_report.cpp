@@ -193,7 +193,9 @@ std::string format_report(const json& r) {
   line("    prepare inputs",
        num(st.value("host_prepare_seconds_per_step", json()), "%.4f s per step"));
   line("    graph launches",
-       num(st.value("graph_launch_seconds_per_step", json()), "%.4f s per step"));
+       str_cat(num(st.value("graph_launch_seconds_per_step", json()), "%.4f s per step"), " (CPU ",
+               num(st.value("graph_launch_cpu_seconds_per_step", json()), "%.4f s"),
+               " of it: a launch that waits for a full launch queue may sleep)"));
   line("  host waiting", num(st.value("host_wait_seconds_per_step", json()),
                              "%.4f s per step (for write staging the device still reads)"));
   line("  device", num(st.at("device_seconds_per_step"), "%.4f s per step"));

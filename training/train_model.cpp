@@ -6,6 +6,7 @@
 #include <set>
 
 #include "bridge/rope_index.h"
+#include "core/thread_cpu_clock.h"
 #include "core/vision_tables.h"
 #include "language/mrope.h"
 
@@ -862,9 +863,11 @@ void TrainableQwen3VL::graphed(const std::string& key, const std::function<void(
   GraphSet& set = graph_sets_[key];
   if (set.graph.valid()) {
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = thread_cpu_seconds();
     set.graph.launch();
     host_seconds_.graph_launch +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    host_seconds_.graph_launch_cpu += thread_cpu_seconds() - cpu_start;
     return;
   }
   if (set.eager_runs < graphs_.warmup_runs) {

@@ -204,7 +204,7 @@ class TrainableQwen3VL {
   // Host seconds, since the last call, of two parts of queueing micro-batches: preparing their
   // inputs (metadata, tables and the uploads of both) and launching captured graphs.
   struct HostSeconds {
-    double prepare = 0, graph_launch = 0;
+    double prepare = 0, graph_launch = 0, graph_launch_cpu = 0;
   };
   HostSeconds take_host_seconds() { return std::exchange(host_seconds_, HostSeconds{}); }
   // Device memory the captures took (in use after each capture minus before it, summed): the

@@ -953,6 +953,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       const TrainableQwen3VL::HostSeconds h = m->take_host_seconds();
       interval.host_prepare_seconds += h.prepare;
       interval.graph_launch_seconds += h.graph_launch;
+      interval.graph_launch_cpu_seconds += h.graph_launch_cpu;
     }
     interval.host_seconds += seconds_since(step_start) - waited;
     step_timer.end_step();
