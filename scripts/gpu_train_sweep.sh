@@ -17,8 +17,11 @@ if [ ! -x build-gpu/iris ]; then build_gpu iris || exit 1; fi
 iters=${ITERS:-20}
 workloads=${WORKLOADS:-448 896}
 # PROBE (3): the last steps of each run, queued behind a held GPU for the host's own enqueue time.
+# LOG_INTERVAL (1): steps between loss reads. Each read waits for the device, so at 1 the next
+# step's input uploads cannot overlap the device's work; a full_iteration step uploads all its
+# micro-batches before its one graph starts, and pays that time in full (about 20 ms at 896).
 common=(--recipe qwen3vl_2b_pretrain_mock --device cuda --iters "$iters" --micro-batch-size 1
-  --host-probe-steps "${PROBE:-3}"
+  --host-probe-steps "${PROBE:-3}" --log-interval "${LOG_INTERVAL:-1}"
   --global-batch-size 8 train.freeze_vision_tower=false train.freeze_language_model=false
   data.num_workers=4)
 variants=(--variants "${VARIANTS:-scripts/performance/graph_variants.txt}")
