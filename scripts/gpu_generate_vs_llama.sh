@@ -15,6 +15,9 @@
 # (CUDA, architecture 90) and LLAMA_DIR the llama.cpp source it was built from, whose
 # convert_hf_to_gguf.py (with gguf-py) writes the bf16 GGUF and the mmproj GGUF. Carry .deps and
 # tests/data/qwen3vl-tiny/tokenizer.json. Results go to $OUT (or out/).
+# LLAMA_PEER_TARBALL instead of the two: a .tar.xz whose llama/ folder holds bin/llama-mtmd-cli
+# and that source's convert_hf_to_gguf.py, conversion/ and gguf-py/ (a peer built elsewhere for
+# CUDA architecture 90, carried to the GPU machine); it is unpacked into /tmp.
 source "$(dirname "$0")/gpu_env.sh"
 runs=${RUNS:-3}
 tok=tests/data/qwen3vl-tiny/tokenizer.json
@@ -33,6 +36,10 @@ if [ ! -f "$model/config.json" ]; then
 fi
 # Without LLAMA_MTMD_CLI only Iris runs (its first-call and warm figures, the wall times without
 # the peer's column).
+if [ -n "${LLAMA_PEER_TARBALL:-}" ]; then
+  tar -xJf "$LLAMA_PEER_TARBALL" -C /tmp || exit 1
+  LLAMA_MTMD_CLI=/tmp/llama/bin/llama-mtmd-cli LLAMA_DIR=/tmp/llama
+fi
 llama=${LLAMA_MTMD_CLI:-}
 llama_dir=${LLAMA_DIR:-}
 if [ -n "$llama" ] && [ -z "$llama_dir" ]; then
