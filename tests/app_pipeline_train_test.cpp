@@ -2,7 +2,9 @@
 // split before and after a DeepStack injection layer, and 2 stages x 2 data-parallel replicas
 // give the losses (and evaluation losses) of one process with the same global batch; checkpoints
 // of a pipelined run resume in one process and the reverse; and a stage that stops responding
-// ends every rank with a non-zero status within parallel.timeout_seconds.
+// ends every rank with a non-zero status within parallel.timeout_seconds. The sharded optimizer
+// (optimizer.distributed) over 2 stages x 2 replicas gives the unsharded grid bit for bit and
+// its checkpoints resume in one process and the reverse.
 //
 // Why a tolerance and not bit equality: the tiny fixture ties its embeddings, so the embedding's
 // gradient has two parts, the lookup's (stage 0) and the lm_head's (the last stage). One process
@@ -157,6 +159,56 @@ TEST_F(AppPipelineTrainTest, StagesTimesReplicasGiveTheLossesOfOneProcess) {
   expect_close_losses(losses(grid), losses(single), b.output);
 }
 
+// The sharded optimizer (optimizer.distributed) over 2 stages x 2 replicas: each stage's replicas
+// reduce-scatter the stage's gradients, update half of its moments and gather its weights. The
+// gradients are summed in the unsharded grid's order (the tied embedding's over each stage's
+// replicas first, then across the stages), so the losses, the weights and the moments equal the
+// unsharded grid's bit for bit, as with data parallelism alone: the gradient norm adds the same
+// per-tensor sums of squares, save that a tensor split between two shards is the f64 sum of its
+// two parts, which could move the f32 norm only at a rounding boundary (AdamW in optimizer.h).
+// The embedding's two copies (stages 0 and 1) must stay identical for that, as the last stage's
+// lm_head reads its own.
+TEST_F(AppPipelineTrainTest, ShardedOptimizerOverStagesTimesReplicasGivesTheUnshardedGrid) {
+  const std::string recipe = write_recipe();
+  const fs::path plain = root_ / "plain", sharded = root_ / "sharded";
+  const std::vector<std::string> grid{"train", "--recipe", recipe,
+                                      "parallel.pipeline_parallel_size=2",
+                                      "parallel.data_parallel_size=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = grid;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Exit a = mpirun(4, with({"checkpoint.dir=" + plain.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b =
+      mpirun(4, with({"checkpoint.dir=" + sharded.string(), "optimizer.distributed=true"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_NE(b.output.find("2 stages x 2 data-parallel replicas (rank = stage x 2 + replica)"),
+            std::string::npos)
+      << b.output;
+  EXPECT_NE(b.output.find("this rank's 1/2 of its stage's (optimizer.distributed)"),
+            std::string::npos)
+      << b.output;
+  EXPECT_NE(b.output.find("gradient reduce-scatter over each stage's 2 replicas"),
+            std::string::npos)
+      << b.output;
+  for (const char* key : {"loss", "grad_norm"}) {
+    const std::vector<double> want = losses(plain, key), got = losses(sharded, key);
+    ASSERT_EQ(want.size(), 3u) << key;
+    EXPECT_EQ(got, want) << key << "\n" << b.output;
+  }
+  // Each stage's replica 0 saves the stage's weights and gathered moments, as unsharded: these
+  // files are the unsharded grid's, so every split that resumes those resumes these. (A bool,
+  // not EXPECT_EQ: gtest's diff of two differing binary files of megabytes exhausts memory.)
+  for (const char* file :
+       {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+    EXPECT_TRUE(read_text_file((plain / "step_0000003" / file).string()) ==
+                read_text_file((sharded / "step_0000003" / file).string()))
+        << file << " differs";
+}
+
 // A checkpoint written by two stages (each its own shard of the weights and of the optimizer
 // state, found by name) resumes in one process, and one process's checkpoint resumes in two
 // stages, to the losses of a run never stopped.
@@ -204,6 +256,46 @@ TEST_F(AppPipelineTrainTest, CheckpointsResumeUnderAnotherPipelineSplit) {
       iris({"export", (root_ / "pp2_to_pp1" / "step_0000002").string(), out.string()}, "1");
   ASSERT_EQ(ex.code, 0) << ex.output;
   EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+}
+
+// The sharded grid's checkpoint (each stage's moments gathered to its replica 0) resumes in one
+// process, and one process's resumes in the sharded grid, each stage's replicas taking their
+// shard of it. One process of 2 threads has the grid's reduction structure over the replicas.
+TEST_F(AppPipelineTrainTest, ShardedGridCheckpointsResumeInOneProcessAndTheReverse) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> schedule{"schedule.decay_iters=4", "checkpoint.save_interval=2"};
+  auto train = [&](const fs::path& dir, bool grid, int iters) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                                  "train.train_iters=" + std::to_string(iters)};
+    args.insert(args.end(), schedule.begin(), schedule.end());
+    if (!grid) return iris(args, "2");
+    args.insert(args.end(), {"parallel.pipeline_parallel_size=2", "parallel.data_parallel_size=2",
+                             "optimizer.distributed=true"});
+    return mpirun(4, args);
+  };
+  const fs::path whole = root_ / "whole";
+  const Exit u = train(whole, false, 4);
+  ASSERT_EQ(u.code, 0) << u.output;
+  const std::vector<double> want = losses(whole);
+  ASSERT_EQ(want.size(), 4u);
+  const struct {
+    const char* name;
+    bool first_grid;
+  } cases[] = {{"grid_to_one", true}, {"one_to_grid", false}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = root_ / c.name;
+    const Exit first = train(dir, c.first_grid, 2);
+    ASSERT_EQ(first.code, 0) << first.output;
+    if (c.first_grid)
+      for (const char* f :
+           {"optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+        EXPECT_TRUE(fs::is_regular_file(dir / "step_0000002" / f)) << f;
+    const Exit second = train(dir, !c.first_grid, 4);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+    expect_close_losses(losses(dir), want, second.output);
+  }
 }
 
 // Rank 1 (the last stage) is stopped (SIGSTOP) a second into a long run: rank 0 waits for it

@@ -307,8 +307,7 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
       [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.tensor_parallel_size=2"}); });
   EXPECT_HAS(msg, "parallel.tensor_parallel_size");
   EXPECT_HAS(msg, "not supported yet");
-  // Pipeline parallelism is accepted; its split list must have one positive count per stage, and
-  // what does not combine with it yet says so by key.
+  // Pipeline parallelism is accepted; its split list must have one positive count per stage.
   const Recipe pp =
       load_recipe_text(tiny_recipe(), "r.yaml",
                        {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 2]"});
@@ -333,11 +332,11 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
                      {"parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1.5, 2]"});
   });
   EXPECT_HAS(msg, "parallel.pipeline_layers entries are layer counts");
-  msg = error_of([] {
-    load_recipe_text(tiny_recipe(), "r.yaml",
-                     {"parallel.pipeline_parallel_size=2", "optimizer.distributed=true"});
-  });
-  EXPECT_HAS(msg, "optimizer.distributed");
+  // The sharded optimizer combines with stages: each stage's replicas shard its state.
+  const Recipe zero = load_recipe_text(
+      tiny_recipe(), "r.yaml", {"parallel.pipeline_parallel_size=2", "optimizer.distributed=true"});
+  EXPECT_TRUE(zero.optimizer.distributed);
+  EXPECT_EQ(zero.parallel.pipeline_parallel_size, 2);
   // Data parallelism is the launcher's business (checked when the run starts, against it).
   const Recipe r = load_recipe_text(
       tiny_recipe(), "r.yaml",

@@ -178,19 +178,29 @@ void DataParallel::stage_exchange(const std::vector<Tensor>& send_prev,
   mark_progress();
 }
 
-void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch) {
+int64_t DataParallel::tied_scratch_elements(int64_t n) const {
+  return std::max(n, all_reduce_scratch_elements(n, replicas_));
+}
+
+void DataParallel::sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch,
+                                     bool sharded) {
   if (stages_ == 1 || (stage() != 0 && stage() != stages_ - 1)) return;
+  const bool summed_here = sharded && replicas_ > 1;
+  if (summed_here) dp_comm_->all_reduce(grad, scratch);
   const bool first = stage() == 0;
   const int peer = first ? stages_ - 1 : 0;
-  const Communicator::Transfer send{grad, peer}, recv{scratch, peer};
+  const Communicator::Transfer send{grad, peer},
+      recv{scratch.slice(0, grad.numel()).view(grad.dims()), peer};
   pipe_comm_->exchange({&send, 1}, {&recv, 1}, "the tied-embedding gradient exchange");
   mark_progress();
   // Stage 0's term first on both sides: the same bits, so both copies stay identical. (On CUDA
   // the add is queued after the exchange, which the backend's stream waits for.)
+  const Tensor other = scratch.slice(0, grad.numel()).view(grad.dims());
   if (first)
-    be.add(grad, grad, scratch);
+    be.add(grad, grad, other);
   else
-    be.add(grad, scratch, grad);
+    be.add(grad, other, grad);
+  if (summed_here && replica() != 0) be.fill_zero(grad);
 }
 
 void DataParallel::mark_progress() {
@@ -199,9 +209,13 @@ void DataParallel::mark_progress() {
 
 std::string DataParallel::describe(bool full_iteration_graphs) const {
   if (!comm_) return "";
-  if (!reducer_ && stages_ > 1)
+  if (!reducer_ && stages_ > 1 && replicas_ == 1)
     return str_cat(comm_->name(), " point-to-point activations between ", stages_,
                    " pipeline stages, no gradient reduction (one replica)");
+  if (!reducer_ && stages_ > 1 && replicas_ > 1)
+    return str_cat(comm_->name(), " point-to-point activations between ", stages_,
+                   " pipeline stages, gradient reduce-scatter over each stage's ", replicas_,
+                   " replicas in the sharded optimizer");
   if (!reducer_) return str_cat(comm_->name(), " gradient reduce-scatter in the sharded optimizer");
   return str_cat(comm_->name(), " gradient all-reduce in ", reducer_->buckets(),
                  " fixed-order buckets, scratch ", reducer_->scratch_bytes() / (size_t(1) << 20),

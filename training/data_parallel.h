@@ -102,6 +102,9 @@ class DataParallel {
                              const std::vector<std::pair<int64_t, int64_t>>& reduce_ranges = {});
   // The communicator connect() made; null for a single process.
   Communicator* communicator() { return comm_.get(); }
+  // The ranks that hold this rank's pipeline stage (replica order): every rank without a
+  // pipeline. Null for a single process (after connect).
+  Communicator* data_parallel_communicator() { return stages_ > 1 ? dp_comm_.get() : comm_.get(); }
   // Pipelines only (after connect): the stages of this rank's pipeline, in stage order (for the
   // gradient norm over every stage).
   Communicator* pipeline_communicator() { return pipe_comm_.get(); }
@@ -116,8 +119,16 @@ class DataParallel {
                       const char* what);
   // Tied embeddings: stage 0 and the last stage of a pipeline each hold the embedding and its
   // gradient; this sums the two (stage 0's first) on both, so that both apply one update.
-  // Nothing to do for one stage or for a rank on another stage. `scratch`: f32 like `grad`.
-  void sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch);
+  // Nothing to do for one stage or for a rank on another stage. `scratch`: f32 of
+  // tied_scratch_elements(grad.numel()).
+  // sharded: a sharded optimizer sums the data-parallel group's gradients in its step, after
+  // this. The two stages' parts must still be added once each has been summed over its replicas
+  // (the unsharded run's order), so the embedding's gradient is summed over the group here first,
+  // as the reducer would, and then left on replica 0 only, zero on the others: the optimizer's
+  // reduce-scatter then adds zeros to it, which hands back the same bits.
+  void sum_tied_gradient(Backend& be, const Tensor& grad, const Tensor& scratch,
+                         bool sharded = false);
+  int64_t tied_scratch_elements(int64_t n) const;
   // On CUDA with more than one rank: a point the stall watchdog (parallel/communicator.h) expects
   // the GPU to reach within parallel.timeout_seconds; once per step, after its work is queued.
   void mark_progress();

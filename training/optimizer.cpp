@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <tuple>
 
 #include "core/safetensors.h"
 
@@ -61,6 +63,19 @@ int64_t offset_in(const ModelWeights& w, const Tensor& t) {
       static_cast<ptrdiff_t>(dtype_size(t.dtype)));
 }
 
+// A pipeline stage's span of the flat buffers: from its first held tensor to the end of its last.
+std::pair<int64_t, int64_t> stage_span(const ModelWeights& w, const std::vector<bool>& held) {
+  int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
+  for (size_t i = 0; i < w.bindings.size(); ++i) {
+    if (!held[i]) continue;
+    const Tensor t = w.bindings[i].tensor();
+    begin = std::min(begin, offset_in(w, t));
+    end = std::max(end, offset_in(w, t) + t.numel());
+  }
+  IRIS_CHECK(end > 0, "AdamW: a pipeline stage holds no tensor");
+  return {begin, end};
+}
+
 Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
   return Tensor(w.arena.base(), dtype, be.device(),
                 {static_cast<int64_t>(w.arena.capacity() / dtype_size(dtype))});
@@ -97,15 +112,15 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
 
   // This rank's rows: every tensor whole, or the parts of tensors inside its shard.
   std::vector<Row> mine;
-  if (shard_over != nullptr) {
-    setup_shard(*shard_over, bucket_elements);
+  if (shard_over != nullptr && pipeline != nullptr) {
+    check_pipeline(*pipeline);
+    setup_shard(*shard_over, bucket_elements, pipeline);
+    mine = rows_[rows_base_ + static_cast<size_t>(shard_over->rank())];
+  } else if (shard_over != nullptr) {
+    setup_shard(*shard_over, bucket_elements, nullptr);
     mine = rows_[static_cast<size_t>(shard_over->rank())];
   } else if (pipeline != nullptr) {
-    IRIS_CHECK(pipeline->held.size() == size_t(pipeline->stages->size()),
-               "AdamW: the pipeline lists ", pipeline->held.size(),
-               " stages but its communicator has ", pipeline->stages->size());
-    IRIS_CHECK(pipeline->stages->device() == backend.device(), "AdamW: the pipeline's ",
-               pipeline->stages->name(), " communicator is not on the optimizer's device");
+    check_pipeline(*pipeline);
     for (size_t i = 0; i < n; ++i) {
       const Tensor t = master.bindings[i].tensor();
       if (pipeline->held[size_t(pipeline->stages->rank())][i])
@@ -114,13 +129,8 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
     setup_pipeline(*pipeline);
     // The moments span the stage's tensors only, from its first to its last in the flat layout
     // (the buffers are viewed from there, as a shard is).
-    shard_begin_ = flat_master_.numel();
-    shard_end_ = 0;
-    for (const Row& row : mine) {
-      shard_begin_ = std::min(shard_begin_, row.flat_begin);
-      shard_end_ = std::max(shard_end_, row.flat_begin + row.length);
-    }
-    IRIS_CHECK(!mine.empty(), "AdamW: this pipeline stage holds no tensor");
+    std::tie(shard_begin_, shard_end_) =
+        stage_span(master, pipeline->held[size_t(pipeline->stages->rank())]);
     flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
     flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
     auto plan_state = [&](Arena& a) {
@@ -180,25 +190,39 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
 
 AdamW::~AdamW() = default;
 
-void AdamW::setup_pipeline(const StageTensors& pipeline) {
+void AdamW::check_pipeline(const StageTensors& pipeline) const {
+  IRIS_CHECK(pipeline.held.size() == size_t(pipeline.stages->size()), "AdamW: the pipeline lists ",
+             pipeline.held.size(), " stages but its communicator has ", pipeline.stages->size());
+  IRIS_CHECK(pipeline.stages->device() == be_.device(), "AdamW: the pipeline's ",
+             pipeline.stages->name(), " communicator is not on the optimizer's device");
+  for (size_t q = 0; q < pipeline.held.size(); ++q)
+    IRIS_CHECK(pipeline.held[q].size() == master_.bindings.size(), "AdamW: stage ", q, " lists ",
+               pipeline.held[q].size(), " tensors, the model has ", master_.bindings.size());
+}
+
+void AdamW::read_stage_tensors(const StageTensors& pipeline) {
   const size_t n = master_.bindings.size();
   norm_comm_ = pipeline.stages;
-  const int stages = norm_comm_->size();
   owner_.resize(n);
   held_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    owner_[i] = pipeline.owner(i);
+    held_[i] = pipeline.held[size_t(norm_comm_->rank())][i];
+  }
+}
+
+void AdamW::setup_pipeline(const StageTensors& pipeline) {
+  const size_t n = master_.bindings.size();
+  read_stage_tensors(pipeline);
+  const int stages = norm_comm_->size();
   rows_.assign(static_cast<size_t>(stages), {});
-  for (int q = 0; q < stages; ++q) {
-    IRIS_CHECK(pipeline.held[size_t(q)].size() == n, "AdamW: stage ", q, " lists ",
-               pipeline.held[size_t(q)].size(), " tensors, the model has ", n);
+  for (int q = 0; q < stages; ++q)
     for (size_t i = 0; i < n; ++i)
       if (pipeline.held[size_t(q)][i]) rows_[size_t(q)].push_back({static_cast<int64_t>(i), 0, 0});
-  }
   rows_max_ = 1;
   for (const auto& r : rows_) rows_max_ = std::max<int64_t>(rows_max_, int64_t(r.size()));
   norm_order_.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
-    owner_[i] = pipeline.owner(i);
-    held_[i] = pipeline.held[size_t(norm_comm_->rank())][i];
     const auto& rows = rows_[size_t(owner_[i])];
     for (size_t k = 0; k < rows.size(); ++k)
       if (rows[k].tensor == static_cast<int64_t>(i))
@@ -228,12 +252,15 @@ bool AdamW::loads(size_t tensor) const {
   return held_.empty() || held_[tensor];
 }
 
-std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, int64_t n,
-                                                       int world) {
+std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, int64_t begin,
+                                                       int64_t n, int world,
+                                                       const std::vector<bool>* held) {
   std::vector<std::vector<Row>> rows(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
-    const int64_t b = ShardExchange::begin(n, world, r), e = ShardExchange::end(n, world, r);
+    const int64_t b = begin + ShardExchange::begin(n, world, r);
+    const int64_t e = begin + ShardExchange::end(n, world, r);
     for (size_t i = 0; i < w.bindings.size(); ++i) {
+      if (held != nullptr && !(*held)[i]) continue;
       const Tensor t = w.bindings[i].tensor();
       const int64_t tb = offset_in(w, t), te = tb + t.numel();
       const int64_t lo = std::max(tb, b), hi = std::min(te, e);
@@ -243,22 +270,39 @@ std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, in
   return rows;
 }
 
-void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
+void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const StageTensors* pipeline) {
   IRIS_CHECK(comm.device() == be_.device(), "AdamW: the communicator (", comm.name(),
              ") is not on the optimizer's device");
   comm_ = &comm;
   norm_comm_ = &comm;
-  const int64_t n = flat_master_.numel();
   const int world = comm.size();
+  // The ranges the shards tile: the whole flat buffers, or each stage's span, which the stage's
+  // replicas shard as a data-parallel run shards the whole (every stage's, for the norm's table).
+  std::vector<std::pair<int64_t, int64_t>> spans{{0, flat_master_.numel()}};
+  int stage = 0;
+  if (pipeline != nullptr) {
+    read_stage_tensors(*pipeline);
+    stage = pipeline->stages->rank();
+    spans.clear();
+    for (const std::vector<bool>& held : pipeline->held) spans.push_back(stage_span(master_, held));
+    rows_base_ = static_cast<size_t>(stage) * static_cast<size_t>(world);
+  }
+  const auto [span_begin, span_end] = spans[static_cast<size_t>(stage)];
+  span_begin_ = span_begin;
+  full_master_ = flat_master_.slice(span_begin, span_end);
+  full_grads_ = flat_grads_.slice(span_begin, span_end);
   exchange_ =
-      std::make_unique<ShardExchange>(be_, comm, flat_grads_, flat_master_, bucket_elements);
-  full_master_ = flat_master_;
-  full_grads_ = flat_grads_;
-  shard_begin_ = exchange_->begin();
-  shard_end_ = exchange_->end();
-  flat_master_ = full_master_.slice(shard_begin_, shard_end_);
-  flat_grads_ = full_grads_.slice(shard_begin_, shard_end_);
-  rows_ = shard_rows(master_, n, world);
+      std::make_unique<ShardExchange>(be_, comm, full_grads_, full_master_, bucket_elements);
+  shard_begin_ = span_begin + exchange_->begin();
+  shard_end_ = span_begin + exchange_->end();
+  flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
+  flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+  rows_.clear();
+  for (size_t q = 0; q < spans.size(); ++q) {
+    auto rows = shard_rows(master_, spans[q].first, spans[q].second - spans[q].first, world,
+                           pipeline != nullptr ? &pipeline->held[q] : nullptr);
+    rows_.insert(rows_.end(), rows.begin(), rows.end());
+  }
   rows_max_ = 1;
   for (const auto& r : rows_)
     rows_max_ = std::max<int64_t>(rows_max_, static_cast<int64_t>(r.size()));
@@ -273,12 +317,17 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements) {
   plan(shard_state_);
   flat_m_ = flat_m_.slice(0, shard_end_ - shard_begin_);
   flat_v_ = flat_v_.slice(0, shard_end_ - shard_begin_);
-  plan_row_sums(world);
+  // Rows by world rank (stage x replicas + replica); a tensor's parts from its owning stage's
+  // replicas only (a tied embedding's other stage holds the same sum), in replica order.
+  const auto groups = static_cast<int64_t>(rows_.size());
+  plan_row_sums(groups);
   norm_order_.assign(master_.bindings.size(), {});
-  for (int q = 0; q < world; ++q)
-    for (size_t k = 0; k < rows_[static_cast<size_t>(q)].size(); ++k)
-      norm_order_[static_cast<size_t>(rows_[static_cast<size_t>(q)][k].tensor)].push_back(
-          q * rows_max_ + static_cast<int64_t>(k));
+  for (int64_t g = 0; g < groups; ++g)
+    for (size_t k = 0; k < rows_[static_cast<size_t>(g)].size(); ++k) {
+      const auto i = static_cast<size_t>(rows_[static_cast<size_t>(g)][k].tensor);
+      if (pipeline != nullptr && g / world != owner_[i]) continue;
+      norm_order_[i].push_back(g * rows_max_ + static_cast<int64_t>(k));
+    }
   if (working_ != nullptr) plan_working_gather();
 }
 
@@ -315,11 +364,17 @@ void AdamW::plan_working_gather() {
     }
     return nw;
   };
+  // A pipeline stage's ranges tile the working copy of its span instead, from its first
+  // tensor's working offset to where the tensor after its last starts.
   const int64_t nm = full_master_.numel();
+  const bool whole =
+      span_begin_ == 0 && nm == static_cast<int64_t>(master_.arena.capacity() / sizeof(float));
   working_ranges_.clear();
   for (int q = 0; q < world; ++q) {
-    const int64_t b = q == 0 ? 0 : to_working(ShardExchange::begin(nm, world, q));
-    const int64_t e = q == world - 1 ? nw : to_working(ShardExchange::end(nm, world, q));
+    const int64_t b =
+        q == 0 && whole ? 0 : to_working(span_begin_ + ShardExchange::begin(nm, world, q));
+    const int64_t e =
+        q == world - 1 && whole ? nw : to_working(span_begin_ + ShardExchange::end(nm, world, q));
     working_ranges_.push_back({b, e});
   }
   // Every rank's range to every other rank, in place, as one grouped exchange: the ranges differ
@@ -387,7 +442,15 @@ void AdamW::write_hyper(const FreezeSpec& frozen) {
 
 void AdamW::sharded_norm() {
   be_.grad_sum_squares(row_sums_.slice(0, spans_.rows()), flat_grads_, spans_, hyper_);
-  norm_comm_->all_gather(all_row_sums_, row_sums_);
+  if (comm_ != nullptr && norm_comm_ != comm_) {
+    // Sharded stages: the stage's replicas' rows, then every stage's, in world rank order.
+    const int64_t per_stage = comm_->size() * rows_max_, me = norm_comm_->rank();
+    const Tensor stage_sums = all_row_sums_.slice(me * per_stage, (me + 1) * per_stage);
+    comm_->all_gather(stage_sums, row_sums_);
+    norm_comm_->all_gather(all_row_sums_, stage_sums);
+  } else {
+    norm_comm_->all_gather(all_row_sums_, row_sums_);
+  }
   be_.read(host_row_sums_.data(), DType::i64, all_row_sums_);
   // grad_norm_clip's sum: tensor by tensor in order, a split tensor as its parts in rank order.
   double ss = 0.0;
@@ -462,7 +525,8 @@ void AdamW::gather_state() {
     comm_->send(steps_dev_, 0);
     return;
   }
-  // Host memory for the whole state, as the unsharded save reads it back; released by save().
+  // Host memory for the whole state (a pipeline stage's: its span), as the unsharded save reads
+  // it back; released by save().
   const int64_t n = full_master_.numel();
   gathered_m_.assign(static_cast<size_t>(n), 0.0f);
   gathered_v_.assign(static_cast<size_t>(n), 0.0f);
@@ -470,7 +534,7 @@ void AdamW::gather_state() {
   std::vector<int64_t> row_steps;
   for (int q = 0; q < world; ++q) {
     const int64_t b = ShardExchange::begin(n, world, q), e = ShardExchange::end(n, world, q);
-    const auto& rows = rows_[static_cast<size_t>(q)];
+    const auto& rows = rows_[rows_base_ + static_cast<size_t>(q)];
     row_steps.assign(std::max<size_t>(1, rows.size()), 0);
     if (q == 0) {
       be_.read(gathered_m_.data() + b, DType::f32, flat_m_);
@@ -536,8 +600,9 @@ void AdamW::save(const std::string& path) const {
   for (size_t i = 0; i < n; ++i) {
     if (!saves(i)) continue;
     const WeightBinding& b = master_.bindings[i];
-    // The host copy starts at the stage's first element, or (sharded: gathered whole) at 0.
-    const int64_t off = offset_in(master_, b.tensor()) - (comm_ != nullptr ? 0 : shard_begin_);
+    // The host copy starts at the stage's first element (sharded: gathered from its span's).
+    const int64_t off =
+        offset_in(master_, b.tensor()) - (comm_ != nullptr ? span_begin_ : shard_begin_);
     items.push_back({"exp_avg." + b.hf_name, DType::f32, b.hf_shape, m.data() + off});
     items.push_back({"exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape, v.data() + off});
     items.push_back({"step." + b.hf_name, DType::i64, {1}, &param_steps[i]});

@@ -66,6 +66,15 @@ double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 // weights outside the shard go stale until gather_state() gathers them for a checkpoint.
 // Checkpoints hold the unsharded state: gather_state() brings every shard to
 // rank 0, and load() takes each rank's shard of any file, whatever world size wrote it.
+//
+// Sharded and pipelined (shard_over the stage's data-parallel group, pipeline its stages): each
+// stage shards its span of the flat buffers (its first to its last held tensor) over its replicas
+// as above, each replica's rows being the held tensors' parts inside its shard. The norm's sums
+// of squares are gathered over the replicas, then over the stages, which lays them out in world
+// rank order (rank = stage x replicas + replica); each tensor is taken from its owning stage's
+// replicas in replica order and the tensors added in binding order: the unsharded pipeline's
+// norm, with the same caveat for a tensor split between two shards. gather_state() brings the
+// stage's state to its replica 0, which saves the tensors the stage owns.
 class AdamW {
  public:
   // master and grads: f32 ModelWeights on `backend` built from `cfg` (same bindings). working:
@@ -124,9 +133,15 @@ class AdamW {
   struct Row {  // a tensor's part in this rank's shard
     int64_t tensor, flat_begin, length;
   };
-  // Each rank's rows, in flat order (the same table on every rank).
-  static std::vector<std::vector<Row>> shard_rows(const ModelWeights& w, int64_t n, int world);
-  void setup_shard(Communicator& comm, int64_t bucket_elements);
+  // Each rank's rows of the flat range [begin, begin + n) sharded over `world` ranks, in flat
+  // order (the same table on every rank); held: only these tensors (null: all).
+  static std::vector<std::vector<Row>> shard_rows(const ModelWeights& w, int64_t begin, int64_t n,
+                                                  int world, const std::vector<bool>* held);
+  // pipeline: shard this stage's span over comm (its data-parallel group); null: all of it.
+  void setup_shard(Communicator& comm, int64_t bucket_elements, const StageTensors* pipeline);
+  // The owners and held flags of a pipeline's tensors.
+  void read_stage_tensors(const StageTensors& pipeline);
+  void check_pipeline(const StageTensors& pipeline) const;
   // Sharded with a working copy: each rank's range of the working arena, and their gather.
   void plan_working_gather();
   void gather_working();
@@ -165,11 +180,16 @@ class AdamW {
   // flat_master_ and flat_grads_ view; full_* are the whole buffers the exchanges move.
   Communicator* comm_ = nullptr;
   // The ranks the norm's sums of squares are gathered from: comm_ when sharded, the pipeline's
-  // stages when pipelined.
+  // stages when pipelined (sharded too: each stage's part gathered over comm_ first).
   Communicator* norm_comm_ = nullptr;
   std::vector<int> owner_;  // pipelined: each tensor's owning stage
   std::vector<bool> held_;  // pipelined: whether this stage holds each tensor
+  // Sharded: the range of the flat buffers the shards tile, [span_begin_, span_begin_ +
+  // full_master_.numel()): all of them, or a pipeline stage's span.
   Tensor full_master_, full_grads_;
+  int64_t span_begin_ = 0;
+  // Sharded and pipelined: rows_ holds every stage's replicas' rows, this stage's from here.
+  size_t rows_base_ = 0;
   // Per tensor, where its rows' sums of squares sit in all_row_sums_, in rank order.
   std::vector<std::vector<int64_t>> norm_order_;
   std::unique_ptr<ShardExchange> exchange_;

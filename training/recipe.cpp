@@ -930,10 +930,6 @@ void validate(Recipe& r) {
     IRIS_CHECK(n >= 1 && n == std::floor(n) && n < 1e6,
                "recipe: parallel.pipeline_layers entries are layer counts, positive integers; got ",
                n);
-  IRIS_CHECK(p.pipeline_parallel_size == 1 || !r.optimizer.distributed,
-             "recipe: optimizer.distributed (the sharded optimizer) does not combine with "
-             "parallel.pipeline_parallel_size=",
-             p.pipeline_parallel_size, " yet; set optimizer.distributed=false");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;

@@ -542,8 +542,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                                model.write_bytes_per_micro_batch() +
                            (size_t{1} << 16));
   // ZeRO-1: each rank keeps the optimizer state of its shard (on the GPU with the f32 master
-  // weights of the shard; the bf16 weights the model reads are gathered whole every step).
-  const bool sharded = r.optimizer.distributed && dp.world() > 1;
+  // weights of the shard; the bf16 weights the model reads are gathered whole every step). A
+  // pipeline stage's replicas shard the stage's tensors; with one replica there is nothing to
+  // shard them over.
+  const bool sharded = r.optimizer.distributed && dp.replicas() > 1;
   // A stage's data-parallel group sums only the gradients the stage computes (the rest are zero):
   // runs of its tensors in the flat gradients, alignment gaps between them included, so that the
   // group makes few exchanges.
@@ -586,19 +588,20 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     }
   }
   AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get(),
-            sharded ? dp.communicator() : nullptr, int64_t(1) << 25,
+            sharded ? dp.data_parallel_communicator() : nullptr, int64_t(1) << 25,
             pipelined ? &stage_tensors : nullptr);
-  // Tied embeddings across stages: room for the other stage's gradient, allocated once.
+  // Tied embeddings across stages: room for the other stage's gradient (and, sharded, for the
+  // sum over the stage's replicas), allocated once.
   const bool tied_across =
       pipelined && cfg.tie_word_embeddings && (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
   Arena tied_arena;
   Tensor tied_scratch;
   if (tied_across) {
-    const Tensor& g = model.grads().text.embed;
+    const int64_t n = dp.tied_scratch_elements(model.grads().text.embed.numel());
     Arena plan;
-    plan.alloc(DType::f32, {g.numel()});
+    plan.alloc(DType::f32, {n});
     tied_arena = Arena(be, plan.used());
-    tied_scratch = tied_arena.alloc(DType::f32, {g.numel()});
+    tied_scratch = tied_arena.alloc(DType::f32, {n});
   }
   if (!resume_dir.empty()) opt.load(optimizer_files(resume_dir));
   const LrSchedule schedule(
@@ -663,7 +666,12 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                     pipelined ? " (this stage's parts, per micro-batch in flight)" : "");
     if (opt.shards() > 1)
       plan += str_cat("; the AdamW moments are this rank's 1/", opt.shards(),
+                      pipelined ? " of its stage's" : "",
                       " (optimizer.distributed), exchange scratch ", mib(opt.exchange_bytes()));
+    else if (r.optimizer.distributed && pipelined)
+      plan +=
+          "; optimizer.distributed has no replicas to shard a stage's moments over "
+          "(parallel.data_parallel_size 1): each stage keeps its own";
     if (dp.world() > 1)
       plan +=
           ", " + dp.describe(graphs_on && r.cuda_graph.language.impl == GraphImpl::full_iteration);
@@ -929,7 +937,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
                                       : run_on_replicas(replicas, micro_batches, grad_scale);
     for (int k = 1; k < n_replicas; ++k) replicas[k]->move_grads_into(model);
     dp.reduce_gradients();
-    if (tied_across) dp.sum_tied_gradient(be, model.grads().text.embed, tied_scratch);
+    if (tied_across) dp.sum_tied_gradient(be, model.grads().text.embed, tied_scratch, sharded);
     for (size_t i = 0; i < batch.size(); ++i) {
       const TrainSample& s = batch[i];
       interval.tokens += static_cast<int64_t>(s.ids.size());
