@@ -10,7 +10,8 @@
 #   zero1 dp2 vs dp2         optimizer.distributed=true against the unsharded dp2 run
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
-#   pp2 x dp2 vs 1 GPU       4 GPUs only
+#   pp2 x dp2 vs 1 GPU       4 GPUs only; also with optimizer.distributed (each stage's state
+#                            sharded over its 2 replicas) against the unsharded pp2 x dp2
 #   resume                   half the steps, a checkpoint, the rest under another layout (1 GPU,
 #                            zero1 dp2, pp2) against the uninterrupted 1-GPU run
 #   stall / kill             a rank stopped (SIGSTOP) or killed (SIGKILL) mid-run: every rank
@@ -209,9 +210,12 @@ fi
 if [ "$ngpu" -ge 4 ]; then
   run pp2_dp2 4 parallel.pipeline_parallel_size=2 parallel.data_parallel_size=2 \
     "parallel.pipeline_layers=[1,3]"
+  run pp2_dp2_zero1 4 parallel.pipeline_parallel_size=2 parallel.data_parallel_size=2 \
+    "parallel.pipeline_layers=[1,3]" optimizer.distributed=true
   run dp4 4 parallel.data_parallel_size=4
   compare "pp2 x dp2 vs 1 GPU" pp2_dp2 gpu1 no
   compare "pp2 x dp2 vs dp2" pp2_dp2 dp2 yes
+  compare "pp2 x dp2 zero1 vs pp2 x dp2" pp2_dp2_zero1 pp2_dp2 yes exact
   compare "dp4 vs 1 GPU" dp4 gpu1 no
 fi
 
