@@ -368,6 +368,16 @@ TEST(TokenizerLoadTest, BrokenStructureIsExplained) {
               Tokenizer::from_json_text(unknown_merge.dump(), "t.json");
             }).find("needs token \"zz\""),
             std::string::npos);
+  // The merges are looked up on several threads; the error still names the first bad one.
+  json many = json::array();
+  for (int r = 0; r < 1000; ++r)
+    many.push_back(r == 700   ? json::array({"a", "zz"})
+                   : r == 900 ? json::array({"yy", "b"})
+                              : json::array({"a", "b"}));
+  EXPECT_NE(error_message([&] {
+              Tokenizer::from_json_text(tiny_tokenizer(many).dump(), "t.json");
+            }).find("merge 700 needs token \"zz\""),
+            std::string::npos);
   json bad_merge = tiny_tokenizer(json::array({"a b c"}));
   EXPECT_NE(
       error_message([&] { Tokenizer::from_json_text(bad_merge.dump(), "t.json"); }).find("merge 0"),
