@@ -71,10 +71,10 @@ rows=(1x448 1x896 1x1344 8x448)
 
 wall() {  # wall time in seconds of "$@", output to $log
   local t0 t1
-  t0=$(date +%s.%N)
+  t0=$(date +%s%N)
   "$@" >"$log" 2>&1 || { echo "FAILED: $*" >&2; tail -5 "$log" >&2; }
-  t1=$(date +%s.%N)
-  echo "$t1 - $t0" | bc
+  t1=$(date +%s%N)
+  awk -v ns=$((t1 - t0)) 'BEGIN { printf "%.3f\n", ns / 1e9 }'
 }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}'; }
 
@@ -147,3 +147,6 @@ for row in rows:
     print(f"| {row} | {load} | {e['vision_encode_ms']:.1f} / {f['vision_encode_ms']:.1f} | {warm_v:.1f} | {bv:.1f} | "
           f"{e['prefill_ms']:.1f} / {f['prefill_ms']:.1f} | {warm_p:.1f} | {bp:.1f} |")
 EOF
+# The per-run logs in one file: the device machine returns a bounded number of files.
+tar -czf "$out/generate_vs_llama_logs.tar.gz" -C "$out" --remove-files \
+  $(cd "$out" && ls llama_*.log iris_*.log iris_*.txt iris_*.json iris_*.jsonl iris_*.err 2>/dev/null)

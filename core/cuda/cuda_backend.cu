@@ -147,6 +147,7 @@ class CudaBackend final : public Backend {
                "; the bf16 kernels need 8.0 or newer");
     name_ = str_cat("cuda:", device_, " (", prop.name, ")");
     num_sms_ = prop.multiProcessorCount;
+    heuristics_warmup_ = std::make_unique<cuda::HeuristicsWarmup>(device_);
     stream_ = std::make_unique<Stream>();
     for (auto& e : staging_events_) e = std::make_unique<Event>();
     staging_ = std::make_unique<PinnedBuffer>(2 * kStagingChunk);
@@ -1383,6 +1384,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::LtTrainGemm> train_gemm_;
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
+  // Last, so that its thread is joined first when the backend goes.
+  std::unique_ptr<cuda::HeuristicsWarmup> heuristics_warmup_;
 };
 
 }  // namespace

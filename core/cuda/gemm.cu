@@ -25,6 +25,39 @@ constexpr int kTimedRounds = 3;
 
 }  // namespace
 
+HeuristicsWarmup::HeuristicsWarmup(int device) {
+  thread_ = std::thread([device] {
+    // Every status is checked, but a failure only ends the warm-up: the first real GEMM makes
+    // the same calls through IRIS_CUBLAS_CHECK and reports the error there, on the caller's
+    // thread, in the caller's terms.
+    if (cudaSetDevice(device) != cudaSuccess) return;
+    cublasLtHandle_t handle = nullptr;
+    if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) return;
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t layout = nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    constexpr int kSide = 64;
+    if (cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatrixLayoutCreate(&layout, CUDA_R_16BF, kSide, kSide, kSide) ==
+            CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      // Its answer is not used: the query is made for the loading it triggers.
+      (void)cublasLtMatmulAlgoGetHeuristic(handle, op, layout, layout, layout, layout, pref, 1,
+                                           &result, &found);
+    }
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (layout) cublasLtMatrixLayoutDestroy(layout);
+    if (op) cublasLtMatmulDescDestroy(op);
+    cublasLtDestroy(handle);
+  });
+}
+
+HeuristicsWarmup::~HeuristicsWarmup() {
+  if (thread_.joinable()) thread_.join();
+}
+
 LtGemm::LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch,
                size_t tune_scratch_bytes, GemmTuningCache* cache)
     : workspace_(workspace),

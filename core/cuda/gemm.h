@@ -9,11 +9,27 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "core/tuning_cache.h"
 
 namespace iris::cuda {
+
+// cuBLASLt loads its heuristics data on the process's first algorithm query, whichever handle
+// asks: about 100 ms on an H200, which otherwise lands in the first GEMM of a command (the first
+// vision encode of `iris generate`). This asks once, on its own thread and handle, so that the
+// cost is paid beside what the caller does next (reading the weights). The destructor waits.
+class HeuristicsWarmup {
+ public:
+  explicit HeuristicsWarmup(int device);
+  ~HeuristicsWarmup();
+  HeuristicsWarmup(const HeuristicsWarmup&) = delete;
+  HeuristicsWarmup& operator=(const HeuristicsWarmup&) = delete;
+
+ private:
+  std::thread thread_;
+};
 
 class LtGemm {
  public:
