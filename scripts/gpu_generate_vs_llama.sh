@@ -17,7 +17,11 @@
 # tests/data/qwen3vl-tiny/tokenizer.json. Results go to $OUT (or out/).
 # LLAMA_PEER_TARBALL instead of the two: a .tar.xz whose llama/ folder holds bin/llama-mtmd-cli
 # and that source's convert_hf_to_gguf.py, conversion/ and gguf-py/ (a peer built elsewhere for
-# CUDA architecture 90, carried to the GPU machine); it is unpacked into /tmp.
+# CUDA architecture 90, carried to the GPU machine); it is unpacked into /tmp. The tarball (41 MB)
+# and the tracked tree (30 MB) exceed one call's carry, so it travels in two parts over two calls
+# of one warm machine: `split -b 26000000 -d .peer/llama-peer.tar.xz`, part 00 in .peer/a (the
+# first call copies it to /tmp and builds), part 01 and an xz of the tokenizer in .peer/b (the
+# second joins the parts and runs this script).
 source "$(dirname "$0")/gpu_env.sh"
 runs=${RUNS:-3}
 tok=tests/data/qwen3vl-tiny/tokenizer.json

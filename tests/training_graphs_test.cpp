@@ -184,6 +184,13 @@ class TrainingGraphs : public ::testing::Test {
       EXPECT_TRUE(m.graphs_created());
       EXPECT_EQ(m.graph_keys().size(), m.graph_count());
       expect_graph_parts(mode, m.graph_keys());
+      // The label slots pad only where a graph holds the loss; elsewhere the loss runs eagerly
+      // over the real labels (padded slots would cost lm_head rows for nothing).
+      const auto& padding = m.padding_stats();
+      if (mode.decoder == GraphImpl::full_iteration)
+        EXPECT_GT(padding.label_slots, padding.labels);
+      else
+        EXPECT_EQ(padding.label_slots, padding.labels);
       m.delete_graphs();
       EXPECT_FALSE(m.graphs_created());
       m.delete_graphs();  // nothing left: a no-op
@@ -218,6 +225,8 @@ TEST_F(TrainingGraphs, PaddingToBucketsChangesNoLossOrGradientBeyondRounding) {
   const auto& p = padded.padding_stats();
   EXPECT_GT(p.padded_tokens, p.tokens);
   EXPECT_GT(p.padded_patches, p.patches);
+  // No graph holds the loss here, so it runs over the real labels only.
+  EXPECT_EQ(p.label_slots, p.labels);
   EXPECT_EQ(padded.overflow_runs(), 0);
 }
 

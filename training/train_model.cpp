@@ -613,21 +613,27 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     std::fill(h_positions_.begin() + L * 3, h_positions_.end(), 0);  // cos 1, sin 0
     if (Lb > L) h_text_cu_.push_back(static_cast<int32_t>(Lb));
     n_text_segments_ = limits_.max_samples + 1;
-    // The loss runs over every label slot, a host value that a graph keeps: the slots pad to a
-    // power of two (from 64, at most the bucket) rather than to the bucket, which would run the
-    // lm_head over rows only the sink holds (a 4096-token sample with 1,650 labels: 2.5x its
-    // loss work).
-    int64_t label_slots = 64;
-    while (label_slots < n_label_real_) label_slots *= 2;
-    label_slots = std::min(label_slots, Lb);
-    h_label_rows_.resize(static_cast<size_t>(label_slots), static_cast<int32_t>(Lb));
-    h_targets_.resize(static_cast<size_t>(label_slots), kIgnoreIndex);
+    // Under full_iteration the loss is captured, and its label slot count is a host value that
+    // the graph keeps: the slots pad to a power of two (from 64, at most the bucket) rather than
+    // to the bucket, which would run the lm_head over rows only the sink holds (a 4096-token
+    // sample with 1,650 labels: 2.5x its loss work). Elsewhere the loss runs eagerly between
+    // graphs and takes the real count: padded slots would cost lm_head rows for nothing (3 ms a
+    // step of the 2B geometry at 896 with vision graphs alone).
+    if (graph_api_ != nullptr && graphs_.decoder == GraphImpl::full_iteration) {
+      int64_t label_slots = 64;
+      while (label_slots < n_label_real_) label_slots *= 2;
+      label_slots = std::min(label_slots, Lb);
+      h_label_rows_.resize(static_cast<size_t>(label_slots), static_cast<int32_t>(Lb));
+      h_targets_.resize(static_cast<size_t>(label_slots), kIgnoreIndex);
+    }
     h_pad_rows_.resize(static_cast<size_t>(Sb / v.merge_unit()), static_cast<int32_t>(Lb));
   }
   L_ = Lb;
   S_ = Sb;
   n_pad_ = static_cast<int64_t>(h_pad_rows_.size());
   n_label_ = static_cast<int64_t>(h_label_rows_.size());
+  padding_.labels += n_label_real_;
+  padding_.label_slots += n_label_;
   h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 2, h_text_cu_.back());
 
   be_.write(ids_.slice(0, Lb), h_ids_.data(), DType::i32);

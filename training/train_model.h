@@ -214,9 +214,11 @@ class TrainableQwen3VL {
   std::vector<std::pair<std::string, int64_t>> graph_memory_by_set() const;
   // Micro-batches run unpadded because they were above the largest bucket.
   int64_t overflow_runs() const { return overflow_runs_; }
-  // Real and padded tokens and patch rows of the micro-batches run so far (padding's cost).
+  // Real and padded tokens and patch rows of the micro-batches run so far (padding's cost), and
+  // their labels against the label slots the loss ran over (padded only where it is captured).
   struct PaddingStats {
     int64_t tokens = 0, padded_tokens = 0, patches = 0, padded_patches = 0;
+    int64_t labels = 0, label_slots = 0;
   };
   const PaddingStats& padding_stats() const { return padding_; }
 
