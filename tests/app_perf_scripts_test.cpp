@@ -111,6 +111,8 @@ TEST_F(PerfScriptsTest, RunWritesAReportWithSaneSteadyStateFigures) {
   const json& p = r.at("padding");
   EXPECT_GT(p.at("tokens").get<int64_t>(), 0);
   EXPECT_EQ(p.at("tokens"), p.at("padded_tokens")) << "eager runs pad nothing";
+  EXPECT_GT(p.at("labels").get<int64_t>(), 0);
+  EXPECT_EQ(p.at("labels"), p.at("label_slots")) << "eager runs pad nothing";
   EXPECT_EQ(r.at("label").get<std::string>(), "run");
   EXPECT_NE(r.at("command").get<std::string>().find("checkpoint.dir=" + out), std::string::npos);
   // A performance run leaves no checkpoint, and its metrics records carry the step's parts.
@@ -179,6 +181,8 @@ TEST_F(PerfScriptsTest, SweepPrintsOneRowPerVariantAgainstTheFirst) {
   const json& pad = graphs.at("padding");
   EXPECT_LT(pad.at("tokens").get<int64_t>(), pad.at("padded_tokens").get<int64_t>())
       << "the graphs run on micro-batches padded up to their bucket";
+  // Per-layer graphs leave the loss eager: it runs over the real labels.
+  EXPECT_EQ(pad.at("labels"), pad.at("label_slots"));
 }
 
 TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {

@@ -352,6 +352,8 @@ TEST(RunSummary, SteadyFiguresPerGpuAndNullsForWhatDoesNotExist) {
   r.graph_memory_bytes = int64_t(3) << 20;
   r.tokens = 90;
   r.padded_tokens = 128;
+  r.labels = 40;
+  r.label_slots = 64;
   const nlohmann::json j = nlohmann::json::parse(run_summary_json(r));
   const nlohmann::json& st = j.at("steady_state");
   EXPECT_EQ(st.at("steps").get<int64_t>(), 4);
@@ -361,6 +363,8 @@ TEST(RunSummary, SteadyFiguresPerGpuAndNullsForWhatDoesNotExist) {
   EXPECT_DOUBLE_EQ(st.at("mfu").get<double>(), 0.5e12 / 989.4e12);
   EXPECT_EQ(j.at("graphs").at("memory_bytes").get<int64_t>(), int64_t(3) << 20);
   EXPECT_EQ(j.at("padding").at("padded_tokens").get<int64_t>(), 128);
+  EXPECT_EQ(j.at("padding").at("labels").get<int64_t>(), 40);
+  EXPECT_EQ(j.at("padding").at("label_slots").get<int64_t>(), 64);
   EXPECT_EQ(j.at("intervals").size(), 3u);
 
   // On the CPU: no MFU and no graph memory; a run of one interval: no steady state, said why.

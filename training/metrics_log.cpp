@@ -328,7 +328,9 @@ std::string run_summary_json(const RunSummary& r) {
        {{"tokens", r.tokens},
         {"padded_tokens", r.padded_tokens},
         {"patches", r.patches},
-        {"padded_patches", r.padded_patches}}}};
+        {"padded_patches", r.padded_patches},
+        {"labels", r.labels},
+        {"label_slots", r.label_slots}}}};
   json intervals = json::array();
   for (const StepMetrics& m : r.intervals)
     intervals.push_back(step_record(m, r.ranks, r.peak.flops_per_second));

@@ -158,6 +158,7 @@ struct RunSummary {
   double capture_ms = 0;
   int64_t graph_memory_bytes = 0;  // reported only on a GPU (the CPU has no device memory)
   int64_t tokens = 0, padded_tokens = 0, patches = 0, padded_patches = 0;
+  int64_t labels = 0, label_slots = 0;  // the loss's real labels and the slots it ran over
 };
 // The summary as a JSON document (keys documented in scripts/performance/README.md). Figures
 // that do not exist for the run (MFU without a known peak, graph memory on the CPU, the steady

@@ -55,6 +55,8 @@ constexpr FieldSpec kSummaryFields[] = {
     {"/padding/padded_tokens", Kind::integer},
     {"/padding/patches", Kind::integer},
     {"/padding/padded_patches", Kind::integer},
+    {"/padding/labels", Kind::integer},
+    {"/padding/label_slots", Kind::integer},
 };
 
 constexpr FieldSpec kReportFields[] = {
@@ -243,9 +245,13 @@ std::string format_report(const json& r) {
                 padded = p.at("padded_tokens").get<int64_t>();
   const int64_t patches = p.at("patches").get<int64_t>(),
                 padded_patches = p.at("padded_patches").get<int64_t>();
-  line("padding", str_cat("tokens ", tokens, " real of ", padded, " run (",
-                          percent_of(tokens, padded), "), patches ", patches, " real of ",
-                          padded_patches, " run (", percent_of(patches, padded_patches), ")"));
+  const int64_t labels = p.at("labels").get<int64_t>(),
+                label_slots = p.at("label_slots").get<int64_t>();
+  line("padding",
+       str_cat("tokens ", tokens, " real of ", padded, " run (", percent_of(tokens, padded),
+               "), patches ", patches, " real of ", padded_patches, " run (",
+               percent_of(patches, padded_patches), "), labels ", labels, " real of ", label_slots,
+               " slots (", percent_of(labels, label_slots), ")"));
   return out;
 }
 

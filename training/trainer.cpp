@@ -1065,8 +1065,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     const auto& p = model.padding_stats();
     log.message(str_cat("graphs: ", graph_count(), " captured in ", int(capture_ms()),
                         " ms; padding: ", p.tokens, " of ", p.padded_tokens, " tokens and ",
-                        p.patches, " of ", p.padded_patches, " patch rows real; ",
-                        model.overflow_runs(),
+                        p.patches, " of ", p.padded_patches, " patch rows and ", p.labels, " of ",
+                        p.label_slots, " label slots real; ", model.overflow_runs(),
                         " micro-batches above the largest bucket ran eagerly"));
     if (on_gpu) {
       // What the graphs hold, by set: the largest one names the shape that costs most.
@@ -1113,6 +1113,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       sum.padded_tokens += p.padded_tokens;
       sum.patches += p.patches;
       sum.padded_patches += p.padded_patches;
+      sum.labels += p.labels;
+      sum.label_slots += p.label_slots;
     }
     const SteadyState st = steady_state(run_intervals);
     const auto g4 = [](double v) {
