@@ -62,8 +62,9 @@ class Event {
 
 class PinnedBuffer {
  public:
-  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
-    IRIS_CUDA_CHECK(cudaHostAlloc(&p_, bytes, cudaHostAllocDefault));
+  // flags: cudaHostAllocMapped for memory that kernels also read and write.
+  explicit PinnedBuffer(size_t bytes, unsigned flags = cudaHostAllocDefault) : bytes_(bytes) {
+    IRIS_CUDA_CHECK(cudaHostAlloc(&p_, bytes, flags));
   }
   ~PinnedBuffer() {
     if (p_) cudaFreeHost(p_);
@@ -309,11 +310,9 @@ class CudaBackend final : public Backend {
     bind();
     IRIS_CHECK(!holding_, "hold_device: the device is already held");
     if (hold_flags_ == nullptr) {
-      void* host = nullptr;
-      IRIS_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped));
-      hold_flags_.reset(host);
+      hold_flags_ = std::make_unique<PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
     }
-    int* flags = static_cast<int*>(hold_flags_.get());
+    int* flags = reinterpret_cast<int*>(hold_flags_->data());
     flags[0] = 0;  // release
     flags[1] = 0;  // expired
     int* dev = nullptr;
@@ -328,7 +327,7 @@ class CudaBackend final : public Backend {
     bind();
     IRIS_CHECK(holding_, "release_device without hold_device");
     holding_ = false;
-    volatile int* flags = static_cast<volatile int*>(hold_flags_.get());
+    volatile int* flags = reinterpret_cast<volatile int*>(hold_flags_->data());
     flags[0] = 1;
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
     return flags[1] != 0;
@@ -1359,10 +1358,7 @@ class CudaBackend final : public Backend {
   int staging_half_ = 0;
   size_t staging_half_bytes_ = kStagingChunk;
   double write_wait_seconds_ = 0;
-  struct HostFree {
-    void operator()(void* p) const noexcept { cudaFreeHost(p); }
-  };
-  std::unique_ptr<void, HostFree> hold_flags_;  // hold_device's release and expired flags
+  std::unique_ptr<PinnedBuffer> hold_flags_;  // hold_device's release and expired flags
   bool holding_ = false;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
