@@ -65,6 +65,11 @@ class Backend {
   // The stream ops are issued on (a cudaStream_t on CUDA); null where there is none. CUDA graph
   // capture records this stream.
   virtual void* native_stream() { return nullptr; }
+  // Waits for background start-up work (CUDA: the cuBLASLt warm-up thread) to end. That work
+  // loads modules, which waits for the whole context: beside a stream capture it invalidates the
+  // capture, and beside a kernel that spins until the host releases it (hold_device) it stalls
+  // until the spin's limit. Graph capture calls it before it begins.
+  virtual void finish_background_startup() {}
   // Side work: ops issued between begin_side_work() and end_side_work() start after everything
   // issued before begin_side_work() and may run concurrently with the ops issued after it (a
   // second CUDA stream, a parallel branch of a captured graph). join_side_work() makes later ops

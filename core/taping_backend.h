@@ -30,6 +30,7 @@ class TapingBackend final : public Backend {
   void read(void* host_dst, DType dst_dtype, const Tensor& src) override;
   void synchronize() override;
   void* native_stream() override { return in_->native_stream(); }
+  void finish_background_startup() override { in_->finish_background_startup(); }
   void set_gemm_tuning(GemmTuning mode) override { in_->set_gemm_tuning(mode); }
   bool save_gemm_tuning() override { return in_->save_gemm_tuning(); }
   GemmTuningReport gemm_tuning_report() override { return in_->gemm_tuning_report(); }

@@ -118,6 +118,7 @@ class TracingBackend final : public Backend {
     in_.synchronize();
   }
   void* native_stream() override { return in_.native_stream(); }
+  void finish_background_startup() override { in_.finish_background_startup(); }
   // Timing marks are host-timed work like synchronize(): never inside a capture.
   void record_timing_mark(int slot) override {
     flag("record_timing_mark");

@@ -204,6 +204,7 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream() const { return on_side_ ? side_stream_->get() : stream_->get(); }
+  void finish_background_startup() override { heuristics_warmup_.reset(); }
   cuda::LtGemm& gemm() const { return on_side_ ? *side_gemm_ : *gemm_; }
 
   void begin_side_work() override {
@@ -309,6 +310,7 @@ class CudaBackend final : public Backend {
   void hold_device(double limit_seconds) override {
     bind();
     IRIS_CHECK(!holding_, "hold_device: the device is already held");
+    finish_background_startup();
     if (hold_flags_ == nullptr) {
       hold_flags_ = std::make_unique<PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
     }

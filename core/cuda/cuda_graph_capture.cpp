@@ -39,6 +39,7 @@ class CudaGraphApi final : public GraphApi {
   bool capture_runs_work() const override { return false; }
 
   void begin_capture(Backend& backend, const std::string&) override {
+    backend.finish_background_startup();
     IRIS_CUDA_CHECK(cudaStreamBeginCapture(stream_of(backend), mode_));
   }
 
