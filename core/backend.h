@@ -53,7 +53,9 @@ class Backend {
   // blocked behind a busy device (a launch waits once the launch queue is full). The hold ends
   // by itself after `limit_seconds`; release_device() waits for the device and says whether it
   // did, in which case the host filled the queue (or waited for the device) before releasing.
-  // Nothing to hold where the host runs the ops itself.
+  // Only ops that have run before may be queued while held: with CUDA's lazy module loading a
+  // kernel's first launch loads its module, which waits for the held device, so the host
+  // stalls until the limit. Nothing to hold where the host runs the ops itself.
   virtual void hold_device(double limit_seconds) { (void)limit_seconds; }
   virtual bool release_device() { return false; }
   // src.numel() elements into host memory as dst_dtype (waits for pending work).

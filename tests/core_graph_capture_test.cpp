@@ -341,6 +341,8 @@ TEST_F(CudaGraphs, HoldDeviceKeepsQueuedWorkWaitingUntilReleasedOrItsLimit) {
   const std::vector<float> a = {1, 2}, b = {10, 20};
   be_->write(buf.a, a.data(), DType::f32);
   be_->write(buf.b, b.data(), DType::f32);
+  // The add kernel's first launch loads its module, which would wait for the held device.
+  be_->add(buf.y, buf.a, buf.a);
   be_->synchronize();
   be_->record_timing_mark(0);
   be_->hold_device(5.0);
