@@ -244,6 +244,27 @@ TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {
 // and pixels, so that a micro-batch reading another's inputs would show) run as one graph over
 // their input slots, and a step of mixed shapes runs micro-batch by micro-batch; both give the
 // eager losses and gradients bit for bit.
+TEST(LossLabelSlots, FewSizesForShortSamplesAndAnEighthAtMostWastedOnLongOnes) {
+  EXPECT_EQ(loss_label_slots(0, 4096), 64);
+  EXPECT_EQ(loss_label_slots(1, 4096), 64);
+  EXPECT_EQ(loss_label_slots(64, 4096), 64);
+  EXPECT_EQ(loss_label_slots(65, 4096), 128);
+  EXPECT_EQ(loss_label_slots(75, 4096), 128);
+  EXPECT_EQ(loss_label_slots(500, 4096), 512);
+  EXPECT_EQ(loss_label_slots(513, 4096), 576);
+  EXPECT_EQ(loss_label_slots(1024, 4096), 1024);
+  EXPECT_EQ(loss_label_slots(1025, 4096), 1152);
+  EXPECT_EQ(loss_label_slots(1652, 4096), 1664);
+  EXPECT_EQ(loss_label_slots(2049, 8192), 2304);
+  EXPECT_EQ(loss_label_slots(1652, 1024), 1024) << "never above the bucket";
+  for (int64_t n = 1; n <= 20000; ++n) {
+    const int64_t slots = loss_label_slots(n, 1 << 20);
+    ASSERT_GE(slots, n);
+    ASSERT_EQ(slots % 64, 0) << n;
+    if (n > 512) ASSERT_LE(slots - n, n / 8) << n;
+  }
+}
+
 TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
   load(make_cpu_backend());
   const Samples& s = *samples_;
@@ -294,11 +315,11 @@ TEST_F(TrainingGraphs, AStepOfOneShapeIsOneFullIterationGraph) {
   for (const std::string& k : m.graph_keys()) {
     step_graphs += k.rfind("step of 3 micro-batches", 0) == 0;
     micro_batch_graphs += k.rfind("micro-batch", 0) == 0;
-    // The loss's label slots pad to a power of two, not to the text bucket.
+    // The loss's label slots pad to loss_label_slots' sizes, not to the text bucket.
     const int64_t tokens = std::stoll(k.substr(k.find(" L") + 2));
     const int64_t labels = std::stoll(k.substr(k.find(" labels ") + 8));
     EXPECT_LT(labels, tokens) << k;
-    EXPECT_EQ(labels & (labels - 1), 0) << k;
+    EXPECT_EQ(labels % 64, 0) << k;
   }
   EXPECT_EQ(step_graphs, 1u);
   // Host time went to preparing inputs in both models, and to launching graphs in the graphed one.

@@ -32,6 +32,14 @@ int64_t labelled_positions(const std::vector<int32_t>& labels) {
   return n;
 }
 
+int64_t loss_label_slots(int64_t labels, int64_t bucket) {
+  int64_t octave = 512;
+  while (octave * 2 < labels) octave *= 2;
+  const int64_t step = labels <= 512 ? 64 : octave / 8;
+  const int64_t slots = std::max<int64_t>(1, (labels + step - 1) / step) * step;
+  return std::min(slots, bucket);
+}
+
 ModelPart model_part(const std::string& name) {
   if (starts_with(name, "model.visual.merger.") ||
       starts_with(name, "model.visual.deepstack_merger_list."))
@@ -614,15 +622,12 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     if (Lb > L) h_text_cu_.push_back(static_cast<int32_t>(Lb));
     n_text_segments_ = limits_.max_samples + 1;
     // Under full_iteration the loss is captured, and its label slot count is a host value that
-    // the graph keeps: the slots pad to a power of two (from 64, at most the bucket) rather than
-    // to the bucket, which would run the lm_head over rows only the sink holds (a 4096-token
-    // sample with 1,650 labels: 2.5x its loss work). Elsewhere the loss runs eagerly between
-    // graphs and takes the real count: padded slots would cost lm_head rows for nothing (3 ms a
-    // step of the 2B geometry at 896 with vision graphs alone).
+    // the graph keeps: the slots pad to loss_label_slots' sizes rather than to the bucket, which
+    // would run the lm_head over rows only the sink holds (a 4096-token sample with 1,650
+    // labels: 2.5x its loss work). Elsewhere the loss runs eagerly between graphs and takes the
+    // real count: padded slots would cost lm_head rows for nothing.
     if (graph_api_ != nullptr && graphs_.decoder == GraphImpl::full_iteration) {
-      int64_t label_slots = 64;
-      while (label_slots < n_label_real_) label_slots *= 2;
-      label_slots = std::min(label_slots, Lb);
+      const int64_t label_slots = loss_label_slots(n_label_real_, Lb);
       h_label_rows_.resize(static_cast<size_t>(label_slots), static_cast<int32_t>(Lb));
       h_targets_.resize(static_cast<size_t>(label_slots), kIgnoreIndex);
     }
