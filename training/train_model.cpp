@@ -35,7 +35,7 @@ int64_t labelled_positions(const std::vector<int32_t>& labels) {
 int64_t loss_label_slots(int64_t labels, int64_t bucket) {
   int64_t octave = 512;
   while (octave * 2 < labels) octave *= 2;
-  const int64_t step = labels <= 512 ? 64 : octave / 8;
+  const int64_t step = octave / 8;
   const int64_t slots = std::max<int64_t>(1, (labels + step - 1) / step) * step;
   return std::min(slots, bucket);
 }
