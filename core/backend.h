@@ -149,6 +149,8 @@ class Backend {
   // y = gelu(x) with the tanh approximation / with erf. y may alias x.
   virtual void gelu_tanh(const Tensor& y, const Tensor& x) = 0;
   virtual void gelu_erf(const Tensor& y, const Tensor& x) = 0;
+  // y = x * sigmoid(1.702 x) (quick_gelu, Qwen2-VL's vision MLP). y may alias x.
+  virtual void quick_gelu(const Tensor& y, const Tensor& x) = 0;
   // y[M,I] = silu(gate_up[:, :I]) * gate_up[:, I:]  (gate_up is [M, 2I]).
   virtual void swiglu(const Tensor& y, const Tensor& gate_up) = 0;
 
@@ -225,7 +227,11 @@ class Backend {
   //     fast_pos_embed_interpolate); padding rows index 0, weight 0;
   //   cu_seqlens i32 [C + 1]: one segment per image frame, the padding rows (when R exceeds the
   //     patches) one of their own, then zero-length segments up to C;
-  //   real_rows i32 [1]: the patch count.
+  //   real_rows i32 [1]: the patch count;
+  //   with window_units > 0 (window attention, Qwen2.5-VL) the rows are in window order (see
+  //     vision_tables_host in core/vision_tables.h) and window_cu i32 [W + 1] gets one segment
+  //     per window, the padding's, then zero-length segments up to W; otherwise window_cu is
+  //     undefined.
   // inv_freq (head_dim / 4 values, vision_rope_inv_freq), merge_size and grid_side are fixed per
   // model. The CPU computes exactly vision_tables_host (and refuses invalid grids); the CUDA
   // kernel gives the same indices, weights and segments bit for bit, and cos/sin within an ulp
@@ -234,7 +240,15 @@ class Backend {
   virtual void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                              const Tensor& pos_weight, const Tensor& cu_seqlens,
                              const Tensor& real_rows, const Tensor& grids,
-                             const std::vector<float>& inv_freq, int merge_size, int grid_side) = 0;
+                             const std::vector<float>& inv_freq, int merge_size, int grid_side,
+                             const Tensor& window_cu, int window_units) = 0;
+  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
+                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
+                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
+                     int grid_side) {
+    vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
+                  merge_size, grid_side, Tensor(), 0);
+  }
 
   // The M-RoPE tables of a text call from its tokens' positions, which are read when the op runs
   // (so that a captured graph follows each replay's positions and the host uploads 3 ints a
@@ -258,14 +272,14 @@ class Backend {
     linear(y, x, w, bias, false);
     gelu_tanh(y, y);
   }
-  // xn = rms_norm(x, norm_w); y = xn . w^T (no bias); and when act is defined,
+  // xn = rms_norm(x, norm_w); y = xn . w^T (+ bias, optional); and when act is defined,
   // act = swiglu(y) (y is then the [M, 2I] gate_up, act [M, I]). Every output is written as the
   // unfused sequence writes it. xn must not alias x or y.
   virtual void rms_norm_linear(const Tensor& y, const Tensor& xn, const Tensor& x,
-                               const Tensor& norm_w, float eps, const Tensor& w,
+                               const Tensor& norm_w, float eps, const Tensor& w, const Tensor& bias,
                                const Tensor& act) {
     rms_norm(xn, x, norm_w, eps);
-    linear(y, xn, w, Tensor(), false);
+    linear(y, xn, w, bias, false);
     if (act.defined()) swiglu(act, y);
   }
 
@@ -343,6 +357,7 @@ class Backend {
   // Overwrite dx; dx may alias dy. x is the activation's input.
   virtual void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
   virtual void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
+  virtual void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) = 0;
   // Overwrites dgate_up[M, 2I] from dy[M, I] and the forward's input gate_up[M, 2I].
   virtual void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) = 0;
 

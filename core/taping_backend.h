@@ -85,6 +85,9 @@ class TapingBackend final : public Backend {
   void gelu_erf(const Tensor& y, const Tensor& x) override {
     tape([=, inner = in_.get()] { inner->gelu_erf(y, x); });
   }
+  void quick_gelu(const Tensor& y, const Tensor& x) override {
+    tape([=, inner = in_.get()] { inner->quick_gelu(y, x); });
+  }
   void swiglu(const Tensor& y, const Tensor& gate_up) override {
     tape([=, inner = in_.get()] { inner->swiglu(y, gate_up); });
   }
@@ -155,10 +158,10 @@ class TapingBackend final : public Backend {
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
-                     int grid_side) override {
+                     int grid_side, const Tensor& window_cu, int window_units) override {
     tape([=, inner = in_.get()] {
       inner->vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
-                           merge_size, grid_side);
+                           merge_size, grid_side, window_cu, window_units);
     });
   }
   void linear_gelu_tanh(const Tensor& y, const Tensor& x, const Tensor& w,
@@ -166,8 +169,8 @@ class TapingBackend final : public Backend {
     tape([=, inner = in_.get()] { inner->linear_gelu_tanh(y, x, w, bias); });
   }
   void rms_norm_linear(const Tensor& y, const Tensor& xn, const Tensor& x, const Tensor& norm_w,
-                       float eps, const Tensor& w, const Tensor& act) override {
-    tape([=, inner = in_.get()] { inner->rms_norm_linear(y, xn, x, norm_w, eps, w, act); });
+                       float eps, const Tensor& w, const Tensor& bias, const Tensor& act) override {
+    tape([=, inner = in_.get()] { inner->rms_norm_linear(y, xn, x, norm_w, eps, w, bias, act); });
   }
   void convert(const Tensor& dst, const Tensor& src) override {
     tape([=, inner = in_.get()] { inner->convert(dst, src); });
@@ -240,6 +243,9 @@ class TapingBackend final : public Backend {
   }
   void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
     tape([=, inner = in_.get()] { inner->gelu_erf_backward(dx, dy, x); });
+  }
+  void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    tape([=, inner = in_.get()] { inner->quick_gelu_backward(dx, dy, x); });
   }
   void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
     tape([=, inner = in_.get()] { inner->swiglu_backward(dgate_up, dy, gate_up); });

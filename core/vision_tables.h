@@ -34,9 +34,44 @@ struct VisionTablesOut {
   float* pos_weight = nullptr;    // [rows, 4]
   int32_t* cu_seqlens = nullptr;  // [capacity + 1]
   int32_t* real_rows = nullptr;   // [1]
+  // With window attention (window_units > 0): one segment per window, then the padding's, then
+  // zero-length segments up to window_capacity: i32 [window_capacity + 1].
+  int32_t* window_cu = nullptr;
 };
+// window_units > 0 (Qwen2.5-VL): the rows are laid out in window order rather than raster order.
+// Each frame's merged units (merge_size^2 patches each) are cut into windows of window_units x
+// window_units units from the top left (the last row and column of windows clipped by the grid),
+// windows are taken in raster order and units inside a window in raster order, as HF's
+// get_window_index permutes them. Frames stay contiguous, so cu_seqlens still segments by frame.
 void vision_tables_host(const VisionTablesOut& out, const int32_t* grids, int capacity,
                         int64_t rows, int head_dim, const std::vector<float>& inv_freq,
-                        int merge_size, int grid_side);
+                        int merge_size, int grid_side, int window_units = 0,
+                        int window_capacity = 0);
+
+// For each merged unit in window order, its index in raster order over all images of `grids`
+// (packed as vision_tables reads them): HF's window_index.
+std::vector<int32_t> vision_window_index(const int32_t* grids, int merge_size, int window_units);
+
+// The number of windows of a (t, h, w) grid (h, w in patches) with window_units merged units a
+// side: t * ceil(h / m / units) * ceil(w / m / units).
+int64_t vision_window_count(int64_t t, int64_t h, int64_t w, int merge_size, int window_units);
+
+// Merged unit `i` of a frame laid out in window order is unit (row, col) of the raster grid of
+// h2 x w2 units: the closed form of the window walk (full windows before the last band and
+// column), so that host and device compute it per row without a walk.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline void
+    window_unit_position(int64_t i, int64_t h2, int64_t w2, int units, int64_t* row, int64_t* col) {
+  const int64_t band_units = units * w2;  // units in a full band of windows
+  const int64_t wy = i / band_units, in_band = i % band_units;
+  const int64_t band_h = h2 - wy * units < units ? h2 - wy * units : units;
+  const int64_t full_window = band_h * units;
+  const int64_t wx = in_band / full_window, in_window = in_band % full_window;
+  const int64_t win_w = w2 - wx * units < units ? w2 - wx * units : units;
+  *row = wy * units + in_window / win_w;
+  *col = wx * units + in_window % win_w;
+}
 
 }  // namespace iris

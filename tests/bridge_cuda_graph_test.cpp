@@ -193,6 +193,9 @@ class TracingBackend final : public Backend {
   void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
     in_.gelu_erf_backward(dx, dy, x);
   }
+  void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    in_.quick_gelu_backward(dx, dy, x);
+  }
   void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
     in_.swiglu_backward(dgate_up, dy, gate_up);
   }
@@ -245,6 +248,7 @@ class TracingBackend final : public Backend {
   void add(const Tensor& y, const Tensor& a, const Tensor& b) override { in_.add(y, a, b); }
   void gelu_tanh(const Tensor& y, const Tensor& x) override { in_.gelu_tanh(y, x); }
   void gelu_erf(const Tensor& y, const Tensor& x) override { in_.gelu_erf(y, x); }
+  void quick_gelu(const Tensor& y, const Tensor& x) override { in_.quick_gelu(y, x); }
   void swiglu(const Tensor& y, const Tensor& gu) override { in_.swiglu(y, gu); }
   void qkv_norm_rope(const Tensor& qkv, const Tensor& qn, const Tensor& kn, float eps,
                      const Tensor& cos, const Tensor& sin, int nq, int nkv, int hd,
@@ -282,9 +286,9 @@ class TracingBackend final : public Backend {
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
-                     int grid_side) override {
+                     int grid_side, const Tensor& window_cu, int window_units) override {
     in_.vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
-                      merge_size, grid_side);
+                      merge_size, grid_side, window_cu, window_units);
   }
 
  private:

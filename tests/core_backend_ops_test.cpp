@@ -398,7 +398,7 @@ TEST_F(BackendOps, RmsNormLinear) {
                 Tensor y = s.make(Kind::act, {c.m, c.n}, rng.normal(c.m * c.n));
                 Tensor act = c.swiglu ? s.make(Kind::act, {c.m, c.n / 2}, rng.normal(c.m * c.n / 2))
                                       : Tensor();
-                s.be().rms_norm_linear(y, xn, x, nw, 1e-6f, w, act);
+                s.be().rms_norm_linear(y, xn, x, nw, 1e-6f, w, Tensor(), act);
                 if (act_only) return std::vector<Tensor>{act};
                 return std::vector<Tensor>{y, xn};
               });

@@ -884,6 +884,43 @@ TEST_F(BackwardOps, GeluBackward) {
   }
 }
 
+TEST_F(BackwardOps, QuickGeluBackward) {
+  for (int64_t n : {int64_t{160}, int64_t{18432}, int64_t{1000003}})
+    compare("quick_gelu_backward " + std::to_string(n), [&](Side& s) {
+      Rng rng(271);
+      Tensor x = s.make(Kind::act, {n}, rng.normal(n, 0.f, 3.f));
+      Tensor dy = s.make(Kind::act, {n}, rng.normal(n));
+      Tensor dx = s.poisoned(Kind::act, {n});
+      s.be().quick_gelu_backward(dx, dy, x);
+      return Outs{{"dx", dx, kElementwise}};
+    });
+}
+
+// The CPU oracle against central differences of its own forward, in double: HF's quick_gelu is
+// x * sigmoid(1.702 x).
+TEST(CpuQuickGelu, ForwardIsTheFormulaAndBackwardIsItsDerivative) {
+  auto be = make_cpu_backend();
+  const std::vector<float> xs{-6.f, -2.5f, -1.f, -0.3f, 0.f, 0.2f, 1.f, 3.f, 7.f};
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Arena arena(*be, 4 * 64 * n);
+  Tensor x = arena.alloc(DType::f32, {n}), y = arena.alloc(DType::f32, {n}),
+         dy = arena.alloc(DType::f32, {n}), dx = arena.alloc(DType::f32, {n});
+  be->write(x, xs.data(), DType::f32);
+  const std::vector<float> ones(xs.size(), 1.f);
+  be->write(dy, ones.data(), DType::f32);
+  be->quick_gelu(y, x);
+  be->quick_gelu_backward(dx, dy, x);
+  std::vector<float> got_y(xs.size()), got_dx(xs.size());
+  be->read(got_y.data(), DType::f32, y);
+  be->read(got_dx.data(), DType::f32, dx);
+  const auto f = [](double v) { return v / (1.0 + std::exp(-1.702 * v)); };
+  for (size_t i = 0; i < xs.size(); ++i) {
+    EXPECT_NEAR(got_y[i], f(xs[i]), 1e-6 * (1 + std::fabs(f(xs[i])))) << "x " << xs[i];
+    const double h = 1e-4, d = (f(xs[i] + h) - f(xs[i] - h)) / (2 * h);
+    EXPECT_NEAR(got_dx[i], d, 1e-5) << "x " << xs[i];
+  }
+}
+
 TEST_F(BackwardOps, SwigluBackward) {
   const std::pair<int64_t, int64_t> shapes[] = {{7, 128},   {5, 48},   {3, 37},
                                                 {17, 6144}, {1, 6144}, {64, 6144}};

@@ -48,6 +48,10 @@ float gelu_erf_f(float x) {
   return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f));
 }
 
+float quick_gelu_f(float x) {
+  return x / (1.0f + std::exp(-1.702f * x));
+}
+
 float silu_f(float x) {
   return x / (1.0f + std::exp(-x));
 }
@@ -195,6 +199,9 @@ class CpuBackend final : public Backend {
   }
   void gelu_erf(const Tensor& y, const Tensor& x) override {
     unary(y, x, gelu_erf_f);
+  }
+  void quick_gelu(const Tensor& y, const Tensor& x) override {
+    unary(y, x, quick_gelu_f);
   }
 
   void swiglu(const Tensor& y, const Tensor& gate_up) override {
@@ -409,7 +416,7 @@ class CpuBackend final : public Backend {
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
-                     int grid_side) override {
+                     int grid_side, const Tensor& window_cu, int window_units) override {
     check_f32(cos, "vision_tables cos");
     check_f32(sin, "vision_tables sin");
     check_i32(pos_index, "vision_tables pos_index");
@@ -434,8 +441,15 @@ class CpuBackend final : public Backend {
     out.pos_weight = pos_weight.as<float>();
     out.cu_seqlens = cu_seqlens.as<int32_t>();
     out.real_rows = real_rows.as<int32_t>();
+    int window_capacity = 0;
+    if (window_units > 0) {
+      check_i32(window_cu, "vision_tables window_cu");
+      window_capacity = static_cast<int>(window_cu.numel() - 1);
+      out.window_cu = window_cu.as<int32_t>();
+    }
     vision_tables_host(out, grids.as<int32_t>(), static_cast<int>(capacity), R,
-                       static_cast<int>(hd), inv_freq, merge_size, grid_side);
+                       static_cast<int>(hd), inv_freq, merge_size, grid_side, window_units,
+                       window_capacity);
   }
 
   void argmax_rows(const Tensor& out, const Tensor& x) override {
@@ -625,6 +639,10 @@ class CpuBackend final : public Backend {
   void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
     check_elementwise_backward(dx, dy, x, "gelu_erf_backward");
     train::gelu_erf_backward(dx.as<float>(), dy.as<float>(), x.as<float>(), x.numel());
+  }
+  void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    check_elementwise_backward(dx, dy, x, "quick_gelu_backward");
+    train::quick_gelu_backward(dx.as<float>(), dy.as<float>(), x.as<float>(), x.numel());
   }
   void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
     for (const Tensor* t : {&dgate_up, &dy, &gate_up}) check_f32(*t, "swiglu_backward");

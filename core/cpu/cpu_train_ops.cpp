@@ -629,6 +629,16 @@ void gelu_erf_forward(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
 }
 
+// d/dx x s(kx) = s + k x s (1 - s), s = sigmoid(kx).
+void quick_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float s = 1.0f / (1.0f + std::exp(-1.702f * v));
+    dx[i] = dy[i] * (s + 1.702f * v * s * (1.0f - s));
+  }
+}
+
 void gelu_erf_backward(float* dx, const float* dy, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {

@@ -92,6 +92,7 @@ void gelu_tanh_forward(float* y, const float* x, int64_t n);
 void gelu_tanh_backward(float* dx, const float* dy, const float* x, int64_t n);
 void gelu_erf_forward(float* y, const float* x, int64_t n);
 void gelu_erf_backward(float* dx, const float* dy, const float* x, int64_t n);
+void quick_gelu_backward(float* dx, const float* dy, const float* x, int64_t n);
 // y[M,I] = silu(gate_up[:, :I]) * gate_up[:, I:].
 void swiglu_forward(float* y, const float* gate_up, int64_t M, int64_t I);
 // Overwrites dgate_up[M, 2I].

@@ -494,10 +494,10 @@ class CudaBackend final : public Backend {
   }
 
   void rms_norm_linear(const Tensor& y, const Tensor& xn, const Tensor& x, const Tensor& norm_w,
-                       float eps, const Tensor& w, const Tensor& act) override {
+                       float eps, const Tensor& w, const Tensor& bias, const Tensor& act) override {
     bind();
     check_rowwise(xn, x, norm_w, "rms_norm_linear");
-    check_linear(y, xn, w, Tensor(), "rms_norm_linear");
+    check_linear(y, xn, w, bias, "rms_norm_linear");
     IRIS_CHECK(xn.data != x.data && xn.data != y.data, "rms_norm_linear: xn must not alias x or y");
     if (act.defined()) {
       check_act(act, "rms_norm_linear", "act");
@@ -507,7 +507,8 @@ class CudaBackend final : public Backend {
     }
     const int64_t m = x.rows(), k = x.cols(), n = w.shape[0];
     // One kernel for a decode step: every block normalises the few x rows while staging them.
-    if (m > 0 && n > 0 && cuda::gemv_supported(m, n, k, x.data, w.data) &&
+    // The fused GEMV has no bias epilogue (Qwen2's biased q/k/v take the two-kernel path).
+    if (m > 0 && n > 0 && !bias.defined() && cuda::gemv_supported(m, n, k, x.data, w.data) &&
         cuda::aligned16(xn.data) && cuda::aligned16(norm_w.data) &&
         (!act.defined() || n % 2 == 0)) {
       cuda::launch_gemv_rms_norm(bf(y), bf(xn), act.defined() ? bf(act) : nullptr, cbf(x),
@@ -515,7 +516,7 @@ class CudaBackend final : public Backend {
       return;
     }
     rms_norm(xn, x, norm_w, eps);
-    linear(y, xn, w, Tensor(), false);
+    linear(y, xn, w, bias, false);
     if (act.defined()) swiglu(act, y);
   }
 
@@ -567,6 +568,12 @@ class CudaBackend final : public Backend {
     bind();
     check_unary(y, x, "gelu_erf");
     cuda::launch_gelu_erf(bf(y), cbf(x), y.numel(), stream());
+  }
+
+  void quick_gelu(const Tensor& y, const Tensor& x) override {
+    bind();
+    check_unary(y, x, "quick_gelu");
+    cuda::launch_quick_gelu(bf(y), cbf(x), y.numel(), stream());
   }
 
   void swiglu(const Tensor& y, const Tensor& gate_up) override {
@@ -773,7 +780,7 @@ class CudaBackend final : public Backend {
   void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
                      const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
                      const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
-                     int grid_side) override {
+                     int grid_side, const Tensor& window_cu, int window_units) override {
     bind();
     check_f32(cos, "vision_tables", "cos");
     check_f32(sin, "vision_tables", "sin");
@@ -799,11 +806,17 @@ class CudaBackend final : public Backend {
                "vision_tables: head_dim ", hd, " (a multiple of 4 up to ",
                4 * cuda::kVisionTablesMaxQuarter, ") with ", inv_freq.size(),
                " frequencies, merge size ", merge_size, ", grid side ", grid_side);
-    cuda::launch_vision_tables(f32(cos), f32(sin), static_cast<int32_t*>(pos_index.data),
-                               f32(pos_weight), static_cast<int32_t*>(cu_seqlens.data),
-                               static_cast<int32_t*>(real_rows.data), ci32(grids),
-                               static_cast<int>(capacity), R, static_cast<int>(hd), inv_freq.data(),
-                               merge_size, grid_side, stream());
+    int window_capacity = 0;
+    if (window_units > 0) {
+      check_index(window_cu, "vision_tables", "window_cu");
+      window_capacity = static_cast<int>(window_cu.numel() - 1);
+    }
+    cuda::launch_vision_tables(
+        f32(cos), f32(sin), static_cast<int32_t*>(pos_index.data), f32(pos_weight),
+        static_cast<int32_t*>(cu_seqlens.data), static_cast<int32_t*>(real_rows.data), ci32(grids),
+        static_cast<int>(capacity), R, static_cast<int>(hd), inv_freq.data(), merge_size, grid_side,
+        window_units > 0 ? static_cast<int32_t*>(window_cu.data) : nullptr, window_units,
+        window_capacity, stream());
   }
 
   // ---- Training ops (core/backend.h): kernels of train_kernels.cu, attention_train.cu and
@@ -1012,6 +1025,12 @@ class CudaBackend final : public Backend {
     main_only("gelu_erf_backward");
     check_elementwise_backward(dx, dy, x, "gelu_erf_backward");
     cuda::launch_gelu_erf_backward(bf(dx), cbf(dy), cbf(x), x.numel(), stream());
+  }
+  void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
+    bind();
+    main_only("quick_gelu_backward");
+    check_elementwise_backward(dx, dy, x, "quick_gelu_backward");
+    cuda::launch_quick_gelu_backward(bf(dx), cbf(dy), cbf(x), x.numel(), stream());
   }
   void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
     bind();

@@ -36,6 +36,10 @@ struct GeluErfOp {
   }
 };
 
+struct QuickGeluOp {
+  __device__ float operator()(float x) const { return x / (1.f + __expf(-1.702f * x)); }
+};
+
 // n_vec 16-byte vectors first, then the n % 8 tail (or everything, when unaligned) one by one.
 template <class Op>
 __global__ void unary_kernel(uint16_t* y, const uint16_t* x, int64_t n, int64_t n_vec, Op op) {
@@ -339,6 +343,10 @@ void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s)
 
 void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
   launch_unary<GeluErfOp>(y, x, n, s);
+}
+
+void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {
+  launch_unary<QuickGeluOp>(y, x, n, s);
 }
 
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,

@@ -14,6 +14,7 @@ void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cu
 void launch_add_f32(float* y, const float* a, const float* b, int64_t n, cudaStream_t s);
 void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
+void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
                    cudaStream_t s);
 // Rows whose id is outside [0, vocab) are written as zeros (the device cannot throw).
@@ -46,7 +47,8 @@ void launch_text_rope_tables(float* cos, float* sin, const int32_t* positions, i
 void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos_weight,
                           int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
                           int capacity, int64_t rows, int head_dim, const float* inv_freq,
-                          int merge_size, int grid_side, cudaStream_t s);
+                          int merge_size, int grid_side, int32_t* window_cu, int window_units,
+                          int window_capacity, cudaStream_t s);
 
 // ---- skinny GEMMs for a few rows (gemv.cu) ----
 constexpr int64_t kGemvMaxM = 8;

@@ -791,6 +791,13 @@ struct GeluErfGrad {
   }
 };
 
+struct QuickGeluGrad {
+  __device__ float operator()(float v) const {
+    const float s = 1.f / (1.f + expf(-1.702f * v));
+    return s + 1.702f * v * s * (1.f - s);
+  }
+};
+
 // dx = dy * f'(x); every element is read before it is written by the same thread.
 template <class Op>
 __global__ void act_backward_kernel(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
@@ -1501,6 +1508,11 @@ void launch_gelu_tanh_backward(uint16_t* dx, const uint16_t* dy, const uint16_t*
 void launch_gelu_erf_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
                               cudaStream_t s) {
   launch_act_backward<GeluErfGrad>(dx, dy, x, n, s);
+}
+
+void launch_quick_gelu_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
+                                cudaStream_t s) {
+  launch_act_backward<QuickGeluGrad>(dx, dy, x, n, s);
 }
 
 void launch_swiglu_backward(uint16_t* dgate_up, const uint16_t* dy, const uint16_t* gate_up,

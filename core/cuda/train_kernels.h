@@ -83,6 +83,8 @@ void launch_qkv_norm_rope_backward(uint16_t* din, float* dq_norm_w, float* dk_no
 // ---- activations (bf16; dx may alias dy) ----
 void launch_gelu_tanh_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
                                cudaStream_t s);
+void launch_quick_gelu_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
+                                cudaStream_t s);
 void launch_gelu_erf_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
                               cudaStream_t s);
 // dgate_up[rows, 2 inter] from dy[rows, inter] and gate_up[rows, 2 inter] (may alias dgate_up).

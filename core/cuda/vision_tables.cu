@@ -5,6 +5,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/kernels.h"
+#include "core/vision_tables.h"
 
 namespace iris::cuda {
 namespace {
@@ -35,7 +36,7 @@ __device__ float linspace_at(float start, float end, int64_t steps, int64_t i) {
 __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index, float* pos_weight,
                                      int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
                                      int capacity, int64_t rows, int head_dim, Freqs freqs, int m,
-                                     int G) {
+                                     int G, int32_t* window_cu, int units, int window_capacity) {
   // Per image: its first row, t, h, w. The grids are loaded by as many threads as there are
   // images, and one thread adds up the rows from shared memory: the capacity is small (the
   // images of one call), so a serial sum costs less than a parallel scan's barriers.
@@ -65,6 +66,25 @@ __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index,
       if (rows > n_patches && k < capacity) cu_seqlens[++k] = static_cast<int32_t>(rows);
       for (int i = k + 1; i <= capacity; ++i) cu_seqlens[i] = cu_seqlens[k];
       real_rows[0] = static_cast<int32_t>(n_patches);
+      if (units > 0) {
+        // One segment per window, in the order vision_tables_host lays the rows out.
+        int kw = 0;
+        int64_t wend = 0;
+        window_cu[0] = 0;
+        for (int i = 0; i < n; ++i) {
+          const int64_t h2 = images[i].z / m, w2 = images[i].w / m;
+          for (int f = 0; f < images[i].y; ++f)
+            for (int64_t wy = 0; wy * units < h2; ++wy)
+              for (int64_t wx = 0; wx * units < w2 && kw < window_capacity; ++wx) {
+                const int64_t wh = min(static_cast<int64_t>(units), h2 - wy * units);
+                const int64_t ww = min(static_cast<int64_t>(units), w2 - wx * units);
+                wend += wh * ww * m * m;
+                window_cu[++kw] = static_cast<int32_t>(min(wend, rows));
+              }
+        }
+        if (rows > n_patches && kw < window_capacity) window_cu[++kw] = static_cast<int32_t>(rows);
+        for (int i = kw + 1; i <= window_capacity; ++i) window_cu[i] = window_cu[kw];
+      }
     }
   }
   __syncthreads();
@@ -96,9 +116,11 @@ __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index,
     const int64_t frame = static_cast<int64_t>(im.z) * im.w;
     // The patch order of the host: frames, then merge windows row-major, then within a window.
     const int64_t o = (row - im.x) % frame;
-    const int64_t window = o / (m * m), within = o % (m * m), windows_per_row = im.w / m;
-    const int64_t r = window / windows_per_row * m + within / m;
-    const int64_t c = window % windows_per_row * m + within % m;
+    const int64_t unit = o / (m * m), within = o % (m * m), units_per_row = im.w / m;
+    int64_t unit_row = unit / units_per_row, unit_col = unit % units_per_row;
+    if (units > 0) window_unit_position(unit, im.z / m, units_per_row, units, &unit_row, &unit_col);
+    const int64_t r = unit_row * m + within / m;
+    const int64_t c = unit_col * m + within % m;
     if (j < rot_dim) {
       const int64_t p = j < quarter ? r : c;
       const float f = __fmul_rn(static_cast<float>(p), freqs.v[j < quarter ? j : j - quarter]);
@@ -129,7 +151,8 @@ __global__ void vision_tables_kernel(float* cos, float* sin, int32_t* pos_index,
 void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos_weight,
                           int32_t* cu_seqlens, int32_t* real_rows, const int32_t* grids,
                           int capacity, int64_t rows, int head_dim, const float* inv_freq,
-                          int merge_size, int grid_side, cudaStream_t s) {
+                          int merge_size, int grid_side, int32_t* window_cu, int window_units,
+                          int window_capacity, cudaStream_t s) {
   Freqs freqs{};
   std::copy(inv_freq, inv_freq + head_dim / 4, freqs.v);
   const int64_t work = rows * std::max(head_dim / 2, 4);
@@ -137,7 +160,7 @@ void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos
   vision_tables_kernel<<<static_cast<unsigned>(blocks), kThreads,
                          static_cast<size_t>(capacity) * sizeof(int4), s>>>(
       cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, capacity, rows, head_dim,
-      freqs, merge_size, grid_side);
+      freqs, merge_size, grid_side, window_cu, window_units, window_capacity);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
