@@ -5,110 +5,85 @@
 #include <cstring>
 #include <set>
 
+#include "bridge/architecture.h"
 #include "core/json_read.h"
 
 namespace iris {
-namespace {
 
-// Naming of the released Qwen3-VL checkpoints (transformers 5.x module names).
-constexpr const char* kVisual = "model.visual.";
-constexpr const char* kLanguage = "model.language_model.";
+void WeightTable::add(const std::string& hf_name, Tensor& dst, std::vector<int64_t> dims,
+                      std::vector<int64_t> hf_shape) {
+  if (hf_shape.empty()) hf_shape = dims;
+  planned_.emplace_back(&dst, std::move(dims));
+  w_.bindings.push_back({hf_name, std::move(hf_shape), &dst, 0});
+}
+
+void WeightTable::add_stacked(Tensor& dst, std::vector<int64_t> dims) {
+  planned_.emplace_back(&dst, std::move(dims));
+}
+
+void WeightTable::part(const std::string& hf_name, std::vector<int64_t> hf_shape, Tensor& dst,
+                       int64_t row_offset) {
+  w_.bindings.push_back({hf_name, std::move(hf_shape), &dst, row_offset});
+}
+
+void WeightTable::linear(const std::string& prefix, Tensor& w, Tensor& b, int64_t n, int64_t k) {
+  add(prefix + ".weight", w, {n, k});
+  add(prefix + ".bias", b, {n});
+}
+
+void WeightTable::norm(const std::string& prefix, Tensor& w, Tensor* b, int64_t n) {
+  add(prefix + ".weight", w, {n});
+  if (b != nullptr) add(prefix + ".bias", *b, {n});
+}
+
+void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
+                     const std::string& prefix, DecoderTensors kind) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden_size, V = tc.vocab_size, hd = tc.head_dim;
+  DecoderWeights& tw = w.text;
+  t.add(prefix + "embed_tokens.weight", tw.embed, {V, H});
+  tw.layers.resize(static_cast<size_t>(tc.num_hidden_layers));
+  const int64_t qw = tc.q_width(), kvw = tc.kv_width(), It = tc.intermediate_size;
+  for (int l = 0; l < tc.num_hidden_layers; ++l) {
+    const std::string pre = prefix + "layers." + std::to_string(l) + ".";
+    DecoderLayerWeights& L = tw.layers[l];
+    t.add(pre + "input_layernorm.weight", L.input_norm_w, {H});
+    t.add_stacked(L.qkv_w, {qw + 2 * kvw, H});
+    t.part(pre + "self_attn.q_proj.weight", {qw, H}, L.qkv_w, 0);
+    t.part(pre + "self_attn.k_proj.weight", {kvw, H}, L.qkv_w, qw);
+    t.part(pre + "self_attn.v_proj.weight", {kvw, H}, L.qkv_w, qw + kvw);
+    if (kind == DecoderTensors::qwen2) {
+      t.add_stacked(L.qkv_b, {qw + 2 * kvw});
+      t.part(pre + "self_attn.q_proj.bias", {qw}, L.qkv_b, 0);
+      t.part(pre + "self_attn.k_proj.bias", {kvw}, L.qkv_b, qw);
+      t.part(pre + "self_attn.v_proj.bias", {kvw}, L.qkv_b, qw + kvw);
+    }
+    t.add(pre + "self_attn.o_proj.weight", L.o_w, {H, qw});
+    if (kind == DecoderTensors::qwen3) {
+      t.add(pre + "self_attn.q_norm.weight", L.q_norm_w, {hd});
+      t.add(pre + "self_attn.k_norm.weight", L.k_norm_w, {hd});
+    }
+    t.add(pre + "post_attention_layernorm.weight", L.post_norm_w, {H});
+    t.add_stacked(L.gate_up_w, {2 * It, H});
+    t.part(pre + "mlp.gate_proj.weight", {It, H}, L.gate_up_w, 0);
+    t.part(pre + "mlp.up_proj.weight", {It, H}, L.gate_up_w, It);
+    t.add(pre + "mlp.down_proj.weight", L.down_w, {H, It});
+  }
+  t.add(prefix + "norm.weight", tw.norm_w, {H});
+  if (!cfg.tie_word_embeddings) t.add("lm_head.weight", tw.lm_head, {V, H});
+}
+
+namespace {
 
 struct Planner {
   std::vector<std::pair<Tensor*, std::vector<int64_t>>> tensors;
-  void add(Tensor& t, std::vector<int64_t> dims) { tensors.emplace_back(&t, std::move(dims)); }
 };
 
 void declare(const ModelConfig& cfg, ModelWeights& w, Planner& p) {
-  const VisionConfig& v = cfg.vision;
-  const TextConfig& t = cfg.text;
-  const int64_t D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
-                out = v.out_hidden_size;
-  const int64_t H = t.hidden_size, V = t.vocab_size, hd = t.head_dim;
-  auto& b = w.bindings;
-  auto bind = [&](const std::string& name, std::vector<int64_t> shape, Tensor& dst,
-                  int64_t row_offset = 0) {
-    b.push_back({name, std::move(shape), &dst, row_offset});
-  };
-  auto linear = [&](const std::string& prefix, Tensor& wt, Tensor& bias, int64_t n, int64_t k) {
-    p.add(wt, {n, k});
-    p.add(bias, {n});
-    bind(prefix + ".weight", {n, k}, wt);
-    bind(prefix + ".bias", {n}, bias);
-  };
-  auto norm = [&](const std::string& prefix, Tensor& wt, Tensor& bias, int64_t n) {
-    p.add(wt, {n});
-    p.add(bias, {n});
-    bind(prefix + ".weight", {n}, wt);
-    bind(prefix + ".bias", {n}, bias);
-  };
-
-  VisionWeights& vw = w.vision;
-  const std::string vis = kVisual;
-  p.add(vw.patch_w, {D, v.patch_dim()});
-  p.add(vw.patch_b, {D});
-  bind(vis + "patch_embed.proj.weight",
-       {D, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, vw.patch_w);
-  bind(vis + "patch_embed.proj.bias", {D}, vw.patch_b);
-  p.add(vw.pos_embed, {v.num_position_embeddings, D});
-  bind(vis + "pos_embed.weight", {v.num_position_embeddings, D}, vw.pos_embed);
-  vw.blocks.resize(static_cast<size_t>(v.depth));
-  for (int i = 0; i < v.depth; ++i) {
-    const std::string pre = vis + "blocks." + std::to_string(i) + ".";
-    VisionBlockWeights& bl = vw.blocks[i];
-    norm(pre + "norm1", bl.norm1_w, bl.norm1_b, D);
-    norm(pre + "norm2", bl.norm2_w, bl.norm2_b, D);
-    linear(pre + "attn.qkv", bl.qkv_w, bl.qkv_b, 3 * D, D);
-    linear(pre + "attn.proj", bl.proj_w, bl.proj_b, D, D);
-    linear(pre + "mlp.linear_fc1", bl.fc1_w, bl.fc1_b, I, D);
-    linear(pre + "mlp.linear_fc2", bl.fc2_w, bl.fc2_b, D, I);
-  }
-  auto merger = [&](const std::string& pre, PatchMergerWeights& m, int64_t norm_dim) {
-    norm(pre + "norm", m.norm_w, m.norm_b, norm_dim);
-    linear(pre + "linear_fc1", m.fc1_w, m.fc1_b, M, M);
-    linear(pre + "linear_fc2", m.fc2_w, m.fc2_b, out, M);
-  };
-  merger(vis + "merger.", vw.merger, D);
-  vw.deepstack_mergers.resize(v.deepstack_visual_indexes.size());
-  for (size_t k = 0; k < vw.deepstack_mergers.size(); ++k)
-    merger(vis + "deepstack_merger_list." + std::to_string(k) + ".", vw.deepstack_mergers[k], M);
-
-  DecoderWeights& tw = w.text;
-  const std::string lang = kLanguage;
-  p.add(tw.embed, {V, H});
-  bind(lang + "embed_tokens.weight", {V, H}, tw.embed);
-  tw.layers.resize(static_cast<size_t>(t.num_hidden_layers));
-  const int64_t qw = t.q_width(), kvw = t.kv_width(), It = t.intermediate_size;
-  for (int l = 0; l < t.num_hidden_layers; ++l) {
-    const std::string pre = lang + "layers." + std::to_string(l) + ".";
-    DecoderLayerWeights& L = tw.layers[l];
-    p.add(L.input_norm_w, {H});
-    bind(pre + "input_layernorm.weight", {H}, L.input_norm_w);
-    p.add(L.qkv_w, {qw + 2 * kvw, H});
-    bind(pre + "self_attn.q_proj.weight", {qw, H}, L.qkv_w, 0);
-    bind(pre + "self_attn.k_proj.weight", {kvw, H}, L.qkv_w, qw);
-    bind(pre + "self_attn.v_proj.weight", {kvw, H}, L.qkv_w, qw + kvw);
-    p.add(L.o_w, {H, qw});
-    bind(pre + "self_attn.o_proj.weight", {H, qw}, L.o_w);
-    p.add(L.q_norm_w, {hd});
-    bind(pre + "self_attn.q_norm.weight", {hd}, L.q_norm_w);
-    p.add(L.k_norm_w, {hd});
-    bind(pre + "self_attn.k_norm.weight", {hd}, L.k_norm_w);
-    p.add(L.post_norm_w, {H});
-    bind(pre + "post_attention_layernorm.weight", {H}, L.post_norm_w);
-    p.add(L.gate_up_w, {2 * It, H});
-    bind(pre + "mlp.gate_proj.weight", {It, H}, L.gate_up_w, 0);
-    bind(pre + "mlp.up_proj.weight", {It, H}, L.gate_up_w, It);
-    p.add(L.down_w, {H, It});
-    bind(pre + "mlp.down_proj.weight", {H, It}, L.down_w);
-  }
-  p.add(tw.norm_w, {H});
-  bind(lang + "norm.weight", {H}, tw.norm_w);
+  WeightTable table(w);
+  cfg.arch->declare_weights(cfg, w, table);
+  p.tensors = table.planned();
   w.tied_lm_head = cfg.tie_word_embeddings;
-  if (!w.tied_lm_head) {
-    p.add(tw.lm_head, {V, H});
-    bind("lm_head.weight", {V, H}, tw.lm_head);
-  }
 }
 
 std::string shape_text(const std::vector<int64_t>& s) {
@@ -117,11 +92,22 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-// Older and flat layouts (visual.*, model.layers.*) name the same tensors differently.
+// The two layouts of every family's tensors: the hub's original one (visual.*, model.layers.*)
+// and transformers 5.x's module names (model.visual.*, model.language_model.layers.*); HF loads
+// either, and so does Iris.
 std::vector<std::string> name_candidates(const std::string& name) {
+  static const std::string visual = "visual.", model = "model.", new_visual = "model.visual.",
+                           new_language = "model.language_model.";
   std::vector<std::string> c{name};
-  if (name.rfind(kVisual, 0) == 0) c.push_back("visual." + name.substr(std::strlen(kVisual)));
-  if (name.rfind(kLanguage, 0) == 0) c.push_back("model." + name.substr(std::strlen(kLanguage)));
+  auto starts = [&](const std::string& p) { return name.rfind(p, 0) == 0; };
+  if (starts(new_visual))
+    c.push_back(visual + name.substr(new_visual.size()));
+  else if (starts(new_language))
+    c.push_back(model + name.substr(new_language.size()));
+  else if (starts(visual))
+    c.push_back(new_visual + name.substr(visual.size()));
+  else if (starts(model))
+    c.push_back(new_language + name.substr(model.size()));
   return c;
 }
 
@@ -172,8 +158,9 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
         break;
       }
     IRIS_CHECK(e != nullptr, "checkpoint ", dir, " is missing tensor '", b.hf_name,
-               "' (expected shape ", shape_text(b.hf_shape),
-               "); is this a Qwen3-VL checkpoint matching its config.json (num_hidden_layers, "
+               "' (expected shape ", shape_text(b.hf_shape), "); is this a ",
+               cfg.arch->display_name(),
+               " checkpoint matching its config.json (num_hidden_layers, "
                "vision depth, deepstack_visual_indexes, tie_word_embeddings)?");
     IRIS_CHECK(e->dtype == DType::bf16 || e->dtype == DType::f16 || e->dtype == DType::f32, e->file,
                ": tensor '", e->name, "' has dtype ", dtype_name(e->dtype),

@@ -34,6 +34,13 @@ struct ModelWeights {
   std::vector<WeightBinding> bindings;  // filled by bind_weights, in checkpoint order
 };
 
+// The decoder's tensor table under `prefix` (model.language_model. or model.), with the lm_head:
+// Qwen3 layers have q/k norms, Qwen2 layers q/k/v biases.
+enum class DecoderTensors { qwen3, qwen2 };
+class WeightTable;
+void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
+                     const std::string& prefix, DecoderTensors kind);
+
 // Allocates every weight tensor of the model on the backend and returns the binding table.
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg);
 // The same in another dtype: f32 gradients, master weights and optimizer moments. Weights of one

@@ -1,4 +1,5 @@
-// The joined Qwen3-VL configuration, read from an HF config.json.
+// The joined configuration of a Qwen-VL checkpoint, read from an HF config.json by its
+// architecture (bridge/architecture.h).
 #pragma once
 
 #include <string>
@@ -9,8 +10,12 @@
 
 namespace iris {
 
+class Architecture;
+const Architecture& qwen3_vl_architecture();
+
 struct ModelConfig {
   std::string model_type = "qwen3_vl";
+  const Architecture* arch = &qwen3_vl_architecture();
   TextConfig text;
   VisionConfig vision;
   int image_token_id = 151655;
@@ -19,8 +24,8 @@ struct ModelConfig {
   int vision_end_token_id = 151653;
   bool tie_word_embeddings = false;
 
-  // Reads config.json (nested Qwen3-VL layout; rope_parameters or legacy rope_scaling +
-  // rope_theta). Errors name the file and the field.
+  // Reads config.json with the architecture its model_type names (nested or flat layout;
+  // rope_parameters or legacy rope_scaling + rope_theta). Errors name the file and the field.
   static ModelConfig from_file(const std::string& config_json_path);
   // Every value is typed and range-checked (integers must be integers, sizes positive, rope_theta
   // and rms_norm_eps positive, deepstack_visual_indexes strictly increasing).

@@ -3,6 +3,14 @@
 #include <cmath>
 
 namespace iris {
+namespace {
+
+// The per-head 1/rms the q/k norms save: a family without them (Qwen2) saves nothing.
+Tensor qk_rstd(const DecoderLayerWeights& w, const DecoderLayerBuffers& b) {
+  return w.q_norm_w.defined() ? b.qk_rstd : Tensor();
+}
+
+}  // namespace
 
 void decoder_attention_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                                const DecoderLayerBuffers& b, const DecoderAttention& at) {
@@ -10,14 +18,14 @@ void decoder_attention_forward(Backend& be, const TextConfig& cfg, const Decoder
   const float eps = cfg.rms_norm_eps, scale = 1.0f / std::sqrt(static_cast<float>(hd));
   if (b.saves()) {
     be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
-    be.linear(b.qkv_lin, b.rms1, w.qkv_w, Tensor(), false);
-    be.qkv_norm_rope_train(b.qkv, b.qk_rstd, b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin,
-                           nq, nkv, hd, true);
+    be.linear(b.qkv_lin, b.rms1, w.qkv_w, w.qkv_b, false);
+    be.qkv_norm_rope_train(b.qkv, qk_rstd(w, b), b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos,
+                           at.sin, nq, nkv, hd, true);
     be.attention_train(b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments, nq, nkv, hd, scale, true,
                        Tensor());
   } else {
     // The norms are fused into the projections that read them (one kernel per decode step).
-    be.rms_norm_linear(b.qkv, b.rms1, b.x_in, w.input_norm_w, eps, w.qkv_w, Tensor());
+    be.rms_norm_linear(b.qkv, b.rms1, b.x_in, w.input_norm_w, eps, w.qkv_w, w.qkv_b, Tensor());
     be.qkv_norm_rope_kv_store(b.qkv, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin, nq, nkv, hd, true,
                               at.k_cache, at.v_cache, at.past_len);
     be.attention_causal(b.attn, b.qkv, at.k_cache, at.v_cache, at.past_len, nq, nkv, hd, scale);
@@ -34,7 +42,8 @@ void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerW
     be.linear(b.gate_up, b.rms2, w.gate_up_w, Tensor(), false);
     be.swiglu(b.act, b.gate_up);
   } else {
-    be.rms_norm_linear(b.gate_up, b.rms2, b.x_mid, w.post_norm_w, eps, w.gate_up_w, b.act);
+    be.rms_norm_linear(b.gate_up, b.rms2, b.x_mid, w.post_norm_w, eps, w.gate_up_w, Tensor(),
+                       b.act);
   }
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.down_w, Tensor(), true);
@@ -57,8 +66,9 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
   const float eps = cfg.rms_norm_eps;
   // The statistics are rewritten with the values they already hold.
   be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
-  be.qkv_norm_rope_train(b.qkv, b.qk_rstd, b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin,
-                         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, true);
+  be.qkv_norm_rope_train(b.qkv, qk_rstd(w, b), b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos,
+                         at.sin, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         true);
   be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
   be.swiglu(b.act, b.gate_up);
 }
@@ -91,10 +101,10 @@ void decoder_attention_backward(Backend& be, const TextConfig& cfg, const Decode
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments,
                         nq, nkv, hd, scale, true, Tensor());
   be.qkv_norm_rope_backward(s.dqkv, grad(&DecoderLayerWeights::q_norm_w),
-                            grad(&DecoderLayerWeights::k_norm_w), s.dqkv, b.qkv_lin, b.qk_rstd,
+                            grad(&DecoderLayerWeights::k_norm_w), s.dqkv, b.qkv_lin, qk_rstd(w, b),
                             w.q_norm_w, w.k_norm_w, at.cos, at.sin, nq, nkv, hd, true);
   be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
-  if (g) be.linear_backward_weight(g->qkv_w, Tensor(), s.dqkv, b.rms1);
+  if (g) be.linear_backward_weight(g->qkv_w, g->qkv_b, s.dqkv, b.rms1);
   be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::input_norm_w), s.dtmp, b.x_in, b.rstd1,
                        w.input_norm_w);
 }

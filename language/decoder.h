@@ -14,10 +14,13 @@
 
 namespace iris {
 
+// A family's layer is the tensors it has: Qwen3 has q/k norms and no q/k/v bias, Qwen2 the
+// reverse; the other stays undefined, and every op takes an undefined tensor as "none".
 struct DecoderLayerWeights {
   Tensor input_norm_w;        // [H]
   Tensor qkv_w;               // [(nq + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
-  Tensor q_norm_w, k_norm_w;  // [hd]
+  Tensor qkv_b;               // [(nq + 2 nkv) hd] (Qwen2)
+  Tensor q_norm_w, k_norm_w;  // [hd] (Qwen3)
   Tensor o_w;                 // [H, nq hd]
   Tensor post_norm_w;         // [H]
   Tensor gate_up_w;           // [2I, H]: gate_proj then up_proj

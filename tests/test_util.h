@@ -53,9 +53,9 @@ inline std::string tokenizer_path() {
 // golden.json + golden.safetensors from HF transformers (tests/data/qwen3vl-tiny).
 class Golden {
  public:
-  Golden()
-      : json_(nlohmann::json::parse(read_text_file(fixture_dir() + "/golden.json"))),
-        tensors_(std::make_unique<SafetensorsFile>(fixture_dir() + "/golden.safetensors")) {}
+  explicit Golden(const std::string& dir = fixture_dir())
+      : json_(nlohmann::json::parse(read_text_file(dir + "/golden.json"))),
+        tensors_(std::make_unique<SafetensorsFile>(dir + "/golden.safetensors")) {}
   const nlohmann::json& json() const { return json_; }
   bool has(const std::string& name) const { return tensors_->contains(name); }
   HostTensor tensor(const std::string& name) const { return tensors_->load(name); }

@@ -347,7 +347,9 @@ double training_flops(const ModelConfig& cfg, const SampleShape& shape, const Tr
   for (const GridTHW& g : shape.grids) {
     const double frame = static_cast<double>(g[1] * g[2]);
     const double S = static_cast<double>(g[0]) * frame;
-    vis_w += 2 * S * v.patch_dim() * D + v.depth * 2 * S * (4 * D * D + 2 * D * I);
+    // The MLP's first projection is mlp_up_width wide (twice I when gated), its second I.
+    const double up = static_cast<double>(v.tower->mlp_up_width(v));
+    vis_w += 2 * S * v.patch_dim() * D + v.depth * 2 * S * (4 * D * D + D * up + D * I);
     vis_att += v.depth * 4 * S * frame * D;
     const double merged = S / v.merge_unit();
     merge_w += (1.0 + v.deepstack_visual_indexes.size()) * 2 * merged * (M * M + M * out);

@@ -363,11 +363,13 @@ constexpr const char* kConfigFields[] = {
     "patch_size", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "rope_type",
     "spatial_merge_size", "temporal_patch_size", "text_config", "tie_word_embeddings", "type",
     "video_token_id", "vision_config", "vision_end_token_id", "vision_start_token_id", "vocab_size",
+    "embed_dim", "mlp_ratio", "in_chans", "fullatt_block_indexes", "window_size",
+    "tokens_per_second", "use_sliding_window",
     // Read by HF, not by Iris.
     "vision_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
     "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "attention_dropout", "max_window_layers", "sliding_window", "use_sliding_window", "layer_types",
-    "hidden_dropout", "fullatt_block_indexes", "window_size", "tokens_per_second", "num_channels"};
+    "attention_dropout", "max_window_layers", "sliding_window", "layer_types", "hidden_dropout",
+    "num_channels", "spatial_patch_size"};
 
 void check_config_keys(const json& j, const std::string& path) {
   if (!j.is_object()) return;

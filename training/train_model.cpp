@@ -182,6 +182,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   pos_index_ = a.alloc(I32, {S, 4});
   pos_weight_ = a.alloc(F, {S, 4});
   v_cu_ = a.alloc(I32, {vision_segment_capacity() + 1});
+  v_window_cu_ =
+      v.window_units() > 0 && S > 0 ? a.alloc(I32, {vision_window_capacity(v, S) + 1}) : Tensor();
   v_grids_ = a.alloc(I32, {vision_grids_numel(vision_segment_capacity())});
   v_real_rows_ = a.alloc(I32, {1});
 
@@ -218,7 +220,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
     b.ln2 = v_buf(v_keep_all, vs.ln2, A, {S, D});
     b.mean2 = v_buf(v_keep_layer, vs.mean2, F, {S});
     b.rstd2 = v_buf(v_keep_layer, vs.rstd2, F, {S});
-    b.fc1 = v_buf(v_keep_layer, vs.fc1, A, {S, Iv});
+    b.fc1 = v_buf(v_keep_layer, vs.fc1, A, {S, v.tower->mlp_up_width(v)});
     b.act = v_buf(v_keep_all, vs.act, A, {S, Iv});
   }
   v_recompute_out_ = !limits_.vision_tower_frozen && rc == Recompute::full && S > 0
@@ -297,6 +299,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
   v_dattn_ = a.alloc(A, {S, D});
   v_dqkv_ = a.alloc(A, {S, 3 * D});
   v_dfc_ = a.alloc(A, {S, Iv});
+  v_dup_ = v.tower->mlp_up_width(v) == Iv ? v_dfc_ : a.alloc(A, {S, v.tower->mlp_up_width(v)});
   v_dsum_ = a.alloc(F, {S, nh});
   m_da_ = a.alloc(A, {Sm, M});
   m_dln_ = a.alloc(F, {Sm, M});
@@ -604,12 +607,30 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
         compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
     mrope_positions_token_major(rope.positions.data(), n, h_positions_.data() + row * 3);
     const int64_t patches = count_patches(s->grids);
-    if (patches > 0 && limits_.stage.has_vision)
-      be_.write(pixels_.slice(patch_row, patch_row + patches), s->pixel_values.data(), DType::f32);
+    if (patches > 0 && limits_.stage.has_vision) {
+      const float* pixels = s->pixel_values.data();
+      if (v.window_units() > 0) {
+        // The tower computes in window order (VisionConfig::window_size); a sample's windows are
+        // its own, so each sample's rows are reordered on their own.
+        h_window_pixels_.resize(s->pixel_values.size());
+        to_window_order(v, vision_unit_order(v, s->grids, patches), pixels,
+                        h_window_pixels_.data());
+        pixels = h_window_pixels_.data();
+      }
+      be_.write(pixels_.slice(patch_row, patch_row + patches), pixels, DType::f32);
+    }
     patch_row += patches;
     grids.insert(grids.end(), s->grids.begin(), s->grids.end());
     row += n;
     h_text_cu_.push_back(static_cast<int32_t>(row));
+  }
+  if (v.window_units() > 0 && !h_pad_rows_.empty()) {
+    // Merged row j of the tower's output is raster unit order[j]: its embedding goes to that
+    // unit's pad token.
+    const std::vector<int32_t> order = vision_unit_order(v, grids, 0);
+    std::vector<int32_t> raster = h_pad_rows_;
+    for (size_t j = 0; j < order.size(); ++j)
+      h_pad_rows_[j] = raster[static_cast<size_t>(order[j])];
   }
   n_label_real_ = static_cast<int64_t>(h_label_rows_.size());
   n_text_segments_ = static_cast<int>(batch.size());
@@ -974,8 +995,15 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
 }
 
 VisionSegments TrainableQwen3VL::vision_segments() const {
-  return VisionSegments{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_,
-                        padded_ ? v_real_rows_ : Tensor()};
+  VisionSegments seg{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_,
+                     padded_ ? v_real_rows_ : Tensor()};
+  // Windowed blocks attend over the whole window buffer (unused windows are zero-length), so
+  // that the count, a host value, is one for every micro-batch a graph replays.
+  if (v_window_cu_.defined()) {
+    seg.window_cu = v_window_cu_;
+    seg.n_windows = static_cast<int>(v_window_cu_.numel() - 1);
+  }
+  return seg;
 }
 
 VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
@@ -984,6 +1012,7 @@ VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
                            v_dres_c_.slice(0, S),
                            v_dtmp_.slice(0, S),
                            v_dfc_.slice(0, S),
+                           v_dup_.slice(0, S),
                            v_dattn_.slice(0, S),
                            v_dqkv_.slice(0, S),
                            v_dsum_.slice(0, S),
@@ -1005,11 +1034,10 @@ void TrainableQwen3VL::vision_forward(bool module_graphs) {
   // backward reads them as the forward left them.
   be_.vision_tables(v_cos_.slice(0, S), v_sin_.slice(0, S), pos_index_.slice(0, S),
                     pos_weight_.slice(0, S), v_cu_, v_real_rows_, v_grids_, v_inv_freq_,
-                    v.spatial_merge_size, v.position_grid_side());
-  be_.linear(vx_[0].slice(0, S), pixels_.slice(0, S), w.patch_w, w.patch_b, false);
-  be_.add_interpolated_rows(vx_[0].slice(0, S), w.pos_embed, pos_index_.slice(0, S),
-                            pos_weight_.slice(0, S));
-  const VisionSegments seg = vision_segments();
+                    v.spatial_merge_size, v.position_grid_side(), v_window_cu_, v.window_units());
+  v.tower->embed(be_, w, vx_[0].slice(0, S), pixels_.slice(0, S), pos_index_.slice(0, S),
+                 pos_weight_.slice(0, S));
+  const VisionSegments all_seg = vision_segments();
   const auto& taps = v.deepstack_visual_indexes;
   const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
   const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
@@ -1017,6 +1045,7 @@ void TrainableQwen3VL::vision_forward(bool module_graphs) {
   const std::string shape = str_cat(" S", S, " segments ", n_segments_);
   for (int l = 0; l < v.depth; ++l) {
     const VisionBlockBuffers b = vision_block(l);
+    const VisionSegments seg = all_seg.for_block(v, l);
     maybe_graphed(
         attn_graphs, str_cat("vision block ", l, " attn fwd", shape),
         [this, &v, &w, l, b, seg] { vision_attention_forward(be_, v, w.blocks[l], b, seg); });
@@ -1038,7 +1067,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
   const int64_t S = S_;
   const bool tower = !frozen_.vision_tower;
   const auto& taps = v.deepstack_visual_indexes;
-  const VisionSegments seg = vision_segments();
+  const VisionSegments all_seg = vision_segments();
   const VisionGradScratch scratch = vision_grad_scratch();
   const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
   const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
@@ -1069,6 +1098,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
       each_tensor(g.deepstack_mergers[k], mark);
     }
     const VisionBlockBuffers b = vision_block(l);
+    const VisionSegments seg = all_seg.for_block(v, l);
     // The recomputation runs with the MLP half, whose backward is the first to read it.
     maybe_graphed(mlp_graphs, str_cat("vision block ", l, " mlp bwd", shape),
                   [this, &v, &w, &g, l, b, seg, scratch, S] {
@@ -1078,7 +1108,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
                         rerun.x_out = v_recompute_out_.slice(0, S);
                       vision_block_recompute(be_, v, w.blocks[l], rerun, seg, limits_.recompute);
                     }
-                    vision_mlp_backward(be_, w.blocks[l], g.blocks[l], b, scratch);
+                    vision_mlp_backward(be_, v, w.blocks[l], g.blocks[l], b, scratch);
                   });
     maybe_graphed(attn_graphs, str_cat("vision block ", l, " attn bwd", shape),
                   [this, &v, &w, &g, l, b, seg, scratch] {
@@ -1086,12 +1116,10 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
                   });
     each_tensor(g.blocks[l], mark);
   }
-  // Embeddings: accumulate the position table's and the patch projection's gradients.
-  be_.add_interpolated_rows_backward(g.pos_embed, dres, pos_index_.slice(0, S),
-                                     pos_weight_.slice(0, S));
-  be_.linear_backward_weight(g.patch_w, g.patch_b, in_compute_dtype(be_, dres, scratch.dres_c),
-                             pixels_.slice(0, S));
-  for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b}) mark(*t);
+  v.tower->embed_backward(be_, g, dres, scratch.dres_c, pixels_.slice(0, S), pos_index_.slice(0, S),
+                          pos_weight_.slice(0, S));
+  for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b})
+    if (t->defined()) mark(*t);
 }
 
 // ---- Text --------------------------------------------------------------------------------------

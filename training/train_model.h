@@ -394,7 +394,9 @@ class TrainableQwen3VL {
   std::vector<int> rope_axes_;
   // The vision inputs are the pixels and the grids; the vision forward's first op computes the
   // tables (RoPE, interpolation, segments, real rows) from the grids on the device.
-  Tensor pixels_, v_grids_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_;
+  Tensor pixels_, v_grids_, v_cos_, v_sin_, pos_index_, pos_weight_, v_cu_, v_real_rows_,
+      v_window_cu_;
+  std::vector<float> h_window_pixels_;  // a sample's pixel rows in window order
   std::vector<float> v_inv_freq_;
   // Vision activations: vx_[l] is the input of block l, vx_[depth] the tower's output.
   std::vector<Tensor> vx_;
@@ -415,7 +417,8 @@ class TrainableQwen3VL {
   // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype
   // copies for the GEMMs.
   Tensor t_dres_, t_dres_c_, t_dtmp_, t_dloss_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
-  Tensor v_dres_, v_dres_c_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dsum_, m_da_, m_dln_, d_embeds_;
+  Tensor v_dres_, v_dres_c_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dup_, v_dsum_, m_da_, m_dln_,
+      d_embeds_;
   std::vector<Tensor> d_ds_;
 };
 

@@ -15,16 +15,20 @@ int64_t count_patches(const std::vector<GridTHW>& grids) {
   return n;
 }
 
+VisionSegments VisionSegments::for_block(const VisionConfig& cfg, int l) const {
+  VisionSegments s = *this;
+  if (cfg.windowed_block(l)) {
+    s.cu_seqlens = window_cu;
+    s.n_segments = n_windows;
+  }
+  return s;
+}
+
 void vision_attention_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                               const VisionBlockBuffers& b, const VisionSegments& seg) {
   const int nh = cfg.num_heads, hd = cfg.head_dim();
-  const float eps = cfg.layer_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  if (b.saves()) {
-    be.layer_norm_train(b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b, eps);
-  } else {
-    be.layer_norm(b.ln1, b.x_in, w.norm1_w, w.norm1_b, eps);
-  }
+  cfg.tower->norm(be, cfg, b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b);
   be.linear(b.qkv, b.ln1, w.qkv_w, w.qkv_b, false);
   // No q/k norm in the tower: the rotation runs in place, and its backward needs only the tables.
   be.qkv_norm_rope(b.qkv, Tensor(), Tensor(), 0.0f, seg.cos, seg.sin, nh, nh, hd, false);
@@ -41,19 +45,8 @@ void vision_attention_forward(Backend& be, const VisionConfig& cfg, const Vision
 
 void vision_mlp_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                         const VisionBlockBuffers& b) {
-  const float eps = cfg.layer_norm_eps;
-  if (b.saves()) {
-    be.layer_norm_train(b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b, eps);
-  } else {
-    be.layer_norm(b.ln2, b.x_mid, w.norm2_w, w.norm2_b, eps);
-  }
-  if (b.fc1.data == b.act.data) {
-    // gelu_pytorch_tanh fused into fc1 (the GEMM epilogue on CUDA).
-    be.linear_gelu_tanh(b.act, b.ln2, w.fc1_w, w.fc1_b);
-  } else {
-    be.linear(b.fc1, b.ln2, w.fc1_w, w.fc1_b, false);
-    be.gelu_tanh(b.act, b.fc1);
-  }
+  cfg.tower->norm(be, cfg, b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b);
+  cfg.tower->mlp_up(be, w, b.fc1, b.act, b.ln2);
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.fc2_w, w.fc2_b, true);
 }
@@ -72,29 +65,24 @@ void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBl
     return;
   }
   if (mode != Recompute::selective) return;
-  const float eps = cfg.layer_norm_eps;
-  be.layer_norm_train(b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b, eps);
-  be.layer_norm_train(b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b, eps);
-  be.gelu_tanh(b.act, b.fc1);
+  const VisionTower& tower = *cfg.tower;
+  tower.norm(be, cfg, b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b);
+  tower.norm(be, cfg, b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b);
+  tower.mlp_activation(be, b.act, b.fc1);
 }
 
 void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
                     const MergerBuffers& b, const Tensor& x, int64_t rows, bool post_shuffle,
                     bool gemms_beside) {
   const int64_t Sm = rows / cfg.merge_unit(), M = cfg.merged_dim(), D = cfg.hidden_size;
-  const float eps = cfg.layer_norm_eps;
   // Post-shuffle (DeepStack) normalises the concatenated 2x2 window; pre-shuffle (the main
   // merger) normalises each patch and concatenates afterwards. Both are the same memory.
   const Tensor xin = post_shuffle ? x.slice(0, rows).view({Sm, M}) : x.slice(0, rows);
   const Tensor ln = post_shuffle ? b.ln.slice(0, Sm) : b.ln.slice(0, Sm).view({rows, D});
   const int64_t norm_rows = post_shuffle ? Sm : rows;
   be.join_side_work();  // the mergers share their buffers
-  if (b.saves()) {
-    be.layer_norm_train(ln, b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), xin, w.norm_w,
-                        w.norm_b, eps);
-  } else {
-    be.layer_norm(ln, xin, w.norm_w, w.norm_b, eps);
-  }
+  const auto part = [&](const Tensor& t) { return t.defined() ? t.slice(0, norm_rows) : t; };
+  cfg.tower->norm(be, cfg, ln, part(b.mean), part(b.rstd), xin, w.norm_w, w.norm_b);
   // A DeepStack merger's output feeds only the decoder, so once its norm has read x (which the
   // next layer updates in place) its two GEMMs may run beside the remaining layers. At one small
   // image they are weight-streaming GEMMs beside latency-bound layers.
@@ -124,22 +112,23 @@ void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeig
   const auto as_norm = [&](const Tensor& t) {
     return post_shuffle ? t.slice(0, rows).view({Sm, M}) : t.slice(0, rows).view({rows, D});
   };
-  be.layer_norm_backward(dx.defined() ? as_norm(dx) : Tensor(), dnw, dnb,
-                         post_shuffle ? dln : dln.view({rows, D}), as_norm(x),
-                         b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), w.norm_w);
+  cfg.tower->norm_backward(be, dx.defined() ? as_norm(dx) : Tensor(), dnw, dnb,
+                           post_shuffle ? dln : dln.view({rows, D}), as_norm(x),
+                           b.mean.slice(0, norm_rows), b.rstd.slice(0, norm_rows), w.norm_w);
 }
 
-void vision_mlp_backward(Backend& be, const VisionBlockWeights& w, VisionBlockWeights& g,
-                         const VisionBlockBuffers& b, const VisionGradScratch& s) {
-  // Overwrites dfc and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
+void vision_mlp_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                         VisionBlockWeights& g, const VisionBlockBuffers& b,
+                         const VisionGradScratch& s) {
+  // Overwrites dfc, dup and dtmp, accumulates fc1/fc2 and norm2 gradients and dres.
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dfc, dy, w.fc2_w, false);
   be.linear_backward_weight(g.fc2_w, g.fc2_b, dy, b.act);
-  be.gelu_tanh_backward(s.dfc, s.dfc, b.fc1);
-  be.linear_backward_input(s.dtmp, s.dfc, w.fc1_w, false);
-  be.linear_backward_weight(g.fc1_w, g.fc1_b, s.dfc, b.ln2);
-  be.layer_norm_backward(s.dres, g.norm2_w, g.norm2_b, s.dtmp, b.x_mid, b.mean2, b.rstd2,
-                         w.norm2_w);
+  cfg.tower->mlp_activation_backward(be, s.dup, s.dfc, b.fc1);
+  be.linear_backward_input(s.dtmp, s.dup, w.fc1_w, false);
+  be.linear_backward_weight(g.fc1_w, g.fc1_b, s.dup, b.ln2);
+  cfg.tower->norm_backward(be, s.dres, g.norm2_w, g.norm2_b, s.dtmp, b.x_mid, b.mean2, b.rstd2,
+                           w.norm2_w);
 }
 
 void vision_attention_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -157,13 +146,14 @@ void vision_attention_backward(Backend& be, const VisionConfig& cfg, const Visio
                             Tensor(), seg.cos, seg.sin, nh, nh, hd, false);
   be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
   be.linear_backward_weight(g.qkv_w, g.qkv_b, s.dqkv, b.ln1);
-  be.layer_norm_backward(s.dres, g.norm1_w, g.norm1_b, s.dtmp, b.x_in, b.mean1, b.rstd1, w.norm1_w);
+  cfg.tower->norm_backward(be, s.dres, g.norm1_w, g.norm1_b, s.dtmp, b.x_in, b.mean1, b.rstd1,
+                           w.norm1_w);
 }
 
 void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                            VisionBlockWeights& g, const VisionBlockBuffers& b,
                            const VisionSegments& seg, const VisionGradScratch& s) {
-  vision_mlp_backward(be, w, g, b, s);
+  vision_mlp_backward(be, cfg, w, g, b, s);
   vision_attention_backward(be, cfg, w, g, b, seg, s);
 }
 
@@ -183,11 +173,16 @@ VisionCall plan_vision_call(const VisionConfig& cfg, const std::vector<GridTHW>&
                "image grid [", t, ", ", h, ", ", w, "] makes the call exceed ", limit, " patches");
     call.n_patches += t * h * w;
     segments += t;
+    if (cfg.window_units() > 0)
+      call.n_windows += static_cast<int>(vision_window_count(t, h, w, m, cfg.window_units()));
   }
   call.rows = padded_rows > 0 ? padded_rows : call.n_patches;
   IRIS_CHECK(call.rows >= call.n_patches, "vision padding to ", call.rows,
              " rows is smaller than the ", call.n_patches, " patches of this call");
-  if (call.rows > call.n_patches) ++segments;  // the padding rows' own segment
+  if (call.rows > call.n_patches) {
+    ++segments;  // the padding rows' own segment
+    if (cfg.window_units() > 0) ++call.n_windows;
+  }
   if (segment_capacity > 0)
     IRIS_CHECK(segments <= segment_capacity, "this encoder call has ", segments,
                " segments but the buffer holds ", segment_capacity,
@@ -207,6 +202,32 @@ void pack_vision_grids(const std::vector<GridTHW>& grids, int capacity, std::vec
                  "image grid entry ", grids[i][k], " does not fit the device's i32 grids");
       out[1 + 3 * i + k] = static_cast<int32_t>(grids[i][k]);
     }
+}
+
+int vision_window_capacity(const VisionConfig& cfg, int64_t rows) {
+  // Every window holds at least one merged unit, and padding takes one more segment.
+  return cfg.window_units() > 0 ? static_cast<int>(rows / cfg.merge_unit()) + 1 : 0;
+}
+
+std::vector<int32_t> vision_unit_order(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                                       int64_t rows) {
+  if (cfg.window_units() == 0) return {};
+  std::vector<int32_t> packed;
+  pack_vision_grids(grids, static_cast<int>(std::max<size_t>(grids.size(), 1)), packed);
+  std::vector<int32_t> order =
+      vision_window_index(packed.data(), cfg.spatial_merge_size, cfg.window_units());
+  // Padding rows stay where they are.
+  for (int64_t u = static_cast<int64_t>(order.size()); u < rows / cfg.merge_unit(); ++u)
+    order.push_back(static_cast<int32_t>(u));
+  return order;
+}
+
+void to_window_order(const VisionConfig& cfg, const std::vector<int32_t>& unit_order,
+                     const float* pixels, float* out) {
+  const size_t unit_floats = static_cast<size_t>(cfg.merge_unit()) * cfg.patch_dim();
+  for (size_t i = 0; i < unit_order.size(); ++i)
+    std::copy_n(pixels + static_cast<size_t>(unit_order[i]) * unit_floats, unit_floats,
+                out + i * unit_floats);
 }
 
 VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
@@ -234,9 +255,12 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
   out.pos_weight = in.pos_weight.data();
   out.cu_seqlens = in.cu_seqlens.data();
   out.real_rows = &real_rows;
+  std::vector<int32_t> window_cu(static_cast<size_t>(vision_window_capacity(cfg, in.rows)) + 1);
+  out.window_cu = window_cu.data();
   vision_tables_host(out, packed.data(), capacity, in.rows, hd,
                      vision_rope_inv_freq(hd, cfg.rope_theta), cfg.spatial_merge_size,
-                     cfg.position_grid_side());
+                     cfg.position_grid_side(), cfg.window_units(),
+                     vision_window_capacity(cfg, in.rows));
   if (segment_capacity <= 0) in.cu_seqlens.resize(static_cast<size_t>(in.n_segments) + 1);
   return in;
 }
@@ -249,6 +273,9 @@ VisionEncoder::VisionEncoder(Backend& backend, const VisionConfig& cfg,
              " must be a positive multiple of ", unit);
   IRIS_CHECK(max_segments > 0, "vision encoder needs at least one segment");
   inv_freq_ = vision_rope_inv_freq(cfg.head_dim(), cfg.rope_theta);
+  n_windows_ = vision_window_capacity(cfg, max_rows);
+  if (cfg.window_units() > 0)
+    window_pixels_.reserve(static_cast<size_t>(max_rows * cfg.patch_dim()));
   grids_host_.assign(static_cast<size_t>(vision_grids_numel(max_segments)), 0);
   Arena plan;
   allocate(plan);
@@ -268,14 +295,20 @@ void VisionEncoder::allocate(Arena& a) {
   pos_weight_ = a.alloc(DType::f32, {S, 4});
   cu_seqlens_ = a.alloc(DType::i32, {max_segments_ + 1});
   real_rows_ = a.alloc(DType::i32, {1});
+  const bool windows = cfg_.window_units() > 0;
+  window_cu_ = windows ? a.alloc(DType::i32, {vision_window_capacity(cfg_, S) + 1}) : Tensor();
+  unit_order_ = windows ? a.alloc(DType::i32, {Sm}) : Tensor();
   x_ = a.alloc(dt, {S, D});
   xn_ = a.alloc(dt, {S, D});
   qkv_ = a.alloc(dt, {S, 3 * D});
   attn_ = a.alloc(dt, {S, D});
-  mlp_ = a.alloc(dt, {S, cfg_.intermediate_size});
+  const int64_t up = cfg_.tower->mlp_up_width(cfg_);
+  mlp_ = a.alloc(dt, {S, up});
+  act_ = up == cfg_.intermediate_size ? mlp_ : a.alloc(dt, {S, cfg_.intermediate_size});
   merged_norm_ = a.alloc(dt, {Sm, M});
   merger_hidden_ = a.alloc(dt, {Sm, M});
   embeds_ = a.alloc(dt, {Sm, cfg_.out_hidden_size});
+  windowed_embeds_ = windows ? a.alloc(dt, {Sm, cfg_.out_hidden_size}) : Tensor();
   deepstack_.clear();
   for (size_t i = 0; i < cfg_.deepstack_visual_indexes.size(); ++i)
     deepstack_.push_back(a.alloc(dt, {Sm, cfg_.out_hidden_size}));
@@ -292,6 +325,18 @@ VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<Gr
   pack_vision_grids(grids, max_segments_, grids_host_);
   backend_.write(grids_, grids_host_.data(), DType::i32);
   const auto t0 = std::chrono::steady_clock::now();
+  if (cfg_.window_units() > 0) {
+    // The tower computes in window order (VisionConfig::window_size): the pixel rows go up in
+    // it, and unit_order_ writes the outputs back in raster order.
+    const std::vector<int32_t> order = vision_unit_order(cfg_, grids, call.rows);
+    backend_.write(unit_order_.slice(0, static_cast<int64_t>(order.size())), order.data(),
+                   DType::i32);
+    window_pixels_.resize(static_cast<size_t>(call.n_patches * cfg_.patch_dim()));
+    const size_t real_units = static_cast<size_t>(call.n_patches / cfg_.merge_unit());
+    to_window_order(cfg_, std::vector<int32_t>(order.begin(), order.begin() + real_units),
+                    pixel_values, window_pixels_.data());
+    pixel_values = window_pixels_.data();
+  }
   backend_.write(pixels_.slice(0, call.n_patches), pixel_values, DType::f32);
   last_pixel_upload_ms_ =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -321,10 +366,10 @@ void VisionEncoder::run_embed(int64_t S) {
   // replay's images, and the host uploads no tables.
   backend_.vision_tables(cos_.slice(0, S), sin_.slice(0, S), pos_index_.slice(0, S),
                          pos_weight_.slice(0, S), cu_seqlens_, real_rows_, grids_, inv_freq_,
-                         cfg_.spatial_merge_size, cfg_.position_grid_side());
-  Tensor x = x_.slice(0, S);
-  backend_.linear(x, pixels_.slice(0, S), w_.patch_w, w_.patch_b, false);
-  backend_.add_interpolated_rows(x, w_.pos_embed, pos_index_.slice(0, S), pos_weight_.slice(0, S));
+                         cfg_.spatial_merge_size, cfg_.position_grid_side(), window_cu_,
+                         cfg_.window_units());
+  cfg_.tower->embed(backend_, w_, x_.slice(0, S), pixels_.slice(0, S), pos_index_.slice(0, S),
+                    pos_weight_.slice(0, S));
 }
 
 void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_beside_layers) {
@@ -333,9 +378,12 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_besi
   b.ln1 = b.ln2 = xn_.slice(0, S);
   b.qkv = qkv_.slice(0, S);
   b.attn = attn_.slice(0, S);
-  b.fc1 = b.act = mlp_.slice(0, S);
-  const VisionSegments seg{cos_.slice(0, S), sin_.slice(0, S), cu_seqlens_, n_segments, real_rows_};
-  vision_block_forward(backend_, cfg_, w_.blocks[l], b, seg);
+  b.fc1 = mlp_.slice(0, S);
+  b.act = act_.slice(0, S);
+  VisionSegments seg{cos_.slice(0, S), sin_.slice(0, S), cu_seqlens_, n_segments, real_rows_};
+  seg.window_cu = window_cu_;
+  seg.n_windows = n_windows_;
+  vision_block_forward(backend_, cfg_, w_.blocks[l], b, seg.for_block(cfg_, l));
   const Tensor x = b.x_out;
   const auto& taps = cfg_.deepstack_visual_indexes;
   const auto tap = std::find(taps.begin(), taps.end(), l);
@@ -346,8 +394,14 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_besi
 }
 
 VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
-  run_merger(w_.merger, x_, S, false, embeds_, false);
   const int64_t Sm = S / cfg_.merge_unit();
+  if (cfg_.window_units() > 0) {
+    run_merger(w_.merger, x_, S, false, windowed_embeds_, false);
+    backend_.scatter_rows(embeds_.slice(0, Sm), windowed_embeds_.slice(0, Sm),
+                          unit_order_.slice(0, Sm), false);
+  } else {
+    run_merger(w_.merger, x_, S, false, embeds_, false);
+  }
   Output out;
   out.embeds = embeds_.slice(0, Sm);
   for (const Tensor& d : deepstack_) out.deepstack.push_back(d.slice(0, Sm));

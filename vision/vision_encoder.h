@@ -16,17 +16,19 @@
 #include "core/backend.h"
 #include "core/recompute.h"
 #include "vision/vision_config.h"
+#include "vision/vision_tower.h"
 
 namespace iris {
 
 using GridTHW = std::array<int64_t, 3>;
 
+// Tensors a family's tower does not have (a norm's bias under RMSNorm) stay undefined.
 struct VisionBlockWeights {
   Tensor norm1_w, norm1_b;  // [D]
   Tensor qkv_w, qkv_b;      // [3D, D], [3D]
   Tensor proj_w, proj_b;    // [D, D], [D]
   Tensor norm2_w, norm2_b;  // [D]
-  Tensor fc1_w, fc1_b;      // [I, D], [I]
+  Tensor fc1_w, fc1_b;      // [U, D], [U]: U = VisionTower::mlp_up_width (gate then up if gated)
   Tensor fc2_w, fc2_b;      // [D, I], [D]
 };
 
@@ -37,8 +39,8 @@ struct PatchMergerWeights {
 };
 
 struct VisionWeights {
-  Tensor patch_w, patch_b;  // [D, C*Tp*P*P] (the Conv3d kernel flattened), [D]
-  Tensor pos_embed;         // [G*G, D]
+  Tensor patch_w, patch_b;  // [D, C*Tp*P*P] (the Conv3d kernel flattened), [D] (Qwen3-VL only)
+  Tensor pos_embed;         // [G*G, D] (Qwen3-VL only)
   std::vector<VisionBlockWeights> blocks;
   PatchMergerWeights merger;
   std::vector<PatchMergerWeights> deepstack_mergers;
@@ -50,6 +52,7 @@ struct VisionCall {
   int64_t n_patches = 0;  // real patches, summed over images
   int64_t rows = 0;       // n_patches plus padding
   int n_segments = 0;     // segments that hold rows (image frames + the padding segment)
+  int n_windows = 0;      // with window attention: windows + the padding segment
 };
 
 // Checks `grids` (one per image, in order) and counts its rows and segments. `padded_rows` = 0
@@ -84,11 +87,22 @@ VisionInputs plan_vision_inputs(const VisionConfig& cfg, const std::vector<GridT
 
 int64_t count_patches(const std::vector<GridTHW>& grids);
 
+// Window attention (VisionConfig::window_size): the most window segments a call of `rows` rows
+// may have (0 without windows), each merged row's raster index in the window order the tower
+// computes in (empty without windows; padding rows map to themselves up to rows / merge unit),
+// and pixel rows (whole merged units) copied into that order.
+int vision_window_capacity(const VisionConfig& cfg, int64_t rows);
+std::vector<int32_t> vision_unit_order(const VisionConfig& cfg, const std::vector<GridTHW>& grids,
+                                       int64_t rows);
+void to_window_order(const VisionConfig& cfg, const std::vector<int32_t>& unit_order,
+                     const float* pixels, float* out);
+
 // ---- One definition of the tower's pieces, for inference and training -------------------------
 // Inference passes its shared scratch: x_in, x_mid and x_out are one tensor (the residual updated
-// in place), ln1 and ln2 one, fc1 and act one (the GELU fused into fc1's GEMM), and no
-// statistics. Training passes a buffer for each and the mean/rstd/lse tensors: the forward then
-// saves what the backward reads.
+// in place), ln1 and ln2 one, fc1 and act one where the MLP is not gated (the activation fused
+// into fc1's GEMM), and no statistics. fc1 is mlp_up_width wide, act intermediate_size. Training
+// passes a buffer for each and the mean/rstd/lse tensors: the forward then saves what the backward
+// reads.
 struct VisionBlockBuffers {
   Tensor x_in, ln1, mean1, rstd1, qkv, lse, attn, x_mid, ln2, mean2, rstd2, fc1, act, x_out;
   bool saves() const { return lse.defined(); }
@@ -98,6 +112,11 @@ struct VisionSegments {
   Tensor cu_seqlens;
   int n_segments = 0;
   Tensor real_rows;  // optional i32 [1]: segments starting at or past it are padding
+  // With window attention: the windows' segments, which windowed blocks attend within.
+  Tensor window_cu;
+  int n_windows = 0;
+  // The segments block l attends within (VisionConfig::windowed_block).
+  VisionSegments for_block(const VisionConfig& cfg, int l) const;
 };
 void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                           const VisionBlockBuffers& b, const VisionSegments& seg);
@@ -127,8 +146,10 @@ void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeigh
 
 // Backward scratch of the tower: dres/dtmp f32, the rest in the compute dtype; dres_c is the
 // compute-dtype copy of dres the GEMMs read (dres itself where the compute dtype is f32).
+// dfc is the activation's gradient (intermediate_size wide), dup the first projection's
+// (mlp_up_width wide; dfc itself where the widths agree).
 struct VisionGradScratch {
-  Tensor dres, dres_c, dtmp, dfc, dattn, dqkv, dsum, m_da, m_dln;
+  Tensor dres, dres_c, dtmp, dfc, dup, dattn, dqkv, dsum, m_da, m_dln;
 };
 // dres holds d(x_out) and becomes d(x_in); g receives the block's weight gradients (+=).
 void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -136,8 +157,9 @@ void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlo
                            const VisionSegments& seg, const VisionGradScratch& s);
 // vision_block_backward's halves, in the order it runs them: dres goes from d(x_out) to
 // d(x_mid), then to d(x_in).
-void vision_mlp_backward(Backend& be, const VisionBlockWeights& w, VisionBlockWeights& g,
-                         const VisionBlockBuffers& b, const VisionGradScratch& s);
+void vision_mlp_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
+                         VisionBlockWeights& g, const VisionBlockBuffers& b,
+                         const VisionGradScratch& s);
 void vision_attention_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                                VisionBlockWeights& g, const VisionBlockBuffers& b,
                                const VisionSegments& seg, const VisionGradScratch& s);
@@ -205,16 +227,23 @@ class VisionEncoder {
   int64_t max_rows_;
   int max_segments_;
   Arena arena_;
-  // Static inputs (what a captured graph reads): the pixels and the grids.
-  Tensor pixels_, grids_;
+  // Static inputs (what a captured graph reads): the pixels and the grids; with window
+  // attention the pixel rows go up in window order, and unit_order_ (i32 [rows / merge unit])
+  // gives each merged row's place in raster order, so the outputs are written in raster order.
+  Tensor pixels_, grids_, unit_order_;
   // The tables run() computes from grids_ before the first block.
-  Tensor cos_, sin_, pos_index_, pos_weight_, cu_seqlens_;
+  Tensor cos_, sin_, pos_index_, pos_weight_, cu_seqlens_, window_cu_;
   Tensor real_rows_;  // i32 [1]: the real patch count; rows past it are padding
-  // Activations.
-  Tensor x_, xn_, qkv_, attn_, mlp_, merged_norm_, merger_hidden_, embeds_;
+  // Activations. act_ is mlp_ itself unless the MLP is gated; windowed_embeds_ holds the merger's
+  // output in window order.
+  Tensor x_, xn_, qkv_, attn_, mlp_, act_, merged_norm_, merger_hidden_, embeds_, windowed_embeds_;
   std::vector<Tensor> deepstack_;
-  std::vector<float> inv_freq_;      // the 2D RoPE frequencies, a kernel argument of the tables
-  std::vector<int32_t> grids_host_;  // staging for grids_, sized once
+  std::vector<float> inv_freq_;       // the 2D RoPE frequencies, a kernel argument of the tables
+  std::vector<int32_t> grids_host_;   // staging for grids_, sized once
+  std::vector<float> window_pixels_;  // staging for window-ordered pixel rows, sized once
+  // Windowed blocks attend over the whole window buffer (its unused tail is zero-length
+  // segments), so that the count, a host value, is the same for every call a graph replays.
+  int n_windows_ = 0;
   double last_pixel_upload_ms_ = 0;
 };
 
