@@ -1,8 +1,9 @@
 // Qwen2.5-VL: the Qwen2 decoder (q/k/v biases, no q/k norms) with contiguous M-RoPE sections,
 // and a vision tower of RMSNorm blocks with a gated SiLU MLP, window attention between
 // full-attention blocks, no learned position embedding and no DeepStack. The hub's checkpoints
-// are flat (text fields at the top level) and name tensors visual.* and model.*; transformers
-// 5.x's nested config and module names load too (bridge/hf_weights.cpp).
+// are flat (text fields at the top level) and name tensors visual.* and model.*; Iris's table
+// uses transformers 5.x's module names (model.visual.*, model.language_model.*), which exports
+// write, and loads either (bridge/hf_weights.cpp), as HF does.
 #include <nlohmann/json.hpp>
 
 #include "bridge/architecture.h"
@@ -71,7 +72,7 @@ class Qwen25VL final : public Architecture {
     const int64_t D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
                   out = v.out_hidden_size;
     VisionWeights& vw = w.vision;
-    const std::string vis = "visual.";
+    const std::string vis = "model.visual.";
     t.add(vis + "patch_embed.proj.weight", vw.patch_w, {D, v.patch_dim()},
           {D, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size});
     vw.blocks.resize(static_cast<size_t>(v.depth));
@@ -94,7 +95,7 @@ class Qwen25VL final : public Architecture {
     t.norm(vis + "merger.ln_q", vw.merger.norm_w, nullptr, D);
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);
     t.linear(vis + "merger.mlp.2", vw.merger.fc2_w, vw.merger.fc2_b, out, M);
-    declare_decoder(cfg, w, t, "model.", DecoderTensors::qwen2);
+    declare_decoder(cfg, w, t, "model.language_model.", DecoderTensors::qwen2);
   }
 
   PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const override {

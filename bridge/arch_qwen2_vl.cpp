@@ -67,7 +67,7 @@ class Qwen2VL final : public Architecture {
     const int64_t D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
                   out = v.out_hidden_size;
     VisionWeights& vw = w.vision;
-    const std::string vis = "visual.";
+    const std::string vis = "model.visual.";
     t.add(vis + "patch_embed.proj.weight", vw.patch_w, {D, v.patch_dim()},
           {D, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size});
     vw.blocks.resize(static_cast<size_t>(v.depth));
@@ -84,7 +84,7 @@ class Qwen2VL final : public Architecture {
     t.norm(vis + "merger.ln_q", vw.merger.norm_w, &vw.merger.norm_b, D);
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);
     t.linear(vis + "merger.mlp.2", vw.merger.fc2_w, vw.merger.fc2_b, out, M);
-    declare_decoder(cfg, w, t, "model.", DecoderTensors::qwen2);
+    declare_decoder(cfg, w, t, "model.language_model.", DecoderTensors::qwen2);
   }
 
   PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const override {

@@ -33,6 +33,7 @@ void WeightTable::linear(const std::string& prefix, Tensor& w, Tensor& b, int64_
 
 void WeightTable::norm(const std::string& prefix, Tensor& w, Tensor* b, int64_t n) {
   add(prefix + ".weight", w, {n});
+  w_.bindings.back().norm_weight = true;
   if (b != nullptr) add(prefix + ".bias", *b, {n});
 }
 
@@ -47,7 +48,7 @@ void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
   for (int l = 0; l < tc.num_hidden_layers; ++l) {
     const std::string pre = prefix + "layers." + std::to_string(l) + ".";
     DecoderLayerWeights& L = tw.layers[l];
-    t.add(pre + "input_layernorm.weight", L.input_norm_w, {H});
+    t.norm(pre + "input_layernorm", L.input_norm_w, nullptr, H);
     t.add_stacked(L.qkv_w, {qw + 2 * kvw, H});
     t.part(pre + "self_attn.q_proj.weight", {qw, H}, L.qkv_w, 0);
     t.part(pre + "self_attn.k_proj.weight", {kvw, H}, L.qkv_w, qw);
@@ -60,16 +61,16 @@ void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
     }
     t.add(pre + "self_attn.o_proj.weight", L.o_w, {H, qw});
     if (kind == DecoderTensors::qwen3) {
-      t.add(pre + "self_attn.q_norm.weight", L.q_norm_w, {hd});
-      t.add(pre + "self_attn.k_norm.weight", L.k_norm_w, {hd});
+      t.norm(pre + "self_attn.q_norm", L.q_norm_w, nullptr, hd);
+      t.norm(pre + "self_attn.k_norm", L.k_norm_w, nullptr, hd);
     }
-    t.add(pre + "post_attention_layernorm.weight", L.post_norm_w, {H});
+    t.norm(pre + "post_attention_layernorm", L.post_norm_w, nullptr, H);
     t.add_stacked(L.gate_up_w, {2 * It, H});
     t.part(pre + "mlp.gate_proj.weight", {It, H}, L.gate_up_w, 0);
     t.part(pre + "mlp.up_proj.weight", {It, H}, L.gate_up_w, It);
     t.add(pre + "mlp.down_proj.weight", L.down_w, {H, It});
   }
-  t.add(prefix + "norm.weight", tw.norm_w, {H});
+  t.norm(prefix + "norm", tw.norm_w, nullptr, H);
   if (!cfg.tie_word_embeddings) t.add("lm_head.weight", tw.lm_head, {V, H});
 }
 

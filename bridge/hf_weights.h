@@ -22,6 +22,8 @@ struct WeightBinding {
   std::vector<int64_t> hf_shape;
   Tensor* target = nullptr;
   int64_t row_offset = 0;
+  // A norm's weight, which a fresh model starts at one.
+  bool norm_weight = false;
   // The HF tensor's rows of its target.
   Tensor tensor() const { return target->slice(row_offset, row_offset + hf_shape[0]); }
 };

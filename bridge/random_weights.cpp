@@ -21,8 +21,7 @@ void fill_random_weights(Backend& backend, ModelWeights& weights, const RandomIn
     for (int64_t d : b.hf_shape) n *= d;
     host.assign(static_cast<size_t>(n), 0.0f);
     const bool bias = b.hf_name.ends_with(".bias");
-    const bool norm =
-        !bias && b.hf_shape.size() == 1 && b.hf_name.find("norm") != std::string::npos;
+    const bool norm = b.norm_weight;
     const double std = b.hf_name.starts_with("model.visual.") ? init.vision_std : init.text_std;
     if (norm) {
       std::fill(host.begin(), host.end(), 1.0f);

@@ -129,6 +129,27 @@ TEST(AppGenerate, MultimodalGreedyMatchesHF) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["text"], g.json()["mm_greedy_text"]);
 }
 
+// Qwen2.5-VL and Qwen2-VL end to end: the PNGs through Iris's preprocessing (CLIP
+// normalisation, 14-pixel patches), the checkpoint's Qwen2-VL chat template with its default
+// system prompt, and the model, against HF's greedy ids from the processor's pixel values.
+TEST(AppGenerate, OtherFamiliesMultimodalGreedyMatchesHF) {
+  for (const char* family : {"qwen25vl-tiny", "qwen2vl-tiny"}) {
+    SCOPED_TRACE(family);
+    const std::string dir = test::data_dir() + "/" + family;
+    const test::Golden g(dir);
+    const RunResult r = run_iris("generate -m " + q(dir) + " --image " +
+                                 q(dir + "/images/image0.png") + " --image " +
+                                 q(dir + "/images/image1.png") +
+                                 " -p 'Describe these two pictures.'" + kGreedy);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(tokens_of(r.out), g.json()["mm_greedy_ids"].get<std::vector<int32_t>>());
+    const RunResult t =
+        run_iris("generate -m " + q(dir) + " -p 'Write one sentence about CUDA graphs.'" + kGreedy);
+    ASSERT_EQ(t.exit_code, 0) << t.err;
+    EXPECT_EQ(tokens_of(t.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+  }
+}
+
 TEST(AppGenerate, TextGreedyMatchesHF) {
   test::Golden g;
   const RunResult r = run_iris("generate -m " + q(test::fixture_dir()) +

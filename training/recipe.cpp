@@ -1053,7 +1053,7 @@ void validate(Recipe& r) {
     if (m.tokenizer.empty()) m.tokenizer = (fs::path(m.hf_dir) / "tokenizer.json").string();
   } else {
     r.notes.push_back(
-        "model.hf_dir is not set: training needs it (model.hf_dir=/path/to/Qwen3-VL-Instruct)");
+        "model.hf_dir is not set: training needs it (model.hf_dir=/path/to/a Qwen-VL checkpoint directory)");
     if (has_config) {
       r.model_config = from_config;
       r.model_config_json = config_text;

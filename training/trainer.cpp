@@ -342,7 +342,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   } else {
     IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
                "model.init is pretrained but model.hf_dir is not set; pass "
-               "model.hf_dir=/path/to/Qwen3-VL-Instruct (a Hugging Face checkpoint directory)");
+               "model.hf_dir=/path/to/checkpoint (a Hugging Face Qwen-VL checkpoint directory)");
     IRIS_CHECK(r.has_model_config, "no model config: set model.config or model.hf_dir");
     config_text = r.model_config_json;
     cfg = r.model_config;
