@@ -108,9 +108,9 @@ TEST_P(FamilyGolden, RegistryPicksTheArchitectureAndBothConfigLayoutsAgree) {
   EXPECT_STREQ(flat.arch->model_type(), GetParam().model_type);
   for (const ModelConfig* c : {&flat, &nested}) {
     EXPECT_FALSE(c->text.mrope_interleaved);
-    EXPECT_EQ(c->text.mrope_section, (std::array<int, 3>{1, 2, 1}));
+    EXPECT_EQ(c->text.mrope_section, (std::array<int, 3>{2, 3, 3}));
     EXPECT_EQ(c->text.hidden_size, 16);
-    EXPECT_EQ(c->text.head_dim, 8);
+    EXPECT_EQ(c->text.head_dim, 16);
     EXPECT_EQ(c->vision.hidden_size, 32);
     EXPECT_EQ(c->vision.patch_size, 14);
     EXPECT_TRUE(c->vision.deepstack_visual_indexes.empty());

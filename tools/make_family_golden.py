@@ -23,8 +23,9 @@ from PIL import Image
 TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
               vision_end_token_id=151653)
 
-# The text width is 16 so that the embedding tables (the real tokenizer needs about 152k rows)
-# keep the fixtures small: the whole working tree travels to the GPU machine.
+# The text width is 16 (one head of 16, the smallest the CUDA attention kernels take) so that the
+# embedding tables (the real tokenizer needs about 152k rows) keep the fixtures small: the whole
+# working tree travels to the GPU machine.
 PRESETS = {
     # Three vision blocks, the middle one full attention between two windowed ones; images of
     # 5x7 and 9x3 merged units give 4 and 3 windows of 4x4 units (window_size 112 = 4 units of
@@ -33,7 +34,7 @@ PRESETS = {
         seed=1, arch="Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl",
         vocab=152064, tie=False,
         text=dict(hidden_size=16, intermediate_size=48, num_hidden_layers=3,
-                  num_attention_heads=2, num_key_value_heads=1, mrope_section=[1, 2, 1],
+                  num_attention_heads=1, num_key_value_heads=1, mrope_section=[2, 3, 3],
                   rope_theta=1000000.0),
         vision=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=16,
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
@@ -44,7 +45,7 @@ PRESETS = {
         seed=2, arch="Qwen2VLForConditionalGeneration", model_type="qwen2_vl",
         vocab=151936, tie=True,
         text=dict(hidden_size=16, intermediate_size=48, num_hidden_layers=3,
-                  num_attention_heads=2, num_key_value_heads=1, mrope_section=[1, 2, 1],
+                  num_attention_heads=1, num_key_value_heads=1, mrope_section=[2, 3, 3],
                   rope_theta=1000000.0),
         vision=dict(depth=3, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=16,
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
