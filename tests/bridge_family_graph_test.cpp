@@ -142,12 +142,14 @@ TEST_P(FamilyGraphs, CudaGoldensWithinBf16Tolerance) {
   const auto ids = ids_of(golden_->tensor("input_ids"));
   const int n_hidden = m.config().text.num_hidden_layers + 1;
   std::vector<std::vector<float>> hidden(static_cast<size_t>(n_hidden));
-  m.prefill(ids, [&](int i, int64_t, const Tensor& rows) { hidden[i] = read_f32(*backend_, rows); });
+  m.prefill(ids,
+            [&](int i, int64_t, const Tensor& rows) { hidden[i] = read_f32(*backend_, rows); });
   for (int l = 0; l < n_hidden; ++l)
     EXPECT_LE(rel_l2(hidden[l], golden_->tensor("mm.hidden." + std::to_string(l)).to_f32()), 0.03)
         << "mm.hidden." << l;
   const int64_t V = m.config().text.vocab_size;
-  const HostTensor top_ids = golden_->tensor("mm.top8_ids"), top = golden_->tensor("mm.top8_values");
+  const HostTensor top_ids = golden_->tensor("mm.top8_ids"),
+                   top = golden_->tensor("mm.top8_values");
   for (size_t r = 0; r < ids.size(); ++r)
     for (int k = 0; k < 8; ++k) {
       const float want = top.data<float>()[r * 8 + k];
@@ -157,14 +159,15 @@ TEST_P(FamilyGraphs, CudaGoldensWithinBf16Tolerance) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Families, FamilyGraphs,
-    ::testing::Combine(::testing::Values("qwen25vl-tiny", "qwen2vl-tiny"), ::testing::Bool()),
-    [](const ::testing::TestParamInfo<std::tuple<const char*, bool>>& i) {
-      return std::string(std::get<0>(i.param) == std::string("qwen25vl-tiny") ? "qwen2_5_vl"
-                                                                               : "qwen2_vl") +
-             (std::get<1>(i.param) ? "_cuda" : "_cpu");
-    });
+INSTANTIATE_TEST_SUITE_P(Families, FamilyGraphs,
+                         ::testing::Combine(::testing::Values("qwen25vl-tiny", "qwen2vl-tiny"),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<const char*, bool>>& i) {
+                           return std::string(std::get<0>(i.param) == std::string("qwen25vl-tiny")
+                                                  ? "qwen2_5_vl"
+                                                  : "qwen2_vl") +
+                                  (std::get<1>(i.param) ? "_cuda" : "_cpu");
+                         });
 
 }  // namespace
 }  // namespace iris

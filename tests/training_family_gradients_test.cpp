@@ -1,6 +1,8 @@
-// One training step of Qwen2.5-VL and Qwen2-VL on the CPU against HF transformers autograd
-// (tools/make_family_golden.py, fp32): the mean loss and every parameter's gradient, each within
-// 1e-4 in relative L2, through the same per-architecture files that inference uses.
+// One training step of Qwen2.5-VL and Qwen2-VL against HF transformers autograd
+// (tools/make_family_golden.py, fp32): the mean loss and every parameter's gradient in relative
+// L2, through the same per-architecture files that inference uses. On the CPU (fp32) within
+// 1e-4; on CUDA (bf16 weights and activations, f32 gradients) within the Qwen3-VL CUDA goldens'
+// 3% (tests/training_gradients_test.cpp says why) and the loss within 1%.
 #include <cmath>
 
 #include "bridge/hf_weights.h"
@@ -14,12 +16,15 @@ namespace {
 
 using test::Golden;
 
-class FamilyGradients : public ::testing::TestWithParam<const char*> {};
+class FamilyGradients : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
 
 TEST_P(FamilyGradients, LossAndEveryGradientMatchHF) {
-  const std::string dir = test::data_dir() + "/" + GetParam();
+  const bool cuda = std::get<1>(GetParam());
+  if (cuda && !cuda_available()) GTEST_SKIP() << "no GPU";
+  const double grad_tol = cuda ? 0.03 : 1e-4, loss_tol = cuda ? 1e-2 : 1e-5;
+  const std::string dir = test::data_dir() + "/" + std::get<0>(GetParam());
   const Golden golden(dir);
-  auto backend = make_cpu_backend();
+  auto backend = cuda ? make_cuda_backend(0) : make_cpu_backend();
   const ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
   auto params = load_weights(*backend, cfg, dir);
   TrainLimits limits;
@@ -33,7 +38,7 @@ TEST_P(FamilyGradients, LossAndEveryGradientMatchHF) {
   const LossStats stats =
       model.forward_backward(sample, 1.0f / static_cast<float>(labelled_positions(sample.labels)));
   const double want_loss = golden.json()["loss"].get<double>();
-  EXPECT_NEAR(stats.loss_sum / double(stats.n_tokens), want_loss, 1e-5 * want_loss);
+  EXPECT_NEAR(stats.loss_sum / double(stats.n_tokens), want_loss, loss_tol * want_loss);
 
   const HostTensor vocab_rows = golden.tensor("grad_rows_of_vocab");
   const int64_t V = cfg.text.vocab_size;
@@ -42,8 +47,8 @@ TEST_P(FamilyGradients, LossAndEveryGradientMatchHF) {
     // Iris names tensors as transformers 5.x's modules do, whatever layout the file had.
     const std::string name = "grad." + b.hf_name;
     ASSERT_TRUE(golden.has(name)) << name;
-    const Tensor g = b.tensor();
-    std::vector<float> got(g.as<float>(), g.as<float>() + g.numel());
+    std::vector<float> got(static_cast<size_t>(b.tensor().numel()));
+    backend->read(got.data(), DType::f32, b.tensor());
     if (b.hf_shape.size() == 2 && b.hf_shape[0] == V) {
       // Vocabulary-sized gradients: the golden keeps the rows of the prompt's ids and a stride.
       std::vector<float> rows;
@@ -62,7 +67,7 @@ TEST_P(FamilyGradients, LossAndEveryGradientMatchHF) {
       norm += double(want[i]) * want[i];
     }
     EXPECT_GT(norm, 0.0) << name << " has an all-zero golden gradient";
-    EXPECT_LE(std::sqrt(diff), 1e-4 * std::sqrt(norm)) << name;
+    EXPECT_LE(std::sqrt(diff), grad_tol * std::sqrt(norm)) << name;
     ++checked;
   }
   // Every parameter HF has is one Iris trains (the fused q/k/v and gate/up count per part).
@@ -73,10 +78,13 @@ TEST_P(FamilyGradients, LossAndEveryGradientMatchHF) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyGradients,
-                         ::testing::Values("qwen25vl-tiny", "qwen2vl-tiny"),
-                         [](const ::testing::TestParamInfo<const char*>& i) {
-                           return std::string(i.param) == "qwen25vl-tiny" ? "qwen2_5_vl"
-                                                                          : "qwen2_vl";
+                         ::testing::Combine(::testing::Values("qwen25vl-tiny", "qwen2vl-tiny"),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<const char*, bool>>& i) {
+                           return std::string(std::get<0>(i.param) == std::string("qwen25vl-tiny")
+                                                  ? "qwen2_5_vl"
+                                                  : "qwen2_vl") +
+                                  (std::get<1>(i.param) ? "_cuda" : "_cpu");
                          });
 
 }  // namespace
