@@ -16,6 +16,7 @@
 
 #include "apps/bench_common.h"
 #include "apps/commands.h"
+#include "bridge/model_flops.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/qwen3vl_model.h"
 #include "bridge/random_weights.h"
@@ -106,22 +107,15 @@ VisionGemms vision_gemms(const VisionConfig& v, int64_t S) {
           1 + static_cast<int>(v.deepstack_visual_indexes.size())};
 }
 
-// Forward FLOPs of the vision tower for the given grids (GEMMs + attention), 2 per MAC.
+// Forward FLOPs of the vision tower with its mergers for the given grids, and of the decoder
+// for T new tokens after `past` cached ones: the count the trainer's MFU uses
+// (bridge/model_flops.h).
 double vision_flops(const VisionConfig& v, const std::vector<GridTHW>& grids) {
-  double f = vision_gemms(v, count_patches(grids)).flops();
-  for (const auto& g : grids) {
-    const double s = double(g[0]) * g[1] * g[2];
-    f += v.depth * 4.0 * s * s * v.hidden_size;  // QK^T and PV within the image
-  }
-  return f;
+  return vision_tower_flops(v, grids).total() + merger_flops(v, count_patches(grids));
 }
 
-// Decoder FLOPs for T new tokens after `past` cached ones (lm_head on `logit_rows` rows).
 double text_flops(const TextConfig& t, double T, double past, double logit_rows) {
-  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
-  const double per_token = 2.0 * (H * (q + 2 * kv) + q * H + 3 * H * I);
-  const double attn = 4.0 * q * (T * past + T * (T + 1) / 2);  // causal QK^T and PV
-  return t.num_hidden_layers * (T * per_token + attn) + logit_rows * 2.0 * H * t.vocab_size;
+  return decoder_flops(t, T, past, logit_rows).total();
 }
 
 double text_weight_bytes(const TextConfig& t, size_t elem) {

@@ -1,5 +1,7 @@
 #include "training/metrics_log.h"
 
+#include "bridge/model_flops.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -339,26 +341,12 @@ std::string run_summary_json(const RunSummary& r) {
 }
 
 double training_flops(const ModelConfig& cfg, const SampleShape& shape, const TrainedParts& parts) {
-  const VisionConfig& v = cfg.vision;
-  const TextConfig& t = cfg.text;
-  const double D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
-               out = v.out_hidden_size;
-  double vis_w = 0, vis_att = 0, merge_w = 0;
-  for (const GridTHW& g : shape.grids) {
-    const double frame = static_cast<double>(g[1] * g[2]);
-    const double S = static_cast<double>(g[0]) * frame;
-    // The MLP's first projection is mlp_up_width wide (twice I when gated), its second I.
-    const double up = static_cast<double>(v.tower->mlp_up_width(v));
-    vis_w += 2 * S * v.patch_dim() * D + v.depth * 2 * S * (4 * D * D + D * up + D * I);
-    vis_att += v.depth * 4 * S * frame * D;
-    const double merged = S / v.merge_unit();
-    merge_w += (1.0 + v.deepstack_visual_indexes.size()) * 2 * merged * (M * M + M * out);
-  }
-  const double T = static_cast<double>(shape.tokens);
-  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), It = t.intermediate_size;
-  const double lm_w = t.num_hidden_layers * 2 * T * (H * (q + 2 * kv) + q * H + 3 * H * It) +
-                      2 * static_cast<double>(shape.logit_rows) * H * t.vocab_size;
-  const double lm_att = t.num_hidden_layers * 4 * q * T * (T + 1) / 2;
+  const ForwardFlops vision = vision_tower_flops(cfg.vision, shape.grids);
+  const double vis_w = vision.gemm, vis_att = vision.attention;
+  const double merge_w = merger_flops(cfg.vision, count_patches(shape.grids));
+  const ForwardFlops text = decoder_flops(cfg.text, static_cast<double>(shape.tokens), 0,
+                                          static_cast<double>(shape.logit_rows));
+  const double lm_w = text.gemm, lm_att = text.attention;
 
   const bool vis_flow = parts.vision_tower;
   const bool merge_flow = vis_flow || parts.merger;
