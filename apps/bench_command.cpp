@@ -336,7 +336,9 @@ int run_bench_command(int argc, char** argv) {
   const int64_t prefill_short = quick ? 32 : 512, prefill_long = quick ? 128 : 4096,
                 decode_context = quick ? 64 : 1024, decode_steps = quick ? 8 : 64, ttft_text = 32;
   const int64_t P = cfg.vision.patch_size;
-  auto grid_of = [&](int64_t side) { return GridTHW{1, side / P, side / P}; };
+  // Whole merge windows (a 14-pixel patch does not divide every side evenly by two).
+  const int64_t m = cfg.vision.spatial_merge_size;
+  auto grid_of = [&](int64_t side) { return GridTHW{1, side / (P * m) * m, side / (P * m) * m}; };
 
   ModelLimits limits;
   limits.max_context = std::max(prefill_long, decode_context + decode_steps) + 64;

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """HF transformers peer for `iris bench`: the same figures on the same geometry with random
-weights (torch, bf16, sdpa attention), printed as one JSON object on the last line.
+weights (torch, bf16, sdpa attention), printed as one JSON object on the last line. The family
+comes from the config's model_type (Qwen3-VL, Qwen2.5-VL, Qwen2-VL).
 
   python3 bench/peers/hf_transformers.py --config bench/configs/qwen3vl_2b.json
 """
 import argparse, json, time
 
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig, AutoModelForImageTextToText
 
 
 def timed(fn, iters):
@@ -28,11 +29,12 @@ def main():
     ap.add_argument("--config", required=True)
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args()
-    cfg = Qwen3VLConfig(**json.load(open(a.config)))
+    raw = json.load(open(a.config))
+    cfg = AutoConfig.for_model(**raw)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen3VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa",
-                                                            torch_dtype=torch.bfloat16)
+        model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa",
+                                                        torch_dtype=torch.bfloat16)
     model.eval()
     dev = "cuda"
     P = cfg.vision_config.patch_size
@@ -83,10 +85,11 @@ def main():
                      torch.full((n // 4,), cfg.image_token_id, device=dev),
                      torch.tensor([cfg.vision_end_token_id], device=dev), text[16:]])[None]
     mm = (ids == cfg.image_token_id).int()
+    kw = dict(input_ids=ids, pixel_values=pix, image_grid_thw=g, logits_to_keep=1)
+    if cfg.model_type == "qwen3_vl":
+        kw["mm_token_type_ids"] = mm
     with torch.no_grad():
-        t = timed(lambda: model(input_ids=ids, pixel_values=pix, image_grid_thw=g,
-                                mm_token_type_ids=mm, logits_to_keep=1).logits.argmax(-1).item(),
-                  a.iters)
+        t = timed(lambda: model(**kw).logits.argmax(-1).item(), a.iters)
     out["ttft_ms"] = t * 1e3
     out["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(out))
