@@ -27,8 +27,8 @@ using test::all_grads;
 // Three samples of different shapes: the golden one (an image), the same with more text, and a
 // text-only one.
 struct Samples {
-  explicit Samples(const ModelConfig& cfg) {
-    test::Golden golden;
+  explicit Samples(const ModelConfig& cfg, const std::string& dir = test::fixture_dir()) {
+    const test::Golden golden(dir);
     image = test::golden_sample(golden);
     longer = image;
     for (int i = 0; i < 37; ++i) {
@@ -79,12 +79,12 @@ std::vector<std::vector<const TrainSample*>> schedule(const Samples& s) {
 
 class TrainingGraphs : public ::testing::Test {
  protected:
-  void load(std::unique_ptr<Backend> be) {
+  void load(std::unique_ptr<Backend> be, const std::string& dir = test::fixture_dir()) {
     be_ = std::move(be);
     be_->set_gemm_autotune(false);
-    cfg_ = ModelConfig::from_file(test::fixture_dir() + "/config.json");
-    params_ = load_weights(*be_, cfg_, test::fixture_dir());
-    samples_ = std::make_unique<Samples>(cfg_);
+    cfg_ = ModelConfig::from_file(dir + "/config.json");
+    params_ = load_weights(*be_, cfg_, dir);
+    samples_ = std::make_unique<Samples>(cfg_, dir);
   }
 
   // Runs the schedule, a step at a time (grads zeroed per step), and returns per step the loss
@@ -233,6 +233,31 @@ TEST_F(TrainingGraphs, PaddingToBucketsChangesNoLossOrGradientBeyondRounding) {
 TEST_F(TrainingGraphs, EveryGraphSettingReplaysEagerBitForBitThroughTheStandIn) {
   load(make_cpu_backend());
   expect_graphs_replay_eager(false, all_modes());
+}
+
+// Qwen2.5-VL: its windowed vision blocks pad to buckets (the padding a window of its own) with
+// no change beyond rounding, and replay eager bit for bit in vision and whole-step graphs.
+TEST_F(TrainingGraphs, Qwen25VLWindowsPadAndReplayEagerBitForBit) {
+  load(make_cpu_backend(), test::data_dir() + "/qwen25vl-tiny");
+  ASSERT_GT(cfg_.vision.window_units(), 0);
+  TrainableQwen3VL plain(*be_, cfg_, *params_, base_limits());
+  TrainableQwen3VL padded(*be_, cfg_, *params_, padded_limits(*samples_));
+  for (const auto& mb : schedule(*samples_)) {
+    plain.zero_grads();
+    padded.zero_grads();
+    const LossStats a = plain.forward_backward(mb, 1.0f / 64);
+    const LossStats b = padded.forward_backward(mb, 1.0f / 64);
+    EXPECT_NEAR(a.loss_sum, b.loss_sum, 2e-6 * std::abs(a.loss_sum));
+    const auto ga = all_grads(plain), gb = all_grads(padded);
+    for (size_t k = 0; k < ga.size(); ++k) {
+      float scale = 0;
+      for (float v : ga[k]) scale = std::max(scale, std::abs(v));
+      EXPECT_TRUE(test::all_close(gb[k], ga[k], 1e-4f, 1e-5f * scale + 1e-12f))
+          << plain.grads().bindings[k].hf_name;
+    }
+  }
+  EXPECT_GT(padded.padding_stats().padded_patches, padded.padding_stats().patches);
+  expect_graphs_replay_eager(false, {all_modes()[0], all_modes()[2], all_modes()[3]});
 }
 
 TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {
