@@ -22,6 +22,7 @@
 #include "core/safetensors.h"
 #include "core/splitmix.h"
 #include "language/tokenizer.h"
+#include "process_util.h"
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
@@ -299,10 +300,14 @@ TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
     fs::copy_file(fs::path(test::fixture_dir()) / f, ckpt / f);
   // The user's own folder named like the temporary an export once used, and cleared.
   const fs::path out = root_ / "hf";
+  // What an export killed with SIGKILL left beside the target: the next export removes it.
+  const std::string killed = test::temp_dir_of_killed_process((root_ / "hf-old").string());
+  ASSERT_TRUE(fs::is_directory(killed)) << killed;
   fs::create_directories(root_ / "hf.tmp");
   write_file_atomic((root_ / "hf.tmp" / "notes.txt").string(), "mine");
   export_checkpoint(ckpt.string(), out.string());
   EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(killed));
   EXPECT_EQ(read_text_file((root_ / "hf.tmp" / "notes.txt").string()), "mine");
   // Nothing else is left beside the target.
   std::vector<std::string> names;
@@ -324,6 +329,25 @@ TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
   for (const auto& e : fs::directory_iterator(root_)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"hf", "hf.tmp", "step_0000001"}));
+}
+
+TEST_F(CheckpointTest, ALockFileThatIsALinkIsRefusedAndItsTargetKept) {
+  const fs::path run = root_ / "run", victim = root_ / "notes.txt";
+  fs::create_directories(run);
+  write_file_atomic(victim.string(), "precious");
+  fs::create_symlink(victim, run / "iris.lock");
+  const std::string msg = test::error_of([&] { RunLock lock(run.string()); });
+  EXPECT_NE(msg.find((run / "iris.lock").string() + " is a symbolic link"), std::string::npos)
+      << msg;
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
+  // A run directory's own debris is cleaned, and so is what a killed export left beside it.
+  const std::string beside = test::temp_dir_of_killed_process((root_ / "hf").string());
+  const std::string inside = test::temp_dir_of_killed_process((run / "hf").string());
+  ASSERT_TRUE(fs::is_directory(beside) && fs::is_directory(inside));
+  remove_checkpoint_debris(run.string());
+  EXPECT_FALSE(fs::exists(beside));
+  EXPECT_FALSE(fs::exists(inside));
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
 }
 
 TEST_F(CheckpointTest, TrainerStateRoundTrips) {
