@@ -111,11 +111,16 @@ TEST_F(CheckpointTest, AWriterThatDiesLeavesATemporaryThatIsNeverTaken) {
   EXPECT_TRUE(fs::is_directory(run + "/step_0000002.tmp"));
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000001");
   EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{1}));
-  // A leftover temporary `latest` is debris too.
+  // A leftover temporary `latest`, or of another file the run keeps, is debris too; the user's
+  // own files are not.
   write_file_atomic(run + "/latest.tmp.12345", "step_0000002\n");
+  write_file_atomic(run + "/resolved_config.yaml.tmp.a1B2c3", "half");
+  write_file_atomic(run + "/notes.txt.tmp.a1B2c3", "mine");
   remove_checkpoint_debris(run);
   EXPECT_FALSE(fs::exists(run + "/step_0000002.tmp"));
   EXPECT_FALSE(fs::exists(run + "/latest.tmp.12345"));
+  EXPECT_FALSE(fs::exists(run + "/resolved_config.yaml.tmp.a1B2c3"));
+  EXPECT_EQ(read_text_file(run + "/notes.txt.tmp.a1B2c3"), "mine");
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000001");
   commit_checkpoint(run, 2, [&](const std::string& d) { fill_minimal(d, 2); });
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000002");

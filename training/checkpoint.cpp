@@ -248,9 +248,12 @@ void remove_checkpoint_debris(const std::string& run_dir) {
     const bool tmp_dir = e.is_directory() && name.size() > 4 &&
                          name.compare(name.size() - 4, 4, ".tmp") == 0 &&
                          parse_checkpoint_name(name.substr(0, name.size() - 4), step);
-    // write_file_atomic's temporary: latest.tmp.<pid>.
-    const bool tmp_latest = !e.is_directory() && name.rfind(std::string(kLatest) + ".tmp.", 0) == 0;
-    if (tmp_dir || tmp_latest) debris.push_back(e.path());
+    // write_file_atomic's temporary of a file the run keeps here: latest.tmp.XXXXXX,
+    // resolved_config.yaml.tmp.XXXXXX, ...
+    const size_t tmp_at = name.rfind(".tmp.");
+    const bool tmp_file = !e.is_directory() && !e.is_symlink() && tmp_at != std::string::npos &&
+                          tmp_at > 0 && is_run_directory_entry(name.substr(0, tmp_at));
+    if (tmp_dir || tmp_file) debris.push_back(e.path());
   }
   for (const fs::path& p : debris) fs::remove_all(p);
   // What a killed export (or anything else built under an OwnedTempDir) left in the run directory
