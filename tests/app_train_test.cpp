@@ -258,6 +258,58 @@ TEST_F(AppTrainTest, OutputsStayWhereTheyArePointedAndNoWriteFollowsALink) {
   EXPECT_EQ(winners, 1);
 }
 
+// Ctrl-C or SIGTERM during an export removes its partial copy on the way out. The checkpoint's one
+// large (sparse) tensor keeps the export busy long enough for the signal to land mid-way.
+TEST_F(AppTrainTest, AnExportStoppedBySigintOrSigtermLeavesNothingBehind) {
+  const fs::path ckpt = root_ / "step_0000001";
+  fs::create_directories(ckpt);
+  for (const char* f : {"config.json", "tokenizer.json"})
+    fs::copy_file(fs::path(test::fixture_dir()) / f, ckpt / f);
+  write_file_atomic((ckpt / "trainer_state.json").string(), "{}");
+  constexpr int64_t kElements = int64_t{1} << 25;
+  std::string header = "{\"big\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(kElements) +
+                       "],\"data_offsets\":[0," + std::to_string(kElements * 4) + "]}}";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    head[static_cast<size_t>(i)] = static_cast<char>(header.size() >> (8 * i));
+  const fs::path weights = ckpt / "model.safetensors";
+  write_file_atomic(weights.string(), head + header);
+  fs::resize_file(weights, fs::file_size(weights) + kElements * 4);  // zeros, sparse
+
+  for (const int sig : {SIGINT, SIGTERM}) {
+    const fs::path out = root_ / ("hf_" + std::to_string(sig));
+    const std::string log = (root_ / ("export_" + std::to_string(sig) + ".txt")).string();
+    // A shell starts background jobs with SIGINT ignored, which the export would inherit and
+    // keep (as it should: that is nohup's contract).
+    const auto inherited = std::signal(sig, SIG_DFL);
+    const pid_t pid = spawn_iris({"export", ckpt.string(), out.string()}, log);
+    std::signal(sig, inherited);
+    const std::string prefix = out.filename().string() + ".iris-tmp.";
+    const auto temporaries = [&] {
+      int n = 0;
+      for (const auto& e : fs::directory_iterator(root_))
+        n += e.path().filename().string().rfind(prefix, 0) == 0;
+      return n;
+    };
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (temporaries() == 0 && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_GT(temporaries(), 0) << "the export never started";
+    ASSERT_EQ(::kill(pid, sig), 0);
+    const Exit e = wait_exit(pid, log);
+    ASSERT_NE(e.code, 0) << "the export ended before the signal came: " << e.output;
+    EXPECT_EQ(e.signal, 0) << e.output;
+    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_NE(
+        e.output.find(std::string("was stopped by ") + (sig == SIGINT ? "SIGINT" : "SIGTERM")),
+        std::string::npos)
+        << e.output;
+    EXPECT_EQ(temporaries(), 0);
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
   constexpr int kIters = 10;
   const std::string recipe = write_recipe(kIters);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -447,7 +448,49 @@ TrainerState load_trainer_state(const std::string& path) {
 namespace {
 
 // Writes the exported files of checkpoint `src` into the (new, empty) directory `tmp`.
-void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
+volatile std::sig_atomic_t g_export_signal = 0;
+extern "C" void on_export_signal(int sig) {
+  g_export_signal = sig;
+}
+
+// SIGINT or SIGTERM during an export ends it at its next check with an error, so that its
+// temporary is removed on the way out rather than left for the next command. SA_RESETHAND: a
+// second signal ends the process at once (the next export or train in that folder removes what
+// it leaves). A signal the caller ignores (nohup) stays ignored.
+class ExportSignals {
+ public:
+  ExportSignals() {
+    g_export_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_export_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;  // reads and writes in progress go on
+    for (const auto& [sig, old] : {std::pair{SIGINT, &old_int_}, std::pair{SIGTERM, &old_term_}})
+      if (::sigaction(sig, nullptr, old) == 0 && old->sa_handler != SIG_IGN)
+        ::sigaction(sig, &sa, nullptr);
+  }
+  ~ExportSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  ExportSignals(const ExportSignals&) = delete;
+  ExportSignals& operator=(const ExportSignals&) = delete;
+
+  void check(const std::string& out) const {
+    const int sig = g_export_signal;
+    if (sig != 0)
+      IRIS_FAIL("the export to ", out, " was stopped by ", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                " before it was complete, and its partial copy was removed; run it again to "
+                "export");
+  }
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+void export_into(const std::string& src, const fs::path& tmp, DType dtype,
+                 const std::function<void()>& check_stop) {
   const std::string config_path = (fs::path(src) / "config.json").string();
   json config = read_json_file(config_path, "checkpoint config");
   IRIS_CHECK(config.is_object(), config_path, " must hold a JSON object");
@@ -481,8 +524,10 @@ void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
           dst[i] = dtype == DType::bf16 ? f32_to_bf16(f32[i]) : f32_to_f16(f32[i]);
       }
       items.push_back({name, dtype, e.shape, storage.back().data()});
+      check_stop();
     }
     write_safetensors((tmp / "model.safetensors").string(), items, {{"format", "pt"}});
+    check_stop();
   }
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                         "preprocessor_config.json", "generation_config.json"})
@@ -528,8 +573,12 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
   remove_abandoned_temp_dirs(parent.string());
   // A fresh directory beside the target, renamed onto it at the end: nothing the user already
   // had is ever written to or removed, and a failure removes the temporary.
+  // Before the temporary exists, so that a signal that finds it also finds the handler.
+  const ExportSignals signals;
   OwnedTempDir tmp(out.string());
-  export_into(src, tmp.path(), dtype);
+  const auto check_stop = [&] { signals.check(out.string()); };
+  export_into(src, tmp.path(), dtype, check_stop);
+  check_stop();
   tmp.commit();
 }
 

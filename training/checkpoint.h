@@ -146,7 +146,9 @@ TrainerState load_trainer_state(const std::string& path);
 // Makes an HF model directory from a checkpoint (or from a run directory: its latest one):
 // config.json, model.safetensors in `dtype` (bf16 by default, as HF ships Qwen3-VL), tokenizer
 // files, preprocessor_config.json, generation_config.json. out_dir must not exist; it is written
-// under a temporary name and renamed when complete.
+// under a temporary name (an OwnedTempDir) and renamed when complete. SIGINT or SIGTERM meanwhile
+// ends it with an error once the temporary is removed; what a killed export left beside out_dir
+// is removed first.
 void export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                        DType dtype = DType::bf16);
 
