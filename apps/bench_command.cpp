@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -22,6 +21,7 @@
 #include "bridge/random_weights.h"
 #include "bridge/vision_cuda_graph_helper.h"
 #include "core/arena.h"
+#include "core/fs.h"
 #include "core/graph_capture.h"
 #include "core/graph_config.h"
 
@@ -796,7 +796,7 @@ int run_bench_command(int argc, char** argv) {
           "memory_mib", ours, theirs, ours / theirs);
     }
   }
-  if (!json_out.empty()) std::ofstream(json_out) << results.dump(2) << "\n";
+  if (!json_out.empty()) write_file_atomic(json_out, results.dump(2) + "\n");
   return 0;
 }
 

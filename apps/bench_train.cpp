@@ -5,13 +5,13 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <random>
 
 #include "apps/bench_common.h"
 #include "apps/commands.h"
 #include "bridge/hf_weights.h"
 #include "bridge/random_weights.h"
+#include "core/fs.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
 #include "training/train_model.h"
@@ -230,7 +230,7 @@ int run_bench_train(int argc, char** argv) {
           "allocated)\n",
           mem_mib / 1024, p["peak_memory_gib"].get<double>());
   }
-  if (!json_out.empty()) std::ofstream(json_out) << results.dump(2) << "\n";
+  if (!json_out.empty()) write_file_atomic(json_out, results.dump(2) + "\n");
   return 0;
 }
 

@@ -198,6 +198,118 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
   EXPECT_NE(missing.output.find("does not exist"), std::string::npos);
 }
 
+TEST_F(AppTrainTest, OutputsStayWhereTheyArePointedAndNoWriteFollowsALink) {
+  const std::string recipe = write_recipe(2);
+  const fs::path notes = root_ / "notes.txt";
+  write_file_atomic(notes.string(), "precious");
+  const std::string run = "checkpoint.dir=" + (root_ / "a" / "run").string();
+  for (const std::string& arg :
+       std::vector<std::string>{"logging.metrics_file=../../notes.txt",
+                                "logging.plot=" + notes.string(), "logging.plot=/dev/full"}) {
+    const Exit e = iris({"train", "--recipe", recipe, run, arg});
+    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_NE(e.output.find("recipe: " + arg.substr(0, arg.find('='))), std::string::npos)
+        << e.output;
+  }
+  EXPECT_EQ(read_text_file(notes.string()), "precious");
+  EXPECT_FALSE(fs::exists(root_ / "a" / "run"));
+
+  // A lock file planted as a link: the run stops before writing anything through it.
+  const fs::path linked = root_ / "linked";
+  fs::create_directories(linked);
+  fs::create_symlink(notes, linked / "iris.lock");
+  const Exit locked = iris({"train", "--recipe", recipe, "checkpoint.dir=" + linked.string()});
+  EXPECT_EQ(locked.code, 1) << locked.output;
+  EXPECT_NE(locked.output.find((linked / "iris.lock").string() + " is a symbolic link"),
+            std::string::npos)
+      << locked.output;
+  EXPECT_EQ(read_text_file(notes.string()), "precious");
+
+  // iris data shapes --force over a dataset with a planted link among its images.
+  const fs::path shapes = root_ / "shapes";
+  fs::remove(shapes / "images" / "000002.png");
+  fs::create_symlink(notes, shapes / "images" / "000002.png");
+  const Exit forced = iris({"data", "shapes", "--out", shapes.string(), "--n", "6", "--force"});
+  EXPECT_EQ(forced.code, 0) << forced.output;
+  EXPECT_EQ(read_text_file(notes.string()), "precious");
+  EXPECT_FALSE(fs::is_symlink(shapes / "images" / "000002.png"));
+
+  // Four writers into one new folder: one dataset, one winner, three clear refusals.
+  const fs::path race = root_ / "race";
+  std::vector<pid_t> pids;
+  for (int w = 0; w < 4; ++w)
+    pids.push_back(spawn_iris(
+        {"data", "shapes", "--out", race.string(), "--n", "40", "--seed", std::to_string(w + 1)},
+        (root_ / ("race" + std::to_string(w) + ".txt")).string()));
+  int winners = 0;
+  for (int w = 0; w < 4; ++w) {
+    const Exit e = wait_exit(pids[static_cast<size_t>(w)],
+                             (root_ / ("race" + std::to_string(w) + ".txt")).string());
+    EXPECT_EQ(e.signal, 0) << e.output;
+    if (e.code == 0) {
+      ++winners;
+      continue;
+    }
+    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_TRUE(e.output.find("is in use by process") != std::string::npos ||
+                e.output.find("already holds a dataset") != std::string::npos)
+        << e.output;
+  }
+  EXPECT_EQ(winners, 1);
+}
+
+// Ctrl-C or SIGTERM during an export removes its partial copy on the way out. The checkpoint's one
+// large (sparse) tensor keeps the export busy long enough for the signal to land mid-way.
+TEST_F(AppTrainTest, AnExportStoppedBySigintOrSigtermLeavesNothingBehind) {
+  const fs::path ckpt = root_ / "step_0000001";
+  fs::create_directories(ckpt);
+  for (const char* f : {"config.json", "tokenizer.json"})
+    fs::copy_file(fs::path(test::fixture_dir()) / f, ckpt / f);
+  write_file_atomic((ckpt / "trainer_state.json").string(), "{}");
+  constexpr int64_t kElements = int64_t{1} << 25;
+  std::string header = "{\"big\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(kElements) +
+                       "],\"data_offsets\":[0," + std::to_string(kElements * 4) + "]}}";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    head[static_cast<size_t>(i)] = static_cast<char>(header.size() >> (8 * i));
+  const fs::path weights = ckpt / "model.safetensors";
+  write_file_atomic(weights.string(), head + header);
+  fs::resize_file(weights, fs::file_size(weights) + kElements * 4);  // zeros, sparse
+
+  for (const int sig : {SIGINT, SIGTERM}) {
+    const fs::path out = root_ / ("hf_" + std::to_string(sig));
+    const std::string log = (root_ / ("export_" + std::to_string(sig) + ".txt")).string();
+    // A shell starts background jobs with SIGINT ignored, which the export would inherit and
+    // keep (as it should: that is nohup's contract).
+    const auto inherited = std::signal(sig, SIG_DFL);
+    const pid_t pid = spawn_iris({"export", ckpt.string(), out.string()}, log);
+    std::signal(sig, inherited);
+    const std::string prefix = out.filename().string() + ".iris-tmp.";
+    const auto temporaries = [&] {
+      int n = 0;
+      for (const auto& e : fs::directory_iterator(root_))
+        n += e.path().filename().string().rfind(prefix, 0) == 0;
+      return n;
+    };
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    while (temporaries() == 0 && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_GT(temporaries(), 0) << "the export never started";
+    ASSERT_EQ(::kill(pid, sig), 0);
+    const Exit e = wait_exit(pid, log);
+    ASSERT_NE(e.code, 0) << "the export ended before the signal came: " << e.output;
+    EXPECT_EQ(e.signal, 0) << e.output;
+    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_NE(
+        e.output.find(std::string("was stopped by ") + (sig == SIGINT ? "SIGINT" : "SIGTERM")),
+        std::string::npos)
+        << e.output;
+    EXPECT_EQ(temporaries(), 0);
+    EXPECT_FALSE(fs::exists(out));
+  }
+}
+
 TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
   constexpr int kIters = 10;
   const std::string recipe = write_recipe(kIters);
@@ -343,8 +455,13 @@ TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {
   const fs::path out = root_ / "hf", out32 = root_ / "hf32";
   const Exit x = iris({"export", (run / "step_0000002").string(), out.string()});
   ASSERT_EQ(x.code, 0) << x.output;
+  // What an export killed with SIGKILL left beside its target goes with the next export there.
+  const std::string killed = test::temp_dir_of_killed_process((root_ / "hf_killed").string());
+  ASSERT_TRUE(fs::is_directory(killed)) << killed;
   const Exit x32 = iris({"export", run.string(), out32.string(), "--dtype", "f32"});
   ASSERT_EQ(x32.code, 0) << x32.output;
+  EXPECT_FALSE(fs::exists(killed));
+  EXPECT_FALSE(fs::exists(killed + ".lock"));
 
   auto generate = [&](const fs::path& model) {
     const Exit g = iris({"generate", "-m", model.string(), "--image",

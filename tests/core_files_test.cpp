@@ -4,9 +4,12 @@
 // writes that only ever touch the path asked for.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +24,7 @@
 #include "core/fs.h"
 #include "core/json_read.h"
 #include "core/safetensors.h"
+#include "process_util.h"
 #include "test_util.h"
 
 namespace iris {
@@ -327,10 +331,198 @@ TEST(Files, AtomicWritesLeaveOtherFilesAlone) {
   EXPECT_EQ(slurp((dir / "out.json.tmp").string()), "mine");
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 2);
   EXPECT_NE(error_of([] { write_file_atomic("", "x"); }).find("empty"), std::string::npos);
-  const std::string t1 = make_temp_dir_beside((dir / "export").string());
-  const std::string t2 = make_temp_dir_beside((dir / "export").string());
-  EXPECT_NE(t1, t2);
-  EXPECT_EQ(fs::path(t1).parent_path(), dir);
+  const OwnedTempDir t1((dir / "export").string()), t2((dir / "export").string());
+  EXPECT_NE(t1.path(), t2.path());
+  EXPECT_EQ(fs::path(t1.path()).parent_path(), dir);
+}
+
+// The files a writer must leave alone: `victim` stands for a file outside the output folder that a
+// link planted inside it points at.
+struct Planted {
+  fs::path dir, victim;
+  explicit Planted(const std::string& name) : dir(scratch_dir() / name) {
+    fs::create_directories(dir);
+    victim = dir / "victim.txt";
+    write_bytes(victim.string(), "precious");
+  }
+};
+
+TEST(Files, NoWriterFollowsALinkOrReplacesWhatIsNotARegularFile) {
+  const Planted p("links");
+  const fs::path link = p.dir / "out.json";
+  fs::create_symlink(p.victim, link);
+  std::string msg = error_of([&] { write_file_atomic(link.string(), "new"); });
+  EXPECT_NE(msg.find(link.string() + " is a symbolic link"), std::string::npos) << msg;
+  msg = error_of([&] { write_new_file(link.string(), "new"); });
+  EXPECT_NE(msg.find(link.string()), std::string::npos) << msg;
+  msg = error_of([&] { open_append_file(link.string(), "the metrics file"); });
+  EXPECT_NE(msg.find("the metrics file " + link.string() + " is a symbolic link"),
+            std::string::npos)
+      << msg;
+  // A dangling link: following it would create a file wherever it points.
+  const fs::path dangling = p.dir / "dangling.json", nowhere = p.dir / "created-through-link";
+  fs::create_symlink(nowhere, dangling);
+  EXPECT_NE(error_of([&] { write_file_atomic(dangling.string(), "x"); }).find("symbolic link"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { open_append_file(dangling.string(), "log"); }).find("symbolic link"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(nowhere));
+  // A second hard link to a file elsewhere: appending would change that file too.
+  const fs::path hard = p.dir / "hard.jsonl";
+  ASSERT_EQ(::link(p.victim.c_str(), hard.c_str()), 0);
+  msg = error_of([&] { open_append_file(hard.string(), "the metrics file"); });
+  EXPECT_NE(msg.find("hard link"), std::string::npos) << msg;
+  // A FIFO (or a device node such as /dev/full) is never replaced by a regular file.
+  const fs::path fifo = p.dir / "plot.svg";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  msg = error_of([&] { write_file_atomic(fifo.string(), "<svg/>"); });
+  EXPECT_NE(msg.find("is a FIFO"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { open_append_file(fifo.string(), "log"); }).find("FIFO"),
+            std::string::npos);
+  struct stat st {};
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(slurp(p.victim.string()), "precious");
+  // Nothing was left behind by the refused writes.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(p.dir)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"dangling.json", "hard.jsonl", "out.json", "plot.svg",
+                                             "victim.txt"}));
+  // What they do write, they write.
+  write_new_file((p.dir / "fresh.png").string(), "png");
+  EXPECT_EQ(slurp((p.dir / "fresh.png").string()), "png");
+  EXPECT_NE(
+      error_of([&] { write_new_file((p.dir / "fresh.png").string(), "again"); }).find("fresh.png"),
+      std::string::npos);
+  const int fd = open_append_file((p.dir / "log.jsonl").string(), "log");
+  write_all(fd, "a\n", 2, "log", "log.jsonl");
+  ::close(fd);
+  const int again = open_append_file((p.dir / "log.jsonl").string(), "log");
+  write_all(again, "b\n", 2, "log", "log.jsonl");
+  ::close(again);
+  EXPECT_EQ(slurp((p.dir / "log.jsonl").string()), "a\nb\n");
+}
+
+TEST(Files, ALockFileThatIsALinkIsRefusedAndItsTargetKept) {
+  const Planted p("lock");
+  fs::create_symlink(p.victim, p.dir / "iris.lock");
+  const std::string msg =
+      error_of([&] { DirectoryLock lock(p.dir.string(), "iris.lock", "checkpoint.dir", "x"); });
+  EXPECT_NE(msg.find((p.dir / "iris.lock").string() + " is a symbolic link"), std::string::npos)
+      << msg;
+  EXPECT_EQ(slurp(p.victim.string()), "precious");
+  // A hard link to another file is refused too: the lock writes its pid into the file.
+  const fs::path other = scratch_dir() / "lock2";
+  fs::create_directories(other);
+  ASSERT_EQ(::link(p.victim.c_str(), (other / "iris.lock").c_str()), 0);
+  EXPECT_NE(error_of([&] {
+              DirectoryLock lock(other.string(), "iris.lock", "checkpoint.dir", "x");
+            }).find("hard links"),
+            std::string::npos);
+  EXPECT_EQ(slurp(p.victim.string()), "precious");
+  // A real lock excludes a second one, even in the same process, naming the holder.
+  const fs::path free = scratch_dir() / "lock3";
+  fs::create_directories(free);
+  const DirectoryLock held(free.string(), ".lock", "--out", "wait for it");
+  EXPECT_NE(error_of([&] { DirectoryLock again(free.string(), ".lock", "--out", "wait for it"); })
+                .find("--out " + free.string() + " is in use by process " +
+                      std::to_string(::getpid()) + "; wait for it"),
+            std::string::npos);
+}
+
+TEST(Files, OutputPathsStayInsideTheirDirectory) {
+  const Planted p("inside");
+  const std::string run = p.dir.string();
+  const auto error = [&](const std::string& rel) {
+    return error_of([&] { output_path_inside(run, rel, "logging.metrics_file", "the run dir"); });
+  };
+  std::string msg = error("../../notes.txt");
+  EXPECT_NE(msg.find("logging.metrics_file '../../notes.txt' leaves the run dir"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(error("sub/../../x").find("'..'"), std::string::npos);
+  EXPECT_NE(error("sub/../x").find("'..'"), std::string::npos);
+  msg = error("/tmp/metrics.jsonl");
+  EXPECT_NE(msg.find("is an absolute path"), std::string::npos) << msg;
+  EXPECT_NE(error("/dev/full").find("absolute"), std::string::npos);
+  EXPECT_NE(error("").find("is empty"), std::string::npos);
+  EXPECT_NE(error("sub/").find("names a directory"), std::string::npos);
+  EXPECT_NE(error(".").find("names a directory"), std::string::npos);
+  // A link on the way (a folder or the file itself) would carry the write out.
+  fs::create_symlink(scratch_dir(), p.dir / "away");
+  msg = error("away/metrics.jsonl");
+  EXPECT_NE(msg.find((p.dir / "away").string() + " is a symbolic link"), std::string::npos) << msg;
+  fs::create_symlink(p.victim, p.dir / "m.jsonl");
+  EXPECT_NE(error("m.jsonl").find("symbolic link"), std::string::npos);
+  EXPECT_EQ(output_path_inside(run, "./logs/m.jsonl", "k", "d"), run + "/logs/m.jsonl");
+  EXPECT_EQ(output_path_inside(run, "metrics.jsonl", "k", "d"), run + "/metrics.jsonl");
+  EXPECT_EQ(slurp(p.victim.string()), "precious");
+}
+
+TEST(Files, ATemporaryOfAKilledProcessIsRemovedByTheNextOneAndALiveOnesIsNot) {
+  const fs::path parent = scratch_dir() / "abandoned";
+  fs::create_directories(parent);
+  // A process killed with SIGKILL while it fills its temporary, as an export can be.
+  const std::string dead = test::temp_dir_of_killed_process((parent / "hf").string());
+  ASSERT_TRUE(fs::is_regular_file(fs::path(dead) / "model.safetensors")) << dead;
+  EXPECT_EQ(fs::path(dead).filename().string().rfind("hf.iris-tmp.", 0), 0u) << dead;
+
+  // What must stay: a live owner's temporary, and the user's own look-alikes.
+  OwnedTempDir live((parent / "other").string());
+  write_bytes((fs::path(live.path()) / "config.json").string(), "{}");
+  fs::create_directories(parent / "mine.iris-tmp.abcdef");
+  fs::create_directories(parent / "notes.iris-tmp.qwerty");
+  write_bytes((parent / "notes.iris-tmp.qwerty.lock").string(), "my own file");
+
+  EXPECT_EQ(remove_abandoned_temp_dirs(parent.string()), std::vector<std::string>{dead});
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_FALSE(fs::exists(dead + ".lock"));
+  EXPECT_TRUE(fs::is_regular_file(fs::path(live.path()) / "config.json"));
+  EXPECT_TRUE(fs::is_directory(parent / "mine.iris-tmp.abcdef"));
+  EXPECT_TRUE(fs::is_directory(parent / "notes.iris-tmp.qwerty"));
+  EXPECT_EQ(slurp((parent / "notes.iris-tmp.qwerty.lock").string()), "my own file");
+  live.commit();
+  EXPECT_TRUE(fs::is_regular_file(parent / "other" / "config.json"));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(parent)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"mine.iris-tmp.abcdef", "notes.iris-tmp.qwerty",
+                                             "notes.iris-tmp.qwerty.lock", "other"}));
+}
+
+TEST(Files, ATemporaryDirectoryReplacesOnlyWhenAsked) {
+  const Planted p("commit");
+  const fs::path target = p.dir / "images";
+  {
+    OwnedTempDir tmp(target.string());
+    write_bytes((fs::path(tmp.path()) / "000000.png").string(), "new");
+    // Someone made the target meanwhile: it is theirs, even empty.
+    fs::create_directories(target);
+    EXPECT_NE(error_of([&] { tmp.commit(); }).find("appeared while it was being written"),
+              std::string::npos);
+  }
+  EXPECT_TRUE(fs::is_empty(target));
+  fs::remove(target);
+  // Replacing an old folder whose entries include a link: the link goes, its target stays.
+  fs::create_directories(target);
+  write_bytes((target / "000000.png").string(), "old");
+  fs::create_symlink(p.victim, target / "000001.png");
+  {
+    OwnedTempDir tmp(target.string());
+    write_new_file((fs::path(tmp.path()) / "000000.png").string(), "new0");
+    write_new_file((fs::path(tmp.path()) / "000001.png").string(), "new1");
+    tmp.commit(/*replace=*/true);
+  }
+  EXPECT_EQ(slurp((target / "000000.png").string()), "new0");
+  EXPECT_EQ(slurp((target / "000001.png").string()), "new1");
+  EXPECT_FALSE(fs::is_symlink(target / "000001.png"));
+  EXPECT_EQ(slurp(p.victim.string()), "precious");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(p.dir)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"images", "victim.txt"}));
 }
 
 TEST(Errors, BuildPathsOnlyUnderIrisDebug) {

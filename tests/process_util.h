@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -61,6 +62,33 @@ inline ProcessExit run_process(const std::vector<std::string>& args, const std::
   ProcessExit e = wait_process(spawn_process(args, log, env), log);
   e.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return e;
+}
+
+// What a process killed with SIGKILL mid-export leaves: an OwnedTempDir beside `target` holding
+// a partial file, whose owner is gone. Returns the temporary's path.
+inline std::string temp_dir_of_killed_process(const std::string& target) {
+  int ready[2];
+  if (::pipe(ready) != 0) return {};
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(ready[0]);
+    const OwnedTempDir tmp(target);
+    write_new_file(tmp.path() + "/model.safetensors", "half a model");
+    const std::string& path = tmp.path();
+    if (::write(ready[1], path.data(), path.size()) < 0) ::_exit(2);
+    ::close(ready[1]);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char buf[4096] = {};
+  const ssize_t n = child > 0 ? ::read(ready[0], buf, sizeof(buf) - 1) : -1;
+  ::close(ready[0]);
+  if (child > 0) {
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+  }
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
 }
 
 }  // namespace iris::test

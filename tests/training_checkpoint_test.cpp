@@ -22,6 +22,7 @@
 #include "core/safetensors.h"
 #include "core/splitmix.h"
 #include "language/tokenizer.h"
+#include "process_util.h"
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
@@ -110,11 +111,16 @@ TEST_F(CheckpointTest, AWriterThatDiesLeavesATemporaryThatIsNeverTaken) {
   EXPECT_TRUE(fs::is_directory(run + "/step_0000002.tmp"));
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000001");
   EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{1}));
-  // A leftover temporary `latest` is debris too.
+  // A leftover temporary `latest`, or of another file the run keeps, is debris too; the user's
+  // own files are not.
   write_file_atomic(run + "/latest.tmp.12345", "step_0000002\n");
+  write_file_atomic(run + "/resolved_config.yaml.tmp.a1B2c3", "half");
+  write_file_atomic(run + "/notes.txt.tmp.a1B2c3", "mine");
   remove_checkpoint_debris(run);
   EXPECT_FALSE(fs::exists(run + "/step_0000002.tmp"));
   EXPECT_FALSE(fs::exists(run + "/latest.tmp.12345"));
+  EXPECT_FALSE(fs::exists(run + "/resolved_config.yaml.tmp.a1B2c3"));
+  EXPECT_EQ(read_text_file(run + "/notes.txt.tmp.a1B2c3"), "mine");
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000001");
   commit_checkpoint(run, 2, [&](const std::string& d) { fill_minimal(d, 2); });
   EXPECT_EQ(latest_checkpoint(run), run + "/step_0000002");
@@ -299,10 +305,14 @@ TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
     fs::copy_file(fs::path(test::fixture_dir()) / f, ckpt / f);
   // The user's own folder named like the temporary an export once used, and cleared.
   const fs::path out = root_ / "hf";
+  // What an export killed with SIGKILL left beside the target: the next export removes it.
+  const std::string killed = test::temp_dir_of_killed_process((root_ / "hf-old").string());
+  ASSERT_TRUE(fs::is_directory(killed)) << killed;
   fs::create_directories(root_ / "hf.tmp");
   write_file_atomic((root_ / "hf.tmp" / "notes.txt").string(), "mine");
   export_checkpoint(ckpt.string(), out.string());
   EXPECT_TRUE(fs::is_regular_file(out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(killed));
   EXPECT_EQ(read_text_file((root_ / "hf.tmp" / "notes.txt").string()), "mine");
   // Nothing else is left beside the target.
   std::vector<std::string> names;
@@ -324,6 +334,25 @@ TEST_F(CheckpointTest, ExportWritesOnlyWhereItIsPointed) {
   for (const auto& e : fs::directory_iterator(root_)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"hf", "hf.tmp", "step_0000001"}));
+}
+
+TEST_F(CheckpointTest, ALockFileThatIsALinkIsRefusedAndItsTargetKept) {
+  const fs::path run = root_ / "run", victim = root_ / "notes.txt";
+  fs::create_directories(run);
+  write_file_atomic(victim.string(), "precious");
+  fs::create_symlink(victim, run / "iris.lock");
+  const std::string msg = test::error_of([&] { RunLock lock(run.string()); });
+  EXPECT_NE(msg.find((run / "iris.lock").string() + " is a symbolic link"), std::string::npos)
+      << msg;
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
+  // A run directory's own debris is cleaned, and so is what a killed export left beside it.
+  const std::string beside = test::temp_dir_of_killed_process((root_ / "hf").string());
+  const std::string inside = test::temp_dir_of_killed_process((run / "hf").string());
+  ASSERT_TRUE(fs::is_directory(beside) && fs::is_directory(inside));
+  remove_checkpoint_debris(run.string());
+  EXPECT_FALSE(fs::exists(beside));
+  EXPECT_FALSE(fs::exists(inside));
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
 }
 
 TEST_F(CheckpointTest, TrainerStateRoundTrips) {

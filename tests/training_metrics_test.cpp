@@ -2,7 +2,12 @@
 // the SVG plot, and the metrics file's truncation on resume.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <cerrno>
 #include <chrono>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -183,6 +188,74 @@ TEST_F(MetricsFileTest, ResumeDropsRecordsPastTheCheckpointAndATornLine) {
   EXPECT_EQ(evals, 1);
   const std::string svg = read_text_file((dir_ / "training_curves.svg").string());
   EXPECT_NE(svg.find("<polyline"), std::string::npos);
+  std::fclose(null_out);
+}
+
+// A failed write of the metrics file (a full disk) ends the run with an error naming the file,
+// as a failed checkpoint or plot does, instead of an exit 0 with the records lost. The file size
+// limit makes the kernel fail the writes for real (EFBIG), part-way through a record.
+TEST_F(MetricsFileTest, AFailedWriteIsAnErrorNamingTheFile) {
+  FILE* null_out = std::fopen("/dev/null", "w");
+  MetricsLog::Options o;
+  o.run_dir = dir_.string();
+  o.plot_file = "";
+  o.total_iterations = 10;
+  o.out = null_out;
+  MetricsLog log(o, 0);
+  StepMetrics m;
+  m.iteration = 1;
+  m.loss = 2.5;
+  log.log(m);
+  const auto written = fs::file_size(dir_ / "metrics.jsonl");
+  ASSERT_GT(written, 0u);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = written + 10;  // room for part of the next record
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  m.iteration = 2;
+  const std::string msg = test::error_of([&] { log.log(m); });
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(msg.find("cannot write the metrics file (logging.metrics_file) " +
+                     (dir_ / "metrics.jsonl").string() + ": " + std::strerror(EFBIG)),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(fs::file_size(dir_ / "metrics.jsonl"), written + 10);
+  std::fclose(null_out);
+}
+
+TEST_F(MetricsFileTest, FilesStayInsideTheRunDirectoryAndNeverFollowALink) {
+  FILE* null_out = std::fopen("/dev/null", "w");
+  const fs::path run = dir_ / "run", victim = dir_ / "notes.txt";
+  fs::create_directories(run);
+  write_file_atomic(victim.string(), "precious");
+  MetricsLog::Options o;
+  o.run_dir = run.string();
+  o.total_iterations = 10;
+  o.out = null_out;
+  const auto error_with = [&](const std::string& metrics, const std::string& plot) {
+    MetricsLog::Options with = o;
+    with.metrics_file = metrics;
+    with.plot_file = plot;
+    return test::error_of([&] { MetricsLog log(with, 0); });
+  };
+  std::string msg = error_with("../notes.txt", "");
+  EXPECT_NE(msg.find("logging.metrics_file '../notes.txt' leaves the run directory"),
+            std::string::npos)
+      << msg;
+  msg = error_with("", victim.string());
+  EXPECT_NE(msg.find("logging.plot '" + victim.string() + "' is an absolute path"),
+            std::string::npos)
+      << msg;
+  fs::create_symlink(victim, run / "metrics.jsonl");
+  msg = error_with("metrics.jsonl", "");
+  EXPECT_NE(msg.find("symbolic link"), std::string::npos) << msg;
+  fs::create_symlink(victim, run / "training_curves.svg");
+  msg = error_with("", "training_curves.svg");
+  EXPECT_NE(msg.find("symbolic link"), std::string::npos) << msg;
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
   std::fclose(null_out);
 }
 

@@ -185,6 +185,30 @@ TEST_F(RecipeTest, InputPathsAreRelativeToTheRecipeFileAndOverridesToTheWorkingD
   fs::remove_all(dir);
 }
 
+TEST_F(RecipeTest, OutputFilesStayInsideTheRunDirectory) {
+  const auto error = [](const std::string& override_arg) {
+    return error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", {override_arg}); });
+  };
+  EXPECT_HAS(error("logging.metrics_file=../../notes.txt"),
+             "recipe: logging.metrics_file '../../notes.txt' leaves the run directory "
+             "(checkpoint.dir) through '..'");
+  EXPECT_HAS(error("logging.plot=logs/../../plot.svg"), "recipe: logging.plot");
+  EXPECT_HAS(error("logging.plot=/tmp/plot.svg"),
+             "recipe: logging.plot '/tmp/plot.svg' is an absolute path");
+  EXPECT_HAS(error("logging.metrics_file=/dev/full"), "is an absolute path");
+  // Nor may they take over what the run directory keeps for itself, or each other.
+  EXPECT_HAS(error("logging.plot=latest"), "would take over latest");
+  EXPECT_HAS(error("logging.metrics_file=iris.lock"), "would take over iris.lock");
+  EXPECT_HAS(error("logging.metrics_file=step_0000010/m.jsonl"), "would take over step_0000010");
+  EXPECT_HAS(error("logging.plot=resolved_config.yaml"), "would take over resolved_config.yaml");
+  EXPECT_HAS(error("logging.plot=metrics.jsonl"), "give them different names");
+  // Files inside it, in a sub-folder too, and off.
+  const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml",
+                                    {"logging.metrics_file=logs/m.jsonl", "logging.plot=''"});
+  EXPECT_EQ(r.logging.metrics_file, "logs/m.jsonl");
+  EXPECT_EQ(r.logging.plot, "");
+}
+
 TEST_F(RecipeTest, ScheduleErrorsNameRecipeKeys) {
   const std::string msg = error_of([] {
     load_recipe_text(tiny_recipe(), "r.yaml", {"train.train_iters=6", "schedule.warmup_iters=20"});

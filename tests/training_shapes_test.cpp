@@ -1,5 +1,6 @@
 // The synthetic shapes dataset: files and splits, determinism, captions that agree with the pixels
 // (checked by classifying colours and shapes from the image itself), and the caption scorer.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -384,6 +385,115 @@ TEST(TrainingShapes, AnExistingDatasetIsReplacedOnlyWhenAsked) {
   std::ofstream((mine / "notes.txt").string()) << "keep";
   write_shapes_dataset(mine.string(), 4, 1, 0.25);
   EXPECT_TRUE(fs::exists(mine / "notes.txt"));
+}
+
+// Every line of the dataset in `dir` describes the image it names, as scene `index` of `seed`
+// draws it: the files of one writer, not a mix of two.
+void expect_dataset_of_seed(const fs::path& dir, uint64_t seed, int n) {
+  int index = 0;
+  for (const char* split : {"train.jsonl", "heldout.jsonl"})
+    for (const json& j : read_jsonl(dir / split)) {
+      const ShapesScene scene = make_shapes_scene(seed, index++);
+      const std::string image = j["messages"][0]["content"][0]["image"].get<std::string>();
+      EXPECT_EQ(j["messages"][1]["content"].get<std::string>(), scene.caption) << image;
+      EXPECT_EQ(load_image((dir / image).string()).pixels, scene.image.pixels) << image;
+    }
+  EXPECT_EQ(index, n);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir / "images"), fs::directory_iterator()), n);
+}
+
+TEST(TrainingShapes, ForceNeverWritesThroughALinkPlantedInTheOldDataset) {
+  const fs::path dir = scratch_dir() / "planted", outside = scratch_dir() / "outside";
+  fs::create_directories(outside);
+  write_shapes_dataset(dir.string(), 4, 1, 0.25);
+  const fs::path victim = outside / "photo.png", list_victim = outside / "list.txt";
+  write_file_atomic(victim.string(), "precious");
+  write_file_atomic(list_victim.string(), "mine");
+  fs::remove(dir / "images" / "000002.png");
+  fs::create_symlink(victim, dir / "images" / "000002.png");
+  fs::remove(dir / "train.jsonl");
+  fs::create_symlink(list_victim, dir / "train.jsonl");
+  fs::create_symlink(outside, dir / "images" / "elsewhere");
+
+  write_shapes_dataset(dir.string(), 4, 2, 0.25, 64, /*replace=*/true);
+  EXPECT_EQ(read_text_file(victim.string()), "precious");
+  EXPECT_EQ(read_text_file(list_victim.string()), "mine");
+  EXPECT_FALSE(fs::is_symlink(dir / "images" / "000002.png"));
+  EXPECT_FALSE(fs::is_symlink(dir / "train.jsonl"));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(dir / "images" / "elsewhere")));
+  EXPECT_EQ(std::distance(fs::directory_iterator(outside), fs::directory_iterator()), 2);
+  expect_dataset_of_seed(dir, 2, 4);
+  // Only the dataset and its lock are in the folder: no temporary is left.
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names,
+            (std::set<std::string>{"heldout.jsonl", "images", "train.jsonl", kShapesLockFile}));
+}
+
+TEST(TrainingShapes, AWriterHoldingTheFolderExcludesAnother) {
+  const fs::path dir = scratch_dir() / "held";
+  fs::create_directories(dir);
+  const DirectoryLock other(dir.string(), kShapesLockFile, "--out", "");
+  const std::string msg = error_of([&] { write_shapes_dataset(dir.string(), 4, 1, 0.25); });
+  EXPECT_NE(
+      msg.find("--out " + dir.string() + " is in use by process " + std::to_string(::getpid())),
+      std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("another iris data shapes"), std::string::npos) << msg;
+  EXPECT_EQ(error_of([&] { write_shapes_dataset(dir.string(), 4, 1, 0.25, 64, true); }), msg);
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, std::set<std::string>{kShapesLockFile});
+}
+
+TEST(TrainingShapes, ConcurrentWritersIntoOneNewFolderLeaveOneWinnersDataset) {
+  constexpr int kWriters = 4, kScenes = 40;
+  for (int round = 0; round < 3; ++round) {
+    const fs::path dir = scratch_dir() / ("race" + std::to_string(round));
+    int gate[2];
+    ASSERT_EQ(::pipe(gate), 0);
+    std::vector<pid_t> pids;
+    for (int w = 0; w < kWriters; ++w) {
+      const pid_t pid = ::fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        ::close(gate[1]);
+        char c;
+        if (::read(gate[0], &c, 1) < 0) ::_exit(3);  // returns 0 when the gate opens
+        int code = 0;
+        std::string msg;
+        try {
+          write_shapes_dataset(dir.string(), kScenes, 100 + w, 0.25);
+        } catch (const Error& e) {
+          msg = e.what();
+          code = 1;
+        }
+        std::ofstream((scratch_dir() / ("writer" + std::to_string(w))).string()) << msg;
+        ::_exit(code);
+      }
+      pids.push_back(pid);
+    }
+    ::close(gate[0]);
+    ::close(gate[1]);  // all start at once
+    std::vector<int> winners;
+    for (int w = 0; w < kWriters; ++w) {
+      int status = 0;
+      ASSERT_EQ(::waitpid(pids[static_cast<size_t>(w)], &status, 0), pids[static_cast<size_t>(w)]);
+      ASSERT_TRUE(WIFEXITED(status)) << "writer " << w << " was killed by a signal";
+      const std::string msg =
+          read_text_file((scratch_dir() / ("writer" + std::to_string(w))).string());
+      if (WEXITSTATUS(status) == 0) {
+        winners.push_back(w);
+      } else {
+        EXPECT_EQ(WEXITSTATUS(status), 1);
+        EXPECT_TRUE(msg.find("is in use by process") != std::string::npos ||
+                    msg.find("already holds a dataset") != std::string::npos)
+            << msg;
+      }
+    }
+    ASSERT_EQ(winners.size(), 1u) << "round " << round;
+    expect_dataset_of_seed(dir, 100 + static_cast<uint64_t>(winners[0]), kScenes);
+  }
 }
 
 }  // namespace

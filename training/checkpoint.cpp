@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -223,46 +224,21 @@ ResumePoint find_resume_point(const std::string& run_dir) {
   return rp;
 }
 
-RunLock::RunLock(const std::string& run_dir) {
-  const std::string path = (fs::path(run_dir) / kLockFile).string();
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  IRIS_CHECK(fd_ >= 0, "cannot open ", path, ": ", std::strerror(errno),
-             " (checkpoint.dir must be a writable directory)");
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    char buf[32] = {};
-    const ssize_t n = ::pread(fd_, buf, sizeof(buf) - 1, 0);
-    ::close(fd_);
-    fd_ = -1;
-    if (err == EWOULDBLOCK) {
-      const std::string pid = trim(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0));
-      IRIS_FAIL("checkpoint.dir ", run_dir, " is in use by process ",
-                pid.empty() ? std::string("(unknown)") : pid,
-                "; two runs in one folder overwrite each other's checkpoints and metrics: wait "
-                "for it to end, stop it, or set another checkpoint.dir");
-    }
-    IRIS_FAIL("cannot lock ", path, ": ", std::strerror(err));
-  }
-  // The file is never deleted: a lock on an unlinked file would not exclude a run that opens
-  // the path afresh.
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) != 0 ||
-      ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-    const int err = errno;
-    ::close(fd_);
-    fd_ = -1;
-    IRIS_FAIL("cannot write ", path, ": ", std::strerror(err));
-  }
+bool is_run_directory_entry(const std::string& name) {
+  for (const char* own : {kLatest, kLockFile, "resolved_config.yaml", "run_summary.json",
+                          "report.json", "report.txt"})
+    if (name == own) return true;
+  int64_t step = 0;
+  const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+  return parse_checkpoint_name(tmp ? name.substr(0, name.size() - 4) : name, step) ||
+         name.rfind(std::string(kLatest) + ".tmp.", 0) == 0 ||
+         name.find(".iris-tmp.") != std::string::npos;
 }
 
-RunLock::~RunLock() {
-  if (fd_ < 0) return;
-  // A pid left behind would name an unrelated process in the next message.
-  if (::ftruncate(fd_, 0) != 0) {
-    // Nothing to do: the lock goes with the descriptor either way.
-  }
-  ::close(fd_);
-}
+RunLock::RunLock(const std::string& run_dir)
+    : lock_(run_dir, kLockFile, "checkpoint.dir",
+            "two runs in one folder overwrite each other's checkpoints and metrics: wait for it "
+            "to end, stop it, or set another checkpoint.dir") {}
 
 void remove_checkpoint_debris(const std::string& run_dir) {
   if (!fs::is_directory(run_dir)) return;
@@ -273,11 +249,18 @@ void remove_checkpoint_debris(const std::string& run_dir) {
     const bool tmp_dir = e.is_directory() && name.size() > 4 &&
                          name.compare(name.size() - 4, 4, ".tmp") == 0 &&
                          parse_checkpoint_name(name.substr(0, name.size() - 4), step);
-    // write_file_atomic's temporary: latest.tmp.<pid>.
-    const bool tmp_latest = !e.is_directory() && name.rfind(std::string(kLatest) + ".tmp.", 0) == 0;
-    if (tmp_dir || tmp_latest) debris.push_back(e.path());
+    // write_file_atomic's temporary of a file the run keeps here: latest.tmp.XXXXXX,
+    // resolved_config.yaml.tmp.XXXXXX, ...
+    const size_t tmp_at = name.rfind(".tmp.");
+    const bool tmp_file = !e.is_directory() && !e.is_symlink() && tmp_at != std::string::npos &&
+                          tmp_at > 0 && is_run_directory_entry(name.substr(0, tmp_at));
+    if (tmp_dir || tmp_file) debris.push_back(e.path());
   }
   for (const fs::path& p : debris) fs::remove_all(p);
+  // What a killed export (or anything else built under an OwnedTempDir) left in the run directory
+  // or beside it: removed only where its owner is dead.
+  remove_abandoned_temp_dirs(run_dir);
+  remove_abandoned_temp_dirs(fs::absolute(run_dir).parent_path().string());
 }
 
 std::string commit_checkpoint(const std::string& run_dir, int64_t step,
@@ -465,7 +448,49 @@ TrainerState load_trainer_state(const std::string& path) {
 namespace {
 
 // Writes the exported files of checkpoint `src` into the (new, empty) directory `tmp`.
-void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
+volatile std::sig_atomic_t g_export_signal = 0;
+extern "C" void on_export_signal(int sig) {
+  g_export_signal = sig;
+}
+
+// SIGINT or SIGTERM during an export ends it at its next check with an error, so that its
+// temporary is removed on the way out rather than left for the next command. SA_RESETHAND: a
+// second signal ends the process at once (the next export or train in that folder removes what
+// it leaves). A signal the caller ignores (nohup) stays ignored.
+class ExportSignals {
+ public:
+  ExportSignals() {
+    g_export_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_export_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;  // reads and writes in progress go on
+    for (const auto& [sig, old] : {std::pair{SIGINT, &old_int_}, std::pair{SIGTERM, &old_term_}})
+      if (::sigaction(sig, nullptr, old) == 0 && old->sa_handler != SIG_IGN)
+        ::sigaction(sig, &sa, nullptr);
+  }
+  ~ExportSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  ExportSignals(const ExportSignals&) = delete;
+  ExportSignals& operator=(const ExportSignals&) = delete;
+
+  void check(const std::string& out) const {
+    const int sig = g_export_signal;
+    if (sig != 0)
+      IRIS_FAIL("the export to ", out, " was stopped by ", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                " before it was complete, and its partial copy was removed; run it again to "
+                "export");
+  }
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+void export_into(const std::string& src, const fs::path& tmp, DType dtype,
+                 const std::function<void()>& check_stop) {
   const std::string config_path = (fs::path(src) / "config.json").string();
   json config = read_json_file(config_path, "checkpoint config");
   IRIS_CHECK(config.is_object(), config_path, " must hold a JSON object");
@@ -499,8 +524,10 @@ void export_into(const std::string& src, const fs::path& tmp, DType dtype) {
           dst[i] = dtype == DType::bf16 ? f32_to_bf16(f32[i]) : f32_to_f16(f32[i]);
       }
       items.push_back({name, dtype, e.shape, storage.back().data()});
+      check_stop();
     }
     write_safetensors((tmp / "model.safetensors").string(), items, {{"format", "pt"}});
+    check_stop();
   }
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                         "preprocessor_config.json", "generation_config.json"})
@@ -536,27 +563,23 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
   if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir
   IRIS_CHECK(!out.empty() && out.filename() != "." && out.filename() != "..", "export directory '",
              out_dir, "' names no new directory; give a path such as out/hf");
-  IRIS_CHECK(!fs::exists(out), "export directory ", out.string(),
-             " already exists; remove it or choose another");
-  if (out.has_parent_path()) fs::create_directories(out.parent_path());
-  // A fresh directory beside the target, renamed onto it at the end: nothing the user already
-  // had (an "OUT.tmp" of theirs included) is ever written to or removed.
-  const fs::path tmp = make_temp_dir_beside(out.string());
-  try {
-    export_into(src, tmp, dtype);
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(tmp, ignored);
-    throw;
-  }
   std::error_code ec;
-  fs::rename(tmp, out, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove_all(tmp, ignored);
-    IRIS_FAIL("renaming ", tmp.string(), " to ", out.string(), " failed: ", ec.message());
-  }
-  fsync_dir(out.has_parent_path() ? out.parent_path() : fs::path("."));
+  IRIS_CHECK(!fs::exists(fs::symlink_status(out, ec)), "export directory ", out.string(),
+             " already exists; remove it or choose another");
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  fs::create_directories(parent);
+  // An export killed (SIGKILL, power loss) before its rename left its full-size temporary here;
+  // its owner is gone, so it is removed now rather than kept forever.
+  remove_abandoned_temp_dirs(parent.string());
+  // A fresh directory beside the target, renamed onto it at the end: nothing the user already
+  // had is ever written to or removed, and a failure removes the temporary.
+  // Before the temporary exists, so that a signal that finds it also finds the handler.
+  const ExportSignals signals;
+  OwnedTempDir tmp(out.string());
+  const auto check_stop = [&] { signals.check(out.string()); };
+  export_into(src, tmp.path(), dtype, check_stop);
+  check_stop();
+  tmp.commit();
 }
 
 }  // namespace iris

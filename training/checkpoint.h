@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/fs.h"
 #include "training/dataset.h"
 
 namespace iris {
@@ -56,6 +57,11 @@ struct ResumePoint {
 };
 ResumePoint find_resume_point(const std::string& run_dir);
 
+// Whether `name`, an entry of a run directory, is one the run keeps there for itself (latest,
+// the lock, step_* checkpoints and their temporaries, resolved_config.yaml, run_summary.json,
+// the report files): an output a setting names must not take it over.
+bool is_run_directory_entry(const std::string& name);
+
 // Removes leftovers of a killed writer: step_*.tmp directories and temporary `latest` files.
 // Call it only while holding the RunLock: another run's checkpoint in progress looks the same.
 void remove_checkpoint_debris(const std::string& run_dir);
@@ -67,12 +73,9 @@ void remove_checkpoint_debris(const std::string& run_dir);
 class RunLock {
  public:
   explicit RunLock(const std::string& run_dir);
-  ~RunLock();
-  RunLock(const RunLock&) = delete;
-  RunLock& operator=(const RunLock&) = delete;
 
  private:
-  int fd_ = -1;
+  DirectoryLock lock_;
 };
 
 // Writes checkpoint `step`: `fill` writes the files into a fresh temporary directory, which is
@@ -143,7 +146,9 @@ TrainerState load_trainer_state(const std::string& path);
 // Makes an HF model directory from a checkpoint (or from a run directory: its latest one):
 // config.json, model.safetensors in `dtype` (bf16 by default, as HF ships Qwen3-VL), tokenizer
 // files, preprocessor_config.json, generation_config.json. out_dir must not exist; it is written
-// under a temporary name and renamed when complete.
+// under a temporary name (an OwnedTempDir) and renamed when complete. SIGINT or SIGTERM meanwhile
+// ends it with an error once the temporary is removed; what a killed export left beside out_dir
+// is removed first.
 void export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
                        DType dtype = DType::bf16);
 

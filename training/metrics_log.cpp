@@ -475,15 +475,24 @@ std::string render_svg_plot(const std::vector<PlotPanel>& panels, const std::str
   return s.str();
 }
 
+namespace {
+constexpr const char* kRunDirWhat = "the run directory (checkpoint.dir)";
+constexpr const char* kMetricsWhat = "the metrics file (logging.metrics_file)";
+}  // namespace
+
 MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(options) {
   namespace fs = std::filesystem;
   bar_start_iteration_ = start_iteration;
   bar_start_time_ = now_seconds();
-  if (!opt_.plot_file.empty()) plot_path_ = (fs::path(opt_.run_dir) / opt_.plot_file).string();
+  // Both name files inside the run directory; nothing they say may carry a write out of it.
+  if (!opt_.plot_file.empty())
+    plot_path_ = output_path_inside(opt_.run_dir, opt_.plot_file, "logging.plot", kRunDirWhat);
   if (opt_.metrics_file.empty()) return;
-  metrics_path_ = (fs::path(opt_.run_dir) / opt_.metrics_file).string();
+  metrics_path_ =
+      output_path_inside(opt_.run_dir, opt_.metrics_file, "logging.metrics_file", kRunDirWhat);
+  check_replaceable(metrics_path_, kMetricsWhat);
   if (fs::exists(metrics_path_)) {
-    std::ifstream in(metrics_path_);
+    std::istringstream in(read_text_file(metrics_path_, kMetricsWhat));
     std::string line, kept;
     while (std::getline(in, line)) {
       // A run killed mid-write leaves a torn last line; it belongs to the dropped tail anyway.
@@ -528,23 +537,34 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
     }
     write_file_atomic(metrics_path_, kept);
   }
-  metrics_ = std::fopen(metrics_path_.c_str(), "a");
-  IRIS_CHECK(metrics_ != nullptr, "cannot open the metrics file ", metrics_path_, ": ",
-             std::strerror(errno), " (check logging.metrics_file and checkpoint.dir)");
+  metrics_fd_ = open_append_file(metrics_path_, kMetricsWhat);
   if (!history_.empty()) write_plot();
 }
 
 MetricsLog::~MetricsLog() {
   clear_bar();
-  if (metrics_) std::fclose(metrics_);
+  if (metrics_fd_ >= 0) ::close(metrics_fd_);
+}
+
+void MetricsLog::close_metrics() {
+  if (metrics_fd_ < 0) return;
+  const int fd = metrics_fd_;
+  metrics_fd_ = -1;
+  // Where the filesystem reports a failed write only now (NFS, a full disk with delayed
+  // allocation), the run must not end as if its metrics were kept.
+  const bool synced = ::fsync(fd) == 0 || errno == EINVAL || errno == EROFS;
+  const int sync_err = errno;
+  if (::close(fd) != 0 || !synced)
+    IRIS_FAIL("cannot write ", kMetricsWhat, " ", metrics_path_, ": ",
+              std::strerror(synced ? errno : sync_err));
 }
 
 void MetricsLog::append_record(const std::string& line) {
-  if (!metrics_) return;
-  // One write per record and a flush, so a kill leaves at most one torn line.
+  if (metrics_fd_ < 0) return;
+  // One write per record (no buffering), so a kill leaves at most one torn line, which the next
+  // run drops; a failed write (a full disk) ends the run like a failed checkpoint does.
   const std::string text = line + "\n";
-  std::fwrite(text.data(), 1, text.size(), metrics_);
-  std::fflush(metrics_);
+  write_all(metrics_fd_, text.data(), text.size(), kMetricsWhat, metrics_path_);
 }
 
 void MetricsLog::clear_bar() {

@@ -212,9 +212,11 @@ class MetricsLog {
     double peak_flops_per_second = 0;
   };
 
-  // Opens (creates) the metrics file. Records after `start_iteration` (the resumed checkpoint's
-  // step, 0 for a fresh run) were written by a run that died before its next checkpoint: they
-  // are dropped, and the kept ones seed the plot, so the files read as if the run never stopped.
+  // Opens (creates) the metrics file. Both files are resolved inside run_dir
+  // (output_path_inside: no absolute path, no "..", no symbolic link on the way). Records after
+  // `start_iteration` (the resumed checkpoint's step, 0 for a fresh run) were written by a run that
+  // died before its next checkpoint: they are dropped, and the kept ones seed the plot, so the
+  // files read as if the run never stopped.
   MetricsLog(const Options& options, int64_t start_iteration);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
@@ -226,6 +228,9 @@ class MetricsLog {
   void progress(int64_t iteration);
   // Prints a message above the bar.
   void message(const std::string& text);
+  // Flushes and closes the metrics file, throwing if what was written could not be kept; the
+  // destructor closes it silently where this was not called (an error already on its way).
+  void close_metrics();
 
   const std::vector<StepMetrics>& history() const { return history_; }
 
@@ -237,7 +242,7 @@ class MetricsLog {
   Options opt_;
   std::string metrics_path_;
   std::string plot_path_;
-  FILE* metrics_ = nullptr;
+  int metrics_fd_ = -1;
   std::vector<StepMetrics> history_;
   std::vector<EvalMetrics> eval_history_;
   int64_t bar_start_iteration_ = 0;

@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_read.h"
+#include "training/checkpoint.h"
 #include "training/lr_schedule.h"
 #include "training/pipeline_parallel.h"
 
@@ -193,9 +194,10 @@ std::vector<Field> fields(Recipe& r) {
        "device; reported apart from the steady state (run_summary.json host_probe, report.txt); "
        "0: off"},
       {"logging.metrics_file", &l.metrics_file,
-       "JSONL metrics, relative to the run directory; empty: off"},
+       "JSONL metrics, a file inside the run directory (a relative path without '..'); empty: off"},
       {"logging.plot", &l.plot,
-       "SVG of loss and learning rate, relative to the run directory; empty: off"},
+       "SVG of loss and learning rate, a file inside the run directory (a relative path without "
+       "'..'); empty: off"},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
       {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size,
        "pipeline stages (processes = pipeline_parallel_size x data_parallel_size)"},
@@ -977,6 +979,24 @@ void validate(Recipe& r) {
   IRIS_CHECK(r.logging.host_probe_steps < t.train_iters, "recipe: logging.host_probe_steps ",
              r.logging.host_probe_steps, " must be below train.train_iters ", t.train_iters,
              " (the probed steps are the run's last ones, outside its steady state)");
+  // Outputs named relative to the run directory stay inside it, apart from each other and from
+  // what the run keeps there itself.
+  for (const auto& [key, value] :
+       {std::pair<const char*, const std::string&>{"logging.metrics_file", r.logging.metrics_file},
+        {"logging.plot", r.logging.plot}}) {
+    if (value.empty()) continue;  // off
+    check_relative_output(value, str_cat("recipe: ", key), "the run directory (checkpoint.dir)");
+    const std::string first = fs::path(value).lexically_normal().begin()->string();
+    IRIS_CHECK(!is_run_directory_entry(first), "recipe: ", key, " '", value, "' would take over ",
+               first,
+               ", which the run directory keeps for itself; choose another name (the default is ",
+               std::string(key) == "logging.plot" ? "training_curves.svg" : "metrics.jsonl", ")");
+  }
+  IRIS_CHECK(
+      r.logging.metrics_file.empty() || fs::path(r.logging.metrics_file).lexically_normal() !=
+                                            fs::path(r.logging.plot).lexically_normal(),
+      "recipe: logging.metrics_file and logging.plot are both '", r.logging.metrics_file,
+      "'; the plot would overwrite the metrics: give them different names");
   if (r.checkpoint.dir.empty()) {
     const std::string stem = fs::path(r.source).stem().string();
     r.checkpoint.dir = "runs/" + (stem.empty() ? std::string("recipe") : stem);

@@ -55,7 +55,8 @@ void draw(ImageRGB8& img, const ShapeInstance& s, const std::array<uint8_t, 3>& 
 }
 
 // write_png fsyncs every file, which makes thousands of small images take many seconds; a generated
-// dataset is cheap to recreate, so only the JSONL files (written last) are made durable.
+// dataset is cheap to recreate, so only the JSONL files (written last) are made durable. The file
+// is new (O_EXCL, no link followed) in a directory this process made.
 void write_png_fast(const std::string& path, const ImageRGB8& img) {
   std::string png;
   const int ok = stbi_write_png_to_func(
@@ -65,10 +66,7 @@ void write_png_fast(const std::string& path, const ImageRGB8& img) {
       },
       &png, img.width, img.height, 3, img.pixels.data(), img.width * 3);
   IRIS_CHECK(ok != 0 && !png.empty(), "PNG encoding of ", path, " failed");
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(png.data(), static_cast<std::streamsize>(png.size()));
-  f.close();
-  IRIS_CHECK(f.good(), "cannot write ", path, ": ", std::strerror(errno));
+  write_new_file(path, png);
 }
 
 std::string describe(const ShapeInstance& s) {
@@ -182,20 +180,34 @@ void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, doub
              " scenes leaves nothing to train on; lower it or raise n");
   namespace fs = std::filesystem;
   const fs::path dir(out_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  IRIS_CHECK(!ec, "cannot create --out ", out_dir, ": ", ec.message());
+  // One writer at a time: two at once would mix one seed's images with the other's captions.
+  const DirectoryLock lock(out_dir, kShapesLockFile, "--out",
+                           "another iris data shapes is writing a dataset there: wait for it to "
+                           "end, or choose another --out");
+  // Checked under the lock, so that a writer that finished a moment ago counts.
+  const auto present = [&](const char* part) {
+    std::error_code ignored;
+    return fs::exists(fs::symlink_status(dir / part, ignored));
+  };
   if (!replace)
     for (const char* part : {"train.jsonl", "heldout.jsonl", "images"})
-      IRIS_CHECK(!fs::exists(dir / part), out_dir, " already holds a dataset (", part,
+      IRIS_CHECK(!present(part), out_dir, " already holds a dataset (", part,
                  "); choose another --out, or pass --force to replace it");
-  std::error_code ec;
-  fs::create_directories(dir / "images", ec);
-  IRIS_CHECK(!ec, "cannot create ", (dir / "images").string(), ": ", ec.message());
+  remove_abandoned_temp_dirs(out_dir);
 
+  // The images go into a fresh directory that replaces images/ whole: nothing in the old one
+  // (a symbolic link planted among the PNGs included) is ever written through.
+  OwnedTempDir images((dir / "images").string());
   std::string train, held;
   for (int i = 0; i < n; ++i) {
     const ShapesScene scene = make_shapes_scene(seed, i, image_size);
-    char name[32];
-    std::snprintf(name, sizeof(name), "images/%06d.png", i);
-    write_png_fast((dir / name).string(), scene.image);
+    char file[16];
+    std::snprintf(file, sizeof(file), "%06d.png", i);
+    write_png_fast((fs::path(images.path()) / file).string(), scene.image);
+    const std::string name = std::string("images/") + file;
     nlohmann::ordered_json shapes = nlohmann::ordered_json::array();
     for (const ShapeInstance& s : scene.shapes)
       shapes.push_back(
@@ -209,8 +221,16 @@ void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, doub
         {"shapes", shapes}};
     (i < n - heldout ? train : held) += line.dump() + "\n";
   }
-  write_file_atomic((dir / "train.jsonl").string(), train);
+  // The old lists go before the old images: a kill from here on leaves a folder without
+  // train.jsonl, never one whose lines describe other images. A link is removed, not its target.
+  if (replace)
+    for (const char* list : {"train.jsonl", "heldout.jsonl"}) {
+      fs::remove(dir / list, ec);
+      IRIS_CHECK(!ec, "cannot remove the old ", (dir / list).string(), ": ", ec.message());
+    }
+  images.commit(replace);
   write_file_atomic((dir / "heldout.jsonl").string(), held);
+  write_file_atomic((dir / "train.jsonl").string(), train);
 }
 
 int64_t shapes_vision_tokens(int image_size, const PreprocessorConfig& pp) {

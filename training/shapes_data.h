@@ -25,6 +25,7 @@
 namespace iris {
 
 inline constexpr const char* kShapesPrompt = "Describe the image.";
+inline constexpr const char* kShapesLockFile = ".iris-data.lock";
 
 struct ShapeInstance {
   std::string shape;   // circle, square or triangle
@@ -51,7 +52,9 @@ ShapesScene make_shapes_scene(uint64_t seed, int64_t index, int image_size = 64)
 // round(n * heldout_fraction) scenes are held out. Each line also carries a "shapes" list
 // (shape, colour, x, y, size), which the loader ignores. Image paths are relative to out_dir.
 // A directory that already holds a dataset (train.jsonl, heldout.jsonl or images/) is an error
-// unless `replace` is set.
+// unless `replace` is set. One writer at a time: out_dir/kShapesLockFile is locked while it
+// writes, and a second writer fails at once naming the first one's pid. The images are written
+// into a fresh directory that then replaces images/, so no file of the old dataset is written to.
 void write_shapes_dataset(const std::string& out_dir, int n, uint64_t seed, double heldout_fraction,
                           int image_size = 64, bool replace = false);
 

@@ -1144,6 +1144,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     write_file_atomic(summary_path, run_summary_json(sum));
     log.message("run summary: " + summary_path);
   }
+  log.close_metrics();
   return result;
 }
 
