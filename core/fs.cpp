@@ -67,6 +67,24 @@ int open_regular_file(const std::string& path, const std::string& what) {
   return fd;
 }
 
+void make_directories(const std::string& path, const std::string& what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(path, ec);
+  if (!ec) return;
+  const std::string reason = ec.message();
+  // The deepest existing ancestor is what refused: a file where a folder should be, or a folder
+  // that cannot be written.
+  fs::path at = fs::path(path);
+  while (at.has_parent_path() && at != at.parent_path() && !fs::exists(fs::symlink_status(at, ec)))
+    at = at.parent_path();
+  const bool file_in_way = fs::exists(at, ec) && !fs::is_directory(at, ec);
+  IRIS_FAIL("cannot create ", what, " '", path, "': ",
+            file_in_way ? "'" + at.string() + "' is a file, not a directory"
+                        : reason + " at '" + at.string() + "'",
+            "; choose another path");
+}
+
 void check_regular_file(const std::string& path, const std::string& what) {
   IRIS_CHECK(!path.empty(), what, ": the path is empty");
   struct stat st {};

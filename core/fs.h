@@ -16,6 +16,9 @@ namespace iris {
 int open_regular_file(const std::string& path, const std::string& what);
 // Throws unless `path` names an existing regular file (symlinks followed).
 void check_regular_file(const std::string& path, const std::string& what);
+// Creates `path` and its missing parents; a failure (a read-only filesystem, a file in the way,
+// no permission) names `what` (the key or flag that gave the path) and the part that failed.
+void make_directories(const std::string& path, const std::string& what);
 
 // The whole file; it must be a regular file of at most `max_bytes`.
 std::string read_text_file(const std::string& path, const std::string& what = "file",

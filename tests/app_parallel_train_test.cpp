@@ -199,6 +199,13 @@ TEST_F(AppParallelTrainTest, DataParallelSizeMustMatchTheLauncher) {
                           "1");
   EXPECT_EQ(alone.code, 1) << alone.output;
   EXPECT_NE(alone.output.find("mpirun -np 2 iris train"), std::string::npos) << alone.output;
+  // With stages the size to set is processes / stages, not the process count.
+  const Exit staged =
+      mpirun(2, {"train", "--recipe", recipe, "parallel.pipeline_parallel_size=2",
+                 "parallel.data_parallel_size=2", "checkpoint.dir=" + (root_ / "c").string()});
+  EXPECT_NE(staged.code, 0) << staged.output;
+  EXPECT_NE(staged.output.find("set parallel.data_parallel_size=1 "), std::string::npos)
+      << staged.output;
 }
 
 TEST_F(AppParallelTrainTest, AFailingRankEndsEveryRank) {

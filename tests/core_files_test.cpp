@@ -539,3 +539,24 @@ TEST(Errors, BuildPathsOnlyUnderIrisDebug) {
 
 }  // namespace
 }  // namespace iris
+
+namespace iris {
+namespace {
+
+// A run folder under a file, or on a filesystem that refuses it, is an error that names the key
+// and the part of the path in the way, not the standard library's "filesystem error".
+TEST(Files, DirectoriesThatCannotBeMadeNameTheKeyAndTheObstacle) {
+  const std::filesystem::path root = test::scratch_dir() / "make_directories";
+  std::filesystem::create_directories(root);
+  const std::string file = (root / "a_file").string();
+  std::ofstream(file) << "x";
+  const std::string msg = test::error_of(
+      [&] { make_directories(file + "/run/deeper", "the run directory (checkpoint.dir)"); });
+  EXPECT_NE(msg.find("cannot create the run directory (checkpoint.dir)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'" + file + "' is a file, not a directory"), std::string::npos) << msg;
+  make_directories((root / "fine" / "nested").string(), "x");
+  EXPECT_TRUE(std::filesystem::is_directory(root / "fine" / "nested"));
+}
+
+}  // namespace
+}  // namespace iris

@@ -270,7 +270,7 @@ std::string commit_checkpoint(const std::string& run_dir, int64_t step,
 }
 
 std::string begin_checkpoint(const std::string& run_dir, int64_t step) {
-  fs::create_directories(run_dir);
+  make_directories(run_dir, "the run directory (checkpoint.dir)");
   const std::string name = checkpoint_name(step);
   const fs::path final_dir = fs::path(run_dir) / name;
   const fs::path tmp_dir = fs::path(run_dir) / (name + ".tmp");
@@ -567,7 +567,7 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
   IRIS_CHECK(!fs::exists(fs::symlink_status(out, ec)), "export directory ", out.string(),
              " already exists; remove it or choose another");
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  fs::create_directories(parent);
+  make_directories(parent.string(), "the export's parent directory");
   // An export killed (SIGKILL, power loss) before its rename left its full-size temporary here;
   // its owner is gone, so it is removed now rather than kept forever.
   remove_abandoned_temp_dirs(parent.string());

@@ -41,11 +41,15 @@ DataParallel::DataParallel(const ParallelRecipe& p) : env_(read_launch_env()) {
     stages_ = 1;
     return;
   }
-  IRIS_CHECK(p.data_parallel_size == expected &&
-                 expected * p.pipeline_parallel_size == static_cast<int64_t>(env_.world),
-             "parallel.data_parallel_size is ", p.data_parallel_size, " but the launcher (",
-             env_.launcher, ") started ", env_.world,
-             " processes; set parallel.data_parallel_size=", env_.world,
+  IRIS_CHECK(env_.world % p.pipeline_parallel_size == 0, "the launcher (", env_.launcher,
+             ") started ", env_.world, " processes, which do not split into ",
+             p.pipeline_parallel_size,
+             " pipeline stages (parallel.pipeline_parallel_size); launch a multiple of ",
+             p.pipeline_parallel_size, " processes");
+  IRIS_CHECK(p.data_parallel_size == expected, "parallel.data_parallel_size is ",
+             p.data_parallel_size, " but the launcher (", env_.launcher, ") started ", env_.world,
+             " processes for ", p.pipeline_parallel_size,
+             " pipeline stage(s); set parallel.data_parallel_size=", expected,
              " (processes / parallel.pipeline_parallel_size) or launch ",
              p.data_parallel_size * p.pipeline_parallel_size, " processes");
   replicas_ = env_.world / stages_;

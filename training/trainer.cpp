@@ -270,7 +270,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   const bool graphs_on = r.cuda_graph.language.impl != GraphImpl::none ||
                          r.cuda_graph.vision.impl != VisionGraphImpl::none;
   const std::string run_dir = r.checkpoint.dir;
-  fs::create_directories(run_dir);
+  make_directories(run_dir, "the run directory (checkpoint.dir)");
   // Everything below reads or writes the run directory: one run at a time. Of a multi-process
   // run, rank 0 writes it; the others read what it holds once rank 0 has cleaned it.
   std::optional<RunLock> lock;
