@@ -92,6 +92,14 @@ ordered_json message_json(const ChatMessage& m) {
 }  // namespace
 
 ChatMessage user_message(const std::string& text, size_t n_images) {
+  // These tokens mark where the vision tower's embeddings go: typed in a message they would take
+  // an image's place (or none), and the error would surface far from its cause.
+  for (const char* token :
+       {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"})
+    IRIS_CHECK(text.find(token) == std::string::npos, "the message spells ", token,
+               ", a token that marks where an image's embeddings go; attach images with --image "
+               "or /image (placed at ",
+               kMediaMarker, " markers, or before the text) instead of typing it");
   ChatMessage m{"user", {}};
   const size_t markers = count_markers(text);
   if (markers == 0) {

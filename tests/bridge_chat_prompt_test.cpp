@@ -226,5 +226,15 @@ TEST(ChatFormat, MediaMarkersPlaceTheImages) {
             std::string::npos);
 }
 
+// A message that types a vision token is refused for what it is, not as a template's or the
+// prompt's placeholder count (issue: a chat line with <|image_pad|> blamed the chat template).
+TEST(ChatFormat, TypedVisionTokensAreRefusedNamingTheToken) {
+  for (const char* token : {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>"}) {
+    const std::string msg = error_of([&] { user_message(std::string("what is ") + token, 0); });
+    EXPECT_NE(msg.find(std::string("the message spells ") + token), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--image or /image"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace
 }  // namespace iris
