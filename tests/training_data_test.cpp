@@ -93,8 +93,17 @@ DataConfig config_for(std::vector<std::string> files) {
   return c;
 }
 
+// "file:line: detail" for each skipped line.
+std::vector<std::string> examples(const DataStats& s) {
+  std::vector<std::string> out;
+  for (const SkippedLine& l : s.skipped)
+    out.push_back(l.file + ":" + std::to_string(l.line) + ": " + l.detail);
+  return out;
+}
+
 bool has_example(const DataStats& s, const std::string& needle) {
-  return std::any_of(s.bad_examples.begin(), s.bad_examples.end(),
+  const std::vector<std::string> all = examples(s);
+  return std::any_of(all.begin(), all.end(),
                      [&](const std::string& e) { return e.find(needle) != std::string::npos; });
 }
 
@@ -534,9 +543,9 @@ TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
   EXPECT_EQ(seen[1], file + ":3");
   EXPECT_EQ(ds.stats().dropped_too_long, 1);  // counted once, not once per epoch
   EXPECT_EQ(ds.stats().bad_samples, 0);
-  ASSERT_EQ(ds.stats().bad_examples.size(), 1u);
-  EXPECT_NE(ds.stats().bad_examples[0].find(file + ":2"), std::string::npos);
-  EXPECT_NE(ds.stats().bad_examples[0].find("seq_length"), std::string::npos);
+  ASSERT_EQ(examples(ds.stats()).size(), 1u);
+  EXPECT_NE(examples(ds.stats())[0].find(file + ":2"), std::string::npos);
+  EXPECT_NE(examples(ds.stats())[0].find("seq_length"), std::string::npos);
 
   // Nothing fits: the error says so instead of looping forever.
   c.seq_length = 5;
@@ -614,7 +623,7 @@ TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
           kTextLine + "\n");
   Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.next().source, path + ":2");
-  EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(ds.stats().bad_examples);
+  EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(examples(ds.stats()));
 }
 
 TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
@@ -625,7 +634,7 @@ TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
   EXPECT_NE(ds.next().source, c.train_files[0] + ":2");
   EXPECT_TRUE(
       has_example(ds.stats(), "blue.png is 96x64 = 6144 pixels, more than the limit of 4096"))
-      << join(ds.stats().bad_examples);
+      << join(examples(ds.stats()));
   c.max_image_pixels = 0;
   EXPECT_NE(error_of([&] { c.validate(); }).find("data.max_image_pixels"), std::string::npos);
 }
@@ -637,7 +646,7 @@ TEST(TrainingData, DeeplyNestedLinesAreBadSamplesNotCrashes) {
   Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.stats().bad_samples, 1);
   EXPECT_TRUE(has_example(ds.stats(), path + ":1: malformed JSON: the line nests"))
-      << join(ds.stats().bad_examples);
+      << join(examples(ds.stats()));
 }
 
 TEST(TrainingData, StructureErrors) {
@@ -652,11 +661,11 @@ TEST(TrainingData, StructureErrors) {
       {R"({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]})",
        "must be a string or a list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}, {"role": "assistant", "content": "x"}]})",
-       "type 'video' is not supported"},
+       "message has a \"video\" item; Iris cannot train on video yet"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]})",
-       "no \"image\" path"},
+       "1 image items without a path but the line has no \"images\" list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/a.png"}]}, {"role": "assistant", "content": "x"}]})",
-       "is a URL"},
+       "is a remote URL; training reads local files only"},
       {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]})",
        "only appear in user turns"},
       {R"({"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "x"}]})",
@@ -680,7 +689,7 @@ TEST(TrainingData, StructureErrors) {
   EXPECT_EQ(ds.stats().bad_samples, static_cast<int64_t>(cases.size()));
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string where = file + ":" + std::to_string(i + 1) + ": ";
-    const auto& ex = ds.stats().bad_examples;
+    const auto& ex = examples(ds.stats());
     const bool found = std::any_of(ex.begin(), ex.end(), [&](const std::string& e) {
       return e.rfind(where, 0) == 0 && e.find(cases[i].message) != std::string::npos;
     });
