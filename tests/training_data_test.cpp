@@ -113,6 +113,11 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
+std::string good_line(const std::string& question) {
+  return R"({"messages": [{"role": "user", "content": ")" + question +
+         R"("}, {"role": "assistant", "content": "ok"}]})";
+}
+
 // ---------------------------------------------------------------------------------------------
 // Chat format
 
@@ -511,6 +516,194 @@ TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
   EXPECT_NE(err.find("image_root.jsonl:1"), std::string::npos) << err;
   EXPECT_NE(err.find("red.png"), std::string::npos) << err;
   EXPECT_EQ(ds.stats().bad_samples, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shapes fine-tuning tools write
+
+// shapes.jsonl holds pairs of lines: an HF messages line, then the same conversation in the shape
+// named here. Each must give exactly the tokens, labels and pixels of its HF equivalent.
+TEST(TrainingData, EachShapeGivesTheSampleOfItsHfMessagesEquivalent) {
+  const std::vector<std::string> shapes = {
+      "ms-swift: <image> placeholders in message text, a top-level images list",
+      "LLaMA-Factory: <image>\\n starting a later user turn",
+      "ShareGPT from/value in messages, a top-level system",
+      "from/value with a list of items and a system turn",
+      "LLaVA conversations with image",
+      "LLaVA conversations with a list of images",
+      "image_url items: {url}, a string, file://",
+      "TRL image items without a path, HF datasets' null fields",
+      "image items naming their file by path and url"};
+  const std::string file = jsonl_dir() + "/shapes.jsonl";
+  DataConfig c = config_for({file});
+  c.on_bad_sample = DataConfig::OnBad::error;  // no line may be dropped, or the pairs would shift
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), static_cast<int64_t>(2 * shapes.size()));
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    SCOPED_TRACE(shapes[i]);
+    const Sample hf = ds.next(), shape = ds.next();
+    ASSERT_EQ(hf.source, file + ":" + std::to_string(2 * i + 1));
+    ASSERT_EQ(shape.source, file + ":" + std::to_string(2 * i + 2));
+    ASSERT_FALSE(hf.grids.empty());
+    EXPECT_NE(std::count(hf.labels.begin(), hf.labels.end(), kIgnoreLabel),
+              static_cast<int64_t>(hf.labels.size()));
+    EXPECT_EQ(shape.ids, hf.ids);
+    EXPECT_EQ(shape.labels, hf.labels);
+    EXPECT_EQ(shape.grids, hf.grids);
+    EXPECT_EQ(shape.pixel_values, hf.pixel_values);
+  }
+  EXPECT_TRUE(ds.stats().skipped.empty());
+
+  // The first reference line is the conversation it spells, so agreeing with it means something.
+  ds.seek({});
+  const std::vector<ChatMessage> first = {
+      {"system", {ChatPart::make_text("You are terse.")}},
+      {"user",
+       {ChatPart::make_text("Is"), ChatPart::make_image(), ChatPart::make_text("brighter than"),
+        ChatPart::make_image(), ChatPart::make_text("?")}},
+      {"assistant", {ChatPart::make_text("Yes.")}},
+      {"user", {ChatPart::make_text("Sure?")}},
+      {"assistant", {ChatPart::make_text("Sure.")}}};
+  const ChatTokens want = build_chat_tokens(tok(), fixture_chat(), first, {kRedGrid, kBlueGrid});
+  const Sample s = ds.next();
+  EXPECT_EQ(s.ids, want.ids);
+  EXPECT_EQ(s.labels, want.labels);
+}
+
+TEST(TrainingData, LocalImageUrlsAreReadAndRemoteOnesRefused) {
+  const std::string red = fs::absolute(jsonl_dir() + "/images/red.png").lexically_normal().string();
+  auto line = [](const std::string& image_item) {
+    return R"({"messages": [{"role": "user", "content": [)" + image_item +
+           R"(, {"type": "text", "text": "What?"}]}, {"role": "assistant", "content": "Red."}]})";
+  };
+  const std::string file = write_scratch(
+      "urls.jsonl",
+      join(
+          {line(R"({"type": "image", "image": ")" + red + R"("})"),
+           line(R"({"type": "image_url", "image_url": {"url": "file://)" + red + R"("}})"),
+           line(R"({"type": "image_url", "image_url": ")" + red + R"("})"),
+           line(R"({"type": "image", "image": "file://)" + red + R"("})"),
+           line(R"({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})"),
+           R"({"images": ["http://example.com/a.png"], "messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "Red."}]})",
+           line(
+               R"({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}})")}));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), 4);
+  const Sample first = ds.next();
+  EXPECT_EQ(first.grids, std::vector<GridTHW>{kRedGrid});
+  for (int i = 2; i <= 4; ++i) {
+    const Sample s = ds.next();
+    EXPECT_EQ(s.source, file + ":" + std::to_string(i));
+    EXPECT_EQ(s.ids, first.ids);
+    EXPECT_EQ(s.pixel_values, first.pixel_values);
+  }
+  const std::vector<SkippedLine>& skipped = ds.stats().skipped;
+  ASSERT_EQ(skipped.size(), 3u) << join(examples(ds.stats()));
+  EXPECT_EQ(skipped[0].line, 5);
+  EXPECT_EQ(skipped[0].reason, "remote image URL");
+  EXPECT_EQ(skipped[0].detail,
+            "image 'https://example.com/a.png' is a remote URL; training reads local files only "
+            "and downloads nothing, so download it and give its path");
+  EXPECT_EQ(skipped[1].line, 6);
+  EXPECT_EQ(skipped[1].reason, "remote image URL");
+  EXPECT_EQ(skipped[2].line, 7);
+  EXPECT_EQ(skipped[2].reason, "unsupported image URL");
+}
+
+TEST(TrainingData, LinesWithVideoAreRefusedNeverTrainedAsText) {
+  const std::vector<std::string> video_lines = {
+      // LLaVA-Video: a "video" key and the tag in the text
+      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+      // the "video" key without a tag
+      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+      // ms-swift
+      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}], "videos": ["clip.mp4"]})",
+      // a placeholder whose list is missing
+      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}]})",
+      // HF items
+      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      R"({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "clip.mp4"}}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      R"({"messages": [{"role": "user", "content": [{"video": "clip.mp4"}, {"text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+  };
+  // An empty videos list, as tabular exports write "none", is no video.
+  const std::string text_line =
+      R"({"messages": [{"role": "user", "content": "What happens?"}, {"role": "assistant", "content": "Nothing."}], "videos": []})";
+  std::vector<std::string> lines = video_lines;
+  lines.push_back(text_line);
+  const std::string file = write_scratch("video.jsonl", join(lines));
+  DataConfig c = config_for({file});
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), 1);
+  EXPECT_EQ(ds.next().source, file + ":" + std::to_string(lines.size()));
+  const std::vector<SkippedLine>& skipped = ds.stats().skipped;
+  ASSERT_EQ(skipped.size(), video_lines.size()) << join(examples(ds.stats()));
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    EXPECT_EQ(skipped[i].line, static_cast<int64_t>(i + 1));
+    EXPECT_EQ(skipped[i].reason, "video not supported");
+    EXPECT_NE(skipped[i].detail.find("Iris cannot train on video yet, so the line is refused"),
+              std::string::npos)
+        << skipped[i].detail;
+  }
+  EXPECT_EQ(ds.stats().summary(), "skipped 7 of 8 lines: 7 video not supported");
+
+  c.on_bad_sample = DataConfig::OnBad::error;
+  const std::string err = error_of([&] { Dataset stops(c, tok(), pp(), fixture_chat()); });
+  EXPECT_EQ(err, file +
+                     ":1: the line has a video (\"video\"); Iris cannot train on video yet, so "
+                     "the line is refused rather than trained as text without its video; fix or "
+                     "remove the line, or set data.on_bad_sample: skip");
+}
+
+TEST(TrainingData, SkippedLinesAreReportedOnceEachAndSummedUpByReason) {
+  const std::string file = write_scratch(
+      "report.jsonl",
+      join(
+          {good_line("one"),
+           R"({"image": "images/gone.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "x"}]})",
+           good_line("three"),
+           R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+           R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "lost.png"}]}, {"role": "assistant", "content": "x"}]})"}));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  // The video line is refused while the files are read, the missing images when reached.
+  std::vector<SkippedLine> fresh = ds.take_new_skips();
+  ASSERT_EQ(fresh.size(), 1u);
+  EXPECT_EQ(fresh[0].describe(),
+            file +
+                ":4 (video not supported): the line has a video (\"video\"); Iris cannot train on "
+                "video yet, so the line is refused rather than trained as text without its video");
+  EXPECT_TRUE(ds.take_new_skips().empty());
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    EXPECT_EQ(ds.next().source, file + ":1");
+    EXPECT_EQ(ds.next().source, file + ":3");
+  }
+  fresh = ds.take_new_skips();
+  ASSERT_EQ(fresh.size(), 2u);
+  const std::string dir = scratch_dir().string();
+  EXPECT_EQ(fresh[0].file, file);
+  EXPECT_EQ(fresh[0].line, 2);
+  EXPECT_EQ(fresh[0].reason, "missing image");
+  EXPECT_EQ(fresh[0].detail,
+            "image file not found: " + (scratch_dir() / "images/gone.png").string() +
+                " (the line gives 'images/gone.png'; relative image paths resolve against the "
+                "JSONL file's folder (" +
+                dir + "), or against data.image_root when it is set)");
+  EXPECT_EQ(fresh[1].line, 5);
+  EXPECT_EQ(fresh[1].reason, "missing image");
+  EXPECT_TRUE(ds.take_new_skips().empty());  // later epochs report nothing again
+  EXPECT_EQ(ds.stats().summary(), "skipped 3 of 5 lines: 2 missing image, 1 video not supported");
+  EXPECT_EQ(ds.stats().bad_samples, 3);
+
+  DataConfig c = config_for({file});
+  c.image_root = jsonl_dir();
+  Dataset rooted(c, tok(), pp(), fixture_chat());
+  rooted.next();
+  rooted.next();
+  EXPECT_TRUE(has_example(rooted.stats(),
+                          file + ":2: image file not found: " + jsonl_dir() +
+                              "/images/gone.png (the line gives 'images/gone.png'; relative image "
+                              "paths resolve against data.image_root (" +
+                              jsonl_dir() + "))"))
+      << join(examples(rooted.stats()));
 }
 
 // ---------------------------------------------------------------------------------------------
