@@ -152,6 +152,15 @@ ImageRef resolve_image(const std::string& written, const fs::path& base) {
   return {written, (p.is_absolute() ? p : base / p).lexically_normal().string(), !p.is_absolute()};
 }
 
+// For messages: a path relative to the working directory says little when the recipe named it.
+std::string absolute_path(const fs::path& p) {
+  std::error_code ec;
+  const fs::path a = fs::absolute(p.empty() ? fs::path(".") : p, ec);
+  std::string out = (ec ? p : a).lexically_normal().string();
+  if (out.size() > 1 && out.back() == '/') out.pop_back();  // "dir/." normalises to "dir/"
+  return out;
+}
+
 std::string trim(std::string_view s, bool left, bool right) {
   const char* ws = " \t\r\n";
   size_t b = 0, e = s.size();
@@ -491,11 +500,10 @@ struct Dataset::Impl {
 
   // Where a relative path in `file` was looked for, in the terms of the recipe.
   std::string image_base_rule(uint32_t file) const {
-    const std::string dir = image_base(file).string();
+    const std::string dir = absolute_path(image_base(file));
     if (!cfg.image_root.empty())
       return str_cat("relative image paths resolve against data.image_root (", dir, ")");
-    return str_cat("relative image paths resolve against the JSONL file's folder (",
-                   dir.empty() ? std::string(".") : dir,
+    return str_cat("relative image paths resolve against the JSONL file's folder (", dir,
                    "), or against data.image_root when it is set");
   }
 
@@ -608,13 +616,14 @@ struct Dataset::Impl {
 
   ImageRGB8 load_line_image(const ImageRef& image, uint32_t file) const {
     std::error_code ec;
-    if (!fs::exists(image.resolved, ec)) {
-      throw LineRefused(kMissingImage,
-                        image.relative ? str_cat("image file not found: ", image.resolved,
-                                                 " (the line "
-                                                 "gives '",
-                                                 image.written, "'; ", image_base_rule(file), ")")
-                                       : str_cat("image file not found: ", image.resolved));
+    // An error other than absence (a folder without search permission) is load_image's to word.
+    if (!fs::exists(image.resolved, ec) && !ec) {
+      throw LineRefused(
+          kMissingImage,
+          image.relative
+              ? str_cat("image file not found: ", absolute_path(image.resolved),
+                        " (the line gives '", image.written, "'; ", image_base_rule(file), ")")
+              : str_cat("image file not found: ", image.resolved));
     }
     try {
       return load_image(image.resolved, cfg.max_image_pixels);
