@@ -822,8 +822,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   int64_t skipped_large = 0;
   // Each skipped line is reported as it is found, and the whole count by reason at the end.
   auto report_skips = [&](Dataset& data) {
+    const char* which = &data == &train_data ? "data" : "eval data";
     for (const SkippedLine& s : data.take_new_skips())
-      log.message("warning: data: skipped " + s.describe());
+      log.message(str_cat("warning: ", which, ": skipped ", s.describe()));
   };
   report_skips(train_data);
   if (eval_data) report_skips(*eval_data);
