@@ -871,6 +871,18 @@ TEST(TrainingData, StructureErrors) {
        "only appear in human turns"},
       {R"({"image": "a.png", "images": ["b.png"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]})",
        "both \"image\" and"},
+      {R"({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "x"}]})",
+       "1 <image> tags but the line has no \"images\" list"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}, {"role": "assistant", "content": "x"}]})",
+       "\"image_url\" must be {\"url\": ...} or a string, got number"},
+      {R"({"system": "a", "messages": [{"role": "system", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "x"}]})",
+       "both a top-level \"system\" and a system turn"},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "conversations": []})",
+       "both \"messages\" and \"conversations\""},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "tools": "[{\"name\": \"f\"}]"})",
+       "the line has \"tools\", which Iris does not render into the prompt"},
+      {R"({"messages": [{"from": "human"}, {"from": "gpt", "value": "x"}]})",
+       "a human message has no \"content\" (or ShareGPT \"value\") field"},
   };
   std::string text;
   for (const Case& c : cases) text += std::string(c.line) + "\n";
