@@ -706,6 +706,20 @@ TEST(TrainingData, SkippedLinesAreReportedOnceEachAndSummedUpByReason) {
       << join(examples(rooted.stats()));
 }
 
+TEST(TrainingData, ManySkippedLinesAreAllReportedAndCountedButFewKept) {
+  std::vector<std::string> lines(kKeptSkippedLines + 5, "{\"prompt\": \"x\"}");
+  lines.push_back(good_line("kept"));
+  const std::string file = write_scratch("many_bad.jsonl", join(lines));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  EXPECT_EQ(ds.stats().skipped.size(), kKeptSkippedLines);
+  const std::vector<SkippedLine> reported = ds.take_new_skips();
+  ASSERT_EQ(reported.size(), kKeptSkippedLines + 5);
+  EXPECT_EQ(reported.back().line, static_cast<int64_t>(kKeptSkippedLines + 5));
+  EXPECT_EQ(ds.stats().summary(),
+            str_cat("skipped ", kKeptSkippedLines + 5, " of ", kKeptSkippedLines + 6,
+                    " lines: ", kKeptSkippedLines + 5, " invalid row"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dropping samples
 

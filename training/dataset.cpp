@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -466,8 +467,8 @@ struct Dataset::Impl {
 
   // Consumer-side state (only next()/seek() touch these, apart from `consume` under `mu`).
   DataStats stats;
-  size_t skips_taken = 0;        // stats.skipped[0, skips_taken) went out through take_new_skips
-  std::vector<uint8_t> counted;  // per record: already in stats
+  std::vector<SkippedLine> unreported;  // for take_new_skips
+  std::vector<uint8_t> counted;         // per record: already in stats
   int64_t skipped_in_a_row = 0;
 
   std::mutex mu;
@@ -508,7 +509,10 @@ struct Dataset::Impl {
   }
 
   void record_skip(const std::string& file, int64_t line, std::string reason, std::string detail) {
-    stats.skipped.push_back({file, line, std::move(reason), std::move(detail)});
+    SkippedLine skipped{file, line, std::move(reason), std::move(detail)};
+    ++stats.skipped_by_reason[skipped.reason];
+    if (stats.skipped.size() < kKeptSkippedLines) stats.skipped.push_back(skipped);
+    unreported.push_back(std::move(skipped));
   }
 
   void record_skip(int64_t rec, std::string reason, std::string detail) {
@@ -868,10 +872,7 @@ const DataStats& Dataset::stats() const {
 }
 
 std::vector<SkippedLine> Dataset::take_new_skips() {
-  const std::vector<SkippedLine>& all = impl_->stats.skipped;
-  std::vector<SkippedLine> fresh(all.begin() + static_cast<int64_t>(impl_->skips_taken), all.end());
-  impl_->skips_taken = all.size();
-  return fresh;
+  return std::exchange(impl_->unreported, {});
 }
 
 std::string SkippedLine::describe() const {
@@ -879,13 +880,14 @@ std::string SkippedLine::describe() const {
 }
 
 std::string DataStats::summary() const {
-  if (skipped.empty()) return {};
-  std::map<std::string, int64_t> by_reason;
-  for (const SkippedLine& s : skipped) ++by_reason[s.reason];
-  std::vector<std::pair<std::string, int64_t>> order(by_reason.begin(), by_reason.end());
+  if (skipped_by_reason.empty()) return {};
+  int64_t total = 0;
+  for (const auto& [reason, count] : skipped_by_reason) total += count;
+  std::vector<std::pair<std::string, int64_t>> order(skipped_by_reason.begin(),
+                                                     skipped_by_reason.end());
   std::stable_sort(order.begin(), order.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
-  std::string text = str_cat("skipped ", skipped.size(), " of ", lines, " lines: ");
+  std::string text = str_cat("skipped ", total, " of ", lines, " lines: ");
   for (size_t i = 0; i < order.size(); ++i)
     text += str_cat(i ? ", " : "", order[i].second, " ", order[i].first);
   return text;

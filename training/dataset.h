@@ -35,6 +35,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -102,13 +103,18 @@ struct SkippedLine {
   std::string describe() const;
 };
 
+// Skipped lines kept in DataStats for inspection; the counts and Dataset::take_new_skips cover
+// all of them, this only bounds the memory of a dataset with many unusable lines.
+inline constexpr size_t kKeptSkippedLines = 1000;
+
 struct DataStats {
   int64_t lines = 0;  // non-blank lines in the train files
   // Each line counts once, however many epochs see it.
   int64_t dropped_too_long = 0, bad_samples = 0;
-  // Every line counted above, in the order found: lines refused while reading the files first,
-  // the rest as the epochs reach them.
+  // The first kKeptSkippedLines of the lines counted above, in the order found: lines refused
+  // while reading the files first, the rest as the epochs reach them.
   std::vector<SkippedLine> skipped;
+  std::map<std::string, int64_t> skipped_by_reason;  // every skipped line
 
   // "skipped 3 of 5 lines: 2 missing image, 1 video not supported" (largest count first); empty
   // when nothing was skipped.
