@@ -521,41 +521,63 @@ TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
 // ---------------------------------------------------------------------------------------------
 // The shapes fine-tuning tools write
 
-// shapes.jsonl holds pairs of lines: an HF messages line, then the same conversation in the shape
-// named here. Each must give exactly the tokens, labels and pixels of its HF equivalent.
-TEST(TrainingData, EachShapeGivesTheSampleOfItsHfMessagesEquivalent) {
-  const std::vector<std::string> shapes = {
-      "ms-swift: <image> placeholders in message text, a top-level images list",
-      "LLaMA-Factory: <image>\\n starting a later user turn",
-      "ShareGPT from/value in messages, a top-level system",
-      "from/value with a list of items and a system turn",
-      "LLaVA conversations with image",
-      "LLaVA conversations with a list of images",
-      "image_url items: {url}, a string, file://",
-      "TRL image items without a path, HF datasets' null fields",
-      "image items naming their file by path and url"};
-  const std::string file = jsonl_dir() + "/shapes.jsonl";
-  DataConfig c = config_for({file});
-  c.on_bad_sample = DataConfig::OnBad::error;  // no line may be dropped, or the pairs would shift
-  Dataset ds(c, tok(), pp(), fixture_chat());
-  ASSERT_EQ(ds.size(), static_cast<int64_t>(2 * shapes.size()));
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    SCOPED_TRACE(shapes[i]);
-    const Sample hf = ds.next(), shape = ds.next();
-    ASSERT_EQ(hf.source, file + ":" + std::to_string(2 * i + 1));
-    ASSERT_EQ(shape.source, file + ":" + std::to_string(2 * i + 2));
-    ASSERT_FALSE(hf.grids.empty());
-    EXPECT_NE(std::count(hf.labels.begin(), hf.labels.end(), kIgnoreLabel),
-              static_cast<int64_t>(hf.labels.size()));
-    EXPECT_EQ(shape.ids, hf.ids);
-    EXPECT_EQ(shape.labels, hf.labels);
-    EXPECT_EQ(shape.grids, hf.grids);
-    EXPECT_EQ(shape.pixel_values, hf.pixel_values);
-  }
-  EXPECT_TRUE(ds.stats().skipped.empty());
+// shapes.jsonl holds pairs of lines: an HF messages line, then the same conversation in another
+// shape. Each shape must give exactly the tokens, labels and pixels of its HF equivalent.
+struct ShapePair {
+  const char* name;  // the test's name
+  int pair;          // lines 2 * pair + 1 (HF messages) and 2 * pair + 2 (the shape)
+};
 
+const ShapePair kShapePairs[] = {
+    {"MsSwiftImagePlaceholdersWithAnImagesList", 0},
+    {"LlamaFactoryPlaceholderStartingALaterTurn", 1},
+    {"ShareGptFromValueInMessagesWithATopLevelSystem", 2},
+    {"FromValueWithAListOfItemsAndASystemTurn", 3},
+    {"LlavaConversationsWithImage", 4},
+    {"LlavaConversationsWithAListOfImages", 5},
+    {"ImageUrlItemsObjectStringAndFileUrl", 6},
+    {"TrlPathlessImageItemsWithNullFields", 7},
+    {"ImageItemsNamingTheirFileByPathAndUrl", 8},
+};
+
+const std::string& shapes_file() {
+  static const std::string f = jsonl_dir() + "/shapes.jsonl";
+  return f;
+}
+
+DataConfig shapes_config() {
+  DataConfig c = config_for({shapes_file()});
+  c.on_bad_sample = DataConfig::OnBad::error;  // no line may be dropped, or the pairs would shift
+  return c;
+}
+
+class TrainingDataShape : public ::testing::TestWithParam<ShapePair> {};
+
+TEST_P(TrainingDataShape, GivesTheSampleOfItsHfMessagesEquivalent) {
+  const int pair = GetParam().pair;
+  Dataset ds(shapes_config(), tok(), pp(), fixture_chat());
+  ds.seek({0, 2 * pair});
+  const Sample hf = ds.next(), shape = ds.next();
+  ASSERT_EQ(hf.source, shapes_file() + ":" + std::to_string(2 * pair + 1));
+  ASSERT_EQ(shape.source, shapes_file() + ":" + std::to_string(2 * pair + 2));
+  ASSERT_FALSE(hf.grids.empty());
+  EXPECT_NE(std::count(hf.labels.begin(), hf.labels.end(), kIgnoreLabel),
+            static_cast<int64_t>(hf.labels.size()));
+  EXPECT_EQ(shape.ids, hf.ids);
+  EXPECT_EQ(shape.labels, hf.labels);
+  EXPECT_EQ(shape.grids, hf.grids);
+  EXPECT_EQ(shape.pixel_values, hf.pixel_values);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TrainingDataShape, ::testing::ValuesIn(kShapePairs),
+                         [](const ::testing::TestParamInfo<ShapePair>& info) {
+                           return std::string(info.param.name);
+                         });
+
+TEST(TrainingData, TheShapesFixtureIsPairsOfUsableLines) {
+  Dataset ds(shapes_config(), tok(), pp(), fixture_chat());
+  EXPECT_EQ(ds.size(), static_cast<int64_t>(2 * std::size(kShapePairs)));
   // The first reference line is the conversation it spells, so agreeing with it means something.
-  ds.seek({});
   const std::vector<ChatMessage> first = {
       {"system", {ChatPart::make_text("You are terse.")}},
       {"user",
