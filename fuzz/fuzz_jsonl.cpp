@@ -1,4 +1,4 @@
-// A training JSONL file (HF messages or LLaVA conversations): indexed, then its samples built
+// A training JSONL file (any shape of docs/training-data.md): indexed, then its samples built
 // (tokens, labels, images) as a data worker would, with the real Qwen tokenizer.
 #include <filesystem>
 

@@ -668,6 +668,57 @@ TEST_F(TinyTrainingTest, SamplesAboveThePlannedPatchesAreSkipped) {
   }
 }
 
+TEST_F(TinyTrainingTest, SkippedLinesAreWarnedOnceEachAndSummedUpByReason) {
+  // Two shapes samples, a missing image and a LLaVA video row.
+  const std::string train = (root_ / "shapes/train.jsonl").string();
+  const std::string shapes = read_text_file(train);
+  const size_t first_end = shapes.find('\n') + 1;
+  const std::string first = shapes.substr(0, first_end),
+                    second = shapes.substr(first_end, shapes.find('\n', first_end) + 1 - first_end);
+  write_file_atomic(
+      train,
+      first +
+          R"({"image": "gone.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "x"}]})"
+          "\n" +
+          second +
+          R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})"
+          "\n");
+  const std::string log_path = (root_ / "log.txt").string();
+  TrainerOptions o;
+  o.out = std::fopen(log_path.c_str(), "w");
+  // Three steps of two samples: every line is reached, most of them more than once.
+  run_training(recipe(run_dir("run"), {"train.train_iters=3", "train.eval_interval=0"}), o);
+  std::fclose(o.out);
+  const std::string log = read_text_file(log_path);
+  auto count = [&](const std::string& s) {
+    size_t n = 0;
+    for (size_t at = log.find(s); at != std::string::npos; at = log.find(s, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("warning: data: skipped " + train + ":2 (missing image): image file not found: " +
+                  (root_ / "shapes/gone.png").string()),
+            1u)
+      << log;
+  EXPECT_EQ(count("warning: data: skipped " + train +
+                  ":4 (video not supported): the line has a video (\"video\")"),
+            1u)
+      << log;
+  EXPECT_EQ(count("warning: data: skipped "), 2u) << log;
+  EXPECT_EQ(count("data: skipped 2 of 4 lines: 1 missing image, 1 video not supported\n"), 1u)
+      << log;
+
+  // data.on_bad_sample=error: the video row stops the run before any step, naming its line.
+  const std::string err = test::error_of([&] {
+    run_training(recipe(run_dir("strict"), {"train.train_iters=1", "train.eval_interval=0",
+                                            "data.on_bad_sample=error"}),
+                 quiet());
+  });
+  EXPECT_NE(err.find(train + ":4: the line has a video (\"video\"); Iris cannot train on video "
+                             "yet"),
+            std::string::npos)
+      << err;
+}
+
 TEST_F(TinyTrainingTest, StartsFromAPretrainedDirectory) {
   const std::string run = run_dir("run");
   const TrainResult r =

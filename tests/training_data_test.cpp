@@ -93,8 +93,17 @@ DataConfig config_for(std::vector<std::string> files) {
   return c;
 }
 
+// "file:line: detail" for each skipped line.
+std::vector<std::string> examples(const DataStats& s) {
+  std::vector<std::string> out;
+  for (const SkippedLine& l : s.skipped)
+    out.push_back(l.file + ":" + std::to_string(l.line) + ": " + l.detail);
+  return out;
+}
+
 bool has_example(const DataStats& s, const std::string& needle) {
-  return std::any_of(s.bad_examples.begin(), s.bad_examples.end(),
+  const std::vector<std::string> all = examples(s);
+  return std::any_of(all.begin(), all.end(),
                      [&](const std::string& e) { return e.find(needle) != std::string::npos; });
 }
 
@@ -102,6 +111,11 @@ std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += x + "\n";
   return s;
+}
+
+std::string good_line(const std::string& question) {
+  return R"({"messages": [{"role": "user", "content": ")" + question +
+         R"("}, {"role": "assistant", "content": "ok"}]})";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -505,6 +519,230 @@ TEST(TrainingData, ImagePathsRelativeToFileOrImageRoot) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The shapes fine-tuning tools write
+
+// shapes.jsonl holds pairs of lines: an HF messages line, then the same conversation in another
+// shape. Each shape must give exactly the tokens, labels and pixels of its HF equivalent.
+struct ShapePair {
+  const char* name;  // the test's name
+  int pair;          // lines 2 * pair + 1 (HF messages) and 2 * pair + 2 (the shape)
+};
+
+const ShapePair kShapePairs[] = {
+    {"MsSwiftImagePlaceholdersWithAnImagesList", 0},
+    {"LlamaFactoryPlaceholderStartingALaterTurn", 1},
+    {"ShareGptFromValueInMessagesWithATopLevelSystem", 2},
+    {"FromValueWithAListOfItemsAndASystemTurn", 3},
+    {"LlavaConversationsWithImage", 4},
+    {"LlavaConversationsWithAListOfImages", 5},
+    {"ImageUrlItemsObjectStringAndFileUrl", 6},
+    {"TrlPathlessImageItemsWithNullFields", 7},
+    {"ImageItemsNamingTheirFileByPathAndUrl", 8},
+};
+
+const std::string& shapes_file() {
+  static const std::string f = jsonl_dir() + "/shapes.jsonl";
+  return f;
+}
+
+DataConfig shapes_config() {
+  DataConfig c = config_for({shapes_file()});
+  c.on_bad_sample = DataConfig::OnBad::error;  // no line may be dropped, or the pairs would shift
+  return c;
+}
+
+class TrainingDataShape : public ::testing::TestWithParam<ShapePair> {};
+
+TEST_P(TrainingDataShape, GivesTheSampleOfItsHfMessagesEquivalent) {
+  const int pair = GetParam().pair;
+  Dataset ds(shapes_config(), tok(), pp(), fixture_chat());
+  ds.seek({0, 2 * pair});
+  const Sample hf = ds.next(), shape = ds.next();
+  ASSERT_EQ(hf.source, shapes_file() + ":" + std::to_string(2 * pair + 1));
+  ASSERT_EQ(shape.source, shapes_file() + ":" + std::to_string(2 * pair + 2));
+  ASSERT_FALSE(hf.grids.empty());
+  EXPECT_NE(std::count(hf.labels.begin(), hf.labels.end(), kIgnoreLabel),
+            static_cast<int64_t>(hf.labels.size()));
+  EXPECT_EQ(shape.ids, hf.ids);
+  EXPECT_EQ(shape.labels, hf.labels);
+  EXPECT_EQ(shape.grids, hf.grids);
+  EXPECT_EQ(shape.pixel_values, hf.pixel_values);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TrainingDataShape, ::testing::ValuesIn(kShapePairs),
+                         [](const ::testing::TestParamInfo<ShapePair>& info) {
+                           return std::string(info.param.name);
+                         });
+
+TEST(TrainingData, TheShapesFixtureIsPairsOfUsableLines) {
+  Dataset ds(shapes_config(), tok(), pp(), fixture_chat());
+  EXPECT_EQ(ds.size(), static_cast<int64_t>(2 * std::size(kShapePairs)));
+  // The first reference line is the conversation it spells, so agreeing with it means something.
+  const std::vector<ChatMessage> first = {
+      {"system", {ChatPart::make_text("You are terse.")}},
+      {"user",
+       {ChatPart::make_text("Is"), ChatPart::make_image(), ChatPart::make_text("brighter than"),
+        ChatPart::make_image(), ChatPart::make_text("?")}},
+      {"assistant", {ChatPart::make_text("Yes.")}},
+      {"user", {ChatPart::make_text("Sure?")}},
+      {"assistant", {ChatPart::make_text("Sure.")}}};
+  const ChatTokens want = build_chat_tokens(tok(), fixture_chat(), first, {kRedGrid, kBlueGrid});
+  const Sample s = ds.next();
+  EXPECT_EQ(s.ids, want.ids);
+  EXPECT_EQ(s.labels, want.labels);
+}
+
+TEST(TrainingData, LocalImageUrlsAreReadAndRemoteOnesRefused) {
+  const std::string red = fs::absolute(jsonl_dir() + "/images/red.png").lexically_normal().string();
+  auto line = [](const std::string& image_item) {
+    return R"({"messages": [{"role": "user", "content": [)" + image_item +
+           R"(, {"type": "text", "text": "What?"}]}, {"role": "assistant", "content": "Red."}]})";
+  };
+  const std::string file = write_scratch(
+      "urls.jsonl",
+      join(
+          {line(R"({"type": "image", "image": ")" + red + R"("})"),
+           line(R"({"type": "image_url", "image_url": {"url": "file://)" + red + R"("}})"),
+           line(R"({"type": "image_url", "image_url": ")" + red + R"("})"),
+           line(R"({"type": "image", "image": "file://)" + red + R"("})"),
+           line(R"({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})"),
+           R"({"images": ["http://example.com/a.png"], "messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "Red."}]})",
+           line(
+               R"({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}})")}));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), 4);
+  const Sample first = ds.next();
+  EXPECT_EQ(first.grids, std::vector<GridTHW>{kRedGrid});
+  for (int i = 2; i <= 4; ++i) {
+    const Sample s = ds.next();
+    EXPECT_EQ(s.source, file + ":" + std::to_string(i));
+    EXPECT_EQ(s.ids, first.ids);
+    EXPECT_EQ(s.pixel_values, first.pixel_values);
+  }
+  const std::vector<SkippedLine>& skipped = ds.stats().skipped;
+  ASSERT_EQ(skipped.size(), 3u) << join(examples(ds.stats()));
+  EXPECT_EQ(skipped[0].line, 5);
+  EXPECT_EQ(skipped[0].reason, "remote image URL");
+  EXPECT_EQ(skipped[0].detail,
+            "image 'https://example.com/a.png' is a remote URL; training reads local files only "
+            "and downloads nothing, so download it and give its path");
+  EXPECT_EQ(skipped[1].line, 6);
+  EXPECT_EQ(skipped[1].reason, "remote image URL");
+  EXPECT_EQ(skipped[2].line, 7);
+  EXPECT_EQ(skipped[2].reason, "unsupported image URL");
+}
+
+TEST(TrainingData, LinesWithVideoAreRefusedNeverTrainedAsText) {
+  const std::vector<std::string> video_lines = {
+      // LLaVA-Video: a "video" key and the tag in the text
+      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+      // the "video" key without a tag
+      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+      // ms-swift
+      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}], "videos": ["clip.mp4"]})",
+      // a placeholder whose list is missing
+      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}]})",
+      // HF items
+      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      R"({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "clip.mp4"}}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      R"({"messages": [{"role": "user", "content": [{"video": "clip.mp4"}, {"text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+  };
+  // An empty videos list, as tabular exports write "none", is no video.
+  const std::string text_line =
+      R"({"messages": [{"role": "user", "content": "What happens?"}, {"role": "assistant", "content": "Nothing."}], "videos": []})";
+  std::vector<std::string> lines = video_lines;
+  lines.push_back(text_line);
+  const std::string file = write_scratch("video.jsonl", join(lines));
+  DataConfig c = config_for({file});
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), 1);
+  EXPECT_EQ(ds.next().source, file + ":" + std::to_string(lines.size()));
+  const std::vector<SkippedLine>& skipped = ds.stats().skipped;
+  ASSERT_EQ(skipped.size(), video_lines.size()) << join(examples(ds.stats()));
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    EXPECT_EQ(skipped[i].line, static_cast<int64_t>(i + 1));
+    EXPECT_EQ(skipped[i].reason, "video not supported");
+    EXPECT_NE(skipped[i].detail.find("Iris cannot train on video yet, so the line is refused"),
+              std::string::npos)
+        << skipped[i].detail;
+  }
+  EXPECT_EQ(ds.stats().summary(), "skipped 7 of 8 lines: 7 video not supported");
+
+  c.on_bad_sample = DataConfig::OnBad::error;
+  const std::string err = error_of([&] { Dataset stops(c, tok(), pp(), fixture_chat()); });
+  EXPECT_EQ(err, file +
+                     ":1: the line has a video (\"video\"); Iris cannot train on video yet, so "
+                     "the line is refused rather than trained as text without its video; fix or "
+                     "remove the line, or set data.on_bad_sample: skip");
+}
+
+TEST(TrainingData, SkippedLinesAreReportedOnceEachAndSummedUpByReason) {
+  const std::string file = write_scratch(
+      "report.jsonl",
+      join(
+          {good_line("one"),
+           R"({"image": "images/gone.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "x"}]})",
+           good_line("three"),
+           R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+           R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "lost.png"}]}, {"role": "assistant", "content": "x"}]})"}));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  // The video line is refused while the files are read, the missing images when reached.
+  std::vector<SkippedLine> fresh = ds.take_new_skips();
+  ASSERT_EQ(fresh.size(), 1u);
+  EXPECT_EQ(fresh[0].describe(),
+            file +
+                ":4 (video not supported): the line has a video (\"video\"); Iris cannot train on "
+                "video yet, so the line is refused rather than trained as text without its video");
+  EXPECT_TRUE(ds.take_new_skips().empty());
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    EXPECT_EQ(ds.next().source, file + ":1");
+    EXPECT_EQ(ds.next().source, file + ":3");
+  }
+  fresh = ds.take_new_skips();
+  ASSERT_EQ(fresh.size(), 2u);
+  const std::string dir = scratch_dir().string();
+  EXPECT_EQ(fresh[0].file, file);
+  EXPECT_EQ(fresh[0].line, 2);
+  EXPECT_EQ(fresh[0].reason, "missing image");
+  EXPECT_EQ(fresh[0].detail,
+            "image file not found: " + (scratch_dir() / "images/gone.png").string() +
+                " (the line gives 'images/gone.png'; relative image paths resolve against the "
+                "JSONL file's folder (" +
+                dir + "), or against data.image_root when it is set)");
+  EXPECT_EQ(fresh[1].line, 5);
+  EXPECT_EQ(fresh[1].reason, "missing image");
+  EXPECT_TRUE(ds.take_new_skips().empty());  // later epochs report nothing again
+  EXPECT_EQ(ds.stats().summary(), "skipped 3 of 5 lines: 2 missing image, 1 video not supported");
+  EXPECT_EQ(ds.stats().bad_samples, 3);
+
+  DataConfig c = config_for({file});
+  c.image_root = jsonl_dir();
+  Dataset rooted(c, tok(), pp(), fixture_chat());
+  rooted.next();
+  rooted.next();
+  EXPECT_TRUE(has_example(rooted.stats(),
+                          file + ":2: image file not found: " + jsonl_dir() +
+                              "/images/gone.png (the line gives 'images/gone.png'; relative image "
+                              "paths resolve against data.image_root (" +
+                              jsonl_dir() + "))"))
+      << join(examples(rooted.stats()));
+}
+
+TEST(TrainingData, ManySkippedLinesAreAllReportedAndCountedButFewKept) {
+  std::vector<std::string> lines(kKeptSkippedLines + 5, "{\"prompt\": \"x\"}");
+  lines.push_back(good_line("kept"));
+  const std::string file = write_scratch("many_bad.jsonl", join(lines));
+  Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
+  EXPECT_EQ(ds.stats().skipped.size(), kKeptSkippedLines);
+  const std::vector<SkippedLine> reported = ds.take_new_skips();
+  ASSERT_EQ(reported.size(), kKeptSkippedLines + 5);
+  EXPECT_EQ(reported.back().line, static_cast<int64_t>(kKeptSkippedLines + 5));
+  EXPECT_EQ(ds.stats().summary(),
+            str_cat("skipped ", kKeptSkippedLines + 5, " of ", kKeptSkippedLines + 6,
+                    " lines: ", kKeptSkippedLines + 5, " invalid row"));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dropping samples
 
 TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
@@ -534,9 +772,9 @@ TEST(TrainingData, OverLongSamplesDroppedAndCounted) {
   EXPECT_EQ(seen[1], file + ":3");
   EXPECT_EQ(ds.stats().dropped_too_long, 1);  // counted once, not once per epoch
   EXPECT_EQ(ds.stats().bad_samples, 0);
-  ASSERT_EQ(ds.stats().bad_examples.size(), 1u);
-  EXPECT_NE(ds.stats().bad_examples[0].find(file + ":2"), std::string::npos);
-  EXPECT_NE(ds.stats().bad_examples[0].find("seq_length"), std::string::npos);
+  ASSERT_EQ(examples(ds.stats()).size(), 1u);
+  EXPECT_NE(examples(ds.stats())[0].find(file + ":2"), std::string::npos);
+  EXPECT_NE(examples(ds.stats())[0].find("seq_length"), std::string::npos);
 
   // Nothing fits: the error says so instead of looping forever.
   c.seq_length = 5;
@@ -614,7 +852,7 @@ TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
           kTextLine + "\n");
   Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.next().source, path + ":2");
-  EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(ds.stats().bad_examples);
+  EXPECT_TRUE(has_example(ds.stats(), "fifo_image.png is a FIFO")) << join(examples(ds.stats()));
 }
 
 TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
@@ -625,7 +863,7 @@ TEST(TrainingData, ImagesAboveThePixelLimitAreBadSamples) {
   EXPECT_NE(ds.next().source, c.train_files[0] + ":2");
   EXPECT_TRUE(
       has_example(ds.stats(), "blue.png is 96x64 = 6144 pixels, more than the limit of 4096"))
-      << join(ds.stats().bad_examples);
+      << join(examples(ds.stats()));
   c.max_image_pixels = 0;
   EXPECT_NE(error_of([&] { c.validate(); }).find("data.max_image_pixels"), std::string::npos);
 }
@@ -637,7 +875,7 @@ TEST(TrainingData, DeeplyNestedLinesAreBadSamplesNotCrashes) {
   Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
   EXPECT_EQ(ds.stats().bad_samples, 1);
   EXPECT_TRUE(has_example(ds.stats(), path + ":1: malformed JSON: the line nests"))
-      << join(ds.stats().bad_examples);
+      << join(examples(ds.stats()));
 }
 
 TEST(TrainingData, StructureErrors) {
@@ -652,11 +890,11 @@ TEST(TrainingData, StructureErrors) {
       {R"({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]})",
        "must be a string or a list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}, {"role": "assistant", "content": "x"}]})",
-       "type 'video' is not supported"},
+       "message has a \"video\" item; Iris cannot train on video yet"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]})",
-       "no \"image\" path"},
+       "1 image items without a path but the line has no \"images\" list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/a.png"}]}, {"role": "assistant", "content": "x"}]})",
-       "is a URL"},
+       "is a remote URL; training reads local files only"},
       {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]})",
        "only appear in user turns"},
       {R"({"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "x"}]})",
@@ -669,6 +907,18 @@ TEST(TrainingData, StructureErrors) {
        "only appear in human turns"},
       {R"({"image": "a.png", "images": ["b.png"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]})",
        "both \"image\" and"},
+      {R"({"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "x"}]})",
+       "1 <image> tags but the line has no \"images\" list"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}, {"role": "assistant", "content": "x"}]})",
+       "\"image_url\" must be {\"url\": ...} or a string, got number"},
+      {R"({"system": "a", "messages": [{"role": "system", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "x"}]})",
+       "both a top-level \"system\" and a system turn"},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "conversations": []})",
+       "both \"messages\" and \"conversations\""},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "tools": "[{\"name\": \"f\"}]"})",
+       "the line has \"tools\", which Iris does not render into the prompt"},
+      {R"({"messages": [{"from": "human"}, {"from": "gpt", "value": "x"}]})",
+       "a human message has no \"content\" (or ShareGPT \"value\") field"},
   };
   std::string text;
   for (const Case& c : cases) text += std::string(c.line) + "\n";
@@ -680,7 +930,7 @@ TEST(TrainingData, StructureErrors) {
   EXPECT_EQ(ds.stats().bad_samples, static_cast<int64_t>(cases.size()));
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string where = file + ":" + std::to_string(i + 1) + ": ";
-    const auto& ex = ds.stats().bad_examples;
+    const auto& ex = examples(ds.stats());
     const bool found = std::any_of(ex.begin(), ex.end(), [&](const std::string& e) {
       return e.rfind(where, 0) == 0 && e.find(cases[i].message) != std::string::npos;
     });

@@ -9,7 +9,9 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -24,8 +26,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-constexpr size_t kMaxExamples = 20;
 
 uint64_t mix_seed(uint64_t seed, uint64_t salt, uint64_t value) {
   SplitMix64 g(seed ^ (salt * 0xD1B54A32D192ED03ull));
@@ -48,21 +48,69 @@ std::vector<int64_t> epoch_permutation(uint64_t seed, int64_t epoch, int64_t n) 
 // ---------------------------------------------------------------------------------------------
 // Parsing one JSONL line into chat messages and image paths
 
-struct ParsedLine {
-  std::vector<ChatMessage> messages;
-  std::vector<std::string> image_paths;  // resolved, in order of the image parts
+// The summary's words for why a line was not trained on (SkippedLine::reason).
+constexpr const char* kInvalidRow = "invalid row";
+constexpr const char* kMalformedJson = "malformed JSON";
+constexpr const char* kVideo = "video not supported";
+constexpr const char* kTools = "tools not supported";
+constexpr const char* kRemoteImage = "remote image URL";
+constexpr const char* kImageUrl = "unsupported image URL";
+constexpr const char* kMissingImage = "missing image";
+constexpr const char* kBadImage = "bad image";
+constexpr const char* kTooLong = "longer than data.seq_length";
+
+// A refusal whose cause the skip summary counts apart; any other iris::Error from a line is an
+// invalid row.
+class LineRefused : public Error {
+ public:
+  LineRefused(std::string reason, const std::string& detail)
+      : Error(detail), reason_(std::move(reason)) {}
+  const std::string& reason() const { return reason_; }
+
+ private:
+  std::string reason_;
 };
 
-const json& field(const json& obj, const char* name, const char* where) {
+[[noreturn]] void refuse_video(const std::string& what) {
+  throw LineRefused(kVideo, what +
+                                "; Iris cannot train on video yet, so the line is refused rather "
+                                "than trained as text without its video");
+}
+
+struct ImageRef {
+  std::string written;   // as the line gives it, for messages
+  std::string resolved;  // the file to open
+  bool relative = false;
+};
+
+struct ParsedLine {
+  std::vector<ChatMessage> messages;
+  std::vector<ImageRef> images;  // in order of the image parts
+};
+
+// A field that is there and not null: datasets exported through HF `datasets` give every item
+// every key of the column, null where it does not apply ({"type": "text", "text": "hi",
+// "image": null}).
+const json* present(const json& obj, const char* name) {
   auto it = obj.find(name);
-  IRIS_CHECK(it != obj.end(), where, " has no \"", name, "\" field");
-  return *it;
+  return it == obj.end() || it->is_null() ? nullptr : &*it;
+}
+
+const json& field(const json& obj, const char* name, const char* where) {
+  const json* v = present(obj, name);
+  IRIS_CHECK(v != nullptr, where, " has no \"", name, "\" field");
+  return *v;
 }
 
 std::string string_field(const json& obj, const char* name, const char* where) {
   const json& v = field(obj, name, where);
   IRIS_CHECK(v.is_string(), where, ": \"", name, "\" must be a string, got ", v.type_name());
   return v.get<std::string>();
+}
+
+// An empty list or string is how tabular exports write "none" (ms-swift's "videos": []).
+bool has_content(const json* v) {
+  return v != nullptr && !((v->is_array() || v->is_object() || v->is_string()) && v->empty());
 }
 
 std::vector<std::string> path_list(const json& v, const char* name) {
@@ -81,65 +129,37 @@ std::vector<std::string> path_list(const json& v, const char* name) {
   return out;
 }
 
-std::string resolve_image(const std::string& path, const fs::path& base) {
-  IRIS_CHECK(!path.empty(), "an image path is empty");
-  IRIS_CHECK(path.find("://") == std::string::npos && path.rfind("data:", 0) != 0, "image '", path,
-             "' is a URL; only local files are read, so download it and give its path");
-  const fs::path p(path);
-  return (p.is_absolute() ? p : base / p).lexically_normal().string();
+// Inline data: URIs can be megabytes long.
+std::string shortened(const std::string& s) {
+  return s.size() <= 80 ? s : s.substr(0, 60) + "...";
 }
 
-void parse_hf_messages(const json& j, const fs::path& base, ParsedLine& out) {
-  const json& msgs = j["messages"];
-  IRIS_CHECK(msgs.is_array() && !msgs.empty(), "\"messages\" must be a non-empty array");
-  std::vector<std::string> top;
-  if (j.contains("images")) top = path_list(j["images"], "images");
-  size_t next_top = 0;
-  for (const json& m : msgs) {
-    IRIS_CHECK(m.is_object(), "each entry of \"messages\" must be an object, found a ",
-               m.type_name());
-    ChatMessage cm;
-    cm.role = string_field(m, "role", "a message");
-    const json& content = field(m, "content", "a message");
-    if (content.is_string()) {
-      cm.content.push_back(ChatPart::make_text(content.get<std::string>()));
-    } else {
-      IRIS_CHECK(content.is_array(), "a ", cm.role,
-                 " message's \"content\" must be a string or a list of items, got ",
-                 content.type_name());
-      for (const json& item : content) {
-        IRIS_CHECK(item.is_object(), "a content item must be an object, found a ",
-                   item.type_name());
-        std::string type;
-        if (item.contains("type")) {
-          type = string_field(item, "type", "a content item");
-        } else {  // the chat template also keys on the field name alone
-          type = item.contains("image") ? "image" : item.contains("text") ? "text" : "";
-        }
-        if (type == "text") {
-          cm.content.push_back(ChatPart::make_text(string_field(item, "text", "a text item")));
-        } else if (type == "image") {
-          if (item.contains("image")) {
-            out.image_paths.push_back(
-                resolve_image(string_field(item, "image", "an image item"), base));
-          } else {
-            IRIS_CHECK(next_top < top.size(),
-                       "an image item has no \"image\" path and the top-level \"images\" list has ",
-                       top.size(), " entries for more image items");
-            out.image_paths.push_back(resolve_image(top[next_top++], base));
-          }
-          cm.content.push_back(ChatPart::make_image());
-        } else {
-          IRIS_FAIL("content item type '", type,
-                    "' is not supported; use {\"type\": \"image\", \"image\": path} or "
-                    "{\"type\": \"text\", \"text\": ...}");
-        }
-      }
-    }
-    out.messages.push_back(std::move(cm));
+ImageRef resolve_image(const std::string& written, const fs::path& base) {
+  IRIS_CHECK(!written.empty(), "an image path is empty");
+  if (written.rfind("http://", 0) == 0 || written.rfind("https://", 0) == 0)
+    throw LineRefused(kRemoteImage,
+                      str_cat("image '", shortened(written),
+                              "' is a remote URL; training reads local files only and downloads "
+                              "nothing, so download it and give its path"));
+  std::string path = written;
+  if (written.rfind("file://", 0) == 0) {
+    path = written.substr(7);  // as qwen_vl_utils reads it: the rest is the path
+  } else if (written.find("://") != std::string::npos || written.rfind("data:", 0) == 0) {
+    throw LineRefused(kImageUrl, str_cat("image '", shortened(written),
+                                         "' is a URL; give a local path (or file://path)"));
   }
-  IRIS_CHECK(next_top == top.size(), "the top-level \"images\" list has ", top.size(),
-             " paths but ", next_top, " image items take theirs from it");
+  IRIS_CHECK(!path.empty(), "the image URL '", written, "' has no path");
+  const fs::path p(path);
+  return {written, (p.is_absolute() ? p : base / p).lexically_normal().string(), !p.is_absolute()};
+}
+
+// For messages: a path relative to the working directory says little when the recipe named it.
+std::string absolute_path(const fs::path& p) {
+  std::error_code ec;
+  const fs::path a = fs::absolute(p.empty() ? fs::path(".") : p, ec);
+  std::string out = (ec ? p : a).lexically_normal().string();
+  if (out.size() > 1 && out.back() == '/') out.pop_back();  // "dir/." normalises to "dir/"
+  return out;
 }
 
 std::string trim(std::string_view s, bool left, bool right) {
@@ -153,70 +173,210 @@ std::string trim(std::string_view s, bool left, bool right) {
   return b < e ? std::string(s.substr(b, e - b)) : std::string();
 }
 
-void parse_llava(const json& j, const fs::path& base, ParsedLine& out) {
-  const json& convs = j["conversations"];
-  IRIS_CHECK(convs.is_array() && !convs.empty(), "\"conversations\" must be a non-empty array");
-  IRIS_CHECK(!(j.contains("image") && j.contains("images")),
-             "both \"image\" and \"images\" are given; list the images in one of them");
-  std::vector<std::string> images;
-  if (j.contains("image")) images = path_list(j["image"], "image");
-  if (j.contains("images")) images = path_list(j["images"], "images");
-  size_t tags = 0;
-  for (const json& t : convs) {
-    IRIS_CHECK(t.is_object(), "each entry of \"conversations\" must be an object, found a ",
-               t.type_name());
-    const std::string from = string_field(t, "from", "a conversation turn");
-    const std::string value = string_field(t, "value", "a conversation turn");
-    ChatMessage cm;
-    if (from == "human" || from == "user") {
-      cm.role = "user";
-    } else if (from == "gpt" || from == "assistant") {
-      cm.role = "assistant";
-    } else if (from == "system") {
-      cm.role = "system";
-    } else {
-      IRIS_FAIL("unknown \"from\": '", from, "'; use human, gpt or system");
+// One line's turns, in whichever of the accepted shapes (dataset.h), as the HF messages that the
+// chat template renders.
+class LineParser {
+ public:
+  LineParser(const json& line, const fs::path& base) : line_(line), base_(base) {}
+
+  ParsedLine parse() {
+    refuse_what_cannot_be_trained();
+    const json* messages = present(line_, "messages");
+    const json* conversations = present(line_, "conversations");
+    IRIS_CHECK(!(messages && conversations),
+               "both \"messages\" and \"conversations\" are given; keep one of them");
+    IRIS_CHECK(messages || conversations,
+               "a line needs a \"messages\" list (HF, ms-swift) or a \"conversations\" list "
+               "(LLaVA, ShareGPT)");
+    const char* key = messages ? "messages" : "conversations";
+    const json& turns = messages ? *messages : *conversations;
+    IRIS_CHECK(turns.is_array() && !turns.empty(), "\"", key, "\" must be a non-empty array");
+    read_listed_images();
+    const json* system = present(line_, "system");
+    const bool top_system = has_content(system);
+    if (top_system) {
+      IRIS_CHECK(system->is_string(), "\"system\" must be a string, got ", system->type_name());
+      out_.messages.push_back({"system", {ChatPart::make_text(system->get<std::string>())}});
     }
+    for (const json& t : turns) {
+      IRIS_CHECK(t.is_object(), "each entry of \"", key, "\" must be an object, found a ",
+                 t.type_name());
+      out_.messages.push_back(read_turn(t));
+      IRIS_CHECK(!top_system || out_.messages.back().role != "system",
+                 "the line has both a top-level \"system\" and a system turn; keep one of them");
+    }
+    check_listed_images_used();
+    return std::move(out_);
+  }
+
+ private:
+  void refuse_what_cannot_be_trained() const {
+    for (const char* key : {"video", "videos"})
+      if (has_content(present(line_, key)))
+        refuse_video(str_cat("the line has a video (\"", key, "\")"));
+    if (has_content(present(line_, "tools")))
+      throw LineRefused(kTools,
+                        "the line has \"tools\", which Iris does not render into the prompt; the "
+                        "line is refused rather than trained without them");
+  }
+
+  void read_listed_images() {
+    const json* images = present(line_, "images");
+    const json* image = present(line_, "image");
+    IRIS_CHECK(!(images && image),
+               "both \"image\" and \"images\" are given; list the images in one of them");
+    if (images || image) {
+      listed_key_ = images ? "images" : "image";
+      listed_ = path_list(images ? *images : *image, listed_key_);
+    }
+  }
+
+  ChatMessage read_turn(const json& t) {
+    ChatMessage cm;
+    if (present(t, "role")) {
+      cm.role = string_field(t, "role", "a message");
+      speaker_ = cm.role;
+      user_word_ = "user";
+    } else {
+      IRIS_CHECK(present(t, "from"), "a message has no \"role\" (or ShareGPT \"from\") field");
+      const std::string from = string_field(t, "from", "a conversation turn");
+      if (from == "human" || from == "user") {
+        cm.role = "user";
+      } else if (from == "gpt" || from == "assistant") {
+        cm.role = "assistant";
+      } else if (from == "system") {
+        cm.role = "system";
+      } else {
+        IRIS_FAIL("unknown \"from\": '", from, "'; use human, gpt or system");
+      }
+      speaker_ = from;
+      user_word_ = "human";
+    }
+    const char* key = present(t, "content") ? "content" : "value";
+    const json* content = present(t, key);
+    IRIS_CHECK(content != nullptr, "a ", speaker_,
+               " message has no \"content\" (or ShareGPT \"value\") field");
+    if (content->is_string()) {
+      add_text(cm, content->get<std::string>());
+    } else {
+      IRIS_CHECK(content->is_array(), "a ", speaker_, " message's \"", key,
+                 "\" must be a string or a list of items, got ", content->type_name());
+      for (const json& item : *content) add_item(cm, item);
+    }
+    return cm;
+  }
+
+  // Text with <image> tags: each tag places the next listed image.
+  void add_text(ChatMessage& cm, std::string_view text) {
+    if (text.find("<video>") != std::string_view::npos)
+      refuse_video(str_cat("the ", speaker_, " text has a <video> placeholder"));
     constexpr std::string_view kTag = "<image>";
-    std::string_view rest(value);
+    if (text.find(kTag) == std::string_view::npos) {
+      cm.content.push_back(ChatPart::make_text(std::string(text)));
+      return;
+    }
+    std::string_view rest = text;
     bool after_tag = false;
     for (;;) {
       const size_t at = rest.find(kTag);
       const bool before_tag = at != std::string_view::npos;
-      const std::string text =
+      const std::string piece =
           trim(rest.substr(0, before_tag ? at : rest.size()), after_tag, before_tag);
-      if (!text.empty()) cm.content.push_back(ChatPart::make_text(text));
+      if (!piece.empty()) cm.content.push_back(ChatPart::make_text(piece));
       if (!before_tag) break;
-      IRIS_CHECK(cm.role == "user", "an <image> tag in a '", from,
-                 "' turn; images may only appear in human turns");
-      cm.content.push_back(ChatPart::make_image());
-      ++tags;
+      IRIS_CHECK(cm.role == "user", "an <image> tag in a '", speaker_,
+                 "' turn; images may only appear in ", user_word_, " turns");
+      ++tags_;
+      take_listed_image(cm);
       rest.remove_prefix(at + kTag.size());
       after_tag = true;
     }
-    out.messages.push_back(std::move(cm));
   }
-  IRIS_CHECK(tags == images.size(), "the conversation has ", tags, " <image> tags but ",
-             images.size(), " images are listed; they must match one to one");
-  for (const std::string& p : images) out.image_paths.push_back(resolve_image(p, base));
-}
+
+  void add_item(ChatMessage& cm, const json& item) {
+    IRIS_CHECK(item.is_object(), "a content item must be an object, found a ", item.type_name());
+    std::string type;
+    if (present(item, "type")) {
+      type = string_field(item, "type", "a content item");
+    } else {  // the chat template also keys on the field name alone
+      for (const char* k : {"image", "image_url", "video", "video_url", "text"})
+        if (present(item, k)) {
+          type = k;
+          break;
+        }
+    }
+    if (type == "text") {
+      add_text(cm, string_field(item, "text", "a text item"));
+    } else if (type == "image" || type == "image_url") {
+      if (const std::optional<std::string> path = item_image_path(item, type)) {
+        out_.images.push_back(resolve_image(*path, base_));
+        cm.content.push_back(ChatPart::make_image());
+      } else {
+        ++pathless_items_;
+        take_listed_image(cm);
+      }
+    } else if (type == "video" || type == "video_url") {
+      refuse_video(str_cat("the ", speaker_, " message has a \"", type, "\" item"));
+    } else {
+      IRIS_FAIL("content item type '", type,
+                "' is not supported; use {\"type\": \"image\", \"image\": path}, {\"type\": "
+                "\"image_url\", \"image_url\": {\"url\": path}} or {\"type\": \"text\", "
+                "\"text\": ...}");
+    }
+  }
+
+  // The file an image item names itself; none: the next listed image (TRL's layout).
+  static std::optional<std::string> item_image_path(const json& item, const std::string& type) {
+    if (type == "image_url") {
+      const json& v = field(item, "image_url", "an image_url item");
+      if (v.is_string()) return v.get<std::string>();
+      IRIS_CHECK(v.is_object(), "an image_url item's \"image_url\" must be {\"url\": ...} or a ",
+                 "string, got ", v.type_name());
+      return string_field(v, "url", "an image_url item's \"image_url\"");
+    }
+    for (const char* k : {"image", "path", "url"})
+      if (present(item, k)) return string_field(item, k, "an image item");
+    return std::nullopt;
+  }
+
+  void take_listed_image(ChatMessage& cm) {
+    // A shortfall is reported once all are counted, with the totals.
+    if (taken_ < listed_.size()) out_.images.push_back(resolve_image(listed_[taken_], base_));
+    ++taken_;
+    cm.content.push_back(ChatPart::make_image());
+  }
+
+  void check_listed_images_used() const {
+    if (taken_ == listed_.size()) return;
+    std::string has;
+    if (pathless_items_ == 0 || tags_ > 0) has = str_cat(tags_, " <image> tags");
+    if (pathless_items_ > 0)
+      has += str_cat(has.empty() ? "" : " and ", pathless_items_, " image items without a path");
+    IRIS_FAIL("the conversation has ", has, " but ",
+              listed_key_ ? str_cat(listed_.size(), " images are listed in \"", listed_key_, "\"")
+                          : std::string("the line has no \"images\" list"),
+              "; each <image> tag and each image item without a path takes the next listed "
+              "image, so they must match one to one");
+  }
+
+  const json& line_;
+  const fs::path& base_;
+  ParsedLine out_;
+  std::vector<std::string> listed_;
+  const char* listed_key_ = nullptr;  // none: the line lists no images
+  size_t taken_ = 0, tags_ = 0, pathless_items_ = 0;
+  std::string speaker_, user_word_;  // of the turn being read, for messages
+};
 
 ParsedLine parse_line(const std::string& text, const fs::path& base) {
   json j;
   try {
     j = parse_json(text, "the line");
   } catch (const Error& e) {
-    IRIS_FAIL("malformed JSON: ", e.what());
+    throw LineRefused(kMalformedJson, str_cat("malformed JSON: ", e.what()));
   }
   IRIS_CHECK(j.is_object(), "a line must be a JSON object, got ", j.type_name());
-  ParsedLine out;
-  if (j.contains("messages")) {
-    parse_hf_messages(j, base, out);
-  } else if (j.contains("conversations")) {
-    parse_llava(j, base, out);
-  } else {
-    IRIS_FAIL("a line needs a \"messages\" list (HF) or a \"conversations\" list (LLaVA)");
-  }
+  ParsedLine out = LineParser(j, base).parse();
   bool has_assistant = false;
   for (const ChatMessage& m : out.messages) {
     IRIS_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant", "unknown role '",
@@ -288,7 +448,8 @@ struct Dataset::Impl {
   struct Outcome {
     enum class Kind { ok, too_long, bad, fatal } kind = Kind::ok;
     Sample sample;
-    std::string reason;
+    std::string reason;  // SkippedLine::reason
+    std::string detail;
     int64_t record = -1;
   };
 
@@ -306,7 +467,8 @@ struct Dataset::Impl {
 
   // Consumer-side state (only next()/seek() touch these, apart from `consume` under `mu`).
   DataStats stats;
-  std::vector<uint8_t> counted;  // per record: already in stats
+  std::vector<SkippedLine> unreported;  // for take_new_skips
+  std::vector<uint8_t> counted;         // per record: already in stats
   int64_t skipped_in_a_row = 0;
 
   std::mutex mu;
@@ -337,8 +499,33 @@ struct Dataset::Impl {
     return fs::path(cfg.train_files[file]).parent_path();
   }
 
-  void note(std::string example) {
-    if (stats.bad_examples.size() < kMaxExamples) stats.bad_examples.push_back(std::move(example));
+  // Where a relative path in `file` was looked for, in the terms of the recipe.
+  std::string image_base_rule(uint32_t file) const {
+    const std::string dir = absolute_path(image_base(file));
+    if (!cfg.image_root.empty())
+      return str_cat("relative image paths resolve against data.image_root (", dir, ")");
+    return str_cat("relative image paths resolve against the JSONL file's folder (", dir,
+                   "), or against data.image_root when it is set");
+  }
+
+  void record_skip(const std::string& file, int64_t line, std::string reason, std::string detail) {
+    SkippedLine skipped{file, line, std::move(reason), std::move(detail)};
+    ++stats.skipped_by_reason[skipped.reason];
+    if (stats.skipped.size() < kKeptSkippedLines) stats.skipped.push_back(skipped);
+    unreported.push_back(std::move(skipped));
+  }
+
+  void record_skip(int64_t rec, std::string reason, std::string detail) {
+    if (cfg.mock) {
+      record_skip("mock", rec, std::move(reason), std::move(detail));
+      return;
+    }
+    const Record& r = records[static_cast<size_t>(rec)];
+    record_skip(cfg.train_files[r.file], r.line, std::move(reason), std::move(detail));
+  }
+
+  std::string first_skip() const {
+    return stats.skipped.empty() ? std::string("-") : stats.skipped[0].describe();
   }
 
   void index_files() {
@@ -363,28 +550,36 @@ struct Dataset::Impl {
         offset += line.size() + 1;
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.find_first_not_of(" \t") == std::string::npos) continue;
+        ++stats.lines;
+        std::string reason, detail;
         try {
           parse_line(line, image_base(fi));
+        } catch (const LineRefused& e) {
+          reason = e.reason();
+          detail = e.what();
         } catch (const Error& e) {
-          const std::string where = path + ":" + std::to_string(line_no);
+          reason = kInvalidRow;
+          detail = e.what();
+        }
+        if (!reason.empty()) {
           if (cfg.on_bad_sample == DataConfig::OnBad::error)
-            IRIS_FAIL(where, ": ", e.what(),
+            IRIS_FAIL(path, ":", line_no, ": ", detail,
                       "; fix or remove the line, or set data.on_bad_sample: skip");
           ++stats.bad_samples;
-          note(where + ": " + e.what());
+          record_skip(path, line_no, std::move(reason), std::move(detail));
           continue;
         }
         records.push_back({fi, line_no, start, static_cast<uint32_t>(line.size())});
       }
     }
     n = static_cast<int64_t>(records.size());
-    IRIS_CHECK(n > 0, "no usable line in data.train_files (", stats.bad_samples, " bad",
-               stats.bad_examples.empty() ? std::string() : ", first: " + stats.bad_examples[0],
-               ")");
+    IRIS_CHECK(n > 0, "no usable line in data.train_files (", stats.summary(),
+               stats.skipped.empty() ? std::string() : "; first: " + first_skip(), ")");
   }
 
   void init_mock() {
     n = cfg.mock_samples;
+    stats.lines = n;
     user_header = tok.encode("<|im_start|>user\n");
     assistant_header = tok.encode("<|im_start|>assistant\n");
     turn_end = tok.encode("<|im_end|>\n");
@@ -423,15 +618,32 @@ struct Dataset::Impl {
     s.pixel_values.assign(p, p + b.pixel_values.numel());
   }
 
+  ImageRGB8 load_line_image(const ImageRef& image, uint32_t file) const {
+    std::error_code ec;
+    // An error other than absence (a folder without search permission) is load_image's to word.
+    if (!fs::exists(image.resolved, ec) && !ec) {
+      throw LineRefused(
+          kMissingImage,
+          image.relative
+              ? str_cat("image file not found: ", absolute_path(image.resolved),
+                        " (the line gives '", image.written, "'; ", image_base_rule(file), ")")
+              : str_cat("image file not found: ", image.resolved));
+    }
+    try {
+      return load_image(image.resolved, cfg.max_image_pixels);
+    } catch (const Error& e) {
+      throw LineRefused(kBadImage, e.what());
+    }
+  }
+
   Outcome process_file_record(int64_t rec) const {
     Outcome out;
     const Record& r = records[static_cast<size_t>(rec)];
     const std::string line = read_line_at(cfg.train_files[r.file], r.offset, r.length);
     ParsedLine parsed = parse_line(line, image_base(r.file));
     std::vector<ImageRGB8> images;
-    images.reserve(parsed.image_paths.size());
-    for (const std::string& p : parsed.image_paths)
-      images.push_back(load_image(p, cfg.max_image_pixels));
+    images.reserve(parsed.images.size());
+    for (const ImageRef& image : parsed.images) images.push_back(load_line_image(image, r.file));
     Sample s;
     for (const ImageRGB8& img : images) s.grids.push_back(grid_of(img, pp));
     ChatTokens t = build_chat_tokens(tok, format, parsed.messages, s.grids, pp.merge_size);
@@ -439,7 +651,9 @@ struct Dataset::Impl {
     s.labels = std::move(t.labels);
     if (static_cast<int64_t>(s.ids.size()) > cfg.seq_length) {
       out.kind = Outcome::Kind::too_long;
-      out.reason = str_cat(s.ids.size(), " tokens is longer than seq_length ", cfg.seq_length);
+      out.reason = kTooLong;
+      out.detail = str_cat(s.ids.size(), " tokens is longer than data.seq_length ", cfg.seq_length,
+                           "; the sample is dropped whole, never cut");
       return out;
     }
     finish_pixels(images, s);
@@ -491,7 +705,8 @@ struct Dataset::Impl {
     for (int32_t id : turn_end) push(id, true);
     if (static_cast<int64_t>(s.ids.size()) > cfg.seq_length) {
       out.kind = Outcome::Kind::too_long;
-      out.reason = str_cat(s.ids.size(), " tokens is longer than seq_length ", cfg.seq_length);
+      out.reason = kTooLong;
+      out.detail = str_cat(s.ids.size(), " tokens is longer than data.seq_length ", cfg.seq_length);
       return out;
     }
     finish_pixels(images, s);
@@ -506,12 +721,17 @@ struct Dataset::Impl {
     try {
       rec = record_at(abs);
       out = cfg.mock ? process_mock_record(rec) : process_file_record(rec);
+    } catch (const LineRefused& e) {
+      out.kind = Outcome::Kind::bad;
+      out.reason = e.reason();
+      out.detail = e.what();
     } catch (const Error& e) {
       out.kind = Outcome::Kind::bad;
-      out.reason = e.what();
+      out.reason = kInvalidRow;
+      out.detail = e.what();
     } catch (const std::exception& e) {
       out.kind = Outcome::Kind::fatal;
-      out.reason = e.what();
+      out.detail = e.what();
     }
     if (rec >= 0) {
       out.record = rec;
@@ -584,9 +804,9 @@ struct Dataset::Impl {
       }
       if (out.kind == Outcome::Kind::fatal)
         IRIS_FAIL("preparing ", src.empty() ? std::string("a sample") : src,
-                  " failed: ", out.reason);
+                  " failed: ", out.detail);
       if (out.kind == Outcome::Kind::bad && cfg.on_bad_sample == DataConfig::OnBad::error)
-        IRIS_FAIL(src, ": ", out.reason,
+        IRIS_FAIL(src, ": ", out.detail,
                   "; fix or remove the line, or set data.on_bad_sample: skip");
       const int64_t rec = out.record;
       if (rec >= 0 && !counted[static_cast<size_t>(rec)]) {
@@ -596,14 +816,12 @@ struct Dataset::Impl {
         } else {
           ++stats.bad_samples;
         }
-        note(src + ": " + out.reason);
+        record_skip(rec, std::move(out.reason), std::move(out.detail));
       }
-      IRIS_CHECK(
-          ++skipped_in_a_row <= n, "a whole epoch of ", n, " samples yielded nothing usable (",
-          stats.dropped_too_long, " longer than seq_length ", cfg.seq_length, ", ",
-          stats.bad_samples,
-          " bad); first: ", stats.bad_examples.empty() ? std::string("-") : stats.bad_examples[0],
-          ". Raise data.seq_length, lower the image resolution (max_pixels) or fix the data");
+      IRIS_CHECK(++skipped_in_a_row <= n, "a whole epoch of ", n,
+                 " samples yielded nothing usable (", stats.summary(), "); first: ", first_skip(),
+                 ". Raise data.seq_length, lower the image resolution (max_pixels) or fix the "
+                 "data");
     }
   }
 };
@@ -651,6 +869,28 @@ void Dataset::seek(const DataPosition& pos) {
 
 const DataStats& Dataset::stats() const {
   return impl_->stats;
+}
+
+std::vector<SkippedLine> Dataset::take_new_skips() {
+  return std::exchange(impl_->unreported, {});
+}
+
+std::string SkippedLine::describe() const {
+  return str_cat(file, ":", line, " (", reason, "): ", detail);
+}
+
+std::string DataStats::summary() const {
+  if (skipped_by_reason.empty()) return {};
+  int64_t total = 0;
+  for (const auto& [reason, count] : skipped_by_reason) total += count;
+  std::vector<std::pair<std::string, int64_t>> order(skipped_by_reason.begin(),
+                                                     skipped_by_reason.end());
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::string text = str_cat("skipped ", total, " of ", lines, " lines: ");
+  for (size_t i = 0; i < order.size(); ++i)
+    text += str_cat(i ? ", " : "", order[i].second, " ", order[i].first);
+  return text;
 }
 
 int64_t Dataset::size() const {

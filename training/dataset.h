@@ -1,21 +1,31 @@
 // Image-text training data: JSONL conversations turned into Qwen3-VL token ids, labels and
 // preprocessed pixels, decoded on worker threads ahead of the training step.
 //
-// Each non-blank line of a train file is one JSON object in one of two shapes:
+// Each non-blank line of a train file is one JSON object holding a conversation, in any of the
+// shapes fine-tuning tools write (docs/training-data.md has an example of each):
 //   HF messages: {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
 //                  {"type": "text", "text": "What is this?"}]}, {"role": "assistant",
 //                  "content": "A cat."}]}
 //     Roles system/user/assistant; content a string or a list of image/text items. An image item
-//     without "image" takes the next path of a top-level "images" list (TRL's layout).
-//   LLaVA: {"image": "a.png" (or a list, or "images": [...]), "conversations": [{"from": "human",
-//            "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat."}]}
-//     from human/user, gpt/assistant or system. Each <image> tag places the next image; the tag
-//     count must equal the number of images. Whitespace touching a tag is dropped, because LLaVA
-//     writes "<image>\n" only to separate the tag, and the messages form puts an image right
-//     before its text.
-// Relative image paths are resolved against image_root when it is set, otherwise against the
-// directory of the JSONL file. Only user turns may hold images, and a sample needs at least one
-// assistant turn (it has nothing to learn otherwise).
+//     names its file by "image" (or "path", "url"); {"type": "image_url", "image_url": {"url":
+//     ...}} (or "image_url": "...") is the OpenAI spelling of the same.
+//   Placeholders (ms-swift, LLaMA-Factory): "<image>" in message text, the files in a top-level
+//     "images" list. Each <image> tag, and each image item without a path (TRL's layout), takes
+//     the next listed file; tags plus pathless items must equal the list's length.
+//   ShareGPT keys: "from"/"value" in place of "role"/"content" (human/user, gpt/assistant,
+//     system), in "messages" or in LLaVA's "conversations", whose files may also be "image"
+//     (a path or a list).
+//   A top-level "system" string (LLaMA-Factory) becomes the first, system, turn.
+// Whitespace touching a tag is dropped, because LLaVA writes "<image>\n" only to separate the tag,
+// and the messages form puts an image right before its text: the shapes give the same tokens.
+// Relative image paths (and file:// URLs) are resolved against image_root when it is set,
+// otherwise against the directory of the JSONL file; http(s) URLs are refused, as nothing is
+// downloaded. Only user turns may hold images, and a sample needs at least one assistant turn.
+//
+// A line is used whole or not at all: one with a video ("video"/"videos", <video>, a video item),
+// which Iris cannot train on yet, or "tools", is refused rather than trained as text without it,
+// as is one whose images cannot all be read. Refused and over-long lines are skipped and
+// reported (on_bad_sample = skip) or stop the run (error; over-long lines are always skipped).
 //
 // Order and resumption: epoch e visits every line once in a permutation drawn from (seed, e);
 // position() = (epoch, index into that permutation) of the next line to be considered. Lines that
@@ -25,6 +35,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,19 +90,43 @@ struct DataPosition {
   bool operator==(const DataPosition&) const = default;
 };
 
+// A line that is not trained on, and why.
+struct SkippedLine {
+  std::string file;
+  int64_t line = 0;
+  // A few words, the same for every line refused for the same cause, which the summary counts by:
+  // "missing image", "bad image", "video not supported", "malformed JSON", "invalid row", ...
+  std::string reason;
+  std::string detail;  // the whole explanation, with what to do about it
+
+  // "file:line (reason): detail"
+  std::string describe() const;
+};
+
+// Skipped lines kept in DataStats for inspection; the counts and Dataset::take_new_skips cover
+// all of them, this only bounds the memory of a dataset with many unusable lines.
+inline constexpr size_t kKeptSkippedLines = 1000;
+
 struct DataStats {
+  int64_t lines = 0;  // non-blank lines in the train files
   // Each line counts once, however many epochs see it.
   int64_t dropped_too_long = 0, bad_samples = 0;
-  // "file:line: reason" for the first few dropped or bad lines.
-  std::vector<std::string> bad_examples;
+  // The first kKeptSkippedLines of the lines counted above, in the order found: lines refused
+  // while reading the files first, the rest as the epochs reach them.
+  std::vector<SkippedLine> skipped;
+  std::map<std::string, int64_t> skipped_by_reason;  // every skipped line
+
+  // "skipped 3 of 5 lines: 2 missing image, 1 video not supported" (largest count first); empty
+  // when nothing was skipped.
+  std::string summary() const;
 };
 
 class Dataset {
  public:
   // Reads and checks every line of the train files (JSON syntax and structure; images are read
   // later, by the workers). With on_bad_sample = error a bad line throws iris::Error naming
-  // file:line; with skip it is counted in stats(). Throws when no line is usable. The
-  // conversations are rendered with `format`, the chat template of the model being trained.
+  // file:line and the reason; with skip it is recorded in stats(). Throws when no line is usable.
+  // The conversations are rendered with `format`, the chat template of the model being trained.
   Dataset(const DataConfig& cfg, const Tokenizer& tok, const PreprocessorConfig& pp,
           const ChatFormat& format);
   ~Dataset();
@@ -106,6 +141,9 @@ class Dataset {
   // prepared ahead are discarded.
   void seek(const DataPosition& pos);
   const DataStats& stats() const;
+  // The lines skipped since the last call (all of them on the first), each returned once, so
+  // that a caller can report every skipped line as it is found.
+  std::vector<SkippedLine> take_new_skips();
   int64_t size() const;  // lines per epoch (bad lines found while reading excluded)
 
  private:

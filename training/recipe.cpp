@@ -81,8 +81,9 @@ std::vector<Field> fields(Recipe& r) {
       {"model.init_seed", &m.init_seed, "seed of the random initialisation"},
       {"data.train_files",
        &d.config.train_files,
-       "training JSONL files, HF messages or LLaVA conversations (in a recipe file, relative to "
-       "it; on the command line, to the working directory)",
+       "training JSONL files: HF messages, ms-swift/LLaMA-Factory, ShareGPT or LLaVA lines "
+       "(docs/training-data.md); in a recipe file, relative to it; on the command line, to the "
+       "working directory",
        {},
        true},
       {"data.eval_files", &d.eval_files, "held-out JSONL files for train.eval_interval", {}, true},
@@ -98,7 +99,8 @@ std::vector<Field> fields(Recipe& r) {
       {"data.prefetch", &d.config.prefetch, "samples prepared ahead of the step"},
       {"data.on_bad_sample",
        &d.config.on_bad_sample,
-       "skip: count and skip unusable lines; error: stop at the first one",
+       "skip: skip lines that cannot be trained whole (each reported with its file, line and "
+       "reason, and counted by reason at the end); error: stop at the first one",
        {"skip", "error"}},
       {"data.min_pixels", &d.min_pixels,
        "smallest image area after resizing; 0: the preprocessor config's value"},

@@ -820,9 +820,18 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   // Samples whose images exceed the planned activation memory are skipped, deterministically, so
   // a resumed run skips the same ones.
   int64_t skipped_large = 0;
+  // Each skipped line is reported as it is found, and the whole count by reason at the end.
+  auto report_skips = [&](Dataset& data) {
+    const char* which = &data == &train_data ? "data" : "eval data";
+    for (const SkippedLine& s : data.take_new_skips())
+      log.message(str_cat("warning: ", which, ": skipped ", s.describe()));
+  };
+  report_skips(train_data);
+  if (eval_data) report_skips(*eval_data);
   auto next_sample = [&](Dataset& data) {
     for (int64_t tries = 0;; ++tries) {
       Sample s = data.next();
+      report_skips(data);
       if (count_patches(s.grids) <= limits.max_patches) return to_train_sample(std::move(s));
       ++skipped_large;
       IRIS_CHECK(tries <= data.size(),
@@ -1048,14 +1057,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
         result.last_checkpoint.empty() ? std::string("; no checkpoint yet")
                                        : "; the last checkpoint is " + result.last_checkpoint,
         ": run the same command to resume"));
-  const DataStats& ds = train_data.stats();
-  if (ds.dropped_too_long > 0 || ds.bad_samples > 0) {
-    std::string text =
-        str_cat("data: ", ds.dropped_too_long, " samples longer than ", r.train.seq_length,
-                " tokens skipped, ", ds.bad_samples, " unusable lines skipped");
-    for (const std::string& e : ds.bad_examples) text += "\n  " + e;
-    log.message(text);
-  }
+  if (const std::string s = train_data.stats().summary(); !s.empty()) log.message("data: " + s);
+  if (eval_data)
+    if (const std::string s = eval_data->stats().summary(); !s.empty())
+      log.message("eval data: " + s);
   if (skipped_large > 0)
     log.message(str_cat("data: ", skipped_large, " samples with more than ", limits.max_patches,
                         " vision patches skipped (train.max_vision_patches)"));
