@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <new>
 #include <string>
 
@@ -91,6 +92,12 @@ int main(int argc, char** argv) {
                    "iris %s: error: out of memory (the model, images or limits asked for more "
                    "than this machine has)\n",
                    c.name);
+      return 1;
+    } catch (const std::filesystem::filesystem_error& e) {
+      // A path the user gave that the system refused (a symbolic link loop, a permission): the
+      // path and the system's reason, not the library's wording.
+      std::fprintf(stderr, "iris %s: error: %s%s%s: %s\n", c.name, e.path1().c_str(),
+                   e.path2().empty() ? "" : " -> ", e.path2().c_str(), e.code().message().c_str());
       return 1;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "iris %s: unexpected error: %s\n", c.name, e.what());

@@ -137,10 +137,9 @@ TEST(AppGenerate, OtherFamiliesMultimodalGreedyMatchesHF) {
     SCOPED_TRACE(family);
     const std::string dir = test::data_dir() + "/" + family;
     const test::Golden g(dir);
-    const RunResult r = run_iris("generate -m " + q(dir) + " --image " +
-                                 q(dir + "/images/image0.png") + " --image " +
-                                 q(dir + "/images/image1.png") +
-                                 " -p 'Describe these two pictures.'" + kGreedy);
+    const RunResult r = run_iris(
+        "generate -m " + q(dir) + " --image " + q(dir + "/images/image0.png") + " --image " +
+        q(dir + "/images/image1.png") + " -p 'Describe these two pictures.'" + kGreedy);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(tokens_of(r.out), g.json()["mm_greedy_ids"].get<std::vector<int32_t>>());
     const RunResult t =
@@ -327,6 +326,20 @@ TEST(AppGenerateErrors, UnknownModelType) {
   cfg.replace(cfg.find("\"qwen3_vl\""), 10, "\"llama_xx\"");
   std::ofstream(m.path("config.json")) << cfg;
   expect_error(run_iris("generate -m " + q(m.path()) + " -p hi --device cpu"), "llama_xx");
+}
+
+// A weights file that is a symbolic link loop names the file and the system's reason, with exit
+// code 1, not an "unexpected error" from the library.
+TEST(AppGenerateErrors, WeightsThatAreALinkLoop) {
+  ScratchModel m;
+  fs::remove(m.path("model.safetensors"));
+  fs::create_symlink(m.path("model.safetensors"), m.path("model.safetensors"));
+  const RunResult r = run_iris("generate -m " + q(m.path()) + " -p hi --device cpu");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(r.err.find("unexpected"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(m.path("model.safetensors") + ": Too many levels of symbolic links"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST(AppGenerateErrors, TruncatedSafetensors) {

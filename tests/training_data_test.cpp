@@ -374,6 +374,21 @@ TEST(TrainingChatFormat, ATemplateWithoutChatMLTurnsIsRefused) {
 // ---------------------------------------------------------------------------------------------
 // JSONL formats
 
+// A missing or directory held-out file is named as what the recipe calls it (it was called a
+// train file, pointing at data.train_files).
+TEST(TrainingData, FileErrorsNameTheKeyThatGaveTheFiles) {
+  DataConfig eval = config_for({jsonl_dir()});
+  eval.files_key = "data.eval_files";
+  const std::string dir = error_of([&] { Dataset ds(eval, tok(), pp(), fixture_chat()); });
+  EXPECT_NE(dir.find("is a directory"), std::string::npos) << dir;
+  EXPECT_NE(dir.find("check data.eval_files"), std::string::npos) << dir;
+  EXPECT_EQ(dir.find("train"), std::string::npos) << dir;
+  const std::string missing = error_of([&] {
+    Dataset ds(config_for({jsonl_dir() + "/no_such.jsonl"}), tok(), pp(), fixture_chat());
+  });
+  EXPECT_NE(missing.find("check data.train_files"), std::string::npos) << missing;
+}
+
 TEST(TrainingData, MessagesFormat) {
   const std::string file = jsonl_dir() + "/messages.jsonl";
   Dataset ds(config_for({file}), tok(), pp(), fixture_chat());

@@ -531,16 +531,16 @@ struct Dataset::Impl {
   void index_files() {
     for (uint32_t fi = 0; fi < cfg.train_files.size(); ++fi) {
       const std::string& path = cfg.train_files[fi];
+      const std::string what = cfg.files_key == "data.train_files" ? "train file" : "data file";
       try {
-        check_regular_file(path, "train file");
+        check_regular_file(path, what);
       } catch (const Error& e) {
-        IRIS_FAIL(e.what(),
-                  "; check data.train_files (relative paths are relative to the working "
-                  "directory)");
+        IRIS_FAIL(e.what(), "; check ", cfg.files_key,
+                  " (relative paths are relative to the working directory)");
       }
       std::ifstream f(path, std::ios::binary);
-      IRIS_CHECK(f.good(), "cannot open train file ", path,
-                 "; check data.train_files (relative paths are relative to the working directory)");
+      IRIS_CHECK(f.good(), "cannot open ", what, " ", path, "; check ", cfg.files_key,
+                 " (relative paths are relative to the working directory)");
       std::string line;
       uint64_t offset = 0;
       int64_t line_no = 0;

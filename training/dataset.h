@@ -54,8 +54,11 @@ inline constexpr size_t kMaxJsonlLineBytes = size_t{64} << 20;
 
 struct DataConfig {
   std::vector<std::string> train_files;  // JSONL
-  std::string image_root;                // base of relative image paths; empty: the JSONL's dir
-  int64_t seq_length = 2048;             // longer samples are dropped whole, never cut
+  // The recipe key that gave train_files, which errors about the files name: held-out data is
+  // read by a Dataset of its own, from data.eval_files.
+  std::string files_key = "data.train_files";
+  std::string image_root;     // base of relative image paths; empty: the JSONL's dir
+  int64_t seq_length = 2048;  // longer samples are dropped whole, never cut
   uint64_t seed = 1234;
   bool shuffle = true;  // false: file order every epoch (for inspection and tests)
   // Worker threads decoding and preprocessing ahead of next(); 0 does the work inside next().

@@ -380,6 +380,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (r.train.eval_interval > 0) {
     DataConfig ec = r.data.config;
     ec.train_files = r.data.eval_files;
+    ec.files_key = "data.eval_files";
     ec.shuffle = false;
     ec.seed = r.data.config.seed + 1;  // mock mode: held-out samples differ from training ones
     eval_data = std::make_unique<Dataset>(ec, tok, pp, chat);
