@@ -799,6 +799,9 @@ int run_generate_command(int argc, char** argv) {
   IRIS_CHECK(tokenizer.vocab_size() <= cfg.text.vocab_size, tok_path.string(), " has ",
              tokenizer.vocab_size(), " token ids but config.json's text_config.vocab_size is ",
              cfg.text.vocab_size, "; the tokenizer belongs to another model");
+  check_vision_token_ids(tokenizer, tok_path.string(), cfg.image_token_id, cfg.video_token_id,
+                         cfg.vision_start_token_id, cfg.vision_end_token_id,
+                         (fs::path(o.model_dir) / "config.json").string());
   load.total_ms = ms_since(t_load) - preprocess_ms;
   load.weights = model.weight_load_times();
 

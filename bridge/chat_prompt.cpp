@@ -91,6 +91,27 @@ ordered_json message_json(const ChatMessage& m) {
 
 }  // namespace
 
+void check_vision_token_ids(const Tokenizer& tokenizer, const std::string& tokenizer_name,
+                            int32_t image_token_id, int32_t video_token_id,
+                            int32_t vision_start_token_id, int32_t vision_end_token_id,
+                            const std::string& config_name) {
+  const std::pair<const char*, std::pair<const char*, int32_t>> pairs[] = {
+      {"<|image_pad|>", {"image_token_id", image_token_id}},
+      {"<|video_pad|>", {"video_token_id", video_token_id}},
+      {"<|vision_start|>", {"vision_start_token_id", vision_start_token_id}},
+      {"<|vision_end|>", {"vision_end_token_id", vision_end_token_id}}};
+  for (const auto& [token, field] : pairs) {
+    const std::optional<int32_t> id = tokenizer.find_token(token);
+    IRIS_CHECK(id.has_value(), tokenizer_name, " has no ", token,
+               " token; it is not the tokenizer of a Qwen-VL checkpoint");
+    IRIS_CHECK(*id == field.second, config_name, " gives ", field.first, " ", field.second, " but ",
+               tokenizer_name, " writes ", token, " as ", *id,
+               "; the two files belong to different checkpoints (use the tokenizer that came "
+               "with the model, or fix ",
+               field.first, ")");
+  }
+}
+
 ChatMessage user_message(const std::string& text, size_t n_images) {
   // These tokens mark where the vision tower's embeddings go: typed in a message they would take
   // an image's place (or none), and the error would surface far from its cause.

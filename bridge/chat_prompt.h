@@ -108,6 +108,14 @@ class ChatFormat {
 std::vector<int32_t> encode_chat_text(const Tokenizer& tokenizer, const std::string& text,
                                       const std::vector<GridTHW>& image_grids, int merge_size);
 
+// The tokenizer writes the vision tokens (<|image_pad|>, <|video_pad|>, <|vision_start|>,
+// <|vision_end|>) with the ids config.json gives the model (image_token_id, ...): a mismatch is
+// an error naming both files, which otherwise surfaces as a template or pad-count error.
+void check_vision_token_ids(const Tokenizer& tokenizer, const std::string& tokenizer_name,
+                            int32_t image_token_id, int32_t video_token_id,
+                            int32_t vision_start_token_id, int32_t vision_end_token_id,
+                            const std::string& config_name);
+
 // The prompt for one user message (with an optional system message) and the generation prompt:
 // what `iris generate -p` and the shapes evaluation feed the model.
 std::vector<int32_t> build_generation_prompt(const Tokenizer& tokenizer, const ChatFormat& format,

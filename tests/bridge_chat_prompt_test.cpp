@@ -238,3 +238,23 @@ TEST(ChatFormat, TypedVisionTokensAreRefusedNamingTheToken) {
 
 }  // namespace
 }  // namespace iris
+
+namespace iris {
+namespace {
+
+// A config.json whose image_token_id is not the tokenizer's <|image_pad|> is refused naming both
+// files and the field (it surfaced as a template or pad-count error).
+TEST(ChatFormat, VisionTokenIdsMustBeTheTokenizers) {
+  const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
+  check_vision_token_ids(tok, "tokenizer.json", 151655, 151656, 151652, 151653, "config.json");
+  const std::string msg = test::error_of([&] {
+    check_vision_token_ids(tok, "tokenizer.json", 151654, 151656, 151652, 151653, "config.json");
+  });
+  EXPECT_NE(msg.find("config.json gives image_token_id 151654 but tokenizer.json writes "
+                     "<|image_pad|> as 151655"),
+            std::string::npos)
+      << msg;
+}
+
+}  // namespace
+}  // namespace iris

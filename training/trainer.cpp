@@ -356,6 +356,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   config_text = hf_config_text(config_text);
 
   const Tokenizer tok = Tokenizer::from_file(r.model.tokenizer);
+  check_vision_token_ids(tok, r.model.tokenizer, cfg.image_token_id, cfg.video_token_id,
+                         cfg.vision_start_token_id, cfg.vision_end_token_id, "the model's config");
   const PreprocessorConfig pp = recipe_preprocessor(r);
   const ChatFormat chat = recipe_chat_format(r);
   const SideFiles side = side_files(r, tok, pp, chat);
