@@ -2,7 +2,9 @@
 // tensor parallelism (not supported yet), pipeline split lists and indivisible batches are errors
 // that say what to do; overrides apply; the resolved config reads back to itself.
 #include <gtest/gtest.h>
+
 #include <unistd.h>
+#include <functional>
 
 #include <chrono>
 #include <filesystem>
@@ -485,6 +487,38 @@ TEST_F(RecipeTest, PreprocessorFollowsTheModelsPatchGeometry) {
   const PreprocessorConfig pp8 = recipe_preprocessor(
       load_recipe_text(inline_recipe, "r.yaml", {"model.config.vision_config.patch_size=8"}));
   EXPECT_EQ(pp8.patch_size, 8);
+}
+
+// Every value that changes what the model computes is compared when a run meets a checkpoint
+// (resume, or model.hf_dir against model.config): a change to one of them is refused naming it,
+// where a resume used to train the checkpoint's model and record the other.
+TEST_F(RecipeTest, AnyChangeToWhatTheModelComputesIsRefusedNamingTheField) {
+  const ModelConfig base = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  check_same_model_geometry(base, base, "a", "b", "fix");
+  const std::pair<const char*, std::function<void(ModelConfig&)>> changes[] = {
+      {"text_config.rope_theta is", [](ModelConfig& c) { c.text.rope_theta = 10000; }},
+      {"text_config.rms_norm_eps is", [](ModelConfig& c) { c.text.rms_norm_eps = 1e-5f; }},
+      {"text_config.mrope_section is [2, 3, 3] in a but [3, 3, 2]",
+       [](ModelConfig& c) {
+         c.text.mrope_section = {3, 3, 2};
+       }},
+      {"vision_config.deepstack_visual_indexes is [0, 2] in a but [1, 2]",
+       [](ModelConfig& c) {
+         c.vision.deepstack_visual_indexes = {1, 2};
+       }},
+      {"vision_config.patch_size is 16 in a but 8",
+       [](ModelConfig& c) { c.vision.patch_size = 8; }},
+      {"model_type is qwen3_vl in a but qwen2_vl",
+       [](ModelConfig& c) { c.model_type = "qwen2_vl"; }},
+  };
+  for (const auto& [want, change] : changes) {
+    ModelConfig other = base;
+    change(other);
+    const std::string msg =
+        error_of([&] { check_same_model_geometry(base, other, "a", "b", "fix it"); });
+    EXPECT_HAS(msg, want);
+    EXPECT_HAS(msg, "; fix it");
+  }
 }
 
 TEST_F(RecipeTest, ModelSectionRules) {

@@ -14,6 +14,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 #include <variant>
 
 #include "core/error.h"
@@ -1075,7 +1076,8 @@ void validate(Recipe& r) {
     if (m.tokenizer.empty()) m.tokenizer = (fs::path(m.hf_dir) / "tokenizer.json").string();
   } else {
     r.notes.push_back(
-        "model.hf_dir is not set: training needs it (model.hf_dir=/path/to/a Qwen-VL checkpoint directory)");
+        "model.hf_dir is not set: training needs it (model.hf_dir=/path/to/a Qwen-VL checkpoint "
+        "directory)");
     if (has_config) {
       r.model_config = from_config;
       r.model_config_json = config_text;
@@ -1206,18 +1208,56 @@ PreprocessorConfig recipe_preprocessor(const Recipe& r) {
 void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
                                const std::string& a_name, const std::string& b_name,
                                const std::string& fix) {
-  auto same = [&](const char* field, int64_t x, int64_t y) {
-    IRIS_CHECK(x == y, field, " is ", x, " in ", a_name, " but ", y, " in ", b_name, "; ", fix);
+  // Every value that changes what the model computes: a resume under another one would train
+  // the checkpoint's model while the run folder recorded the other.
+  auto text_of = [](const auto& v) {
+    std::ostringstream s;
+    s.precision(9);
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::vector<int>> ||
+                  std::is_same_v<std::decay_t<decltype(v)>, std::array<int, 3>>) {
+      s << "[";
+      for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+      s << "]";
+    } else {
+      s << v;
+    }
+    return s.str();
   };
-  same("text_config.hidden_size", a.text.hidden_size, b.text.hidden_size);
-  same("text_config.num_hidden_layers", a.text.num_hidden_layers, b.text.num_hidden_layers);
-  same("text_config.intermediate_size", a.text.intermediate_size, b.text.intermediate_size);
-  same("text_config.num_attention_heads", a.text.num_attention_heads, b.text.num_attention_heads);
-  same("text_config.num_key_value_heads", a.text.num_key_value_heads, b.text.num_key_value_heads);
-  same("text_config.vocab_size", a.text.vocab_size, b.text.vocab_size);
-  same("vision_config.depth", a.vision.depth, b.vision.depth);
-  same("vision_config.hidden_size", a.vision.hidden_size, b.vision.hidden_size);
+  auto same = [&](const char* field, const auto& x, const auto& y) {
+    const std::string xs = text_of(x), ys = text_of(y);
+    IRIS_CHECK(xs == ys, field, " is ", xs, " in ", a_name, " but ", ys, " in ", b_name, "; ", fix);
+  };
+  same("model_type", a.model_type, b.model_type);
+  const TextConfig &at = a.text, &bt = b.text;
+  same("text_config.hidden_size", at.hidden_size, bt.hidden_size);
+  same("text_config.num_hidden_layers", at.num_hidden_layers, bt.num_hidden_layers);
+  same("text_config.intermediate_size", at.intermediate_size, bt.intermediate_size);
+  same("text_config.num_attention_heads", at.num_attention_heads, bt.num_attention_heads);
+  same("text_config.num_key_value_heads", at.num_key_value_heads, bt.num_key_value_heads);
+  same("text_config.head_dim", at.head_dim, bt.head_dim);
+  same("text_config.vocab_size", at.vocab_size, bt.vocab_size);
+  same("text_config.rms_norm_eps", at.rms_norm_eps, bt.rms_norm_eps);
+  same("text_config.rope_theta", at.rope_theta, bt.rope_theta);
+  same("text_config.mrope_section", at.mrope_section, bt.mrope_section);
+  same("text_config.mrope_interleaved", at.mrope_interleaved, bt.mrope_interleaved);
+  const VisionConfig &av = a.vision, &bv = b.vision;
+  same("vision_config.depth", av.depth, bv.depth);
+  same("vision_config.hidden_size", av.hidden_size, bv.hidden_size);
+  same("vision_config.intermediate_size", av.intermediate_size, bv.intermediate_size);
+  same("vision_config.num_heads", av.num_heads, bv.num_heads);
+  same("vision_config.patch_size", av.patch_size, bv.patch_size);
+  same("vision_config.temporal_patch_size", av.temporal_patch_size, bv.temporal_patch_size);
+  same("vision_config.spatial_merge_size", av.spatial_merge_size, bv.spatial_merge_size);
+  same("vision_config.out_hidden_size", av.out_hidden_size, bv.out_hidden_size);
+  same("vision_config.num_position_embeddings", av.num_position_embeddings,
+       bv.num_position_embeddings);
+  same("vision_config.deepstack_visual_indexes", av.deepstack_visual_indexes,
+       bv.deepstack_visual_indexes);
+  same("vision_config.window_size", av.window_size, bv.window_size);
+  same("vision_config.fullatt_block_indexes", av.fullatt_block_indexes, bv.fullatt_block_indexes);
   same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
+  same("image_token_id", a.image_token_id, b.image_token_id);
+  same("video_token_id", a.video_token_id, b.video_token_id);
 }
 
 int64_t recipe_max_vision_patches(const Recipe& r) {
