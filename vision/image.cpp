@@ -150,6 +150,29 @@ std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, in
   return out;
 }
 
+// A 16-bit grey PNG opens in PIL as mode I;16 with its full sample values, and convert("RGB")
+// (or "RGBA", which HF's convert_to_rgb goes through) clips them: any value above 255 is 255
+// (Convert.c, I16_RGB and I16_L). stb's 8-bit API keeps the high byte instead, right for PIL's
+// other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high byte) but not for this one.
+// Read with an alpha channel, as 8-bit grey is, so a tRNS colour key becomes transparency.
+std::vector<uint8_t> decode_png16_grey(const uint8_t* data, int len, int& w, int& h,
+                                       const std::string& name) {
+  int c = 0;
+  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 2),
+                                                &stbi_image_free);
+  if (!raw)
+    IRIS_FAIL("cannot decode image ", name, ": PNG data is corrupt or truncated (",
+              stbi_failure_reason(), ")");
+  const size_t n = static_cast<size_t>(w) * h;
+  std::vector<uint8_t> out(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const stbi_us grey = raw.get()[2 * i], alpha = raw.get()[2 * i + 1];
+    out[2 * i] = static_cast<uint8_t>(std::min<stbi_us>(grey, 255));
+    out[2 * i + 1] = static_cast<uint8_t>(alpha >> 8);  // a colour key gives 0 or 65535
+  }
+  return out;
+}
+
 // The format a file's signature claims, for error messages; null when none matches.
 const char* sniff_format(const uint8_t* d, size_t n) {
   auto starts = [&](std::initializer_list<uint8_t> sig) {
@@ -200,6 +223,9 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   }
   IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
              channels, " channels per pixel is not supported (expected 1 to 4)");
+  // A negative BMP height marks rows stored top-down (PIL reads such files, and stb's decoder
+  // flips them itself); only its header reader passes the sign on.
+  if (format != nullptr && std::strcmp(format, "BMP") == 0 && h < 0 && h != INT_MIN) h = -h;
   IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": its header gives size ", w,
              "x", h);
   IRIS_CHECK(int64_t{w} * h <= max_pixels, "image ", name_for_errors, " is ", w, "x", h, " = ",
@@ -215,10 +241,12 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const bool is_png = size >= 8 && std::memcmp(data, kPngSignature, 8) == 0;
   const int want = channels == 1 && is_png ? 2 : channels;
   std::unique_ptr<stbi_uc, StbiFree> decoded;
-  std::vector<uint8_t> pnm16;
+  std::vector<uint8_t> from16;  // 8-bit samples made from a 16-bit file where stb's differ
   const bool is_pnm = size >= 2 && data[0] == 'P' && (data[1] == '5' || data[1] == '6');
   if (is_pnm && stbi_is_16_bit_from_memory(data, len)) {
-    pnm16 = decode_pnm16(data, len, want, w, h, name_for_errors);
+    from16 = decode_pnm16(data, len, want, w, h, name_for_errors);
+  } else if (is_png && channels == 1 && stbi_is_16_bit_from_memory(data, len)) {
+    from16 = decode_png16_grey(data, len, w, h, name_for_errors);
   } else {
     decoded.reset(stbi_load_from_memory(data, len, &w, &h, &channels, want));
     if (!decoded) {
@@ -242,7 +270,7 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   img.height = h;
   const size_t n = static_cast<size_t>(w) * h;
   img.pixels.resize(n * 3);
-  const uint8_t* src = decoded ? decoded.get() : pnm16.data();
+  const uint8_t* src = decoded ? decoded.get() : from16.data();
   uint8_t* dst = img.pixels.data();
   switch (want) {
     case 1:
