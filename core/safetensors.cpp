@@ -95,7 +95,8 @@ void SafetensorsFile::parse_header() {
              ": the safetensors header does not start with '{'; the file is corrupt or not "
              "safetensors");
   const std::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
-  const nlohmann::json header = parse_json(text, path_ + " (safetensors header)");
+  const nlohmann::json header =
+      parse_json(text, path_ + " (safetensors header)", kJsonSafetensorsHeaderLimits);
   IRIS_CHECK(header.is_object(), path_, ": the safetensors header is not a JSON object");
   const size_t data_begin = 8 + header_len;
   const uint64_t data_size = size_ - data_begin;

@@ -371,7 +371,7 @@ class LineParser {
 ParsedLine parse_line(const std::string& text, const fs::path& base) {
   json j;
   try {
-    j = parse_json(text, "the line");
+    j = parse_json(text, "the line", kJsonLineLimits);
   } catch (const Error& e) {
     throw LineRefused(kMalformedJson, str_cat("malformed JSON: ", e.what()));
   }

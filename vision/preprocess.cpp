@@ -144,7 +144,7 @@ PreprocessorConfig PreprocessorConfig::from_json(const json& j) {
 }
 
 PreprocessorConfig PreprocessorConfig::from_file(const std::string& path) {
-  const std::string text = read_text_file(path, "preprocessor config");
+  const std::string text = read_text_file(path, "preprocessor config", kJsonConfigLimits.max_bytes);
   json j;
   try {
     j = parse_json(text, path);
