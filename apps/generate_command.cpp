@@ -806,7 +806,10 @@ int run_generate_command(int argc, char** argv) {
     pre.min_pixels = o.image_min_tokens * token_pixels;
     pre.max_pixels = std::max(pre.max_pixels, pre.min_pixels);
   }
-  if (chat || !o.images.empty()) check_image_budget_can_fit(o, pre);
+  // A chat may bring images later (/image), but need not: without bounds of the user's own, a
+  // small context is left to text.
+  const bool image_bounds_given = o.image_min_tokens > 0 || o.image_max_tokens > 0;
+  if (!o.images.empty() || (chat && image_bounds_given)) check_image_budget_can_fit(o, pre);
 
   // Images are decoded before the model is sized so that the vision buffers fit them exactly.
   const auto t_pre = std::chrono::steady_clock::now();
