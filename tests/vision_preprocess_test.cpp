@@ -836,12 +836,44 @@ TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
   EXPECT_NE(msg.find("huffman.jpg"), std::string::npos) << msg;
 }
 
-TEST(VisionImage, SixteenBitGreyPnm) {
-  // 16-bit PGM: stb 2.27 over-reads if asked to convert channels, so this also guards that path.
-  std::string pgm = "P5\n3 1\n65535\n";
-  for (int v : {0x0000, 0x80ff, 0xffff}) pgm += std::string{char(v >> 8), char(v & 0xff)};
-  const ImageRGB8 img = decode_string(pgm, "grey16.pgm");
-  EXPECT_EQ(img.pixels, (std::vector<uint8_t>{0, 0, 0, 0x80, 0x80, 0x80, 0xff, 0xff, 0xff}));
+// PIL's PpmImagePlugin: grey of more than 8 bits opens as mode I (raw at maxval 65535, else
+// scaled to 0..65535) and convert("RGB") clips it to 255, as for 16-bit grey PNG; every other file
+// is scaled to 0..255 by min(255, round(v / maxval * 255)), Python's round (half to even).
+TEST(VisionImage, PnmSamplesScaleAsPilScalesThem) {
+  auto pnm = [](const std::string& head, std::initializer_list<int> samples, bool wide) {
+    std::string s = head;
+    for (int v : samples)
+      s += wide ? std::string{char(v >> 8), char(v & 0xff)} : std::string(1, char(v));
+    return s;
+  };
+  auto grey = [](std::initializer_list<int> v) {
+    std::vector<uint8_t> out;
+    for (int x : v) out.insert(out.end(), {uint8_t(x), uint8_t(x), uint8_t(x)});
+    return out;
+  };
+  // 16-bit PGM (stb 2.27 over-reads if asked to convert channels, so this also guards that path).
+  EXPECT_EQ(
+      decode_string(pnm("P5\n4 1\n65535\n", {0x0000, 0x0064, 0x80ff, 0xffff}, true), "grey16.pgm")
+          .pixels,
+      grey({0, 100, 255, 255}));
+  // maxval 1000: 3 -> round(196.6) = 197, 4 -> 262, clipped.
+  EXPECT_EQ(decode_string(pnm("P5\n3 1\n1000\n", {0, 3, 4}, true), "grey1000.pgm").pixels,
+            grey({0, 197, 255}));
+  // 16-bit PPM: scaled to 255, not cut to the high byte (0xff00 is 254, not 255).
+  EXPECT_EQ(
+      decode_string(pnm("P6\n1 1\n65535\n", {0xff00, 0x8080, 0x0080}, true), "rgb16.ppm").pixels,
+      (std::vector<uint8_t>{254, 128, 0}));
+  // 8-bit PGM with maxval 10: 1 -> 25.5 -> 26 and 3 -> 76.5 -> 76 (half to even), 10 -> 255.
+  EXPECT_EQ(decode_string(pnm("P5\n3 1\n10\n", {1, 3, 10}, false), "grey10.pgm").pixels,
+            grey({26, 76, 255}));
+  // maxval 255 is left as it is; 0 is refused, as PIL refuses it.
+  EXPECT_EQ(decode_string(pnm("P5\n2 1\n255\n", {7, 200}, false), "grey.pgm").pixels,
+            grey({7, 200}));
+  const std::string msg =
+      error_of([&] { decode_string(pnm("P5\n1 1\n0\n", {0}, false), "zero.pgm"); });
+  EXPECT_NE(msg.find("zero.pgm: its PNM header gives a maximum sample value of 0"),
+            std::string::npos)
+      << msg;
 }
 
 // ---------------------------------------------------------------------------------------------
