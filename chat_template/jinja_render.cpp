@@ -1057,7 +1057,16 @@ class Renderer {
 };
 
 [[noreturn]] void throw_named(const std::string& name, const TemplateError& e) {
-  throw Error(str_cat(name, ", line ", e.line, ": ", e.message));
+  // raise_exception() and the undefined-value messages quote the template's own values, which
+  // can be megabytes: an error is for reading.
+  constexpr size_t kMaxMessage = 1000;
+  std::string message = e.message;
+  if (message.size() > kMaxMessage) {
+    size_t cut = kMaxMessage;
+    while (cut > 0 && (static_cast<uint8_t>(message[cut]) & 0xC0) == 0x80) --cut;  // whole chars
+    message = message.substr(0, cut) + "... (" + std::to_string(message.size()) + " bytes)";
+  }
+  throw Error(str_cat(name, ", line ", e.line, ": ", message));
 }
 
 }  // namespace

@@ -271,6 +271,14 @@ TEST(ChatTemplate, StringMethodsAreLinearAndListsBounded) {
   EXPECT_NE(msg.find("did not finish within 5000000 steps"), std::string::npos) << msg;
 }
 
+TEST(ChatTemplate, ErrorsQuotingHugeValuesAreClipped) {
+  const std::string msg =
+      render_error("{{ raise_exception(s) }}", {{"s", std::string(size_t{1} << 20, 'q')}});
+  EXPECT_LT(msg.size(), 1100u);
+  EXPECT_NE(msg.find("test.jinja, line 1: qqq"), std::string::npos) << msg.substr(0, 100);
+  EXPECT_NE(msg.find("... (1048576 bytes)"), std::string::npos) << msg.substr(900);
+}
+
 TEST(ChatTemplate, TheBudgetsLeaveLargeConversationsToTheQwenTemplates) {
   // Five messages of 1 MiB each (the thinking template creates about 11 bytes per byte).
   std::string text;
