@@ -413,6 +413,14 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         check_images_fit({path}, {image_tokens_of(decoded, path, run.preprocessor)}, room,
                          str_cat("tokens left in the context (-c/--ctx-size ", o.ctx_size,
                                  ", less the conversation so far and the images attached)"));
+        // The message's images are encoded in one call, planned for a number of patches.
+        const GridTHW grid = image_grid(decoded.height, decoded.width, run.preprocessor);
+        const int64_t patches = count_patches(grids) + grid[0] * grid[1] * grid[2];
+        IRIS_CHECK(patches <= model.limits().max_vision_patches, path,
+                   " would bring the message's ", "images to ", patches, " patches, more than the ",
+                   model.limits().max_vision_patches,
+                   " the vision encoder was planned for; send the message with the images "
+                   "attached so far first, or lower --image-max-tokens");
         const PreprocessedImage image = preprocess_image(decoded, run.preprocessor);
         preprocess_ms += ms_since(t_pre);
         preprocess_total += ms_since(t_pre);
