@@ -520,7 +520,6 @@ class Renderer {
       const std::string& s = obj.text;
       const size_t length = utf8_length(s);
       const SliceWalk w = slice_walk(static_cast<int64_t>(length), start, stop, step, line);
-      charge_steps(w.count());
       std::string out;
       if (length == s.size()) {  // ASCII: characters are bytes
         for (int64_t i = w.begin; w.more(i); i += w.step) out += s[static_cast<size_t>(i)];
