@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <map>
 #include <set>
 
 #include "chat_template/jinja.h"
@@ -15,12 +16,13 @@ namespace iris::jinja {
 
 struct Frame {
   std::shared_ptr<Frame> parent;
-  std::vector<std::pair<std::string, Value>> vars;
+  // A map, not a list: a template can set tens of thousands of names, and every name read looks
+  // here.
+  std::map<std::string, Value, std::less<>> vars;
 
   Value* find_here(std::string_view name) {
-    for (auto& [k, v] : vars)
-      if (k == name) return &v;
-    return nullptr;
+    const auto it = vars.find(name);
+    return it == vars.end() ? nullptr : &it->second;
   }
   const Value* lookup(std::string_view name) {
     for (Frame* f = this; f != nullptr; f = f->parent.get())
@@ -32,7 +34,7 @@ struct Frame {
       *old = std::move(v);
       return;
     }
-    vars.emplace_back(name, std::move(v));
+    vars.emplace(name, std::move(v));
   }
 };
 

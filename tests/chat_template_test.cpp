@@ -271,6 +271,20 @@ TEST(ChatTemplate, StringMethodsAreLinearAndListsBounded) {
   EXPECT_NE(msg.find("did not finish within 5000000 steps"), std::string::npos) << msg;
 }
 
+TEST(ChatTemplate, NameLookupsStayFastAmongManyNames) {
+  // 24,000 names set, then 5M steps that each look up one that is not there: a scan of every
+  // name per lookup took minutes.
+  std::string source;
+  for (int i = 0; i < 24000; ++i) source += "{% set a" + std::to_string(i) + " = 1 %}";
+  source +=
+      "{% for i in l %}{% for j in l %}{% for k in l %}{{ zz }}{% endfor %}{% endfor %}"
+      "{% endfor %}";
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = render_error(source, {{"l", ordered_json::array_t(200, 0)}});
+  EXPECT_NE(msg.find("did not finish within 5000000 steps"), std::string::npos) << msg;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+}
+
 TEST(ChatTemplate, ErrorsQuotingHugeValuesAreClipped) {
   const std::string msg =
       render_error("{{ raise_exception(s) }}", {{"s", std::string(size_t{1} << 20, 'q')}});
