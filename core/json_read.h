@@ -22,9 +22,11 @@ struct JsonLimits {
   int64_t max_values;  // arrays, objects, strings, numbers, booleans and nulls (not keys)
 };
 // config.json, tokenizer_config.json, generation_config.json, preprocessor_config.json, chat
-// templates in JSON, checkpoint indexes and Iris's own small files: kilobytes, a few thousand
-// values (a large MoE checkpoint's index lists about 40k tensors).
+// templates in JSON and Iris's own small files: kilobytes, a few hundred values.
 inline constexpr JsonLimits kJsonConfigLimits{size_t{8} << 20, 1'000'000};
+// model.safetensors.index.json: about 100 bytes and 2 values per tensor; a large MoE checkpoint
+// lists some 40k tensors (4 MB).
+inline constexpr JsonLimits kJsonCheckpointIndexLimits{size_t{64} << 20, 2'000'000};
 // tokenizer.json: Qwen's is 11 MB with about 600k values (151k vocabulary entries, 151k merges
 // of two strings each).
 inline constexpr JsonLimits kJsonTokenizerLimits{size_t{64} << 20, 6'000'000};

@@ -264,7 +264,8 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
   std::vector<std::string> shard_files;
   std::map<std::string, std::string> shard_of;  // tensor name -> shard file, from the index
   if (fs::exists(index)) {
-    const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
+    const nlohmann::json j =
+        read_json_file(index.string(), "checkpoint index", kJsonCheckpointIndexLimits);
     IRIS_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
                index.string(), " has no weight_map object");
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
