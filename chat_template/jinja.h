@@ -28,7 +28,7 @@
 
 namespace iris::jinja {
 
-// The most bytes a template's source may have: Qwen-VL templates are 4 to 8 KB, the longest of
+// The most bytes a template's source may have: Qwen-VL templates are 1 to 6 KB, the longest of
 // other families some tens of KB.
 inline constexpr size_t kMaxTemplateBytes = size_t{1} << 20;
 

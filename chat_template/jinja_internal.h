@@ -24,7 +24,7 @@ struct TemplateError {
 inline constexpr int kMaxNesting = 100;    // nested blocks and expressions while parsing
 inline constexpr int kMaxMacroDepth = 64;  // macro calls inside macro calls
 // Tokens, nodes and expressions made while parsing, each some tens to hundreds of bytes: the
-// Qwen3-VL template makes about 3,000.
+// Qwen3-VL templates make about 1,300.
 inline constexpr int64_t kMaxSyntaxElements = 200000;
 // Nodes, expressions, loop iterations and elements compared or searched per render: a Qwen
 // template spends about a hundred per message.
