@@ -277,6 +277,52 @@ void print_timings(const LoadTimes& load, double preprocess_ms, size_t n_images,
                static_cast<unsigned long long>(seed));
 }
 
+// The flags that set the image token bounds, for errors about them.
+std::string image_bound_flags(const GenerateOptions& o) {
+  if (o.image_min_tokens > 0 && o.image_max_tokens > 0)
+    return str_cat("--image-min-tokens ", o.image_min_tokens, " and --image-max-tokens ",
+                   o.image_max_tokens);
+  if (o.image_min_tokens > 0) return str_cat("--image-min-tokens ", o.image_min_tokens);
+  if (o.image_max_tokens > 0) return str_cat("--image-max-tokens ", o.image_max_tokens);
+  return "the model's preprocessor_config.json (size.shortest_edge)";
+}
+
+// Bounds under which no image at all fits the context are refused before anything is loaded
+// (a 200000-token minimum once took 5.6 GB of pixels before the prompt was found too long).
+void check_image_budget_can_fit(const GenerateOptions& o, const PreprocessorConfig& pre) {
+  const int64_t fewest = fewest_image_tokens(pre);
+  IRIS_CHECK(fewest <= o.ctx_size, image_bound_flags(o), " gives every image at least ", fewest,
+             " tokens, more than the context holds (-c/--ctx-size ", o.ctx_size,
+             "), so no image can fit; lower --image-min-tokens (or --image-max-tokens) or raise "
+             "-c/--ctx-size");
+}
+
+// An image's tokens from the grid smart_resize gives it: no pixel is resized yet.
+int64_t image_tokens_of(const ImageRGB8& image, const std::string& path,
+                        const PreprocessorConfig& pre) {
+  try {
+    return image_token_count(image_grid(image.height, image.width, pre), pre);
+  } catch (const Error& e) {
+    IRIS_FAIL(path, ": ", e.what());
+  }
+}
+
+// Images whose tokens cannot fit the `room` left in the context are an error before the pixel
+// work, which takes memory in proportion to the tokens.
+void check_images_fit(const std::vector<std::string>& paths, const std::vector<int64_t>& tokens,
+                      int64_t room, const std::string& room_name) {
+  int64_t total = 0;
+  std::string each;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    total += tokens[i];
+    if (i < 4) each += str_cat(i > 0 ? ", " : "", paths[i], ": ", tokens[i]);
+  }
+  if (tokens.size() > 4) each += ", ...";
+  IRIS_CHECK(total <= room, tokens.size() == 1 ? "the image needs " : "the images need ", total,
+             " tokens at their resized sizes (", each, "), more than the ", room, " ", room_name,
+             "; lower --image-max-tokens, pass smaller or fewer images, or raise -c/--ctx-size");
+}
+
 // Images one chat message may carry (/image, or --image for the first); the encoder is planned
 // for them up front.
 constexpr int kChatMaxImagesPerMessage = 16;
@@ -361,8 +407,21 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       }
       try {
         const auto t_pre = std::chrono::steady_clock::now();
-        const PreprocessedImage image =
-            preprocess_image(load_image(path, o.max_image_pixels), run.preprocessor);
+        const ImageRGB8 decoded = load_image(path, o.max_image_pixels);
+        int64_t room = o.ctx_size - static_cast<int64_t>(session.conversation().size());
+        for (const GridTHW& g : grids) room -= image_token_count(g, run.preprocessor);
+        check_images_fit({path}, {image_tokens_of(decoded, path, run.preprocessor)}, room,
+                         str_cat("tokens left in the context (-c/--ctx-size ", o.ctx_size,
+                                 ", less the conversation so far and the images attached)"));
+        // The message's images are encoded in one call, planned for a number of patches.
+        const GridTHW grid = image_grid(decoded.height, decoded.width, run.preprocessor);
+        const int64_t patches = count_patches(grids) + grid[0] * grid[1] * grid[2];
+        IRIS_CHECK(patches <= model.limits().max_vision_patches, path,
+                   " would bring the message's ", "images to ", patches, " patches, more than the ",
+                   model.limits().max_vision_patches,
+                   " the vision encoder was planned for; send the message with the images "
+                   "attached so far first, or lower --image-max-tokens");
+        const PreprocessedImage image = preprocess_image(decoded, run.preprocessor);
         preprocess_ms += ms_since(t_pre);
         preprocess_total += ms_since(t_pre);
         pixels.insert(pixels.end(), image.pixel_values.data<float>(),
@@ -755,11 +814,22 @@ int run_generate_command(int argc, char** argv) {
     pre.min_pixels = o.image_min_tokens * token_pixels;
     pre.max_pixels = std::max(pre.max_pixels, pre.min_pixels);
   }
+  // A chat may bring images later (/image), but need not: without bounds of the user's own, a
+  // small context is left to text.
+  const bool image_bounds_given = o.image_min_tokens > 0 || o.image_max_tokens > 0;
+  if (!o.images.empty() || (chat && image_bounds_given)) check_image_budget_can_fit(o, pre);
 
   // Images are decoded before the model is sized so that the vision buffers fit them exactly.
   const auto t_pre = std::chrono::steady_clock::now();
   std::vector<ImageRGB8> images;
   for (const std::string& path : o.images) images.push_back(load_image(path, o.max_image_pixels));
+  {
+    std::vector<int64_t> tokens;
+    for (size_t i = 0; i < images.size(); ++i)
+      tokens.push_back(image_tokens_of(images[i], o.images[i], pre));
+    check_images_fit(o.images, tokens, o.ctx_size,
+                     str_cat("tokens of the context (-c/--ctx-size ", o.ctx_size, ")"));
+  }
   PreprocessedBatch batch;
   if (!images.empty()) batch = preprocess_images(images, pre);
   const double preprocess_ms = ms_since(t_pre);

@@ -1,5 +1,6 @@
 #include "bridge/chat_prompt.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "chat_template/jinja.h"
@@ -171,7 +172,7 @@ ChatFormat ChatFormat::from_dirs(const std::vector<std::string>& dirs) {
     f.searched_ += (f.searched_.empty() ? "" : " or ") + d;
     const fs::path jinja = fs::path(d) / "chat_template.jinja";
     if (fs::exists(jinja)) {
-      f.text_ = read_text_file(jinja.string(), "chat template");
+      f.text_ = read_text_file(jinja.string(), "chat template", jinja::kMaxTemplateBytes);
       f.source_ = jinja.string();
     } else {
       for (const char* name : {"chat_template.json", "tokenizer_config.json"}) {
@@ -200,7 +201,9 @@ ChatFormat ChatFormat::from_file(const std::string& path, const std::string& wha
                                  const std::vector<std::string>& special_tokens_dirs) {
   ChatFormat f;
   f.special_tokens_ = special_tokens_in(special_tokens_dirs);
-  const std::string text = read_text_file(path, what);
+  // A chat_template.json or tokenizer_config.json, or the template itself.
+  const std::string text =
+      read_text_file(path, what, std::max(kJsonConfigLimits.max_bytes, jinja::kMaxTemplateBytes));
   std::string name = what + " " + path;
   f.text_ = text;
   // A JSON object is a chat_template.json or tokenizer_config.json; anything else is Jinja.

@@ -15,7 +15,7 @@ using nlohmann::json;
 using namespace config_fields;
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  return from_json_text(read_text_file(path, "model config"), path);
+  return from_json_text(read_text_file(path, "model config", kJsonConfigLimits.max_bytes), path);
 }
 
 ModelConfig ModelConfig::from_json_text(const std::string& text, const std::string& src) {

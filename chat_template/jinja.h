@@ -20,12 +20,17 @@
 // so a hostile template fails instead of exhausting the stack, the memory or the time.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
 namespace iris::jinja {
+
+// The most bytes a template's source may have: Qwen-VL templates are 1 to 6 KB, the longest of
+// other families some tens of KB.
+inline constexpr size_t kMaxTemplateBytes = size_t{1} << 20;
 
 class Template {
  public:

@@ -23,11 +23,45 @@ struct TemplateError {
 // Bounds that keep a hostile template from exhausting the stack, memory or time.
 inline constexpr int kMaxNesting = 100;    // nested blocks and expressions while parsing
 inline constexpr int kMaxMacroDepth = 64;  // macro calls inside macro calls
-// Nodes, expressions and loop iterations per render: a Qwen template spends about a hundred per
-// message.
+// Tokens, nodes and expressions made while parsing, each some tens to hundreds of bytes: the
+// Qwen3-VL templates make about 1,300.
+inline constexpr int64_t kMaxSyntaxElements = 200000;
+// Nodes, expressions, loop iterations and elements compared or searched per render: a Qwen
+// template spends about a hundred per message.
 inline constexpr int64_t kMaxSteps = 5000000;
 inline constexpr size_t kMaxTextBytes = size_t{64} << 20;  // any string, the output included
 inline constexpr size_t kMaxListItems = size_t{1} << 20;
+// Bytes of values one render may create: the text of every string made or copied (a string is
+// copied, not shared, whenever a variable is read), the slots of every list and dict entry made.
+// A scalar's copy is not counted, nor is a list's, which shares its items: the steps bound those.
+// The budget is a fixed allowance, and more per byte of the variables for templates that build
+// their prompt from the conversation piece by piece: the Qwen templates create 2 (Qwen2-VL,
+// Qwen3-VL instruct) to 11 (Qwen3-VL thinking) bytes per byte of conversation.
+inline constexpr size_t kRenderBytesAllowance = size_t{256} << 20;
+inline constexpr size_t kRenderBytesPerContextByte = 32;
+
+// The budget of the render running on this thread (see Renderer), charged by value creation and
+// element walks wherever they happen; without a render running nothing is counted.
+struct RenderBudget {
+  int64_t steps = 0;
+  size_t bytes = 0, max_bytes = kRenderBytesAllowance;
+  int line = 0;  // where the render is, for errors raised below the evaluator
+};
+// Counts `n` steps; past kMaxSteps throws TemplateError at the budget's line.
+void charge_steps(int64_t n);
+// Counts `n` bytes of values created; past the budget throws TemplateError at its line.
+void charge_bytes(size_t n);
+// Makes `budget` the current thread's for the object's lifetime.
+class RenderBudgetScope {
+ public:
+  explicit RenderBudgetScope(RenderBudget& budget);
+  ~RenderBudgetScope();
+  RenderBudgetScope(const RenderBudgetScope&) = delete;
+  RenderBudgetScope& operator=(const RenderBudgetScope&) = delete;
+
+ private:
+  RenderBudget* previous_;
+};
 
 struct Node;
 struct Dict;
@@ -51,6 +85,15 @@ struct Value {
     method,   // `text` bound to the object in items[0]
     loop,     // a for loop's `loop`: iteration `integer` over `items`
   };
+  Value() = default;
+  // A copy is charged its text to the render's byte budget before the text is copied; moves are
+  // free.
+  Value(const Value& other);
+  Value(Value&&) noexcept = default;
+  Value& operator=(const Value& other);
+  Value& operator=(Value&&) noexcept = default;
+  ~Value() = default;
+
   Kind kind = Kind::undefined;
   bool boolean = false;
   int64_t integer = 0;
@@ -81,10 +124,14 @@ struct Value {
 };
 
 // Insertion-ordered string keys, as Python dicts and JSON objects from transformers keep them.
+// Lookups are linear, as the dicts of chat messages are small; each entry looked at is a render
+// step, so a hostile dict of many keys costs steps rather than unbounded time.
 struct Dict {
   std::vector<std::pair<std::string, Value>> entries;
   const Value* find(std::string_view key) const;
   void set(const std::string& key, Value v);
+  // For keys known to differ from every key already there (a JSON object's).
+  void add_unique(std::string key, Value v);
 };
 
 // Python's type name of a value ("str", "list", "dict object" forms are built from it).
@@ -108,6 +155,8 @@ void append_utf8(std::string& out, uint32_t code_point);
 std::string str_size_message(size_t bytes);
 std::vector<std::string> utf8_chars(std::string_view s);
 size_t utf8_length(std::string_view s);
+// Byte offset of code point `index` (0 <= index <= utf8_length(s)), by a walk from the start.
+size_t utf8_offset(std::string_view s, size_t index);
 std::string strip_chars(std::string_view s, const std::string* chars, bool left, bool right);
 std::string rstrip_space(std::string_view s);
 size_t lstrip_space_length(std::string_view s);  // bytes of leading whitespace

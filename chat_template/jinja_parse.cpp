@@ -63,6 +63,11 @@ bool is_digit(char c) {
   return c >= '0' && c <= '9';
 }
 
+std::string too_many_elements() {
+  return "the template has more than " + std::to_string(kMaxSyntaxElements) +
+         " tags, names, values and operators; no chat template needs that many";
+}
+
 class Lexer {
  public:
   explicit Lexer(std::string_view source) : src_(normalize_newlines(source)) {}
@@ -111,8 +116,14 @@ class Lexer {
     return src_.size();
   }
 
+  void push(Token t) {
+    if (static_cast<int64_t>(tokens_.size()) >= kMaxSyntaxElements)
+      fail_at(t.line, too_many_elements());
+    tokens_.push_back(std::move(t));
+  }
+
   void emit_data(const std::string& text, int line) {
-    if (!text.empty()) tokens_.push_back({Token::Type::data, line, text});
+    if (!text.empty()) push({Token::Type::data, line, text});
   }
 
   // After a tag's end: "-" strips every following whitespace character, "+" keeps them, and
@@ -155,7 +166,7 @@ class Lexer {
   // newline.
   bool lex_tag(bool variable) {
     const int open_line = line_;
-    tokens_.push_back({variable ? Token::Type::var_begin : Token::Type::block_begin, line_, ""});
+    push({variable ? Token::Type::var_begin : Token::Type::block_begin, line_, ""});
     std::vector<char> open;  // brackets not yet closed: an end marker inside them is an operator
     for (;;) {
       if (pos_ >= src_.size())
@@ -173,7 +184,7 @@ class Lexer {
           at = pos_ + 2;
         }
         if (at != std::string::npos) {
-          tokens_.push_back({variable ? Token::Type::var_end : Token::Type::block_end, line_, ""});
+          push({variable ? Token::Type::var_end : Token::Type::block_end, line_, ""});
           pos_ = at;
           return after_end(sign, !variable);
         }
@@ -191,7 +202,7 @@ class Lexer {
       if (is_name_start(c)) {
         const size_t b = pos_;
         while (pos_ < src_.size() && is_name_char(src_[pos_])) ++pos_;
-        tokens_.push_back({Token::Type::name, line_, src_.substr(b, pos_ - b)});
+        push({Token::Type::name, line_, src_.substr(b, pos_ - b)});
         continue;
       }
       if (c == '\'' || c == '"') {
@@ -216,7 +227,7 @@ class Lexer {
           fail_at(line_, "unexpected '" + op + "', expected '" + open.back() + "'");
         open.pop_back();
       }
-      tokens_.push_back({Token::Type::op, line_, op});
+      push({Token::Type::op, line_, op});
       pos_ += op.size();
     }
   }
@@ -272,7 +283,7 @@ class Lexer {
     }
     const std::string text = plain(std::string_view(src_).substr(b, pos_ - b));
     if (real) {
-      tokens_.push_back({Token::Type::real, line_, text, 0, std::strtod(text.c_str(), nullptr)});
+      push({Token::Type::real, line_, text, 0, std::strtod(text.c_str(), nullptr)});
     } else {
       if (text.size() > 1 && text[0] == '0' && text.find_first_not_of('0') != std::string::npos)
         fail_at(line_, "leading zeros in a decimal integer literal are not permitted");
@@ -287,7 +298,7 @@ class Lexer {
       if (__builtin_mul_overflow(v, base, &v) || __builtin_add_overflow(v, d, &v))
         fail_at(line_, "an integer literal is too large");
     }
-    tokens_.push_back({Token::Type::integer, line_, digits, v});
+    push({Token::Type::integer, line_, digits, v});
   }
 
   // A quoted string with Python's escapes (jinja2 decodes them with "unicode-escape").
@@ -367,7 +378,7 @@ class Lexer {
           value += e;
       }
     }
-    tokens_.push_back({Token::Type::string, line, value});
+    push({Token::Type::string, line, value});
   }
 
   std::string src_;
@@ -397,7 +408,8 @@ bool in_list(std::string_view name, const char* const* list, size_t n) {
 
 class Parser {
  public:
-  explicit Parser(std::vector<Token> tokens) : t_(std::move(tokens)) {}
+  explicit Parser(std::vector<Token> tokens)
+      : t_(std::move(tokens)), elements_(static_cast<int64_t>(t_.size())) {}
 
   std::vector<std::unique_ptr<Node>> parse_all() {
     std::string end;
@@ -467,6 +479,7 @@ class Parser {
         fail_at(open_line, "this block is never closed: the template ends before " + want);
       }
       if (tok->type == Token::Type::data) {
+        count_element();
         auto n = std::make_unique<Node>();
         n->kind = Node::Kind::text;
         n->line = tok->line;
@@ -475,6 +488,7 @@ class Parser {
         ++i_;
       } else if (tok->type == Token::Type::var_begin) {
         ++i_;
+        count_element();
         auto n = std::make_unique<Node>();
         n->kind = Node::Kind::output;
         n->line = tok->line;
@@ -499,6 +513,7 @@ class Parser {
   }
 
   std::unique_ptr<Node> parse_statement(const std::string& keyword, int tag_line, int depth) {
+    count_element();
     auto n = std::make_unique<Node>();
     n->line = tag_line;
     if (keyword == "if") {
@@ -626,7 +641,8 @@ class Parser {
     return t;
   }
 
-  static ExprPtr make(Expr::Op op, int line) {
+  ExprPtr make(Expr::Op op, int line) {
+    count_element();
     auto e = std::make_unique<Expr>();
     e->op = op;
     e->line = line;
@@ -1003,7 +1019,13 @@ class Parser {
     }
   }
 
+  // Counts a node or expression about to be made, with the tokens, against kMaxSyntaxElements.
+  void count_element() {
+    if (++elements_ > kMaxSyntaxElements) fail_at(line(), too_many_elements());
+  }
+
   std::vector<Token> t_;
+  int64_t elements_;
   size_t i_ = 0;
   int loops_ = 0;
 };

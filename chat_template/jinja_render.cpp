@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <map>
 #include <set>
 
 #include "chat_template/jinja.h"
@@ -15,12 +16,13 @@ namespace iris::jinja {
 
 struct Frame {
   std::shared_ptr<Frame> parent;
-  std::vector<std::pair<std::string, Value>> vars;
+  // A map, not a list: a template can set tens of thousands of names, and every name read looks
+  // here.
+  std::map<std::string, Value, std::less<>> vars;
 
   Value* find_here(std::string_view name) {
-    for (auto& [k, v] : vars)
-      if (k == name) return &v;
-    return nullptr;
+    const auto it = vars.find(name);
+    return it == vars.end() ? nullptr : &it->second;
   }
   const Value* lookup(std::string_view name) {
     for (Frame* f = this; f != nullptr; f = f->parent.get())
@@ -32,7 +34,7 @@ struct Frame {
       *old = std::move(v);
       return;
     }
-    vars.emplace_back(name, std::move(v));
+    vars.emplace(name, std::move(v));
   }
 };
 
@@ -113,11 +115,13 @@ std::string owner(const Value& v) {
   return "'" + type_name(v) + " object'";
 }
 
-Value method(const Value& self, const std::string& name) {
+// Binds by moving: a string's method called on a fresh value must not copy the string again.
+Value method(Value self, const std::string& name) {
   Value m;
   m.kind = Value::Kind::method;
   m.text = name;
-  m.items = std::make_shared<std::vector<Value>>(std::vector<Value>{self});
+  m.items = std::make_shared<std::vector<Value>>();
+  m.items->push_back(std::move(self));
   return m;
 }
 
@@ -133,9 +137,18 @@ double as_real(const Value& v) {
                                           : (v.boolean ? 1.0 : 0.0);
 }
 
-// Python's slice.indices(length) followed by the walk it describes.
-std::vector<size_t> slice_positions(int64_t length, const Value& start, const Value& stop,
-                                    const Value& step_v, int line) {
+// Python's slice.indices(length): the walk from `begin` by `step` while before `end`.
+struct SliceWalk {
+  int64_t begin, end, step;
+  bool more(int64_t i) const { return step > 0 ? i < end : i > end; }
+  int64_t count() const {
+    if (!more(begin)) return 0;
+    return step > 0 ? (end - begin + step - 1) / step : (begin - end - step - 1) / -step;
+  }
+};
+
+SliceWalk slice_walk(int64_t length, const Value& start, const Value& stop, const Value& step_v,
+                     int line) {
   const int64_t step = step_v.kind == Value::Kind::none ? 1 : as_int(step_v, line, "a slice step");
   if (step == 0) fail_at(line, "slice step cannot be zero");
   auto bound = [&](const Value& v, int64_t dflt) {
@@ -149,19 +162,18 @@ std::vector<size_t> slice_positions(int64_t length, const Value& start, const Va
     }
     return i;
   };
-  const int64_t b = bound(start, step < 0 ? length - 1 : 0);
-  const int64_t e = bound(stop, step < 0 ? -1 : length);
-  std::vector<size_t> out;
-  for (int64_t i = b; step > 0 ? i < e : i > e; i += step) out.push_back(static_cast<size_t>(i));
-  return out;
+  return {bound(start, step < 0 ? length - 1 : 0), bound(stop, step < 0 ? -1 : length), step};
 }
 
+// Walks the string once, without a copy per character (a 16 MiB string once became 16 million
+// strings here).
 Value string_char_at(const std::string& s, int64_t index) {
-  const std::vector<std::string> chars = utf8_chars(s);
-  const auto n = static_cast<int64_t>(chars.size());
+  const auto n = static_cast<int64_t>(utf8_length(s));
   const int64_t i = index < 0 ? index + n : index;
   if (i < 0 || i >= n) return Value::undefined("string index out of range");
-  return Value::from_string(chars[static_cast<size_t>(i)]);
+  const size_t at = utf8_offset(s, static_cast<size_t>(i));
+  uint32_t cp;
+  return Value::from_string(s.substr(at, utf8_decode(s, at, cp)));
 }
 
 class Renderer {
@@ -183,9 +195,15 @@ class Renderer {
   }
 
   std::string run(const nlohmann::ordered_json& context) {
+    const RenderBudgetScope scope(budget_);
     auto root = std::make_shared<Frame>();
     if (!context.is_object()) fail_at(1, "the template's variables must be a JSON object");
+    // The variables are the caller's, bounded where they were read; what they take sets how much
+    // more the template may make.
+    budget_.max_bytes = SIZE_MAX;
     for (const auto& [k, v] : context.items()) root->set(k, Value::from_json(v, 1));
+    budget_.max_bytes = kRenderBytesAllowance + kRenderBytesPerContextByte * budget_.bytes;
+    budget_.bytes = 0;
     std::string out;
     render(t_.nodes, root, out);
     return out;
@@ -195,9 +213,8 @@ class Renderer {
   enum class Flow { normal, break_loop, continue_loop };
 
   void step(int line) {
-    if (++steps_ > kMaxSteps)
-      fail_at(line, "the template did not finish within " + std::to_string(kMaxSteps) +
-                        " steps (a loop or macro that does not end?)");
+    budget_.line = line;
+    charge_steps(1);
   }
 
   static void append(std::string& out, const std::string& s, int line) {
@@ -263,37 +280,45 @@ class Renderer {
       frame.set(targets[0], std::move(v));
       return;
     }
+    if (!v.is_sequence() && !v.is_string())
+      fail_at(line, "cannot unpack a " + type_name(v) + " into " + std::to_string(targets.size()) +
+                        " names");
+    const size_t count = v.is_string() ? utf8_length(v.text) : v.items->size();
+    if (count != targets.size())
+      fail_at(line, "cannot unpack " + std::to_string(count) + " values into " +
+                        std::to_string(targets.size()) + " names");
     std::vector<Value> parts;
     if (v.is_sequence()) {
       parts = *v.items;
-    } else if (v.is_string()) {
-      for (std::string& c : utf8_chars(v.text)) parts.push_back(Value::from_string(std::move(c)));
     } else {
-      fail_at(line, "cannot unpack a " + type_name(v) + " into " + std::to_string(targets.size()) +
-                        " names");
+      for (std::string& c : utf8_chars(v.text)) parts.push_back(Value::from_string(std::move(c)));
     }
-    if (parts.size() != targets.size())
-      fail_at(line, "cannot unpack " + std::to_string(parts.size()) + " values into " +
-                        std::to_string(targets.size()) + " names");
     for (size_t i = 0; i < targets.size(); ++i) frame.set(targets[i], std::move(parts[i]));
   }
 
-  std::vector<Value> iterate(const Value& v, int line) {
+  // The items a for loop walks. A list or tuple is walked in place (a template cannot change
+  // one), not copied.
+  static std::shared_ptr<std::vector<Value>> iterate(const Value& v, int line) {
+    auto items = std::make_shared<std::vector<Value>>();
     switch (v.kind) {
       case Value::Kind::undefined:
-        return {};
+        return items;
       case Value::Kind::list:
       case Value::Kind::tuple:
-        return *v.items;
-      case Value::Kind::dict: {
-        std::vector<Value> keys;
-        for (const auto& [k, e] : v.dict->entries) keys.push_back(Value::from_string(k));
-        return keys;
-      }
+        return v.items;
+      case Value::Kind::dict:
+        charge_bytes(sizeof(Value) * v.dict->entries.size());
+        for (const auto& [k, e] : v.dict->entries) items->push_back(Value::from_string(k));
+        return items;
       case Value::Kind::string: {
-        std::vector<Value> chars;
-        for (std::string& c : utf8_chars(v.text)) chars.push_back(Value::from_string(std::move(c)));
-        return chars;
+        const size_t length = utf8_length(v.text);
+        if (length > kMaxListItems)
+          fail_at(line, "a loop over the characters of a string of more than " +
+                            std::to_string(kMaxListItems) + " characters");
+        charge_bytes(sizeof(Value) * length);
+        for (std::string& c : utf8_chars(v.text))
+          items->push_back(Value::from_string(std::move(c)));
+        return items;
       }
       default:
         fail_at(line, "'" + type_name(v) + "' object is not iterable");
@@ -301,21 +326,22 @@ class Renderer {
   }
 
   Flow render_for(const Node& n, const FramePtr& frame, std::string& out) {
-    std::vector<Value> items = iterate(eval(*n.expr, frame), n.line);
+    std::shared_ptr<std::vector<Value>> items = iterate(eval(*n.expr, frame), n.line);
     if (n.filter) {
-      std::vector<Value> kept;
-      for (Value& item : items) {
+      auto kept = std::make_shared<std::vector<Value>>();
+      for (const Value& item : *items) {
+        step(n.line);
         auto scope = std::make_shared<Frame>();
         scope->parent = frame;
         assign(n.targets, item, *scope, n.line);
-        if (truthy(eval(*n.filter, scope))) kept.push_back(std::move(item));
+        if (truthy(eval(*n.filter, scope))) kept->push_back(item);
       }
       items = std::move(kept);
     }
-    if (items.empty()) return render(n.else_body, frame, out);
+    if (items->empty()) return render(n.else_body, frame, out);
     Value loop;
     loop.kind = Value::Kind::loop;
-    loop.items = std::make_shared<std::vector<Value>>(std::move(items));
+    loop.items = std::move(items);
     const auto length = static_cast<int64_t>(loop.items->size());
     for (int64_t i = 0; i < length; ++i) {
       step(n.line);
@@ -417,25 +443,25 @@ class Renderer {
   }
 
   // jinja2's sandboxed getattr: a Python attribute (a method) first, then the item.
-  static Value get_attr(const Value& obj, const std::string& name, int line) {
+  static Value get_attr(Value obj, const std::string& name, int line) {
     switch (obj.kind) {
       case Value::Kind::undefined:
         fail_at(line, obj.text);
       case Value::Kind::string:
-        if (kStrMethods.count(name)) return method(obj, name);
+        if (kStrMethods.count(name)) return method(std::move(obj), name);
         break;
       case Value::Kind::dict:
-        if (kDictMethods.count(name)) return method(obj, name);
+        if (kDictMethods.count(name)) return method(std::move(obj), name);
         if (const Value* v = obj.dict->find(name)) return *v;
         break;
       case Value::Kind::ns:
         if (const Value* v = obj.dict->find(name)) return *v;
         break;
       case Value::Kind::list:
-        if (kListMethods.count(name)) return method(obj, name);
+        if (kListMethods.count(name)) return method(std::move(obj), name);
         break;
       case Value::Kind::tuple:
-        if (name == "count" || name == "index") return method(obj, name);
+        if (name == "count" || name == "index") return method(std::move(obj), name);
         break;
       case Value::Kind::loop:
         return loop_attr(obj, name, line);
@@ -493,17 +519,34 @@ class Renderer {
                      int line) {
     if (obj.is_undefined()) fail_at(line, obj.text);
     if (obj.is_string()) {
-      const std::vector<std::string> chars = utf8_chars(obj.text);
+      const std::string& s = obj.text;
+      const size_t length = utf8_length(s);
+      const SliceWalk w = slice_walk(static_cast<int64_t>(length), start, stop, step, line);
       std::string out;
-      for (size_t i : slice_positions(static_cast<int64_t>(chars.size()), start, stop, step, line))
-        out += chars[i];
+      if (length == s.size()) {  // ASCII: characters are bytes
+        for (int64_t i = w.begin; w.more(i); i += w.step) out += s[static_cast<size_t>(i)];
+        return Value::from_string(std::move(out));
+      }
+      // Where each character starts, once, rather than a string per character.
+      charge_bytes(sizeof(uint32_t) * (length + 1));
+      std::vector<uint32_t> starts;
+      starts.reserve(length + 1);
+      for (size_t i = 0; i < s.size(); ++i)
+        if ((static_cast<uint8_t>(s[i]) & 0xC0) != 0x80) starts.push_back(static_cast<uint32_t>(i));
+      starts.push_back(static_cast<uint32_t>(s.size()));
+      for (int64_t i = w.begin; w.more(i); i += w.step) {
+        const auto k = static_cast<size_t>(i);
+        out.append(s, starts[k], starts[k + 1] - starts[k]);
+      }
       return Value::from_string(std::move(out));
     }
     if (obj.is_sequence()) {
+      const SliceWalk w =
+          slice_walk(static_cast<int64_t>(obj.items->size()), start, stop, step, line);
       std::vector<Value> out;
-      for (size_t i :
-           slice_positions(static_cast<int64_t>(obj.items->size()), start, stop, step, line))
-        out.push_back((*obj.items)[i]);
+      out.reserve(static_cast<size_t>(w.count()));
+      for (int64_t i = w.begin; w.more(i); i += w.step)
+        out.push_back((*obj.items)[static_cast<size_t>(i)]);
       return obj.kind == Value::Kind::list ? Value::list(std::move(out))
                                            : Value::tuple(std::move(out));
     }
@@ -718,6 +761,7 @@ class Renderer {
             end += n;
           }
           parts.push_back(Value::from_string(s.substr(i, end - i)));
+          check_list_size(parts.size(), line);
           if (maxsplit > 0) --maxsplit;
           i = end + lstrip_space_length(std::string_view(s).substr(end));
         }
@@ -732,6 +776,7 @@ class Renderer {
             break;
           }
           parts.push_back(Value::from_string(s.substr(i, at - i)));
+          check_list_size(parts.size(), line);
           i = at + sep.size();
           if (maxsplit > 0) --maxsplit;
         }
@@ -746,13 +791,15 @@ class Renderer {
       std::string out;
       if (from.empty()) {
         // Python inserts `to` before every character and at the end.
-        const std::vector<std::string> chars = utf8_chars(s);
-        for (const std::string& c : chars) {
+        for (size_t i = 0; i < s.size();) {
           if (count != 0) {
             out += to;
             if (count > 0) --count;
           }
-          out += c;
+          uint32_t cp;
+          const size_t n = utf8_decode(s, i, cp);
+          out.append(s, i, n);
+          i += n;
           if (out.size() > kMaxTextBytes) fail_at(line, str_size_message(out.size()));
         }
         if (count != 0) out += to;
@@ -845,6 +892,11 @@ class Renderer {
 
   // ---------------------------------------------------------------------------------------------
   // Operators
+
+  static void check_list_size(size_t items, int line) {
+    if (items > kMaxListItems)
+      fail_at(line, "a list grows past " + std::to_string(kMaxListItems) + " items");
+  }
 
   static Value unary(bool negate, const Value& v, int line) {
     if (v.is_undefined()) fail_at(line, v.text);
@@ -954,6 +1006,7 @@ class Renderer {
     if (a.is_string() && b.is_string()) return a.text < b.text;  // UTF-8 keeps code point order
     if (a.kind == b.kind && a.is_sequence()) {
       const size_t n = std::min(a.items->size(), b.items->size());
+      charge_steps(static_cast<int64_t>(n));
       for (size_t i = 0; i < n; ++i)
         if (!py_equal((*a.items)[i], (*b.items)[i]))
           return less((*a.items)[i], (*b.items)[i], line);
@@ -973,6 +1026,7 @@ class Renderer {
         return container.text.find(item.text) != std::string::npos;
       case Value::Kind::list:
       case Value::Kind::tuple:
+        charge_steps(static_cast<int64_t>(container.items->size()));
         for (const Value& v : *container.items)
           if (py_equal(v, item)) return true;
         return false;
@@ -997,14 +1051,23 @@ class Renderer {
   }
 
   const Template::Impl& t_;
-  int64_t steps_ = 0;
+  RenderBudget budget_;
   int macro_depth_ = 0;
   std::vector<std::weak_ptr<Frame>> closures_;
   std::vector<std::weak_ptr<Dict>> namespaces_;
 };
 
 [[noreturn]] void throw_named(const std::string& name, const TemplateError& e) {
-  throw Error(str_cat(name, ", line ", e.line, ": ", e.message));
+  // raise_exception() and the undefined-value messages quote the template's own values, which
+  // can be megabytes: an error is for reading.
+  constexpr size_t kMaxMessage = 1000;
+  std::string message = e.message;
+  if (message.size() > kMaxMessage) {
+    size_t cut = kMaxMessage;
+    while (cut > 0 && (static_cast<uint8_t>(message[cut]) & 0xC0) == 0x80) --cut;  // whole chars
+    message = message.substr(0, cut) + "... (" + std::to_string(message.size()) + " bytes)";
+  }
+  throw Error(str_cat(name, ", line ", e.line, ": ", message));
 }
 
 }  // namespace
@@ -1012,6 +1075,11 @@ class Renderer {
 Template::Template(std::string_view source, std::string source_name) {
   auto impl = std::make_shared<Impl>();
   impl->name = std::move(source_name);
+  if (source.size() > kMaxTemplateBytes)
+    throw Error(str_cat(impl->name, " is ", source.size(), " bytes, more than the ",
+                        kMaxTemplateBytes >> 20,
+                        " MiB a chat template may be (Qwen-VL's are under 10 KB); it is corrupt "
+                        "or not a chat template"));
   size_t bad_at = 0;
   if (!valid_utf8(source, bad_at))
     throw Error(str_cat(impl->name, " is not valid UTF-8 (byte ", bad_at, ")"));

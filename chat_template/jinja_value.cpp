@@ -12,7 +12,57 @@ void fail_at(int line, std::string message) {
   throw TemplateError{line, std::move(message)};
 }
 
+namespace {
+
+thread_local RenderBudget* current_budget = nullptr;
+
+}  // namespace
+
+RenderBudgetScope::RenderBudgetScope(RenderBudget& budget) : previous_(current_budget) {
+  current_budget = &budget;
+}
+
+RenderBudgetScope::~RenderBudgetScope() {
+  current_budget = previous_;
+}
+
+void charge_steps(int64_t n) {
+  RenderBudget* b = current_budget;
+  if (b == nullptr) return;
+  b->steps += n;
+  if (b->steps > kMaxSteps)
+    fail_at(b->line, "the template did not finish within " + std::to_string(kMaxSteps) +
+                         " steps (a loop or macro that does not end?)");
+}
+
+void charge_bytes(size_t n) {
+  RenderBudget* b = current_budget;
+  if (b == nullptr) return;
+  b->bytes += n;
+  if (b->bytes > b->max_bytes)
+    fail_at(b->line, "the template's values grow past " + std::to_string(b->max_bytes >> 20) +
+                         " MiB in one render (it copies or builds text or lists without end?)");
+}
+
+Value::Value(const Value& o)
+    // Charged before the text is copied, so a refused copy allocates nothing.
+    : kind((charge_bytes(o.text.size()), o.kind)),
+      boolean(o.boolean),
+      integer(o.integer),
+      real(o.real),
+      text(o.text),
+      items(o.items),
+      dict(o.dict),
+      macro(o.macro),
+      closure(o.closure) {}
+
+Value& Value::operator=(const Value& o) {
+  if (this != &o) *this = Value(o);
+  return *this;
+}
+
 Value Value::undefined(std::string what) {
+  charge_bytes(what.size());
   Value v;
   v.text = std::move(what);
   return v;
@@ -41,12 +91,14 @@ Value Value::from_real(double d) {
   return v;
 }
 Value Value::from_string(std::string s) {
+  charge_bytes(s.size());
   Value v;
   v.kind = Kind::string;
   v.text = std::move(s);
   return v;
 }
 Value Value::list(std::vector<Value> items) {
+  charge_bytes(sizeof(Value) * items.size());
   Value v;
   v.kind = Kind::list;
   v.items = std::make_shared<std::vector<Value>>(std::move(items));
@@ -90,7 +142,8 @@ Value Value::from_json(const nlohmann::ordered_json& j, int line) {
     }
     case nlohmann::ordered_json::value_t::object: {
       Value d = new_dict();
-      for (const auto& [k, e] : j.items()) d.dict->set(k, from_json(e, line));
+      // nlohmann keeps one entry per key.
+      for (const auto& [k, e] : j.items()) d.dict->add_unique(k, from_json(e, line));
       return d;
     }
     default:
@@ -99,18 +152,25 @@ Value Value::from_json(const nlohmann::ordered_json& j, int line) {
 }
 
 const Value* Dict::find(std::string_view key) const {
+  charge_steps(static_cast<int64_t>(entries.size()));
   for (const auto& [k, v] : entries)
     if (k == key) return &v;
   return nullptr;
 }
 
 void Dict::set(const std::string& key, Value v) {
+  charge_steps(static_cast<int64_t>(entries.size()));
   for (auto& [k, old] : entries)
     if (k == key) {
       old = std::move(v);
       return;
     }
-  entries.emplace_back(key, std::move(v));
+  add_unique(key, std::move(v));
+}
+
+void Dict::add_unique(std::string key, Value v) {
+  charge_bytes(sizeof(entries[0]) + key.size());
+  entries.emplace_back(std::move(key), std::move(v));
 }
 
 std::string type_name(const Value& v) {
@@ -199,12 +259,14 @@ bool py_equal(const Value& a, const Value& b) {
     case K::list:
     case K::tuple: {
       if (a.items->size() != b.items->size()) return false;
+      charge_steps(static_cast<int64_t>(a.items->size()));
       for (size_t i = 0; i < a.items->size(); ++i)
         if (!py_equal((*a.items)[i], (*b.items)[i])) return false;
       return true;
     }
     case K::dict: {
       if (a.dict->entries.size() != b.dict->entries.size()) return false;
+      charge_steps(static_cast<int64_t>(a.dict->entries.size()));
       for (const auto& [k, v] : a.dict->entries) {
         const Value* other = b.dict->find(k);
         if (other == nullptr || !py_equal(v, *other)) return false;
@@ -288,6 +350,13 @@ size_t utf8_length(std::string_view s) {
   return n;
 }
 
+size_t utf8_offset(std::string_view s, size_t index) {
+  size_t i = 0;
+  for (; i < s.size(); ++i)
+    if ((static_cast<uint8_t>(s[i]) & 0xC0) != 0x80 && index-- == 0) return i;
+  return i;
+}
+
 std::string strip_chars(std::string_view s, const std::string* chars, bool left, bool right) {
   std::vector<uint32_t> set;
   if (chars != nullptr)
@@ -326,7 +395,15 @@ std::string rstrip_space(std::string_view s) {
 }
 
 size_t lstrip_space_length(std::string_view s) {
-  return s.size() - strip_chars(s, nullptr, true, false).size();
+  // Called once per word by split(): a copy of the rest here made that quadratic.
+  size_t b = 0;
+  while (b < s.size()) {
+    uint32_t cp;
+    const size_t n = decode_at(s, b, cp);
+    if (!is_py_space(cp)) break;
+    b += n;
+  }
+  return b;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -36,6 +36,47 @@ int json_nesting_depth(std::string_view text, int stop_after) {
   return deepest;
 }
 
+int64_t json_value_count(std::string_view text) {
+  // Every value is the root or a member of an array or object, and a container with k members
+  // holds k - 1 commas: values = 1 + commas + containers that are not empty.
+  int64_t commas = 0, non_empty = 0;
+  bool in_string = false, escaped = false, just_opened = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') continue;
+    if (just_opened && c != ']' && c != '}') ++non_empty;
+    just_opened = c == '[' || c == '{';
+    if (c == '"')
+      in_string = true;
+    else if (c == ',')
+      ++commas;
+  }
+  return text.find_first_not_of(" \t\n\r") == std::string_view::npos ? 0 : 1 + commas + non_empty;
+}
+
+void check_json_bounds(std::string_view text, const std::string& source, const JsonLimits& limits) {
+  IRIS_CHECK(text.size() <= limits.max_bytes, source, " is ", text.size(), " bytes, more than the ",
+             limits.max_bytes,
+             " a file of this kind may hold; no valid one is that large, so it "
+             "is corrupt or hostile");
+  const int64_t values = json_value_count(text);
+  IRIS_CHECK(values <= limits.max_values, source, " holds ", values,
+             " JSON values (arrays, objects, strings, numbers), more than the ", limits.max_values,
+             " a file of this kind may hold; no valid one has that many, so it is corrupt or "
+             "hostile");
+  const int depth = json_nesting_depth(text, kMaxJsonDepth);
+  IRIS_CHECK(depth <= kMaxJsonDepth, source, " nests arrays and objects more than ", kMaxJsonDepth,
+             " levels deep; no valid file of this kind does, so it is corrupt or hostile");
+}
+
 std::string clip_text(std::string_view text, size_t max_chars) {
   if (text.size() <= max_chars) return std::string(text);
   return std::string(text.substr(0, max_chars)) + "...";
@@ -50,10 +91,8 @@ std::string json_error_text(const std::exception& e) {
   return clip_text(text);
 }
 
-json parse_json(std::string_view text, const std::string& source, int max_depth) {
-  const int depth = json_nesting_depth(text, max_depth);
-  IRIS_CHECK(depth <= max_depth, source, " nests arrays and objects more than ", max_depth,
-             " levels deep; no valid file of this kind does, so it is corrupt or hostile");
+json parse_json(std::string_view text, const std::string& source, const JsonLimits& limits) {
+  check_json_bounds(text, source, limits);
   try {
     return json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
@@ -61,8 +100,8 @@ json parse_json(std::string_view text, const std::string& source, int max_depth)
   }
 }
 
-json read_json_file(const std::string& path, const std::string& what) {
-  return parse_json(read_text_file(path, what), path);
+json read_json_file(const std::string& path, const std::string& what, const JsonLimits& limits) {
+  return parse_json(read_text_file(path, what, limits.max_bytes), path, limits);
 }
 
 namespace {

@@ -95,7 +95,8 @@ void SafetensorsFile::parse_header() {
              ": the safetensors header does not start with '{'; the file is corrupt or not "
              "safetensors");
   const std::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
-  const nlohmann::json header = parse_json(text, path_ + " (safetensors header)");
+  const nlohmann::json header =
+      parse_json(text, path_ + " (safetensors header)", kJsonSafetensorsHeaderLimits);
   IRIS_CHECK(header.is_object(), path_, ": the safetensors header is not a JSON object");
   const size_t data_begin = 8 + header_len;
   const uint64_t data_size = size_ - data_begin;
@@ -263,7 +264,8 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
   std::vector<std::string> shard_files;
   std::map<std::string, std::string> shard_of;  // tensor name -> shard file, from the index
   if (fs::exists(index)) {
-    const nlohmann::json j = read_json_file(index.string(), "checkpoint index");
+    const nlohmann::json j =
+        read_json_file(index.string(), "checkpoint index", kJsonCheckpointIndexLimits);
     IRIS_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(),
                index.string(), " has no weight_map object");
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {

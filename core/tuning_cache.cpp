@@ -168,7 +168,7 @@ GemmTuningFile parse_gemm_tuning(std::string_view text, const std::string& sourc
                                  const GemmTuningIdentity& identity) {
   GemmTuningFile f;
   try {
-    const json j = parse_json(text, source);
+    const json j = parse_json(text, source, JsonLimits{kMaxFileBytes, 4'000'000});
     IRIS_CHECK(j.is_object(), source, " is not a JSON object");
     IRIS_CHECK(j.contains("format") && j.at("format") == kFormatName, source,
                " is not an Iris GEMM tuning cache (its \"format\" is not \"", kFormatName, "\")");

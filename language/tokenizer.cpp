@@ -421,7 +421,14 @@ class Loader {
   explicit Loader(std::string source) : source_(std::move(source)) {}
 
   std::shared_ptr<Tokenizer::Impl> load(std::string_view text) {
-    if (json_nesting_depth(text, kMaxJsonDepth) <= kMaxJsonDepth) {
+    // Bounded before either reader below allocates for it.
+    try {
+      check_json_bounds(text, source_, kJsonTokenizerLimits);
+    } catch (const Error& e) {
+      IRIS_FAIL(e.what(),
+                "; re-fetch it with scripts/fetch_tokenizer.sh or point to a tokenizer.json");
+    }
+    {
       BulkReader bulk;
       if (json::sax_parse(text.begin(), text.end(), &bulk) && bulk.has_vocab && bulk.has_merges &&
           !bulk.vocab.empty()) {
@@ -433,7 +440,7 @@ class Loader {
     }
     json root;
     try {
-      root = parse_json(text, source_);
+      root = parse_json(text, source_, kJsonTokenizerLimits);
     } catch (const Error& e) {
       IRIS_FAIL(e.what(),
                 "; re-fetch it with scripts/fetch_tokenizer.sh or point to a tokenizer.json");
@@ -741,7 +748,8 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   std::error_code error;
   IRIS_CHECK(std::filesystem::exists(path, error), "tokenizer file ", path, " does not exist",
              " (run scripts/fetch_tokenizer.sh, or pass the tokenizer.json of the model)");
-  return from_json_text(read_text_file(path, "tokenizer file"), path);
+  return from_json_text(read_text_file(path, "tokenizer file", kJsonTokenizerLimits.max_bytes),
+                        path);
 }
 
 Tokenizer Tokenizer::from_json_text(std::string_view json_text, const std::string& source_name) {

@@ -628,6 +628,49 @@ TEST(AppGenerateLlamaFlags, ImageTokenBudgetsBoundSmartResize) {
                "--image-min-tokens 12 is above --image-max-tokens 6");
 }
 
+// Token budgets are checked from the grid smart_resize gives, before any pixel is resized: an
+// --image-min-tokens of 200000 with a 4096 context once took 5.6 GB, then said the prompt was too
+// long.
+TEST(AppGenerateLlamaFlags, ImageBudgetsAreCheckedBeforeAnyPixelWork) {
+  const std::string image = test::fixture_dir() + "/images/image0.png";  // 200 x 150
+  const std::string base = fixture_generate() + " -p hi -n 1 --temp 0 --device cpu";
+  // No image can fit: refused up front, naming the flags (a quarter of the minimum is the most
+  // smart_resize can take off an image, so 50000 tokens at least).
+  RunResult r = run_iris(base + " -c 4096 --image " + q(image) + " --image-min-tokens 200000");
+  expect_error(r,
+               "--image-min-tokens 200000 gives every image at least 50000 tokens, more than "
+               "the context holds (-c/--ctx-size 4096)");
+  r = run_iris(base + " -c 8 --image " + q(image) + " --image-min-tokens 40 --image-max-tokens 60");
+  expect_error(r,
+               "--image-min-tokens 40 and --image-max-tokens 60 gives every image at least 15 "
+               "tokens, more than the context holds (-c/--ctx-size 8)");
+  // The chat plans for images that arrive later, so the same holds without --image.
+  r = run_iris(fixture_generate() + " -n 1 --device cpu -c 4096 --image-min-tokens 200000", "hi\n");
+  expect_error(r, "--image-min-tokens 200000 gives every image at least 50000 tokens");
+  // Text-only runs are left alone.
+  EXPECT_EQ(run_iris(base + " -c 4096 --image-min-tokens 200000").exit_code, 0);
+
+  // Each image fits, both do not: the resized grids' tokens, image by image.
+  const ResizedSize s = smart_resize(150, 200, 32, 40 * 1024, 16777216);
+  const int tokens = s.height * s.width / 1024;
+  ASSERT_LE(tokens, 64);
+  r = run_iris(base + " -c 64 --image-min-tokens 40 --image " + q(image) + " --image " + q(image));
+  expect_error(r, "the images need " + std::to_string(2 * tokens) +
+                      " tokens at their resized sizes (" + image + ": " + std::to_string(tokens) +
+                      ", " + image + ": " + std::to_string(tokens) +
+                      "), more than the 64 tokens of the context (-c/--ctx-size 64)");
+  // In a chat, an /image that cannot fit what is left is not attached; the chat goes on.
+  r = run_iris(fixture_generate() + " -n 1 --temp 0 --device cpu -c 64 --image-min-tokens 40",
+               "/image " + image + "\n/image " + image + "\nhi\n");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(
+      r.err.find("the image needs " + std::to_string(tokens) + " tokens at their resized sizes (" +
+                 image + ": " + std::to_string(tokens) + "), more than the " +
+                 std::to_string(64 - tokens) + " tokens left in the context (-c/--ctx-size 64"),
+      std::string::npos)
+      << r.err;
+}
+
 TEST(AppGenerateLlamaFlags, GpuLayersAreAcceptedWithANote) {
   for (const char* spelling : {"-ngl 99", "--n-gpu-layers 99", "--gpu-layers 99"}) {
     const RunResult r =

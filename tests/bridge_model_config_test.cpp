@@ -13,6 +13,7 @@
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
 #include "core/fs.h"
+#include "core/json_read.h"
 #include "language/sampler.h"
 #include "test_util.h"
 
@@ -134,6 +135,21 @@ TEST(ModelConfigValidation, DeepNestingIsAnErrorNotAStackOverflow) {
                "\"hidden_size\": " + std::string(200000, '[') + std::string(200000, ']'));
   const std::string msg = error_of([&] { ModelConfig::from_json_text(text, "config.json"); });
   EXPECT_HAS(msg, "config.json nests arrays and objects more than 64 levels deep");
+  EXPECT_LT(msg.size(), 300u);
+}
+
+TEST(ModelConfigValidation, AnUnusedListOfMillionsOfValuesIsRefusedUnparsed) {
+  // 40M "{}" in an unused key once took 4.4 GB; past the value limit is enough to be refused.
+  std::string text = read_text_file(test::fixture_dir() + "/config.json");
+  const size_t open = text.find('{');
+  ASSERT_NE(open, std::string::npos);
+  std::string unused = "\"unused\": [{}";
+  for (int64_t i = 0; i < kJsonConfigLimits.max_values; ++i) unused += ",{}";
+  text.insert(open + 1, unused + "],");
+  const std::string msg = error_of([&] { ModelConfig::from_json_text(text, "config.json"); });
+  EXPECT_HAS(msg, "config.json holds ");
+  EXPECT_HAS(msg, "JSON values (arrays, objects, strings, numbers), more than the " +
+                      std::to_string(kJsonConfigLimits.max_values));
   EXPECT_LT(msg.size(), 300u);
 }
 

@@ -248,6 +248,56 @@ TEST(Json, NestingBeyondTheLimitIsAnErrorThatQuotesNothing) {
       parse_json(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']'), "x"));
 }
 
+TEST(Json, ValuesAreCountedExactlyWithoutParsing) {
+  EXPECT_EQ(json_value_count(""), 0);
+  EXPECT_EQ(json_value_count(" \n"), 0);
+  EXPECT_EQ(json_value_count("7"), 1);
+  EXPECT_EQ(json_value_count("[]"), 1);
+  EXPECT_EQ(json_value_count("{ }"), 1);
+  EXPECT_EQ(json_value_count("[1, 2, 3]"), 4);
+  EXPECT_EQ(json_value_count("[[], [[ ]], {}]"), 5);
+  // Keys are not values; commas, brackets and escaped quotes inside strings are text.
+  EXPECT_EQ(json_value_count(R"({"a": [{}, []], "b,[": "x,\"{y"})"), 5);
+  // root, a, {}, [], b, c and c's four members.
+  EXPECT_EQ(json_value_count(R"({"a": [{}, []], "b": {"c": [1, null, true, "s"]}})"), 10);
+  EXPECT_EQ(json_value_count("[[[[0]]]]"), 5);
+}
+
+TEST(Json, SizeAndValueCountAreBoundedBeforeParsing) {
+  // The 114 MB config.json of 40M unused "{}" took 4.4 GB once parsed; the same shape just past
+  // the config limit is refused from the text alone, naming the file and the limit.
+  std::string many = R"({"model_type": "qwen3_vl", "unused": [{})";
+  for (int64_t i = 0; i < kJsonConfigLimits.max_values; ++i) many += ",{}";
+  many += "]}";
+  ASSERT_LE(many.size(), kJsonConfigLimits.max_bytes);
+  std::string msg = error_of([&] { parse_json(many, "config.json"); });
+  // The root, model_type, the list and its max_values + 1 members.
+  EXPECT_NE(msg.find("config.json holds " + std::to_string(kJsonConfigLimits.max_values + 4) +
+                     " JSON values"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("more than the " + std::to_string(kJsonConfigLimits.max_values)),
+            std::string::npos)
+      << msg;
+  // The same text is within what a tokenizer.json may hold.
+  EXPECT_NO_THROW(parse_json(many, "tokenizer.json", kJsonTokenizerLimits));
+
+  const std::string big = "[\"" + std::string(kJsonConfigLimits.max_bytes, 'x') + "\"]";
+  msg = error_of([&] { parse_json(big, "generation_config.json"); });
+  EXPECT_NE(msg.find("generation_config.json is " + std::to_string(big.size()) +
+                     " bytes, more than the " + std::to_string(kJsonConfigLimits.max_bytes)),
+            std::string::npos)
+      << msg;
+  EXPECT_LT(msg.size(), 300u);
+
+  // A file is refused from its size, before it is read.
+  const std::string path = (scratch_dir() / "big_tokenizer_config.json").string();
+  write_bytes(path, big);
+  msg = error_of([&] { read_json_file(path, "tokenizer config"); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find(std::to_string(kJsonConfigLimits.max_bytes)), std::string::npos) << msg;
+}
+
 TEST(Json, ParseErrorsAreBounded) {
   // nlohmann quotes the token it stopped at, here a megabyte-long string.
   const std::string text = "{\"a\": \"" + std::string(1 << 20, 'x') + "\u0001\"}";

@@ -1,9 +1,11 @@
-// Backend::text_rope_tables on the CPU against mrope_tables, the host tables the trainer uploaded
-// before they moved onto the device: from the same positions, bit for bit; and the CUDA kernel
+// Backend::text_rope_tables on the CPU, and mrope_tables (the host tables the trainer uploaded
+// before they moved onto the device), against tables written here straight from the spec
+// (shared/docs/qwen-vl-spec.md 4.4): from the same positions, bit for bit; and the CUDA kernel
 // against the CPU op, within two ulps (skipped without a GPU).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -32,13 +34,91 @@ std::vector<int64_t> mixed_positions(int64_t n) {
   return p;
 }
 
-TEST(CpuTextRopeTables, OpEqualsMropeTablesBitForBit) {
+// bf16 rounding (nearest, ties to even) of a finite float, as torch's .to(bfloat16).
+float to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Spec 4.4: inv_freq[j] = 1 / theta^(2j / head_dim) in float32 (held in bf16 with the model's
+// buffers), and the interleaved sections: pair j turns with H for j = 1 mod 3 below 3 * s_H, with
+// W for j = 2 mod 3 below 3 * s_W, and with T otherwise.
+struct SpecRope {
+  std::vector<float> inv;
+  std::vector<int> axis;
+};
+SpecRope spec_rope(int head_dim, float theta, int section_h, int section_w) {
+  SpecRope r;
+  for (int j = 0; j < head_dim / 2; ++j) {
+    r.inv.push_back(to_bf16(1.0f / std::pow(theta, float(2 * j) / float(head_dim))));
+    r.axis.push_back(j % 3 == 1 && j < 3 * section_h ? 1 : j % 3 == 2 && j < 3 * section_w ? 2 : 0);
+  }
+  return r;
+}
+
+// cos/sin [n, head_dim] of positions given as 3 rows (T, H, W) of n: emb = concat(freq, freq).
+void spec_tables(const SpecRope& r, const std::vector<int64_t>& pos, int64_t n,
+                 std::vector<float>& cos, std::vector<float>& sin) {
+  const int64_t half = static_cast<int64_t>(r.inv.size()), hd = 2 * half;
+  cos.assign(static_cast<size_t>(n * hd), 0.0f);
+  sin.assign(cos.size(), 0.0f);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < half; ++j) {
+      const float f = static_cast<float>(pos[size_t(r.axis[size_t(j)] * n + t)]) * r.inv[size_t(j)];
+      for (int64_t col : {j, half + j}) {
+        cos[size_t(t * hd + col)] = std::cos(f);
+        sin[size_t(t * hd + col)] = std::sin(f);
+      }
+    }
+}
+
+TEST(CpuTextRopeTables, SpecTablesPinnedByHand) {
+  const SpecRope r = spec_rope(128, 5e6f, 20, 20);  // Qwen3-VL: sections [24, 20, 20]
+  // T owns j = 0, 3, ..., 57 and 60..63 (24 pairs), H and W 20 each.
+  EXPECT_EQ(std::count(r.axis.begin(), r.axis.end(), 0), 24);
+  EXPECT_EQ(std::count(r.axis.begin(), r.axis.end(), 1), 20);
+  EXPECT_EQ(r.axis[1], 1);
+  EXPECT_EQ(r.axis[2], 2);
+  EXPECT_EQ(r.axis[58], 1);
+  EXPECT_EQ(r.axis[59], 2);
+  EXPECT_EQ(r.axis[61], 0);
+  // inv_freq[1] = 5e6^(-1/64) = 0.78579..., held in bf16 as 0.78515625.
+  EXPECT_EQ(r.inv[0], 1.0f);
+  EXPECT_EQ(r.inv[1], 0.78515625f);
+  // An image token at (T, H, W) = (5, 6, 7): pair 0 turns with 5, pair 1 with 6, pair 2 with 7,
+  // and column 64 + j repeats column j.
+  std::vector<float> cos, sin;
+  spec_tables(r, {5, 6, 7}, 1, cos, sin);
+  EXPECT_EQ(cos[0], std::cos(5.0f));
+  EXPECT_EQ(cos[1], std::cos(6.0f * 0.78515625f));
+  EXPECT_EQ(sin[2], std::sin(7.0f * r.inv[2]));
+  EXPECT_EQ(cos[64 + 1], cos[1]);
+  // Position 0 does not rotate.
+  spec_tables(r, {0, 0, 0}, 1, cos, sin);
+  EXPECT_EQ(cos, std::vector<float>(128, 1.0f));
+  EXPECT_EQ(sin, std::vector<float>(128, 0.0f));
+}
+
+TEST(CpuTextRopeTables, OpAndMropeTablesEqualTheSpecTablesBitForBit) {
   auto be = make_cpu_backend();
   TextConfig cfg;  // Qwen3-VL's head_dim 128, theta 5e6, sections 24/20/20
   const int64_t n = 40, hd = cfg.head_dim;
+  const SpecRope spec =
+      spec_rope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section[1], cfg.mrope_section[2]);
+  // The model's frequencies and axes are the spec's.
+  ASSERT_EQ(mrope_inv_freq(cfg), spec.inv);
+  ASSERT_EQ(mrope_pair_axes(cfg), spec.axis);
   const std::vector<int64_t> pos = mixed_positions(n);
-  std::vector<float> want_cos(static_cast<size_t>(n * hd)), want_sin(want_cos.size());
-  mrope_tables(cfg, pos.data(), n, want_cos.data(), want_sin.data());
+  std::vector<float> want_cos, want_sin;
+  spec_tables(spec, pos, n, want_cos, want_sin);
+
+  std::vector<float> host_cos(want_cos.size()), host_sin(want_sin.size());
+  mrope_tables(cfg, pos.data(), n, host_cos.data(), host_sin.data());
+  EXPECT_EQ(std::memcmp(host_cos.data(), want_cos.data(), want_cos.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(host_sin.data(), want_sin.data(), want_sin.size() * sizeof(float)), 0);
 
   std::vector<int32_t> token_major(static_cast<size_t>(3 * n));
   for (int64_t t = 0; t < n; ++t)
@@ -55,9 +135,10 @@ TEST(CpuTextRopeTables, OpEqualsMropeTablesBitForBit) {
   EXPECT_EQ(std::memcmp(got_cos.data(), want_cos.data(), got_cos.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(got_sin.data(), want_sin.data(), got_sin.size() * sizeof(float)), 0);
 
-  // Every axis of the interleaved layout is used, and the text tokens' rows are 1D rotations.
-  const std::vector<int> axes = mrope_pair_axes(cfg);
-  for (int a = 0; a < 3; ++a) EXPECT_NE(std::count(axes.begin(), axes.end(), a), 0) << a;
+  // Text tokens (all three axes equal) get 1D rotations: the same as mrope_tables_1d's.
+  std::vector<float> one_cos(size_t(5 * hd)), one_sin(one_cos.size());
+  mrope_tables_1d(cfg, 0, 5, one_cos.data(), one_sin.data());
+  EXPECT_EQ(std::memcmp(one_cos.data(), want_cos.data(), one_cos.size() * sizeof(float)), 0);
 }
 
 TEST(CpuTextRopeTables, MismatchedShapesAreRefused) {

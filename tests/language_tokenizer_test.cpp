@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/json_read.h"
 #include "language/unicode_nfc.h"
 #include "language/unicode_utf8.h"
 #include "tests/test_util.h"
@@ -295,6 +296,24 @@ TEST(TokenizerLoadTest, DeepNestingAndMistypedEntriesAreBoundedErrors) {
   message = error_message([&] { Tokenizer::from_json_text(text, "tokenizer.json"); });
   EXPECT_NE(message.find("pre_tokenizer"), std::string::npos) << message;
   EXPECT_LT(message.size(), 600u) << message.size();
+}
+
+TEST(TokenizerLoadTest, SizeAndValueCountAreBoundedBeforeParsing) {
+  std::string many = "{\"model\": {\"type\": \"BPE\", \"unused\": [0";
+  for (int64_t i = 0; i < kJsonTokenizerLimits.max_values; ++i) many += ",0";
+  many += "]}}";
+  std::string message =
+      error_message([&] { Tokenizer::from_json_text(many, "model/tokenizer.json"); });
+  EXPECT_NE(message.find("model/tokenizer.json holds"), std::string::npos) << message;
+  EXPECT_NE(message.find("more than the " + std::to_string(kJsonTokenizerLimits.max_values)),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("fetch_tokenizer.sh"), std::string::npos) << message;
+  const std::string big = "{\"x\": \"" + std::string(kJsonTokenizerLimits.max_bytes, 'x') + "\"}";
+  message = error_message([&] { Tokenizer::from_json_text(big, "model/tokenizer.json"); });
+  EXPECT_NE(message.find("model/tokenizer.json is " + std::to_string(big.size()) + " bytes"),
+            std::string::npos)
+      << message;
 }
 
 TEST(TokenizerLoadTest, AFifoIsRefusedNotWaitedOn) {

@@ -850,6 +850,24 @@ TEST(TrainingData, OverlongLinesAreAnErrorNamingFileAndLine) {
   EXPECT_LT(err.size(), 400u);
 }
 
+TEST(TrainingData, ALineOfMillionsOfValuesIsRefusedUnparsed) {
+  // A 60 MB line took 2.2 GB once parsed; a line within the byte limit but past the value limit
+  // is refused from its text, naming the file, the line and the limit.
+  std::string many = R"({"messages": [], "unused": [{})";
+  for (int64_t i = 0; i < kJsonLineLimits.max_values; ++i) many += ",{}";
+  many += "]}";
+  ASSERT_LT(many.size(), kMaxJsonlLineBytes);
+  const std::string path = write_scratch("many.jsonl", kTextLine + "\n" + many + "\n");
+  Dataset ds(config_for({path}), tok(), pp(), fixture_chat());
+  EXPECT_EQ(ds.stats().bad_samples, 1);
+  EXPECT_TRUE(has_example(ds.stats(), path + ":2: malformed JSON: the line holds " +
+                                          std::to_string(kJsonLineLimits.max_values + 4) +
+                                          " JSON values (arrays, objects, strings, numbers), "
+                                          "more than the " +
+                                          std::to_string(kJsonLineLimits.max_values)))
+      << join(ds.stats().bad_examples);
+}
+
 TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
   // As a train file: an error at indexing.
   const std::string fifo = (scratch_dir() / "train_fifo.jsonl").string();

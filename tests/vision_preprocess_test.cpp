@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "core/error.h"
@@ -644,11 +645,11 @@ void put_chunk(std::string& png, const std::string& type, const std::string& dat
 }
 
 std::string make_png(int w, int h, int color_type, const std::vector<uint8_t>& pixels,
-                     const std::string& plte, const std::string& trns) {
+                     const std::string& plte, const std::string& trns, int bit_depth = 8) {
   std::string png("\x89PNG\r\n\x1a\n", 8), ihdr;
   put_be32(ihdr, uint32_t(w));
   put_be32(ihdr, uint32_t(h));
-  ihdr += std::string{char(8), char(color_type), 0, 0, 0};
+  ihdr += std::string{char(bit_depth), char(color_type), 0, 0, 0};
   put_chunk(png, "IHDR", ihdr);
   if (!plte.empty()) put_chunk(png, "PLTE", plte);
   if (!trns.empty()) put_chunk(png, "tRNS", trns);
@@ -697,6 +698,109 @@ TEST(VisionImage, PaletteAndColourKeyTransparency) {
   EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{10, 20, 30, 40, 50, 60}));
 }
 
+// 16-bit samples as a PNG stores them: big-endian.
+std::vector<uint8_t> be16(std::initializer_list<int> samples) {
+  std::vector<uint8_t> out;
+  for (int v : samples) out.insert(out.end(), {uint8_t(v >> 8), uint8_t(v & 0xff)});
+  return out;
+}
+
+// What PIL (and so HF's convert_to_rgb) makes of each 16-bit PNG colour type:
+// - grey (type 0) opens as I;16 with the full values; convert("RGB"/"RGBA") clips them to 255
+//   (Convert.c's I16_RGB / I16_L: a non-zero high byte gives 255), so 0x6400 is 255, not 100;
+// - RGB (2), grey+alpha (4) and RGBA (6) open as RGB / LA / RGBA through the RGB;16B, LA;16B and
+//   RGBA;16B unpackers, which keep each sample's high byte; alpha then composites onto white;
+// - a tRNS key on 16-bit grey is compared at 16 bits and makes that value transparent.
+TEST(VisionImage, SixteenBitPngMatchesPil) {
+  const ImageRGB8 grey = decode_string(
+      make_png(6, 1, 0, be16({0x0000, 0x0064, 0x00ff, 0x0100, 0x6400, 0xffff}), "", "", 16),
+      "grey16.png");
+  EXPECT_EQ(grey.pixels, (std::vector<uint8_t>{0, 0, 0, 100, 100, 100, 255, 255, 255, 255, 255, 255,
+                                               255, 255, 255, 255, 255, 255}));
+
+  // Key 0x0064: that pixel turns white; 0x6400 (same high byte pattern swapped) stays, clipped.
+  const std::string key{0, 0x64};
+  const ImageRGB8 keyed =
+      decode_string(make_png(3, 1, 0, be16({0x0064, 0x6400, 0x0032}), "", key, 16), "key16.png");
+  EXPECT_EQ(keyed.pixels, (std::vector<uint8_t>{255, 255, 255, 255, 255, 255, 50, 50, 50}));
+
+  const ImageRGB8 rgb = decode_string(
+      make_png(2, 1, 2, be16({0x1234, 0xabcd, 0x00ff, 0x6400, 0xffff, 0x0100}), "", "", 16),
+      "rgb16.png");
+  EXPECT_EQ(rgb.pixels, (std::vector<uint8_t>{0x12, 0xab, 0x00, 0x64, 0xff, 0x01}));
+
+  // Grey+alpha keeps high bytes: 0x6400 is 100 here, unlike plain grey.
+  const ImageRGB8 la = decode_string(
+      make_png(3, 1, 4, be16({0x6400, 0xffff, 0x6400, 0x0000, 0x2800, 0x64ff}), "", "", 16),
+      "la16.png");
+  const uint8_t half = uint8_t(over_white(0x28, 0x64));
+  EXPECT_EQ(la.pixels, (std::vector<uint8_t>{100, 100, 100, 255, 255, 255, half, half, half}));
+
+  const ImageRGB8 rgba = decode_string(
+      make_png(2, 1, 6, be16({0x1234, 0xabcd, 0x00ff, 0xffff, 0x0a00, 0xc800, 0x1e00, 0x4000}), "",
+               "", 16),
+      "rgba16.png");
+  EXPECT_EQ(rgba.pixels,
+            (std::vector<uint8_t>{0x12, 0xab, 0x00, uint8_t(over_white(10, 64)),
+                                  uint8_t(over_white(200, 64)), uint8_t(over_white(30, 64))}));
+}
+
+// A 24-bit uncompressed BMP (BITMAPINFOHEADER) of `rows_rgb`, given top row first. `top_down`
+// stores them in that order with a negative height, as PIL and Windows read one; `header_height`
+// replaces the height the header states.
+std::string make_bmp24(int w, const std::vector<std::vector<uint8_t>>& rows_rgb, bool top_down,
+                       std::optional<int32_t> header_height = std::nullopt) {
+  const int h = static_cast<int>(rows_rgb.size());
+  const int stride = (w * 3 + 3) / 4 * 4;
+  std::string bmp = "BM";
+  auto le32 = [&](uint32_t v) {
+    for (int sh = 0; sh < 32; sh += 8) bmp.push_back(char((v >> sh) & 0xff));
+  };
+  auto le16 = [&](uint16_t v) { bmp += std::string{char(v & 0xff), char(v >> 8)}; };
+  le32(uint32_t(54 + stride * h));
+  le32(0);
+  le32(54);
+  le32(40);
+  le32(uint32_t(w));
+  le32(uint32_t(header_height.value_or(top_down ? -h : h)));
+  le16(1);
+  le16(24);
+  for (int i = 0; i < 6; ++i) le32(i == 1 ? uint32_t(stride * h) : 0);
+  for (int r = 0; r < h; ++r) {
+    const std::vector<uint8_t>& row = rows_rgb[size_t(top_down ? r : h - 1 - r)];
+    for (int x = 0; x < w; ++x)
+      bmp += std::string{char(row[3 * x + 2]), char(row[3 * x + 1]), char(row[3 * x])};  // BGR
+    bmp += std::string(size_t(stride - w * 3), '\0');
+  }
+  return bmp;
+}
+
+TEST(VisionImage, TopDownBmpReadsAsPilDoes) {
+  const std::vector<std::vector<uint8_t>> rows = {
+      {255, 0, 0, 0, 255, 0}, {0, 0, 255, 10, 20, 30}, {1, 2, 3, 200, 100, 50}};
+  std::vector<uint8_t> want;
+  for (const auto& r : rows) want.insert(want.end(), r.begin(), r.end());
+  for (const bool top_down : {false, true}) {
+    SCOPED_TRACE(top_down ? "top-down" : "bottom-up");
+    const ImageRGB8 img = decode_string(make_bmp24(2, rows, top_down), "rows.bmp");
+    EXPECT_EQ(img.width, 2);
+    EXPECT_EQ(img.height, 3);
+    EXPECT_EQ(img.pixels, want);
+  }
+  // The pixel limit counts the rows of a top-down file too.
+  std::string msg = error_of([&] {
+    const std::string bmp = make_bmp24(2, rows, true);
+    decode_image(reinterpret_cast<const uint8_t*>(bmp.data()), bmp.size(), "rows.bmp", 5);
+  });
+  EXPECT_NE(msg.find("rows.bmp is 2x3 = 6 pixels, more than the limit of 5"), std::string::npos)
+      << msg;
+  // Still refused: no rows, and a height whose magnitude does not fit an int.
+  for (const int32_t bad : {int32_t{0}, INT32_MIN}) {
+    msg = error_of([&] { decode_string(make_bmp24(2, rows, true, bad), "bad.bmp"); });
+    EXPECT_NE(msg.find("bad.bmp"), std::string::npos) << msg;
+  }
+}
+
 TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
   // A smooth image survives JPEG at quality 95 to within a few levels, in colour and in grey.
   ImageRGB8 smooth{64, 48, {}};
@@ -732,12 +836,44 @@ TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
   EXPECT_NE(msg.find("huffman.jpg"), std::string::npos) << msg;
 }
 
-TEST(VisionImage, SixteenBitGreyPnm) {
-  // 16-bit PGM: stb 2.27 over-reads if asked to convert channels, so this also guards that path.
-  std::string pgm = "P5\n3 1\n65535\n";
-  for (int v : {0x0000, 0x80ff, 0xffff}) pgm += std::string{char(v >> 8), char(v & 0xff)};
-  const ImageRGB8 img = decode_string(pgm, "grey16.pgm");
-  EXPECT_EQ(img.pixels, (std::vector<uint8_t>{0, 0, 0, 0x80, 0x80, 0x80, 0xff, 0xff, 0xff}));
+// PIL's PpmImagePlugin: grey of more than 8 bits opens as mode I (raw at maxval 65535, else
+// scaled to 0..65535) and convert("RGB") clips it to 255, as for 16-bit grey PNG; every other file
+// is scaled to 0..255 by min(255, round(v / maxval * 255)), Python's round (half to even).
+TEST(VisionImage, PnmSamplesScaleAsPilScalesThem) {
+  auto pnm = [](const std::string& head, std::initializer_list<int> samples, bool wide) {
+    std::string s = head;
+    for (int v : samples)
+      s += wide ? std::string{char(v >> 8), char(v & 0xff)} : std::string(1, char(v));
+    return s;
+  };
+  auto grey = [](std::initializer_list<int> v) {
+    std::vector<uint8_t> out;
+    for (int x : v) out.insert(out.end(), {uint8_t(x), uint8_t(x), uint8_t(x)});
+    return out;
+  };
+  // 16-bit PGM (stb 2.27 over-reads if asked to convert channels, so this also guards that path).
+  EXPECT_EQ(
+      decode_string(pnm("P5\n4 1\n65535\n", {0x0000, 0x0064, 0x80ff, 0xffff}, true), "grey16.pgm")
+          .pixels,
+      grey({0, 100, 255, 255}));
+  // maxval 1000: 3 -> round(196.6) = 197, 4 -> 262, clipped.
+  EXPECT_EQ(decode_string(pnm("P5\n3 1\n1000\n", {0, 3, 4}, true), "grey1000.pgm").pixels,
+            grey({0, 197, 255}));
+  // 16-bit PPM: scaled to 255, not cut to the high byte (0xff00 is 254, not 255).
+  EXPECT_EQ(
+      decode_string(pnm("P6\n1 1\n65535\n", {0xff00, 0x8080, 0x0080}, true), "rgb16.ppm").pixels,
+      (std::vector<uint8_t>{254, 128, 0}));
+  // 8-bit PGM with maxval 10: 1 -> 25.5 -> 26 and 3 -> 76.5 -> 76 (half to even), 10 -> 255.
+  EXPECT_EQ(decode_string(pnm("P5\n3 1\n10\n", {1, 3, 10}, false), "grey10.pgm").pixels,
+            grey({26, 76, 255}));
+  // maxval 255 is left as it is; 0 is refused, as PIL refuses it.
+  EXPECT_EQ(decode_string(pnm("P5\n2 1\n255\n", {7, 200}, false), "grey.pgm").pixels,
+            grey({7, 200}));
+  const std::string msg =
+      error_of([&] { decode_string(pnm("P5\n1 1\n0\n", {0}, false), "zero.pgm"); });
+  EXPECT_NE(msg.find("zero.pgm: its PNM header gives a maximum sample value of 0"),
+            std::string::npos)
+      << msg;
 }
 
 // ---------------------------------------------------------------------------------------------

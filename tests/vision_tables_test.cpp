@@ -1,7 +1,8 @@
-// Backend::vision_tables on the CPU against plan_vision_inputs, the host layout the encoder
-// uploaded before the tables moved onto the device: the op reads the grids from a device tensor
-// (image count included) and must write every table as the host lays it out, bit for bit.
-// The CUDA kernel is checked against this CPU op in tests/core_backend_ops_test.cpp.
+// Backend::vision_tables on the CPU, and plan_vision_inputs (the host layout the encoder uploaded
+// before the tables moved onto the device), against tables written here straight from the spec
+// (shared/docs/qwen-vl-spec.md 3.2 to 3.4): the op reads the grids from a device tensor (image
+// count included) and must write every table so, bit for bit. The CUDA kernel is checked against
+// this CPU op in tests/core_backend_ops_test.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -68,13 +69,141 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-TEST(CpuVisionTables, OpEqualsPlanVisionInputsBitForBit) {
+// bf16 rounding (nearest, ties to even) of a finite float, as torch's .to(bfloat16).
+float to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Spec 3.3: inv_freq[j] = 1 / theta^(2j / rot_dim), rot_dim = head_dim / 2, in float32, then held
+// in bf16 as the model's buffers are.
+std::vector<float> spec_inv_freq(int head_dim, float theta) {
+  const int rot_dim = head_dim / 2;
+  std::vector<float> out;
+  for (int j = 0; j < rot_dim / 2; ++j)
+    out.push_back(to_bf16(1.0f / std::pow(theta, float(2 * j) / float(rot_dim))));
+  return out;
+}
+
+// Spec 3.2 step 1: torch.linspace in float32, the first half from the start, the rest from the end.
+std::vector<float> spec_linspace(float end, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  const float step = n > 1 ? end / float(n - 1) : 0.0f;
+  for (int64_t i = 0; i < n; ++i)
+    out[size_t(i)] = n == 1 ? 0.0f : i < n / 2 ? step * float(i) : end - step * float(n - 1 - i);
+  return out;
+}
+
+struct Tables {
+  std::vector<float> cos, sin, weight;
+  std::vector<int32_t> index, cu;
+  int32_t real = 0;
+};
+
+// Every table of a call, computed per patch in raster order and then scattered to its row in
+// merge-window order (spec 2.5's closed form), rather than walked in merge order as the op does.
+// Padding rows rotate by nothing and weigh nothing (cos 1, sin 0, index 0, weight 0) and make one
+// segment of their own; the offsets repeat up to the capacity.
+Tables spec_tables(const std::vector<GridTHW>& grids, int64_t padded_rows, int capacity,
+                   int head_dim, const std::vector<float>& inv, int G) {
+  int64_t n = 0;
+  for (const GridTHW& g : grids) n += g[0] * g[1] * g[2];
+  const int64_t rows = std::max(n, padded_rows);
+  const int hd = head_dim, quarter = head_dim / 4;
+  Tables t;
+  t.cos.assign(size_t(rows * hd), 1.0f);
+  t.sin.assign(size_t(rows * hd), 0.0f);
+  t.index.assign(size_t(rows * 4), 0);
+  t.weight.assign(size_t(rows * 4), 0.0f);
+  t.cu = {0};
+  int64_t base = 0;
+  for (const GridTHW& g : grids) {
+    const int64_t h = g[1], w = g[2];
+    const std::vector<float> hs = spec_linspace(float(G - 1), h),
+                             ws = spec_linspace(float(G - 1), w);
+    for (int64_t slice = 0; slice < g[0]; ++slice) {
+      for (int64_t r = 0; r < h; ++r)
+        for (int64_t c = 0; c < w; ++c) {
+          const int64_t row = base + ((r / 2) * (w / 2) + c / 2) * 4 + (r % 2) * 2 + (c % 2);
+          for (int j = 0; j < quarter; ++j)
+            for (int copy = 0; copy < 2; ++copy) {  // emb = concat(f, f)
+              const size_t at = size_t(row * hd + copy * 2 * quarter + j);
+              t.cos[at] = std::cos(float(r) * inv[size_t(j)]);
+              t.sin[at] = std::sin(float(r) * inv[size_t(j)]);
+              t.cos[at + size_t(quarter)] = std::cos(float(c) * inv[size_t(j)]);
+              t.sin[at + size_t(quarter)] = std::sin(float(c) * inv[size_t(j)]);
+            }
+          const int h0 = int(hs[size_t(r)]), w0 = int(ws[size_t(c)]);
+          const int h1 = std::min(h0 + 1, G - 1), w1 = std::min(w0 + 1, G - 1);
+          const float dh = hs[size_t(r)] - float(h0), dw = ws[size_t(c)] - float(w0);
+          const int32_t idx[4] = {h0 * G + w0, h0 * G + w1, h1 * G + w0, h1 * G + w1};
+          const float wt[4] = {(1 - dh) * (1 - dw), (1 - dh) * dw, dh * (1 - dw), dh * dw};
+          for (int k = 0; k < 4; ++k) {
+            t.index[size_t(row * 4 + k)] = idx[k];
+            t.weight[size_t(row * 4 + k)] = wt[k];
+          }
+        }
+      base += h * w;
+      t.cu.push_back(int32_t(base));  // spec 3.4: one segment per temporal slice
+    }
+  }
+  if (rows > n) t.cu.push_back(int32_t(rows));
+  while (int(t.cu.size()) < capacity + 1) t.cu.push_back(t.cu.back());
+  t.real = int32_t(n);
+  return t;
+}
+
+TEST(CpuVisionTables, SpecTablesPinnedByHand) {
+  // Grid (1, 2, 6) on a 4 x 4 learned grid: hs = linspace(0, 3, 2) = [0, 3], ws = linspace(0, 3,
+  // 6) = [0, .6, 1.2, 1.8, 2.4, 3]; rows in merge order are (0,0) (0,1) (1,0) (1,1) (0,2) ...
+  const std::vector<float> inv = {1.0f, 0.5f};
+  const Tables t = spec_tables({{1, 2, 6}}, 16, 3, 8, inv, 4);
+  const std::vector<int32_t> first_corner = {0, 0, 12, 12, 1, 1, 13, 13, 2, 3, 14, 15};
+  for (size_t row = 0; row < first_corner.size(); ++row)
+    EXPECT_EQ(t.index[row * 4], first_corner[row]) << row;
+  // Patch (0, 1): w0 = 0, w1 = 1, dw = 0.6: weights 0.4 and 0.6 on the first row of the grid.
+  EXPECT_EQ(std::vector<int32_t>(t.index.begin() + 4, t.index.begin() + 8),
+            (std::vector<int32_t>{0, 1, 4, 5}));
+  EXPECT_FLOAT_EQ(t.weight[4], 0.4f);
+  EXPECT_FLOAT_EQ(t.weight[5], 0.6f);
+  EXPECT_EQ(t.weight[6], 0.0f);
+  // Patch (1, 0) (row 2): rotates by row 1 in columns 0-1 and 4-5, by column 0 in 2-3 and 6-7.
+  EXPECT_EQ(t.cos[2 * 8 + 0], std::cos(1.0f));
+  EXPECT_EQ(t.cos[2 * 8 + 1], std::cos(0.5f));
+  EXPECT_EQ(t.cos[2 * 8 + 2], 1.0f);
+  EXPECT_EQ(t.sin[2 * 8 + 4], std::sin(1.0f));
+  // Padding rows 12..15: no rotation, no position embedding, one segment, then repeats.
+  EXPECT_EQ(t.cos[12 * 8 + 3], 1.0f);
+  EXPECT_EQ(t.weight[12 * 4], 0.0f);
+  EXPECT_EQ(t.cu, (std::vector<int32_t>{0, 12, 16, 16}));
+  EXPECT_EQ(t.real, 12);
+  // The frequencies: 1 / 10000^(2j/32) for head_dim 64, j = 1 is 10^-0.25 = 0.5623, held in
+  // bf16 as 0.5625.
+  EXPECT_EQ(spec_inv_freq(64, 10000.0f)[1], 0.5625f);
+}
+
+TEST(CpuVisionTables, OpAndPlanVisionInputsEqualTheSpecTablesBitForBit) {
   auto be = make_cpu_backend();
-  for (const VisionConfig& v : configs())
+  for (const VisionConfig& v : configs()) {
+    // The frequencies the model uses are the spec's.
+    const std::vector<float> inv = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
+    ASSERT_EQ(inv, spec_inv_freq(v.head_dim(), v.rope_theta));
     for (const Mix& mix : mixes()) {
       SCOPED_TRACE(mix.name + ", head_dim " + std::to_string(v.head_dim()));
-      const VisionInputs want = plan_vision_inputs(v, mix.grids, mix.padded_rows, mix.capacity);
-      const int64_t R = want.rows, hd = v.head_dim();
+      const Tables want = spec_tables(mix.grids, mix.padded_rows, mix.capacity, v.head_dim(), inv,
+                                      v.position_grid_side());
+      const VisionInputs plan = plan_vision_inputs(v, mix.grids, mix.padded_rows, mix.capacity);
+      EXPECT_TRUE(same_bits(plan.cos, want.cos));
+      EXPECT_TRUE(same_bits(plan.sin, want.sin));
+      EXPECT_TRUE(same_bits(plan.pos_weight, want.weight));
+      EXPECT_EQ(plan.pos_index, want.index);
+      EXPECT_EQ(plan.cu_seqlens, want.cu);
+      EXPECT_EQ(plan.n_patches, want.real);
+
+      const int64_t R = plan.rows, hd = v.head_dim();
       const int C = mix.capacity;
       Arena arena(*be, size_t{64} << 20);
       const Tensor cos = arena.alloc(DType::f32, {R, hd}), sin = arena.alloc(DType::f32, {R, hd});
@@ -95,8 +224,7 @@ TEST(CpuVisionTables, OpEqualsPlanVisionInputsBitForBit) {
       for (size_t i = 1 + 3 * mix.grids.size(); i < packed.size(); ++i) packed[i] = 3;
       be->write(grids, packed.data(), DType::i32);
 
-      be->vision_tables(cos, sin, index, weight, cu, real, grids,
-                        vision_rope_inv_freq(v.head_dim(), v.rope_theta), v.spatial_merge_size,
+      be->vision_tables(cos, sin, index, weight, cu, real, grids, inv, v.spatial_merge_size,
                         v.position_grid_side());
 
       auto f32 = [&](const Tensor& t) {
@@ -107,15 +235,16 @@ TEST(CpuVisionTables, OpEqualsPlanVisionInputsBitForBit) {
       };
       EXPECT_TRUE(same_bits(f32(cos), want.cos));
       EXPECT_TRUE(same_bits(f32(sin), want.sin));
-      EXPECT_TRUE(same_bits(f32(weight), want.pos_weight));
-      EXPECT_EQ(i32(index), want.pos_index);
-      EXPECT_EQ(i32(cu), want.cu_seqlens);
-      EXPECT_EQ(real.as<int32_t>()[0], want.n_patches);
+      EXPECT_TRUE(same_bits(f32(weight), want.weight));
+      EXPECT_EQ(i32(index), want.index);
+      EXPECT_EQ(i32(cu), want.cu);
+      EXPECT_EQ(real.as<int32_t>()[0], want.real);
       // The segment count the host passes to attention is where the offsets stop growing.
       const std::vector<int32_t> c = i32(cu);
-      EXPECT_EQ(c[static_cast<size_t>(want.n_segments)], R);
-      if (want.n_segments > 0) EXPECT_LT(c[static_cast<size_t>(want.n_segments) - 1], R);
+      EXPECT_EQ(c[static_cast<size_t>(plan.n_segments)], R);
+      if (plan.n_segments > 0) EXPECT_LT(c[static_cast<size_t>(plan.n_segments) - 1], R);
     }
+  }
 }
 
 TEST(CpuVisionTables, UnpaddedCallsWithoutCapacityKeepTheirExactSegments) {

@@ -407,9 +407,9 @@ void save_trainer_state(const std::string& path, const TrainerState& s) {
 TrainerState load_trainer_state(const std::string& path) {
   json j;
   try {
-    j = json::parse(read_text_file(path));
-  } catch (const json::exception& e) {
-    IRIS_FAIL(path, " is not valid JSON (", e.what(), "); the checkpoint is damaged");
+    j = read_json_file(path, "trainer state");
+  } catch (const Error& e) {
+    IRIS_FAIL(e.what(), "; the checkpoint is damaged");
   }
   IRIS_CHECK(j.is_object() && j.value("format", "") == kStateFormat, path,
              " is not an Iris trainer state (format '", kStateFormat, "' expected)");

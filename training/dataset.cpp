@@ -371,7 +371,7 @@ class LineParser {
 ParsedLine parse_line(const std::string& text, const fs::path& base) {
   json j;
   try {
-    j = parse_json(text, "the line");
+    j = parse_json(text, "the line", kJsonLineLimits);
   } catch (const Error& e) {
     throw LineRefused(kMalformedJson, str_cat("malformed JSON: ", e.what()));
   }
@@ -393,14 +393,7 @@ ParsedLine parse_line(const std::string& text, const fs::path& base) {
 }
 
 GridTHW grid_of(const ImageRGB8& img, const PreprocessorConfig& pp) {
-  int h = img.height, w = img.width;
-  if (pp.do_resize) {
-    const ResizedSize s =
-        smart_resize(h, w, pp.patch_size * pp.merge_size, pp.min_pixels, pp.max_pixels);
-    h = s.height;
-    w = s.width;
-  }
-  return {1, h / pp.patch_size, w / pp.patch_size};
+  return image_grid(img.height, img.width, pp);
 }
 
 std::string read_line_at(const std::string& path, uint64_t offset, uint32_t length) {

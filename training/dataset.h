@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "bridge/chat_prompt.h"
+#include "core/json_read.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -50,7 +51,7 @@ namespace iris {
 
 // A JSONL line holds one sample's text and image paths; a longer one is an error naming the file
 // and line, before the reader holds it all in memory.
-inline constexpr size_t kMaxJsonlLineBytes = size_t{64} << 20;
+inline constexpr size_t kMaxJsonlLineBytes = kJsonLineLimits.max_bytes;
 
 struct DataConfig {
   std::vector<std::string> train_files;  // JSONL

@@ -26,7 +26,7 @@ HeldoutSample parse_sample(const std::string& line, const std::string& where,
                            const std::filesystem::path& base) {
   HeldoutSample s;
   try {
-    const auto j = parse_json(line, where);
+    const auto j = parse_json(line, where, kJsonLineLimits);
     for (const auto& m : j.at("messages")) {
       const std::string role = m.at("role").get<std::string>();
       const auto& c = m.at("content");

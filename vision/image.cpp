@@ -90,8 +90,9 @@ std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
 
 // stb 2.27 parses a PNM header's numbers into an int without an overflow check (signed overflow,
 // undefined behaviour; fixed upstream later). Read the header exactly as stbi__pnm_info does and
-// reject a number stb would overflow on. Only P5 and P6 reach that parser.
-std::string pnm_header_problem(const uint8_t* d, size_t n) {
+// reject a number stb would overflow on. Only P5 and P6 reach that parser. `maxval`, when given,
+// receives the header's third number (the sample maximum).
+std::string pnm_header_problem(const uint8_t* d, size_t n, int64_t* maxval = nullptr) {
   if (n < 2 || d[0] != 'P' || (d[1] != '5' && d[1] != '6')) return {};
   size_t pos = 2;
   auto at_eof = [&] { return pos >= n; };
@@ -112,6 +113,7 @@ std::string pnm_header_problem(const uint8_t* d, size_t n) {
       if (value > INT_MAX) return "a number in its PNM header is too large (corrupt PNM)";
       c = get8();
     }
+    if (field == 2 && maxval != nullptr) *maxval = value;
   }
   return {};
 }
@@ -131,9 +133,23 @@ bool stb_pnm16_is_byte_swapped() {
   return swapped;
 }
 
-// 16-bit PGM/PPM reduced to 8 bits by keeping the high byte, as stb does for 16-bit PNG.
-std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, int& w, int& h,
-                                  const std::string& name) {
+// A PNM sample as PIL's PpmImagePlugin makes it and convert("RGB") then leaves it, from the
+// file's value `v` under its `maxval`: a grey file of more than 8 bits opens as mode I with the
+// values scaled to 0..65535 (kept raw at maxval 65535) and converts clipped to 255; every other
+// file (grey of 8 bits, RGB of any depth) is scaled to 0..255. The scaling is Python's
+// min(out_max, round(v / maxval * out_max)), rounding half to even. stb keeps the raw values.
+uint8_t pil_pnm_sample(uint32_t v, uint32_t maxval, bool grey) {
+  const bool mode_i = grey && maxval > 255;
+  if (maxval == (mode_i ? 65535u : 255u)) return static_cast<uint8_t>(std::min<uint32_t>(v, 255));
+  const double out_max = mode_i ? 65535.0 : 255.0;
+  const double scaled =
+      std::min(out_max, std::nearbyint(static_cast<double>(v) / maxval * out_max));
+  return static_cast<uint8_t>(std::min(scaled, 255.0));
+}
+
+// 16-bit PGM/PPM reduced to 8 bits as PIL reduces them (pil_pnm_sample).
+std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, uint32_t maxval,
+                                  int& w, int& h, const std::string& name) {
   int c = 0;
   std::unique_ptr<stbi_us, void (*)(void*)> raw(
       stbi_load_16_from_memory(data, len, &w, &h, &c, channels), &stbi_image_free);
@@ -145,7 +161,31 @@ std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, in
   std::vector<uint8_t> out(n);
   for (size_t i = 0; i < n; ++i) {
     const stbi_us v = raw.get()[i];
-    out[i] = static_cast<uint8_t>(swapped ? (v & 0xff) : (v >> 8));
+    const uint32_t sample = swapped ? ((v & 0xff) << 8) | (v >> 8) : v;
+    out[i] = pil_pnm_sample(sample, maxval, channels == 1);
+  }
+  return out;
+}
+
+// A 16-bit grey PNG opens in PIL as mode I;16 with its full sample values, and convert("RGB")
+// (or "RGBA", which HF's convert_to_rgb goes through) clips them: any value above 255 is 255
+// (Convert.c, I16_RGB and I16_L). stb's 8-bit API keeps the high byte instead, right for PIL's
+// other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high byte) but not for this one.
+// Read with an alpha channel, as 8-bit grey is, so a tRNS colour key becomes transparency.
+std::vector<uint8_t> decode_png16_grey(const uint8_t* data, int len, int& w, int& h,
+                                       const std::string& name) {
+  int c = 0;
+  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 2),
+                                                &stbi_image_free);
+  if (!raw)
+    IRIS_FAIL("cannot decode image ", name, ": PNG data is corrupt or truncated (",
+              stbi_failure_reason(), ")");
+  const size_t n = static_cast<size_t>(w) * h;
+  std::vector<uint8_t> out(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const stbi_us grey = raw.get()[2 * i], alpha = raw.get()[2 * i + 1];
+    out[2 * i] = static_cast<uint8_t>(std::min<stbi_us>(grey, 255));
+    out[2 * i + 1] = static_cast<uint8_t>(alpha >> 8);  // a colour key gives 0 or 65535
   }
   return out;
 }
@@ -184,7 +224,8 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const int len = static_cast<int>(size);
   const std::string jpeg_problem = jpeg_huffman_problem(data, size);
   IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
-  const std::string pnm_problem = pnm_header_problem(data, size);
+  int64_t pnm_maxval = 255;
+  const std::string pnm_problem = pnm_header_problem(data, size, &pnm_maxval);
   IRIS_CHECK(pnm_problem.empty(), "cannot decode image ", name_for_errors, ": ", pnm_problem);
   const char* format = sniff_format(data, size);
   int w = 0, h = 0, channels = 0;
@@ -200,6 +241,9 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   }
   IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
              channels, " channels per pixel is not supported (expected 1 to 4)");
+  // A negative BMP height marks rows stored top-down (PIL reads such files, and stb's decoder
+  // flips them itself); only its header reader passes the sign on.
+  if (format != nullptr && std::strcmp(format, "BMP") == 0 && h < 0 && h != INT_MIN) h = -h;
   IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": its header gives size ", w,
              "x", h);
   IRIS_CHECK(int64_t{w} * h <= max_pixels, "image ", name_for_errors, " is ", w, "x", h, " = ",
@@ -215,10 +259,16 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   const bool is_png = size >= 8 && std::memcmp(data, kPngSignature, 8) == 0;
   const int want = channels == 1 && is_png ? 2 : channels;
   std::unique_ptr<stbi_uc, StbiFree> decoded;
-  std::vector<uint8_t> pnm16;
+  std::vector<uint8_t> from16;  // 8-bit samples made from a 16-bit file where stb's differ
   const bool is_pnm = size >= 2 && data[0] == 'P' && (data[1] == '5' || data[1] == '6');
+  IRIS_CHECK(!is_pnm || (pnm_maxval >= 1 && pnm_maxval <= 65535), "cannot decode image ",
+             name_for_errors, ": its PNM header gives a maximum sample value of ", pnm_maxval,
+             " (it must be 1 to 65535)");
   if (is_pnm && stbi_is_16_bit_from_memory(data, len)) {
-    pnm16 = decode_pnm16(data, len, want, w, h, name_for_errors);
+    from16 =
+        decode_pnm16(data, len, want, static_cast<uint32_t>(pnm_maxval), w, h, name_for_errors);
+  } else if (is_png && channels == 1 && stbi_is_16_bit_from_memory(data, len)) {
+    from16 = decode_png16_grey(data, len, w, h, name_for_errors);
   } else {
     decoded.reset(stbi_load_from_memory(data, len, &w, &h, &channels, want));
     if (!decoded) {
@@ -236,13 +286,19 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   }
   IRIS_CHECK(w > 0 && h > 0, "cannot decode image ", name_for_errors, ": decoder returned size ", w,
              "x", h);
+  if (is_pnm && decoded && pnm_maxval != 255) {
+    uint8_t* samples = decoded.get();
+    const size_t count = static_cast<size_t>(w) * h * want;
+    for (size_t i = 0; i < count; ++i)
+      samples[i] = pil_pnm_sample(samples[i], static_cast<uint32_t>(pnm_maxval), want == 1);
+  }
 
   ImageRGB8 img;
   img.width = w;
   img.height = h;
   const size_t n = static_cast<size_t>(w) * h;
   img.pixels.resize(n * 3);
-  const uint8_t* src = decoded ? decoded.get() : pnm16.data();
+  const uint8_t* src = decoded ? decoded.get() : from16.data();
   uint8_t* dst = img.pixels.data();
   switch (want) {
     case 1:

@@ -22,7 +22,10 @@ inline constexpr int64_t kDefaultMaxImagePixels = 178956970;
 
 // Decodes PNG, JPEG, BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR and PIC).
 // Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are composited
-// onto white exactly as PIL's Image.alpha_composite does in HF's convert_to_rgb. EXIF orientation
+// onto white exactly as PIL's Image.alpha_composite does in HF's convert_to_rgb. Samples of more
+// than 8 bits, and PNM samples under another maximum than 255, become 8 bits as PIL's open and
+// convert("RGB") make them (16-bit grey clipped, other 16-bit PNG cut to the high byte, PNM
+// scaled). BMPs stored top-down (negative height) read as PIL reads them. EXIF orientation
 // is ignored, as PIL.Image.open ignores it. Throws iris::Error naming the file for a missing file
 // or data stb cannot decode, with stb's reason.
 // An image of more than `max_pixels` pixels is an error that names the limit's setting before any

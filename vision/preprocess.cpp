@@ -144,7 +144,7 @@ PreprocessorConfig PreprocessorConfig::from_json(const json& j) {
 }
 
 PreprocessorConfig PreprocessorConfig::from_file(const std::string& path) {
-  const std::string text = read_text_file(path, "preprocessor config");
+  const std::string text = read_text_file(path, "preprocessor config", kJsonConfigLimits.max_bytes);
   json j;
   try {
     j = parse_json(text, path);
@@ -198,6 +198,26 @@ ResizedSize smart_resize(int height, int width, int factor, int64_t min_pixels,
   IRIS_CHECK(h <= INT_MAX / 4 && w <= INT_MAX / 4, "image of ", width, "x", height, " resizes to ",
              w, "x", h, ", which is too large; lower max_pixels");
   return {static_cast<int>(h), static_cast<int>(w)};
+}
+
+std::array<int64_t, 3> image_grid(int height, int width, const PreprocessorConfig& cfg) {
+  if (cfg.do_resize) {
+    const ResizedSize s = smart_resize(height, width, cfg.patch_size * cfg.merge_size,
+                                       cfg.min_pixels, cfg.max_pixels);
+    height = s.height;
+    width = s.width;
+  }
+  return {1, height / cfg.patch_size, width / cfg.patch_size};
+}
+
+int64_t image_token_count(const std::array<int64_t, 3>& grid, const PreprocessorConfig& cfg) {
+  return grid[0] * grid[1] * grid[2] / (int64_t{cfg.merge_size} * cfg.merge_size);
+}
+
+int64_t fewest_image_tokens(const PreprocessorConfig& cfg) {
+  const int64_t factor = int64_t{cfg.patch_size} * cfg.merge_size;
+  if (!cfg.do_resize) return 1;
+  return std::max<int64_t>(1, std::min(cfg.min_pixels, cfg.max_pixels / 4) / (factor * factor));
 }
 
 // ---------------------------------------------------------------------------------------------

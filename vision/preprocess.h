@@ -38,6 +38,18 @@ struct ResizedSize {
 // [min_pixels, max_pixels] keeping the aspect ratio. Aspect ratio above 200 is an error.
 ResizedSize smart_resize(int height, int width, int factor, int64_t min_pixels, int64_t max_pixels);
 
+// The grid preprocess_image gives an image of `height` x `width`: smart_resize's size when
+// do_resize is on, the image's own otherwise. No pixel is touched, so token budgets can be checked
+// before any resampling, normalising or patchifying (which for a large budget take gigabytes).
+std::array<int64_t, 3> image_grid(int height, int width, const PreprocessorConfig& cfg);
+// The language model's tokens for an image of that grid: one per merge_size^2 patches.
+int64_t image_token_count(const std::array<int64_t, 3>& grid, const PreprocessorConfig& cfg);
+// The fewest tokens smart_resize can give any image under cfg's pixel bounds: an image enlarged
+// or kept has at least min_pixels; one shrunk to fit max_pixels keeps at least a quarter of them
+// (each side is floored to a multiple of the factor, but never below it, so a side keeps at least
+// half of its exact scaled length).
+int64_t fewest_image_tokens(const PreprocessorConfig& cfg);
+
 // Antialiased bicubic (a = -0.5) on uint8, bit-compatible with ATen's CPU uint8 kernel that
 // torchvision's resize(antialias=True) runs: separable, horizontal pass first, int16 fixed-point
 // weights, uint8 intermediate, clamp. A dimension whose size does not change is not filtered.
