@@ -865,7 +865,7 @@ TEST(TrainingData, ALineOfMillionsOfValuesIsRefusedUnparsed) {
                                           " JSON values (arrays, objects, strings, numbers), "
                                           "more than the " +
                                           std::to_string(kJsonLineLimits.max_values)))
-      << join(ds.stats().bad_examples);
+      << join(examples(ds.stats()));
 }
 
 TEST(TrainingData, FifosAreRefusedNotWaitedOn) {
