@@ -124,13 +124,21 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
   IRIS_CHECK(st.has_vision == st.has_embed(), "pipeline ", st.describe(),
              ": the vision encoder belongs to stage 0, whose embedding its features join");
   if (shared_grads != nullptr) {
-    IRIS_CHECK(shared_grads->bindings.size() == params.bindings.size() &&
-                   shared_grads->text.embed.dtype == DType::f32 &&
-                   shared_grads->text.embed.device == backend.device(),
+    IRIS_CHECK(shared_grads->bindings.size() == params.bindings.size(),
                "shared gradients must be f32 weights of the same config on the same backend");
+    for (const WeightBinding& b : shared_grads->bindings)
+      IRIS_CHECK(b.allocated() == !limits.frozen.frozen(b.hf_name) &&
+                     (!b.allocated() || (b.target->dtype == DType::f32 &&
+                                         b.target->device == backend.device())),
+                 "shared gradients must be f32 on the same backend and hold the trainable "
+                 "tensors of the same frozen parts ('",
+                 b.hf_name, "')");
     grads_ = shared_grads;
   } else {
-    own_grads_ = allocate_weights(backend, cfg, DType::f32);
+    // Gradients of the trainable parameters only: a part frozen from the start holds none.
+    const FreezeSpec planned = limits.frozen;
+    own_grads_ = allocate_weights(backend, cfg, DType::f32,
+                                  [planned](const std::string& n) { return !planned.frozen(n); });
     grads_ = own_grads_.get();
   }
   v_inv_freq_ = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
@@ -147,7 +155,8 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
                        {static_cast<int64_t>(arena_.capacity() / sizeof(float))}));
   zero_grads();
   be_.fill_zero(loss_total_);
-  if (limits.vision_tower_frozen) set_frozen(true, false, false);
+  set_frozen(limits.frozen.vision_tower || limits.vision_tower_frozen, limits.frozen.merger,
+             limits.frozen.language_model);
 }
 
 void TrainableQwen3VL::allocate(Arena& a) {
@@ -337,6 +346,7 @@ size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
 
 void TrainableQwen3VL::zero_grads() {
   // Weights of one config share one layout in every dtype, so the gradients are one flat span.
+  if (grads_->arena.capacity() == 0) return;
   be_.fill_zero(Tensor(grads_->arena.base(), DType::f32, be_.device(),
                        {static_cast<int64_t>(grads_->arena.capacity() / sizeof(float))}));
 }
@@ -346,12 +356,17 @@ void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_
              "this model's memory was planned with the vision tower frozen (it keeps no block "
              "activations), so the tower cannot be unfrozen; plan it with "
              "TrainLimits.vision_tower_frozen = false");
-  frozen_ = FreezeSpec{vision_tower, merger, language_model};
+  const FreezeSpec wanted{vision_tower, merger, language_model};
+  for (const WeightBinding& b : grads_->bindings)
+    IRIS_CHECK(wanted.frozen(b.hf_name) || b.allocated(), "'", b.hf_name,
+               "' belongs to a part this model was planned with frozen (TrainLimits.frozen), "
+               "which holds no gradient; plan the model with that part trainable to train it");
+  frozen_ = wanted;
   // Graph keys name the frozen parts, so graphs of the old setting are simply never replayed;
   // freeing them keeps memory from growing with every change.
   delete_graphs();
   for (const WeightBinding& b : grads_->bindings)
-    if (frozen_.frozen(b.hf_name)) be_.fill_zero(b.tensor());
+    if (frozen_.frozen(b.hf_name) && b.allocated()) be_.fill_zero(b.tensor());
 }
 
 LossStats TrainableQwen3VL::forward(const std::vector<const TrainSample*>& batch) {
@@ -1193,6 +1208,8 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
              "move_grads_into needs another replica of the same parameters");
   IRIS_CHECK(be_.device() == Device::cpu && sum.be_.device() == Device::cpu,
              "move_grads_into sums replicas on the CPU");
+  IRIS_CHECK(grads_->arena.capacity() == sum.grads_->arena.capacity(),
+             "move_grads_into needs replicas planned with the same frozen parts");
   const int64_t n = static_cast<int64_t>(grads_->arena.capacity() / sizeof(float));
   float* src = static_cast<float*>(grads_->arena.base());
   float* dst = static_cast<float*>(sum.grads_->arena.base());

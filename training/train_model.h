@@ -97,6 +97,10 @@ struct TrainLimits {
   // block outputs that the mergers read are still kept). set_frozen may freeze more later,
   // never unfreeze the tower of a model planned with it frozen.
   bool vision_tower_frozen = false;
+  // The parts frozen from the start hold no gradient (training/param_spec.h: only trainable
+  // parameters have f32 state), and the backward skips their weight gradients; set_frozen may
+  // freeze more later, never unfreeze one of these.
+  FreezeSpec frozen;
   // Bucket padding, so that a few graph sets serve every micro-batch: the tokens are padded up to
   // the smallest text bucket at or above their count (the padding in a causal segment of its own
   // whose labels are ignored) and the patch rows up to the smallest vision bucket (a vision
@@ -141,8 +145,8 @@ class TrainableQwen3VL {
  public:
   // params: the weights the forward reads, in the backend's compute dtype (allocate_weights /
   // load_weights on `backend`); kept by reference (the optimizer rewrites them in place).
-  // shared_grads: accumulate into these gradients (another model of the same stage and
-  // parameters) rather than into gradients of its own. A pipeline stage keeps one model per
+  // shared_grads: accumulate into these gradients (another model of the same stage, parameters
+  // and frozen parts) rather than into gradients of its own. A pipeline stage keeps one model per
   // micro-batch in flight, each with its own activations; their backwards run in micro-batch
   // order into one buffer, which is the order a single model sums them in.
   TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
@@ -250,8 +254,9 @@ class TrainableQwen3VL {
   // gradients over the shared parameters. This adds this replica's gradients into `sum`'s and
   // leaves this replica's at zero (CPU backend only).
   void move_grads_into(TrainableQwen3VL& sum);
-  // Frozen parts keep a zero gradient and skip their weight-gradient GEMMs; backpropagation still
-  // runs through a frozen part when a trainable part lies before it.
+  // Frozen parts skip their weight-gradient GEMMs (a part frozen after planning keeps a zero
+  // gradient; one planned frozen, TrainLimits::frozen, has none); backpropagation still runs
+  // through a frozen part when a trainable part lies before it.
   void set_frozen(bool vision_tower, bool merger, bool language_model);
   const FreezeSpec& frozen() const { return frozen_; }
 

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -21,6 +22,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/safetensors.h"
 #include "language/tokenizer.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
@@ -29,6 +31,7 @@
 #include "training/lr_schedule.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
+#include "training/param_spec.h"
 #include "training/pipeline_parallel.h"
 #include "training/train_model.h"
 
@@ -235,10 +238,33 @@ class StopSignals {
   struct sigaction old_int_ {};
 };
 
-// Copies every tensor of `src` (f32, on the host) into `dst` on `be` (converted to dst's dtype).
+// Copies every tensor of `src` (f32, on the host) that `dst` holds into `dst` on `be` (converted
+// to dst's dtype).
 void upload_weights(Backend& be, ModelWeights& dst, const ModelWeights& src) {
   for (size_t i = 0; i < src.bindings.size(); ++i)
-    be.write(dst.bindings[i].tensor(), src.bindings[i].tensor().data, DType::f32);
+    if (dst.bindings[i].allocated())
+      be.write(dst.bindings[i].tensor(), src.bindings[i].tensor().data, DType::f32);
+}
+
+// The f32 values of the model's weights as a checkpoint stores them, tensor by tensor: the master
+// weights where there are some (the trainable tensors), else the weights the model reads (a frozen
+// part keeps nothing else; on the GPU its saved values are its bf16 weights, exact for bf16
+// checkpoints such as the released ones, and what the model has trained against otherwise).
+void save_model_weights(Backend& be, const ModelWeights& master, const ModelWeights& weights,
+                        const std::string& path,
+                        const std::function<bool(const std::string&)>& keep = {}) {
+  std::vector<std::vector<float>> storage;
+  std::vector<SafetensorsWriteItem> items;
+  storage.reserve(weights.bindings.size());
+  for (size_t i = 0; i < weights.bindings.size(); ++i) {
+    const WeightBinding& b = weights.bindings[i];
+    if (keep && !keep(b.hf_name)) continue;
+    const WeightBinding& from = master.bindings[i].allocated() ? master.bindings[i] : b;
+    storage.emplace_back(static_cast<size_t>(from.tensor().numel()));
+    be.read(storage.back().data(), DType::f32, from.tensor());
+    items.push_back({b.hf_name, DType::f32, b.hf_shape, storage.back().data()});
+  }
+  write_safetensors(path, items, {{"format", "pt"}});
 }
 
 }  // namespace
@@ -401,6 +427,9 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(r.train.recompute);
   limits.vision_tower_frozen = r.train.freeze_vision_tower;
+  const FreezeSpec frozen{r.train.freeze_vision_tower, r.train.freeze_merger,
+                          r.train.freeze_language_model};
+  limits.frozen = frozen;
   if (graphs_on) {
     // Text buckets: powers of two from 256 below the planned maximum, then the maximum, so that a
     // micro-batch pads by less than half; the vision buckets are the graph config's.
@@ -431,12 +460,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     stages = pipeline_split(cfg, dp.stages(), r.parallel.pipeline_layers, costs);
     limits.stage = stages[static_cast<size_t>(dp.stage())];
   }
-  int64_t n_params = 0;
-  for (const WeightBinding& b : params->bindings) {
-    int64_t n = 1;
-    for (int64_t d : b.hf_shape) n *= d;
-    n_params += n;
-  }
+  const int64_t n_params = ParamSpecs(*params, frozen, DType::f32).parameters();
 
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(r.optimizer.betas[0]);
@@ -449,8 +473,12 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   if (r.optimizer.merger_lr > 0)
     ac.merger_lr_scale = static_cast<float>(r.optimizer.merger_lr / r.optimizer.lr);
 
+  // The weights the model reads hold every parameter; the f32 master weights, gradients and
+  // moments hold the trainable ones only (training/param_spec.h). On the CPU the weights are f32
+  // and, with nothing frozen, are the master weights themselves; with a part frozen the master
+  // weights are the trainable tensors' own copy, which the optimizer writes through to them.
   std::unique_ptr<Backend> gpu;
-  std::unique_ptr<ModelWeights> master, working;  // on the GPU: f32 master and bf16 weights
+  std::unique_ptr<ModelWeights> master, working;
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
   int n_replicas = 1;
   if (on_gpu) {
@@ -459,10 +487,13 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // algorithm decides the rounding, and a run resumed in a new process (after someone filled
     // the cache, or on a newer cache) must continue bit for bit.
     gpu->set_gemm_tuning(GemmTuning::heuristic);
-    master = allocate_weights(*gpu, cfg, DType::f32);
+    const ParamSpecs specs(*params, frozen, gpu->compute_dtype());
+    master = allocate_state(*gpu, cfg, specs);
     working = allocate_weights(*gpu, cfg);
     upload_weights(*gpu, *master, *params);
     upload_weights(*gpu, *working, *params);
+    // The host copy served the load (or the random draw) only: checkpoints read the device.
+    params.reset();
     replicas.push_back(std::make_unique<TrainableQwen3VL>(*gpu, cfg, *working, limits));
     if (pipelined) {
       // As on the CPU: a model per micro-batch 1F1B keeps in flight, over one gradient buffer.
@@ -474,6 +505,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
             std::make_unique<TrainableQwen3VL>(*gpu, cfg, *working, limits, &replicas[0]->grads()));
     }
   } else {
+    if (frozen.vision_tower || frozen.merger || frozen.language_model) {
+      const ParamSpecs specs(*params, frozen, cpu->compute_dtype());
+      master = allocate_state(*cpu, cfg, specs);
+      upload_weights(*cpu, *master, *params);
+    }
     // A small model's ops are too small to split across threads without most of the time going
     // to barriers, so each thread trains whole micro-batches on a replica of its own
     // (activations and gradients; the parameters are shared) and the replicas' gradients are
@@ -501,9 +537,11 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
         replicas.push_back(std::make_unique<TrainableQwen3VL>(*cpu, cfg, *params, limits));
     }
   }
-  for (auto& m : replicas)
-    m->set_frozen(r.train.freeze_vision_tower, r.train.freeze_merger,
-                  r.train.freeze_language_model);
+  // The weights the model reads; the master weights the optimizer updates (these weights
+  // themselves on the CPU with nothing frozen); the copy it writes through to, if any.
+  ModelWeights& weights = on_gpu ? *working : *params;
+  ModelWeights& master_weights = master ? *master : weights;
+  ModelWeights* const written_through = master ? &weights : nullptr;
   // Graphs: one replica (a capture is per backend, which the CPU's replica threads share).
   std::unique_ptr<GraphApi> graph_api;
   if (graphs_on) {
@@ -554,6 +592,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     const ModelWeights& g = model.grads();
     std::vector<std::tuple<int64_t, int64_t, bool>> tensors;  // begin, end, held
     for (const WeightBinding& b : g.bindings) {
+      if (!b.allocated()) continue;  // frozen: no gradient
       const Tensor t = b.tensor();
       const auto begin = static_cast<int64_t>(
           (static_cast<const char*>(t.data) - static_cast<const char*>(g.arena.base())) /
@@ -570,7 +609,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       extend = held;
     }
   }
-  ModelWeights* const rank0_weights[] = {on_gpu ? master.get() : params.get(), working.get()};
+  ModelWeights* const rank0_weights[] = {&master_weights, written_through};
   const DataParallel::Link dp_link =
       dp.connect(be, model.grads(), rank0_weights, 2, /*reduce_gradients=*/!sharded, reduce_ranges);
   // Each bucket's all-reduce starts during the backward of the step's last micro-batch, once its
@@ -583,17 +622,17 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     stage_tensors.stages = dp.pipeline_communicator();
     for (const PipelineStage& st : stages) {
       stage_tensors.held.emplace_back();
-      for (const WeightBinding& b : params->bindings)
+      for (const WeightBinding& b : weights.bindings)
         stage_tensors.held.back().push_back(stage_holds(st, cfg.tie_word_embeddings, b.hf_name));
     }
   }
-  AdamW opt(be, cfg, on_gpu ? *master : *params, model.grads(), ac, working.get(),
+  AdamW opt(be, cfg, master_weights, model.grads(), ac, written_through,
             sharded ? dp.data_parallel_communicator() : nullptr, int64_t(1) << 25,
             pipelined ? &stage_tensors : nullptr);
   // Tied embeddings across stages: room for the other stage's gradient (and, sharded, for the
   // sum over the stage's replicas), allocated once.
-  const bool tied_across =
-      pipelined && cfg.tie_word_embeddings && (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
+  const bool tied_across = pipelined && cfg.tie_word_embeddings && !frozen.language_model &&
+                           (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
   Arena tied_arena;
   Tensor tied_scratch;
   if (tied_across) {
@@ -633,6 +672,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   }
   MetricsLog log(lo, state.iteration);
   for (const std::string& w : found.warnings) log.message(w);
+  if (!opt.reinitialised_parts().empty()) {
+    std::string parts;
+    for (const std::string& p : opt.reinitialised_parts())
+      parts += str_cat(parts.empty() ? "" : ", ", p);
+    log.message(str_cat("note: the checkpoint has no optimizer state for ", parts,
+                        " (frozen in the run that wrote it); its AdamW moments and step counts "
+                        "start at zero"));
+  }
   log.message(chat.describe());
   if (!chat.has_template() && !chat.kwargs().empty())
     log.message("note: data.enable_thinking has no effect: the built-in ChatML has no variables");
@@ -656,8 +703,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     // The memory planned for the run, by category; nothing is allocated once steps begin.
     const auto mib = [](size_t b) { return str_cat(b / (size_t(1) << 20), " MiB"); };
     std::string plan = str_cat("memory on ", be.name(), ": weights ",
-                               mib((on_gpu ? working : params)->arena.capacity()));
-    if (on_gpu) plan += str_cat(", f32 master weights ", mib(master->arena.capacity()));
+                               mib(weights.arena.capacity()));
+    if (master) plan += str_cat(", f32 master weights ", mib(master->arena.capacity()));
     plan += str_cat(", gradients ", mib(model.grads().arena.capacity()), " x ", n_replicas,
                     ", AdamW moments ", mib(opt.state_bytes()), ", activations ",
                     mib(model.activation_bytes()), " (train.recompute ", r.train.recompute,
@@ -750,19 +797,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     dp.barrier("the checkpoint directory");
     const int P = dp.stages();
     std::vector<int> owner;
-    for (size_t i = 0; i < params->bindings.size(); ++i) owner.push_back(stage_tensors.owner(i));
+    for (size_t i = 0; i < weights.bindings.size(); ++i) owner.push_back(stage_tensors.owner(i));
     if (dp.replica() == 0) {
       const int me = dp.stage();
       std::set<std::string> mine;
       for (size_t i = 0; i < owner.size(); ++i)
-        if (owner[i] == me) {
-          mine.insert(params->bindings[i].hf_name);
-          // On the GPU the stage's master weights are the f32 copy on the device.
-          if (on_gpu)
-            gpu->read(params->bindings[i].tensor().data, DType::f32, master->bindings[i].tensor());
-        }
-      save_weights(*cpu, *params, (d / stage_file("model", me, P)).string(), DType::f32,
-                   [&](const std::string& name) { return mine.count(name) > 0; });
+        if (owner[i] == me) mine.insert(weights.bindings[i].hf_name);
+      save_model_weights(be, master_weights, weights, (d / stage_file("model", me, P)).string(),
+                         [&](const std::string& name) { return mine.count(name) > 0; });
       opt.save((d / stage_file("optimizer", me, P)).string());
     }
     dp.barrier("the checkpoint's stage files");
@@ -773,8 +815,8 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     state.data_files = data_files;
     json weight_map = json::object();
     int64_t total = 0;
-    for (size_t i = 0; i < params->bindings.size(); ++i) {
-      const WeightBinding& b = params->bindings[i];
+    for (size_t i = 0; i < weights.bindings.size(); ++i) {
+      const WeightBinding& b = weights.bindings[i];
       weight_map[b.hf_name] = stage_file("model", owner[i], P);
       total += b.tensor().numel() * int64_t(sizeof(float));
     }
@@ -800,10 +842,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     state.data_files = data_files;
     result.last_checkpoint = commit_checkpoint(run_dir, iteration, [&](const std::string& dir) {
       const fs::path d(dir);
-      if (on_gpu)
-        for (size_t i = 0; i < params->bindings.size(); ++i)
-          gpu->read(params->bindings[i].tensor().data, DType::f32, master->bindings[i].tensor());
-      save_weights(*cpu, *params, (d / "model.safetensors").string(), DType::f32);
+      save_model_weights(be, master_weights, weights, (d / "model.safetensors").string());
       opt.save((d / kOptimizerFile).string());
       write_file_atomic((d / "config.json").string(), config_text);
       for (const auto& [name, text] : side.files) write_file_atomic((d / name).string(), text);
