@@ -131,6 +131,26 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
             std::string::npos)
       << broken.output;
 
+  // The memory plan per GPU, without a GPU: the device memory from the flag or the recipe key.
+  EXPECT_NE(e.output.find("memory plan per GPU"), std::string::npos) << e.output;
+  for (const char* line : {"weights", "master weights", "gradients", "AdamW moments",
+                           "activations", "offloaded to host", "workspace", "graph pools",
+                           "communication", "per-GPU total: "})
+    EXPECT_NE(e.output.find(line), std::string::npos) << line;
+  const Exit sized = iris({"train", "--recipe", recipe, "--dry-run", "--device-memory", "80"});
+  EXPECT_EQ(sized.code, 0) << sized.output;
+  EXPECT_NE(sized.output.find(" GiB of 80.00 GiB"), std::string::npos) << sized.output;
+  // A plan over the device is refused, by the dry run as by a run, naming what would fit.
+  const Exit over = iris({"train", "--recipe", recipe, "--dry-run", "--device-memory", "0.5"});
+  EXPECT_EQ(over.code, 1) << over.output;
+  EXPECT_NE(over.output.find("does not fit the GPU's memory"), std::string::npos) << over.output;
+  EXPECT_NE(over.output.find("allows 0.50 GiB"), std::string::npos) << over.output;
+  const Exit keyed = iris({"train", "--recipe", recipe, "--dry-run", "train.device_memory_gib=0.5"});
+  EXPECT_EQ(keyed.code, 1) << keyed.output;
+  EXPECT_NE(keyed.output.find("train.device_memory_gib (or --device-memory) allows 0.50 GiB"),
+            std::string::npos)
+      << keyed.output;
+
   const Exit listed = iris({"train", "--list-keys"});
   EXPECT_EQ(listed.code, 0);
   EXPECT_NE(listed.output.find("train.global_batch_size (integer, default 1)"), std::string::npos);

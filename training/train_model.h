@@ -271,7 +271,26 @@ class TrainableQwen3VL {
   // tower shrink); the rest is inputs, the loss's workspace and the backward's scratch.
   size_t activation_bytes() const { return activation_bytes_; }
 
+  // The arena a model of these limits allocates and its activation part, planned without
+  // allocating anything (training/memory_plan.h): compute_dtype and loss_workspace are those of
+  // the backend it would run on (Backend::lm_head_loss_workspace_bytes).
+  using LossWorkspaceBytes = std::function<size_t(int64_t rows, int64_t hidden, int64_t vocab)>;
+  struct ArenaPlan {
+    size_t arena_bytes = 0, activation_bytes = 0;
+    // One micro-batch's inputs (write_bytes_per_micro_batch): what each further input slot of a
+    // full_iteration step graph holds.
+    size_t input_bytes = 0;
+  };
+  static ArenaPlan plan_arena(const ModelConfig& cfg, const TrainLimits& limits,
+                              DType compute_dtype, const LossWorkspaceBytes& loss_workspace);
+
  private:
+  // plan_arena's model: its limits checked, nothing allocated.
+  TrainableQwen3VL(Backend& host, const ModelConfig& cfg, ModelWeights& no_params,
+                   const TrainLimits& limits, DType compute_dtype,
+                   const LossWorkspaceBytes& loss_workspace);
+  // Checks the limits and completes them (the whole model as one stage, default vision buckets).
+  void check_limits();
   void allocate(Arena& a);
   // Adds the micro-batch's summed loss into loss_out (device f32 [1]).
   void run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale,
@@ -322,6 +341,8 @@ class TrainableQwen3VL {
   std::unique_ptr<ModelWeights> own_grads_;
   ModelWeights* grads_ = nullptr;
   TrainLimits limits_;
+  DType compute_dtype_;
+  LossWorkspaceBytes loss_workspace_bytes_;
   // Stage mode: whether the current micro-batch's backward runs (the same on every stage: it
   // follows from the samples and the frozen parts).
   bool stage_backward_ = false;

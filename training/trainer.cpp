@@ -29,11 +29,13 @@
 #include "training/data_parallel.h"
 #include "training/dataset.h"
 #include "training/lr_schedule.h"
+#include "training/memory_plan.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
 #include "training/param_spec.h"
 #include "training/pipeline_parallel.h"
 #include "training/train_model.h"
+#include "training/train_setup.h"
 
 namespace iris {
 namespace {
@@ -346,8 +348,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     if (checkpoint_complete(dir)) owned.push_back(s);
   }
 
-  // Model. The host copy of the f32 weights is what checkpoints are written from; on the GPU the
-  // master weights live on the device and are copied back before each save.
+  // Model.
   const bool on_gpu = r.train.device == "cuda" || (r.train.device == "auto" && cuda_available());
   IRIS_CHECK(!on_gpu || cuda_available(),
              "train.device is cuda, but this machine has no usable GPU or this iris was built "
@@ -355,7 +356,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::string config_text;
   ModelConfig cfg;
-  std::unique_ptr<ModelWeights> params;
+  std::string weights_dir;  // where the weights come from; empty: drawn at random
   if (!resume_dir.empty()) {
     const std::string cj = (fs::path(resume_dir) / "config.json").string();
     config_text = read_text_file(cj);
@@ -364,7 +365,7 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
       check_same_model_geometry(r.model_config, cfg, "the recipe's model", cj,
                                 "the checkpoint belongs to another model; use another "
                                 "checkpoint.dir or set checkpoint.resume=never");
-    params = load_weights(*cpu, cfg, resume_dir);
+    weights_dir = resume_dir;
   } else {
     IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
                "model.init is pretrained but model.hf_dir is not set; pass "
@@ -372,12 +373,29 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     IRIS_CHECK(r.has_model_config, "no model config: set model.config or model.hf_dir");
     config_text = r.model_config_json;
     cfg = r.model_config;
-    if (r.model.init == "random") {
-      params = allocate_weights(*cpu, cfg);
-      init_random_weights(*cpu, *params, config_text, static_cast<uint64_t>(r.model.init_seed));
-    } else {
-      params = load_weights(*cpu, cfg, r.model.hf_dir);
-    }
+    if (r.model.init != "random") weights_dir = r.model.hf_dir;
+  }
+  std::unique_ptr<Backend> gpu;
+  if (on_gpu) {
+    gpu = make_cuda_backend(dp.cuda_device());
+    // cuBLASLt's first choice for every GEMM, neither timed nor read from the tuning cache: the
+    // algorithm decides the rounding, and a run resumed in a new process (after someone filled
+    // the cache, or on a newer cache) must continue bit for bit.
+    gpu->set_gemm_tuning(GemmTuning::heuristic);
+    // The run's memory per GPU, planned before anything of it is allocated (or the weights read).
+    const MemoryPlan memory = plan_training_memory(
+        r, cfg, true, planned_device_bytes(r, static_cast<int64_t>(gpu->device_memory_total())));
+    IRIS_CHECK(memory.fits(), "the run does not fit the GPU's memory:\n",
+               memory_refusal(r, cfg, memory));
+  }
+  // The host copy of the f32 weights: on the CPU the weights the model reads; on the GPU only
+  // the source of the upload, released after it.
+  std::unique_ptr<ModelWeights> params;
+  if (weights_dir.empty()) {
+    params = allocate_weights(*cpu, cfg);
+    init_random_weights(*cpu, *params, config_text, static_cast<uint64_t>(r.model.init_seed));
+  } else {
+    params = load_weights(*cpu, cfg, weights_dir);
   }
   config_text = hf_config_text(config_text);
 
@@ -411,53 +429,14 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
     eval_data = std::make_unique<Dataset>(ec, tok, pp, chat);
   }
 
-  // One micro-batch packs micro_batch_size samples; the activation memory is planned for the
-  // largest one.
   const int64_t micro = r.train.micro_batch_size;
-  TrainLimits limits;
-  limits.max_samples = static_cast<int>(micro);
-  limits.max_seq_len = r.train.seq_length * micro;
-  limits.max_patches = recipe_max_vision_patches(r) * micro;
-  const int64_t factor = int64_t(pp.patch_size) * pp.merge_size;
-  const int64_t min_image_tokens = std::max<int64_t>(1, pp.min_pixels / (factor * factor));
-  limits.max_images = static_cast<int>(std::min<int64_t>(
-      {(r.train.seq_length / min_image_tokens + 1) * micro, limits.max_seq_len, 1 << 20}));
-  // The lm_head's weight and gradient are streamed once per chunk of labelled rows: on the CPU
-  // that pass is most of a small model's step, so the chunk covers a micro-batch's labels.
-  limits.loss_chunk_rows = on_gpu ? 1024 : 256;
-  limits.recompute = parse_recompute(r.train.recompute);
-  limits.vision_tower_frozen = r.train.freeze_vision_tower;
-  const FreezeSpec frozen{r.train.freeze_vision_tower, r.train.freeze_merger,
-                          r.train.freeze_language_model};
-  limits.frozen = frozen;
-  if (graphs_on) {
-    // Text buckets: powers of two from 256 below the planned maximum, then the maximum, so that a
-    // micro-batch pads by less than half; the vision buckets are the graph config's.
-    for (int64_t b = 256; b < limits.max_seq_len; b *= 2) limits.text_buckets.push_back(b);
-    limits.text_buckets.push_back(limits.max_seq_len);
-    const VisionGraphConfig& vg = r.cuda_graph.vision;
-    IRIS_CHECK(vg.max_seq_length <= limits.max_patches,
-               "cuda_graph.max_vision_cuda_graph_seq_length (", vg.max_seq_length,
-               ") is above the vision patches planned for a micro-batch (", limits.max_patches,
-               " = train.max_vision_patches x train.micro_batch_size); lower it or raise "
-               "train.max_vision_patches");
-    limits.vision_buckets = vg.buckets;
-  }
+  const FreezeSpec frozen = recipe_frozen_parts(r);
+  TrainLimits limits = recipe_train_limits(r, cfg, on_gpu);
   // Pipeline stages: this rank plans and runs its stage's share of the model only.
   const bool pipelined = dp.stages() > 1;
   std::vector<PipelineStage> stages;
   if (pipelined) {
-    const TrainedParts trained{!r.train.freeze_vision_tower, !r.train.freeze_merger,
-                               !r.train.freeze_language_model};
-    const int64_t T = limits.max_seq_len;
-    std::vector<GridTHW> image;
-    if (limits.max_patches > 0) image.push_back({1, 1, limits.max_patches});
-    const double text = training_flops(cfg, {T, 0, {}}, trained);
-    PipelineCosts costs;
-    costs.layer = text / cfg.text.num_hidden_layers;
-    costs.first = training_flops(cfg, {T, 0, image}, trained) - text;
-    costs.last = training_flops(cfg, {T, T, {}}, trained) - text;
-    stages = pipeline_split(cfg, dp.stages(), r.parallel.pipeline_layers, costs);
+    stages = recipe_pipeline_stages(r, cfg, limits);
     limits.stage = stages[static_cast<size_t>(dp.stage())];
   }
   const int64_t n_params = ParamSpecs(*params, frozen, DType::f32).parameters();
@@ -477,16 +456,10 @@ TrainResult train(const Recipe& recipe, const TrainerOptions& options, DataParal
   // moments hold the trainable ones only (training/param_spec.h). On the CPU the weights are f32
   // and, with nothing frozen, are the master weights themselves; with a part frozen the master
   // weights are the trainable tensors' own copy, which the optimizer writes through to them.
-  std::unique_ptr<Backend> gpu;
   std::unique_ptr<ModelWeights> master, working;
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas;
   int n_replicas = 1;
   if (on_gpu) {
-    gpu = make_cuda_backend(dp.cuda_device());
-    // cuBLASLt's first choice for every GEMM, neither timed nor read from the tuning cache: the
-    // algorithm decides the rounding, and a run resumed in a new process (after someone filled
-    // the cache, or on a newer cache) must continue bit for bit.
-    gpu->set_gemm_tuning(GemmTuning::heuristic);
     const ParamSpecs specs(*params, frozen, gpu->compute_dtype());
     master = allocate_state(*gpu, cfg, specs);
     working = allocate_weights(*gpu, cfg);
