@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include "bridge/hf_weights.h"
-#include "core/safetensors.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "core/safetensors.h"
 #include "test_util.h"
 #include "training/lr_schedule.h"
 #include "training/optimizer.h"

@@ -128,11 +128,11 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   const size_t n = master.bindings.size();
   // The flat buffers are walked with the master's offsets: every f32 copy must share its layout.
   for (size_t i = 0; i < n; ++i)
-    IRIS_CHECK(!master.bindings[i].allocated() ||
-                   offset_in(grads, grads.bindings[i].tensor()) ==
-                       offset_in(master, master.bindings[i].tensor()),
-               "AdamW: the gradients of '", master.bindings[i].hf_name,
-               "' are laid out unlike the master weights; allocate both with allocate_weights");
+    IRIS_CHECK(
+        !master.bindings[i].allocated() || offset_in(grads, grads.bindings[i].tensor()) ==
+                                               offset_in(master, master.bindings[i].tensor()),
+        "AdamW: the gradients of '", master.bindings[i].hf_name,
+        "' are laid out unlike the master weights; allocate both with allocate_weights");
   if (working) {
     IRIS_CHECK(working->bindings.size() == n, "AdamW: the working weights hold ",
                working->bindings.size(), " tensors, the master weights ", n);
@@ -271,6 +271,7 @@ void AdamW::setup_pipeline(const StageTensors& pipeline) {
   for (const auto& r : rows_) rows_max_ = std::max<int64_t>(rows_max_, int64_t(r.size()));
   norm_order_.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
+    if (owner_[i] < 0) continue;  // no state: frozen
     const auto& rows = rows_[size_t(owner_[i])];
     for (size_t k = 0; k < rows.size(); ++k)
       if (rows[k].tensor == static_cast<int64_t>(i))

@@ -121,7 +121,10 @@ class AdamW {
   // every rank's gather_state(), and load() reads this rank's shard.
   // Pipeline stages save the tensors they own (StageTensors::owner) and load the ones they hold,
   // each found by name in whichever of `paths` has it, so a state written by one split loads
-  // under another.
+  // under another. Only tensors with state (the trainable ones) are written, and the metadata's
+  // stateless_parts names the model parts without any; a load finds no state for such a part
+  // and starts it at zero moments and step counts (reinitialised_parts), while a tensor missing
+  // from any other part is an error. A part frozen now is simply not read.
   void save(const std::string& path) const;
   void load(const std::string& path);
   void load(const std::vector<std::string>& paths);

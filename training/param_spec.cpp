@@ -63,6 +63,8 @@ std::unique_ptr<ModelWeights> allocate_state(Backend& backend, const ModelConfig
   return allocate_weights(backend, cfg, DType::f32, specs.trainable_filter());
 }
 
-size_t allocated_bytes(const ModelWeights& w) { return w.arena.capacity(); }
+size_t allocated_bytes(const ModelWeights& w) {
+  return w.arena.capacity();
+}
 
 }  // namespace iris

@@ -898,7 +898,8 @@ void validate(Recipe& r) {
   positive(t.eval_iters, "train.eval_iters");
   positive(t.max_vision_patches, "train.max_vision_patches", 0);
   IRIS_CHECK(t.seed >= 0, "recipe: train.seed must be >= 0, got ", t.seed);
-  IRIS_CHECK(t.device_memory_gib >= 0, "recipe: train.device_memory_gib must be >= 0 (0: the GPU's own memory), got ",
+  IRIS_CHECK(t.device_memory_gib >= 0,
+             "recipe: train.device_memory_gib must be >= 0 (0: the GPU's own memory), got ",
              t.device_memory_gib);
   IRIS_CHECK(!(t.freeze_vision_tower && t.freeze_merger && t.freeze_language_model),
              "recipe: train.freeze_vision_tower, train.freeze_merger and "

@@ -98,8 +98,8 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
                "shared gradients must be f32 weights of the same config on the same backend");
     for (const WeightBinding& b : shared_grads->bindings)
       IRIS_CHECK(b.allocated() == !limits.frozen.frozen(b.hf_name) &&
-                     (!b.allocated() || (b.target->dtype == DType::f32 &&
-                                         b.target->device == backend.device())),
+                     (!b.allocated() ||
+                      (b.target->dtype == DType::f32 && b.target->device == backend.device())),
                  "shared gradients must be f32 on the same backend and hold the trainable "
                  "tensors of the same frozen parts ('",
                  b.hf_name, "')");
@@ -171,9 +171,9 @@ void TrainableQwen3VL::check_limits() {
 }
 
 TrainableQwen3VL::ArenaPlan TrainableQwen3VL::plan_arena(const ModelConfig& cfg,
-                                                       const TrainLimits& limits,
-                                                       DType compute_dtype,
-                                                       const LossWorkspaceBytes& loss_workspace) {
+                                                         const TrainLimits& limits,
+                                                         DType compute_dtype,
+                                                         const LossWorkspaceBytes& loss_workspace) {
   // A planning arena hands out null tensors and only counts: nothing is allocated on any device,
   // so a plan for a GPU is made on a machine without one. The host backend only stands in for
   // the reference the model keeps; the dtype and the loss workspace are the planned device's.
