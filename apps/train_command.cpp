@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "apps/commands.h"
-#include "parallel/launch.h"
 #include "core/backend.h"
+#include "parallel/launch.h"
 #include "training/memory_plan.h"
 #include "training/recipe.h"
 #include "training/trainer.h"
@@ -64,8 +64,9 @@ int run_train_command(int argc, char** argv) {
     if (speaks) std::printf("%s\n", chat.describe().c_str());
     if (!recipe.has_model_config) {
       if (speaks)
-        std::printf("no memory plan: the recipe has no model config (set model.config or "
-                    "model.hf_dir)\nrecipe is valid (dry run: nothing trained)\n");
+        std::printf(
+            "no memory plan: the recipe has no model config (set model.config or "
+            "model.hf_dir)\nrecipe is valid (dry run: nothing trained)\n");
       return 0;
     }
     // A recipe is planned for the GPUs it is meant for unless it asks for the CPU; the device

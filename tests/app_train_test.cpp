@@ -133,9 +133,9 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
 
   // The memory plan per GPU, without a GPU: the device memory from the flag or the recipe key.
   EXPECT_NE(e.output.find("memory plan per GPU"), std::string::npos) << e.output;
-  for (const char* line : {"weights", "master weights", "gradients", "AdamW moments",
-                           "activations", "offloaded to host", "workspace", "graph pools",
-                           "communication", "per-GPU total: "})
+  for (const char* line :
+       {"weights", "master weights", "gradients", "AdamW moments", "activations",
+        "offloaded to host", "workspace", "graph pools", "communication", "per-GPU total: "})
     EXPECT_NE(e.output.find(line), std::string::npos) << line;
   const Exit sized = iris({"train", "--recipe", recipe, "--dry-run", "--device-memory", "80"});
   EXPECT_EQ(sized.code, 0) << sized.output;
@@ -145,7 +145,8 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
   EXPECT_EQ(over.code, 1) << over.output;
   EXPECT_NE(over.output.find("does not fit the GPU's memory"), std::string::npos) << over.output;
   EXPECT_NE(over.output.find("allows 0.50 GiB"), std::string::npos) << over.output;
-  const Exit keyed = iris({"train", "--recipe", recipe, "--dry-run", "train.device_memory_gib=0.5"});
+  const Exit keyed =
+      iris({"train", "--recipe", recipe, "--dry-run", "train.device_memory_gib=0.5"});
   EXPECT_EQ(keyed.code, 1) << keyed.output;
   EXPECT_NE(keyed.output.find("train.device_memory_gib (or --device-memory) allows 0.50 GiB"),
             std::string::npos)

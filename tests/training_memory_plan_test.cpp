@@ -102,8 +102,7 @@ TEST(MemoryPlan, ActivationsAndWorkspaceAreWhatTheModelAllocates) {
                            recipe_train_limits(r, r.model_config, false));
     const StageMemory& s = plan.per_stage[0];
     EXPECT_EQ(item(s, "activations").bytes, int64_t(model.activation_bytes()));
-    EXPECT_EQ(item(s, "workspace").bytes,
-              int64_t(model.arena_bytes() - model.activation_bytes()));
+    EXPECT_EQ(item(s, "workspace").bytes, int64_t(model.arena_bytes() - model.activation_bytes()));
     // The parameter buffers: the tensors' bytes; the arenas add at most 256 B of alignment each.
     const int64_t grads = item(s, "gradients").bytes;
     EXPECT_EQ(grads, count_parameters(r.model_config).all() * 4);
@@ -127,9 +126,10 @@ TEST(MemoryPlan, DataParallelShardsTheMomentsWithTheDistributedOptimizer) {
   const Recipe whole = tiny_recipe({"parallel.data_parallel_size=4"});
   const Recipe sharded =
       tiny_recipe({"parallel.data_parallel_size=4", "optimizer.distributed=true"});
-  const StageMemory& w = plan_training_memory(whole, whole.model_config, true, 0).per_stage[0];
-  const StageMemory& s =
-      plan_training_memory(sharded, sharded.model_config, true, 0).per_stage[0];
+  const MemoryPlan whole_plan = plan_training_memory(whole, whole.model_config, true, 0);
+  const MemoryPlan sharded_plan = plan_training_memory(sharded, sharded.model_config, true, 0);
+  const StageMemory& w = whole_plan.per_stage[0];
+  const StageMemory& s = sharded_plan.per_stage[0];
   EXPECT_EQ(item(w, "AdamW moments").bytes, c.all() * 8);
   // The last rank's shard takes the remainder.
   EXPECT_EQ(item(s, "AdamW moments").bytes, (c.all() / 4 + c.all() % 4) * 8);
@@ -184,7 +184,32 @@ TEST(MemoryPlan, ARunOverTheDeviceIsRefusedWithTheSettingsThatFit) {
   EXPECT_TRUE(plan_training_memory(r, r.model_config, true, need).fits());
   // Far too small for anything: said so, with the bigger levers.
   const MemoryPlan tiny = plan_training_memory(r, r.model_config, true, kMiB);
-  EXPECT_NE(memory_refusal(r, r.model_config, tiny).find("no single setting"), std::string::npos);
+  EXPECT_NE(memory_refusal(r, r.model_config, tiny).find("no setting makes it fit"),
+            std::string::npos);
+  // Where only more GPUs fit, the smallest data-parallel count that does is named: the moments
+  // shard over it. This recipe has no other setting left to change.
+  const std::vector<std::string> lean{"train.recompute=full", "train.micro_batch_size=1",
+                                      "train.freeze_vision_tower=true", "train.freeze_merger=true"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = lean;
+    all.insert(all.end(), more.begin(), more.end());
+    return tiny_recipe(all);
+  };
+  const Recipe one_gpu = with({});
+  const int64_t four_fit =
+      plan_training_memory(with({"parallel.data_parallel_size=4", "optimizer.distributed=true"}),
+                           r.model_config, true, 0)
+          .peak();
+  ASSERT_GT(
+      plan_training_memory(with({"parallel.data_parallel_size=2", "optimizer.distributed=true"}),
+                           r.model_config, true, 0)
+          .peak(),
+      four_fit);
+  const std::string more = memory_refusal(
+      one_gpu, r.model_config, plan_training_memory(one_gpu, r.model_config, true, four_fit));
+  EXPECT_NE(more.find("with more GPUs: parallel.data_parallel_size=4 optimizer.distributed=true"),
+            std::string::npos)
+      << more;
   // The recipe key gives the device memory.
   const Recipe keyed = tiny_recipe({"train.device_memory_gib=80"});
   EXPECT_EQ(planned_device_bytes(keyed, 0), int64_t(80) << 30);

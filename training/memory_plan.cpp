@@ -38,7 +38,9 @@ std::string gib_number(int64_t bytes) {
   return buf;
 }
 
-std::string gib(int64_t bytes) { return gib_number(bytes) + " GiB"; }
+std::string gib(int64_t bytes) {
+  return gib_number(bytes) + " GiB";
+}
 
 std::string count(int64_t n) {
   char buf[32];
@@ -71,10 +73,10 @@ int64_t graph_sets(const Recipe& r, const TrainLimits& limits, const PipelineSta
   }
   int64_t sets = shapes * per_shape;
   if (vision) {
-    const int64_t halves = r.cuda_graph.vision.modules.empty()
-                               ? 1
-                               : static_cast<int64_t>(r.cuda_graph.vision.modules.size()) *
-                                     cfg.vision.depth;
+    const int64_t halves =
+        r.cuda_graph.vision.modules.empty()
+            ? 1
+            : static_cast<int64_t>(r.cuda_graph.vision.modules.size()) * cfg.vision.depth;
     sets += 2 * halves * vision_shapes;
   }
   return sets;
@@ -95,8 +97,7 @@ int64_t MemoryPlan::peak() const {
 }
 
 int64_t planned_device_bytes(const Recipe& r, int64_t device_total) {
-  if (r.train.device_memory_gib > 0)
-    return static_cast<int64_t>(r.train.device_memory_gib * kGiB);
+  if (r.train.device_memory_gib > 0) return static_cast<int64_t>(r.train.device_memory_gib * kGiB);
   return device_total;
 }
 
@@ -119,15 +120,14 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
   TrainLimits limits = recipe_train_limits(r, cfg, on_gpu);
   const std::vector<PipelineStage> stages = recipe_pipeline_stages(r, cfg, limits);
   const TrainableQwen3VL::LossWorkspaceBytes loss_workspace =
-      on_gpu ? TrainableQwen3VL::LossWorkspaceBytes(
-                   [](int64_t rows, int64_t, int64_t vocab) {
-                     return cuda_lm_head_loss_workspace_bytes(rows, vocab);
-                   })
-             : TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t hidden,
-                                                       int64_t vocab) {
-                 return static_cast<size_t>(train::lm_head_scratch_floats(rows, hidden, vocab)) *
-                        sizeof(float);
-               });
+      on_gpu
+          ? TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t, int64_t vocab) {
+              return cuda_lm_head_loss_workspace_bytes(rows, vocab);
+            })
+          : TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t hidden, int64_t vocab) {
+              return static_cast<size_t>(train::lm_head_scratch_floats(rows, hidden, vocab)) *
+                     sizeof(float);
+            });
 
   for (size_t s = 0; s < stages.size(); ++s) {
     const PipelineStage& st = stages[s];
@@ -175,9 +175,9 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     add("AdamW moments", moment_elements * 8,
         str_cat(count(moment_elements), " elements x 2 x 4 B",
                 pipelined ? str_cat(" (the stage's span of ", count(span), ")") : "",
-                sharded ? str_cat(", 1/", replicas, " per rank (optimizer.distributed)")
-                        : replicas > 1 ? ", whole on every rank (optimizer.distributed off)"
-                                       : ""));
+                sharded        ? str_cat(", 1/", replicas, " per rank (optimizer.distributed)")
+                : replicas > 1 ? ", whole on every rank (optimizer.distributed off)"
+                               : ""));
 
     TrainLimits stage_limits = limits;
     if (pipelined) stage_limits.stage = st;
@@ -229,8 +229,7 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
       // ShardExchange: the reduce-scatter's receive pieces and, with more than one bucket, its
       // send staging.
       const int64_t shard = span / replicas;
-      const int64_t chunk =
-          std::min(shard, std::max<int64_t>(1, kShardBucketElements / replicas));
+      const int64_t chunk = std::min(shard, std::max<int64_t>(1, kShardBucketElements / replicas));
       const int64_t buckets = chunk > 0 ? (shard + chunk - 1) / chunk : 0;
       const int64_t recv = std::max(replicas * chunk, span % replicas > 0 ? replicas : int64_t(0));
       const int64_t send = buckets > 1 ? replicas * chunk : 0;
@@ -243,8 +242,10 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
       comm += std::max(embed, all_reduce_scratch_elements(embed, replicas)) * 4;
       comm_how += str_cat(comm_how.empty() ? "" : ", ", "tied-embedding gradient exchange");
     }
-    if (comm_how.empty()) comm_how = "none (one rank)";
-    else if (on_gpu) comm_how += "; NCCL's own channel buffers are not counted";
+    if (comm_how.empty())
+      comm_how = "none (one rank)";
+    else if (on_gpu)
+      comm_how += "; NCCL's own channel buffers are not counted";
     add("communication", comm, comm_how);
     plan.per_stage.push_back(std::move(sm));
   }
@@ -328,13 +329,41 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
   } else if (!together_settings.empty() && peak_with(together) <= plan.device_bytes) {
     advice = str_cat("together these fit (", gib(peak_with(together)), "): ", together_settings);
   } else {
-    advice =
-        "no single setting makes it fit; add GPUs to pipeline stages "
-        "(parallel.pipeline_parallel_size) or shorten train.seq_length";
+    // More GPUs: data-parallel ranks with the moments sharded over them, with the changes above;
+    // the smallest count that fits.
+    std::string more_gpus;
+    for (int64_t n = std::max<int64_t>(2, r.parallel.data_parallel_size * 2);
+         n <= 64 && more_gpus.empty(); n *= 2) {
+      Recipe x = together;
+      x.parallel.data_parallel_size = n;
+      x.optimizer.distributed = true;
+      const int64_t p = peak_with(x);
+      if (p <= plan.device_bytes)
+        more_gpus = str_cat(together_settings, together_settings.empty() ? "" : " ",
+                            "parallel.data_parallel_size=", n, " optimizer.distributed=true (",
+                            gib(p), " per GPU)");
+    }
+    // What every GPU holds whole today whatever the layout: the weights, master weights and
+    // gradients of the model.
+    int64_t whole = 0;
+    for (const MemoryItem& i : plan.per_stage[0].items)
+      if (i.name == "weights" || i.name == "master weights" || i.name == "gradients")
+        whole += i.bytes;
+    advice = !more_gpus.empty()
+                 ? "no setting of this layout makes it fit; with more GPUs: " + more_gpus
+                 : str_cat(
+                       "no setting makes it fit: the weights, master weights and gradients "
+                       "alone take ",
+                       gib(whole),
+                       " on every GPU, which no data-parallel or pipeline layout divides; "
+                       "freeze parts (train.freeze_vision_tower, train.freeze_merger, "
+                       "train.freeze_language_model), shorten train.seq_length or use GPUs "
+                       "with more memory");
   }
   return str_cat(plan.describe(), "the plan needs ", gib(plan.peak()), " per GPU but ",
-                 r.train.device_memory_gib > 0 ? "train.device_memory_gib (or --device-memory) allows "
-                                               : "the GPU has ",
+                 r.train.device_memory_gib > 0
+                     ? "train.device_memory_gib (or --device-memory) allows "
+                     : "the GPU has ",
                  gib(plan.device_bytes), "; ", advice);
 }
 
