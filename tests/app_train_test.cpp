@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/safetensors.h"
 #include "process_util.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
@@ -217,6 +219,35 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
   const Exit missing = iris({"train", "--recipe", (root_ / "nope.yaml").string()});
   EXPECT_EQ(missing.code, 1);
   EXPECT_NE(missing.output.find("does not exist"), std::string::npos);
+}
+
+// A frozen part has no optimizer state in its checkpoints; a resume that unfreezes it starts the
+// part's moments and step counts at zero, says so, and trains it from there.
+TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
+  const std::string recipe = write_recipe(4);
+  const std::string run = (root_ / "run").string();
+  const Exit frozen = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run,
+                            "train.train_iters=2", "train.freeze_vision_tower=true"});
+  ASSERT_EQ(frozen.code, 0) << frozen.output;
+  const std::string patch = "model.visual.patch_embed.proj.weight";
+  const std::string embed = "model.language_model.embed_tokens.weight";
+  {
+    SafetensorsFile state((fs::path(run) / "step_0000002/optimizer.safetensors").string());
+    EXPECT_FALSE(state.contains("exp_avg." + patch));
+    EXPECT_TRUE(state.contains("exp_avg." + embed));
+  }
+  const Exit resumed = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run});
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("no optimizer state for vision_tower"), std::string::npos)
+      << resumed.output;
+  SafetensorsFile state((fs::path(run) / "step_0000004/optimizer.safetensors").string());
+  auto steps = [&](const std::string& name) {
+    int64_t s = -1;
+    std::memcpy(&s, state.at("step." + name).data, sizeof(s));
+    return s;
+  };
+  EXPECT_EQ(steps(patch), 2);  // trained since the resume only
+  EXPECT_EQ(steps(embed), 4);
 }
 
 TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {
