@@ -202,6 +202,10 @@ void RankTraining::plan_memory(const Recipe& r) {
       r, cfg_, true, planned_device_bytes(r, static_cast<int64_t>(gpu_->device_memory_total())));
   IRIS_CHECK(memory.fits(), "the run does not fit the GPU's memory:\n",
              memory_refusal(r, cfg_, memory));
+  const std::string total = memory.describe();
+  const size_t line = total.rfind("per-GPU total: ");
+  planned_memory_ = str_cat("memory plan: ", total.substr(line, total.size() - line - 1),
+                            " (iris train --dry-run prints it by buffer)");
 }
 
 void RankTraining::load_weights_on_host(const Recipe& r, const ModelSource& source) {

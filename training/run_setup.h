@@ -94,6 +94,9 @@ class RankTraining {
   double capture_ms() const;
   // The memory held, by buffer, as allocated.
   std::string memory_report(const Recipe& r, DataParallel& dp) const;
+  // On the GPU: the memory plan's per-GPU total and the memory it had to fit, which the peak the
+  // run reports can be held against (empty on the CPU).
+  const std::string& planned_memory() const { return planned_memory_; }
 
  private:
   void plan_memory(const Recipe& r);
@@ -103,6 +106,7 @@ class RankTraining {
   void connect(const Recipe& r, DataParallel& dp, const std::string& resume_dir);
 
   ModelConfig cfg_;
+  std::string planned_memory_;
   bool graphs_on_ = false;
   bool sharded_ = false;
   int n_replicas_ = 1;

@@ -256,6 +256,7 @@ void RunLog::describe_start(const std::string& resume_dir, const TrainerState& s
           : "",
       ", run directory ", r.checkpoint.dir));
   log.message(rank_.memory_report(r, dp));
+  if (!rank_.planned_memory().empty()) log.message(rank_.planned_memory());
   log.message("peak for MFU: " + peak_.source);
   const int64_t micro = r.train.micro_batch_size;
   if (dp.world() > 1) log.message(dp.layout(r.train.global_batch_size / micro, micro));
