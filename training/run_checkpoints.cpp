@@ -152,10 +152,7 @@ std::string Checkpoints::save(int64_t iteration, TrainerState& state,
                               const DataPosition& position) {
   // A sharded optimizer's state comes to rank 0 from every rank.
   rank_.optimizer().gather_state();
-  if (rank_.pipelined()) {
-    const std::string dir = save_pipelined(iteration, state, position);
-    return dir;
-  }
+  if (rank_.pipelined()) return save_pipelined(iteration, state, position);
   if (!dp_.writer()) return "";
   fill_state(state, position);
   return save_whole(iteration, state);
