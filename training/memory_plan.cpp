@@ -134,8 +134,10 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     const bool pipelined = stages.size() > 1;
     StageMemory sm;
     sm.stage = static_cast<int>(s);
-    sm.ranks = pipelined ? str_cat("stage ", s, " (", st.describe(), "), ranks ",
-                                   s * size_t(replicas), "-", (s + 1) * size_t(replicas) - 1)
+    // Rank = stage x replicas + replica (training/data_parallel.h).
+    const size_t first_rank = s * size_t(replicas), last_rank = first_rank + replicas - 1;
+    sm.ranks = pipelined ? str_cat(st.describe(), replicas > 1 ? ", ranks " : ", rank ", first_rank,
+                                   replicas > 1 ? str_cat("-", last_rank) : std::string())
                          : (replicas > 1 ? str_cat("each of ", replicas, " data-parallel ranks")
                                          : std::string("the one GPU"));
     auto holds = [&](const std::string& name) {
@@ -243,7 +245,9 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
       comm_how += str_cat(comm_how.empty() ? "" : ", ", "tied-embedding gradient exchange");
     }
     if (comm_how.empty())
-      comm_how = "none (one rank)";
+      comm_how = pipelined ? "none: no replica shares this stage, and what crosses the stage "
+                             "boundary lives in the activation arena"
+                           : "none (one rank)";
     else if (on_gpu)
       comm_how += "; NCCL's own channel buffers are not counted";
     add("communication", comm, comm_how);
