@@ -98,8 +98,7 @@ TEST(MemoryPlan, ActivationsAndWorkspaceAreWhatTheModelAllocates) {
     const MemoryPlan plan = plan_training_memory(r, r.model_config, false, 0);
     const std::unique_ptr<Backend> cpu = make_cpu_backend();
     auto params = allocate_weights(*cpu, r.model_config);
-    TrainableQwen3VL model(*cpu, r.model_config, *params,
-                           recipe_train_limits(r, r.model_config, false));
+    TrainableQwen3VL model(*cpu, r.model_config, *params, recipe_train_limits(r, false));
     const StageMemory& s = plan.per_stage[0];
     EXPECT_EQ(item(s, "activations").bytes, int64_t(model.activation_bytes()));
     EXPECT_EQ(item(s, "workspace").bytes, int64_t(model.arena_bytes() - model.activation_bytes()));
@@ -158,8 +157,8 @@ TEST(MemoryPlan, PipelineStagesHoldTheirOwnMomentsAndActivationsInFlight) {
   EXPECT_LT(item(plan.per_stage[0], "AdamW moments").bytes, c.all() * 8);
   // Stage 0 keeps two micro-batches in flight (4 per replica, 2 stages), the last one.
   const std::vector<PipelineStage> stages =
-      recipe_pipeline_stages(r, r.model_config, recipe_train_limits(r, r.model_config, true));
-  TrainLimits first = recipe_train_limits(r, r.model_config, true);
+      recipe_pipeline_stages(r, r.model_config, recipe_train_limits(r, true));
+  TrainLimits first = recipe_train_limits(r, true);
   first.stage = stages[0];
   const auto arena = TrainableQwen3VL::plan_arena(
       r.model_config, first, DType::bf16,

@@ -117,7 +117,7 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
   const int64_t all = specs.parameters(), trainable = specs.trainable_parameters();
   const bool sharded = r.optimizer.distributed && replicas > 1;
 
-  TrainLimits limits = recipe_train_limits(r, cfg, on_gpu);
+  TrainLimits limits = recipe_train_limits(r, on_gpu);
   const std::vector<PipelineStage> stages = recipe_pipeline_stages(r, cfg, limits);
   const TrainableQwen3VL::LossWorkspaceBytes loss_workspace =
       on_gpu

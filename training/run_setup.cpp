@@ -176,7 +176,7 @@ RankTraining::RankTraining(const Recipe& r, const ModelSource& source,
   }
   load_weights_on_host(r, source);
   frozen_ = recipe_frozen_parts(r);
-  limits_ = recipe_train_limits(r, cfg_, on_gpu);
+  limits_ = recipe_train_limits(r, on_gpu);
   // Pipeline stages: this rank plans and runs its stage's share of the model only.
   if (dp.stages() > 1) {
     stages_ = recipe_pipeline_stages(r, cfg_, limits_);

@@ -12,8 +12,7 @@ FreezeSpec recipe_frozen_parts(const Recipe& r) {
   return {r.train.freeze_vision_tower, r.train.freeze_merger, r.train.freeze_language_model};
 }
 
-TrainLimits recipe_train_limits(const Recipe& r, const ModelConfig& cfg, bool on_gpu) {
-  (void)cfg;
+TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   const PreprocessorConfig pp = recipe_preprocessor(r);
   const bool graphs_on = r.cuda_graph.language.impl != GraphImpl::none ||
                          r.cuda_graph.vision.impl != VisionGraphImpl::none;

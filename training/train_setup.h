@@ -14,7 +14,7 @@ namespace iris {
 
 // The largest micro-batch each model is planned for, its recompute and frozen parts, and (with
 // graphs) its bucket padding. on_gpu: the loss streams larger chunks of labelled rows.
-TrainLimits recipe_train_limits(const Recipe& r, const ModelConfig& cfg, bool on_gpu);
+TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu);
 
 // The stages of parallel.pipeline_parallel_size (split by training FLOPs of a full micro-batch
 // unless parallel.pipeline_layers says otherwise); one stage: the whole model.
