@@ -284,6 +284,7 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
   struct Change {
     std::string setting;
     std::function<bool(Recipe&)> apply;  // false: not applicable to this recipe
+    bool changes_what_trains = false;    // freezing: offered last
   };
   const std::vector<Change> changes{
       {"train.recompute=full",
@@ -310,19 +311,26 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          if (x.train.freeze_language_model) return false;  // nothing left to train
          x.train.freeze_vision_tower = x.train.freeze_merger = true;
          return true;
-       }},
+       },
+       true},
   };
   auto peak_with = [&](Recipe x) {
     return plan_training_memory(x, cfg, plan.on_gpu, plan.device_bytes).peak();
   };
   std::vector<std::string> alone;
-  Recipe together = r;
-  std::string together_settings;
+  // Every change together; and those that leave what trains as it is (with more GPUs, these are
+  // offered first).
+  Recipe together = r, same_training = r;
+  std::string together_settings, same_training_settings;
   for (const Change& c : changes) {
     Recipe x = r;
     if (!c.apply(x)) continue;
     c.apply(together);
     together_settings += str_cat(together_settings.empty() ? "" : " ", c.setting);
+    if (!c.changes_what_trains) {
+      c.apply(same_training);
+      same_training_settings += str_cat(same_training_settings.empty() ? "" : " ", c.setting);
+    }
     const int64_t p = peak_with(x);
     if (p <= plan.device_bytes) alone.push_back(str_cat(c.setting, " (", gib(p), ")"));
   }
@@ -336,17 +344,19 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
     // More GPUs: data-parallel ranks with the moments sharded over them, with the changes above;
     // the smallest count that fits.
     std::string more_gpus;
-    for (int64_t n = std::max<int64_t>(2, r.parallel.data_parallel_size * 2);
-         n <= 64 && more_gpus.empty(); n *= 2) {
-      Recipe x = together;
-      x.parallel.data_parallel_size = n;
-      x.optimizer.distributed = true;
-      const int64_t p = peak_with(x);
-      if (p <= plan.device_bytes)
-        more_gpus = str_cat(together_settings, together_settings.empty() ? "" : " ",
-                            "parallel.data_parallel_size=", n, " optimizer.distributed=true (",
-                            gib(p), " per GPU)");
-    }
+    for (const auto& [base, settings] :
+         {std::pair{&same_training, &same_training_settings}, {&together, &together_settings}})
+      for (int64_t n = std::max<int64_t>(2, r.parallel.data_parallel_size * 2);
+           n <= 64 && more_gpus.empty(); n *= 2) {
+        Recipe x = *base;
+        x.parallel.data_parallel_size = n;
+        x.optimizer.distributed = true;
+        const int64_t p = peak_with(x);
+        if (p <= plan.device_bytes)
+          more_gpus =
+              str_cat(*settings, settings->empty() ? "" : " ", "parallel.data_parallel_size=", n,
+                      " optimizer.distributed=true (", gib(p), " per GPU)");
+      }
     // What every GPU holds whole today whatever the layout: the weights, master weights and
     // gradients of the model.
     int64_t whole = 0;
