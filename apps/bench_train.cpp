@@ -14,6 +14,7 @@
 #include "core/fs.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
+#include "training/param_spec.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -123,22 +124,25 @@ int run_bench_train(int argc, char** argv) {
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(recompute);
   limits.vision_tower_frozen = freeze_vision;
+  limits.frozen = FreezeSpec{freeze_vision, freeze_merger, freeze_llm};
 
-  // The weights the model reads, and on the GPU their f32 master copy.
+  // The weights the model reads, and the f32 master copy of the trainable ones (on the CPU with
+  // nothing frozen, the weights themselves), as the trainer holds them.
   std::unique_ptr<ModelWeights> working = random_weights(*be, cfg, 1234), master;
-  if (on_gpu) {
-    master = allocate_weights(*be, cfg, DType::f32);
+  const bool any_frozen = freeze_vision || freeze_merger || freeze_llm;
+  if (on_gpu || any_frozen) {
+    master = allocate_state(*be, cfg, ParamSpecs(*working, limits.frozen, be->compute_dtype()));
     for (size_t i = 0; i < master->bindings.size(); ++i)
-      be->convert(master->bindings[i].tensor(), working->bindings[i].tensor());
+      if (master->bindings[i].allocated())
+        be->convert(master->bindings[i].tensor(), working->bindings[i].tensor());
   }
   TrainableQwen3VL model(*be, cfg, *working, limits);
-  model.set_frozen(freeze_vision, freeze_merger, freeze_llm);
   AdamWConfig ac;
   ac.beta2 = 0.95f;
   ac.weight_decay = 0.1f;
   ac.clip_grad_norm = 1.0f;
-  AdamW opt(*be, cfg, on_gpu ? *master : *working, model.grads(), ac,
-            on_gpu ? working.get() : nullptr);
+  AdamW opt(*be, cfg, master ? *master : *working, model.grads(), ac,
+            master ? working.get() : nullptr);
 
   const std::vector<const TrainSample*> mb(static_cast<size_t>(micro), &sample);
   const int64_t labels_per_sample = labelled_positions(sample.labels);

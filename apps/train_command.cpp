@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "apps/commands.h"
+#include "core/backend.h"
 #include "parallel/launch.h"
+#include "training/memory_plan.h"
 #include "training/recipe.h"
 #include "training/trainer.h"
 
@@ -22,10 +24,16 @@ int run_train_command(int argc, char** argv) {
   std::string recipe_path;
   std::vector<std::string> overrides;
   bool dry_run = false, list_keys = false;
+  double device_memory_gib = 0;
   app.add_option("--recipe", recipe_path, "the recipe YAML file");
   app.add_option("overrides", overrides, "section.key=value overrides");
   app.add_flag("--dry-run", dry_run,
-               "validate the recipe and overrides, print the resolved config and exit");
+               "validate the recipe and overrides, print the resolved config and the memory plan "
+               "per GPU, and exit (no GPU needed)");
+  app.add_option("--device-memory", device_memory_gib,
+                 "GiB of memory per GPU the memory plan must fit (as train.device_memory_gib; "
+                 "default: the GPU's own)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--list-keys", list_keys, "print every recipe key with its type, default and doc");
   try {
     app.parse(argc, argv);
@@ -40,6 +48,8 @@ int run_train_command(int argc, char** argv) {
     std::fprintf(stderr, "iris train: --recipe is required (see recipes/, or iris train --help)\n");
     return 1;
   }
+  if (device_memory_gib > 0)
+    overrides.push_back("train.device_memory_gib=" + std::to_string(device_memory_gib));
   const Recipe recipe = load_recipe(recipe_path, overrides);
   // Of a multi-process run, rank 0 speaks for all (the trainer's log is rank 0's too).
   const bool speaks = read_launch_env().rank == 0;
@@ -51,8 +61,30 @@ int run_train_command(int argc, char** argv) {
   if (dry_run) {
     // The chat template is part of what a run would use: a bad one fails here, not at step 0.
     const ChatFormat chat = recipe_chat_format(recipe);
+    if (speaks) std::printf("%s\n", chat.describe().c_str());
+    if (!recipe.has_model_config) {
+      if (speaks)
+        std::printf(
+            "no memory plan: the recipe has no model config (set model.config or "
+            "model.hf_dir)\nrecipe is valid (dry run: nothing trained)\n");
+      return 0;
+    }
+    // A recipe is planned for the GPUs it is meant for unless it asks for the CPU; the device
+    // memory comes from the flag or key, else from the GPU here, if any.
+    const bool on_gpu = recipe.train.device != "cpu";
+    int64_t device_total = 0;
+    if (on_gpu && recipe.train.device_memory_gib <= 0 && cuda_available())
+      device_total = static_cast<int64_t>(make_cuda_backend(0)->device_memory_total());
+    const MemoryPlan plan = plan_training_memory(recipe, recipe.model_config, on_gpu,
+                                                 planned_device_bytes(recipe, device_total));
+    if (!plan.fits()) {
+      if (speaks)
+        std::fprintf(stderr, "iris train: the run does not fit the GPU's memory:\n%s\n",
+                     memory_refusal(recipe, recipe.model_config, plan).c_str());
+      return 1;
+    }
     if (speaks)
-      std::printf("%s\nrecipe is valid (dry run: nothing trained)\n", chat.describe().c_str());
+      std::printf("%srecipe is valid (dry run: nothing trained)\n", plan.describe().c_str());
     return 0;
   }
   std::fflush(stdout);

@@ -130,13 +130,24 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
 
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
                                                DType dtype) {
+  return allocate_weights(backend, cfg, dtype, {});
+}
+
+std::unique_ptr<ModelWeights> allocate_weights(
+    Backend& backend, const ModelConfig& cfg, DType dtype,
+    const std::function<bool(const std::string&)>& keep) {
   auto w = std::make_unique<ModelWeights>();
   Planner p;
   declare(cfg, *w, p);
+  std::set<const Tensor*> kept;
+  for (const WeightBinding& b : w->bindings)
+    if (!keep || keep(b.hf_name)) kept.insert(b.target);
   Arena plan;
-  for (auto& [t, dims] : p.tensors) plan.alloc(dtype, dims);
-  w->arena = Arena(backend, plan.used());
-  for (auto& [t, dims] : p.tensors) *t = w->arena.alloc(dtype, dims);
+  for (auto& [t, dims] : p.tensors)
+    if (kept.count(t)) plan.alloc(dtype, dims);
+  if (plan.used() > 0) w->arena = Arena(backend, plan.used());
+  for (auto& [t, dims] : p.tensors)
+    if (kept.count(t)) *t = w->arena.alloc(dtype, dims);
   if (w->tied_lm_head) w->text.lm_head = w->text.embed;
   return w;
 }

@@ -26,6 +26,8 @@ struct WeightBinding {
   bool norm_weight = false;
   // The HF tensor's rows of its target.
   Tensor tensor() const { return target->slice(row_offset, row_offset + hf_shape[0]); }
+  // Whether the tensor has storage: a partial allocation leaves the ones it drops undefined.
+  bool allocated() const { return target->defined(); }
 };
 
 struct ModelWeights {
@@ -49,6 +51,14 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
 // config and dtype share one layout, so their arenas can be walked as flat buffers together.
 std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
                                                DType dtype);
+// The same for the tensors `keep` accepts (by HF name) only: the binding table is the whole
+// model's, the others stay undefined Tensors. Training state (gradients, master weights, moments)
+// exists for trainable tensors only. Two partial allocations with the same `keep` share one
+// layout, so their arenas can still be walked as flat buffers together; a target that several
+// bindings fill (fused q/k/v) is kept when any of them is.
+std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConfig& cfg,
+                                               DType dtype,
+                                               const std::function<bool(const std::string&)>& keep);
 
 // Where a load's time went: reading the files (through the page cache, with the finiteness
 // check and any dtype conversion) and handing the bytes to the backend (the device upload).

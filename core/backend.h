@@ -101,6 +101,8 @@ class Backend {
   virtual GemmTuningReport gemm_tuning_report() { return {}; }
   // Device memory in use by this process's context (cudaMemGetInfo), for reports; 0 on the CPU.
   virtual size_t device_memory_in_use() { return 0; }
+  // The device's whole memory, which a training run's memory plan must fit; 0 on the CPU.
+  virtual size_t device_memory_total() { return 0; }
   // Op tapes, for the recording graph stand-in (core/graph_capture.h): between begin_op_tape()
   // and end_op_tape() the calling thread's ops run and are also recorded with their arguments as
   // they are now, and the function end_op_tape() returns replays that record, exactly as a CUDA

@@ -35,6 +35,7 @@ class TapingBackend final : public Backend {
   bool save_gemm_tuning() override { return in_->save_gemm_tuning(); }
   GemmTuningReport gemm_tuning_report() override { return in_->gemm_tuning_report(); }
   size_t device_memory_in_use() override { return in_->device_memory_in_use(); }
+  size_t device_memory_total() override { return in_->device_memory_total(); }
   void profiler_collect(bool on) override { in_->profiler_collect(on); }
   double device_span_ms(const std::function<void()>& enqueue) override {
     return in_->device_span_ms(enqueue);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/fs.h"
+#include "core/safetensors.h"
 #include "mpirun_test_util.h"
 #include "test_util.h"
 
@@ -134,6 +135,43 @@ TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAF
   EXPECT_EQ(half, full / 2) << b.output;
   EXPECT_NE(b.output.find("this rank's 1/2 (optimizer.distributed)"), std::string::npos)
       << b.output;
+}
+
+// Frozen parts hold no optimizer state (training/param_spec.h): the sharded optimizer shards the
+// trainable tensors only and writes the frozen ones' weights through from the weights the model
+// reads; the run is still the unsharded one bit for bit, and both checkpoints keep every weight.
+TEST_F(AppParallelTrainTest, FrozenPartsShardNothingAndGiveTheUnshardedRunBitForBit) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> common{"train",
+                                        "--recipe",
+                                        recipe,
+                                        "parallel.data_parallel_size=2",
+                                        "optimizer.weight_decay=0.1",
+                                        "train.freeze_vision_tower=true",
+                                        "train.freeze_merger=true"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const fs::path plain = root_ / "plain", sharded = root_ / "sharded";
+  const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b =
+      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "optimizer.distributed=true"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_EQ(losses(plain), losses(sharded));
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text_file((plain / "step_0000003" / file).string()),
+              read_text_file((sharded / "step_0000003" / file).string()))
+        << file;
+  // The frozen parts' weights are saved unchanged, and their moments are not saved at all.
+  SafetensorsFile weights((plain / "step_0000003" / "model.safetensors").string());
+  EXPECT_TRUE(weights.contains("model.visual.patch_embed.proj.weight"));
+  SafetensorsFile moments((plain / "step_0000003" / "optimizer.safetensors").string());
+  EXPECT_FALSE(moments.contains("exp_avg.model.visual.patch_embed.proj.weight"));
+  EXPECT_TRUE(moments.contains("exp_avg.model.language_model.embed_tokens.weight"));
+  EXPECT_NE(a.output.find("f32 master weights "), std::string::npos) << a.output;
 }
 
 // A checkpoint does not depend on the data-parallel size or the sharding: a run stopped at step 2

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/safetensors.h"
 #include "process_util.h"
 #include "test_util.h"
 #include "training/checkpoint.h"
@@ -130,6 +132,27 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
                                ", line 1: the filter 'wordcount' is not supported"),
             std::string::npos)
       << broken.output;
+
+  // The memory plan per GPU, without a GPU: the device memory from the flag or the recipe key.
+  EXPECT_NE(e.output.find("memory plan per GPU"), std::string::npos) << e.output;
+  for (const char* line :
+       {"weights", "master weights", "gradients", "AdamW moments", "activations",
+        "offloaded to host", "workspace", "graph pools", "communication", "per-GPU total: "})
+    EXPECT_NE(e.output.find(line), std::string::npos) << line;
+  const Exit sized = iris({"train", "--recipe", recipe, "--dry-run", "--device-memory", "80"});
+  EXPECT_EQ(sized.code, 0) << sized.output;
+  EXPECT_NE(sized.output.find(" GiB of 80.00 GiB"), std::string::npos) << sized.output;
+  // A plan over the device is refused, by the dry run as by a run, naming what would fit.
+  const Exit over = iris({"train", "--recipe", recipe, "--dry-run", "--device-memory", "0.5"});
+  EXPECT_EQ(over.code, 1) << over.output;
+  EXPECT_NE(over.output.find("does not fit the GPU's memory"), std::string::npos) << over.output;
+  EXPECT_NE(over.output.find("allows 0.50 GiB"), std::string::npos) << over.output;
+  const Exit keyed =
+      iris({"train", "--recipe", recipe, "--dry-run", "train.device_memory_gib=0.5"});
+  EXPECT_EQ(keyed.code, 1) << keyed.output;
+  EXPECT_NE(keyed.output.find("train.device_memory_gib (or --device-memory) allows 0.50 GiB"),
+            std::string::npos)
+      << keyed.output;
 
   const Exit listed = iris({"train", "--list-keys"});
   EXPECT_EQ(listed.code, 0);
@@ -308,6 +331,35 @@ TEST_F(AppTrainTest, AnExportStoppedBySigintOrSigtermLeavesNothingBehind) {
     EXPECT_EQ(temporaries(), 0);
     EXPECT_FALSE(fs::exists(out));
   }
+}
+
+// A frozen part has no optimizer state in its checkpoints; a resume that unfreezes it starts the
+// part's moments and step counts at zero, says so, and trains it from there.
+TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
+  const std::string recipe = write_recipe(4);
+  const std::string run = (root_ / "run").string();
+  const Exit frozen = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run,
+                            "train.train_iters=2", "train.freeze_vision_tower=true"});
+  ASSERT_EQ(frozen.code, 0) << frozen.output;
+  const std::string patch = "model.visual.patch_embed.proj.weight";
+  const std::string embed = "model.language_model.embed_tokens.weight";
+  {
+    SafetensorsFile state((fs::path(run) / "step_0000002/optimizer.safetensors").string());
+    EXPECT_FALSE(state.contains("exp_avg." + patch));
+    EXPECT_TRUE(state.contains("exp_avg." + embed));
+  }
+  const Exit resumed = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run});
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("no optimizer state for vision_tower"), std::string::npos)
+      << resumed.output;
+  SafetensorsFile state((fs::path(run) / "step_0000004/optimizer.safetensors").string());
+  auto steps = [&](const std::string& name) {
+    int64_t s = -1;
+    std::memcpy(&s, state.at("step." + name).data, sizeof(s));
+    return s;
+  };
+  EXPECT_EQ(steps(patch), 2);  // trained since the resume only
+  EXPECT_EQ(steps(embed), 4);
 }
 
 TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {

@@ -6,14 +6,17 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <set>
 
 #include <unistd.h>
 
 #include "bridge/hf_weights.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "core/safetensors.h"
 #include "test_util.h"
 #include "training/lr_schedule.h"
 #include "training/optimizer.h"
+#include "training/param_spec.h"
 #include "training/train_model.h"
 #include "training_test_util.h"
 
@@ -218,6 +221,122 @@ TEST_F(TinyModel, FrozenPartsStayBitIdenticalAndTrainablePartsMatchTheFullBackwa
       }
     }
   }
+}
+
+// Elements of the tensors a buffer holds (its allocated bindings, a fused target once).
+int64_t held_elements(const ModelWeights& w) {
+  std::set<const Tensor*> targets;
+  int64_t n = 0;
+  for (const WeightBinding& b : w.bindings)
+    if (b.allocated() && targets.insert(b.target).second) n += b.target->numel();
+  return n;
+}
+
+TEST_F(TinyModel, FrozenPartsHoldNoF32StateAndTrainAsWithWholeModelBuffers) {
+  const FreezeSpec frozen{true, true, false};  // vision tower and mergers frozen
+  // The language model's parameter count, from the config's bindings by name alone.
+  int64_t language_params = 0, all_params = 0;
+  const auto layout = fresh_params();
+  for (const WeightBinding& b : layout->bindings) {
+    int64_t n = 1;
+    for (int64_t d : b.hf_shape) n *= d;
+    all_params += n;
+    if (b.hf_name.rfind("model.language_model.", 0) == 0 || b.hf_name.rfind("lm_head.", 0) == 0)
+      language_params += n;
+  }
+  ASSERT_GT(language_params, 0);
+  ASSERT_LT(language_params, all_params);
+  const ParamSpecs specs(*cfg_, frozen, DType::f32);
+  EXPECT_EQ(specs.parameters(), all_params);
+  EXPECT_EQ(specs.trainable_parameters(), language_params);
+
+  const float scale = 1.0f / float(labelled_positions(sample_->labels));
+  float lr = 0;
+  const AdamWConfig ac = golden_adamw(&lr);
+
+  // Buffers by spec: gradients, master weights and moments of the trainable tensors only.
+  auto params = fresh_params();
+  TrainLimits planned = limits();
+  planned.frozen = frozen;
+  TrainableQwen3VL model(*backend_, *cfg_, *params, planned);
+  auto master = allocate_state(*backend_, *cfg_, specs);
+  for (size_t i = 0; i < master->bindings.size(); ++i)
+    if (master->bindings[i].allocated())
+      std::memcpy(bound(master->bindings[i]).data, bound(params->bindings[i]).data,
+                  size_t(bound(params->bindings[i]).numel()) * sizeof(float));
+  AdamW opt(*backend_, *cfg_, *master, model.grads(), ac, params.get());
+  for (const ModelWeights* w : {&model.grads(), master.get(), &opt.exp_avg(), &opt.exp_avg_sq()}) {
+    for (const WeightBinding& b : w->bindings)
+      EXPECT_EQ(b.allocated(), model_part(b.hf_name) == ModelPart::language_model) << b.hf_name;
+    EXPECT_EQ(held_elements(*w) * int64_t(sizeof(float)), language_params * 4);
+    // Only the arena's alignment (256 bytes per tensor at most) beyond the tensors themselves.
+    EXPECT_GE(allocated_bytes(*w), size_t(language_params * 4));
+    EXPECT_LT(allocated_bytes(*w), size_t(language_params * 4) + 256 * w->bindings.size());
+  }
+  EXPECT_EQ(opt.state_bytes(), 2 * allocated_bytes(*master));
+  // Planned frozen parts have no gradient to train with.
+  EXPECT_THROW(model.set_frozen(false, true, false), Error);
+
+  // The same run with whole-model buffers (the parts frozen after planning).
+  auto ref_params = fresh_params();
+  TrainableQwen3VL ref(*backend_, *cfg_, *ref_params, limits());
+  ref.set_frozen(true, true, false);
+  AdamW ref_opt(*backend_, *cfg_, *ref_params, ref.grads(), ac);
+  for (int step = 0; step < 2; ++step) {
+    model.zero_grads();
+    ref.zero_grads();
+    const LossStats a = model.forward_backward(*sample_, scale);
+    const LossStats b = ref.forward_backward(*sample_, scale);
+    EXPECT_EQ(a.loss_sum, b.loss_sum) << "step " << step;
+    opt.step(lr, model.frozen());
+    ref_opt.step(lr, ref.frozen());
+  }
+  EXPECT_EQ(opt.take_grad_norms(), ref_opt.take_grad_norms());
+  const auto got = snapshot(*params), want = snapshot(*ref_params);
+  const auto got_m = opt.exp_avg().bindings, want_m = ref_opt.exp_avg().bindings;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(bit_identical(got[i], want[i])) << params->bindings[i].hf_name;
+    if (got_m[i].allocated())
+      EXPECT_TRUE(bit_identical(values(bound(got_m[i])), values(bound(want_m[i]))))
+          << params->bindings[i].hf_name;
+  }
+
+  // The state file keeps its format for the tensors that have state and names the parts that
+  // have none; a resume that unfreezes them starts their moments at zero.
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            str_cat("iris_frozen_state_", ::getpid(), ".safetensors"))
+                               .string();
+  opt.save(path);
+  {
+    SafetensorsFile file(path);
+    EXPECT_TRUE(file.contains("exp_avg." + std::string(kEmbedName)));
+    EXPECT_FALSE(file.contains("exp_avg.model.visual.patch_embed.proj.weight"));
+    EXPECT_EQ(file.metadata().at("stateless_parts"), "vision_tower,merger");
+  }
+  auto all_params_again = fresh_params();
+  TrainableQwen3VL whole(*backend_, *cfg_, *all_params_again, limits());
+  AdamW resumed(*backend_, *cfg_, *all_params_again, whole.grads(), ac);
+  resumed.load(path);
+  EXPECT_EQ(resumed.reinitialised_parts(), (std::vector<std::string>{"vision_tower", "merger"}));
+  const auto rm = snapshot(resumed.exp_avg());
+  for (size_t i = 0; i < rm.size(); ++i) {
+    const WeightBinding& b = resumed.exp_avg().bindings[i];
+    if (model_part(b.hf_name) == ModelPart::language_model)
+      EXPECT_TRUE(bit_identical(rm[i], values(bound(got_m[i])))) << b.hf_name;
+    else
+      for (float x : rm[i]) ASSERT_EQ(x, 0.0f) << b.hf_name;
+  }
+  // A resume that freezes more simply leaves the extra state unread.
+  auto lm_params = fresh_params();
+  TrainLimits lm_frozen = limits();
+  lm_frozen.frozen = FreezeSpec{true, false, true};
+  TrainableQwen3VL merger_only(*backend_, *cfg_, *lm_params, lm_frozen);
+  auto merger_master =
+      allocate_state(*backend_, *cfg_, ParamSpecs(*cfg_, lm_frozen.frozen, DType::f32));
+  AdamW merger_opt(*backend_, *cfg_, *merger_master, merger_only.grads(), ac, lm_params.get());
+  merger_opt.load(path);
+  EXPECT_EQ(merger_opt.reinitialised_parts(), std::vector<std::string>{"merger"});
+  std::filesystem::remove(path);
 }
 
 TEST_F(TinyModel, EachPartStepsWithItsOwnLearningRate) {

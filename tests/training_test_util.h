@@ -19,10 +19,15 @@ inline TrainSample golden_sample(const Golden& golden) {
   return s;
 }
 
-// Every gradient tensor of a model as f32 values read through its backend, in binding order.
+// Every gradient tensor of a model as f32 values read through its backend, in binding order; a
+// tensor without a gradient (a part planned frozen, TrainLimits::frozen) as an empty one.
 inline std::vector<std::vector<float>> all_grads(TrainableQwen3VL& m) {
   std::vector<std::vector<float>> out;
   for (const WeightBinding& b : m.grads().bindings) {
+    if (!b.allocated()) {
+      out.emplace_back();
+      continue;
+    }
     const Tensor g = b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]);
     std::vector<float> v(static_cast<size_t>(g.numel()));
     m.backend().read(v.data(), DType::f32, g);

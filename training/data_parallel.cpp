@@ -12,6 +12,7 @@ namespace iris {
 std::vector<std::pair<int64_t, int64_t>> gradient_tensors(const ModelWeights& grads) {
   std::vector<std::pair<int64_t, int64_t>> tensors;
   for (const WeightBinding& b : grads.bindings) {
+    if (!b.allocated()) continue;  // a frozen part has no gradient to reduce
     const auto begin = static_cast<int64_t>(
         (static_cast<const char*>(b.target->data) - static_cast<const char*>(grads.arena.base())) /
         sizeof(float));

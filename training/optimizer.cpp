@@ -28,10 +28,41 @@ void check_same_bindings(const ModelWeights& a, const ModelWeights& b, const cha
                "AdamW: ", what, " tensor ", i, " is '", b.bindings[i].hf_name, "' ",
                shape_text(b.bindings[i].hf_shape), ", the parameter is '", a.bindings[i].hf_name,
                "' ", shape_text(a.bindings[i].hf_shape));
+    IRIS_CHECK(a.bindings[i].allocated() == b.bindings[i].allocated(), "AdamW: the ", what,
+               " hold '", b.bindings[i].hf_name, "' ",
+               b.bindings[i].allocated() ? "but the master weights do not"
+                                         : "only where the master weights do not",
+               "; allocate both for the same trainable parameters (training/param_spec.h)");
+    if (!a.bindings[i].allocated()) continue;
     IRIS_CHECK(
         a.bindings[i].tensor().dtype == DType::f32 && b.bindings[i].tensor().dtype == DType::f32,
         "AdamW: '", a.bindings[i].hf_name, "' must be f32 (master weights)");
   }
+}
+
+// The model parts none of whose tensors the master weights hold (frozen for the whole run): a
+// state file names them, so that a resume that unfreezes one knows why its moments are absent.
+std::string stateless_parts(const ModelWeights& master) {
+  bool held[3] = {false, false, false};
+  for (const WeightBinding& b : master.bindings)
+    if (b.allocated()) held[static_cast<int>(model_part(b.hf_name))] = true;
+  std::string parts;
+  const char* names[3] = {"vision_tower", "merger", "language_model"};
+  for (int p = 0; p < 3; ++p)
+    if (!held[p]) parts += str_cat(parts.empty() ? "" : ",", names[p]);
+  return parts;
+}
+
+std::string part_name(ModelPart p) {
+  switch (p) {
+    case ModelPart::vision_tower:
+      return "vision_tower";
+    case ModelPart::merger:
+      return "merger";
+    case ModelPart::language_model:
+      return "language_model";
+  }
+  return "";
 }
 
 }  // namespace
@@ -45,7 +76,7 @@ int StageTensors::owner(size_t tensor) const {
 double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen) {
   double ss = 0.0;
   for (const WeightBinding& b : grads.bindings) {
-    if (frozen.frozen(b.hf_name)) continue;
+    if (frozen.frozen(b.hf_name) || !b.allocated()) continue;
     const Tensor g = b.tensor();
     IRIS_CHECK(g.device == Device::cpu, "grad_norm reads CPU gradients");
     const float* p = g.as<float>();
@@ -67,12 +98,13 @@ int64_t offset_in(const ModelWeights& w, const Tensor& t) {
 std::pair<int64_t, int64_t> stage_span(const ModelWeights& w, const std::vector<bool>& held) {
   int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
   for (size_t i = 0; i < w.bindings.size(); ++i) {
-    if (!held[i]) continue;
+    if (!held[i] || !w.bindings[i].allocated()) continue;
     const Tensor t = w.bindings[i].tensor();
     begin = std::min(begin, offset_in(w, t));
     end = std::max(end, offset_in(w, t) + t.numel());
   }
-  IRIS_CHECK(end > 0, "AdamW: a pipeline stage holds no tensor");
+  // A stage whose tensors are all frozen has an empty span.
+  if (end == 0) return {0, 0};
   return {begin, end};
 }
 
@@ -96,10 +128,11 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   const size_t n = master.bindings.size();
   // The flat buffers are walked with the master's offsets: every f32 copy must share its layout.
   for (size_t i = 0; i < n; ++i)
-    IRIS_CHECK(offset_in(grads, grads.bindings[i].tensor()) ==
-                   offset_in(master, master.bindings[i].tensor()),
-               "AdamW: the gradients of '", master.bindings[i].hf_name,
-               "' are laid out unlike the master weights; allocate both with allocate_weights");
+    IRIS_CHECK(
+        !master.bindings[i].allocated() || offset_in(grads, grads.bindings[i].tensor()) ==
+                                               offset_in(master, master.bindings[i].tensor()),
+        "AdamW: the gradients of '", master.bindings[i].hf_name,
+        "' are laid out unlike the master weights; allocate both with allocate_weights");
   if (working) {
     IRIS_CHECK(working->bindings.size() == n, "AdamW: the working weights hold ",
                working->bindings.size(), " tensors, the master weights ", n);
@@ -122,6 +155,7 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
   } else if (pipeline != nullptr) {
     check_pipeline(*pipeline);
     for (size_t i = 0; i < n; ++i) {
+      if (!master.bindings[i].allocated()) continue;
       const Tensor t = master.bindings[i].tensor();
       if (pipeline->held[size_t(pipeline->stages->rank())][i])
         mine.push_back({static_cast<int64_t>(i), offset_in(master, t), t.numel()});
@@ -133,19 +167,30 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
         stage_span(master, pipeline->held[size_t(pipeline->stages->rank())]);
     flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
     flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+    // At least one element so that a stage whose tensors are all frozen still has buffers.
+    const int64_t len = std::max<int64_t>(1, shard_end_ - shard_begin_);
     auto plan_state = [&](Arena& a) {
-      flat_m_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
-      flat_v_ = a.alloc(DType::f32, {shard_end_ - shard_begin_});
+      flat_m_ = a.alloc(DType::f32, {len});
+      flat_v_ = a.alloc(DType::f32, {len});
     };
     Arena planning;
     plan_state(planning);
     shard_state_ = Arena(be_, planning.used());
     plan_state(shard_state_);
+    flat_m_ = flat_m_.slice(0, shard_end_ - shard_begin_);
+    flat_v_ = flat_v_.slice(0, shard_end_ - shard_begin_);
   } else {
-    m_ = allocate_weights(backend, cfg, DType::f32);
-    v_ = allocate_weights(backend, cfg, DType::f32);
+    // The moments of the tensors the master weights hold (the trainable ones), in their layout.
+    auto held = [&master](const std::string& name) {
+      for (const WeightBinding& b : master.bindings)
+        if (b.hf_name == name) return b.allocated();
+      return false;
+    };
+    m_ = allocate_weights(backend, cfg, DType::f32, held);
+    v_ = allocate_weights(backend, cfg, DType::f32, held);
     check_same_bindings(master, *m_, "moments (config differs from the parameters')");
     for (size_t i = 0; i < n; ++i) {
+      if (!master.bindings[i].allocated()) continue;
       const Tensor t = master.bindings[i].tensor();
       IRIS_CHECK(offset_in(*m_, m_->bindings[i].tensor()) == offset_in(master, t),
                  "AdamW: the moments of '", master.bindings[i].hf_name,
@@ -206,8 +251,10 @@ void AdamW::read_stage_tensors(const StageTensors& pipeline) {
   owner_.resize(n);
   held_.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    owner_[i] = pipeline.owner(i);
-    held_[i] = pipeline.held[size_t(norm_comm_->rank())][i];
+    // A tensor without state (frozen) is no stage's to update or save.
+    const bool has_state = master_.bindings[i].allocated();
+    owner_[i] = has_state ? pipeline.owner(i) : -1;
+    held_[i] = has_state && pipeline.held[size_t(norm_comm_->rank())][i];
   }
 }
 
@@ -218,11 +265,13 @@ void AdamW::setup_pipeline(const StageTensors& pipeline) {
   rows_.assign(static_cast<size_t>(stages), {});
   for (int q = 0; q < stages; ++q)
     for (size_t i = 0; i < n; ++i)
-      if (pipeline.held[size_t(q)][i]) rows_[size_t(q)].push_back({static_cast<int64_t>(i), 0, 0});
+      if (pipeline.held[size_t(q)][i] && master_.bindings[i].allocated())
+        rows_[size_t(q)].push_back({static_cast<int64_t>(i), 0, 0});
   rows_max_ = 1;
   for (const auto& r : rows_) rows_max_ = std::max<int64_t>(rows_max_, int64_t(r.size()));
   norm_order_.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
+    if (owner_[i] < 0) continue;  // no state: frozen
     const auto& rows = rows_[size_t(owner_[i])];
     for (size_t k = 0; k < rows.size(); ++k)
       if (rows[k].tensor == static_cast<int64_t>(i))
@@ -245,10 +294,12 @@ void AdamW::plan_row_sums(int64_t groups) {
 }
 
 bool AdamW::saves(size_t tensor) const {
+  if (!master_.bindings[tensor].allocated()) return false;
   return owner_.empty() || owner_[tensor] == norm_comm_->rank();
 }
 
 bool AdamW::loads(size_t tensor) const {
+  if (!master_.bindings[tensor].allocated()) return false;
   return held_.empty() || held_[tensor];
 }
 
@@ -260,7 +311,7 @@ std::vector<std::vector<AdamW::Row>> AdamW::shard_rows(const ModelWeights& w, in
     const int64_t b = begin + ShardExchange::begin(n, world, r);
     const int64_t e = begin + ShardExchange::end(n, world, r);
     for (size_t i = 0; i < w.bindings.size(); ++i) {
-      if (held != nullptr && !(*held)[i]) continue;
+      if ((held != nullptr && !(*held)[i]) || !w.bindings[i].allocated()) continue;
       const Tensor t = w.bindings[i].tensor();
       const int64_t tb = offset_in(w, t), te = tb + t.numel();
       const int64_t lo = std::max(tb, b), hi = std::min(te, e);
@@ -339,9 +390,12 @@ void AdamW::plan_working_gather() {
   // arena's end, so that the ranges tile the arena, gaps included.
   const int world = comm_->size();
   const size_t n = master_.bindings.size();
+  // Frozen tensors have no master weights; their working copy lies in the gaps between the ranges
+  // of trainable ones and is gathered with them, unchanged (every rank holds the same).
   std::vector<std::pair<int64_t, size_t>> order;  // master offset, tensor
   for (size_t i = 0; i < n; ++i)
-    order.push_back({offset_in(master_, master_.bindings[i].tensor()), i});
+    if (master_.bindings[i].allocated())
+      order.push_back({offset_in(master_, master_.bindings[i].tensor()), i});
   std::sort(order.begin(), order.end());
   int64_t last = -1;
   for (const auto& [off, i] : order) {
@@ -432,6 +486,7 @@ void AdamW::write_hyper(const FreezeSpec& frozen) {
   std::vector<float> hyper(static_cast<size_t>(2 * hyper_.rows()), 0.0f);
   for (size_t k = 0; k < my_rows_.size(); ++k) {
     const WeightBinding& b = master_.bindings[static_cast<size_t>(my_rows_[k].tensor)];
+    // Rows exist for tensors with master weights only, so a part without state stays frozen.
     hyper[2 * k] = b.hf_shape.size() >= 2 ? config_.weight_decay : 0.0f;
     hyper[2 * k + 1] = frozen.frozen(b.hf_name) ? 0.0f : config_.lr_scale(model_part(b.hf_name));
   }
@@ -613,7 +668,8 @@ void AdamW::save(const std::string& path) const {
                      {"beta1", std::to_string(config_.beta1)},
                      {"beta2", std::to_string(config_.beta2)},
                      {"eps", std::to_string(config_.eps)},
-                     {"weight_decay", std::to_string(config_.weight_decay)}});
+                     {"weight_decay", std::to_string(config_.weight_decay)},
+                     {"stateless_parts", stateless_parts(master_)}});
 }
 
 void AdamW::load(const std::string& path) {
@@ -653,10 +709,19 @@ void AdamW::load(const std::vector<std::string>& paths) {
     return e.data;
   };
   // Check everything before touching the state, so a bad file leaves the optimizer as it was.
+  // A part the writing run kept frozen has no state in the file (stateless_parts): resuming with
+  // it trainable starts its moments and step counts at zero, as a first step would.
+  const auto sl = meta.find("stateless_parts");
+  const std::string file_stateless = sl != meta.end() ? "," + sl->second + "," : ",";
+  reinitialised_parts_.clear();
   std::vector<const void*> src;
   for (size_t i = 0; i < master_.bindings.size(); ++i) {
     const WeightBinding& b = master_.bindings[i];
-    if (!loads(i)) {
+    const std::string part = part_name(model_part(b.hf_name));
+    if (!loads(i) || file_stateless.find("," + part + ",") != std::string::npos) {
+      if (loads(i) && std::find(reinitialised_parts_.begin(), reinitialised_parts_.end(), part) ==
+                          reinitialised_parts_.end())
+        reinitialised_parts_.push_back(part);
       src.insert(src.end(), 3, nullptr);
       continue;
     }
@@ -670,6 +735,12 @@ void AdamW::load(const std::vector<std::string>& paths) {
   for (size_t k = 0; k < my_rows_.size(); ++k) {
     const Row& row = my_rows_[k];
     const auto i = static_cast<size_t>(row.tensor);
+    if (src[3 * i] == nullptr) {
+      const int64_t at = row.flat_begin - shard_begin_;
+      be_.fill_zero(flat_m_.slice(at, at + row.length));
+      be_.fill_zero(flat_v_.slice(at, at + row.length));
+      continue;  // row_steps[k] stays 0
+    }
     const auto into =
         static_cast<size_t>(row.flat_begin - offset_in(master_, master_.bindings[i].tensor())) *
         sizeof(float);

@@ -1,6 +1,6 @@
-// AdamW on the CPU reference with fp32 master weights: the f32 parameters of a TrainableQwen3VL
-// are the master copy, and the moments are two more ModelWeights with the same binding table, so
-// every state tensor is addressed by its HF name. The update follows torch.optim.AdamW (foreach
+// AdamW with fp32 master weights: the master weights, gradients and moments are ModelWeights with
+// the whole model's binding table that hold the trainable tensors only (training/param_spec.h), so
+// every state tensor is addressed by its HF name and a frozen part holds no state. The update follows torch.optim.AdamW (foreach
 // path): decoupled decay p *= 1 - lr * wd before the Adam step, bias-corrected moments,
 // per-parameter step counts, and weight decay only on parameters with >= 2 dims.
 #pragma once
@@ -121,10 +121,16 @@ class AdamW {
   // every rank's gather_state(), and load() reads this rank's shard.
   // Pipeline stages save the tensors they own (StageTensors::owner) and load the ones they hold,
   // each found by name in whichever of `paths` has it, so a state written by one split loads
-  // under another.
+  // under another. Only tensors with state (the trainable ones) are written, and the metadata's
+  // stateless_parts names the model parts without any; a load finds no state for such a part
+  // and starts it at zero moments and step counts (reinitialised_parts), while a tensor missing
+  // from any other part is an error. A part frozen now is simply not read.
   void save(const std::string& path) const;
   void load(const std::string& path);
   void load(const std::vector<std::string>& paths);
+  // The parts the last load() found no state for because the run that wrote the file kept them
+  // frozen (its stateless_parts metadata), and started at zero moments and step counts.
+  const std::vector<std::string>& reinitialised_parts() const { return reinitialised_parts_; }
   // Sharded: every rank's shard of the state to rank 0, for its save() (every rank calls it; the
   // host copy on rank 0 lasts until save()). Unsharded: nothing to do.
   void gather_state();
@@ -204,6 +210,7 @@ class AdamW {
   std::vector<double> host_row_sums_;
   mutable std::vector<float> gathered_m_, gathered_v_;  // rank 0, from gather_state to save
   mutable std::vector<int64_t> gathered_steps_;
+  std::vector<std::string> reinitialised_parts_;
 };
 
 }  // namespace iris

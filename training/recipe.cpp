@@ -157,6 +157,10 @@ std::vector<Field> fields(Recipe& r) {
        "where training runs: cuda (bf16 with fp32 master weights), cpu (fp32), or auto (cuda "
        "when a GPU is present)",
        {"auto", "cpu", "cuda"}},
+      {"train.device_memory_gib", &t.device_memory_gib,
+       "GiB of memory per GPU the run's memory plan must fit (iris train --dry-run prints the "
+       "plan; a run whose plan exceeds it is refused before anything is allocated); 0: the GPU's "
+       "own memory"},
       {"optimizer.lr", &o.lr, "peak learning rate"},
       {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
       {"optimizer.vision_lr", &o.vision_lr,
@@ -901,6 +905,9 @@ void validate(Recipe& r) {
   positive(t.eval_iters, "train.eval_iters");
   positive(t.max_vision_patches, "train.max_vision_patches", 0);
   IRIS_CHECK(t.seed >= 0, "recipe: train.seed must be >= 0, got ", t.seed);
+  IRIS_CHECK(t.device_memory_gib >= 0,
+             "recipe: train.device_memory_gib must be >= 0 (0: the GPU's own memory), got ",
+             t.device_memory_gib);
   IRIS_CHECK(!(t.freeze_vision_tower && t.freeze_merger && t.freeze_language_model),
              "recipe: train.freeze_vision_tower, train.freeze_merger and "
              "train.freeze_language_model are all true, which leaves nothing to train; unfreeze "

@@ -68,6 +68,9 @@ struct TrainRecipe {
   std::string device = "auto";
   // none | selective | full (core/recompute.h).
   std::string recompute = "none";
+  // The device memory per GPU the memory plan must fit (training/memory_plan.h); 0: the GPU's own
+  // (a dry run without a GPU then prints the plan without a verdict).
+  double device_memory_gib = 0;
 };
 
 struct OptimizerRecipe {

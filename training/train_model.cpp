@@ -79,21 +79,66 @@ bool FreezeSpec::frozen(const std::string& name) const {
 
 TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
                                    const TrainLimits& limits, ModelWeights* shared_grads)
-    : be_(backend), cfg_(cfg), params_(params), limits_(limits) {
+    : be_(backend),
+      cfg_(cfg),
+      params_(params),
+      limits_(limits),
+      compute_dtype_(backend.compute_dtype()),
+      loss_workspace_bytes_([be = &backend](int64_t rows, int64_t hidden, int64_t vocab) {
+        return be->lm_head_loss_workspace_bytes(rows, hidden, vocab);
+      }) {
   IRIS_CHECK(params.text.embed.defined() && params.text.embed.dtype == backend.compute_dtype() &&
                  params.text.embed.device == backend.device(),
              "training parameters must live on the ", backend.name(),
              " backend in its compute "
              "dtype: allocate or load them with that backend");
-  const VisionConfig& v = cfg.vision;
-  const TextConfig& t = cfg.text;
-  IRIS_CHECK(limits.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
-  IRIS_CHECK(limits.max_patches >= 0 && limits.max_patches % v.merge_unit() == 0,
-             "TrainLimits.max_patches (", limits.max_patches, ") must be a multiple of ",
+  check_limits();
+  if (shared_grads != nullptr) {
+    IRIS_CHECK(shared_grads->bindings.size() == params.bindings.size(),
+               "shared gradients must be f32 weights of the same config on the same backend");
+    for (const WeightBinding& b : shared_grads->bindings)
+      IRIS_CHECK(b.allocated() == !limits.frozen.frozen(b.hf_name) &&
+                     (!b.allocated() ||
+                      (b.target->dtype == DType::f32 && b.target->device == backend.device())),
+                 "shared gradients must be f32 on the same backend and hold the trainable "
+                 "tensors of the same frozen parts ('",
+                 b.hf_name, "')");
+    grads_ = shared_grads;
+  } else {
+    // Gradients of the trainable parameters only: a part frozen from the start holds none.
+    const FreezeSpec planned = limits.frozen;
+    own_grads_ = allocate_weights(backend, cfg, DType::f32,
+                                  [planned](const std::string& n) { return !planned.frozen(n); });
+    grads_ = own_grads_.get();
+  }
+  v_inv_freq_ = vision_rope_inv_freq(cfg_.vision.head_dim(), cfg_.vision.rope_theta);
+  rope_inv_freq_ = mrope_inv_freq(cfg_.text);
+  rope_axes_ = mrope_pair_axes(cfg_.text);
+  Arena plan;
+  allocate(plan);
+  arena_ = Arena(backend, plan.used());
+  allocate(arena_);
+  // Rows a padded micro-batch gathers but never computes (the sink row of a bucket that a later,
+  // larger bucket has not written) must hold finite values: an ignored row's zero gradient is
+  // 0 * x, which a NaN left in memory would poison.
+  be_.fill_zero(Tensor(arena_.base(), DType::f32, be_.device(),
+                       {static_cast<int64_t>(arena_.capacity() / sizeof(float))}));
+  zero_grads();
+  be_.fill_zero(loss_total_);
+  set_frozen(limits.frozen.vision_tower || limits.vision_tower_frozen, limits.frozen.merger,
+             limits.frozen.language_model);
+}
+
+void TrainableQwen3VL::check_limits() {
+  const VisionConfig& v = cfg_.vision;
+  const TextConfig& t = cfg_.text;
+  IRIS_CHECK(limits_.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
+  IRIS_CHECK(limits_.max_patches >= 0 && limits_.max_patches % v.merge_unit() == 0,
+             "TrainLimits.max_patches (", limits_.max_patches, ") must be a multiple of ",
              v.merge_unit());
-  IRIS_CHECK(limits.max_images >= 0, "TrainLimits.max_images must not be negative");
-  IRIS_CHECK(limits.max_samples > 0, "TrainLimits.max_samples must be positive");
-  IRIS_CHECK(limits.loss_chunk_rows > 0, "TrainLimits.loss_chunk_rows must be positive");
+  IRIS_CHECK(limits_.max_images >= 0, "TrainLimits.max_images must not be negative");
+  IRIS_CHECK(limits_.max_samples > 0, "TrainLimits.max_samples must be positive");
+  IRIS_CHECK(limits_.loss_chunk_rows > 0, "TrainLimits.loss_chunk_rows must be positive");
   IRIS_CHECK(v.out_hidden_size == t.hidden_size, "vision out_hidden_size ", v.out_hidden_size,
              " differs from the text hidden size ", t.hidden_size);
   IRIS_CHECK(v.deepstack_visual_indexes.size() <= size_t(t.num_hidden_layers), "the config has ",
@@ -109,51 +154,60 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
                  " buckets must ascend, be positive multiples of ", unit, " and be at most ", max,
                  " (bucket ", b[i], ")");
   };
-  check_buckets(limits.text_buckets, limits.max_seq_len, 1, "text");
-  check_buckets(limits.vision_buckets, limits.max_patches, v.merge_unit(), "vision");
-  IRIS_CHECK(limits.vision_buckets.empty() || !limits.text_buckets.empty(),
+  check_buckets(limits_.text_buckets, limits_.max_seq_len, 1, "text");
+  check_buckets(limits_.vision_buckets, limits_.max_patches, v.merge_unit(), "vision");
+  IRIS_CHECK(limits_.vision_buckets.empty() || !limits_.text_buckets.empty(),
              "vision buckets need text buckets: the padded vision rows land in the text's padding");
-  if (!limits_.text_buckets.empty() && limits_.vision_buckets.empty() && limits.max_patches > 0)
-    limits_.vision_buckets = {limits.max_patches};
+  if (!limits_.text_buckets.empty() && limits_.vision_buckets.empty() && limits_.max_patches > 0)
+    limits_.vision_buckets = {limits_.max_patches};
   PipelineStage& st = limits_.stage;
   if (st.count == 1) {
     st = PipelineStage{};
     st.end_layer = t.num_hidden_layers;
   }
-  validate_stage(cfg, st);
+  validate_stage(cfg_, st);
   IRIS_CHECK(st.has_vision == st.has_embed(), "pipeline ", st.describe(),
              ": the vision encoder belongs to stage 0, whose embedding its features join");
-  if (shared_grads != nullptr) {
-    IRIS_CHECK(shared_grads->bindings.size() == params.bindings.size() &&
-                   shared_grads->text.embed.dtype == DType::f32 &&
-                   shared_grads->text.embed.device == backend.device(),
-               "shared gradients must be f32 weights of the same config on the same backend");
-    grads_ = shared_grads;
-  } else {
-    own_grads_ = allocate_weights(backend, cfg, DType::f32);
-    grads_ = own_grads_.get();
-  }
-  v_inv_freq_ = vision_rope_inv_freq(v.head_dim(), v.rope_theta);
-  rope_inv_freq_ = mrope_inv_freq(cfg_.text);
-  rope_axes_ = mrope_pair_axes(cfg_.text);
+}
+
+TrainableQwen3VL::ArenaPlan TrainableQwen3VL::plan_arena(const ModelConfig& cfg,
+                                                         const TrainLimits& limits,
+                                                         DType compute_dtype,
+                                                         const LossWorkspaceBytes& loss_workspace) {
+  // A planning arena hands out null tensors and only counts: nothing is allocated on any device,
+  // so a plan for a GPU is made on a machine without one. The host backend only stands in for
+  // the reference the model keeps; the dtype and the loss workspace are the planned device's.
+  const std::unique_ptr<Backend> host = make_cpu_backend();
+  ModelWeights no_params;
+  TrainableQwen3VL m(*host, cfg, no_params, limits, compute_dtype, loss_workspace);
   Arena plan;
-  allocate(plan);
-  arena_ = Arena(backend, plan.used());
-  allocate(arena_);
-  // Rows a padded micro-batch gathers but never computes (the sink row of a bucket that a later,
-  // larger bucket has not written) must hold finite values: an ignored row's zero gradient is
-  // 0 * x, which a NaN left in memory would poison.
-  be_.fill_zero(Tensor(arena_.base(), DType::f32, be_.device(),
-                       {static_cast<int64_t>(arena_.capacity() / sizeof(float))}));
-  zero_grads();
-  be_.fill_zero(loss_total_);
-  if (limits.vision_tower_frozen) set_frozen(true, false, false);
+  m.allocate(plan);
+  ArenaPlan out{plan.used(), m.activation_bytes_, 0};
+  // Planned tensors have no data, so an input is told from an absent one by its shape.
+  for (Tensor TrainableQwen3VL::*member : input_members()) {
+    const Tensor& t = m.*member;
+    if (t.ndim > 0)
+      out.input_bytes += (static_cast<size_t>(t.numel()) * dtype_size(t.dtype) + 255) / 256 * 256;
+  }
+  return out;
+}
+
+TrainableQwen3VL::TrainableQwen3VL(Backend& host, const ModelConfig& cfg, ModelWeights& no_params,
+                                   const TrainLimits& limits, DType compute_dtype,
+                                   const LossWorkspaceBytes& loss_workspace)
+    : be_(host),
+      cfg_(cfg),
+      params_(no_params),
+      limits_(limits),
+      compute_dtype_(compute_dtype),
+      loss_workspace_bytes_(loss_workspace) {
+  check_limits();
 }
 
 void TrainableQwen3VL::allocate(Arena& a) {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
-  const DType F = DType::f32, I32 = DType::i32, A = be_.compute_dtype();
+  const DType F = DType::f32, I32 = DType::i32, A = compute_dtype_;
   const PipelineStage& st = limits_.stage;
   const int64_t L = limits_.max_seq_len, H = t.hidden_size;
   // A stage without the encoder plans no vision rows; the merged-row count still sizes the
@@ -276,7 +330,7 @@ void TrainableQwen3VL::allocate(Arena& a) {
     xlab_ = a.alloc(A, {L, H});
     dxlab_ = a.alloc(A, {L, H});
     loss_chunk_ = std::min(limits_.loss_chunk_rows, L);
-    const size_t ws = be_.lm_head_loss_workspace_bytes(loss_chunk_, H, t.vocab_size);
+    const size_t ws = loss_workspace_bytes_(loss_chunk_, H, t.vocab_size);
     loss_workspace_ = a.alloc(F, {static_cast<int64_t>((ws + sizeof(float) - 1) / sizeof(float))});
   }
 
@@ -340,6 +394,7 @@ size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
 
 void TrainableQwen3VL::zero_grads() {
   // Weights of one config share one layout in every dtype, so the gradients are one flat span.
+  if (grads_->arena.capacity() == 0) return;
   be_.fill_zero(Tensor(grads_->arena.base(), DType::f32, be_.device(),
                        {static_cast<int64_t>(grads_->arena.capacity() / sizeof(float))}));
 }
@@ -349,12 +404,17 @@ void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_
              "this model's memory was planned with the vision tower frozen (it keeps no block "
              "activations), so the tower cannot be unfrozen; plan it with "
              "TrainLimits.vision_tower_frozen = false");
-  frozen_ = FreezeSpec{vision_tower, merger, language_model};
+  const FreezeSpec wanted{vision_tower, merger, language_model};
+  for (const WeightBinding& b : grads_->bindings)
+    IRIS_CHECK(wanted.frozen(b.hf_name) || b.allocated(), "'", b.hf_name,
+               "' belongs to a part this model was planned with frozen (TrainLimits.frozen), "
+               "which holds no gradient; plan the model with that part trainable to train it");
+  frozen_ = wanted;
   // Graph keys name the frozen parts, so graphs of the old setting are simply never replayed;
   // freeing them keeps memory from growing with every change.
   delete_graphs();
   for (const WeightBinding& b : grads_->bindings)
-    if (frozen_.frozen(b.hf_name)) be_.fill_zero(b.tensor());
+    if (frozen_.frozen(b.hf_name) && b.allocated()) be_.fill_zero(b.tensor());
 }
 
 LossStats TrainableQwen3VL::forward(const std::vector<const TrainSample*>& batch) {
@@ -1221,6 +1281,8 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
              "move_grads_into needs another replica of the same parameters");
   IRIS_CHECK(be_.device() == Device::cpu && sum.be_.device() == Device::cpu,
              "move_grads_into sums replicas on the CPU");
+  IRIS_CHECK(grads_->arena.capacity() == sum.grads_->arena.capacity(),
+             "move_grads_into needs replicas planned with the same frozen parts");
   const int64_t n = static_cast<int64_t>(grads_->arena.capacity() / sizeof(float));
   float* src = static_cast<float*>(grads_->arena.base());
   float* dst = static_cast<float*>(sum.grads_->arena.base());

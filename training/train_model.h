@@ -97,6 +97,10 @@ struct TrainLimits {
   // block outputs that the mergers read are still kept). set_frozen may freeze more later,
   // never unfreeze the tower of a model planned with it frozen.
   bool vision_tower_frozen = false;
+  // The parts frozen from the start hold no gradient (training/param_spec.h: only trainable
+  // parameters have f32 state), and the backward skips their weight gradients; set_frozen may
+  // freeze more later, never unfreeze one of these.
+  FreezeSpec frozen;
   // Bucket padding, so that a few graph sets serve every micro-batch: the tokens are padded up to
   // the smallest text bucket at or above their count (the padding in a causal segment of its own
   // whose labels are ignored) and the patch rows up to the smallest vision bucket (a vision
@@ -141,8 +145,8 @@ class TrainableQwen3VL {
  public:
   // params: the weights the forward reads, in the backend's compute dtype (allocate_weights /
   // load_weights on `backend`); kept by reference (the optimizer rewrites them in place).
-  // shared_grads: accumulate into these gradients (another model of the same stage and
-  // parameters) rather than into gradients of its own. A pipeline stage keeps one model per
+  // shared_grads: accumulate into these gradients (another model of the same stage, parameters
+  // and frozen parts) rather than into gradients of its own. A pipeline stage keeps one model per
   // micro-batch in flight, each with its own activations; their backwards run in micro-batch
   // order into one buffer, which is the order a single model sums them in.
   TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, ModelWeights& params,
@@ -250,8 +254,9 @@ class TrainableQwen3VL {
   // gradients over the shared parameters. This adds this replica's gradients into `sum`'s and
   // leaves this replica's at zero (CPU backend only).
   void move_grads_into(TrainableQwen3VL& sum);
-  // Frozen parts keep a zero gradient and skip their weight-gradient GEMMs; backpropagation still
-  // runs through a frozen part when a trainable part lies before it.
+  // Frozen parts skip their weight-gradient GEMMs (a part frozen after planning keeps a zero
+  // gradient; one planned frozen, TrainLimits::frozen, has none); backpropagation still runs
+  // through a frozen part when a trainable part lies before it.
   void set_frozen(bool vision_tower, bool merger, bool language_model);
   const FreezeSpec& frozen() const { return frozen_; }
 
@@ -266,7 +271,26 @@ class TrainableQwen3VL {
   // tower shrink); the rest is inputs, the loss's workspace and the backward's scratch.
   size_t activation_bytes() const { return activation_bytes_; }
 
+  // The arena a model of these limits allocates and its activation part, planned without
+  // allocating anything (training/memory_plan.h): compute_dtype and loss_workspace are those of
+  // the backend it would run on (Backend::lm_head_loss_workspace_bytes).
+  using LossWorkspaceBytes = std::function<size_t(int64_t rows, int64_t hidden, int64_t vocab)>;
+  struct ArenaPlan {
+    size_t arena_bytes = 0, activation_bytes = 0;
+    // One micro-batch's inputs (write_bytes_per_micro_batch): what each further input slot of a
+    // full_iteration step graph holds.
+    size_t input_bytes = 0;
+  };
+  static ArenaPlan plan_arena(const ModelConfig& cfg, const TrainLimits& limits,
+                              DType compute_dtype, const LossWorkspaceBytes& loss_workspace);
+
  private:
+  // plan_arena's model: its limits checked, nothing allocated.
+  TrainableQwen3VL(Backend& host, const ModelConfig& cfg, ModelWeights& no_params,
+                   const TrainLimits& limits, DType compute_dtype,
+                   const LossWorkspaceBytes& loss_workspace);
+  // Checks the limits and completes them (the whole model as one stage, default vision buckets).
+  void check_limits();
   void allocate(Arena& a);
   // Adds the micro-batch's summed loss into loss_out (device f32 [1]).
   void run(const std::vector<const TrainSample*>& batch, bool backward, float grad_scale,
@@ -317,6 +341,8 @@ class TrainableQwen3VL {
   std::unique_ptr<ModelWeights> own_grads_;
   ModelWeights* grads_ = nullptr;
   TrainLimits limits_;
+  DType compute_dtype_;
+  LossWorkspaceBytes loss_workspace_bytes_;
   // Stage mode: whether the current micro-batch's backward runs (the same on every stage: it
   // follows from the samples and the frozen parts).
   bool stage_backward_ = false;

@@ -779,8 +779,9 @@ class CpuBackend final : public Backend {
     IRIS_CHECK(grads.numel() == params.numel() && exp_avg.numel() == params.numel() &&
                    exp_avg_sq.numel() == params.numel(),
                "adamw_step: flat buffers of different lengths");
-    IRIS_CHECK(!weights.defined(),
-               "adamw_step: on the CPU the params are the weights (pass no working copy)");
+    // A working copy (f32 here) is where the model reads weights that have no master of their
+    // own: frozen parts, which the master weights (trainable tensors only) leave out.
+    if (weights.defined()) check_f32(weights, "adamw_step working weights");
     const int64_t n = check_spans(spans, hyper, params.numel(), "adamw_step");
     check_cpu(steps, "adamw_step steps");
     IRIS_CHECK(steps.dtype == DType::i64 && steps.numel() == n, "adamw_step: steps ",
@@ -797,6 +798,13 @@ class CpuBackend final : public Backend {
       train::adamw_tensor(params.as<float>() + off, grads.as<float>() + off,
                           exp_avg.as<float>() + off, exp_avg_sq.as<float>() + off, len,
                           scheduled_lr, scale, hp[2 * i], ++st[i], clip_coef, beta1, beta2, eps);
+      if (weights.defined()) {
+        const int64_t at = sp[3 * i + 2];
+        IRIS_CHECK(at >= 0 && at + len <= weights.numel(), "adamw_step: span ", i,
+                   " lies outside the working weights");
+        std::memcpy(weights.as<float>() + at, params.as<float>() + off,
+                    static_cast<size_t>(len) * sizeof(float));
+      }
     }
   }
 

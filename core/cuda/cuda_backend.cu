@@ -22,6 +22,7 @@
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/train_kernels.h"
+#include "core/loss_workspace.h"
 #include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
 
@@ -457,6 +458,13 @@ class CudaBackend final : public Backend {
     size_t free_bytes = 0, total_bytes = 0;
     IRIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     return total_bytes - free_bytes;
+  }
+
+  size_t device_memory_total() override {
+    bind();
+    size_t free_bytes = 0, total_bytes = 0;
+    IRIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return total_bytes;
   }
 
   void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
@@ -1090,9 +1098,7 @@ class CudaBackend final : public Backend {
   size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
                                       int64_t vocab) const override {
     (void)hidden;
-    // f32 logits, then bf16 d(logits), each 256-byte aligned.
-    return align256(size_t(chunk_rows) * size_t(vocab) * sizeof(float)) +
-           align256(size_t(chunk_rows) * size_t(vocab) * sizeof(uint16_t));
+    return cuda_lm_head_loss_workspace_bytes(chunk_rows, vocab);
   }
 
   void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw, const Tensor& x,
