@@ -374,12 +374,12 @@ TrainableQwen3VL::input_members() {
 }
 
 TrainableQwen3VL::BatchShape TrainableQwen3VL::shape() const {
-  return BatchShape{padded_, L_, S_, n_pad_, n_label_, n_segments_, n_text_segments_};
+  return BatchShape{padded_, L_, S_, n_pad_, n_label_, n_segments_, n_text_segments_, n_windows_};
 }
 
 void TrainableQwen3VL::set_shape(const BatchShape& s) {
   padded_ = s.padded, L_ = s.L, S_ = s.S, n_pad_ = s.n_pad, n_label_ = s.n_label;
-  n_segments_ = s.n_segments, n_text_segments_ = s.n_text_segments;
+  n_segments_ = s.n_segments, n_text_segments_ = s.n_text_segments, n_windows_ = s.n_windows;
 }
 
 size_t TrainableQwen3VL::write_bytes_per_micro_batch() const {
@@ -737,6 +737,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     const int capacity = vision_segment_capacity();
     const VisionCall call = plan_vision_call(v, grids, padded_ ? Sb : 0, capacity);
     n_segments_ = padded_ ? capacity : call.n_segments;
+    n_windows_ = padded_ ? vision_window_capacity(v, Sb) : call.n_windows;
     pack_vision_grids(grids, capacity, h_grids_);
     be_.write(v_grids_, h_grids_.data(), DType::i32);
     if (Sb > S) be_.fill_zero(pixels_.slice(S, Sb));
@@ -1057,11 +1058,13 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
 VisionSegments TrainableQwen3VL::vision_segments() const {
   VisionSegments seg{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_,
                      padded_ ? v_real_rows_ : Tensor()};
-  // Windowed blocks attend over the whole window buffer (unused windows are zero-length), so
-  // that the count, a host value, is one for every micro-batch a graph replays.
+  // A padded micro-batch attends over the most windows its bucket can hold (zero-length ones
+  // after the real ones), so that the count, a host value, is one for every micro-batch a graph
+  // of that bucket replays; an unpadded one over its own. Never the whole buffer's: the attention
+  // kernels pay for each segment.
   if (v_window_cu_.defined()) {
     seg.window_cu = v_window_cu_;
-    seg.n_windows = static_cast<int>(v_window_cu_.numel() - 1);
+    seg.n_windows = n_windows_;
   }
   return seg;
 }

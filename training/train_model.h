@@ -375,7 +375,7 @@ class TrainableQwen3VL {
   struct BatchShape {
     bool padded = false;
     int64_t L = 0, S = 0, n_pad = 0, n_label = 0;
-    int n_segments = 0, n_text_segments = 0;
+    int n_segments = 0, n_text_segments = 0, n_windows = 0;
     bool operator==(const BatchShape&) const = default;
   };
   BatchShape shape() const;
@@ -407,6 +407,7 @@ class TrainableQwen3VL {
   int64_t n_pad_ = 0;    // image-pad tokens (= S_ / merge_unit)
   int64_t n_label_ = 0;  // positions whose next token is labelled
   int n_segments_ = 0;   // vision attention segments
+  int n_windows_ = 0;    // window segments of windowed blocks (window attention)
   int n_text_segments_ = 0;
 
   // Host staging, sized once.

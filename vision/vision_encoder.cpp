@@ -273,7 +273,6 @@ VisionEncoder::VisionEncoder(Backend& backend, const VisionConfig& cfg,
              " must be a positive multiple of ", unit);
   IRIS_CHECK(max_segments > 0, "vision encoder needs at least one segment");
   inv_freq_ = vision_rope_inv_freq(cfg.head_dim(), cfg.rope_theta);
-  n_windows_ = vision_window_capacity(cfg, max_rows);
   if (cfg.window_units() > 0)
     window_pixels_.reserve(static_cast<size_t>(max_rows * cfg.patch_dim()));
   grids_host_.assign(static_cast<size_t>(vision_grids_numel(max_segments)), 0);
@@ -317,6 +316,7 @@ void VisionEncoder::allocate(Arena& a) {
 VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
                                  int64_t padded_rows) {
   const VisionCall call = plan_vision_call(cfg_, grids, padded_rows, max_segments_);
+  n_windows_ = padded_rows > 0 ? vision_window_capacity(cfg_, call.rows) : call.n_windows;
   IRIS_CHECK(call.rows <= max_rows_, "vision call of ", call.rows,
              " patch rows exceeds the planned ", max_rows_,
              " (raise the maximum vision sequence length)");

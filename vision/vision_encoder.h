@@ -241,8 +241,10 @@ class VisionEncoder {
   std::vector<float> inv_freq_;       // the 2D RoPE frequencies, a kernel argument of the tables
   std::vector<int32_t> grids_host_;   // staging for grids_, sized once
   std::vector<float> window_pixels_;  // staging for window-ordered pixel rows, sized once
-  // Windowed blocks attend over the whole window buffer (its unused tail is zero-length
-  // segments), so that the count, a host value, is the same for every call a graph replays.
+  // The window segments windowed blocks attend over (a host value): an unpadded call's own
+  // count; a call padded to a graph bucket the most that bucket can hold (zero-length segments
+  // after the real ones), so that one graph serves every image mix of the bucket. The attention
+  // kernels pay for each segment, so the count is never the whole buffer's.
   int n_windows_ = 0;
   double last_pixel_upload_ms_ = 0;
 };
