@@ -195,7 +195,7 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
                                        "--host-probe-steps",
                                        "3",
                                        "--seq-length",
-                                       "96",
+                                       "128",
                                        "--recompute",
                                        "selective",
                                        "--data-parallel-size",
@@ -222,13 +222,15 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
   const Exit printed = sh("run.sh", args);
   ASSERT_EQ(printed.code, 0) << printed.output;
   EXPECT_FALSE(fs::exists(root_ / "run")) << "--print-command runs nothing";
-  // The printed command, validated by iris itself: every key must exist and take its value.
+  // The printed command, validated by iris itself: every key must exist and take its value (the
+  // dry run plans the run, so the values must be consistent: 128 tokens plan the 512 patches the
+  // vision graphs are bounded by).
   std::string command = printed.output;
   while (!command.empty() && command.back() == '\n') command.pop_back();
   const Exit dry = run({"bash", "-c", command + " --dry-run"}, (root_ / "dry.txt").string());
   ASSERT_EQ(dry.code, 0) << command << "\n" << dry.output;
   for (const char* resolved :
-       {"train_iters: 7", "log_interval: 2", "host_probe_steps: 3", "seq_length: 96",
+       {"train_iters: 7", "log_interval: 2", "host_probe_steps: 3", "seq_length: 128",
         "recompute: selective", "device: cpu", "micro_batch_size: 1", "global_batch_size: 1",
         "cuda_graph_impl: local", "cuda_graph_modules: [attn, mlp]",
         "vision_cuda_graph_impl: local", "vision_cuda_graph_modules: [attn]",
