@@ -28,39 +28,27 @@ class Qwen25VL final : public Architecture {
   void read_config(const json& j, ModelConfig& c, const std::string& src) const override {
     std::string tw;
     qwen2_text_fields(j, c.text, c.tie_word_embeddings, src, tw);
-    IRIS_CHECK(present(j, "vision_config") && j["vision_config"].is_object(), src,
-               ": missing vision_config");
-    const json& vc = j["vision_config"];
-    const std::string vw = src + ": vision_config";
     VisionConfig& v = c.vision;
     v = VisionConfig{};
     v.tower = &qwen2_5_vl_vision_tower();
     // HF's class defaults, which the released configs spell out anyway.
-    v.depth = 32;
     v.hidden_size = 1280;
     v.intermediate_size = 3420;
-    v.num_heads = 16;
-    v.patch_size = 14;
-    v.out_hidden_size = c.text.hidden_size;
-    v.num_position_embeddings = 0;
-    v.deepstack_visual_indexes.clear();
     v.window_size = 112;
     v.fullatt_block_indexes = {7, 15, 23, 31};
     v.tokens_per_second = 4;
-    read_int(vc, "depth", v.depth, vw, 1, kMaxLayers);
+    std::string vw;
+    const json& vc = qwen2_vision_fields(j, v, c.text.hidden_size, src, vw);
     read_int(vc, "hidden_size", v.hidden_size, vw, 1, kMaxWidth);
     read_int(vc, "intermediate_size", v.intermediate_size, vw, 1, kMaxWidth);
-    read_int(vc, "num_heads", v.num_heads, vw, 1, kMaxHeads);
-    read_int(vc, "in_chans", v.in_channels, vw, 1, 64);
-    read_int(vc, "in_channels", v.in_channels, vw, 1, 64);
-    read_int(vc, "patch_size", v.patch_size, vw, 1, 1024);
-    read_int(vc, "spatial_merge_size", v.spatial_merge_size, vw, 1, 64);
-    read_int(vc, "temporal_patch_size", v.temporal_patch_size, vw, 1, 64);
     read_int(vc, "out_hidden_size", v.out_hidden_size, vw, 1, kMaxWidth);
     read_int(vc, "window_size", v.window_size, vw, 1, 1 << 20);
     read_increasing_ints(vc, "fullatt_block_indexes", v.fullatt_block_indexes, vw, 0, v.depth - 1);
     read_int(vc, "tokens_per_second", v.tokens_per_second, vw, 0, 1 << 20);
     expect_activation(vc, vw, "silu");
+    for (int b : v.fullatt_block_indexes)
+      IRIS_CHECK(b < v.depth, vw, ".fullatt_block_indexes names block ", b, " of a tower of ",
+                 v.depth, " blocks (vision_config.depth)");
     const int unit = v.patch_size * v.spatial_merge_size;
     IRIS_CHECK(v.window_size % unit == 0, vw, ".window_size ", v.window_size,
                " must be a multiple of patch_size x spatial_merge_size = ", unit,

@@ -28,31 +28,16 @@ class Qwen2VL final : public Architecture {
   void read_config(const json& j, ModelConfig& c, const std::string& src) const override {
     std::string tw;
     qwen2_text_fields(j, c.text, c.tie_word_embeddings, src, tw);
-    IRIS_CHECK(present(j, "vision_config") && j["vision_config"].is_object(), src,
-               ": missing vision_config");
-    const json& vc = j["vision_config"];
-    const std::string vw = src + ": vision_config";
     VisionConfig& v = c.vision;
     v = VisionConfig{};
     v.tower = &qwen2_vl_vision_tower();
-    v.depth = 32;
     v.hidden_size = 1280;
-    v.num_heads = 16;
-    v.patch_size = 14;
-    v.out_hidden_size = c.text.hidden_size;
-    v.num_position_embeddings = 0;
-    v.deepstack_visual_indexes.clear();
+    std::string vw;
+    const json& vc = qwen2_vision_fields(j, v, c.text.hidden_size, src, vw);
     double mlp_ratio = 4;
-    read_int(vc, "depth", v.depth, vw, 1, kMaxLayers);
     read_int(vc, "embed_dim", v.hidden_size, vw, 1, kMaxWidth);
     if (present(vc, "mlp_ratio"))
       mlp_ratio = json_real(vc["mlp_ratio"], vw, "mlp_ratio", 0.0, 1024.0, true);
-    read_int(vc, "num_heads", v.num_heads, vw, 1, kMaxHeads);
-    read_int(vc, "in_chans", v.in_channels, vw, 1, 64);
-    read_int(vc, "in_channels", v.in_channels, vw, 1, 64);
-    read_int(vc, "patch_size", v.patch_size, vw, 1, 1024);
-    read_int(vc, "spatial_merge_size", v.spatial_merge_size, vw, 1, 64);
-    read_int(vc, "temporal_patch_size", v.temporal_patch_size, vw, 1, 64);
     read_int(vc, "hidden_size", v.out_hidden_size, vw, 1, kMaxWidth);
     expect_activation(vc, vw, "quick_gelu");
     // HF sizes the MLP as int(embed_dim * mlp_ratio).

@@ -135,4 +135,26 @@ const json& qwen2_text_fields(const json& j, TextConfig& t, bool& tied, const st
   return tc;
 }
 
+const json& qwen2_vision_fields(const json& j, VisionConfig& v, int text_hidden,
+                                const std::string& src, std::string& where) {
+  IRIS_CHECK(present(j, "vision_config") && j["vision_config"].is_object(), src,
+             ": missing vision_config");
+  const json& vc = j["vision_config"];
+  where = src + ": vision_config";
+  v.depth = 32;
+  v.num_heads = 16;
+  v.patch_size = 14;
+  v.out_hidden_size = text_hidden;
+  v.num_position_embeddings = 0;
+  v.deepstack_visual_indexes.clear();
+  read_int(vc, "depth", v.depth, where, 1, kMaxLayers);
+  read_int(vc, "num_heads", v.num_heads, where, 1, kMaxHeads);
+  read_int(vc, "in_chans", v.in_channels, where, 1, 64);
+  read_int(vc, "in_channels", v.in_channels, where, 1, 64);
+  read_int(vc, "patch_size", v.patch_size, where, 1, 1024);
+  read_int(vc, "spatial_merge_size", v.spatial_merge_size, where, 1, 64);
+  read_int(vc, "temporal_patch_size", v.temporal_patch_size, where, 1, 64);
+  return vc;
+}
+
 }  // namespace iris::config_fields

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "language/text_config.h"
+#include "vision/vision_config.h"
 
 namespace iris::config_fields {
 
@@ -45,5 +46,13 @@ void read_text_fields(const nlohmann::json& tc, TextConfig& t, const std::string
 // Also reads the tied head and refuses a sliding window (not implemented).
 const nlohmann::json& qwen2_text_fields(const nlohmann::json& j, TextConfig& t, bool& tied,
                                         const std::string& src, std::string& where);
+
+// Qwen2-VL and Qwen2.5-VL: the vision_config object and the fields both families name alike
+// (depth, num_heads, in_chans or in_channels, patch_size, spatial_merge_size,
+// temporal_patch_size), over HF's class defaults (32 blocks of 16 heads, 14-pixel patches); no
+// learned position embedding, no DeepStack, the output as wide as the text model. Returns the
+// object with `where` naming it.
+const nlohmann::json& qwen2_vision_fields(const nlohmann::json& j, VisionConfig& v, int text_hidden,
+                                          const std::string& src, std::string& where);
 
 }  // namespace iris::config_fields

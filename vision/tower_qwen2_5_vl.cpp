@@ -46,17 +46,12 @@ class Qwen25VLTower final : public VisionTower {
   }
 
   void embed(Backend& be, const VisionWeights& w, const Tensor& x, const Tensor& pixels,
-             const Tensor& pos_index, const Tensor& pos_weight) const override {
-    (void)pos_index;
-    (void)pos_weight;
-    be.linear(x, pixels, w.patch_w, Tensor(), false);
+             const Tensor&, const Tensor&) const override {
+    tower_parts::plain_patch_embedding(be, w, x, pixels);
   }
   void embed_backward(Backend& be, VisionWeights& g, const Tensor& dres, const Tensor& dres_c,
-                      const Tensor& pixels, const Tensor& pos_index,
-                      const Tensor& pos_weight) const override {
-    (void)pos_index;
-    (void)pos_weight;
-    be.linear_backward_weight(g.patch_w, Tensor(), in_compute_dtype(be, dres, dres_c), pixels);
+                      const Tensor& pixels, const Tensor&, const Tensor&) const override {
+    tower_parts::plain_patch_embedding_backward(be, g, dres, dres_c, pixels);
   }
 };
 

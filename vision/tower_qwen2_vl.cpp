@@ -13,10 +13,7 @@ class Qwen2VLTower final : public VisionTower {
 
   void norm(Backend& be, const VisionConfig& cfg, const Tensor& y, const Tensor& mean,
             const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b) const override {
-    if (rstd.defined())
-      be.layer_norm_train(y, mean, rstd, x, w, b, cfg.layer_norm_eps);
-    else
-      be.layer_norm(y, x, w, b, cfg.layer_norm_eps);
+    tower_parts::layer_norm(be, cfg, y, mean, rstd, x, w, b);
   }
   void norm_backward(Backend& be, const Tensor& dx, const Tensor& dw, const Tensor& db,
                      const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
@@ -38,17 +35,12 @@ class Qwen2VLTower final : public VisionTower {
   }
 
   void embed(Backend& be, const VisionWeights& w, const Tensor& x, const Tensor& pixels,
-             const Tensor& pos_index, const Tensor& pos_weight) const override {
-    (void)pos_index;
-    (void)pos_weight;
-    be.linear(x, pixels, w.patch_w, Tensor(), false);
+             const Tensor&, const Tensor&) const override {
+    tower_parts::plain_patch_embedding(be, w, x, pixels);
   }
   void embed_backward(Backend& be, VisionWeights& g, const Tensor& dres, const Tensor& dres_c,
-                      const Tensor& pixels, const Tensor& pos_index,
-                      const Tensor& pos_weight) const override {
-    (void)pos_index;
-    (void)pos_weight;
-    be.linear_backward_weight(g.patch_w, Tensor(), in_compute_dtype(be, dres, dres_c), pixels);
+                      const Tensor& pixels, const Tensor&, const Tensor&) const override {
+    tower_parts::plain_patch_embedding_backward(be, g, dres, dres_c, pixels);
   }
 };
 

@@ -13,10 +13,7 @@ class Qwen3VLTower final : public VisionTower {
 
   void norm(Backend& be, const VisionConfig& cfg, const Tensor& y, const Tensor& mean,
             const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b) const override {
-    if (rstd.defined())
-      be.layer_norm_train(y, mean, rstd, x, w, b, cfg.layer_norm_eps);
-    else
-      be.layer_norm(y, x, w, b, cfg.layer_norm_eps);
+    tower_parts::layer_norm(be, cfg, y, mean, rstd, x, w, b);
   }
   void norm_backward(Backend& be, const Tensor& dx, const Tensor& dw, const Tensor& db,
                      const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,

@@ -57,6 +57,18 @@ class VisionTower {
                               const Tensor& pos_weight) const = 0;
 };
 
+// Pieces that more than one family's tower is made of.
+namespace tower_parts {
+// LayerNorm with weight and bias (Qwen3-VL, Qwen2-VL); training saves mean and rstd.
+void layer_norm(Backend& be, const VisionConfig& cfg, const Tensor& y, const Tensor& mean,
+                const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b);
+// The patch embedding without bias or position embedding (Qwen2-VL, Qwen2.5-VL).
+void plain_patch_embedding(Backend& be, const VisionWeights& w, const Tensor& x,
+                           const Tensor& pixels);
+void plain_patch_embedding_backward(Backend& be, VisionWeights& g, const Tensor& dres,
+                                    const Tensor& dres_c, const Tensor& pixels);
+}  // namespace tower_parts
+
 const VisionTower& qwen3_vl_vision_tower();
 const VisionTower& qwen2_5_vl_vision_tower();
 const VisionTower& qwen2_vl_vision_tower();
