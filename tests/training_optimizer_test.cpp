@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <map>
 #include <random>
 #include <set>
 
@@ -411,6 +412,60 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
     EXPECT_TRUE(bit_identical(a[i], b[i])) << name;
     EXPECT_TRUE(bit_identical(am[i], bm[i])) << "exp_avg " << name;
     EXPECT_TRUE(bit_identical(av[i], bv[i])) << "exp_avg_sq " << name;
+  }
+
+  // A damaged state is refused before anything is overwritten: each case rewrites the saved file
+  // with one value changed, as a corrupted or hand-edited file would hold it.
+  {
+    const std::string emb = "model.language_model.embed_tokens.weight";
+    const auto damaged = [&](const std::string& tensor, double value, const std::string& steps) {
+      SafetensorsFile file(path);
+      std::vector<std::vector<char>> store;
+      std::vector<SafetensorsWriteItem> items;
+      store.reserve(file.entries().size());
+      for (const auto& [name, e] : file.entries()) {
+        store.emplace_back(static_cast<const char*>(e.data),
+                           static_cast<const char*>(e.data) + e.nbytes);
+        if (name == tensor) {
+          if (e.dtype == DType::i64) {
+            const int64_t v = static_cast<int64_t>(value);
+            std::memcpy(store.back().data(), &v, sizeof v);
+          } else {
+            const float v = static_cast<float>(value);
+            std::memcpy(store.back().data(), &v, sizeof v);
+          }
+        }
+        items.push_back({name, e.dtype, e.shape, store.back().data()});
+      }
+      std::map<std::string, std::string> meta = file.metadata();
+      if (!steps.empty()) meta["steps"] = steps;
+      const std::string out = path + ".damaged";
+      write_safetensors(out, items, meta);
+      return out;
+    };
+    struct Case {
+      std::string tensor;
+      double value;
+      std::string steps, want;
+    };
+    const double inf = std::numeric_limits<double>::infinity();
+    const Case cases[] = {
+        {"exp_avg_sq." + emb, inf, "", "holds inf"},
+        {"exp_avg_sq." + emb, -1.0, "", "holds -1"},
+        {"exp_avg." + emb, std::nan(""), "", "holds nan"},
+        {"step." + emb, 0, "", "a step count of 0"},
+        {"step." + emb, -3, "", "is -3, outside 0"},
+        {"step." + emb, 3, "", "is 3, outside 0 .. the state's 2"},
+        {"", 0, "4611686018427387904", "'steps' 4611686018427387904"},
+    };
+    for (const Case& c : cases) {
+      const std::string file = damaged(c.tensor, c.value, c.steps);
+      const std::string msg = test::error_of([&] { oa.load(file); });
+      EXPECT_NE(msg.find(c.want), std::string::npos) << msg;
+      EXPECT_NE(msg.find("damaged"), std::string::npos) << msg;
+      fs::remove(file);
+    }
+    EXPECT_EQ(oa.steps(), 3);
   }
 
   // A state file of another model is refused before anything is overwritten.

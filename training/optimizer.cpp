@@ -672,6 +672,31 @@ void AdamW::save(const std::string& path) const {
                      {"stateless_parts", stateless_parts(master_)}});
 }
 
+namespace {
+
+// The state is checked like the weights are: a NaN or Inf moment, a negative second moment or a
+// step count outside the run's would resume with other updates than the saved run's, silently
+// (or fail a step later as a NaN gradient norm, far from its cause).
+void check_moments(const std::string& path, const std::string& name, const float* m, const float* v,
+                   int64_t step, int64_t steps, int64_t n) {
+  IRIS_CHECK(step >= 0 && step <= steps, path, ": 'step.", name, "' is ", step,
+             ", outside 0 .. the state's ", steps, " steps; the optimizer state is damaged");
+  bool zero = true;
+  for (int64_t i = 0; i < n; ++i) {
+    IRIS_CHECK(std::isfinite(m[i]) && std::isfinite(v[i]) && v[i] >= 0.0f, path, ": '",
+               !std::isfinite(m[i]) ? "exp_avg." : "exp_avg_sq.", name, "' holds ",
+               !std::isfinite(m[i]) ? m[i] : v[i], " at element ", i,
+               " (moments must be finite, second moments not negative); the optimizer state is "
+               "damaged");
+    zero = zero && m[i] == 0.0f && v[i] == 0.0f;
+  }
+  IRIS_CHECK(step > 0 || zero, path, ": '", name,
+             "' has moments but a step count of 0 (its bias correction would be wrong); the "
+             "optimizer state is damaged");
+}
+
+}  // namespace
+
 void AdamW::load(const std::string& path) {
   load(std::vector<std::string>{path});
 }
@@ -697,6 +722,11 @@ void AdamW::load(const std::vector<std::string>& paths) {
   } catch (const std::exception&) {
     IRIS_FAIL(path, " has a malformed 'steps' metadata entry '", st->second, "'");
   }
+  // A billion steps is far past any run; a larger or negative count is a damaged file, whose
+  // bias corrections would silently change every update.
+  constexpr int64_t kMaxSteps = int64_t{1} << 30;
+  IRIS_CHECK(steps >= 0 && steps <= kMaxSteps, path, " gives 'steps' ", steps, ", outside 0 .. ",
+             kMaxSteps, "; the optimizer state is damaged");
   auto entry = [&](const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
     size_t f = 0;
     while (f < files.size() && !files[f]->contains(name)) ++f;
@@ -728,6 +758,10 @@ void AdamW::load(const std::vector<std::string>& paths) {
     src.push_back(entry("exp_avg." + b.hf_name, DType::f32, b.hf_shape));
     src.push_back(entry("exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape));
     src.push_back(entry("step." + b.hf_name, DType::i64, {1}));
+    check_moments(path, b.hf_name, static_cast<const float*>(src[src.size() - 3]),
+                  static_cast<const float*>(src[src.size() - 2]),
+                  *static_cast<const int64_t*>(src.back()), steps,
+                  b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]).numel());
   }
   // Each row is a tensor, or (sharded) the part of one in this rank's shard: the file holds the
   // unsharded state, so any world size reads its shard of it.
