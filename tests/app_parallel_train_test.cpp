@@ -246,6 +246,31 @@ TEST_F(AppParallelTrainTest, DataParallelSizeMustMatchTheLauncher) {
       << staged.output;
 }
 
+// Ranks reading different data (started in other folders, relative paths naming other files)
+// are refused before training: only rank 0's fingerprints would reach the checkpoints.
+TEST_F(AppParallelTrainTest, RanksReadingDifferentDataAreRefused) {
+  const std::string recipe = write_recipe();
+  const fs::path other = root_ / "other.jsonl";
+  {
+    std::string lines = read_text_file((root_ / "shapes" / "train.jsonl").string());
+    lines.resize(lines.find('\n', lines.size() / 2) + 1);  // a shorter file of the same lines
+    write_file_atomic(other.string(), lines);
+  }
+  const std::string script =
+      std::string("if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then f=") + other.string() +
+      "; else f=" + (root_ / "shapes" / "train.jsonl").string() + "; fi; exec " + IRIS_BINARY +
+      " train --recipe " + recipe + " parallel.data_parallel_size=2 data.train_files=[$f]" +
+      " checkpoint.dir=" + (root_ / "diff").string();
+  std::vector<std::string> args{IRIS_MPIEXEC, "-np", "2"};
+  if (!std::string(IRIS_MPIEXEC_FLAGS).empty()) args.push_back(IRIS_MPIEXEC_FLAGS);
+  args.insert(args.end(), {"sh", "-c", script});
+  const Exit e = run(
+      args, {"OMP_NUM_THREADS=1", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"});
+  EXPECT_NE(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("rank 1 of 2 has other data files"), std::string::npos) << e.output;
+  EXPECT_FALSE(fs::exists(root_ / "diff" / "step_0000003")) << e.output;
+}
+
 TEST_F(AppParallelTrainTest, AFailingRankEndsEveryRank) {
   const std::string recipe = write_recipe();
   // Rank 1 alone is pointed at a folder it must refuse (resume never over a checkpoint) after

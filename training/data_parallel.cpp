@@ -266,6 +266,19 @@ int DataParallel::agreed_stop(int local) {
   return 0;
 }
 
+void DataParallel::check_same_on_every_rank(const std::string& value, const std::string& what,
+                                            const std::string& fix) {
+  if (env_.world == 1 || session_ == nullptr) return;
+  // FNV-1a of the value: equal values give equal digests on every rank.
+  uint64_t digest = 1469598103934665603ull;
+  for (unsigned char c : value) digest = (digest ^ c) * 1099511628211ull;
+  std::vector<uint64_t> all(static_cast<size_t>(env_.world));
+  session_->all_gather(&digest, all.data(), sizeof(uint64_t), "the data check");
+  for (size_t r = 1; r < all.size(); ++r)
+    IRIS_CHECK(all[r] == all[0], "rank ", r, " of ", env_.world, " has other ", what,
+               " than rank 0; every rank must train on the same data: ", fix);
+}
+
 void DataParallel::barrier(const char* what) {
   if (session_ != nullptr) session_->barrier(what);
 }

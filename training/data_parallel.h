@@ -153,6 +153,10 @@ class DataParallel {
   // The stop signal any rank received (its number), so that every rank stops after the same
   // step; `local` for a single process.
   int agreed_stop(int local);
+  // Refuses a run whose ranks hold different `value`s (their data files' fingerprints, say):
+  // the message names the first rank that differs from rank 0, `what` and `fix`.
+  void check_same_on_every_rank(const std::string& value, const std::string& what,
+                                const std::string& fix);
   // Every rank waits here for the others (bounded by parallel.timeout_seconds).
   void barrier(const char* what);
   // For an error that escaped a rank of a multi-process run: prints it with the rank and ends

@@ -174,6 +174,16 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
   const PreprocessorConfig pp = recipe_preprocessor(r);
   const ChatFormat chat = recipe_chat_format(r);
   RunData data = open_data(r, tok, pp, chat, start);
+  {
+    // Ranks started in other folders could read other files under the same relative paths;
+    // only rank 0's fingerprints reach the checkpoints, so the difference would go unnoticed.
+    std::string fingerprints;
+    for (const DataFileFingerprint& f : data.files)
+      fingerprints += str_cat(f.bytes, ":", f.hash, ";");
+    dp.check_same_on_every_rank(fingerprints, "data files (data.train_files: sizes and hashes)",
+                                "start every rank in one working directory, or give absolute "
+                                "paths to the same files");
+  }
   Checkpoints checkpoints(r, start, rank, dp, hf_config_text(source.config_text),
                           side_files(r, tok, pp, chat), data.files);
   checkpoints.write_resolved_config();
