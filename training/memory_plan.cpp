@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <memory>
 
-#include "core/cpu/cpu_train_ops.h"
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/loss_workspace.h"
 #include "parallel/communicator.h"
@@ -120,14 +121,14 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
   TrainLimits limits = recipe_train_limits(r, on_gpu);
   const std::vector<PipelineStage> stages = recipe_pipeline_stages(r, cfg, limits);
   const TrainableQwen3VL::LossWorkspaceBytes loss_workspace =
-      on_gpu
-          ? TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t, int64_t vocab) {
-              return cuda_lm_head_loss_workspace_bytes(rows, vocab);
-            })
-          : TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t hidden, int64_t vocab) {
-              return static_cast<size_t>(train::lm_head_scratch_floats(rows, hidden, vocab)) *
-                     sizeof(float);
-            });
+      on_gpu ? TrainableQwen3VL::LossWorkspaceBytes([](int64_t rows, int64_t, int64_t vocab) {
+        return cuda_lm_head_loss_workspace_bytes(rows, vocab);
+      })
+             : TrainableQwen3VL::LossWorkspaceBytes(
+                   [cpu = std::shared_ptr<Backend>(make_cpu_backend())](
+                       int64_t rows, int64_t hidden, int64_t vocab) {
+                     return cpu->lm_head_loss_workspace_bytes(rows, hidden, vocab);
+                   });
 
   for (size_t s = 0; s < stages.size(); ++s) {
     const PipelineStage& st = stages[s];
