@@ -96,6 +96,9 @@ float load_as_f32(const void* p, DType t, int64_t i) {
 }  // namespace
 
 void convert_elements(void* dst, DType dt, const void* src, DType st, int64_t n) {
+  // An empty tensor (a pipeline stage's empty optimizer table) may come with null pointers, which
+  // memcpy must not be given even for zero bytes.
+  if (n <= 0) return;
   if (dt == st) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(dt));
     return;
