@@ -6,6 +6,7 @@ packages=(build-essential cmake pkg-config git
   libopenblas-openmp-dev libstb-dev libpcre2-dev nlohmann-json3-dev libyaml-cpp-dev
   libcli11-dev libgtest-dev libbenchmark-dev clang-format
   libopenmpi-dev openmpi-bin  # multi-process training and its mpirun tests
+  libopencv-videoio-dev  # video decoding (vision/video_decode.h), through OpenCV's FFmpeg backend
   clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
