@@ -26,6 +26,8 @@
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
+#include "vision/video.h"
+#include "vision/video_decode.h"
 
 namespace iris {
 namespace {
@@ -37,6 +39,10 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 struct GenerateOptions {
   std::string model_dir;
   std::vector<std::string> images;
+  std::vector<std::string> videos;
+  std::vector<ChatPart::Kind> media_order;  // --image and --video in the order given
+  double video_fps = -1;                    // < 0: the checkpoint's video processor's
+  int video_max_frames = 0;                 // 0: the checkpoint's video processor's
   std::string prompt;
   std::string prompt_file;
   std::string system;
@@ -323,6 +329,58 @@ void check_images_fit(const std::vector<std::string>& paths, const std::vector<i
              "; lower --image-max-tokens, pass smaller or fewer images, or raise -c/--ctx-size");
 }
 
+// The --video files, each decoded (only the frames its family's sampling keeps), resized and
+// patchified as the checkpoint's video processor does, under --video-fps and --video-max-frames.
+// A video's tokens are known from the container's metadata, so one that cannot fit the context
+// (beside the images' `image_patches`) is refused before any frame is decoded.
+std::vector<VideoClip> load_videos(const GenerateOptions& o, const ModelConfig& cfg, bool chat,
+                                   int64_t image_patches) {
+  std::vector<VideoClip> clips;
+  if (o.videos.empty()) return clips;
+  IRIS_CHECK(!chat, "--video needs a prompt (-p TEXT or -f FILE): the chat takes images only");
+  VideoProcessorConfig vpre = model_video_preprocessor(o.model_dir, cfg);
+  if (o.video_fps >= 0) vpre.fps = o.video_fps;
+  if (o.video_max_frames > 0) {
+    vpre.max_frames = o.video_max_frames;
+    vpre.min_frames = std::min(vpre.min_frames, vpre.max_frames);
+  }
+  vpre.validate("--video-fps and --video-max-frames");
+  const int64_t unit = cfg.vision.merge_unit();
+  int64_t tokens_before = image_patches / unit;
+  for (const std::string& path : o.videos) {
+    int64_t tokens = 0;
+    try {
+      ResizedSize size{};
+      const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
+        std::vector<int64_t> keep =
+            cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
+        size = cfg.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height,
+                                          info.width, vpre);
+        const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
+        const int64_t slices = (static_cast<int64_t>(keep.size()) + tp - 1) / tp;
+        tokens = slices * (size.height / p) * (size.width / p) / unit;
+        IRIS_CHECK(tokens_before + tokens <= o.ctx_size, "the video's ", keep.size(),
+                   " kept frames at ", size.width, "x", size.height, " need ", tokens,
+                   " tokens, more than the ", o.ctx_size - tokens_before,
+                   " left of the context (-c/--ctx-size ", o.ctx_size,
+                   "); lower --video-fps or --video-max-frames, or raise -c/--ctx-size");
+        return keep;
+      });
+      VideoClip clip = preprocess_video(d.frames, size, vpre);
+      clip.frame_indices = d.indices;
+      clip.total_frames = d.info.total_frames;
+      clip.video_fps = d.info.fps;
+      clips.push_back(std::move(clip));
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (what.find(path) != std::string::npos) throw;
+      IRIS_FAIL(path, ": ", what);
+    }
+    tokens_before += tokens;
+  }
+  return clips;
+}
+
 // Images one chat message may carry (/image, or --image for the first); the encoder is planned
 // for them up front.
 constexpr int kChatMaxImagesPerMessage = 16;
@@ -568,6 +626,8 @@ int run_generate_command(int argc, char** argv) {
       ->required();
   app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
       ->type_name("FILE");
+  app.add_option("--video", o.videos, "repeatable, mixed with --image in the order given")
+      ->type_name("FILE");
   auto* prompt_opt =
       app.add_option("-p,--prompt", o.prompt, "the user's text; none: chat on stdin");
   app.add_option("-f,--file", o.prompt_file, "read the user's text from FILE")
@@ -600,6 +660,12 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--image-max-tokens", o.image_max_tokens,
                  "most tokens per image (default: the model's)")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
+  app.add_option("--video-fps", o.video_fps,
+                 "video frames kept a second, 0 = every one (default: the model's)")
+      ->check(quiet(CLI::Range(0.0, 1000.0)));
+  app.add_option("--video-max-frames", o.video_max_frames,
+                 "most frames kept of a video (default: the model's)")
+      ->check(quiet(CLI::Range(1, 1 << 20)));
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "one JSON object, not a stream (a chat: one a turn)");
@@ -684,6 +750,13 @@ int run_generate_command(int argc, char** argv) {
     if (known == kLlamaSpellings.end()) fail_unknown_flag(args[i], app);
     args[i] = known->second;
   }
+  // --image and --video may alternate; the media markers take them in the order given.
+  for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if (args[i] == "--image" || args[i].rfind("--image=", 0) == 0)
+      o.media_order.push_back(ChatPart::Kind::image);
+    else if (args[i] == "--video" || args[i].rfind("--video=", 0) == 0)
+      o.media_order.push_back(ChatPart::Kind::video);
+  }
   std::reverse(args.begin(), args.end());  // CLI11 takes them last first
   try {
     app.parse(args);
@@ -759,7 +832,11 @@ int run_generate_command(int argc, char** argv) {
                  "its weights\n",
                  o.model_dir.c_str());
   }
-  if (!o.logits_out.empty()) check_logits_out(o.logits_out, o.model_dir, o.images);
+  if (!o.logits_out.empty()) {
+    std::vector<std::string> inputs = o.images;
+    inputs.insert(inputs.end(), o.videos.begin(), o.videos.end());
+    check_logits_out(o.logits_out, o.model_dir, inputs);
+  }
   const auto t_device = std::chrono::steady_clock::now();
   std::unique_ptr<Backend> backend = make_backend(device);
   load.device_init_ms = ms_since(t_device);
@@ -832,13 +909,15 @@ int run_generate_command(int argc, char** argv) {
   }
   PreprocessedBatch batch;
   if (!images.empty()) batch = preprocess_images(images, pre);
-  const double preprocess_ms = ms_since(t_pre);
   std::vector<GridTHW> grids(batch.grid_thw.begin(), batch.grid_thw.end());
-  const int64_t patches = count_patches(grids);
+  const std::vector<VideoClip> clips = load_videos(o, cfg, chat, count_patches(grids));
+  const double preprocess_ms = ms_since(t_pre);
+  int64_t patches = count_patches(grids);
+  for (const VideoClip& c : clips) patches += c.grid_thw[0] * c.grid_thw[1] * c.grid_thw[2];
   ModelLimits limits;
   limits.max_context = o.ctx_size;
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
-  limits.max_images = std::max<int>(1, static_cast<int>(images.size()));
+  limits.max_images = std::max<int>(1, static_cast<int>(images.size() + clips.size()));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
   if (chat) {
     // A chat's images arrive later (/image), so the encoder is planned for the most one message
@@ -897,12 +976,46 @@ int run_generate_command(int argc, char** argv) {
 
   std::vector<ChatMessage> messages;
   if (!o.system.empty()) messages.push_back({"system", {ChatPart::make_text(o.system)}});
-  messages.push_back(user_message(o.prompt, grids.size()));
+  std::vector<ChatPart::Kind> media = o.media_order;
+  if (media.size() != images.size() + clips.size()) {
+    media.assign(images.size(), ChatPart::Kind::image);
+    media.insert(media.end(), clips.size(), ChatPart::Kind::video);
+  }
+  messages.push_back(user_message(o.prompt, media));
   const std::string prompt_text = chat_format.render(messages, true);
   if (o.verbose) std::fprintf(stderr, "prompt:\n%s\n", prompt_text.c_str());
-  req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
-  req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
-  req.grids = grids;
+  std::vector<float> media_pixels;  // images and videos in prompt order, where there are videos
+  if (clips.empty()) {
+    req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
+    req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
+    req.grids = grids;
+  } else {
+    std::vector<const VideoClip*> videos;
+    for (const VideoClip& c : clips) videos.push_back(&c);
+    MediaPrompt mp = encode_media_prompt(tokenizer, prompt_text, cfg, grids, videos);
+    // Each image's rows start where the rows of the images before it end.
+    std::vector<int64_t> image_row(grids.size() + 1, 0);
+    for (size_t i = 0; i < grids.size(); ++i)
+      image_row[i + 1] = image_row[i] + grids[i][0] * grids[i][1] * grids[i][2];
+    const int64_t cols = cfg.vision.patch_dim();
+    media_pixels.reserve(static_cast<size_t>(patches * cols));
+    for (const MediaPrompt::Item& item : mp.media_order) {
+      if (item.video) {
+        const VideoClip& c = clips[item.index];
+        media_pixels.insert(media_pixels.end(), c.pixel_values.data<float>(),
+                            c.pixel_values.data<float>() + c.pixel_values.numel());
+        req.grids.push_back(c.grid_thw);
+      } else {
+        const float* rows = batch.pixel_values.data<float>();
+        media_pixels.insert(media_pixels.end(), rows + image_row[item.index] * cols,
+                            rows + image_row[item.index + 1] * cols);
+        req.grids.push_back(grids[item.index]);
+      }
+    }
+    req.prompt_ids = std::move(mp.ids);
+    req.runs = std::move(mp.runs);
+    req.pixel_values = media_pixels.data();
+  }
   req.keep_prompt_logits = !o.logits_out.empty();
   StreamingDecoder stream(tokenizer);
   const GenerationResult res = generate(model, req, [&](int32_t tok) {
@@ -925,8 +1038,8 @@ int run_generate_command(int argc, char** argv) {
     std::fputs(stream.flush().c_str(), stdout);
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    print_timings(load, preprocess_ms, images.size(), t, t.decode_tokens_per_s(), backend->name(),
-                  req.sampling.seed);
+    print_timings(load, preprocess_ms, images.size() + clips.size(), t, t.decode_tokens_per_s(),
+                  backend->name(), req.sampling.seed);
   }
   save_tuning();
   return 0;

@@ -10,7 +10,9 @@
 #include "bridge/config_fields.h"
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
+#include "bridge/rope_index.h"
 #include "core/json_read.h"
+#include "vision/video.h"
 #include "vision/vision_tower.h"
 
 namespace iris {
@@ -89,6 +91,40 @@ class Qwen25VL final : public Architecture {
   PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const override {
     (void)cfg;
     return clip_preprocessor();
+  }
+
+  VideoProcessorConfig default_video_preprocessor(const ModelConfig& cfg) const override {
+    return qwen2_video_preprocessor(cfg);
+  }
+
+  std::vector<int64_t> sample_video_frames(int64_t total, double video_fps,
+                                           const VideoProcessorConfig& vc) const override {
+    return sample_frames_arange(total, video_fps, vc);
+  }
+
+  // Every frame is resized as an image is, under a per-frame pixel budget.
+  ResizedSize video_frame_size(int64_t n_frames, int height, int width,
+                               const VideoProcessorConfig& vc) const override {
+    (void)n_frames;
+    const PreprocessorConfig& f = vc.frame;
+    return smart_resize(height, width, f.patch_size * f.merge_size, f.min_pixels, f.max_pixels);
+  }
+
+  // The template's block as it is: its one <|video_pad|> becomes the whole video.
+  std::string video_prompt_text(const VideoClip& clip) const override {
+    (void)clip;
+    return "<|vision_start|><|video_pad|><|vision_end|>";
+  }
+
+  // Slice k sits k * tokens_per_second * int(second_per_grid_t) positions after the start, with
+  // second_per_grid_t = temporal_patch_size / the frames kept per second (transformers 5.x
+  // truncates the seconds first: 4.x multiplied, then truncated, which differs for clips sampled at
+  // other rates than 2 frames a second).
+  std::vector<VisionRun> video_runs(const VideoClip& clip, const ModelConfig& cfg) const override {
+    return whole_video_run(
+        clip, cfg,
+        cfg.vision.tokens_per_second *
+            static_cast<int64_t>(clip.seconds_per_slice(cfg.vision.temporal_patch_size)));
   }
 };
 

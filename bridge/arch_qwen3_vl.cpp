@@ -2,13 +2,16 @@
 // interleaved M-RoPE, and a vision tower with a learned position grid and DeepStack mergers whose
 // features are added after the first decoder layers. Tensors under transformers 5.x's module
 // names (model.visual.*, model.language_model.*), as the released checkpoints store them.
+#include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "bridge/architecture.h"
 #include "bridge/config_fields.h"
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
+#include "bridge/rope_index.h"
 #include "core/json_read.h"
+#include "vision/video.h"
 #include "vision/vision_tower.h"
 
 namespace iris {
@@ -104,6 +107,64 @@ class Qwen3VL final : public Architecture {
   PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const override {
     (void)cfg;
     return PreprocessorConfig{};
+  }
+
+  // Qwen3VLVideoProcessor's class defaults: 128 to 768 tokens' worth of pixels (32^2 each) over
+  // all frames, 2 frames a second, 4 to 768 frames.
+  VideoProcessorConfig default_video_preprocessor(const ModelConfig& cfg) const override {
+    VideoProcessorConfig vc;
+    vc.frame.patch_size = cfg.vision.patch_size;
+    vc.frame.temporal_patch_size = cfg.vision.temporal_patch_size;
+    vc.frame.merge_size = cfg.vision.spatial_merge_size;
+    vc.frame.min_pixels = int64_t{128} * 32 * 32;
+    vc.frame.max_pixels = int64_t{768} * 32 * 32;
+    return vc;
+  }
+
+  std::vector<int64_t> sample_video_frames(int64_t total, double video_fps,
+                                           const VideoProcessorConfig& vc) const override {
+    return sample_frames_linspace(total, video_fps, vc);
+  }
+
+  // The pixel budget is over the whole clip, not a frame.
+  ResizedSize video_frame_size(int64_t n_frames, int height, int width,
+                               const VideoProcessorConfig& vc) const override {
+    const PreprocessorConfig& f = vc.frame;
+    return smart_resize_video(n_frames, height, width, f.temporal_patch_size,
+                              f.patch_size * f.merge_size, f.min_pixels, f.max_pixels);
+  }
+
+  // Each temporal slice is a block of its own after its time in text, "<t seconds>" with t the
+  // mean time of the slice's first and last frame (Qwen3VLProcessor._calculate_timestamps, which
+  // groups merge_size frames). transformers 5.x replaces only the template's <|video_pad|>, so
+  // the slices sit inside the template's own <|vision_start|> ... <|vision_end|>.
+  std::string video_prompt_text(const VideoClip& clip) const override {
+    std::vector<int64_t> idx = clip.frame_indices;
+    const size_t group = 2;
+    while (!idx.empty() && idx.size() % group != 0) idx.push_back(idx.back());
+    const double fps = clip.fps_or_default();
+    std::string text = "<|vision_start|>";
+    for (int64_t k = 0; k < clip.grid_thw[0]; ++k) {
+      const size_t a = static_cast<size_t>(k) * group;
+      IRIS_CHECK(a + group - 1 < idx.size(), "a video's ", clip.grid_thw[0],
+                 " temporal slices need ", clip.grid_thw[0] * 2, " frame indices, it has ",
+                 clip.frame_indices.size());
+      const double t =
+          (static_cast<double>(idx[a]) / fps + static_cast<double>(idx[a + group - 1]) / fps) / 2;
+      char stamp[64];
+      std::snprintf(stamp, sizeof(stamp), "<%.1f seconds>", t);
+      text += stamp;
+      text += "<|vision_start|><|video_pad|><|vision_end|>";
+    }
+    return text + "<|vision_end|>";
+  }
+
+  // One run per temporal slice: HF splits a video's grid into (1, h, w) rows.
+  std::vector<VisionRun> video_runs(const VideoClip& clip, const ModelConfig& cfg) const override {
+    const int m = cfg.vision.spatial_merge_size;
+    return std::vector<VisionRun>(
+        static_cast<size_t>(clip.grid_thw[0]),
+        VisionRun{cfg.video_token_id, 1, clip.grid_thw[1] / m, clip.grid_thw[2] / m, 1});
   }
 };
 

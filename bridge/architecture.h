@@ -19,6 +19,10 @@ namespace iris {
 struct ModelConfig;
 struct ModelWeights;
 struct PreprocessorConfig;
+struct ResizedSize;
+struct VideoClip;
+struct VideoProcessorConfig;
+struct VisionRun;
 
 // An architecture's tensor table as it is declared: each Iris tensor is planned with its shape
 // and bound to the HF tensors stored in it (several, stacked along rows, for fused projections).
@@ -60,11 +64,35 @@ class Architecture {
   virtual void declare_weights(const ModelConfig& cfg, ModelWeights& w, WeightTable& t) const = 0;
   // preprocessor_config.json's values for a checkpoint that has none.
   virtual PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const = 0;
+
+  // Video, as the family's HF video processor and processor handle it (spec 2.6, 2.7, 8.4, 8.5).
+  // The video processor's defaults, under the checkpoint's video_preprocessor_config.json.
+  virtual VideoProcessorConfig default_video_preprocessor(const ModelConfig& cfg) const = 0;
+  // The frames kept of a video of `total_frames` at `video_fps` (0: unknown), ascending.
+  virtual std::vector<int64_t> sample_video_frames(int64_t total_frames, double video_fps,
+                                                   const VideoProcessorConfig& vc) const = 0;
+  // The size every kept frame is resized to.
+  virtual ResizedSize video_frame_size(int64_t n_frames, int height, int width,
+                                       const VideoProcessorConfig& vc) const = 0;
+  // The prompt text that replaces the chat template's <|vision_start|><|video_pad|><|vision_end|>
+  // for this video; each <|video_pad|> in it stands for one of video_runs' runs, in order.
+  virtual std::string video_prompt_text(const VideoClip& clip) const = 0;
+  virtual std::vector<VisionRun> video_runs(const VideoClip& clip,
+                                            const ModelConfig& cfg) const = 0;
 };
 
 // The preprocessing of the Qwen2-VL and Qwen2.5-VL checkpoints: CLIP's mean and std, 14-pixel
 // patches, 56^2 to 28^2 x 16384 pixels.
 PreprocessorConfig clip_preprocessor();
+// The video processor of Qwen2-VL and Qwen2.5-VL (transformers' Qwen2VLVideoProcessor): CLIP's
+// mean and std, 128 x 28^2 to 768 x 28^2 pixels a frame, 4 to 768 frames. transformers keeps every
+// frame unless asked to sample; Iris samples 2 frames a second, as the model cards' qwen-vl-utils
+// does (fps 0 keeps every frame).
+VideoProcessorConfig qwen2_video_preprocessor(const ModelConfig& cfg);
+// The frame-pair runs of the Qwen2 families: one run for the whole video, its temporal slices
+// `temporal_step` positions apart.
+std::vector<VisionRun> whole_video_run(const VideoClip& clip, const ModelConfig& cfg,
+                                       int64_t temporal_step);
 
 const Architecture& qwen3_vl_architecture();
 const Architecture& qwen2_5_vl_architecture();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "bridge/architecture.h"
+#include "bridge/model_config.h"
 #include "chat_template/jinja.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -16,6 +18,7 @@ namespace fs = std::filesystem;
 using nlohmann::ordered_json;
 
 constexpr std::string_view kImageBlock = "<|vision_start|><|image_pad|><|vision_end|>";
+constexpr std::string_view kVideoBlock = "<|vision_start|><|video_pad|><|vision_end|>";
 constexpr const char* kTemplateFiles =
     "chat_template.jinja, chat_template.json, tokenizer_config.json";
 
@@ -72,7 +75,7 @@ ordered_json message_json(const ChatMessage& m) {
   ordered_json j;
   j["role"] = m.role;
   bool images = false;
-  for (const ChatPart& p : m.content) images = images || p.kind == ChatPart::Kind::image;
+  for (const ChatPart& p : m.content) images = images || p.kind != ChatPart::Kind::text;
   if (!images) {
     std::string text;
     for (const ChatPart& p : m.content) text += p.text;
@@ -83,6 +86,8 @@ ordered_json message_json(const ChatMessage& m) {
   for (const ChatPart& p : m.content) {
     if (p.kind == ChatPart::Kind::image)
       items.push_back({{"type", "image"}});
+    else if (p.kind == ChatPart::Kind::video)
+      items.push_back({{"type", "video"}});
     else
       items.push_back({{"type", "text"}, {"text", p.text}});
   }
@@ -114,6 +119,14 @@ void check_vision_token_ids(const Tokenizer& tokenizer, const std::string& token
 }
 
 ChatMessage user_message(const std::string& text, size_t n_images) {
+  return user_message(text, std::vector<ChatPart::Kind>(n_images, ChatPart::Kind::image));
+}
+
+ChatMessage user_message(const std::string& text, const std::vector<ChatPart::Kind>& media) {
+  const size_t n_images = media.size();
+  auto part = [&](size_t i) {
+    return media[i] == ChatPart::Kind::video ? ChatPart::make_video() : ChatPart::make_image();
+  };
   // These tokens mark where the vision tower's embeddings go: typed in a message they would take
   // an image's place (or none), and the error would surface far from its cause.
   for (const char* token :
@@ -125,20 +138,20 @@ ChatMessage user_message(const std::string& text, size_t n_images) {
   ChatMessage m{"user", {}};
   const size_t markers = count_markers(text);
   if (markers == 0) {
-    for (size_t i = 0; i < n_images; ++i) m.content.push_back(ChatPart::make_image());
+    for (size_t i = 0; i < n_images; ++i) m.content.push_back(part(i));
     m.content.push_back(ChatPart::make_text(text));
     return m;
   }
-  IRIS_CHECK(
-      markers == n_images, "the prompt has ", markers, " ", kMediaMarker, " marker",
-      markers == 1 ? "" : "s", " but ", n_images, " image", n_images == 1 ? " was" : "s were",
-      " given (--image or /image); write one marker per image, or none to put the images before "
-      "the text");
+  IRIS_CHECK(markers == n_images, "the prompt has ", markers, " ", kMediaMarker, " marker",
+             markers == 1 ? "" : "s", " but ", n_images, " image",
+             n_images == 1 ? " or video was" : "s and videos were",
+             " given (--image, --video or /image); write one marker per image or video, or none "
+             "to put them before the text");
   size_t pos = 0;
   for (size_t i = 0; i < n_images; ++i) {
     const size_t at = text.find(kMediaMarker, pos);
     if (at > pos) m.content.push_back(ChatPart::make_text(text.substr(pos, at - pos)));
-    m.content.push_back(ChatPart::make_image());
+    m.content.push_back(part(i));
     pos = at + kMediaMarker.size();
   }
   if (pos < text.size()) m.content.push_back(ChatPart::make_text(text.substr(pos)));
@@ -244,7 +257,9 @@ std::string ChatFormat::render(const std::vector<ChatMessage>& messages,
     for (const ChatMessage& m : messages) {
       s += "<|im_start|>" + m.role + "\n";
       for (const ChatPart& p : m.content)
-        s += p.kind == ChatPart::Kind::image ? std::string(kImageBlock) : p.text;
+        s += p.kind == ChatPart::Kind::image   ? std::string(kImageBlock)
+             : p.kind == ChatPart::Kind::video ? std::string(kVideoBlock)
+                                               : p.text;
       s += "<|im_end|>\n";
     }
     if (add_generation_prompt) s += "<|im_start|>assistant\n";
@@ -283,6 +298,73 @@ std::vector<int32_t> encode_chat_text(const Tokenizer& tok, const std::string& t
       continue;
     }
     out.insert(out.end(), static_cast<size_t>(image_token_count(grids[next++], merge_size)), pad);
+  }
+  return out;
+}
+
+MediaPrompt encode_media_prompt(const Tokenizer& tok, const std::string& rendered,
+                                const ModelConfig& cfg, const std::vector<GridTHW>& image_grids,
+                                const std::vector<const VideoClip*>& videos) {
+  const Architecture& arch = *cfg.arch;
+  // The processor rewrites each video's block in the text before tokenizing, so a family's
+  // per-slice text (Qwen3-VL's timestamps) is tokenized with the text around it.
+  std::string text;
+  size_t from = 0, n_blocks = 0;
+  for (size_t at = rendered.find(kVideoBlock); at != std::string::npos;
+       at = rendered.find(kVideoBlock, from)) {
+    IRIS_CHECK(n_blocks < videos.size(), "the chat has more video blocks (", kVideoBlock,
+               ") than the ", videos.size(), " video", videos.size() == 1 ? "" : "s",
+               " given: the chat template must write each video once, and text may not spell it");
+    text.append(rendered, from, at - from);
+    text += arch.video_prompt_text(*videos[n_blocks++]);
+    from = at + kVideoBlock.size();
+  }
+  text.append(rendered, from, std::string::npos);
+  IRIS_CHECK(n_blocks == videos.size(), "the chat has ", n_blocks, " video block",
+             n_blocks == 1 ? "" : "s", " (", kVideoBlock, ") for ", videos.size(), " video",
+             videos.size() == 1 ? "" : "s", ": the chat template must write each video once");
+
+  const int32_t image_pad = tok.token_id("<|image_pad|>"),
+                video_pad = tok.token_id("<|video_pad|>");
+  const int m = cfg.vision.spatial_merge_size;
+  std::vector<std::vector<VisionRun>> video_runs;
+  size_t total_video_runs = 0;
+  for (const VideoClip* v : videos) {
+    video_runs.push_back(arch.video_runs(*v, cfg));
+    total_video_runs += video_runs.back().size();
+  }
+  const std::vector<int32_t> ids = tok.encode(text);
+  const auto n_image_pads = static_cast<size_t>(std::count(ids.begin(), ids.end(), image_pad));
+  const auto n_video_pads = static_cast<size_t>(std::count(ids.begin(), ids.end(), video_pad));
+  IRIS_CHECK(n_image_pads == image_grids.size(), "the chat has ", n_image_pads,
+             " image placeholder", n_image_pads == 1 ? "" : "s", " (<|image_pad|>) for ",
+             image_grids.size(), " image", image_grids.size() == 1 ? "" : "s",
+             ": the chat template must write each image once, and text may not spell "
+             "<|image_pad|>");
+  IRIS_CHECK(n_video_pads == total_video_runs, "the chat has ", n_video_pads,
+             " video placeholders (<|video_pad|>) where its ", videos.size(), " video",
+             videos.size() == 1 ? "" : "s", " need ", total_video_runs,
+             ": text may not spell <|video_pad|>");
+  MediaPrompt out;
+  size_t next_image = 0, next_video = 0, next_run = 0;
+  for (int32_t id : ids) {
+    if (id == image_pad) {
+      const VisionRun run = image_runs({image_grids[next_image]}, image_pad, m)[0];
+      out.media_order.push_back({false, next_image++});
+      out.runs.push_back(run);
+      out.ids.insert(out.ids.end(), static_cast<size_t>(run.tokens()), image_pad);
+    } else if (id == video_pad) {
+      if (next_run == 0) out.media_order.push_back({true, next_video});
+      const VisionRun& run = video_runs[next_video][next_run];
+      out.runs.push_back(run);
+      out.ids.insert(out.ids.end(), static_cast<size_t>(run.tokens()), video_pad);
+      if (++next_run == video_runs[next_video].size()) {
+        next_run = 0;
+        ++next_video;
+      }
+    } else {
+      out.ids.push_back(id);
+    }
   }
   return out;
 }

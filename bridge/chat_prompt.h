@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bridge/rope_index.h"
 #include "language/tokenizer.h"
 #include "vision/vision_encoder.h"
 
@@ -27,17 +28,20 @@ namespace iris {
 namespace jinja {
 class Template;
 }
+struct ModelConfig;
+struct VideoClip;
 
 // llama-mtmd-cli's default media marker.
 inline constexpr std::string_view kMediaMarker = "<__media__>";
 
 struct ChatPart {
-  enum class Kind { text, image };
+  enum class Kind { text, image, video };
   Kind kind = Kind::text;
-  std::string text;  // text parts only; image parts take the next grid in order
+  std::string text;  // text parts only; image (video) parts take the next image (video) in order
 
   static ChatPart make_text(std::string t) { return {Kind::text, std::move(t)}; }
   static ChatPart make_image() { return {Kind::image, {}}; }
+  static ChatPart make_video() { return {Kind::video, {}}; }
 };
 
 // A message as transformers takes it: content without images is a string, content with images a
@@ -51,6 +55,9 @@ struct ChatMessage {
 // content [image..., text]), or, as in llama-mtmd-cli, image i where the text's marker i is
 // (content [text, image, text, ...]). Markers, when present, must be exactly one per image.
 ChatMessage user_message(const std::string& text, size_t n_images);
+// The same with images and videos: `media` lists their kinds (ChatPart::Kind::image or video) in
+// the order they were given; marker i takes media i.
+ChatMessage user_message(const std::string& text, const std::vector<ChatPart::Kind>& media);
 
 // <|image_pad|> tokens one image expands to.
 int64_t image_token_count(const GridTHW& grid, int merge_size = 2);
@@ -107,6 +114,25 @@ class ChatFormat {
 // or repeats an image (or text that spells <|image_pad|>) is an error.
 std::vector<int32_t> encode_chat_text(const Tokenizer& tokenizer, const std::string& text,
                                       const std::vector<GridTHW>& image_grids, int merge_size);
+
+// A prompt with images and videos, as HF's processor makes it: each video's block in the rendered
+// text (<|vision_start|><|video_pad|><|vision_end|>) rewritten as its family writes videos
+// (Architecture::video_prompt_text), the text tokenized, then each <|image_pad|> expanded to its
+// image's tokens and each <|video_pad|> to its run's. `media_order` lists the images and videos
+// as their pads come in the prompt (the order their pixel rows go to the vision tower), `runs`
+// their pad runs in that order.
+struct MediaPrompt {
+  std::vector<int32_t> ids;
+  std::vector<VisionRun> runs;
+  struct Item {
+    bool video = false;
+    size_t index = 0;  // into the images or the videos
+  };
+  std::vector<Item> media_order;
+};
+MediaPrompt encode_media_prompt(const Tokenizer& tokenizer, const std::string& text,
+                                const ModelConfig& cfg, const std::vector<GridTHW>& image_grids,
+                                const std::vector<const VideoClip*>& videos);
 
 // The tokenizer writes the vision tokens (<|image_pad|>, <|video_pad|>, <|vision_start|>,
 // <|vision_end|>) with the ids config.json gives the model (image_token_id, ...): a mismatch is

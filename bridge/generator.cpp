@@ -43,7 +43,10 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
              " new tokens exceed the context of ", model.limits().max_context,
              " (raise --ctx-size or lower -n)");
   auto t0 = std::chrono::steady_clock::now();
-  model.encode_images(req.pixel_values, req.grids);
+  if (req.runs.empty())
+    model.encode_images(req.pixel_values, req.grids);
+  else
+    model.encode_vision(req.pixel_values, req.grids, req.runs);
   model.backend().synchronize();
   t.vision_ms = ms_since(t0);
 

@@ -35,6 +35,9 @@ struct GenerationRequest {
   std::vector<int32_t> cached_ids;
   const float* pixel_values = nullptr;  // [patches, patch_dim] for all images, or null
   std::vector<GridTHW> grids;
+  // With videos: the prompt's pad runs (MediaPrompt::runs), pixel rows and grids in their order.
+  // Empty: every grid is an image, in order.
+  std::vector<VisionRun> runs;
   int max_new_tokens = 128;
   std::set<int32_t> stop_ids;  // generation ends after emitting one of these (not streamed)
   SamplingParams sampling;

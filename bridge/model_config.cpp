@@ -72,6 +72,24 @@ PreprocessorConfig model_preprocessor(const std::string& model_dir, const ModelC
   return pp;
 }
 
+VideoProcessorConfig model_video_preprocessor(const std::string& model_dir,
+                                              const ModelConfig& cfg) {
+  namespace fs = std::filesystem;
+  VideoProcessorConfig base = cfg.arch->default_video_preprocessor(cfg);
+  for (const char* name : {"video_preprocessor_config.json", "preprocessor_config.json"}) {
+    const fs::path path = fs::path(model_dir) / name;
+    if (!fs::exists(path)) continue;
+    const std::string text =
+        read_text_file(path.string(), "video processor config", kJsonConfigLimits.max_bytes);
+    const VideoProcessorConfig vc =
+        VideoProcessorConfig::from_json(parse_json(text, path.string()), base, path.string());
+    check_preprocessor_matches(cfg, vc.frame, (fs::path(model_dir) / "config.json").string(),
+                               path.string());
+    return vc;
+  }
+  return base;
+}
+
 void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
                                 const std::string& config_name,
                                 const std::string& preprocessor_name) {

@@ -6,6 +6,7 @@
 
 #include "language/text_config.h"
 #include "vision/preprocess.h"
+#include "vision/video.h"
 #include "vision/vision_config.h"
 
 namespace iris {
@@ -36,6 +37,10 @@ struct ModelConfig {
 // geometry), checked against the model: pixel rows made with another patch_size,
 // temporal_patch_size or merge_size would not be the rows the vision tower reads.
 PreprocessorConfig model_preprocessor(const std::string& model_dir, const ModelConfig& cfg);
+// The checkpoint's video processor: video_preprocessor_config.json, else preprocessor_config.json
+// (transformers' fallback), over the family's defaults with the model's patch geometry; checked
+// against the model as the image processor is.
+VideoProcessorConfig model_video_preprocessor(const std::string& model_dir, const ModelConfig& cfg);
 void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
                                 const std::string& config_name,
                                 const std::string& preprocessor_name);

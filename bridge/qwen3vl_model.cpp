@@ -58,9 +58,21 @@ void Qwen3VLModel::build() {
 }
 
 void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<GridTHW>& grids) {
+  encode_vision(pixel_values, grids,
+                image_runs(grids, cfg_.image_token_id, cfg_.vision.spatial_merge_size));
+}
+
+void Qwen3VLModel::encode_vision(const float* pixel_values, const std::vector<GridTHW>& grids,
+                                 std::vector<VisionRun> runs) {
   IRIS_CHECK(static_cast<int>(grids.size()) <= limits_.max_images, grids.size(),
-             " images exceed the planned maximum of ", limits_.max_images);
+             " images and videos exceed the planned maximum of ", limits_.max_images);
+  int64_t grid_tokens = 0, run_tokens = 0;
+  for (const GridTHW& g : grids) grid_tokens += g[0] * g[1] * g[2] / cfg_.vision.merge_unit();
+  for (const VisionRun& r : runs) run_tokens += r.tokens();
+  IRIS_CHECK(grid_tokens == run_tokens, "the prompt's vision runs hold ", run_tokens,
+             " tokens but the grids encode ", grid_tokens);
   grids_ = grids;
+  runs_ = std::move(runs);
   if (grids.empty()) {
     vision_rows_ = 0;
     return;
@@ -113,15 +125,17 @@ void Qwen3VLModel::extend(const std::vector<int32_t>& ids, const HiddenObserver&
     IRIS_CHECK(ids[i] >= 0 && ids[i] < vocab, "prompt token ", i, " has id ", ids[i],
                ", outside the model's vocabulary of ", vocab,
                " (text_config.vocab_size); the tokenizer and config.json disagree");
-  const int32_t pad = cfg_.image_token_id;
-  const int64_t n_pads = std::count(ids.begin(), ids.end(), pad);
-  IRIS_CHECK(n_pads == vision_rows_, "the prompt has ", n_pads, " <|image_pad|> tokens but the ",
-             grids_.size(), " encoded images produce ", vision_rows_, " embeddings");
-  rope_ = compute_rope_index(ids, grids_, pad, cfg_.vision.spatial_merge_size, next_position());
+  const int32_t image_pad = cfg_.image_token_id, video_pad = cfg_.video_token_id;
+  auto is_pad = [&](int32_t id) { return id == image_pad || id == video_pad; };
+  const int64_t n_pads = std::count_if(ids.begin(), ids.end(), is_pad);
+  IRIS_CHECK(n_pads == vision_rows_, "the prompt has ", n_pads,
+             " <|image_pad|> and <|video_pad|> tokens but the ", grids_.size(),
+             " encoded images and videos produce ", vision_rows_, " embeddings");
+  rope_ = compute_rope_index(ids, runs_, image_pad, video_pad, next_position());
   delta_ = rope_.delta - n_past_;
   // A text token's three M-RoPE rows are equal; the token after it takes the next position.
   for (int64_t i = 0; i < L; ++i)
-    next_position_after_.push_back(ids[i] == pad ? -1 : rope_.positions[i] + 1);
+    next_position_after_.push_back(is_pad(ids[i]) ? -1 : rope_.positions[i] + 1);
   prompt_logits_.clear();
   int64_t image_rank = 0;  // image rows consumed by earlier chunks
   for (int64_t c0 = 0; c0 < L; c0 += limits_.max_step_tokens) {
@@ -134,7 +148,7 @@ void Qwen3VLModel::extend(const std::vector<int32_t>& ids, const HiddenObserver&
     decoder_->upload_step(ids.data() + c0, cos_.data(), sin_.data(), T, n_past_);
     index_host_.clear();
     for (int64_t i = 0; i < T; ++i)
-      if (ids[c0 + i] == pad) index_host_.push_back(static_cast<int32_t>(i));
+      if (is_pad(ids[c0 + i])) index_host_.push_back(static_cast<int32_t>(i));
     const int64_t n_img = static_cast<int64_t>(index_host_.size());
     if (n_img > 0) backend_.write(scatter_index_.slice(0, n_img), index_host_.data(), DType::i32);
 

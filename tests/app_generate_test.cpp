@@ -18,6 +18,7 @@
 #include "test_util.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
+#include "vision/video_decode.h"
 
 namespace iris {
 namespace {
@@ -147,6 +148,80 @@ TEST(AppGenerate, OtherFamiliesMultimodalGreedyMatchesHF) {
     ASSERT_EQ(t.exit_code, 0) << t.err;
     EXPECT_EQ(tokens_of(t.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
   }
+}
+
+// tools/make_video_golden.py's frames, written to a lossless file that iris generate decodes.
+std::string write_formula_video(const fs::path& dir) {
+  std::vector<ImageRGB8> frames(30);
+  for (int f = 0; f < 30; ++f) {
+    frames[f].width = 140;
+    frames[f].height = 100;
+    frames[f].pixels.resize(140 * 100 * 3);
+    for (int y = 0; y < 100; ++y)
+      for (int x = 0; x < 140; ++x)
+        for (int c = 0; c < 3; ++c)
+          frames[f].pixels[(y * 140 + x) * 3 + c] =
+              static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
+  }
+  const std::string path = (dir / "clip.mkv").string();
+  write_lossless_video(path, frames, 12.0);
+  return path;
+}
+
+TEST(AppGenerate, VideoAndMixedPromptsGreedyMatchHFForEveryFamily) {
+  if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
+  const fs::path tmp = fs::temp_directory_path() / ("iris_app_video_" + std::to_string(getpid()));
+  fs::create_directories(tmp);
+  const std::string video = write_formula_video(tmp);
+  for (const char* family : {"qwen3vl-tiny", "qwen25vl-tiny", "qwen2vl-tiny"}) {
+    SCOPED_TRACE(family);
+    const std::string dir = test::data_dir() + "/" + family;
+    const auto g = nlohmann::json::parse(read_text_file(dir + "/golden_video.json"));
+    const std::string greedy = " --temp 0 -n 8 --ignore-eos --json --device cpu";
+    const RunResult r = run_iris("generate -m " + q(dir) + " --video " + q(video) +
+                                 " -p 'Describe this video.'" + greedy);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(tokens_of(r.out), g["video.greedy_ids"].get<std::vector<int32_t>>());
+    // Markers take the media in the order given on the command line.
+    const RunResult m = run_iris(
+        "generate -m " + q(dir) + " --image " + q(dir + "/images/image0.png") + " --video " +
+        q(video) + " -p '<__media__><__media__>Compare the picture with the video.'" + greedy);
+    ASSERT_EQ(m.exit_code, 0) << m.err;
+    EXPECT_EQ(tokens_of(m.out), g["mixed.greedy_ids"].get<std::vector<int32_t>>());
+    const RunResult m2 =
+        run_iris("generate -m " + q(dir) + " --image " + q(dir + "/images/image0.png") +
+                 " --video " + q(video) + " -p 'Compare the picture with the video.'" + greedy);
+    ASSERT_EQ(m2.exit_code, 0) << m2.err;
+    EXPECT_EQ(tokens_of(m2.out), g["mixed.greedy_ids"].get<std::vector<int32_t>>());
+  }
+  fs::remove_all(tmp);
+}
+
+TEST(AppGenerate, BadVideosAreErrorsNamingTheFile) {
+  const std::string dir = test::data_dir() + "/qwen25vl-tiny";
+  const RunResult missing =
+      run_iris("generate -m " + q(dir) + " --video /nonexistent/clip.mp4 -p hi --device cpu");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("/nonexistent/clip.mp4"), std::string::npos) << missing.err;
+  const fs::path tmp =
+      fs::temp_directory_path() / ("iris_app_badvideo_" + std::to_string(getpid()));
+  fs::create_directories(tmp);
+  const std::string text = (tmp / "notes.mp4").string();
+  std::ofstream(text) << "not a video\n";
+  const RunResult bad = run_iris("generate -m " + q(dir) + " --video " + q(text) + " -p hi");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find(text), std::string::npos) << bad.err;
+  EXPECT_EQ(bad.err.find("Aborted"), std::string::npos) << bad.err;
+  if (video_decoding_available()) {
+    // More tokens than the context: refused from the metadata, before any frame is decoded.
+    const std::string video = write_formula_video(tmp);
+    const RunResult big = run_iris("generate -m " + q(dir) + " --video " + q(video) +
+                                   " --video-fps 12 -c 64 -p hi --device cpu");
+    EXPECT_NE(big.exit_code, 0);
+    EXPECT_NE(big.err.find("--video-fps"), std::string::npos) << big.err;
+    EXPECT_NE(big.err.find(video), std::string::npos) << big.err;
+  }
+  fs::remove_all(tmp);
 }
 
 TEST(AppGenerate, TextGreedyMatchesHF) {

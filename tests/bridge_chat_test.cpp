@@ -176,10 +176,10 @@ TEST(ChatRope, TurnsContinueThePositionsOfOneWalk) {
   std::vector<int32_t> second = {6, 7, pad, pad, pad, pad, 8};
   std::vector<int32_t> all = first;
   all.insert(all.end(), second.begin(), second.end());
-  const RopeIndex whole = compute_rope_index(all, grids, pad, 2);
-  const RopeIndex a = compute_rope_index(first, {grids[0]}, pad, 2);
+  const RopeIndex whole = compute_rope_index(all, image_runs(grids, pad, 2), pad, -1);
+  const RopeIndex a = compute_rope_index(first, image_runs({grids[0]}, pad, 2), pad, -1);
   const int64_t next = static_cast<int64_t>(first.size()) + a.delta;  // max + 1
-  const RopeIndex b = compute_rope_index(second, {grids[1]}, pad, 2, next);
+  const RopeIndex b = compute_rope_index(second, image_runs({grids[1]}, pad, 2), pad, -1, next);
   const int64_t L = static_cast<int64_t>(all.size()), L1 = static_cast<int64_t>(first.size()),
                 L2 = static_cast<int64_t>(second.size());
   for (int axis = 0; axis < 3; ++axis) {

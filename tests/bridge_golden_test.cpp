@@ -96,8 +96,10 @@ TEST_F(GoldenModel, VisionEmbeddingsAndDeepstackMatchHF) {
 
 TEST_F(GoldenModel, PositionIdsAndRopeDeltasMatchExactly) {
   const auto ids = ids_of(golden_->tensor("input_ids"));
-  const RopeIndex r = compute_rope_index(ids, grids_of(golden_->tensor("image_grid_thw")),
-                                         model_->config().image_token_id, 2);
+  const ModelConfig& cfg = model_->config();
+  const RopeIndex r = compute_rope_index(
+      ids, image_runs(grids_of(golden_->tensor("image_grid_thw")), cfg.image_token_id, 2),
+      cfg.image_token_id, cfg.video_token_id);
   const HostTensor pos = golden_->tensor("position_ids");
   ASSERT_EQ(pos.numel(), static_cast<int64_t>(r.positions.size()));
   for (int64_t i = 0; i < pos.numel(); ++i) ASSERT_EQ(r.positions[i], pos.data<int64_t>()[i]) << i;

@@ -664,7 +664,8 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     }
     std::copy(s->ids.begin(), s->ids.end(), h_ids_.begin() + row);
     const RopeIndex rope =
-        compute_rope_index(s->ids, s->grids, cfg_.image_token_id, v.spatial_merge_size);
+        compute_rope_index(s->ids, image_runs(s->grids, cfg_.image_token_id, v.spatial_merge_size),
+                           cfg_.image_token_id, cfg_.video_token_id);
     mrope_positions_token_major(rope.positions.data(), n, h_positions_.data() + row * 3);
     const int64_t patches = count_patches(s->grids);
     if (patches > 0 && limits_.stage.has_vision) {

@@ -94,8 +94,12 @@ void PreprocessorConfig::validate() const {
 }
 
 PreprocessorConfig PreprocessorConfig::from_json(const json& j) {
+  return from_json(j, PreprocessorConfig{});
+}
+
+PreprocessorConfig PreprocessorConfig::from_json(const json& j, const PreprocessorConfig& base) {
   IRIS_CHECK(j.is_object(), "preprocessor config must be a JSON object, got ", j.type_name());
-  PreprocessorConfig c;
+  PreprocessorConfig c = base;
   if (j.contains("patch_size")) c.patch_size = json_small_int(j["patch_size"], "patch_size");
   if (j.contains("temporal_patch_size"))
     c.temporal_patch_size = json_small_int(j["temporal_patch_size"], "temporal_patch_size");
@@ -438,15 +442,16 @@ Plan plan_image(const ImageRGB8& image, const PreprocessorConfig& cfg, size_t in
 
 // Writes rows in merge-window order (spec 2.5): merged blocks row-major, the m x m patches of a
 // block row-major inside it; within a row channel, frame, pixel row, pixel column (a Conv3d
-// kernel's flattening). Frames are copies of the one image.
-void patchify(const ImageRGB8& img, const PreprocessorConfig& cfg,
+// kernel's flattening). `slice` holds the temporal_patch_size frames of one temporal slice (an
+// image's are copies of it: the same pointer, copied rather than looked up again).
+void patchify(const ImageRGB8* const* slice, const PreprocessorConfig& cfg,
               const std::array<std::array<float, 256>, 3>& lut, float* dst) {
   const int P = cfg.patch_size, Tp = cfg.temporal_patch_size, m = cfg.merge_size;
+  const ImageRGB8& img = *slice[0];
   const int gh = img.height / P, gw = img.width / P;
   const int bw = gw / m;
   const size_t cols = static_cast<size_t>(3) * Tp * P * P;
   const size_t frame = static_cast<size_t>(P) * P;
-  const uint8_t* px = img.pixels.data();
   const int64_t n_patches = static_cast<int64_t>(gh) * gw;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < n_patches; ++row) {
@@ -458,14 +463,21 @@ void patchify(const ImageRGB8& img, const PreprocessorConfig& cfg,
     for (int ch = 0; ch < 3; ++ch) {
       float* plane = out + static_cast<size_t>(ch) * Tp * frame;
       const float* table = lut[ch].data();
-      for (int py = 0; py < P; ++py) {
-        const uint8_t* s =
-            px + ((static_cast<size_t>(r) * P + py) * img.width + static_cast<size_t>(c) * P) * 3 +
-            ch;
-        float* d = plane + static_cast<size_t>(py) * P;
-        for (int x = 0; x < P; ++x) d[x] = table[s[3 * x]];
+      for (int f = 0; f < Tp; ++f) {
+        float* d0 = plane + static_cast<size_t>(f) * frame;
+        if (f > 0 && slice[f] == slice[f - 1]) {
+          std::memcpy(d0, d0 - frame, frame * sizeof(float));
+          continue;
+        }
+        const uint8_t* px = slice[f]->pixels.data();
+        for (int py = 0; py < P; ++py) {
+          const uint8_t* s =
+              px +
+              ((static_cast<size_t>(r) * P + py) * img.width + static_cast<size_t>(c) * P) * 3 + ch;
+          float* d = d0 + static_cast<size_t>(py) * P;
+          for (int x = 0; x < P; ++x) d[x] = table[s[3 * x]];
+        }
       }
-      for (int f = 1; f < Tp; ++f) std::memcpy(plane + f * frame, plane, frame * sizeof(float));
     }
   }
 }
@@ -491,7 +503,9 @@ PreprocessedBatch preprocess_all(const std::vector<const ImageRGB8*>& images,
   float* dst = out.pixel_values.data<float>();
   for (size_t i = 0; i < images.size(); ++i) {
     Plan& p = plans[i];
-    patchify(p.resized.pixels.empty() ? *images[i] : p.resized, cfg, lut, dst);
+    const ImageRGB8* img = p.resized.pixels.empty() ? images[i] : &p.resized;
+    const std::vector<const ImageRGB8*> slice(static_cast<size_t>(cfg.temporal_patch_size), img);
+    patchify(slice.data(), cfg, lut, dst);
     dst += p.rows * cols;
     out.grid_thw.push_back(p.grid);
     p.resized = ImageRGB8();  // free early: a batch of large images holds a lot of pixels
@@ -507,6 +521,32 @@ PreprocessedBatch preprocess_images(const std::vector<ImageRGB8>& images,
   ptrs.reserve(images.size());
   for (const ImageRGB8& im : images) ptrs.push_back(&im);
   return preprocess_all(ptrs, cfg);
+}
+
+HostTensor patchify_frames(const std::vector<const ImageRGB8*>& frames,
+                           const PreprocessorConfig& cfg) {
+  cfg.validate();
+  const int Tp = cfg.temporal_patch_size, unit = cfg.patch_size * cfg.merge_size;
+  IRIS_CHECK(!frames.empty() && frames.size() % static_cast<size_t>(Tp) == 0,
+             "patchify_frames: ", frames.size(),
+             " frames is not a positive multiple of temporal_patch_size ", Tp);
+  const ImageRGB8& first = *frames[0];
+  IRIS_CHECK(first.height % unit == 0 && first.width % unit == 0, "video frames of ", first.width,
+             "x", first.height, " are not a multiple of patch_size*merge_size = ", unit);
+  for (const ImageRGB8* f : frames) {
+    check_image(*f, "video frame");
+    IRIS_CHECK(f->width == first.width && f->height == first.height,
+               "video frames differ in size: ", f->width, "x", f->height, " after ", first.width,
+               "x", first.height);
+  }
+  const int64_t slices = static_cast<int64_t>(frames.size()) / Tp;
+  const int64_t per_slice = int64_t{first.height / cfg.patch_size} * (first.width / cfg.patch_size);
+  const int64_t cols = int64_t{3} * Tp * cfg.patch_size * cfg.patch_size;
+  HostTensor out(DType::f32, {slices * per_slice, cols});
+  const auto lut = normalisation_table(cfg);
+  for (int64_t k = 0; k < slices; ++k)
+    patchify(frames.data() + k * Tp, cfg, lut, out.data<float>() + k * per_slice * cols);
+  return out;
 }
 
 PreprocessedImage preprocess_image(const ImageRGB8& image, const PreprocessorConfig& cfg) {

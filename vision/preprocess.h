@@ -25,7 +25,9 @@ struct PreprocessorConfig {
   // Accepts size.{shortest_edge,longest_edge}, size.{min_pixels,max_pixels} and top-level
   // min_pixels/max_pixels (Qwen2-VL files; these override size, as in transformers).
   static PreprocessorConfig from_file(const std::string& path);
+  // Keys absent from `j` keep `base`'s values.
   static PreprocessorConfig from_json(const nlohmann::json& j);
+  static PreprocessorConfig from_json(const nlohmann::json& j, const PreprocessorConfig& base);
   // Throws iris::Error if a value is out of range.
   void validate() const;
 };
@@ -60,6 +62,12 @@ struct PreprocessedImage {
   std::array<int64_t, 3> grid_thw;
 };
 PreprocessedImage preprocess_image(const ImageRGB8& image, const PreprocessorConfig& cfg);
+
+// The pixel rows of video frames already at their final size (a multiple of patch_size *
+// merge_size, all one size), temporal slice k made of frames k*Tp .. k*Tp+Tp-1 (the frame count
+// must be a multiple of temporal_patch_size): f32 [slices * gh * gw, 3*Tp*P*P].
+HostTensor patchify_frames(const std::vector<const ImageRGB8*>& frames,
+                           const PreprocessorConfig& cfg);
 
 // Several images concatenated along rows, grids in order (one vision encoder call).
 struct PreprocessedBatch {

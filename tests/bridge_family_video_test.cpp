@@ -1,0 +1,246 @@
+// Video for every family on the CPU, against HF transformers' own video processors and models
+// (tools/make_video_golden.py: a formula video of 30 frames at 12 fps given to HF as frames and
+// metadata, fp32, TF32 off): the frames each family keeps, pixel_values_videos and its grid, the
+// prompt ids (Qwen3-VL's per-slice timestamps), M-RoPE positions and deltas, the last logits and
+// the greedy ids of a video prompt and of a prompt with an image and a video. Where the build has
+// OpenCV, the video also goes through a lossless FFV1 file and the decoder.
+#include <unistd.h>
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "bridge/architecture.h"
+#include "bridge/chat_prompt.h"
+#include "bridge/qwen3vl_model.h"
+#include "core/fs.h"
+#include "core/safetensors.h"
+#include "model_test_util.h"
+#include "test_util.h"
+#include "vision/image.h"
+#include "vision/preprocess.h"
+#include "vision/video.h"
+#include "vision/video_decode.h"
+
+namespace iris {
+namespace {
+
+namespace fs = std::filesystem;
+using test::ids_of;
+
+constexpr int kFrames = 30, kHeight = 100, kWidth = 140;
+constexpr double kVideoFps = 12.0;
+constexpr float kRel = 1e-4f, kAbs = 1e-4f;
+
+// tools/make_video_golden.py's frame_value.
+uint8_t frame_value(int f, int y, int x, int c) {
+  return static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
+}
+
+std::vector<ImageRGB8> formula_frames() {
+  std::vector<ImageRGB8> frames(kFrames);
+  for (int f = 0; f < kFrames; ++f) {
+    ImageRGB8& im = frames[f];
+    im.width = kWidth;
+    im.height = kHeight;
+    im.pixels.resize(static_cast<size_t>(kWidth) * kHeight * 3);
+    for (int y = 0; y < kHeight; ++y)
+      for (int x = 0; x < kWidth; ++x)
+        for (int c = 0; c < 3; ++c)
+          im.pixels[(static_cast<size_t>(y) * kWidth + x) * 3 + c] = frame_value(f, y, x, c);
+  }
+  return frames;
+}
+
+struct Family {
+  const char* dir;
+  const char* model_type;
+};
+
+class FamilyVideo : public ::testing::TestWithParam<Family> {
+ protected:
+  void SetUp() override {
+    dir_ = test::data_dir() + "/" + GetParam().dir;
+    golden_ = std::make_unique<SafetensorsFile>(dir_ + "/golden_video.safetensors");
+    meta_ = nlohmann::json::parse(read_text_file(dir_ + "/golden_video.json"));
+    cfg_ = ModelConfig::from_file(dir_ + "/config.json");
+    vpre_ = model_video_preprocessor(dir_, cfg_);
+    tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_file(dir_ + "/tokenizer.json"));
+    format_ = ChatFormat::from_dir(dir_);
+  }
+  HostTensor tensor(const std::string& name) const { return golden_->load(name); }
+
+  // The clip of the kept frames, as iris generate makes it from a decoded file.
+  VideoClip clip_of(const std::vector<ImageRGB8>& all, const std::vector<int64_t>& keep) const {
+    std::vector<ImageRGB8> kept;
+    for (int64_t i : keep) kept.push_back(all[static_cast<size_t>(i)]);
+    const ResizedSize size =
+        cfg_.arch->video_frame_size(static_cast<int64_t>(kept.size()), kHeight, kWidth, vpre_);
+    VideoClip clip = preprocess_video(kept, size, vpre_);
+    clip.frame_indices = keep;
+    clip.total_frames = kFrames;
+    clip.video_fps = kVideoFps;
+    return clip;
+  }
+  VideoClip golden_clip() const {
+    return clip_of(formula_frames(), cfg_.arch->sample_video_frames(kFrames, kVideoFps, vpre_));
+  }
+
+  MediaPrompt prompt(const std::vector<ChatPart::Kind>& media, const std::string& text,
+                     const std::vector<GridTHW>& images, const VideoClip& clip) const {
+    const std::string rendered = format_.render({user_message(text, media)}, true);
+    return encode_media_prompt(*tokenizer_, rendered, cfg_, images, {&clip});
+  }
+
+  std::string dir_;
+  std::unique_ptr<SafetensorsFile> golden_;
+  nlohmann::json meta_;
+  ModelConfig cfg_;
+  VideoProcessorConfig vpre_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  ChatFormat format_;
+};
+
+TEST_P(FamilyVideo, KeepsTheFramesHFSamples) {
+  const std::vector<int64_t> keep = cfg_.arch->sample_video_frames(kFrames, kVideoFps, vpre_);
+  const HostTensor want = tensor("sampled_indices");
+  ASSERT_EQ(static_cast<int64_t>(keep.size()), want.numel());
+  for (int64_t i = 0; i < want.numel(); ++i) EXPECT_EQ(keep[i], want.data<int64_t>()[i]) << i;
+}
+
+TEST_P(FamilyVideo, PixelValuesAndGridEqualHF) {
+  const VideoClip clip = golden_clip();
+  const HostTensor grid = tensor("video.video_grid_thw");
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(clip.grid_thw[k], grid.data<int64_t>()[k]) << k;
+  const HostTensor want = tensor("video.pixel_values_videos");
+  ASSERT_EQ(clip.pixel_values.dims(), want.dims());
+  const float* a = clip.pixel_values.data<float>();
+  const float* b = want.data<float>();
+  int64_t differ = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) differ += a[i] != b[i];
+  EXPECT_EQ(differ, 0) << "of " << want.numel() << " values";
+}
+
+// The same frames through a lossless file and the decoder: what iris generate --video reads.
+TEST_P(FamilyVideo, ALosslessFileDecodesToTheSamePixelValues) {
+  if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
+  const fs::path file =
+      fs::temp_directory_path() / ("iris_family_video_" + std::string(GetParam().dir) + "_" +
+                                   std::to_string(::getpid()) + ".mkv");
+  write_lossless_video(file.string(), formula_frames(), kVideoFps);
+  const DecodedVideo d = decode_video(file.string(), [&](const VideoInfo& info) {
+    return cfg_.arch->sample_video_frames(info.total_frames, info.fps, vpre_);
+  });
+  fs::remove(file);
+  EXPECT_EQ(d.info.total_frames, kFrames);
+  EXPECT_DOUBLE_EQ(d.info.fps, kVideoFps);
+  const VideoClip from_file = clip_of(d.frames.empty() ? std::vector<ImageRGB8>{} : d.frames, [&] {
+    std::vector<int64_t> all(d.frames.size());
+    std::iota(all.begin(), all.end(), 0);
+    return all;
+  }());
+  const HostTensor want = tensor("video.pixel_values_videos");
+  ASSERT_EQ(from_file.pixel_values.dims(), want.dims());
+  EXPECT_TRUE(std::equal(want.data<float>(), want.data<float>() + want.numel(),
+                         from_file.pixel_values.data<float>()));
+  EXPECT_EQ(d.indices, golden_clip().frame_indices);
+}
+
+class FamilyVideoModel : public FamilyVideo {
+ protected:
+  void SetUp() override {
+    FamilyVideo::SetUp();
+    backend_ = make_cpu_backend();
+    ModelLimits limits;
+    limits.max_context = 512;
+    limits.max_step_tokens = 256;
+    limits.max_vision_patches = 1024;
+    limits.max_images = 4;
+    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, limits);
+  }
+
+  // `prefix`'s prompt ids, positions and deltas equal HF's; then the last logits (top 16 and
+  // logsumexp within 1e-4) and the greedy ids.
+  void check(const std::string& prefix, const MediaPrompt& p, const std::vector<float>& pixels,
+             const std::vector<GridTHW>& grids) {
+    const std::vector<int32_t> want_ids = ids_of(tensor(prefix + ".input_ids"));
+    ASSERT_EQ(p.ids, want_ids) << prefix;
+    const RopeIndex r = compute_rope_index(p.ids, p.runs, cfg_.image_token_id, cfg_.video_token_id);
+    const HostTensor pos = tensor(prefix + ".position_ids");
+    ASSERT_EQ(pos.numel(), static_cast<int64_t>(r.positions.size()));
+    for (int64_t i = 0; i < pos.numel(); ++i)
+      ASSERT_EQ(r.positions[i], pos.data<int64_t>()[i]) << prefix << " position " << i;
+    EXPECT_EQ(r.delta, tensor(prefix + ".rope_deltas").data<int64_t>()[0]) << prefix;
+
+    model_->encode_vision(pixels.data(), grids, p.runs);
+    model_->prefill(p.ids);
+    std::vector<float> last = model_->last_logits();
+    const HostTensor top_ids = tensor(prefix + ".top16_ids");
+    const HostTensor top_values = tensor(prefix + ".top16_values");
+    std::vector<int32_t> order(last.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 16, order.end(),
+                      [&](int32_t a, int32_t b) { return last[a] > last[b]; });
+    for (int k = 0; k < 16; ++k) {
+      const float want = top_values.data<float>()[k];
+      EXPECT_NEAR(last[top_ids.data<int64_t>()[k]], want, kRel * std::fabs(want) + kAbs)
+          << prefix << " top " << k;
+    }
+    EXPECT_EQ(order[0], top_ids.data<int64_t>()[0]) << prefix;
+    double s = 0;
+    for (float v : last) s += std::exp(double(v) - last[order[0]]);
+    const float lse = tensor(prefix + ".logsumexp").data<float>()[0];
+    EXPECT_NEAR(last[order[0]] + std::log(s), lse, kRel * std::fabs(lse) + kAbs) << prefix;
+
+    std::vector<int32_t> greedy;
+    for (size_t i = 0; i < meta_[prefix + ".greedy_ids"].size(); ++i) {
+      if (i > 0) last = model_->last_logits();
+      greedy.push_back(
+          static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin()));
+      model_->decode(greedy.back());
+    }
+    EXPECT_EQ(greedy, meta_[prefix + ".greedy_ids"].get<std::vector<int32_t>>()) << prefix;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Qwen3VLModel> model_;
+};
+
+TEST_P(FamilyVideoModel, AVideoPromptMatchesHF) {
+  const VideoClip clip = golden_clip();
+  const MediaPrompt p = prompt({ChatPart::Kind::video}, "Describe this video.", {}, clip);
+  ASSERT_EQ(p.media_order.size(), 1u);
+  std::vector<float> pixels(clip.pixel_values.data<float>(),
+                            clip.pixel_values.data<float>() + clip.pixel_values.numel());
+  check("video", p, pixels, {clip.grid_thw});
+}
+
+TEST_P(FamilyVideoModel, AnImageAndAVideoInOnePromptMatchHF) {
+  const VideoClip clip = golden_clip();
+  const PreprocessorConfig pre = model_preprocessor(dir_, cfg_);
+  const PreprocessedImage image = preprocess_image(load_image(dir_ + "/images/image0.png"), pre);
+  const HostTensor image_grid = tensor("mixed.image_grid_thw");
+  for (int k = 0; k < 3; ++k) ASSERT_EQ(image.grid_thw[k], image_grid.data<int64_t>()[k]);
+  const MediaPrompt p = prompt({ChatPart::Kind::image, ChatPart::Kind::video},
+                               "Compare the picture with the video.", {image.grid_thw}, clip);
+  // Pixel rows in the prompt's order: the image, then the video.
+  ASSERT_EQ(p.media_order.size(), 2u);
+  EXPECT_FALSE(p.media_order[0].video);
+  EXPECT_TRUE(p.media_order[1].video);
+  std::vector<float> pixels(image.pixel_values.data<float>(),
+                            image.pixel_values.data<float>() + image.pixel_values.numel());
+  pixels.insert(pixels.end(), clip.pixel_values.data<float>(),
+                clip.pixel_values.data<float>() + clip.pixel_values.numel());
+  check("mixed", p, pixels, {image.grid_thw, clip.grid_thw});
+}
+
+const Family kFamilies[] = {
+    {"qwen3vl-tiny", "qwen3_vl"}, {"qwen25vl-tiny", "qwen2_5_vl"}, {"qwen2vl-tiny", "qwen2_vl"}};
+std::string family_name(const ::testing::TestParamInfo<Family>& info) {
+  return info.param.model_type;
+}
+INSTANTIATE_TEST_SUITE_P(Families, FamilyVideo, ::testing::ValuesIn(kFamilies), family_name);
+INSTANTIATE_TEST_SUITE_P(Families, FamilyVideoModel, ::testing::ValuesIn(kFamilies), family_name);
+
+}  // namespace
+}  // namespace iris
