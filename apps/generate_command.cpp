@@ -13,6 +13,7 @@
 #include <set>
 
 #include "apps/commands.h"
+#include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
 #include "bridge/chat_session.h"
 #include "bridge/generator.h"
@@ -917,7 +918,10 @@ int run_generate_command(int argc, char** argv) {
   ModelLimits limits;
   limits.max_context = o.ctx_size;
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
-  limits.max_images = std::max<int>(1, static_cast<int>(images.size() + clips.size()));
+  // Each frame pair of a video is an attention segment of its own, as an image is.
+  int64_t segments = static_cast<int64_t>(images.size());
+  for (const VideoClip& c : clips) segments += c.grid_thw[0];
+  limits.max_images = static_cast<int>(std::max<int64_t>(1, segments));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
   if (chat) {
     // A chat's images arrive later (/image), so the encoder is planned for the most one message

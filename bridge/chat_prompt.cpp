@@ -142,9 +142,11 @@ ChatMessage user_message(const std::string& text, const std::vector<ChatPart::Ki
     m.content.push_back(ChatPart::make_text(text));
     return m;
   }
+  const bool videos = std::count(media.begin(), media.end(), ChatPart::Kind::video) > 0;
+  const char* items = videos ? (n_images == 1 ? " image or video" : " images and videos")
+                             : (n_images == 1 ? " image" : " images");
   IRIS_CHECK(markers == n_images, "the prompt has ", markers, " ", kMediaMarker, " marker",
-             markers == 1 ? "" : "s", " but ", n_images, " image",
-             n_images == 1 ? " or video was" : "s and videos were",
+             markers == 1 ? "" : "s", " but ", n_images, items, n_images == 1 ? " was" : " were",
              " given (--image, --video or /image); write one marker per image or video, or none "
              "to put them before the text");
   size_t pos = 0;

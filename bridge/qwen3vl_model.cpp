@@ -64,8 +64,10 @@ void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<Gr
 
 void Qwen3VLModel::encode_vision(const float* pixel_values, const std::vector<GridTHW>& grids,
                                  std::vector<VisionRun> runs) {
-  IRIS_CHECK(static_cast<int>(grids.size()) <= limits_.max_images, grids.size(),
-             " images and videos exceed the planned maximum of ", limits_.max_images);
+  int64_t segments = 0;
+  for (const GridTHW& g : grids) segments += g[0];
+  IRIS_CHECK(segments <= limits_.max_images, "the call's images and video frame pairs (", segments,
+             ") exceed the planned maximum of ", limits_.max_images);
   int64_t grid_tokens = 0, run_tokens = 0;
   for (const GridTHW& g : grids) grid_tokens += g[0] * g[1] * g[2] / cfg_.vision.merge_unit();
   for (const VisionRun& r : runs) run_tokens += r.tokens();

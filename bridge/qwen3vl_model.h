@@ -20,7 +20,7 @@ struct ModelLimits {
   int64_t max_context = 4096;          // KV cache rows
   int64_t max_step_tokens = 2048;      // prefill chunk
   int64_t max_vision_patches = 16384;  // patch rows of one encoder call (before the 2x2 merge)
-  int max_images = 16;                 // images in one encoder call
+  int max_images = 16;                 // images (or video frame pairs) in one encoder call
   bool all_logits = false;             // keep logits of every prefill row (tests)
 };
 

@@ -15,6 +15,7 @@
 #include "core/backend.h"
 #include "core/safetensors.h"
 #include "core/tuning_cache.h"
+#include "language/tokenizer.h"
 #include "test_util.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -168,6 +169,24 @@ std::string write_formula_video(const fs::path& dir) {
   return path;
 }
 
+// HF's greedy ids up to the first one the tokenizer has no token for: HF's argmax may pick one of
+// the embedding table's padding rows (151,936 rows for 151,669 tokens), which iris generate
+// never samples (sampleable_ids), so the runs part there.
+std::vector<int32_t> sampleable_prefix(const std::vector<int32_t>& ids, const std::string& dir) {
+  const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
+  std::vector<int32_t> out;
+  for (int32_t id : ids) {
+    if (id >= tok.vocab_size()) break;
+    out.push_back(id);
+  }
+  return out;
+}
+
+std::vector<int32_t> first_n(std::vector<int32_t> ids, size_t n) {
+  if (ids.size() > n) ids.resize(n);
+  return ids;
+}
+
 TEST(AppGenerate, VideoAndMixedPromptsGreedyMatchHFForEveryFamily) {
   if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
   const fs::path tmp = fs::temp_directory_path() / ("iris_app_video_" + std::to_string(getpid()));
@@ -181,18 +200,22 @@ TEST(AppGenerate, VideoAndMixedPromptsGreedyMatchHFForEveryFamily) {
     const RunResult r = run_iris("generate -m " + q(dir) + " --video " + q(video) +
                                  " -p 'Describe this video.'" + greedy);
     ASSERT_EQ(r.exit_code, 0) << r.err;
-    EXPECT_EQ(tokens_of(r.out), g["video.greedy_ids"].get<std::vector<int32_t>>());
+    const auto want_video = sampleable_prefix(g["video.greedy_ids"], dir);
+    EXPECT_GE(want_video.size(), 4u);
+    EXPECT_EQ(first_n(tokens_of(r.out), want_video.size()), want_video);
     // Markers take the media in the order given on the command line.
     const RunResult m = run_iris(
         "generate -m " + q(dir) + " --image " + q(dir + "/images/image0.png") + " --video " +
         q(video) + " -p '<__media__><__media__>Compare the picture with the video.'" + greedy);
     ASSERT_EQ(m.exit_code, 0) << m.err;
-    EXPECT_EQ(tokens_of(m.out), g["mixed.greedy_ids"].get<std::vector<int32_t>>());
+    const auto want_mixed = sampleable_prefix(g["mixed.greedy_ids"], dir);
+    EXPECT_GE(want_mixed.size(), 4u);
+    EXPECT_EQ(first_n(tokens_of(m.out), want_mixed.size()), want_mixed);
     const RunResult m2 =
         run_iris("generate -m " + q(dir) + " --image " + q(dir + "/images/image0.png") +
                  " --video " + q(video) + " -p 'Compare the picture with the video.'" + greedy);
     ASSERT_EQ(m2.exit_code, 0) << m2.err;
-    EXPECT_EQ(tokens_of(m2.out), g["mixed.greedy_ids"].get<std::vector<int32_t>>());
+    EXPECT_EQ(first_n(tokens_of(m2.out), want_mixed.size()), want_mixed);
   }
   fs::remove_all(tmp);
 }
