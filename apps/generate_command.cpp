@@ -627,7 +627,7 @@ int run_generate_command(int argc, char** argv) {
       ->required();
   app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
       ->type_name("FILE");
-  app.add_option("--video", o.videos, "repeatable, mixed with --image in the order given")
+  app.add_option("--video", o.videos, "repeatable; placed as --image files are")
       ->type_name("FILE");
   auto* prompt_opt =
       app.add_option("-p,--prompt", o.prompt, "the user's text; none: chat on stdin");
@@ -662,10 +662,10 @@ int run_generate_command(int argc, char** argv) {
                  "most tokens per image (default: the model's)")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
   app.add_option("--video-fps", o.video_fps,
-                 "video frames kept a second, 0 = every one (default: the model's)")
+                 "frames kept a second, 0 = all (default: the model's)")
       ->check(quiet(CLI::Range(0.0, 1000.0)));
   app.add_option("--video-max-frames", o.video_max_frames,
-                 "most frames kept of a video (default: the model's)")
+                 "most frames kept a video (default: the model's)")
       ->check(quiet(CLI::Range(1, 1 << 20)));
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();

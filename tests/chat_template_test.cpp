@@ -4,7 +4,6 @@
 // constructs and hostile templates fail naming the line, never crash or run away.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -252,7 +251,6 @@ TEST(ChatTemplate, StringMethodsAreLinearAndListsBounded) {
   // split() copied the rest of the string after every word: 24 s for 2 MiB, quadratic beyond.
   std::string words;
   for (int i = 0; i < 350000; ++i) words += "ab ";
-  const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(jinja::Template("{{ s.split()|length }} {{ s.split(' ')|length }}", "t")
                 .render({{"s", words}}),
             "350000 350001");
@@ -262,7 +260,6 @@ TEST(ChatTemplate, StringMethodsAreLinearAndListsBounded) {
             "\xC3\xA9y\xC3\xA9zz\xC3\xA9y");
   EXPECT_EQ(jinja::Template("{{ s.replace('', '-')|length }}", "t").render({{"s", words}}),
             std::to_string(words.size() * 2 + 1));
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
   // Comparing and searching lists counts every element as a step.
   msg = render_error(
       "{% set a = s.split(',') %}{% set b = s.split(',') %}"
@@ -271,18 +268,19 @@ TEST(ChatTemplate, StringMethodsAreLinearAndListsBounded) {
   EXPECT_NE(msg.find("did not finish within 5000000 steps"), std::string::npos) << msg;
 }
 
-TEST(ChatTemplate, NameLookupsStayFastAmongManyNames) {
-  // 24,000 names set, then 5M steps that each look up one that is not there: a scan of every
-  // name per lookup took minutes.
+TEST(ChatTemplate, ManyNamesAndManyLookupsEndAtTheStepBudget) {
+  // 24,000 names set, then 5M steps that each look up one that is not there. Names live in a
+  // map per scope (jinja_render.cpp's Frame), so a lookup costs a logarithm of the names, not a
+  // scan of them (a scan took minutes here, which the suite's timeout would catch); the render
+  // ends at the step budget with its error. No wall-clock bound: sanitizers and a loaded CI
+  // machine stretch any.
   std::string source;
   for (int i = 0; i < 24000; ++i) source += "{% set a" + std::to_string(i) + " = 1 %}";
   source +=
       "{% for i in l %}{% for j in l %}{% for k in l %}{{ zz }}{% endfor %}{% endfor %}"
       "{% endfor %}";
-  const auto t0 = std::chrono::steady_clock::now();
   const std::string msg = render_error(source, {{"l", ordered_json::array_t(200, 0)}});
   EXPECT_NE(msg.find("did not finish within 5000000 steps"), std::string::npos) << msg;
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
 }
 
 TEST(ChatTemplate, ErrorsQuotingHugeValuesAreClipped) {

@@ -6,7 +6,6 @@
 #include <unistd.h>
 #include <functional>
 
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -608,10 +607,10 @@ TEST_F(RecipeTest, YamlAliasesAreRefused) {
       laughs += std::string(k ? ", " : "") + "*a" + std::to_string(i - 1);
     laughs += "]\n";
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  // Refused at the first alias, before anything is expanded (no wall-clock bound: sanitizers
+  // and a loaded machine stretch any; an expansion would run into the suite's timeout).
   msg = error_of([&] { load_recipe_text(laughs, "laughs.yaml"); });
   EXPECT_HAS(msg, "uses a YAML alias");
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
   // In an override too.
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train.seq_length=&x [*x]"}); });
   EXPECT_HAS(msg, "uses a YAML alias");

@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -877,26 +876,6 @@ TEST(VisionImage, PnmSamplesScaleAsPilScalesThem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Speed (loose bound: catches pathological regressions on a shared machine, not a benchmark)
-
-TEST(VisionPreprocess, LargeImageIsFast) {
-  const ImageRGB8 square = random_image(1344, 1344, 21);
-  const ImageRGB8 photo = random_image(1920, 1080, 22);  // needs a vertical resample to 1088
-  PreprocessorConfig cfg;
-  for (const ImageRGB8* img : {&square, &photo}) {
-    double best = 1e9;
-    for (int rep = 0; rep < 3; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const PreprocessedImage out = preprocess_image(*img, cfg);
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      best = std::min(best, ms);
-      ASSERT_GT(out.pixel_values.numel(), 0);
-    }
-    std::printf("preprocess %dx%d: %.1f ms (best of 3)\n", img->width, img->height, best);
-    EXPECT_LT(best, 1000.0);
-  }
-}
 
 }  // namespace
 }  // namespace iris

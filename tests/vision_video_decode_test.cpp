@@ -1,6 +1,5 @@
 // Video decoding through OpenCV: exact pixels of a lossless round trip, frame choice, and hostile
 // files and choosers, each refused with an iris::Error naming the file.
-#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -179,13 +178,11 @@ TEST(VideoDecode, HostileFilesAreRefusedNamingThem) {
   ASSERT_GT(whole.size(), 1000u);
   const std::string half = scratch_file("half.mkv");
   write_bytes(half, whole.substr(0, whole.size() / 2));
-  const auto start = std::chrono::steady_clock::now();
   const std::string msg = decode_error(
       half, [](const VideoInfo& info) { return std::vector<int64_t>{info.total_frames - 1}; });
   EXPECT_TRUE(msg.find("truncated") != std::string::npos ||
               msg.find("no decodable video stream") != std::string::npos)
       << msg;
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 TEST(VideoDecode, BadChoicesAreRefused) {
