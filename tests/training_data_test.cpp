@@ -9,7 +9,9 @@
 #include <fstream>
 #include <set>
 
+#include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
+#include "bridge/model_config.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
@@ -17,6 +19,8 @@
 #include "training/dataset.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
+#include "vision/video.h"
+#include "vision/video_decode.h"
 
 namespace iris {
 namespace {
@@ -647,48 +651,173 @@ TEST(TrainingData, LocalImageUrlsAreReadAndRemoteOnesRefused) {
   EXPECT_EQ(skipped[2].reason, "unsupported image URL");
 }
 
-TEST(TrainingData, LinesWithVideoAreRefusedNeverTrainedAsText) {
-  const std::vector<std::string> video_lines = {
+// The video shapes fine-tuners write, each with the same conversation: a 30-frame clip and the
+// question "What happens?".
+const std::vector<std::string>& video_shape_lines() {
+  static const std::vector<std::string> lines = {
+      // HF messages with a video item
+      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mkv"}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
       // LLaVA-Video: a "video" key and the tag in the text
-      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
-      // the "video" key without a tag
-      R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
-      // ms-swift
-      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}], "videos": ["clip.mp4"]})",
-      // a placeholder whose list is missing
-      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}]})",
-      // HF items
-      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
-      R"({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "clip.mp4"}}]}, {"role": "assistant", "content": "A ball rolls."}]})",
-      R"({"messages": [{"role": "user", "content": [{"video": "clip.mp4"}, {"text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      R"({"video": "clip.mkv", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
+      // ms-swift / LLaMA-Factory
+      R"({"messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A ball rolls."}], "videos": ["clip.mkv"]})",
+      // OpenAI's video_url spelling
+      R"({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "clip.mkv"}}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      // keyed by field name, no "type"
+      R"({"messages": [{"role": "user", "content": [{"video": "clip.mkv"}, {"text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}]})",
+      // TRL: a path-less video item and a "videos" list
+      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": null}, {"type": "text", "text": "What happens?"}]}, {"role": "assistant", "content": "A ball rolls."}], "videos": ["clip.mkv"]})",
   };
+  return lines;
+}
+
+// tools/make_video_golden.py's formula video, written losslessly into the scratch folder.
+std::string write_clip() {
+  std::vector<ImageRGB8> frames(30);
+  for (int f = 0; f < 30; ++f) {
+    frames[f].width = 140;
+    frames[f].height = 100;
+    frames[f].pixels.resize(140 * 100 * 3);
+    for (int y = 0; y < 100; ++y)
+      for (int x = 0; x < 140; ++x)
+        for (int c = 0; c < 3; ++c)
+          frames[f].pixels[(y * 140 + x) * 3 + c] =
+              static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
+  }
+  const std::string path = (scratch_dir() / "clip.mkv").string();
+  write_lossless_video(path, frames, 12.0);
+  return path;
+}
+
+std::shared_ptr<const DataVideo> fixture_video() {
+  auto v = std::make_shared<DataVideo>();
+  v->model = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  v->processor = model_video_preprocessor(test::fixture_dir(), v->model);
+  return v;
+}
+
+TEST(TrainingData, WithoutAModelLinesWithVideoAreRefusedNeverTrainedAsText) {
+  std::vector<std::string> lines = video_shape_lines();
   // An empty videos list, as tabular exports write "none", is no video.
-  const std::string text_line =
-      R"({"messages": [{"role": "user", "content": "What happens?"}, {"role": "assistant", "content": "Nothing."}], "videos": []})";
-  std::vector<std::string> lines = video_lines;
-  lines.push_back(text_line);
+  lines.push_back(
+      R"({"messages": [{"role": "user", "content": "What happens?"}, {"role": "assistant", "content": "Nothing."}], "videos": []})");
   const std::string file = write_scratch("video.jsonl", join(lines));
   DataConfig c = config_for({file});
   Dataset ds(c, tok(), pp(), fixture_chat());
   ASSERT_EQ(ds.size(), 1);
   EXPECT_EQ(ds.next().source, file + ":" + std::to_string(lines.size()));
   const std::vector<SkippedLine>& skipped = ds.stats().skipped;
-  ASSERT_EQ(skipped.size(), video_lines.size()) << join(examples(ds.stats()));
+  ASSERT_EQ(skipped.size(), video_shape_lines().size()) << join(examples(ds.stats()));
   for (size_t i = 0; i < skipped.size(); ++i) {
     EXPECT_EQ(skipped[i].line, static_cast<int64_t>(i + 1));
     EXPECT_EQ(skipped[i].reason, "video not supported");
-    EXPECT_NE(skipped[i].detail.find("Iris cannot train on video yet, so the line is refused"),
+    EXPECT_NE(skipped[i].detail.find("opened without a model to preprocess videos with"),
               std::string::npos)
         << skipped[i].detail;
   }
-  EXPECT_EQ(ds.stats().summary(), "skipped 7 of 8 lines: 7 video not supported");
-
   c.on_bad_sample = DataConfig::OnBad::error;
   const std::string err = error_of([&] { Dataset stops(c, tok(), pp(), fixture_chat()); });
   EXPECT_EQ(err, file +
-                     ":1: the line has a video (\"video\"); Iris cannot train on video yet, so "
-                     "the line is refused rather than trained as text without its video; fix or "
-                     "remove the line, or set data.on_bad_sample: skip");
+                     ":1: the line has 1 video; this dataset was opened without a model to "
+                     "preprocess videos with, so the line is refused rather than trained as text "
+                     "without its video; fix or remove the line, or set data.on_bad_sample: skip");
+}
+
+TEST(TrainingData, EveryVideoShapeGivesTheSampleOfTheModelsOwnVideoPrompt) {
+  if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
+  write_clip();
+  const std::string file = write_scratch("video_shapes.jsonl", join(video_shape_lines()));
+  DataConfig c = config_for({file});
+  c.on_bad_sample = DataConfig::OnBad::error;
+  c.video = fixture_video();
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  ASSERT_EQ(ds.size(), static_cast<int64_t>(video_shape_lines().size()));
+
+  // The reference: the HF messages rendered and expanded as iris generate --video does it.
+  const DataVideo& v = *c.video;
+  std::vector<int64_t> keep = v.model.arch->sample_video_frames(30, 12.0, v.processor);
+  const DecodedVideo d =
+      decode_video((scratch_dir() / "clip.mkv").string(), [&](const VideoInfo&) { return keep; });
+  const ResizedSize size =
+      v.model.arch->video_frame_size(static_cast<int64_t>(keep.size()), 100, 140, v.processor);
+  VideoClip clip = preprocess_video(d.frames, size, v.processor);
+  clip.frame_indices = keep;
+  clip.total_frames = 30;
+  clip.video_fps = 12.0;
+  const std::vector<ChatMessage> messages = {
+      {"user", {ChatPart::make_video(), ChatPart::make_text("What happens?")}},
+      {"assistant", {ChatPart::make_text("A ball rolls.")}}};
+  const ChatMediaTokens want =
+      build_chat_media_tokens(tok(), fixture_chat(), messages, v.model, {}, {&clip});
+  // Qwen3-VL writes each of the clip's 3 frame pairs after its timestamp.
+  ASSERT_EQ(want.prompt.runs.size(), 3u);
+  EXPECT_NE(tok().decode(want.prompt.ids).find("<0.3 seconds>"), std::string::npos);
+  for (size_t i = 0; i < video_shape_lines().size(); ++i) {
+    SCOPED_TRACE("line " + std::to_string(i + 1));
+    const Sample s = ds.next();
+    EXPECT_EQ(s.ids, want.prompt.ids);
+    EXPECT_EQ(s.labels, want.labels);
+    EXPECT_EQ(s.grids, std::vector<GridTHW>{clip.grid_thw});
+    ASSERT_EQ(s.runs.size(), want.prompt.runs.size());
+    for (size_t k = 0; k < s.runs.size(); ++k)
+      EXPECT_EQ(s.runs[k].tokens(), want.prompt.runs[k].tokens());
+    EXPECT_TRUE(
+        std::equal(s.pixel_values.begin(), s.pixel_values.end(), clip.pixel_values.data<float>()));
+    EXPECT_EQ(static_cast<int64_t>(s.pixel_values.size()), clip.pixel_values.numel());
+  }
+}
+
+TEST(TrainingData, AVideoAndAnImageKeepTheirPlacesInThePixelRows) {
+  if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
+  write_clip();
+  const std::string red = jsonl_dir() + "/images/red.png";
+  const std::string file = write_scratch(
+      "video_image.jsonl",
+      R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mkv"}, {"type": "image", "image": ")" +
+          red +
+          R"("}, {"type": "text", "text": "Which is red?"}]}, {"role": "assistant", "content": "The picture."}]})" +
+          "\n");
+  DataConfig c = config_for({file});
+  c.on_bad_sample = DataConfig::OnBad::error;
+  c.video = fixture_video();
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  const Sample s = ds.next();
+  // The video's grid first, then the image's: the order of their pads.
+  ASSERT_EQ(s.grids.size(), 2u);
+  EXPECT_GT(s.grids[0][0], 1);
+  EXPECT_EQ(s.grids[1], kRedGrid);
+  const int64_t video_rows = s.grids[0][0] * s.grids[0][1] * s.grids[0][2];
+  const PreprocessedImage image = preprocess_image(load_image(red), pp());
+  const int64_t cols = image.pixel_values.dims()[1];
+  ASSERT_EQ(static_cast<int64_t>(s.pixel_values.size()),
+            (video_rows + image.pixel_values.dims()[0]) * cols);
+  EXPECT_TRUE(std::equal(image.pixel_values.data<float>(),
+                         image.pixel_values.data<float>() + image.pixel_values.numel(),
+                         s.pixel_values.begin() + video_rows * cols));
+  const auto first_video = std::find(s.ids.begin(), s.ids.end(), 151656);
+  const auto first_image = std::find(s.ids.begin(), s.ids.end(), kImagePad);
+  EXPECT_LT(first_video, first_image);
+}
+
+TEST(TrainingData, MissingAndBadVideosAreSkippedWithTheirReason) {
+  const std::string text = write_scratch("notes.mkv", "not a video\n");
+  const std::string file = write_scratch(
+      "bad_videos.jsonl",
+      join(
+          {R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "gone.mkv"}, {"type": "text", "text": "?"}]}, {"role": "assistant", "content": "no"}]})",
+           R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "notes.mkv"}, {"type": "text", "text": "?"}]}, {"role": "assistant", "content": "no"}]})",
+           good_line("fine")}));
+  DataConfig c = config_for({file});
+  c.video = fixture_video();
+  Dataset ds(c, tok(), pp(), fixture_chat());
+  const Sample s = ds.next();
+  EXPECT_EQ(s.source, file + ":3");
+  ASSERT_EQ(ds.stats().skipped.size(), 2u) << join(examples(ds.stats()));
+  EXPECT_EQ(ds.stats().skipped[0].reason, "missing video");
+  EXPECT_NE(ds.stats().skipped[0].detail.find("gone.mkv"), std::string::npos);
+  EXPECT_EQ(ds.stats().skipped[1].reason, "bad video");
+  EXPECT_NE(ds.stats().skipped[1].detail.find(text), std::string::npos)
+      << ds.stats().skipped[1].detail;
 }
 
 TEST(TrainingData, SkippedLinesAreReportedOnceEachAndSummedUpByReason) {

@@ -37,6 +37,19 @@ ChatTokens build_chat_tokens(const Tokenizer& tok, const ChatFormat& format,
                              const std::vector<ChatMessage>& messages,
                              const std::vector<GridTHW>& image_grids, int merge_size = 2);
 
+// The same with videos: image and video parts take image_grids and videos in order, and the
+// sequence is expanded as HF's processor expands it (encode_media_prompt: a video as its family
+// writes it). The prompt's runs and media order say how the pixel rows line up.
+struct ChatMediaTokens {
+  MediaPrompt prompt;
+  std::vector<int32_t> labels;  // same length as prompt.ids
+};
+ChatMediaTokens build_chat_media_tokens(const Tokenizer& tok, const ChatFormat& format,
+                                        const std::vector<ChatMessage>& messages,
+                                        const ModelConfig& cfg,
+                                        const std::vector<GridTHW>& image_grids,
+                                        const std::vector<const VideoClip*>& videos);
+
 // Inference prompt: the messages rendered by `format` with the generation prompt. For one user
 // turn of [image..., text] this equals build_generation_prompt (bridge/chat_prompt.h, which the
 // CLI uses).

@@ -1,8 +1,13 @@
 #include "training/dataset.h"
 
+#include "bridge/architecture.h"
+#include "vision/video.h"
+#include "vision/video_decode.h"
+
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -71,10 +76,14 @@ class LineRefused : public Error {
   std::string reason_;
 };
 
+constexpr const char* kMissingVideo = "missing video";
+constexpr const char* kBadVideo = "bad video";
+
 [[noreturn]] void refuse_video(const std::string& what) {
   throw LineRefused(kVideo, what +
-                                "; Iris cannot train on video yet, so the line is refused rather "
-                                "than trained as text without its video");
+                                "; this dataset was opened without a model to preprocess videos "
+                                "with, so the line is refused rather than trained as text without "
+                                "its video");
 }
 
 struct ImageRef {
@@ -86,6 +95,7 @@ struct ImageRef {
 struct ParsedLine {
   std::vector<ChatMessage> messages;
   std::vector<ImageRef> images;  // in order of the image parts
+  std::vector<ImageRef> videos;  // in order of the video parts
 };
 
 // A field that is there and not null: datasets exported through HF `datasets` give every item
@@ -134,18 +144,19 @@ std::string shortened(const std::string& s) {
   return s.size() <= 80 ? s : s.substr(0, 60) + "...";
 }
 
-ImageRef resolve_image(const std::string& written, const fs::path& base) {
-  IRIS_CHECK(!written.empty(), "an image path is empty");
+ImageRef resolve_image(const std::string& written, const fs::path& base,
+                       const char* noun = "image") {
+  IRIS_CHECK(!written.empty(), "an ", noun, " path is empty");
   if (written.rfind("http://", 0) == 0 || written.rfind("https://", 0) == 0)
     throw LineRefused(kRemoteImage,
-                      str_cat("image '", shortened(written),
+                      str_cat(noun, " '", shortened(written),
                               "' is a remote URL; training reads local files only and downloads "
                               "nothing, so download it and give its path"));
   std::string path = written;
   if (written.rfind("file://", 0) == 0) {
     path = written.substr(7);  // as qwen_vl_utils reads it: the rest is the path
   } else if (written.find("://") != std::string::npos || written.rfind("data:", 0) == 0) {
-    throw LineRefused(kImageUrl, str_cat("image '", shortened(written),
+    throw LineRefused(kImageUrl, str_cat(noun, " '", shortened(written),
                                          "' is a URL; give a local path (or file://path)"));
   }
   IRIS_CHECK(!path.empty(), "the image URL '", written, "' has no path");
@@ -191,7 +202,8 @@ class LineParser {
     const char* key = messages ? "messages" : "conversations";
     const json& turns = messages ? *messages : *conversations;
     IRIS_CHECK(turns.is_array() && !turns.empty(), "\"", key, "\" must be a non-empty array");
-    read_listed_images();
+    read_listed(kImage, "images", "image");
+    read_listed(kVideoKind, "videos", "video");
     const json* system = present(line_, "system");
     const bool top_system = has_content(system);
     if (top_system) {
@@ -205,29 +217,29 @@ class LineParser {
       IRIS_CHECK(!top_system || out_.messages.back().role != "system",
                  "the line has both a top-level \"system\" and a system turn; keep one of them");
     }
-    check_listed_images_used();
+    check_listed_used(kImage);
+    check_listed_used(kVideoKind);
     return std::move(out_);
   }
 
  private:
   void refuse_what_cannot_be_trained() const {
-    for (const char* key : {"video", "videos"})
-      if (has_content(present(line_, key)))
-        refuse_video(str_cat("the line has a video (\"", key, "\")"));
     if (has_content(present(line_, "tools")))
       throw LineRefused(kTools,
                         "the line has \"tools\", which Iris does not render into the prompt; the "
                         "line is refused rather than trained without them");
   }
 
-  void read_listed_images() {
-    const json* images = present(line_, "images");
-    const json* image = present(line_, "image");
-    IRIS_CHECK(!(images && image),
-               "both \"image\" and \"images\" are given; list the images in one of them");
-    if (images || image) {
-      listed_key_ = images ? "images" : "image";
-      listed_ = path_list(images ? *images : *image, listed_key_);
+  // The files <image> (<video>) tags and path-less items take in order: a top-level "images"
+  // ("videos") list, or LLaVA's single "image" ("video").
+  void read_listed(int kind, const char* list_key, const char* single_key) {
+    const json* list = present(line_, list_key);
+    const json* single = present(line_, single_key);
+    IRIS_CHECK(!(list && single), "both \"", single_key, "\" and \"", list_key,
+               "\" are given; list the ", list_key, " in one of them");
+    if (list || single) {
+      listed_key_[kind] = list ? list_key : single_key;
+      listed_[kind] = path_list(list ? *list : *single, listed_key_[kind]);
     }
   }
 
@@ -266,29 +278,36 @@ class LineParser {
     return cm;
   }
 
-  // Text with <image> tags: each tag places the next listed image.
+  // Text with <image> and <video> tags: each tag places the next listed image (video).
   void add_text(ChatMessage& cm, std::string_view text) {
-    if (text.find("<video>") != std::string_view::npos)
-      refuse_video(str_cat("the ", speaker_, " text has a <video> placeholder"));
-    constexpr std::string_view kTag = "<image>";
-    if (text.find(kTag) == std::string_view::npos) {
-      cm.content.push_back(ChatPart::make_text(std::string(text)));
-      return;
-    }
+    constexpr std::string_view kTags[2] = {"<image>", "<video>"};
     std::string_view rest = text;
     bool after_tag = false;
     for (;;) {
-      const size_t at = rest.find(kTag);
+      size_t at = std::string_view::npos;
+      int kind = kImage;
+      for (int k : {kImage, kVideoKind}) {
+        const size_t a = rest.find(kTags[k]);
+        if (a < at) {
+          at = a;
+          kind = k;
+        }
+      }
       const bool before_tag = at != std::string_view::npos;
+      if (!before_tag && !after_tag) {
+        cm.content.push_back(ChatPart::make_text(std::string(text)));
+        return;
+      }
       const std::string piece =
           trim(rest.substr(0, before_tag ? at : rest.size()), after_tag, before_tag);
       if (!piece.empty()) cm.content.push_back(ChatPart::make_text(piece));
       if (!before_tag) break;
-      IRIS_CHECK(cm.role == "user", "an <image> tag in a '", speaker_,
-                 "' turn; images may only appear in ", user_word_, " turns");
-      ++tags_;
-      take_listed_image(cm);
-      rest.remove_prefix(at + kTag.size());
+      IRIS_CHECK(cm.role == "user", "an ", kTags[kind], " tag in a '", speaker_, "' turn; ",
+                 kind == kImage ? "images" : "videos", " may only appear in ", user_word_,
+                 " turns");
+      ++tags_[kind];
+      take_listed(kind, cm);
+      rest.remove_prefix(at + kTags[kind].size());
       after_tag = true;
     }
   }
@@ -307,68 +326,87 @@ class LineParser {
     }
     if (type == "text") {
       add_text(cm, string_field(item, "text", "a text item"));
-    } else if (type == "image" || type == "image_url") {
-      if (const std::optional<std::string> path = item_image_path(item, type)) {
-        out_.images.push_back(resolve_image(*path, base_));
-        cm.content.push_back(ChatPart::make_image());
+    } else if (type == "image" || type == "image_url" || type == "video" || type == "video_url") {
+      const int kind = type.rfind("image", 0) == 0 ? kImage : kVideoKind;
+      if (const std::optional<std::string> path = item_media_path(item, type)) {
+        if (kind == kImage) {
+          out_.images.push_back(resolve_image(*path, base_));
+          cm.content.push_back(ChatPart::make_image());
+        } else {
+          out_.videos.push_back(resolve_image(*path, base_, "video"));
+          cm.content.push_back(ChatPart::make_video());
+        }
       } else {
-        ++pathless_items_;
-        take_listed_image(cm);
+        ++pathless_items_[kind];
+        take_listed(kind, cm);
       }
-    } else if (type == "video" || type == "video_url") {
-      refuse_video(str_cat("the ", speaker_, " message has a \"", type, "\" item"));
     } else {
       IRIS_FAIL("content item type '", type,
                 "' is not supported; use {\"type\": \"image\", \"image\": path}, {\"type\": "
-                "\"image_url\", \"image_url\": {\"url\": path}} or {\"type\": \"text\", "
-                "\"text\": ...}");
+                "\"image_url\", \"image_url\": {\"url\": path}}, {\"type\": \"video\", "
+                "\"video\": path} or {\"type\": \"text\", \"text\": ...}");
     }
   }
 
-  // The file an image item names itself; none: the next listed image (TRL's layout).
-  static std::optional<std::string> item_image_path(const json& item, const std::string& type) {
-    if (type == "image_url") {
-      const json& v = field(item, "image_url", "an image_url item");
+  // The file an image (video) item names itself; none: the next listed one (TRL's layout).
+  static std::optional<std::string> item_media_path(const json& item, const std::string& type) {
+    if (type == "image_url" || type == "video_url") {
+      const std::string where = "a " + type + " item";
+      const json& v = field(item, type.c_str(), where.c_str());
       if (v.is_string()) return v.get<std::string>();
-      IRIS_CHECK(v.is_object(), "an image_url item's \"image_url\" must be {\"url\": ...} or a ",
+      IRIS_CHECK(v.is_object(), "a ", type, " item's \"", type, "\" must be {\"url\": ...} or a ",
                  "string, got ", v.type_name());
-      return string_field(v, "url", "an image_url item's \"image_url\"");
+      return string_field(v, "url", (where + "'s \"" + type + "\"").c_str());
     }
-    for (const char* k : {"image", "path", "url"})
-      if (present(item, k)) return string_field(item, k, "an image item");
+    const std::string where = "a " + type + " item";
+    for (const char* k : {type.c_str(), "path", "url"})
+      if (present(item, k)) return string_field(item, k, where.c_str());
     return std::nullopt;
   }
 
-  void take_listed_image(ChatMessage& cm) {
+  void take_listed(int kind, ChatMessage& cm) {
     // A shortfall is reported once all are counted, with the totals.
-    if (taken_ < listed_.size()) out_.images.push_back(resolve_image(listed_[taken_], base_));
-    ++taken_;
-    cm.content.push_back(ChatPart::make_image());
+    if (taken_[kind] < listed_[kind].size()) {
+      if (kind == kImage)
+        out_.images.push_back(resolve_image(listed_[kind][taken_[kind]], base_));
+      else
+        out_.videos.push_back(resolve_image(listed_[kind][taken_[kind]], base_, "video"));
+    }
+    ++taken_[kind];
+    cm.content.push_back(kind == kImage ? ChatPart::make_image() : ChatPart::make_video());
   }
 
-  void check_listed_images_used() const {
-    if (taken_ == listed_.size()) return;
+  void check_listed_used(int kind) const {
+    if (taken_[kind] == listed_[kind].size()) return;
+    const char* tag = kind == kImage ? "<image>" : "<video>";
+    const char* noun = kind == kImage ? "image" : "video";
     std::string has;
-    if (pathless_items_ == 0 || tags_ > 0) has = str_cat(tags_, " <image> tags");
-    if (pathless_items_ > 0)
-      has += str_cat(has.empty() ? "" : " and ", pathless_items_, " image items without a path");
+    if (pathless_items_[kind] == 0 || tags_[kind] > 0)
+      has = str_cat(tags_[kind], " ", tag, " tags");
+    if (pathless_items_[kind] > 0)
+      has += str_cat(has.empty() ? "" : " and ", pathless_items_[kind], " ", noun,
+                     " items without a path");
     IRIS_FAIL("the conversation has ", has, " but ",
-              listed_key_ ? str_cat(listed_.size(), " images are listed in \"", listed_key_, "\"")
-                          : std::string("the line has no \"images\" list"),
-              "; each <image> tag and each image item without a path takes the next listed "
-              "image, so they must match one to one");
+              listed_key_[kind] ? str_cat(listed_[kind].size(), " ", noun, "s are listed in \"",
+                                          listed_key_[kind], "\"")
+                                : str_cat("the line has no \"", noun, "s\" list"),
+              "; each ", tag, " tag and each ", noun, " item without a path takes the next listed ",
+              noun, ", so they must match one to one");
   }
 
+  static constexpr int kImage = 0, kVideoKind = 1;
   const json& line_;
   const fs::path& base_;
   ParsedLine out_;
-  std::vector<std::string> listed_;
-  const char* listed_key_ = nullptr;  // none: the line lists no images
-  size_t taken_ = 0, tags_ = 0, pathless_items_ = 0;
+  // Per kind (kImage, kVideoKind): the listed files, their key (null: none listed), and what
+  // took from them.
+  std::vector<std::string> listed_[2];
+  const char* listed_key_[2] = {nullptr, nullptr};
+  size_t taken_[2] = {0, 0}, tags_[2] = {0, 0}, pathless_items_[2] = {0, 0};
   std::string speaker_, user_word_;  // of the turn being read, for messages
 };
 
-ParsedLine parse_line(const std::string& text, const fs::path& base) {
+ParsedLine parse_line(const std::string& text, const fs::path& base, bool videos_allowed) {
   json j;
   try {
     j = parse_json(text, "the line", kJsonLineLimits);
@@ -377,14 +415,17 @@ ParsedLine parse_line(const std::string& text, const fs::path& base) {
   }
   IRIS_CHECK(j.is_object(), "a line must be a JSON object, got ", j.type_name());
   ParsedLine out = LineParser(j, base).parse();
+  if (!out.videos.empty() && !videos_allowed)
+    refuse_video(
+        str_cat("the line has ", out.videos.size(), " video", out.videos.size() == 1 ? "" : "s"));
   bool has_assistant = false;
   for (const ChatMessage& m : out.messages) {
     IRIS_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant", "unknown role '",
                m.role, "'; use system, user or assistant");
     if (m.role != "user") {
       for (const ChatPart& p : m.content)
-        IRIS_CHECK(p.kind == ChatPart::Kind::text, "an image in a ", m.role,
-                   " turn; images may only appear in user turns");
+        IRIS_CHECK(p.kind == ChatPart::Kind::text, "an image or video in a ", m.role,
+                   " turn; images and videos may only appear in user turns");
     }
     has_assistant = has_assistant || m.role == "assistant";
   }
@@ -417,6 +458,12 @@ void DataConfig::validate() const {
              " must be in [0, 256] (0 prepares samples inside next())");
   IRIS_CHECK(prefetch >= 1 && prefetch <= 4096, "data.prefetch = ", prefetch,
              " must be in [1, 4096]");
+  IRIS_CHECK(std::isfinite(video_fps) && video_fps <= 1000 && (video_fps >= 0 || video_fps == -1),
+             "data.video_fps = ", video_fps,
+             " must be between 0 (every frame) and 1000, or -1 (the model's video processor's)");
+  IRIS_CHECK(video_max_frames >= 0 && video_max_frames <= (1 << 20),
+             "data.video_max_frames = ", video_max_frames, " must be between 0 (the model's) and ",
+             1 << 20);
   IRIS_CHECK(max_image_pixels >= 1, "data.max_image_pixels = ", max_image_pixels,
              " must be at least 1");
   if (mock) {
@@ -546,7 +593,7 @@ struct Dataset::Impl {
         ++stats.lines;
         std::string reason, detail;
         try {
-          parse_line(line, image_base(fi));
+          parse_line(line, image_base(fi), cfg.video != nullptr);
         } catch (const LineRefused& e) {
           reason = e.reason();
           detail = e.what();
@@ -629,16 +676,55 @@ struct Dataset::Impl {
     }
   }
 
+  // A video decoded and preprocessed as iris generate --video does it.
+  VideoClip load_line_video(const ImageRef& video, uint32_t file) const {
+    std::error_code ec;
+    if (!fs::exists(video.resolved, ec) && !ec) {
+      throw LineRefused(
+          kMissingVideo,
+          video.relative
+              ? str_cat("video file not found: ", absolute_path(video.resolved),
+                        " (the line gives '", video.written, "'; ", image_base_rule(file), ")")
+              : str_cat("video file not found: ", video.resolved));
+    }
+    const DataVideo& v = *cfg.video;
+    try {
+      ResizedSize size{};
+      const DecodedVideo d = decode_video(video.resolved, [&](const VideoInfo& info) {
+        std::vector<int64_t> keep =
+            v.model.arch->sample_video_frames(info.total_frames, info.fps, v.processor);
+        size = v.model.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height,
+                                              info.width, v.processor);
+        return keep;
+      });
+      VideoClip clip = preprocess_video(d.frames, size, v.processor);
+      clip.frame_indices = d.indices;
+      clip.total_frames = d.info.total_frames;
+      clip.video_fps = d.info.fps;
+      return clip;
+    } catch (const LineRefused&) {
+      throw;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      throw LineRefused(kBadVideo, what.find(video.resolved) != std::string::npos
+                                       ? what
+                                       : str_cat(video.resolved, ": ", what));
+    }
+  }
+
   Outcome process_file_record(int64_t rec) const {
     Outcome out;
     const Record& r = records[static_cast<size_t>(rec)];
     const std::string line = read_line_at(cfg.train_files[r.file], r.offset, r.length);
-    ParsedLine parsed = parse_line(line, image_base(r.file));
+    ParsedLine parsed = parse_line(line, image_base(r.file), cfg.video != nullptr);
     std::vector<ImageRGB8> images;
     images.reserve(parsed.images.size());
     for (const ImageRef& image : parsed.images) images.push_back(load_line_image(image, r.file));
+    std::vector<VideoClip> clips;
+    for (const ImageRef& video : parsed.videos) clips.push_back(load_line_video(video, r.file));
     Sample s;
     for (const ImageRGB8& img : images) s.grids.push_back(grid_of(img, pp));
+    if (!clips.empty()) return finish_with_videos(parsed, images, clips, std::move(s));
     ChatTokens t = build_chat_tokens(tok, format, parsed.messages, s.grids, pp.merge_size);
     s.ids = std::move(t.ids);
     s.labels = std::move(t.labels);
@@ -650,6 +736,52 @@ struct Dataset::Impl {
       return out;
     }
     finish_pixels(images, s);
+    out.sample = std::move(s);
+    return out;
+  }
+
+  // A sample with videos: ids and labels expanded as the family writes videos, pixel rows and
+  // grids in the order the pads come (images and videos interleaved as the messages place them).
+  Outcome finish_with_videos(const ParsedLine& parsed, const std::vector<ImageRGB8>& images,
+                             const std::vector<VideoClip>& clips, Sample s) const {
+    Outcome out;
+    std::vector<const VideoClip*> videos;
+    for (const VideoClip& c : clips) videos.push_back(&c);
+    ChatMediaTokens t =
+        build_chat_media_tokens(tok, format, parsed.messages, cfg.video->model, s.grids, videos);
+    if (static_cast<int64_t>(t.prompt.ids.size()) > cfg.seq_length) {
+      out.kind = Outcome::Kind::too_long;
+      out.reason = kTooLong;
+      out.detail = str_cat(t.prompt.ids.size(), " tokens is longer than data.seq_length ",
+                           cfg.seq_length, "; the sample is dropped whole, never cut");
+      return out;
+    }
+    Sample images_only;
+    images_only.grids = s.grids;
+    finish_pixels(images, images_only);
+    const int64_t cols = int64_t{3} * pp.temporal_patch_size * pp.patch_size * pp.patch_size;
+    std::vector<int64_t> image_row(images_only.grids.size() + 1, 0);
+    for (size_t i = 0; i < images_only.grids.size(); ++i) {
+      const GridTHW& g = images_only.grids[i];
+      image_row[i + 1] = image_row[i] + g[0] * g[1] * g[2];
+    }
+    s.grids.clear();
+    for (const MediaPrompt::Item& item : t.prompt.media_order) {
+      if (item.video) {
+        const VideoClip& c = clips[item.index];
+        s.pixel_values.insert(s.pixel_values.end(), c.pixel_values.data<float>(),
+                              c.pixel_values.data<float>() + c.pixel_values.numel());
+        s.grids.push_back(c.grid_thw);
+      } else {
+        const float* rows = images_only.pixel_values.data();
+        s.pixel_values.insert(s.pixel_values.end(), rows + image_row[item.index] * cols,
+                              rows + image_row[item.index + 1] * cols);
+        s.grids.push_back(images_only.grids[item.index]);
+      }
+    }
+    s.ids = std::move(t.prompt.ids);
+    s.labels = std::move(t.labels);
+    s.runs = std::move(t.prompt.runs);
     out.sample = std::move(s);
     return out;
   }

@@ -22,10 +22,13 @@
 // otherwise against the directory of the JSONL file; http(s) URLs are refused, as nothing is
 // downloaded. Only user turns may hold images, and a sample needs at least one assistant turn.
 //
-// A line is used whole or not at all: one with a video ("video"/"videos", <video>, a video item),
-// which Iris cannot train on yet, or "tools", is refused rather than trained as text without it,
-// as is one whose images cannot all be read. Refused and over-long lines are skipped and
-// reported (on_bad_sample = skip) or stop the run (error; over-long lines are always skipped).
+// Videos come the same ways: {"type": "video", "video": path} items (or "video_url"), <video> tags
+// in text with a top-level "videos" list, LLaVA's "video"; each is decoded and preprocessed with
+// the model's family rules and video processor (DataConfig::video).
+// A line is used whole or not at all: one with "tools" is refused rather than trained as text
+// without them, as is one whose images or videos cannot all be read. Refused and over-long lines
+// are skipped and reported (on_bad_sample = skip) or stop the run (error; over-long lines are
+// always skipped).
 //
 // Order and resumption: epoch e visits every line once in a permutation drawn from (seed, e);
 // position() = (epoch, index into that permutation) of the next line to be considered. Lines that
@@ -41,6 +44,7 @@
 #include <vector>
 
 #include "bridge/chat_prompt.h"
+#include "bridge/model_config.h"
 #include "core/json_read.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
@@ -52,6 +56,13 @@ namespace iris {
 // A JSONL line holds one sample's text and image paths; a longer one is an error naming the file
 // and line, before the reader holds it all in memory.
 inline constexpr size_t kMaxJsonlLineBytes = kJsonLineLimits.max_bytes;
+
+// What preprocessing videos takes: the model's family rules and its video processor (with
+// data.video_fps and data.video_max_frames applied).
+struct DataVideo {
+  ModelConfig model;
+  VideoProcessorConfig processor;
+};
 
 struct DataConfig {
   std::vector<std::string> train_files;  // JSONL
@@ -69,6 +80,12 @@ struct DataConfig {
   enum class OnBad { skip, error } on_bad_sample = OnBad::skip;
   // Images with more pixels (from the file's header) are bad samples, refused before decoding.
   int64_t max_image_pixels = kDefaultMaxImagePixels;
+  // data.video_fps (frames kept a second, 0 every frame; < 0: the model's video processor's) and
+  // data.video_max_frames (0: the model's), which the trainer applies to `video`.
+  double video_fps = -1;
+  int video_max_frames = 0;
+  // Null: lines with videos are refused (a dataset opened without a model).
+  std::shared_ptr<const DataVideo> video;
 
   // Mock data for benchmarks: no files; every sample holds one random-pixel image per entry of
   // mock_image_sizes ({width, height}), then a user text and an assistant reply of random ordinary
@@ -84,8 +101,12 @@ struct DataConfig {
 
 struct Sample {
   std::vector<int32_t> ids, labels;
-  std::vector<float> pixel_values;  // [sum of patches, 3*Tp*P*P], images in order
+  // [sum of patches, 3*Tp*P*P]: images and videos in the order their pads come in ids, one grid
+  // each.
+  std::vector<float> pixel_values;
   std::vector<GridTHW> grids;
+  // With videos: the pad runs in order (MediaPrompt::runs); empty: every grid is an image.
+  std::vector<VisionRun> runs;
   std::string source;  // "file:line", or "mock:index"
 };
 

@@ -1,8 +1,9 @@
 // AdamW with fp32 master weights: the master weights, gradients and moments are ModelWeights with
 // the whole model's binding table that hold the trainable tensors only (training/param_spec.h), so
-// every state tensor is addressed by its HF name and a frozen part holds no state. The update follows torch.optim.AdamW (foreach
-// path): decoupled decay p *= 1 - lr * wd before the Adam step, bias-corrected moments,
-// per-parameter step counts, and weight decay only on parameters with >= 2 dims.
+// every state tensor is addressed by its HF name and a frozen part holds no state. The update
+// follows torch.optim.AdamW (foreach path): decoupled decay p *= 1 - lr * wd before the Adam step,
+// bias-corrected moments, per-parameter step counts, and weight decay only on parameters with >= 2
+// dims.
 #pragma once
 
 #include <cstdint>

@@ -110,6 +110,10 @@ std::vector<Field> fields(Recipe& r) {
       {"data.max_image_pixels", &d.config.max_image_pixels,
        "images with more pixels (read from the file's header) are bad samples, refused before "
        "decoding"},
+      {"data.video_fps", &d.config.video_fps,
+       "video frames kept a second (0: every frame); -1: the model's video processor's"},
+      {"data.video_max_frames", &d.config.video_max_frames,
+       "most frames kept of a video; 0: the model's video processor's"},
       {"data.chat_template",
        &d.chat_template,
        "Jinja chat template file (or a JSON file with \"chat_template\") for the conversations; "

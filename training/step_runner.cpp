@@ -30,6 +30,7 @@ TrainSample to_train_sample(Sample&& s) {
   t.labels = std::move(s.labels);
   t.pixel_values = std::move(s.pixel_values);
   t.grids = std::move(s.grids);
+  t.runs = std::move(s.runs);
   return t;
 }
 

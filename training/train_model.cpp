@@ -589,13 +589,14 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
                " patches x ", v.patch_dim());
     L += n;
     S += patches;
-    n_images += s->grids.size();
+    // Each video frame pair is an attention segment, as an image is.
+    for (const GridTHW& g : s->grids) n_images += static_cast<size_t>(g[0]);
   }
   IRIS_CHECK(L <= limits_.max_seq_len, "the micro-batch has ", L,
              " tokens, more than the planned maximum of ", limits_.max_seq_len,
              " (raise train.seq_length or truncate the samples)");
   IRIS_CHECK(static_cast<int64_t>(n_images) <= limits_.max_images, "the micro-batch has ", n_images,
-             " images, more than the planned ", limits_.max_images);
+             " images and video frame pairs, more than the planned ", limits_.max_images);
   IRIS_CHECK(S <= limits_.max_patches, "the micro-batch's images have ", S,
              " patches, more than the planned maximum of ", limits_.max_patches,
              " (train.max_vision_patches)");
@@ -642,16 +643,17 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
     const int64_t n = static_cast<int64_t>(s->ids.size());
     int64_t n_pad = 0;
     for (int64_t i = 0; i < n; ++i) {
-      IRIS_CHECK(s->ids[i] != cfg_.video_token_id,
-                 "video tokens are not supported in training samples (position ", i, ")");
-      if (s->ids[i] == cfg_.image_token_id) {
+      if (s->ids[i] == cfg_.image_token_id || s->ids[i] == cfg_.video_token_id) {
         h_pad_rows_.push_back(static_cast<int32_t>(row + i));
         ++n_pad;
       }
     }
     IRIS_CHECK(n_pad * v.merge_unit() == count_patches(s->grids), "the sample has ", n_pad,
-               " <|image_pad|> tokens but its images produce ",
+               " <|image_pad|> and <|video_pad|> tokens but its images and videos produce ",
                count_patches(s->grids) / v.merge_unit(), " merged embeddings");
+    IRIS_CHECK(!s->runs.empty() ||
+                   std::find(s->ids.begin(), s->ids.end(), cfg_.video_token_id) == s->ids.end(),
+               "a sample with <|video_pad|> tokens needs its vision runs (Sample::runs)");
     // HF shift: position i predicts labels[i + 1]; labels[0] is never a target, and no target
     // crosses into the next sample.
     for (int64_t i = 0; i + 1 < n; ++i) {
@@ -662,10 +664,16 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
       h_label_rows_.push_back(static_cast<int32_t>(row + i));
       h_targets_.push_back(y);
     }
-    std::copy(s->ids.begin(), s->ids.end(), h_ids_.begin() + row);
-    const RopeIndex rope =
-        compute_rope_index(s->ids, image_runs(s->grids, cfg_.image_token_id, v.spatial_merge_size),
-                           cfg_.image_token_id, cfg_.video_token_id);
+    // A video pad goes to the device as an image pad: both rows are overwritten by the vision
+    // scatter, and the embedding's backward skips the image pad id, so neither kind gives the
+    // embedding table a gradient (as HF, whose pad embeddings are replaced by masked_scatter).
+    std::transform(s->ids.begin(), s->ids.end(), h_ids_.begin() + row, [&](int32_t id) {
+      return id == cfg_.video_token_id ? cfg_.image_token_id : id;
+    });
+    const RopeIndex rope = compute_rope_index(
+        s->ids,
+        s->runs.empty() ? image_runs(s->grids, cfg_.image_token_id, v.spatial_merge_size) : s->runs,
+        cfg_.image_token_id, cfg_.video_token_id);
     mrope_positions_token_major(rope.positions.data(), n, h_positions_.data() + row * 3);
     const int64_t patches = count_patches(s->grids);
     if (patches > 0 && limits_.stage.has_vision) {

@@ -25,6 +25,7 @@
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
 #include "bridge/pipeline_stage.h"
+#include "bridge/rope_index.h"
 #include "core/arena.h"
 #include "core/backend.h"
 #include "core/graph_capture.h"
@@ -40,8 +41,9 @@ namespace iris {
 // emits them); grids: one (t, h, w) per image.
 struct TrainSample {
   std::vector<int32_t> ids, labels;
-  std::vector<float> pixel_values;
+  std::vector<float> pixel_values;  // images and videos in the order their pads come
   std::vector<GridTHW> grids;
+  std::vector<VisionRun> runs;  // with videos, the pad runs (Sample::runs); empty: images only
 };
 
 // The positions whose next token is labelled (HF's shift: labels[0] is never a target): the

@@ -1,5 +1,7 @@
 #include "training/trainer.h"
 
+#include "bridge/architecture.h"
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -105,13 +107,32 @@ struct RunData {
   std::unique_ptr<Dataset> train, eval;
 };
 
-RunData open_data(const Recipe& r, const Tokenizer& tok, const PreprocessorConfig& pp,
-                  const ChatFormat& chat, const RunStart& start) {
+// Videos in the data are preprocessed as the model's family and video processor say (the
+// checkpoint's video_preprocessor_config.json, else its family's defaults), under
+// data.video_fps and data.video_max_frames.
+std::shared_ptr<const DataVideo> data_video(const Recipe& r, const ModelConfig& cfg) {
+  auto v = std::make_shared<DataVideo>();
+  v->model = cfg;
+  v->processor = r.model.hf_dir.empty() ? cfg.arch->default_video_preprocessor(cfg)
+                                        : model_video_preprocessor(r.model.hf_dir, cfg);
+  if (r.data.config.video_fps >= 0) v->processor.fps = r.data.config.video_fps;
+  if (r.data.config.video_max_frames > 0) {
+    v->processor.max_frames = r.data.config.video_max_frames;
+    v->processor.min_frames = std::min(v->processor.min_frames, v->processor.max_frames);
+  }
+  v->processor.validate("data.video_fps and data.video_max_frames");
+  return v;
+}
+
+RunData open_data(const Recipe& r, const ModelConfig& cfg, const Tokenizer& tok,
+                  const PreprocessorConfig& pp, const ChatFormat& chat, const RunStart& start) {
   RunData d;
   if (!r.data.config.mock)
     for (const std::string& f : r.data.config.train_files)
       d.files.push_back(fingerprint_data_file(f));
-  d.train = std::make_unique<Dataset>(r.data.config, tok, pp, chat);
+  DataConfig train_cfg = r.data.config;
+  train_cfg.video = data_video(r, cfg);
+  d.train = std::make_unique<Dataset>(train_cfg, tok, pp, chat);
   if (!start.resume_dir.empty()) {
     IRIS_CHECK(start.state.data_seed == r.data.config.seed, "the checkpoint ", start.resume_dir,
                " was trained with data seed ", start.state.data_seed, " but train.seed is ",
@@ -122,7 +143,7 @@ RunData open_data(const Recipe& r, const Tokenizer& tok, const PreprocessorConfi
     d.train->seek(start.state.data_position);
   }
   if (r.train.eval_interval > 0) {
-    DataConfig ec = r.data.config;
+    DataConfig ec = train_cfg;
     ec.train_files = r.data.eval_files;
     ec.files_key = "data.eval_files";
     ec.shuffle = false;
@@ -173,7 +194,7 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
                          cfg.vision_start_token_id, cfg.vision_end_token_id, "the model's config");
   const PreprocessorConfig pp = recipe_preprocessor(r);
   const ChatFormat chat = recipe_chat_format(r);
-  RunData data = open_data(r, tok, pp, chat, start);
+  RunData data = open_data(r, cfg, tok, pp, chat, start);
   {
     // Ranks started in other folders could read other files under the same relative paths;
     // only rank 0's fingerprints reach the checkpoints, so the difference would go unnoticed.
