@@ -627,8 +627,7 @@ int run_generate_command(int argc, char** argv) {
       ->required();
   app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
       ->type_name("FILE");
-  app.add_option("--video", o.videos, "repeatable; placed as --image files are")
-      ->type_name("FILE");
+  app.add_option("--video", o.videos, "repeatable; placed as --image files are")->type_name("FILE");
   auto* prompt_opt =
       app.add_option("-p,--prompt", o.prompt, "the user's text; none: chat on stdin");
   app.add_option("-f,--file", o.prompt_file, "read the user's text from FILE")
@@ -661,8 +660,7 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--image-max-tokens", o.image_max_tokens,
                  "most tokens per image (default: the model's)")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
-  app.add_option("--video-fps", o.video_fps,
-                 "frames kept a second, 0 = all (default: the model's)")
+  app.add_option("--video-fps", o.video_fps, "frames a second, 0 = all (default: the model's)")
       ->check(quiet(CLI::Range(0.0, 1000.0)));
   app.add_option("--video-max-frames", o.video_max_frames,
                  "most frames kept a video (default: the model's)")

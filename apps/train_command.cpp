@@ -25,7 +25,7 @@ int run_train_command(int argc, char** argv) {
   std::vector<std::string> overrides;
   bool dry_run = false, list_keys = false;
   double device_memory_gib = 0;
-  app.add_option("--recipe", recipe_path, "the recipe YAML file");
+  app.add_option("--recipe", recipe_path, "the recipe YAML file, or the name of one in recipes/");
   app.add_option("overrides", overrides, "section.key=value overrides");
   app.add_flag("--dry-run", dry_run,
                "validate the recipe and overrides, print the resolved config and the memory plan "

@@ -699,24 +699,21 @@ TEST_F(TinyTrainingTest, SkippedLinesAreWarnedOnceEachAndSummedUpByReason) {
                   (root_ / "shapes/gone.png").string()),
             1u)
       << log;
-  EXPECT_EQ(count("warning: data: skipped " + train +
-                  ":4 (video not supported): the line has a video (\"video\")"),
+  // The run has a model, so the video row is read as video, and its file is missing.
+  EXPECT_EQ(count("warning: data: skipped " + train + ":4 (missing video): video file not found: " +
+                  (root_ / "shapes/clip.mp4").string()),
             1u)
       << log;
   EXPECT_EQ(count("warning: data: skipped "), 2u) << log;
-  EXPECT_EQ(count("data: skipped 2 of 4 lines: 1 missing image, 1 video not supported\n"), 1u)
-      << log;
+  EXPECT_EQ(count("data: skipped 2 of 4 lines: 1 missing image, 1 missing video\n"), 1u) << log;
 
-  // data.on_bad_sample=error: the video row stops the run before any step, naming its line.
+  // data.on_bad_sample=error: the first refused line reached stops the run, naming its line.
   const std::string err = test::error_of([&] {
     run_training(recipe(run_dir("strict"), {"train.train_iters=1", "train.eval_interval=0",
                                             "data.on_bad_sample=error"}),
                  quiet());
   });
-  EXPECT_NE(err.find(train + ":4: the line has a video (\"video\"); Iris cannot train on video "
-                             "yet"),
-            std::string::npos)
-      << err;
+  EXPECT_NE(err.find(train + ":2: image file not found"), std::string::npos) << err;
 }
 
 TEST_F(TinyTrainingTest, StartsFromAPretrainedDirectory) {

@@ -830,13 +830,15 @@ TEST(TrainingData, SkippedLinesAreReportedOnceEachAndSummedUpByReason) {
            R"({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A ball rolls."}]})",
            R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "lost.png"}]}, {"role": "assistant", "content": "x"}]})"}));
   Dataset ds(config_for({file}), tok(), pp(), fixture_chat());
-  // The video line is refused while the files are read, the missing images when reached.
+  // The video line (this dataset has no model to read videos with) is refused while the files
+  // are read, the missing images when reached.
   std::vector<SkippedLine> fresh = ds.take_new_skips();
   ASSERT_EQ(fresh.size(), 1u);
   EXPECT_EQ(fresh[0].describe(),
             file +
-                ":4 (video not supported): the line has a video (\"video\"); Iris cannot train on "
-                "video yet, so the line is refused rather than trained as text without its video");
+                ":4 (video not supported): the line has 1 video; this dataset was opened without a "
+                "model to preprocess videos with, so the line is refused rather than trained as "
+                "text without its video");
   EXPECT_TRUE(ds.take_new_skips().empty());
   for (int epoch = 0; epoch < 3; ++epoch) {
     EXPECT_EQ(ds.next().source, file + ":1");
@@ -1052,7 +1054,7 @@ TEST(TrainingData, StructureErrors) {
       {R"({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]})",
        "must be a string or a list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}, {"role": "assistant", "content": "x"}]})",
-       "message has a \"video\" item; Iris cannot train on video yet"},
+       "the line has 1 video; this dataset was opened without a model"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]})",
        "1 image items without a path but the line has no \"images\" list"},
       {R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/a.png"}]}, {"role": "assistant", "content": "x"}]})",

@@ -55,6 +55,33 @@ using test::error_of;
 #define EXPECT_HAS(text, part) \
   EXPECT_NE(std::string(text).find(part), std::string::npos) << "in: " << (text)
 
+TEST_F(RecipeTest, ABareNameIsARecipeInRecipes) {
+  const Recipe by_name = load_recipe("qwen3vl_tiny_shapes");
+  const Recipe by_path = load_recipe("recipes/qwen3vl_tiny_shapes.yaml");
+  EXPECT_EQ(recipe_to_yaml(by_name), recipe_to_yaml(by_path));
+  EXPECT_EQ(find_recipe("qwen3vl_tiny_shapes"), "recipes/qwen3vl_tiny_shapes.yaml");
+  const std::string msg = error_of([] { load_recipe("qwen3vl_no_such_recipe"); });
+  EXPECT_HAS(msg, "recipe qwen3vl_no_such_recipe does not exist");
+  EXPECT_HAS(msg, "recipes/qwen3vl_no_such_recipe.yaml");
+}
+
+// A path in a recipe file is relative to the file; the same key given as an override is
+// relative to the working directory, as the user typed it (model.config too, which once
+// resolved against the recipe's folder: recipes/recipes/configs/...).
+TEST_F(RecipeTest, AModelConfigOverrideIsRelativeToTheWorkingDirectory) {
+  const fs::path dir = test::scratch_dir() / "recipe_paths";
+  fs::create_directories(dir);
+  fs::copy_file(fixture_config(), dir / "config.json", fs::copy_options::overwrite_existing);
+  const std::string recipe = (dir / "r.yaml").string();
+  std::string text = tiny_recipe();
+  text.replace(text.find(fixture_config()), fixture_config().size(), "config.json");
+  std::ofstream(recipe) << text;
+  EXPECT_EQ(load_recipe(recipe).model.config_path, (dir / "config.json").string());
+  const std::string from_cwd = "tests/data/qwen3vl-tiny/config.json";
+  ASSERT_TRUE(fs::is_regular_file(from_cwd));
+  EXPECT_EQ(load_recipe(recipe, {"model.config=" + from_cwd}).model.config_path, from_cwd);
+}
+
 TEST_F(RecipeTest, EveryShippedRecipeValidatesAndItsResolvedConfigReadsBack) {
   std::vector<fs::path> recipes;
   for (const auto& e : fs::directory_iterator("recipes"))

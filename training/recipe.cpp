@@ -177,7 +177,7 @@ std::vector<Field> fields(Recipe& r) {
       {"optimizer.clip_grad", &o.clip_grad, "clip the global gradient L2 norm to this; 0: off"},
       {"optimizer.distributed", &o.distributed,
        "shard the AdamW moments over the data-parallel ranks (ZeRO-1): each rank keeps and updates "
-       "1/data_parallel_size of them, the same losses as unsharded (CPU backend for now)"},
+       "1/data_parallel_size of them, the same losses as unsharded"},
       {"schedule.kind", &s.kind, "learning-rate schedule after warmup", {"constant", "cosine"}},
       {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
       {"schedule.decay_iters", &s.decay_iters,
@@ -873,8 +873,10 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
 
   if (model_config.IsDefined() && !model_config.IsNull()) {
     if (model_config.IsScalar()) {
+      // As every input path: relative to the recipe written in it, to the working directory
+      // given as an override.
       fs::path cp = model_config.Scalar();
-      if (cp.is_relative()) cp = recipe_dir / cp;
+      if (cp.is_relative() && !p.origins.overridden("model.config")) cp = recipe_dir / cp;
       r.model.config_path = cp.lexically_normal().string();
     } else if (model_config.IsMap()) {
       try {
@@ -1293,10 +1295,30 @@ std::pair<std::string, std::string> parse_override(const std::string& arg) {
   return {arg.substr(0, eq), arg.substr(eq + 1)};
 }
 
+std::string find_recipe(const std::string& name_or_path) {
+  if (fs::is_regular_file(name_or_path)) return name_or_path;
+  // A bare name (qwen3vl_tiny_shapes), as scripts/performance/run.sh takes it: recipes/NAME.yaml
+  // from the working directory, else from the repository the binary was built in (build/iris).
+  const bool bare = name_or_path.find('/') == std::string::npos && !name_or_path.empty() &&
+                    fs::path(name_or_path).extension() != ".yaml";
+  if (bare) {
+    std::vector<fs::path> dirs = {fs::path("recipes")};
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec) dirs.push_back(exe.parent_path().parent_path() / "recipes");
+    for (const fs::path& d : dirs) {
+      const fs::path p = d / (name_or_path + ".yaml");
+      if (fs::is_regular_file(p)) return p.lexically_normal().string();
+    }
+  }
+  IRIS_FAIL("recipe ", name_or_path, " does not exist",
+            bare ? " (looked for recipes/" + name_or_path + ".yaml too)" : std::string(),
+            "; give a recipe file or the name of one in recipes/");
+}
+
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
-  IRIS_CHECK(fs::is_regular_file(path), "recipe ", path,
-             " does not exist (recipes/ holds the shipped ones)");
-  return load(read_text_file(path), path, overrides);
+  const std::string file = find_recipe(path);
+  return load(read_text_file(file), file, overrides);
 }
 
 Recipe load_recipe_text(const std::string& text, const std::string& source,

@@ -176,7 +176,11 @@ std::pair<std::string, std::string> parse_override(const std::string& arg);
 
 // Reads the recipe, applies the overrides in order, checks every key and value and resolves the
 // derived fields. Throws iris::Error saying what is wrong and how to fix it.
+// `path` is a recipe file, or the name of one in recipes/ (qwen3vl_tiny_shapes: the working
+// directory's recipes/, else the source tree's beside the build folder of the binary).
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {});
+// The file load_recipe reads for `name_or_path`; an error names what was looked for.
+std::string find_recipe(const std::string& name_or_path);
 // The same from YAML text; `source` names it in messages and is the base of model.config paths.
 Recipe load_recipe_text(const std::string& yaml_text, const std::string& source,
                         const std::vector<std::string>& overrides = {});
