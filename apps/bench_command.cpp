@@ -327,6 +327,7 @@ int run_bench_command(int argc, char** argv) {
     else
       std::fprintf(stderr, "note: --tune has no effect on the CPU: only GPU GEMMs are tuned\n");
   }
+  config_path = find_bench_config(config_path);
   const ModelConfig cfg = ModelConfig::from_file(config_path);
 
   // Shapes of the standard figures (smaller under --quick so that the CPU can run them).

@@ -50,4 +50,9 @@ HardwareLimits measure_limits(Backend& be, bool quick, int iters);
 // Runs a peer benchmark command and returns the JSON object on its last line.
 nlohmann::json run_peer(const std::string& command);
 
+// A bench geometry from anywhere: `path` as given, else (relative) from the source tree beside
+// the binary's build folder (build/iris -> bench/configs/...); a bare name (qwen3vl_2b) is
+// bench/configs/NAME.json. An error says where it looked.
+std::string find_bench_config(const std::string& path);
+
 }  // namespace iris

@@ -111,6 +111,7 @@ int run_bench_train(int argc, char** argv) {
   // for bit.
   be->set_gemm_tuning(GemmTuning::heuristic);
   const bool on_gpu = be->device() == Device::cuda;
+  config_path = find_bench_config(config_path);
   const ModelConfig cfg = ModelConfig::from_file(config_path);
   const HardwareLimits hw = measure_limits(*be, !on_gpu, 5);
 

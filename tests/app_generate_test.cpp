@@ -247,6 +247,22 @@ TEST(AppGenerate, BadVideosAreErrorsNamingTheFile) {
   fs::remove_all(tmp);
 }
 
+// iris bench's --config: a file, or a name in bench/configs/ looked for from the working
+// directory and from the source tree beside the binary's build folder.
+TEST(AppBench, ConfigNamesAreLookedForInBenchConfigs) {
+  const RunResult r = run_iris("bench --config qwen3vl_no_such --device cpu");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--config qwen3vl_no_such does not exist (looked for "
+                       "bench/configs/qwen3vl_no_such.json, "),
+            std::string::npos)
+      << r.err;
+  const std::string beside =
+      (fs::path(IRIS_BINARY).parent_path().parent_path() / "bench/configs/qwen3vl_2b.json")
+          .lexically_normal()
+          .string();
+  EXPECT_TRUE(fs::is_regular_file(beside)) << beside;
+}
+
 TEST(AppGenerate, TextGreedyMatchesHF) {
   test::Golden g;
   const RunResult r = run_iris("generate -m " + q(test::fixture_dir()) +
