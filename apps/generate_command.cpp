@@ -53,6 +53,7 @@ struct GenerateOptions {
   float top_p = 0.95f;
   float min_p = 0.05f;
   float repeat_penalty = 1.0f;
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f;
   int64_t seed = -1;
   int ctx_size = 4096;
   int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS, else every core)
@@ -231,7 +232,9 @@ nlohmann::json generation_json(const GenerationResult& res, const GenerationRequ
                    {"top_k", req.sampling.top_k},
                    {"top_p", req.sampling.top_p},
                    {"min_p", req.sampling.min_p},
-                   {"repetition_penalty", req.sampling.repetition_penalty}};
+                   {"repetition_penalty", req.sampling.repetition_penalty},
+                   {"presence_penalty", req.sampling.presence_penalty},
+                   {"frequency_penalty", req.sampling.frequency_penalty}};
   j["device"] = backend.name();
   j["threads"] = omp_get_max_threads();
   j["cuda_graphs"] = cuda_graphs;
@@ -634,7 +637,9 @@ int run_generate_command(int argc, char** argv) {
       ->type_name("FILE")
       ->excludes(prompt_opt);
   app.add_option("--system-prompt,--system", o.system, "system prompt, also -sys (default none)");
-  app.add_option("-n,--n-predict", o.n_predict, "tokens to generate")->capture_default_str();
+  app.add_option("-n,--n-predict", o.n_predict,
+                 "tokens to generate; -1 = until the context is full")
+      ->capture_default_str();
   std::vector<CLI::Option*> sampling_opts;
   sampling_opts.push_back(
       app.add_option("--temp,--temperature", o.temp, "0 = greedy" + from_ckpt(ckpt.temperature))
@@ -648,6 +653,12 @@ int run_generate_command(int argc, char** argv) {
   sampling_opts.push_back(app.add_option("--repeat-penalty", o.repeat_penalty,
                                          "1 = off" + from_ckpt(ckpt.repetition_penalty))
                               ->capture_default_str());
+  app.add_option("--presence-penalty", o.presence_penalty,
+                 "0 = off; minus this once per token already in the reply")
+      ->capture_default_str();
+  app.add_option("--frequency-penalty", o.frequency_penalty,
+                 "0 = off; minus this per time a token is in the reply")
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "-1 = random")->capture_default_str();
   app.add_option("-c,--ctx-size", o.ctx_size, "most tokens, prompt and reply together")
       ->capture_default_str();
@@ -700,6 +711,12 @@ int run_generate_command(int argc, char** argv) {
                                  "also -ngl; the whole model runs on --device")
                       ->type_name("N")
                       ->group(llama);
+  bool jinja = false, no_warmup = false;
+  auto* jinja_opt =
+      app.add_flag("--jinja", jinja, "templates are always rendered as Jinja")->group(llama);
+  auto* warmup_opt =
+      app.add_flag("--no-warmup", no_warmup, "there is no warm-up run to skip")->group(llama);
+  app.add_flag("--verbose-prompt", o.verbose, "as -v: print the prompt")->group(llama);
   auto* mmproj_opt = app.add_option("--mmproj", o.mmproj, "also -mm; vision weights come from -m")
                          ->type_name("FILE")
                          ->group(llama);
@@ -756,6 +773,11 @@ int run_generate_command(int argc, char** argv) {
     else if (args[i] == "--video" || args[i].rfind("--video=", 0) == 0)
       o.media_order.push_back(ChatPart::Kind::video);
   }
+  // As in llama.cpp, the last of a repeated flag wins (CLI11 would refuse the repeat); repeatable
+  // flags (--image, --video) keep every value.
+  for (CLI::Option* opt : app.get_options())
+    if (opt->get_items_expected_max() <= 1)
+      opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::reverse(args.begin(), args.end());  // CLI11 takes them last first
   try {
     app.parse(args);
@@ -792,6 +814,14 @@ int run_generate_command(int argc, char** argv) {
                  o.image_min_tokens <= o.image_max_tokens,
              "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
              o.image_max_tokens);
+  IRIS_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
+             " must be -1 (until the context is full) or at least 0");
+  if (jinja_opt->count() > 0)
+    std::fprintf(stderr,
+                 "note: --jinja has no effect: iris always renders the checkpoint's Jinja chat "
+                 "template\n");
+  if (warmup_opt->count() > 0)
+    std::fprintf(stderr, "note: --no-warmup has no effect: iris generate runs no warm-up\n");
   if (ngl_opt->count() > 0)
     std::fprintf(stderr,
                  "note: -ngl/--n-gpu-layers has no effect: iris generate runs every layer on "
@@ -957,7 +987,8 @@ int run_generate_command(int argc, char** argv) {
   load.weights = model.weight_load_times();
 
   GenerationRequest req;
-  req.max_new_tokens = o.n_predict;
+  // -1: as many as the context holds (a chat clamps each turn to the room left).
+  req.max_new_tokens = o.n_predict < 0 ? o.ctx_size : o.n_predict;
   if (!o.ignore_eos)
     req.stop_ids =
         default_stop_ids(o.model_dir, [&](const std::string& t) { return tokenizer.token_id(t); });
@@ -966,6 +997,8 @@ int run_generate_command(int argc, char** argv) {
   req.sampling.top_p = o.top_p;
   req.sampling.min_p = o.min_p;
   req.sampling.repetition_penalty = o.repeat_penalty;
+  req.sampling.presence_penalty = o.presence_penalty;
+  req.sampling.frequency_penalty = o.frequency_penalty;
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
@@ -1020,6 +1053,9 @@ int run_generate_command(int argc, char** argv) {
   }
   req.keep_prompt_logits = !o.logits_out.empty();
   StreamingDecoder stream(tokenizer);
+  if (o.n_predict < 0)
+    req.max_new_tokens = static_cast<int>(
+        std::max<int64_t>(0, int64_t{o.ctx_size} - static_cast<int64_t>(req.prompt_ids.size())));
   const GenerationResult res = generate(model, req, [&](int32_t tok) {
     if (o.json) return;
     std::fputs(stream.push(tok).c_str(), stdout);

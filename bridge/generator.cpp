@@ -65,13 +65,14 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
                   static_cast<size_t>(req.max_new_tokens));
   history.insert(history.end(), req.cached_ids.begin(), req.cached_ids.end());
   history.insert(history.end(), req.prompt_ids.begin(), req.prompt_ids.end());
+  const size_t reply_start = history.size();
   t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < req.max_new_tokens; ++i) {
     if (i > 0) {
       model.decode(res.tokens.back());
       logits = model.last_logits();
     }
-    const int32_t tok = sampler.sample(logits, history);
+    const int32_t tok = sampler.sample(logits, history, reply_start);
     res.tokens.push_back(tok);
     history.push_back(tok);
     if (req.stop_ids.count(tok)) {

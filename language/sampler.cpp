@@ -20,9 +20,19 @@ Sampler::Sampler(const SamplingParams& p, std::vector<uint8_t> sampleable)
   IRIS_CHECK(p.min_p >= 0.0f && p.min_p < 1.0f, "min-p must be in [0, 1), got ", p.min_p);
   IRIS_CHECK(p.repetition_penalty > 0.0f, "repetition penalty must be > 0, got ",
              p.repetition_penalty);
+  IRIS_CHECK(std::isfinite(p.presence_penalty) && std::isfinite(p.frequency_penalty),
+             "presence and frequency penalties must be finite, got ", p.presence_penalty, " and ",
+             p.frequency_penalty);
 }
 
 int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& history) {
+  return sample(logits, history, history.size());
+}
+
+int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& history,
+                        size_t reply_start) {
+  IRIS_CHECK(reply_start <= history.size(), "the reply starts at ", reply_start,
+             " of a history of ", history.size(), " tokens");
   const int32_t V = static_cast<int32_t>(logits.size());
   IRIS_CHECK(V > 0, "cannot sample from an empty vocabulary");
   IRIS_CHECK(sampleable_.empty() || sampleable_.size() == logits.size(), "the sampler's mask has ",
@@ -43,6 +53,20 @@ int32_t Sampler::sample(std::vector<float>& logits, const std::vector<int32_t>& 
       if (t < 0 || t >= V) continue;
       float& l = logits[t];
       l = l > 0 ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+    }
+  }
+  if ((params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) &&
+      reply_start < history.size()) {
+    std::vector<int32_t> reply(history.begin() + static_cast<int64_t>(reply_start), history.end());
+    std::sort(reply.begin(), reply.end());
+    for (size_t i = 0; i < reply.size();) {
+      size_t j = i;
+      while (j < reply.size() && reply[j] == reply[i]) ++j;
+      const int32_t t = reply[i];
+      if (t >= 0 && t < V && logits[t] != kNever)
+        logits[t] -=
+            params_.presence_penalty + params_.frequency_penalty * static_cast<float>(j - i);
+      i = j;
     }
   }
   if (params_.temperature == 0.0f) {

@@ -14,6 +14,10 @@ struct SamplingParams {
   float top_p = 0.95f;              // 1 = off
   float min_p = 0.05f;              // 0 = off
   float repetition_penalty = 1.0f;  // 1 = off; applied to tokens already generated or prompted
+  // As vLLM and the OpenAI API define them, over the reply's tokens only: each token already in
+  // the reply loses presence_penalty once and frequency_penalty per time it occurs. 0 = off.
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
   uint64_t seed = 0;
 };
 
@@ -26,6 +30,10 @@ class Sampler {
   // logits: one row of vocab_size floats (modified in place by the penalty and the mask);
   // history: tokens seen so far. Throws iris::Error for NaN logits.
   int32_t sample(std::vector<float>& logits, const std::vector<int32_t>& history);
+  // The same, where history[reply_start:] is the reply so far (what the presence and frequency
+  // penalties count).
+  int32_t sample(std::vector<float>& logits, const std::vector<int32_t>& history,
+                 size_t reply_start);
   const SamplingParams& params() const { return params_; }
 
  private:

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -657,6 +658,48 @@ TEST(AppGenerateLlamaFlags, TemperatureIsTemp) {
       run_iris(fixture_generate() + kCudaPrompt + " --temperature 0 -n 12 --json --device cpu");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+}
+
+TEST(AppGenerateLlamaFlags, TheLastOfARepeatedFlagWins) {
+  test::Golden g;
+  const RunResult r = run_iris(fixture_generate() + kCudaPrompt +
+                               " --temp 0.9 --temp 0 -n 5 -n 12 --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(tokens_of(r.out), g.json()["text_greedy_ids"].get<std::vector<int32_t>>());
+}
+
+TEST(AppGenerateLlamaFlags, MinusOneTokensRunsUntilTheContextIsFull) {
+  const RunResult r = run_iris(fixture_generate() + kCudaPrompt +
+                               " -n -1 -c 40 --temp 0 --ignore-eos --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["prompt_tokens"].get<int64_t>() + static_cast<int64_t>(tokens_of(r.out).size()), 40);
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + " -n -2 --device cpu"),
+               "-n/--n-predict -2 must be -1 (until the context is full) or at least 0");
+}
+
+TEST(AppGenerateLlamaFlags, PresencePenaltyChangesTheGreedyReplyAndJinjaIsANote) {
+  // The Qwen2-VL fixture's greedy text reply repeats tokens (37848 five times).
+  const std::string dir = test::data_dir() + "/qwen2vl-tiny";
+  const test::Golden g(dir);
+  const std::vector<int32_t> plain = g.json()["text_greedy_ids"].get<std::vector<int32_t>>();
+  std::vector<int32_t> plain_sorted = plain;
+  std::sort(plain_sorted.begin(), plain_sorted.end());
+  ASSERT_NE(std::adjacent_find(plain_sorted.begin(), plain_sorted.end()), plain_sorted.end());
+  const RunResult r = run_iris("generate -m " + q(dir) + kCudaPrompt +
+                               " --presence-penalty 100 --jinja --no-warmup --temp 0 -n 12 "
+                               "--ignore-eos --json --device cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<int32_t> got = tokens_of(r.out);
+  ASSERT_EQ(got.size(), 12u);
+  // A penalty of 100 forbids any repeat within the reply; the first token is the plain one.
+  EXPECT_EQ(got[0], plain[0]);
+  std::vector<int32_t> sorted = got;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end());
+  EXPECT_EQ(nlohmann::json::parse(r.out)["sampling"]["presence_penalty"], 100.0);
+  EXPECT_NE(r.err.find("note: --jinja has no effect"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("note: --no-warmup has no effect"), std::string::npos) << r.err;
 }
 
 TEST(AppGenerateLlamaFlags, SystemPromptSpellings) {

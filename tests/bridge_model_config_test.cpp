@@ -280,6 +280,34 @@ TEST(Sampling, PaddingRowsAreNeverChosen) {
   EXPECT_HAS(error_of([&] { s.sample(nan_logits, {}); }), "NaN logit");
 }
 
+TEST(Sampling, PresenceAndFrequencyPenaltiesCountTheReplyOnly) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.presence_penalty = 0.5f;
+  p.frequency_penalty = 0.25f;
+  Sampler s(p);
+  // Token 2 leads by 0.6; the prompt's copies of it (before reply_start) cost nothing.
+  std::vector<float> logits{0, 0.4f, 1.0f, 0};
+  EXPECT_EQ(s.sample(logits, {2, 2, 2}, 3), 2);
+  EXPECT_FLOAT_EQ(logits[2], 1.0f);
+  // Once in the reply: 1.0 - 0.5 - 0.25 = 0.25 < 0.4, so token 1 wins.
+  logits = {0, 0.4f, 1.0f, 0};
+  EXPECT_EQ(s.sample(logits, {2, 2, 2, 2}, 3), 1);
+  EXPECT_FLOAT_EQ(logits[2], 0.25f);
+  // Twice: the frequency part counts occurrences, the presence part once.
+  logits = {0, 0.4f, 1.0f, 0};
+  s.sample(logits, {2, 2}, 0);
+  EXPECT_FLOAT_EQ(logits[2], 0.0f);
+  // Negative values reward repeats, as in vLLM.
+  p.presence_penalty = -1.0f;
+  p.frequency_penalty = 0.0f;
+  Sampler r(p);
+  logits = {0, 0.4f, 0.1f, 0};
+  EXPECT_EQ(r.sample(logits, {2}, 0), 2);
+  p.presence_penalty = std::nanf("");
+  EXPECT_HAS(error_of([&] { Sampler bad(p); }), "must be finite");
+}
+
 TEST(Sampling, TheMaskFollowsTheTokenizer) {
   const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
   const std::vector<uint8_t> mask = sampleable_ids(tok, 151936);
