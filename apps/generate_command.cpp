@@ -816,8 +816,7 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--image-max-tokens", o.image_max_tokens,
                  "most tokens per image (default: the model's)")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 30)));
-  app.add_option("--video-fps", o.video_fps,
-                 "video frames kept a second, 0 = every one (default: the model's)")
+  app.add_option("--video-fps", o.video_fps, "frames kept a second, 0 = all (default: model's)")
       ->check(quiet(CLI::Range(0.0, 1000.0)));
   app.add_option("--video-max-frames", o.video_max_frames,
                  "most frames kept of a video (default: the model's)")
