@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <future>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -333,15 +334,8 @@ void check_images_fit(const std::vector<std::string>& paths, const std::vector<i
              "; lower --image-max-tokens, pass smaller or fewer images, or raise -c/--ctx-size");
 }
 
-// The --video files, each decoded (only the frames its family's sampling keeps), resized and
-// patchified as the checkpoint's video processor does, under --video-fps and --video-max-frames.
-// A video's tokens are known from the container's metadata, so one that cannot fit the context
-// (beside the images' `image_patches`) is refused before any frame is decoded.
-std::vector<VideoClip> load_videos(const GenerateOptions& o, const ModelConfig& cfg, bool chat,
-                                   int64_t image_patches) {
-  std::vector<VideoClip> clips;
-  if (o.videos.empty()) return clips;
-  IRIS_CHECK(!chat, "--video needs a prompt (-p TEXT or -f FILE): the chat takes images only");
+// The checkpoint's video processor under --video-fps and --video-max-frames.
+VideoProcessorConfig video_processor(const GenerateOptions& o, const ModelConfig& cfg) {
   VideoProcessorConfig vpre = model_video_preprocessor(o.model_dir, cfg);
   if (o.video_fps >= 0) vpre.fps = o.video_fps;
   if (o.video_max_frames > 0) {
@@ -349,44 +343,134 @@ std::vector<VideoClip> load_videos(const GenerateOptions& o, const ModelConfig& 
     vpre.min_frames = std::min(vpre.min_frames, vpre.max_frames);
   }
   vpre.validate("--video-fps and --video-max-frames");
+  return vpre;
+}
+
+// What a video may take: tokens of the context (`context_note` says what was taken from it
+// already), and, in a chat, the vision encoder's attention segments (one per frame pair) and
+// patch rows left beside the media attached.
+struct VideoRoom {
+  int64_t tokens = 0;
+  std::string context_note;
+  int64_t segments = std::numeric_limits<int64_t>::max();
+  int64_t patches = std::numeric_limits<int64_t>::max();
+};
+
+// One video file decoded (only the frames its family's sampling keeps), resized and patchified as
+// the checkpoint's video processor does. Its tokens are known from the container's metadata, so
+// a video that cannot fit `room` is refused before any frame is decoded. Errors name the file.
+VideoClip load_video(const std::string& path, const GenerateOptions& o, const ModelConfig& cfg,
+                     const VideoProcessorConfig& vpre, const VideoRoom& room) {
   const int64_t unit = cfg.vision.merge_unit();
-  int64_t tokens_before = image_patches / unit;
-  for (const std::string& path : o.videos) {
-    int64_t tokens = 0;
-    try {
-      ResizedSize size{};
-      const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
-        std::vector<int64_t> keep =
-            cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
-        size = cfg.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height,
-                                          info.width, vpre);
-        const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
-        const int64_t slices = (static_cast<int64_t>(keep.size()) + tp - 1) / tp;
-        tokens = slices * (size.height / p) * (size.width / p) / unit;
-        IRIS_CHECK(tokens_before + tokens <= o.ctx_size, "the video's ", keep.size(),
-                   " kept frames at ", size.width, "x", size.height, " need ", tokens,
-                   " tokens, more than the ", o.ctx_size - tokens_before,
-                   " left of the context (-c/--ctx-size ", o.ctx_size,
-                   "); lower --video-fps or --video-max-frames, or raise -c/--ctx-size");
-        return keep;
-      });
-      VideoClip clip = preprocess_video(d.frames, size, vpre);
-      clip.frame_indices = d.indices;
-      clip.total_frames = d.info.total_frames;
-      clip.video_fps = d.info.fps;
-      clips.push_back(std::move(clip));
-    } catch (const Error& e) {
-      const std::string what = e.what();
-      if (what.find(path) != std::string::npos) throw;
-      IRIS_FAIL(path, ": ", what);
+  try {
+    ResizedSize size{};
+    const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
+      std::vector<int64_t> keep = cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
+      size = cfg.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height, info.width,
+                                        vpre);
+      const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
+      const int64_t slices = (static_cast<int64_t>(keep.size()) + tp - 1) / tp;
+      const int64_t patches = slices * (size.height / p) * (size.width / p);
+      const int64_t tokens = patches / unit;
+      const std::string shape =
+          str_cat("the video's ", keep.size(), " kept frames at ", size.width, "x", size.height);
+      const char* lower = "; lower --video-fps or --video-max-frames, or raise -c/--ctx-size";
+      IRIS_CHECK(tokens <= room.tokens, shape, " need ", tokens, " tokens, more than the ",
+                 std::max<int64_t>(room.tokens, 0), " left of the context (-c/--ctx-size ",
+                 o.ctx_size, room.context_note, ")", lower);
+      IRIS_CHECK(slices <= room.segments, shape, " make ", slices,
+                 " frame pairs, each encoded as an image is, more than the ",
+                 std::max<int64_t>(room.segments, 0),
+                 " the vision encoder was planned for beside the media attached", lower,
+                 " (with vision CUDA graphs a chat plans for videos only when started with "
+                 "--video or --video-max-frames)");
+      IRIS_CHECK(patches <= room.patches, shape, " have ", patches, " patches, more than the ",
+                 std::max<int64_t>(room.patches, 0),
+                 " the vision encoder was planned for beside the media attached", lower);
+      return keep;
+    });
+    VideoClip clip = preprocess_video(d.frames, size, vpre);
+    clip.frame_indices = d.indices;
+    clip.total_frames = d.info.total_frames;
+    clip.video_fps = d.info.fps;
+    return clip;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (what.find(path) != std::string::npos) throw;
+    IRIS_FAIL(path, ": ", what);
+  }
+}
+
+// A video's tokens in the prompt (its pads).
+int64_t video_tokens(const VideoClip& c, const ModelConfig& cfg) {
+  return c.grid_thw[0] * c.grid_thw[1] * c.grid_thw[2] / cfg.vision.merge_unit();
+}
+
+// The fewest context tokens one frame pair of a video can take under `vpre`, for planning the
+// encoder: its pads at the smallest size the family's resize gives a frame (with the most frames,
+// over the aspect ratios it accepts; one pad where frames are not resized) and the text the family
+// writes per pair (Qwen3-VL's "<t seconds>" block: each special token one, the rest one at least).
+int64_t fewest_frame_pair_tokens(const ModelConfig& cfg, const VideoProcessorConfig& vpre) {
+  const int f = vpre.frame.patch_size * vpre.frame.merge_size;
+  const int tp = vpre.frame.temporal_patch_size;
+  int64_t pads = std::numeric_limits<int64_t>::max();
+  if (vpre.frame.do_resize) {
+    const int64_t frames = std::max<int64_t>(vpre.max_frames, tp);
+    for (int k = 1; k <= 200; ++k) {
+      try {
+        const ResizedSize r = cfg.arch->video_frame_size(frames, f, k * f, vpre);
+        pads = std::min<int64_t>(pads, int64_t{r.height} * r.width / (int64_t{f} * f));
+      } catch (const Error&) {
+        // Not a size the family takes.
+      }
     }
-    tokens_before += tokens;
+  }
+  pads = pads == std::numeric_limits<int64_t>::max() ? 1 : std::max<int64_t>(pads, 1);
+  // The family's text for clips of one and of two pairs: what a pair adds.
+  auto text_tokens = [&](int64_t pairs) {
+    VideoClip clip;
+    clip.grid_thw = {pairs, cfg.vision.spatial_merge_size, cfg.vision.spatial_merge_size};
+    for (int64_t i = 0; i < pairs * tp; ++i) clip.frame_indices.push_back(i);
+    clip.total_frames = pairs * tp;
+    clip.video_fps = 1;
+    const std::string text = cfg.arch->video_prompt_text(clip);
+    int64_t specials = 0, chars = 0;
+    for (size_t at = 0; at < text.size();) {
+      const size_t open = text.find("<|", at);
+      const size_t close = open == std::string::npos ? open : text.find("|>", open);
+      if (close == std::string::npos) {
+        chars += static_cast<int64_t>(text.size() - at);
+        break;
+      }
+      chars += static_cast<int64_t>(open - at);
+      specials += text.compare(open, close + 2 - open, "<|video_pad|>") != 0;
+      at = close + 2;
+    }
+    return std::make_pair(specials, chars);
+  };
+  const auto one = text_tokens(1), two = text_tokens(2);
+  return pads + std::max<int64_t>(0, two.first - one.first) + (two.second > one.second ? 1 : 0);
+}
+
+// The --video files (beside the images' `image_patches`), each as load_video reads it: one that
+// cannot fit the context is refused before any frame is decoded.
+std::vector<VideoClip> load_videos(const GenerateOptions& o, const ModelConfig& cfg,
+                                   int64_t image_patches) {
+  std::vector<VideoClip> clips;
+  if (o.videos.empty()) return clips;
+  const VideoProcessorConfig vpre = video_processor(o, cfg);
+  int64_t tokens_before = image_patches / cfg.vision.merge_unit();
+  for (const std::string& path : o.videos) {
+    VideoRoom room;
+    room.tokens = o.ctx_size - tokens_before;
+    clips.push_back(load_video(path, o, cfg, vpre, room));
+    tokens_before += video_tokens(clips.back(), cfg);
   }
   return clips;
 }
 
-// Images one chat message may carry (/image, or --image for the first); the encoder is planned
-// for them up front.
+// Images and videos one chat message may carry (/image and /video, or --image and --video for
+// the first); the encoder is planned for them up front.
 constexpr int kChatMaxImagesPerMessage = 16;
 
 // What the chat loop needs from the command beyond the model and the request settings.
@@ -395,10 +479,11 @@ struct ChatRun {
   const Tokenizer& tokenizer;
   const ChatFormat& chat_format;
   const PreprocessorConfig& preprocessor;
+  const ModelConfig& config;
   const Backend& backend;
   bool cuda_graphs = false;
   LoadTimes load;
-  double preprocess_ms = 0;  // of the --image files, counted with the first turn
+  double preprocess_ms = 0;  // of the --image and --video files, counted with the first turn
 };
 
 std::string trim(const std::string& s) {
@@ -408,8 +493,8 @@ std::string trim(const std::string& s) {
 }
 
 const char* const kChatHelp =
-    "/image PATH attaches an image to the next message, /clear forgets the conversation, /quit "
-    "(or the end of input) exits";
+    "/image PATH or /video PATH attaches an image or a video to the next message, /clear forgets "
+    "the conversation, /quit (or the end of input) exits";
 
 // Multi-turn chat on stdin, as llama-mtmd-cli without -p: one line is one user message; the KV
 // cache keeps the conversation, so a turn prefills only its new tokens. Replies stream to stdout
@@ -417,18 +502,50 @@ const char* const kChatHelp =
 // errors go to stderr, the prompt only when stdin is a terminal, so piped use gives clean stdout.
 // A failed command or turn is reported and the chat goes on; the exit code is then 1.
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
-             const PreprocessedBatch& first_images) {
+             const PreprocessedBatch& first_images, std::vector<VideoClip> first_videos) {
   const GenerateOptions& o = run.options;
+  const ModelConfig& cfg = run.config;
   ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
   std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
-  // The images of the next message, pixel rows in order: the --image files for the first, then
-  // each /image, preprocessed when given so that a bad file is reported at once.
+  // The media of the next message: the --image and --video files for the first, then each
+  // /image and /video, decoded and preprocessed when given so that a bad file is reported at
+  // once. Images' pixel rows in order, the videos, and both kinds in the order attached.
   std::vector<float> pixels;
   std::vector<GridTHW> grids(first_images.grid_thw.begin(), first_images.grid_thw.end());
   if (!grids.empty())
     pixels.assign(first_images.pixel_values.data<float>(),
                   first_images.pixel_values.data<float>() + first_images.pixel_values.numel());
+  std::vector<VideoClip> videos = std::move(first_videos);
+  std::vector<ChatPart::Kind> media = o.media_order;
+  if (media.size() != grids.size() + videos.size()) {
+    media.assign(grids.size(), ChatPart::Kind::image);
+    media.insert(media.end(), videos.size(), ChatPart::Kind::video);
+  }
+  // What the attached media take: tokens of the context, and the vision encoder's attention
+  // segments (one per image, one per frame pair of a video) and patch rows.
+  auto attached_grids = [&] {
+    std::vector<GridTHW> all = grids;
+    for (const VideoClip& v : videos) all.push_back(v.grid_thw);
+    return all;
+  };
+  auto attached_tokens = [&] {
+    int64_t n = 0;
+    for (const GridTHW& g : grids) n += image_token_count(g, run.preprocessor);
+    for (const VideoClip& v : videos) n += video_tokens(v, cfg);
+    return n;
+  };
+  auto attached_segments = [&] {
+    int64_t n = 0;
+    for (const GridTHW& g : attached_grids()) n += g[0];
+    return n;
+  };
+  auto clear_attached = [&] {
+    pixels.clear();
+    grids.clear();
+    videos.clear();
+    media.clear();
+  };
   // This turn's (for --json) and the whole chat's.
   double preprocess_ms = run.preprocess_ms, preprocess_total = run.preprocess_ms;
   bool failed = false;
@@ -450,8 +567,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     if (command == "/quit" || command == "/exit") break;
     if (command == "/clear") {
       session.clear();
-      pixels.clear();
-      grids.clear();
+      clear_attached();
       std::fputs("(conversation cleared)\n", stderr);
       continue;
     }
@@ -462,33 +578,73 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         report("/image needs a file: /image PATH");
         continue;
       }
-      if (static_cast<int>(grids.size()) >= kChatMaxImagesPerMessage) {
-        report(str_cat("a message may carry ", kChatMaxImagesPerMessage, " images at most; ", path,
+      if (static_cast<int>(media.size()) >= kChatMaxImagesPerMessage) {
+        report(str_cat("a message may carry ", kChatMaxImagesPerMessage,
+                       videos.empty() ? " images" : " images and videos", " at most; ", path,
                        " was not attached"));
         continue;
       }
       try {
         const auto t_pre = std::chrono::steady_clock::now();
         const ImageRGB8 decoded = load_image(path, o.max_image_pixels);
-        int64_t room = o.ctx_size - static_cast<int64_t>(session.conversation().size());
-        for (const GridTHW& g : grids) room -= image_token_count(g, run.preprocessor);
+        const int64_t room =
+            o.ctx_size - static_cast<int64_t>(session.conversation().size()) - attached_tokens();
         check_images_fit({path}, {image_tokens_of(decoded, path, run.preprocessor)}, room,
                          str_cat("tokens left in the context (-c/--ctx-size ", o.ctx_size,
-                                 ", less the conversation so far and the images attached)"));
-        // The message's images are encoded in one call, planned for a number of patches.
+                                 ", less the conversation so far and the media attached)"));
+        // The message's media are encoded in one call, planned for a number of patches and
+        // attention segments.
         const GridTHW grid = image_grid(decoded.height, decoded.width, run.preprocessor);
-        const int64_t patches = count_patches(grids) + grid[0] * grid[1] * grid[2];
+        const int64_t patches = count_patches(attached_grids()) + grid[0] * grid[1] * grid[2];
         IRIS_CHECK(patches <= model.limits().max_vision_patches, path,
-                   " would bring the message's ", "images to ", patches, " patches, more than the ",
-                   model.limits().max_vision_patches,
-                   " the vision encoder was planned for; send the message with the images "
+                   " would bring the message's ", videos.empty() ? "images" : "images and videos",
+                   " to ", patches, " patches, more than the ", model.limits().max_vision_patches,
+                   " the vision encoder was planned for; send the message with the media "
                    "attached so far first, or lower --image-max-tokens");
+        IRIS_CHECK(attached_segments() + 1 <= model.limits().max_images, path,
+                   " would bring the message's images and video frame pairs to ",
+                   attached_segments() + 1, ", more than the ", model.limits().max_images,
+                   " the vision encoder was planned for; send the message with the media "
+                   "attached so far first");
         const PreprocessedImage image = preprocess_image(decoded, run.preprocessor);
         preprocess_ms += ms_since(t_pre);
         preprocess_total += ms_since(t_pre);
         pixels.insert(pixels.end(), image.pixel_values.data<float>(),
                       image.pixel_values.data<float>() + image.pixel_values.numel());
         grids.push_back(image.grid_thw);
+        media.push_back(ChatPart::Kind::image);
+        std::fprintf(stderr, "(%s attached to the next message)\n", path.c_str());
+      } catch (const Error& e) {
+        report(e.what());
+      }
+      continue;
+    }
+    if (word == "/video") {
+      const std::string path = trim(command.substr(word.size()));
+      if (path.empty()) {
+        report("/video needs a file: /video PATH");
+        continue;
+      }
+      if (static_cast<int>(media.size()) >= kChatMaxImagesPerMessage) {
+        report(str_cat("a message may carry ", kChatMaxImagesPerMessage,
+                       " images and videos at most; ", path, " was not attached"));
+        continue;
+      }
+      try {
+        const auto t_pre = std::chrono::steady_clock::now();
+        // Decoded with the family's rules; one that cannot fit what is left of the context or
+        // of the encoder's plan is refused from its metadata, before any frame is decoded.
+        VideoRoom room;
+        room.tokens =
+            o.ctx_size - static_cast<int64_t>(session.conversation().size()) - attached_tokens();
+        room.context_note = ", less the conversation so far and the media attached";
+        room.segments = model.limits().max_images - attached_segments();
+        room.patches = model.limits().max_vision_patches - count_patches(attached_grids());
+        VideoClip clip = load_video(path, o, cfg, video_processor(o, cfg), room);
+        preprocess_ms += ms_since(t_pre);
+        preprocess_total += ms_since(t_pre);
+        videos.push_back(std::move(clip));
+        media.push_back(ChatPart::Kind::video);
         std::fprintf(stderr, "(%s attached to the next message)\n", path.c_str());
       } catch (const Error& e) {
         report(e.what());
@@ -504,6 +660,8 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     message.text = line;
     message.pixel_values = grids.empty() ? nullptr : pixels.data();
     message.grids = grids;
+    for (const VideoClip& v : videos) message.videos.push_back(&v);
+    message.media = media;
     StreamingDecoder stream(run.tokenizer);
     bool streamed = false;
     try {
@@ -540,16 +698,15 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       total.prompt_tokens += t.prompt_tokens;
       total.generated_tokens += t.generated_tokens;
       total.image_patches += t.image_patches;
-      images_sent += message.grids.size();
+      images_sent += message.grids.size() + message.videos.size();
       decode_steps += std::max<int64_t>(0, t.generated_tokens - 1);
     } catch (const Error& e) {
       if (streamed) std::fputs((stream.flush() + "\n").c_str(), stdout);
       std::fflush(stdout);
       report(e.what());
     }
-    // The images went with this message, whether or not it was answered.
-    pixels.clear();
-    grids.clear();
+    // The media went with this message, whether or not it was answered.
+    clear_attached();
     preprocess_ms = 0;
   }
   if (!o.json && total.prompt_tokens > 0)
@@ -939,7 +1096,7 @@ int run_generate_command(int argc, char** argv) {
   PreprocessedBatch batch;
   if (!images.empty()) batch = preprocess_images(images, pre);
   std::vector<GridTHW> grids(batch.grid_thw.begin(), batch.grid_thw.end());
-  const std::vector<VideoClip> clips = load_videos(o, cfg, chat, count_patches(grids));
+  std::vector<VideoClip> clips = load_videos(o, cfg, count_patches(grids));
   const double preprocess_ms = ms_since(t_pre);
   int64_t patches = count_patches(grids);
   for (const VideoClip& c : clips) patches += c.grid_thw[0] * c.grid_thw[1] * c.grid_thw[2];
@@ -959,6 +1116,36 @@ int run_generate_command(int argc, char** argv) {
     const int64_t bound =
         std::min(int64_t{o.ctx_size} * cfg.vision.merge_unit(), per_image * limits.max_images);
     limits.max_vision_patches = std::max(limits.max_vision_patches, bound);
+    // Vision graphs run every call with the planned segments and the attention kernels pay for
+    // the empty ones, so where they run (a GPU, graphs on) a chat plans for video frame pairs
+    // only when asked to (--video files, --video-max-frames); elsewhere a larger plan costs
+    // nothing per call.
+    const bool vision_graphs =
+        on_gpu && !o.no_cuda_graphs && graphs.vision.impl != VisionGraphImpl::none;
+    const bool videos_asked = !o.videos.empty() || o.video_max_frames > 0;
+    if (video_decoding_available() && (!vision_graphs || videos_asked)) {
+      // A video (/video) brings one segment per frame pair and patches for every token it takes:
+      // the encoder is planned for the most that a message fitting the context can bring, no
+      // more frame pairs than kChatMaxImagesPerMessage videos of the video processor's most
+      // frames have.
+      try {
+        const VideoProcessorConfig vpre = video_processor(o, cfg);
+        const int64_t tp = vpre.frame.temporal_patch_size;
+        const int64_t most = std::min<int64_t>(
+            o.ctx_size / fewest_frame_pair_tokens(cfg, vpre),
+            int64_t{kChatMaxImagesPerMessage} * ((vpre.max_frames + tp - 1) / tp));
+        limits.max_images = static_cast<int>(std::max<int64_t>(limits.max_images, most));
+        limits.max_vision_patches =
+            std::max(limits.max_vision_patches, int64_t{o.ctx_size} * cfg.vision.merge_unit());
+      } catch (const Error&) {
+        // A video processor config that does not load is reported at /video.
+      }
+    }
+    if (o.verbose)
+      std::fprintf(stderr,
+                   "chat: the vision encoder is planned for %d images and video frame pairs, %lld "
+                   "patches, a message\n",
+                   limits.max_images, static_cast<long long>(limits.max_vision_patches));
   }
   traits.max_vision_seq_length = chat          ? limits.max_vision_patches
                                  : patches > 0 ? patches
@@ -1002,9 +1189,9 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o,    tokenizer,    chat_format, pre, *backend, graph_helper != nullptr,
+    const ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
                       load, preprocess_ms};
-    const int rc = run_chat(run, model, req, batch);
+    const int rc = run_chat(run, model, req, batch, std::move(clips));
     save_tuning();
     return rc;
   }

@@ -2,12 +2,16 @@
 
 #include <algorithm>
 
+#include "bridge/architecture.h"
+#include "bridge/model_config.h"
+
 namespace iris {
 
 namespace {
 
 constexpr std::string_view kTurnStart = "<|im_start|>";
 constexpr std::string_view kImagePad = "<|image_pad|>";
+constexpr std::string_view kVideoBlock = "<|vision_start|><|video_pad|><|vision_end|>";
 
 size_t common_prefix(std::string_view a, std::string_view b) {
   const size_t n = std::min(a.size(), b.size());
@@ -40,6 +44,28 @@ Mark last_mark_before(const std::vector<Mark>& marks, size_t at) {
   return best;
 }
 
+// Attention segments of a vision call: one per image, one per frame pair of a video.
+int64_t segments_of(const std::vector<GridTHW>& grids) {
+  int64_t n = 0;
+  for (const GridTHW& g : grids) n += g[0];
+  return n;
+}
+
+// The message's images and videos in the order they were attached.
+std::vector<ChatPart::Kind> media_kinds(const UserMessage& m) {
+  if (m.media.empty()) {
+    std::vector<ChatPart::Kind> kinds(m.grids.size(), ChatPart::Kind::image);
+    kinds.insert(kinds.end(), m.videos.size(), ChatPart::Kind::video);
+    return kinds;
+  }
+  const auto videos =
+      static_cast<size_t>(std::count(m.media.begin(), m.media.end(), ChatPart::Kind::video));
+  IRIS_CHECK(videos == m.videos.size() && m.media.size() - videos == m.grids.size(),
+             "the message lists ", m.media.size() - videos, " images and ", videos,
+             " videos in its media order but carries ", m.grids.size(), " and ", m.videos.size());
+  return m.media;
+}
+
 }  // namespace
 
 ChatSession::ChatSession(Qwen3VLModel& model, const Tokenizer& tokenizer, ChatFormat format,
@@ -54,7 +80,8 @@ ChatSession::ChatSession(Qwen3VLModel& model, const Tokenizer& tokenizer, ChatFo
   settings_.cached_ids.clear();
   settings_.pixel_values = nullptr;
   settings_.grids.clear();
-  pad_id_ = tokenizer_.token_id(std::string(kImagePad));
+  image_pad_ = tokenizer_.token_id(std::string(kImagePad));
+  video_pad_ = tokenizer_.token_id("<|video_pad|>");
   patch_values_ = model_.config().vision.patch_dim();
   clear();
 }
@@ -64,6 +91,7 @@ void ChatSession::clear() {
   if (!system_.empty()) messages_.push_back({"system", {ChatPart::make_text(system_)}});
   pixels_.clear();
   grids_.clear();
+  videos_.clear();
   conv_ = Ids{};
   conv_.marks = {Mark{}};
   text_.clear();
@@ -72,19 +100,25 @@ void ChatSession::clear() {
   model_.clear_cache();
 }
 
+size_t ChatSession::Ids::count(bool video) const {
+  return static_cast<size_t>(
+      std::count_if(media.begin(), media.end(), [&](const Media& m) { return m.video == video; }));
+}
+
 ChatSession::Ids ChatSession::Ids::prefix(size_t text_from, size_t n) const {
   Ids out;
   out.ids.assign(ids.begin(), ids.begin() + static_cast<int64_t>(n));
   for (const Mark& m : marks)
     if (m.text < text_from || m.text == 0) out.marks.push_back(m);
-  for (size_t s : image_starts)
-    if (s < n) out.image_starts.push_back(s);
+  for (const Media& m : media)
+    if (m.start < n) out.media.push_back(m);
   return out;
 }
 
 void ChatSession::append_text(const std::string& text, size_t from,
-                              const std::vector<GridTHW>& grids, Ids& out) const {
-  const int m = model_.config().vision.spatial_merge_size;
+                              const std::vector<GridTHW>& grids,
+                              const std::vector<const VideoClip*>& videos, Ids& out) const {
+  const ModelConfig& cfg = model_.config();
   // Encoded piece by piece, split before each <|im_start|>: the tokenizer splits at added tokens,
   // so the pieces give the ids of the whole, and each split is a mark.
   for (size_t begin = from; begin < text.size();) {
@@ -93,33 +127,62 @@ void ChatSession::append_text(const std::string& text, size_t from,
     const std::string_view piece = std::string_view(text).substr(begin, end - begin);
     if (piece.substr(0, kTurnStart.size()) == kTurnStart && begin > 0)
       out.marks.push_back({begin, out.ids.size()});
-    const size_t image = out.image_starts.size();
-    const size_t n = count_in(piece, kImagePad);
-    IRIS_CHECK(image + n <= grids.size(), "the chat template wrote more images than the ",
+    const size_t image = out.count(false), video = out.count(true);
+    const size_t n_images = count_in(piece, kImagePad), n_videos = count_in(piece, kVideoBlock);
+    IRIS_CHECK(image + n_images <= grids.size(), "the chat template wrote more images than the ",
                grids.size(), " the conversation has");
+    IRIS_CHECK(video + n_videos <= videos.size(), "the chat template wrote more videos than the ",
+               videos.size(), " the conversation has");
     const std::vector<GridTHW> piece_grids(grids.begin() + static_cast<int64_t>(image),
-                                           grids.begin() + static_cast<int64_t>(image + n));
-    const std::vector<int32_t> piece_ids =
-        encode_chat_text(tokenizer_, std::string(piece), piece_grids, m);
-    for (size_t i = 0; i < piece_ids.size(); ++i)
-      if (piece_ids[i] == pad_id_ && (i == 0 || piece_ids[i - 1] != pad_id_))
-        out.image_starts.push_back(out.ids.size() + i);
-    out.ids.insert(out.ids.end(), piece_ids.begin(), piece_ids.end());
+                                           grids.begin() + static_cast<int64_t>(image + n_images));
+    const std::vector<const VideoClip*> piece_videos(
+        videos.begin() + static_cast<int64_t>(video),
+        videos.begin() + static_cast<int64_t>(video + n_videos));
+    const MediaPrompt mp =
+        encode_media_prompt(tokenizer_, std::string(piece), cfg, piece_grids, piece_videos);
+    // Each pad the text held became one run of pads, in order.
+    std::vector<size_t> run_starts;
+    for (size_t i = 0; i < mp.ids.size();) {
+      if ((mp.ids[i] == image_pad_ || mp.ids[i] == video_pad_) &&
+          run_starts.size() < mp.runs.size()) {
+        run_starts.push_back(i);
+        i += static_cast<size_t>(mp.runs[run_starts.size() - 1].tokens());
+      } else {
+        ++i;
+      }
+    }
+    size_t run = 0;
+    for (const MediaPrompt::Item& item : mp.media_order) {
+      const size_t n_runs =
+          item.video ? cfg.arch->video_runs(*piece_videos[item.index], cfg).size() : 1;
+      IRIS_CHECK(run + n_runs <= run_starts.size(), "the chat's vision runs are out of step");
+      Media m;
+      m.start = out.ids.size() + run_starts[run];
+      m.video = item.video;
+      m.index = item.index + (item.video ? video : image);
+      m.runs.assign(mp.runs.begin() + static_cast<int64_t>(run),
+                    mp.runs.begin() + static_cast<int64_t>(run + n_runs));
+      out.media.push_back(std::move(m));
+      run += n_runs;
+    }
+    out.ids.insert(out.ids.end(), mp.ids.begin(), mp.ids.end());
     begin = end;
   }
-  IRIS_CHECK(out.image_starts.size() == grids.size(), "the chat template wrote ",
-             out.image_starts.size(), " of the conversation's ", grids.size(),
-             " images; it must write each image once");
+  IRIS_CHECK(out.count(false) == grids.size(), "the chat template wrote ", out.count(false),
+             " of the conversation's ", grids.size(), " images; it must write each image once");
+  IRIS_CHECK(out.count(true) == videos.size(), "the chat template wrote ", out.count(true),
+             " of the conversation's ", videos.size(), " videos; it must write each video once");
 }
 
-ChatSession::Plan ChatSession::plan(const std::vector<GridTHW>& grids,
-                                    const std::string& text) const {
+ChatSession::Plan ChatSession::plan(const UserMessage& message) const {
   Plan p;
   p.messages = messages_;
-  p.messages.push_back(user_message(text, grids.size()));
+  p.messages.push_back(user_message(message.text, media_kinds(message)));
   p.text = format_.render(p.messages, true);
-  std::vector<GridTHW> all = grids_;
-  all.insert(all.end(), grids.begin(), grids.end());
+  p.grids = grids_;
+  p.grids.insert(p.grids.end(), message.grids.begin(), message.grids.end());
+  for (const VideoClip& v : videos_) p.videos.push_back(&v);
+  p.videos.insert(p.videos.end(), message.videos.begin(), message.videos.end());
   // Keep the conversation's ids where the new rendering continues its text; where the template
   // rewrote it, keep them up to the last mark before the first change.
   const size_t same = common_prefix(text_, p.text);
@@ -129,15 +192,22 @@ ChatSession::Plan ChatSession::plan(const std::vector<GridTHW>& grids,
       (text_.empty() || std::string_view(p.text).substr(same, kTurnStart.size()) == kTurnStart);
   if (!continues) keep = last_mark_before(conv_.marks, same);
   p.conv = conv_.prefix(keep.text, keep.ids);
-  append_text(p.text, keep.text, all, p.conv);
+  append_text(p.text, keep.text, p.grids, p.videos, p.conv);
   p.reuse = std::min<int64_t>(cached_, static_cast<int64_t>(keep.ids));
-  for (size_t s : p.conv.image_starts) p.first_image += s < static_cast<size_t>(p.reuse);
+  for (const Media& m : p.conv.media) p.first_media += m.start < static_cast<size_t>(p.reuse);
   return p;
 }
 
 std::vector<int32_t> ChatSession::turn_ids(const std::vector<GridTHW>& grids,
                                            const std::string& text) const {
-  const Plan p = plan(grids, text);
+  UserMessage message;
+  message.text = text;
+  message.grids = grids;
+  return turn_ids(message);
+}
+
+std::vector<int32_t> ChatSession::turn_ids(const UserMessage& message) const {
+  const Plan p = plan(message);
   return {p.conv.ids.begin() + p.reuse, p.conv.ids.end()};
 }
 
@@ -147,17 +217,40 @@ ChatReply ChatSession::send(const UserMessage& message,
              " tokens but the chat put ", cached_,
              " there: it was used outside the chat; /clear starts a new conversation");
   const ModelLimits& limits = model_.limits();
-  IRIS_CHECK(static_cast<int>(message.grids.size()) <= limits.max_images, "a message may carry ",
-             limits.max_images, " images at most; this one has ", message.grids.size());
-  Plan p = plan(message.grids, message.text);
-  std::vector<GridTHW> all = grids_;
-  all.insert(all.end(), message.grids.begin(), message.grids.end());
-  const std::vector<GridTHW> turn_grids(all.begin() + static_cast<int64_t>(p.first_image),
-                                        all.end());
-  IRIS_CHECK(static_cast<int>(turn_grids.size()) <= limits.max_images,
-             "the chat template rewrote earlier turns that hold images, and this turn would have "
-             "to encode ",
-             turn_grids.size(), " images, more than the ", limits.max_images,
+  const bool videos = !message.videos.empty();
+  std::vector<GridTHW> message_grids = message.grids;
+  for (const VideoClip* v : message.videos) {
+    IRIS_CHECK(v != nullptr, "a message's video is missing");
+    const auto& g = v->grid_thw;
+    IRIS_CHECK(v->pixel_values.numel() == g[0] * g[1] * g[2] * patch_values_,
+               "a message's video holds ", v->pixel_values.numel(), " pixel values for its grid [",
+               g[0], ", ", g[1], ", ", g[2], "]; videos come from preprocess_video");
+    message_grids.push_back(g);
+  }
+  const int64_t message_segments = segments_of(message_grids);
+  if (videos)
+    IRIS_CHECK(message_segments <= limits.max_images, "a message may carry ", limits.max_images,
+               " images and video frame pairs at most (each pair of a video's frames is encoded "
+               "as an image is); this one has ",
+               message_segments,
+               " (lower --video-fps or --video-max-frames, or attach fewer videos)");
+  else
+    IRIS_CHECK(message_segments <= limits.max_images, "a message may carry ", limits.max_images,
+               " images at most; this one has ", message.grids.size());
+  Plan p = plan(message);
+  // The media the turn encodes, those after the cached tokens, in prompt order.
+  std::vector<GridTHW> turn_grids;
+  std::vector<VisionRun> turn_runs;
+  for (size_t i = p.first_media; i < p.conv.media.size(); ++i) {
+    const Media& m = p.conv.media[i];
+    turn_grids.push_back(m.video ? p.videos[m.index]->grid_thw : p.grids[m.index]);
+    turn_runs.insert(turn_runs.end(), m.runs.begin(), m.runs.end());
+  }
+  const int64_t turn_segments = segments_of(turn_grids);
+  IRIS_CHECK(turn_segments <= limits.max_images,
+             "the chat template rewrote earlier turns that hold images or videos, and this turn "
+             "would have to encode ",
+             turn_segments, " images and video frame pairs, more than the ", limits.max_images,
              " planned; /clear starts a new conversation");
 
   GenerationRequest req = settings_;
@@ -167,33 +260,49 @@ ChatReply ChatSession::send(const UserMessage& message,
   const int64_t room = limits.max_context - p.reuse;
   const int64_t first_reply_token = settings_.max_new_tokens > 0 ? 1 : 0;
   if (need + first_reply_token > room) {
-    IRIS_CHECK(p.reuse > 0, "this message needs ", need,
-               " tokens with its images and the reply's first, more than the context of ",
-               limits.max_context,
-               " tokens (raise -c/--ctx-size, or shrink the images with --image-max-tokens)");
+    IRIS_CHECK(p.reuse > 0, "this message needs ", need, " tokens with its ",
+               videos ? "images and videos" : "images", " and the reply's first, more than the ",
+               "context of ", limits.max_context,
+               videos ? " tokens (raise -c/--ctx-size, or shrink the videos with --video-fps or "
+                        "--video-max-frames and the images with --image-max-tokens)"
+                      : " tokens (raise -c/--ctx-size, or shrink the images with "
+                        "--image-max-tokens)");
     IRIS_FAIL("this message needs ", need, " more tokens but the conversation already fills ",
               p.reuse, " of the context's ", limits.max_context,
               "; /clear starts a new conversation (or raise -c/--ctx-size)");
   }
   const int64_t patches = count_patches(turn_grids);
-  IRIS_CHECK(patches <= limits.max_vision_patches, "the message's images have ", patches,
-             " patches, more than the ", limits.max_vision_patches,
-             " one encoder call was planned for");
+  IRIS_CHECK(patches <= limits.max_vision_patches, "the message's ",
+             videos ? "images and videos" : "images", " have ", patches, " patches, more than the ",
+             limits.max_vision_patches, " one encoder call was planned for");
   req.max_new_tokens = static_cast<int>(std::min<int64_t>(settings_.max_new_tokens, room - need));
   req.cached_ids.assign(ids.begin(), ids.begin() + p.reuse);
-  // This message's pixels join the conversation's; the turn encodes those after the cache.
-  std::vector<std::vector<float>> pixels = pixels_;
+  // This message's images join the conversation's (their pixels are kept, as the videos'); the
+  // turn encodes the media after the cache, pixel rows in prompt order.
+  std::vector<std::vector<float>> new_pixels;
   size_t offset = 0;
   for (const GridTHW& g : message.grids) {
     const auto n = static_cast<size_t>(g[0] * g[1] * g[2] * patch_values_);
-    pixels.emplace_back(message.pixel_values + offset, message.pixel_values + offset + n);
+    new_pixels.emplace_back(message.pixel_values + offset, message.pixel_values + offset + n);
     offset += n;
   }
   std::vector<float> turn_pixels;
-  for (size_t i = p.first_image; i < pixels.size(); ++i)
-    turn_pixels.insert(turn_pixels.end(), pixels[i].begin(), pixels[i].end());
+  for (size_t i = p.first_media; i < p.conv.media.size(); ++i) {
+    const Media& m = p.conv.media[i];
+    if (m.video) {
+      const HostTensor& px = p.videos[m.index]->pixel_values;
+      turn_pixels.insert(turn_pixels.end(), px.data<float>(), px.data<float>() + px.numel());
+    } else {
+      const std::vector<float>& px =
+          m.index < pixels_.size() ? pixels_[m.index] : new_pixels[m.index - pixels_.size()];
+      turn_pixels.insert(turn_pixels.end(), px.begin(), px.end());
+    }
+  }
   req.pixel_values = turn_pixels.empty() ? nullptr : turn_pixels.data();
   req.grids = turn_grids;
+  req.runs = turn_runs;
+  std::vector<VideoClip> new_videos;
+  for (const VideoClip* v : message.videos) new_videos.push_back(*v);
 
   ChatReply reply;
   try {
@@ -218,20 +327,21 @@ ChatReply ChatSession::send(const UserMessage& message,
     if (closed.compare(0, written.size(), written) == 0) {
       conv = std::move(p.conv);
       conv.ids.insert(conv.ids.end(), reply_ids.begin(), reply_ids.end());
-      append_text(closed, written.size(), all, conv);
+      append_text(closed, written.size(), p.grids, p.videos, conv);
     } else {
       // The template writes the last reply otherwise than it was generated (it normalises a
       // Thinking model's reasoning): the text from the last mark before the change is tokenised.
       const Mark keep = last_mark_before(p.conv.marks, common_prefix(written, closed));
       conv = p.conv.prefix(keep.text, keep.ids);
-      append_text(closed, keep.text, all, conv);
+      append_text(closed, keep.text, p.grids, p.videos, conv);
     }
     // What of the cache the conversation still begins with stays.
     const auto cached = static_cast<int64_t>(common_prefix(in_cache, conv.ids));
     if (cached < model_.n_past()) model_.truncate_cache(cached);
     messages_ = std::move(messages);
-    pixels_ = std::move(pixels);
-    grids_ = std::move(all);
+    for (std::vector<float>& px : new_pixels) pixels_.push_back(std::move(px));
+    grids_ = std::move(p.grids);
+    for (VideoClip& v : new_videos) videos_.push_back(std::move(v));
     conv_ = std::move(conv);
     text_ = std::move(closed);
     cached_ = cached;

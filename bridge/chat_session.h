@@ -9,6 +9,12 @@
 // reasoning of replies before the last question): the conversation's ids are then kept up to the
 // start of the first turn that changed, the rest is tokenised from the new rendering, and the KV
 // cache is cut back to what still holds.
+//
+// A message may carry images and videos: its prompt is expanded as a one-shot prompt with media
+// (encode_media_prompt: each video written as its family writes videos, Qwen3-VL's per-slice
+// timestamps included), and the turn encodes the media it does not find in the cache in one
+// vision call, pixel rows in prompt order. Every image's and video's pixels stay with the
+// conversation, so that a template that rewrites an earlier turn can have it encoded again.
 #pragma once
 
 #include <cstdint>
@@ -19,14 +25,21 @@
 #include "bridge/chat_prompt.h"
 #include "bridge/generator.h"
 #include "language/tokenizer.h"
+#include "vision/video.h"
 
 namespace iris {
 
-// One message typed into the chat, with its images.
+// One message typed into the chat, with its images and videos.
 struct UserMessage {
-  std::string text;  // may place the images with <__media__> markers, as a one-shot prompt
+  std::string text;  // may place the media with <__media__> markers, as a one-shot prompt
   const float* pixel_values = nullptr;  // the message's images, preprocessed, or null
   std::vector<GridTHW> grids;
+  // The message's videos, preprocessed (preprocess_video, with their frame indices, frame count
+  // and frame rate); the session copies what it keeps.
+  std::vector<const VideoClip*> videos;
+  // The images and videos in the order they were attached (marker i takes media i); empty: the
+  // images, then the videos.
+  std::vector<ChatPart::Kind> media;
 };
 
 struct ChatReply {
@@ -48,6 +61,8 @@ class ChatSession {
   // The ids the next turn would prefill for a message with these images and text (after the
   // cached tokens that still hold).
   std::vector<int32_t> turn_ids(const std::vector<GridTHW>& grids, const std::string& text) const;
+  // The same for a message with videos (only their metadata and grids are read).
+  std::vector<int32_t> turn_ids(const UserMessage& message) const;
 
   // Runs one turn: the reply streams through on_token (stop ids are not streamed). A message
   // that does not fit in the context is refused with an iris::Error and the conversation is left
@@ -63,7 +78,8 @@ class ChatSession {
   // messages, each reply as the ids generated (without the stop id it ended with) followed by what
   // the template writes after a reply (<|im_end|>\n).
   const std::vector<int32_t>& conversation() const { return conv_.ids; }
-  // The text conversation() stands for, each image written once as <|image_pad|>.
+  // The text conversation() stands for, each image written once as <|image_pad|> and each video
+  // as <|vision_start|><|video_pad|><|vision_end|>, as the template renders them.
   const std::string& conversation_text() const { return text_; }
   // The leading ids of conversation() that are in the KV cache (all but the last reply's last
   // sampled token and its closing, which the next turn feeds).
@@ -76,15 +92,25 @@ class ChatSession {
   struct Mark {
     size_t text = 0, ids = 0;
   };
+  // An image or a video where the prompt holds it: where its first pad is, which of the
+  // conversation's images (videos) it is, and its runs of pads (image_runs, the family's
+  // video_runs) for M-RoPE.
+  struct Media {
+    size_t start = 0;
+    bool video = false;
+    size_t index = 0;
+    std::vector<VisionRun> runs;
+  };
   // The next turn's prompt: `ids` (the whole conversation), whose first `reuse` are in the KV
-  // cache and stay there; images from `first_image` on (of the conversation's) are in the rest.
-  // Ids with their marks and where each image's pads start (a reply may hold generated pad
-  // ids, so images are not counted from the ids).
+  // cache and stay there; media from `first_media` on (in prompt order) are in the rest.
+  // Ids with their marks and where each image's and video's pads start (a reply may hold
+  // generated pad ids, so media are not counted from the ids).
   struct Ids {
     std::vector<int32_t> ids;
     std::vector<Mark> marks;
-    std::vector<size_t> image_starts;
-    // The first `n` ids with their marks and images, and `text` from offset `from` on after them.
+    std::vector<Media> media;  // in prompt order
+    size_t count(bool video) const;
+    // The first `n` ids with their marks and media, and `text` from offset `from` on after them.
     Ids prefix(size_t text_from, size_t n) const;
   };
   struct Plan {
@@ -92,24 +118,29 @@ class ChatSession {
     std::string text;
     Ids conv;
     int64_t reuse = 0;
-    size_t first_image = 0;
+    size_t first_media = 0;
+    // The conversation's images and videos with the message's after them.
+    std::vector<GridTHW> grids;
+    std::vector<const VideoClip*> videos;
   };
-  Plan plan(const std::vector<GridTHW>& grids, const std::string& text) const;
-  // Tokenises `text` from offset `from` on after `out` (whose images are the first of `grids`).
+  Plan plan(const UserMessage& message) const;
+  // Tokenises `text` from offset `from` on after `out` (whose media are the first of `grids` and
+  // `videos`).
   void append_text(const std::string& text, size_t from, const std::vector<GridTHW>& grids,
-                   Ids& out) const;
+                   const std::vector<const VideoClip*>& videos, Ids& out) const;
 
   Qwen3VLModel& model_;
   Tokenizer tokenizer_;
   ChatFormat format_;
   std::string system_;
   GenerationRequest settings_;
-  int32_t pad_id_ = 0;
+  int32_t image_pad_ = 0, video_pad_ = 0;
   int64_t patch_values_ = 0;  // floats per patch row
   std::vector<ChatMessage> messages_;
   std::vector<std::vector<float>> pixels_;  // every image of the conversation, in order
   std::vector<GridTHW> grids_;
-  Ids conv_;  // conversation_ with its marks and images
+  std::vector<VideoClip> videos_;  // every video of the conversation, in order, with its pixels
+  Ids conv_;                       // conversation_ with its marks and images
   std::string text_;
   int64_t cached_ = 0;
   int turns_ = 0;

@@ -1160,6 +1160,93 @@ TEST(AppGenerateChat, BadCommandsAreReportedAndQuitEndsTheChat) {
                "--logits-out needs a prompt");
 }
 
+// /video attaches a video to the next message as /image does, and --video files go with the first
+// message: the reply is the one-shot `iris generate --video` reply to the same message. Markers
+// take images and videos in the order they were attached.
+TEST(AppGenerateChat, VideoMessagesGiveTheOneShotReplies) {
+  if (!video_decoding_available()) GTEST_SKIP() << "this build has no video decoding (OpenCV)";
+  const fs::path tmp =
+      fs::temp_directory_path() / ("iris_app_chat_video_" + std::to_string(getpid()));
+  fs::create_directories(tmp);
+  const std::string video = write_formula_video(tmp);
+  const std::string greedy = " --temp 0 --ignore-eos -n 8 --json --device cpu";
+  const std::string text = "Describe this video.";
+  for (const char* family : {"qwen3vl-tiny", "qwen25vl-tiny"}) {
+    SCOPED_TRACE(family);
+    const std::string gen = "generate -m " + q(test::data_dir() + "/" + family);
+    const RunResult one = run_iris(gen + " --video " + q(video) + " -p " + q(text) + greedy);
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    const auto want = nlohmann::json::parse(one.out);
+
+    const RunResult chat =
+        run_iris(gen + greedy, "/video " + video + "\n" + text + "\nAnd in one word?\n");
+    ASSERT_EQ(chat.exit_code, 0) << chat.err;
+    EXPECT_NE(chat.err.find("/video PATH"), std::string::npos) << chat.err;  // the help line
+    EXPECT_NE(chat.err.find("clip.mkv attached"), std::string::npos) << chat.err;
+    const std::vector<nlohmann::json> turns = json_lines(chat.out);
+    ASSERT_EQ(turns.size(), 2u) << chat.out;
+    EXPECT_EQ(turns[0]["tokens"], want["tokens"]);
+    EXPECT_EQ(turns[0]["prompt_tokens"], want["prompt_tokens"]);
+    EXPECT_EQ(turns[0]["timings"]["image_patches"], want["timings"]["image_patches"]);
+    // The second turn continues the cache: the video is not encoded again.
+    EXPECT_EQ(turns[1]["timings"]["image_patches"], 0);
+    EXPECT_LT(turns[1]["prompt_tokens"].get<int64_t>(), want["prompt_tokens"].get<int64_t>());
+
+    const RunResult flag = run_iris(gen + " --video " + q(video) + greedy, text + "\n");
+    ASSERT_EQ(flag.exit_code, 0) << flag.err;
+    ASSERT_EQ(json_lines(flag.out).size(), 1u) << flag.out;
+    EXPECT_EQ(json_lines(flag.out)[0]["tokens"], want["tokens"]);
+
+    // A video then an image, placed by markers in that order.
+    const std::string image = test::data_dir() + "/" + family + "/images/image0.png";
+    const std::string mixed = "<__media__><__media__>Compare the video with the picture.";
+    const RunResult one_mixed = run_iris(gen + " --video " + q(video) + " --image " + q(image) +
+                                         " -p " + q(mixed) + greedy);
+    ASSERT_EQ(one_mixed.exit_code, 0) << one_mixed.err;
+    const RunResult chat_mixed =
+        run_iris(gen + greedy, "/video " + video + "\n/image " + image + "\n" + mixed + "\n");
+    ASSERT_EQ(chat_mixed.exit_code, 0) << chat_mixed.err;
+    ASSERT_EQ(json_lines(chat_mixed.out).size(), 1u) << chat_mixed.out;
+    EXPECT_EQ(json_lines(chat_mixed.out)[0]["tokens"],
+              nlohmann::json::parse(one_mixed.out)["tokens"]);
+  }
+  fs::remove_all(tmp);
+}
+
+// A video that cannot be read, or that cannot fit the context, is reported naming the file (and,
+// for its size, the flags that shrink it) when given; the chat goes on to answer the next message.
+TEST(AppGenerateChat, ABadVideoIsReportedAndTheChatGoesOn) {
+  const std::string gen = "generate -m " + q(test::data_dir() + "/qwen25vl-tiny");
+  const std::string flags = " --temp 0 -n 4 --json --device cpu";
+  const RunResult one = run_iris(gen + flags + " -p hello");
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const RunResult chat = run_iris(gen + flags, "/video /nonexistent.mp4\n/video\nhello\n");
+  EXPECT_EQ(chat.exit_code, 1) << chat.err;
+  EXPECT_NE(chat.err.find("/nonexistent.mp4"), std::string::npos) << chat.err;
+  EXPECT_NE(chat.err.find("/video needs a file"), std::string::npos) << chat.err;
+  EXPECT_EQ(chat.err.find(".cpp:"), std::string::npos) << chat.err;
+  const std::vector<nlohmann::json> turns = json_lines(chat.out);
+  ASSERT_EQ(turns.size(), 1u) << chat.out;
+  EXPECT_EQ(turns[0]["tokens"], nlohmann::json::parse(one.out)["tokens"]);
+  if (!video_decoding_available()) return;
+  // Every frame of the video is more than a 64-token context holds: refused from its metadata.
+  const fs::path tmp =
+      fs::temp_directory_path() / ("iris_app_chat_bigvideo_" + std::to_string(getpid()));
+  fs::create_directories(tmp);
+  const std::string video = write_formula_video(tmp);
+  const std::string small = " --video-fps 12 -c 64";
+  const RunResult one_small = run_iris(gen + flags + small + " -p hello");
+  ASSERT_EQ(one_small.exit_code, 0) << one_small.err;
+  const RunResult big = run_iris(gen + flags + small, "/video " + video + "\nhello\n");
+  EXPECT_EQ(big.exit_code, 1) << big.err;
+  EXPECT_NE(big.err.find(video), std::string::npos) << big.err;
+  for (const char* flag : {"--video-fps", "--video-max-frames", "-c/--ctx-size"})
+    EXPECT_NE(big.err.find(flag), std::string::npos) << flag << ": " << big.err;
+  ASSERT_EQ(json_lines(big.out).size(), 1u) << big.out;
+  EXPECT_EQ(json_lines(big.out)[0]["tokens"], nlohmann::json::parse(one_small.out)["tokens"]);
+  fs::remove_all(tmp);
+}
+
 // ---- Chat templates ----
 
 std::string template_file(const std::string& name) {

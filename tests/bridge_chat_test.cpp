@@ -8,12 +8,17 @@
 #include <functional>
 #include <numeric>
 
+#include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
 #include "bridge/chat_session.h"
+#include "bridge/model_config.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/vision_cuda_graph_helper.h"
 #include "model_test_util.h"
 #include "test_util.h"
+#include "vision/image.h"
+#include "vision/preprocess.h"
+#include "vision/video.h"
 
 namespace iris {
 namespace {
@@ -344,6 +349,190 @@ TEST_F(ChatFixture, AModelUsedOutsideTheChatIsRefused) {
   m.decode(r.result.tokens.back());
   EXPECT_THROW(chat.send(message(kText3)), Error);
 }
+
+// ---- Video ----
+
+// A chat whose first message carries a video, then one with an image, then text: each turn gives
+// the tokens of a one-shot generate() over the whole conversation, whose prompt is the template's
+// rendering expanded as a one-shot video prompt (encode_media_prompt: Qwen3-VL's per-slice
+// timestamps, Qwen2.5-VL's time-scaled runs), built here from the earlier replies' ids; the video
+// is encoded once, by the turn that brings it.
+class ChatVideo : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    dir_ = test::data_dir() + "/" + GetParam();
+    cfg_ = ModelConfig::from_file(dir_ + "/config.json");
+    tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_file(dir_ + "/tokenizer.json"));
+    format_ = ChatFormat::from_dir(dir_);
+    settings_.max_new_tokens = 8;
+    settings_.sampling.temperature = 0;
+    settings_.stop_ids = {tokenizer_->token_id("<|im_end|>"),
+                          tokenizer_->token_id("<|endoftext|>")};
+    // As iris generate samples: the random tiny models would otherwise pick padding rows.
+    settings_.sampleable = sampleable_ids(*tokenizer_, cfg_.text.vocab_size);
+  }
+
+  // tools/make_video_golden.py's formula video (30 frames of 140x100 at 12 fps), its frames kept
+  // and preprocessed as the family's video processor does.
+  VideoClip formula_clip() const {
+    constexpr int kFrames = 30, kHeight = 100, kWidth = 140;
+    const VideoProcessorConfig vpre = model_video_preprocessor(dir_, cfg_);
+    const std::vector<int64_t> keep = cfg_.arch->sample_video_frames(kFrames, 12.0, vpre);
+    std::vector<ImageRGB8> frames;
+    for (int64_t f : keep) {
+      ImageRGB8 im;
+      im.width = kWidth;
+      im.height = kHeight;
+      im.pixels.resize(static_cast<size_t>(kWidth) * kHeight * 3);
+      for (int y = 0; y < kHeight; ++y)
+        for (int x = 0; x < kWidth; ++x)
+          for (int c = 0; c < 3; ++c)
+            im.pixels[(static_cast<size_t>(y) * kWidth + x) * 3 + c] =
+                static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
+      frames.push_back(std::move(im));
+    }
+    const ResizedSize size =
+        cfg_.arch->video_frame_size(static_cast<int64_t>(frames.size()), kHeight, kWidth, vpre);
+    VideoClip clip = preprocess_video(frames, size, vpre);
+    clip.frame_indices = keep;
+    clip.total_frames = kFrames;
+    clip.video_fps = 12.0;
+    return clip;
+  }
+
+  ModelLimits limits() const {
+    ModelLimits l;
+    l.max_context = 1024;
+    l.max_step_tokens = 256;
+    l.max_vision_patches = 2048;
+    l.max_images = 8;
+    return l;
+  }
+
+  std::string dir_;
+  ModelConfig cfg_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  ChatFormat format_;
+  GenerationRequest settings_;
+};
+
+TEST_P(ChatVideo, TurnsAfterAVideoGiveTheTokensOfOneShotRuns) {
+  const VideoClip clip = formula_clip();
+  ASSERT_GE(clip.grid_thw[0], 2) << "the video should have several frame pairs";
+  const PreprocessedImage image =
+      preprocess_image(load_image(dir_ + "/images/image0.png"), model_preprocessor(dir_, cfg_));
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, dir_, limits());
+  Qwen3VLModel one_shot_model(*be, dir_, limits());
+  ChatSession chat(chat_model, *tokenizer_, format_, "", settings_);
+  const std::string text1 = "Describe this video.", text2 = "<__media__>What is in this picture?",
+                    text3 = "Say it again.";
+
+  // Turn 1: the video, as iris generate --video renders and expands it.
+  UserMessage m1;
+  m1.text = text1;
+  m1.videos = {&clip};
+  m1.media = {ChatPart::Kind::video};
+  std::vector<ChatMessage> conversation = {user_message(text1, m1.media)};
+  const MediaPrompt mp1 =
+      encode_media_prompt(*tokenizer_, format_.render(conversation, true), cfg_, {}, {&clip});
+  EXPECT_EQ(chat.turn_ids(m1), mp1.ids);
+  GenerationRequest req = settings_;
+  req.prompt_ids = mp1.ids;
+  req.runs = mp1.runs;
+  std::vector<float> pixels(clip.pixel_values.data<float>(),
+                            clip.pixel_values.data<float>() + clip.pixel_values.numel());
+  req.pixel_values = pixels.data();
+  req.grids = {clip.grid_thw};
+  const GenerationResult o1 = generate(one_shot_model, req);
+  const ChatReply r1 = chat.send(m1);
+  ASSERT_FALSE(o1.tokens.empty());
+  EXPECT_EQ(r1.result.tokens, o1.tokens) << "turn 1 (video)";
+  EXPECT_EQ(r1.result.timings.image_patches, count_patches({clip.grid_thw}));
+
+  // The one-shot prompt goes on with the reply's ids, closed, and the next user turn.
+  auto continue_with = [&](const GenerationResult& reply, const std::string& next_turn) {
+    std::vector<int32_t> content = reply.tokens;
+    if (reply.stopped) content.pop_back();
+    req.prompt_ids.insert(req.prompt_ids.end(), content.begin(), content.end());
+    const std::vector<int32_t> rest =
+        tokenizer_->encode("<|im_end|>\n<|im_start|>user\n" + next_turn);
+    req.prompt_ids.insert(req.prompt_ids.end(), rest.begin(), rest.end());
+  };
+
+  // Turn 2: an image after the video turn; the video stays in the conversation, the image is
+  // the only thing encoded.
+  std::string image_turn = "<|vision_start|>";
+  for (int64_t i = 0; i < image_token_count(image.grid_thw, 2); ++i) image_turn += "<|image_pad|>";
+  image_turn += "<|vision_end|>What is in this picture?<|im_end|>\n<|im_start|>assistant\n";
+  continue_with(o1, image_turn);
+  req.runs.push_back(image_runs({image.grid_thw}, cfg_.image_token_id, 2)[0]);
+  pixels.insert(pixels.end(), image.pixel_values.data<float>(),
+                image.pixel_values.data<float>() + image.pixel_values.numel());
+  req.pixel_values = pixels.data();
+  req.grids.push_back(image.grid_thw);
+  UserMessage m2;
+  m2.text = text2;
+  m2.pixel_values = image.pixel_values.data<float>();
+  m2.grids = {image.grid_thw};
+  const int64_t cached = chat.cached_tokens();
+  EXPECT_EQ(static_cast<int64_t>(chat.turn_ids(m2).size()) + cached,
+            static_cast<int64_t>(req.prompt_ids.size()));
+  const GenerationResult o2 = generate(one_shot_model, req);
+  const ChatReply r2 = chat.send(m2);
+  EXPECT_EQ(r2.result.tokens, o2.tokens) << "turn 2 (an image after the video)";
+  EXPECT_EQ(r2.result.timings.prompt_tokens, static_cast<int64_t>(req.prompt_ids.size()) - cached);
+  EXPECT_EQ(r2.result.timings.image_patches, count_patches({image.grid_thw}));
+  ASSERT_GE(chat.conversation().size(), req.prompt_ids.size());
+  EXPECT_EQ(std::vector<int32_t>(
+                chat.conversation().begin(),
+                chat.conversation().begin() + static_cast<int64_t>(req.prompt_ids.size())),
+            req.prompt_ids);
+
+  // Turn 3: text only.
+  continue_with(o2, text3 + "<|im_end|>\n<|im_start|>assistant\n");
+  UserMessage m3;
+  m3.text = text3;
+  const GenerationResult o3 = generate(one_shot_model, req);
+  const ChatReply r3 = chat.send(m3);
+  EXPECT_EQ(r3.result.tokens, o3.tokens) << "turn 3 (text after the media turns)";
+  EXPECT_EQ(r3.result.timings.image_patches, 0);
+  EXPECT_EQ(chat_model.next_position() - chat_model.n_past(),
+            one_shot_model.next_position() - one_shot_model.n_past());
+}
+
+// A video whose frame pairs exceed what the encoder was planned for is refused before the model
+// runs, and the conversation stays as it was.
+TEST_P(ChatVideo, AVideoBeyondTheEncodersPlanIsRefusedAndTheChatGoesOn) {
+  const VideoClip clip = formula_clip();
+  ModelLimits l = limits();
+  l.max_images = static_cast<int>(clip.grid_thw[0]) - 1;
+  auto be = make_cpu_backend();
+  Qwen3VLModel model(*be, dir_, l);
+  ChatSession chat(model, *tokenizer_, format_, "", settings_);
+  UserMessage m;
+  m.text = "Describe this video.";
+  m.videos = {&clip};
+  try {
+    chat.send(m);
+    ADD_FAILURE() << "a video beyond the encoder's plan was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--video-max-frames"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(chat.turns(), 0);
+  EXPECT_EQ(model.n_past(), 0);
+  UserMessage text;
+  text.text = "hi";
+  EXPECT_FALSE(chat.send(text).result.tokens.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ChatVideo,
+                         ::testing::Values("qwen3vl-tiny", "qwen25vl-tiny", "qwen2vl-tiny"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string name = info.param;
+                           name.erase(std::remove(name.begin(), name.end(), '-'), name.end());
+                           return name;
+                         });
 
 // ---- CUDA ----
 
