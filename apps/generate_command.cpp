@@ -811,10 +811,10 @@ int run_generate_command(int argc, char** argv) {
                                          "1 = off" + from_ckpt(ckpt.repetition_penalty))
                               ->capture_default_str());
   app.add_option("--presence-penalty", o.presence_penalty,
-                 "0 = off; minus this once per token already in the reply")
+                 "0 = off; per token in the reply, once")
       ->capture_default_str();
   app.add_option("--frequency-penalty", o.frequency_penalty,
-                 "0 = off; minus this per time a token is in the reply")
+                 "0 = off; per time a token is in the reply")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "-1 = random")->capture_default_str();
   app.add_option("-c,--ctx-size", o.ctx_size, "most tokens, prompt and reply together")
