@@ -334,7 +334,8 @@ void validate_language(const LanguageGraphConfig& c) {
   if (local)
     IRIS_CHECK(c.inference_scope != InferenceGraphScope::none, kPrefix,
                "inference_cuda_graph_scope 'none' is not allowed with cuda_graph_impl 'local'; "
-               "valid values with local: layer, block (default layer)");
+               "valid values with local: layer, block (iris train's default is layer, iris "
+               "generate's block)");
   else
     IRIS_CHECK(c.inference_scope == InferenceGraphScope::none, kPrefix,
                "inference_cuda_graph_scope '", to_string(c.inference_scope),
@@ -615,7 +616,8 @@ GraphKeyDoc graph_config_key_doc(std::string_view key) {
   } else if (k == "inference_cuda_graph_scope") {
     d = {one_of(kInferenceScopes),
          "decode-step graphs: block = one graph per step, layer = one per decoder layer; impl "
-         "local allows layer (its default) or block, other impls only none"};
+         "local allows layer (a recipe's default; iris generate's is block) or block, other "
+         "impls only none"};
   } else if (k == "cuda_graph_warmup_steps") {
     d = {"integer", "eager calls before a graph is captured (the vision graphs use it too)"};
   } else if (k == "vision_cuda_graph_impl") {
