@@ -471,6 +471,11 @@ int run_bench_command(int argc, char** argv) {
       vision_case("1x" + s2, {grid_of(side_mid)});
       vision_case("1x" + s3, {grid_of(side_big)});
       vision_case(std::to_string(n_multi) + "x" + s1, multi);
+      // A video of n_multi frames of the small side: a grid step per temporal_patch_size frames,
+      // each step attending within itself (HF's video path through the same tower).
+      GridTHW video = grid_of(side_small);
+      video[0] = n_multi / cfg.vision.temporal_patch_size;
+      vision_case("video_" + std::to_string(n_multi) + "x" + s1, {video});
       // The multi-image ratio from alternating pairs: the two figures above are taken seconds
       // apart, and a host stall during one of them alone would skew their quotient.
       std::vector<double> single_ms, multi_ms;
@@ -785,6 +790,8 @@ int run_bench_command(int argc, char** argv) {
       std::printf("vs peer %-22s iris %.2f  peer %.2f  ratio %.2fx%s\n", key, ours, theirs,
                   ours / theirs, higher_is_better ? "" : " (lower is better)");
     };
+    for (const std::string& name : graphed_vision_cases)
+      ratio(("vision_" + name).c_str(), "ms", false);
     ratio("decode", "tokens_per_s", true);
     ratio("ttft_ms", nullptr, false);
     ratio(("prefill_" + std::to_string(prefill_long)).c_str(), "tokens_per_s", true);

@@ -12,7 +12,9 @@
 
 #include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
+#include "bridge/pipeline_stage.h"
 #include "bridge/qwen3vl_model.h"
+#include "bridge/vision_cuda_graph_helper.h"
 #include "core/fs.h"
 #include "core/safetensors.h"
 #include "model_test_util.h"
@@ -27,6 +29,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::ids_of;
+using test::read_f32;
 
 constexpr int kFrames = 30, kHeight = 100, kWidth = 140;
 constexpr double kVideoFps = 12.0;
@@ -234,6 +237,126 @@ TEST_P(FamilyVideoModel, AnImageAndAVideoInOnePromptMatchHF) {
   check("mixed", p, pixels, {image.grid_thw, clip.grid_thw});
 }
 
+// The video on CUDA (bf16 weights and activations) and through vision graphs, on the CPU too with
+// the recording stand-in: the graphs' calls replay the padded eager call bit for bit, and on a GPU
+// the last logits keep the bf16 rules of the Qwen3-VL CUDA goldens (every HF top-16 logit within
+// 3% + 0.05; HF's top-1 ours wherever HF's first two are more than twice that apart) and the
+// greedy ids of such clear margins follow.
+class FamilyVideoDevice : public ::testing::TestWithParam<std::tuple<Family, bool>> {
+ protected:
+  void SetUp() override {
+    cuda_ = std::get<1>(GetParam());
+    if (cuda_ && !cuda_available()) GTEST_SKIP() << "no GPU";
+    dir_ = test::data_dir() + "/" + std::get<0>(GetParam()).dir;
+    golden_ = std::make_unique<SafetensorsFile>(dir_ + "/golden_video.safetensors");
+    const ModelConfig cfg = ModelConfig::from_file(dir_ + "/config.json");
+    const VideoProcessorConfig vpre = model_video_preprocessor(dir_, cfg);
+    const std::vector<ImageRGB8> all = formula_frames();
+    std::vector<ImageRGB8> kept;
+    for (int64_t i : cfg.arch->sample_video_frames(kFrames, kVideoFps, vpre))
+      kept.push_back(all[static_cast<size_t>(i)]);
+    const ResizedSize size =
+        cfg.arch->video_frame_size(static_cast<int64_t>(kept.size()), kHeight, kWidth, vpre);
+    clip_ = preprocess_video(kept, size, vpre);
+    pixels_.assign(clip_.pixel_values.data<float>(),
+                   clip_.pixel_values.data<float>() + clip_.pixel_values.numel());
+    backend_ = cuda_ ? make_cuda_backend(0) : make_cpu_backend();
+    ModelLimits limits;
+    limits.max_context = 512;
+    limits.max_step_tokens = 256;
+    limits.max_vision_patches = 1024;
+    limits.max_images = 4;
+    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, limits);
+  }
+  GraphConfigs graph_configs() const {
+    GraphConfigs c = parse_graph_configs({{"cuda_graph_impl", "local"},
+                                          {"inference_cuda_graph_scope", "block"},
+                                          {"cuda_graph_warmup_steps", "1"},
+                                          {"vision_cuda_graph_impl", "local"},
+                                          {"vision_inference_cuda_graph_scope", "block"},
+                                          {"max_vision_cuda_graph_seq_length", "1024"},
+                                          {"vision_cuda_graph_buckets", "256,512,1024"},
+                                          {"vision_cuda_graph_overflow", "error"}});
+    GraphModelTraits traits;
+    traits.has_deepstack = !model_->config().vision.deepstack_visual_indexes.empty();
+    traits.spatial_merge_size = model_->config().vision.spatial_merge_size;
+    finalize_graph_configs(c, traits);
+    return c;
+  }
+  bool cuda_ = false;
+  std::string dir_;
+  std::unique_ptr<SafetensorsFile> golden_;
+  VideoClip clip_;
+  std::vector<float> pixels_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Qwen3VLModel> model_;
+};
+
+TEST_P(FamilyVideoDevice, VideoThroughVisionGraphsEqualsThePaddedEagerCallBitForBit) {
+  VisionEncoder& enc = model_->vision();
+  const GraphConfigs cfg = graph_configs();
+  const std::vector<GridTHW> grids{clip_.grid_thw};
+  const PaddedVisionCall call =
+      plan_padded_vision_call(model_->config().vision, cfg.vision, grids, enc.max_segments());
+  ASSERT_TRUE(call.bucket.has_value());
+  // Frame pairs are segments of their own: a video of several pairs holds several.
+  ASSERT_GE(clip_.grid_thw[0], 2);
+  enc.upload(pixels_.data(), grids, *call.bucket);
+  const int64_t real = call.n_patches / model_->config().vision.merge_unit();
+  const auto eager = enc.run(*call.bucket, enc.max_segments());
+  const std::vector<float> want = read_f32(*backend_, eager.embeds.slice(0, real));
+  std::vector<std::vector<float>> want_deepstack;
+  for (const Tensor& d : eager.deepstack)
+    want_deepstack.push_back(read_f32(*backend_, d.slice(0, real)));
+  VisionCudaGraphHelper h(*model_, split_stages(model_->config(), 1)[0], cfg);
+  for (int call_no = 0; call_no < 4; ++call_no) {  // warm-up, capture, replay, replay
+    const auto out = h.encode(pixels_.data(), grids);
+    EXPECT_EQ(h.last_bucket(), *call.bucket);
+    EXPECT_EQ(read_f32(*backend_, out.embeds), want) << "call " << call_no;
+    ASSERT_EQ(out.deepstack.size(), want_deepstack.size());
+    for (size_t k = 0; k < want_deepstack.size(); ++k)
+      EXPECT_EQ(read_f32(*backend_, out.deepstack[k]), want_deepstack[k]) << "call " << call_no;
+  }
+  EXPECT_TRUE(h.graphs_created(GraphSet::vision));
+}
+
+TEST_P(FamilyVideoDevice, AVideoPromptOnCudaKeepsTheBf16RulesOfHF) {
+  if (!cuda_) GTEST_SKIP() << "the CPU's fp32 video goldens are FamilyVideoModel";
+  const ModelConfig& cfg = model_->config();
+  const std::string rendered = ChatFormat::from_dir(dir_).render(
+      {user_message("Describe this video.", {ChatPart::Kind::video})}, true);
+  const Tokenizer tokenizer = Tokenizer::from_file(dir_ + "/tokenizer.json");
+  VideoClip clip = clip_;
+  clip.total_frames = kFrames;
+  clip.video_fps = kVideoFps;
+  clip.frame_indices =
+      cfg.arch->sample_video_frames(kFrames, kVideoFps, model_video_preprocessor(dir_, cfg));
+  const MediaPrompt p = encode_media_prompt(tokenizer, rendered, cfg, {}, {&clip});
+  ASSERT_EQ(p.ids, ids_of(golden_->load("video.input_ids")));
+  // Eager, then through the graph helper: its warm-up, its capture and a replay.
+  VisionCudaGraphHelper h(*model_, split_stages(cfg, 1)[0], graph_configs());
+  for (int run = 0; run < 4; ++run) {
+    if (run == 1) model_->attach_graphs(&h);
+    const std::string what = run == 0 ? "eager" : "graph helper call " + std::to_string(run);
+    model_->encode_vision(pixels_.data(), {clip.grid_thw}, p.runs);
+    model_->prefill(p.ids);
+    std::vector<float> last = model_->last_logits();
+    const HostTensor top_ids = golden_->load("video.top16_ids");
+    const HostTensor top = golden_->load("video.top16_values");
+    auto tol = [](float v) { return 0.03f * std::fabs(v) + 0.05f; };
+    for (int k = 0; k < 16; ++k) {
+      const float want = top.data<float>()[k];
+      EXPECT_NEAR(last[top_ids.data<int64_t>()[k]], want, tol(want)) << what << " top " << k;
+    }
+    const float* v = top.data<float>();
+    const int32_t ours =
+        static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    if (v[0] - v[1] > 2 * tol(v[0])) EXPECT_EQ(ours, top_ids.data<int64_t>()[0]) << what;
+  }
+  EXPECT_TRUE(h.graphs_created(GraphSet::vision));
+  model_->detach_graphs(&h);
+}
+
 const Family kFamilies[] = {
     {"qwen3vl-tiny", "qwen3_vl"}, {"qwen25vl-tiny", "qwen2_5_vl"}, {"qwen2vl-tiny", "qwen2_vl"}};
 std::string family_name(const ::testing::TestParamInfo<Family>& info) {
@@ -241,6 +364,12 @@ std::string family_name(const ::testing::TestParamInfo<Family>& info) {
 }
 INSTANTIATE_TEST_SUITE_P(Families, FamilyVideo, ::testing::ValuesIn(kFamilies), family_name);
 INSTANTIATE_TEST_SUITE_P(Families, FamilyVideoModel, ::testing::ValuesIn(kFamilies), family_name);
+INSTANTIATE_TEST_SUITE_P(Families, FamilyVideoDevice,
+                         ::testing::Combine(::testing::ValuesIn(kFamilies), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<Family, bool>>& i) {
+                           return std::string(std::get<0>(i.param).model_type) +
+                                  (std::get<1>(i.param) ? "_cuda" : "_cpu");
+                         });
 
 }  // namespace
 }  // namespace iris

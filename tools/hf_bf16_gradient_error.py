@@ -1,24 +1,25 @@
 #!/usr/bin/env python3
-"""How far HF transformers' own bf16 training lands from its fp32 gradients on the tiny fixture:
-the same per-tensor relative L2 error that tests/training_gradients_test.cpp measures for Iris's
-CUDA step (CudaGoldenGradients), for (1) fp32 (should reproduce the golden), (2) bf16 autocast
+"""How far HF transformers' own bf16 training lands from its fp32 gradients on a tiny fixture (any
+family: Qwen3-VL, Qwen2.5-VL, Qwen2-VL): the same per-tensor relative L2 error that
+tests/training_gradients_test.cpp (CudaGoldenGradients) and tests/training_family_gradients_test.cpp
+measure for Iris's CUDA step, for (1) fp32 (should reproduce the golden), (2) bf16 autocast
 with fp32 weights (the usual mixed-precision setup, as bench/peers/hf_transformers_train.py), and
 (3) a bf16 model (bf16 weights, activations and gradients). It shows what error bf16 arithmetic
 itself costs at this fixture's far-end tensors.
 
-  python3 tools/hf_bf16_gradient_error.py tests/data/qwen3vl-tiny
+  python3 tools/hf_bf16_gradient_error.py tests/data/qwen3vl-tiny tests/data/qwen25vl-tiny
 """
 import math, sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3VLForConditionalGeneration
+from transformers import AutoModelForImageTextToText
 
 
 def grads(model_dir, mode, g):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     if mode == "bf16":
         model = model.to(torch.bfloat16)
     model.to("cuda").train()
@@ -27,24 +28,35 @@ def grads(model_dir, mode, g):
     px = g["pixel_values"].cuda()
     if mode == "bf16":
         px = px.to(torch.bfloat16)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px,
+              image_grid_thw=g["image_grid_thw"].cuda(), labels=g["labels"].cuda())
+    if model.config.model_type == "qwen3_vl":
+        kw["mm_token_type_ids"] = mm
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px,
-                    image_grid_thw=g["image_grid_thw"].cuda(), labels=g["labels"].cuda(),
-                    mm_token_type_ids=mm)
+        out = model(**kw)
     out.loss.backward()
-    rows = g["grad_rows_of_embedding"]
+    # make_golden.py keeps the embedding's rows of the prompt; make_family_golden.py the rows of
+    # every vocabulary-sized gradient (the embedding and an untied head) in grad_rows_of_vocab.
     res = {}
     for name, p in model.named_parameters():
         gr = p.grad.detach().float().cpu()
-        if name == "model.language_model.embed_tokens.weight":
-            gr = gr[rows]
+        if "grad_rows_of_vocab" in g:
+            if gr.ndim == 2 and gr.shape[0] == model.config.get_text_config().vocab_size:
+                gr = gr[g["grad_rows_of_vocab"]]
+        elif name == "model.language_model.embed_tokens.weight":
+            gr = gr[g["grad_rows_of_embedding"]]
         res[name] = gr
     return out.loss.item(), res
 
 
 def main():
-    model_dir = sys.argv[1]
+    for model_dir in sys.argv[1:]:
+        report(model_dir)
+
+
+def report(model_dir):
     g = load_file(f"{model_dir}/golden.safetensors")
+    print(model_dir)
     for mode in ("fp32", "autocast", "bf16"):
         loss, res = grads(model_dir, mode, g)
         errs = []

@@ -41,8 +41,8 @@ def main():
     pdim = 3 * cfg.vision_config.temporal_patch_size * P * P
     out = {}
 
-    def vision(name, sides):
-        grids = torch.tensor([[1, s // P, s // P] for s in sides], device=dev)
+    def vision(name, sides, t=1):
+        grids = torch.tensor([[t, s // P, s // P] for s in sides], device=dev)
         n = int(grids.prod(-1).sum())
         pix = torch.rand(n, pdim, device=dev, dtype=torch.bfloat16) * 2 - 1
         with torch.no_grad():
@@ -55,6 +55,8 @@ def main():
     vision("1x1344", [1344])
     t8 = vision("8x448", [448] * 8)
     out["vision_multi_over_single"] = t8 / t1
+    # An 8-frame video of 448-pixel frames: one grid step per temporal_patch_size frames.
+    vision("video_8x448", [448], t=8 // cfg.vision_config.temporal_patch_size)
 
     for T in (512, 4096):
         ids = torch.randint(0, 151000, (1, T), device=dev)

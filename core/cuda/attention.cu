@@ -15,6 +15,7 @@
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/kernels.h"
 #include "core/cuda/launch.cuh"
+#include "core/cuda/segment_tiles.cuh"
 #include "core/cuda/wgmma.cuh"
 
 namespace iris::cuda {
@@ -123,22 +124,13 @@ __device__ __forceinline__ bool block_range(const FlashParams& p, int64_t& q0, i
     kv_end = min(past + min(q0 + BR, q_end), p.max_len);
     return true;
   } else {
-    // Query tiles are numbered over all segments in order; the grid holds an upper bound
-    // (total/BR + n_segments) and surplus blocks leave at once. They come last in dispatch
-    // order (tiles are y, heads x), so a graph's call with a segment capacity of mostly empty
-    // segments does not interleave them with the real blocks of every head.
-    int64_t b = blockIdx.y;
-    int seg = -1;
-    for (int s = 0; s < p.n_segments; ++s) {
-      const int64_t len = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
-      const int64_t tiles = (len + BR - 1) / BR;
-      if (b < tiles) {
-        seg = s;
-        break;
-      }
-      b -= tiles;
-    }
-    if (seg < 0) return false;
+    // Query tiles by segment_tiles.cuh's numbering: a block finds its segment by binary search,
+    // and spare blocks (one per segment at most, and those past the last) leave at once.
+    const SegmentTile t = find_segment_tile(p.cu_seqlens, p.n_segments, BR, blockIdx.y);
+    if (t.segment >= p.n_segments) return false;
+    const int seg = t.segment;
+    const int64_t b = t.tile;
+    if (b * BR >= p.cu_seqlens[seg + 1] - p.cu_seqlens[seg]) return false;
     kv_begin = p.cu_seqlens[seg];
     kv_end = p.cu_seqlens[seg + 1];
     q0 = kv_begin + b * BR;
@@ -565,8 +557,8 @@ void dispatch_group(int head_dim, const FlashParams& p, dim3 grid, cudaStream_t 
   Dims::with(head_dim, [&](auto hd) { launch_group<decltype(hd)::value, L, kCausal>(p, grid, s); });
 }
 
-// Segments mode: heads by an upper bound on the query tiles of all segments (block_range's
-// count; surplus blocks leave at once).
+// Segments mode: heads by an upper bound on the query tiles of all segments (segment_tiles.cuh;
+// spare blocks leave at once).
 dim3 segment_grid(int64_t rows, int rows_per_block, int n_segments, int n_heads) {
   return dim3(n_heads,
               static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block + n_segments));

@@ -34,6 +34,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/launch.cuh"
+#include "core/cuda/segment_tiles.cuh"
 
 namespace iris::cuda {
 namespace {
@@ -125,23 +126,18 @@ struct TrainParams {
   float scale, scale_log2;
 };
 
-// Tile b of all segments' tiles of `rows` rows (ceil(len / rows) per segment, in segment order):
-// its segment and the tile's index in it (b is updated); false past the last segment, with b
-// then counting on from the end of the segment tiles.
+// Tile b of `rows` rows by segment_tiles.cuh's numbering: its segment and the tile's index in it
+// (b is updated; a segment's spare block gets b >= n_tiles and leaves at once); false past the
+// last segment, with b then counting tiles on from cu[n].
 __device__ __forceinline__ bool find_tile(const TrainParams& p, int rows, int& b, int& seg_b,
                                           int& seg_e, int& n_tiles) {
-  for (int s = 0; s < p.n_segments; ++s) {
-    const int lo = p.cu[s], hi = p.cu[s + 1];
-    const int tiles = (hi - lo + rows - 1) / rows;
-    if (b < tiles) {
-      seg_b = lo;
-      seg_e = hi;
-      n_tiles = tiles;
-      return true;
-    }
-    b -= tiles;
-  }
-  return false;
+  const SegmentTile t = find_segment_tile(p.cu, p.n_segments, rows, b);
+  b = static_cast<int>(t.tile);
+  if (t.segment >= p.n_segments) return false;
+  seg_b = p.cu[t.segment];
+  seg_e = p.cu[t.segment + 1];
+  n_tiles = (seg_e - seg_b + rows - 1) / rows;
+  return true;
 }
 
 __device__ __forceinline__ bool is_padding(const TrainParams& p, int seg_b) {
@@ -286,6 +282,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
   int b = static_cast<int>(blockIdx.y), seg_b = 0, seg_e = 0, n_tiles = 0, q0, q_end;
   bool zero;
   if (find_tile(p, BR, b, seg_b, seg_e, n_tiles)) {
+    if (b >= n_tiles) return;
     // Causal: the last tile of a segment (the most keys) first.
     q0 = seg_b + (kCausal ? n_tiles - 1 - b : b) * BR;
     q_end = seg_e;
@@ -570,7 +567,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
   const int g = lane / 4, t4 = lane % 4;
 
   int b = static_cast<int>(blockIdx.y), seg_b, seg_e, n_tiles;
-  if (!find_tile(p, BK, b, seg_b, seg_e, n_tiles)) return;
+  if (!find_tile(p, BK, b, seg_b, seg_e, n_tiles) || b >= n_tiles) return;
   if (is_padding(p, seg_b)) return;  // the pre kernel zeroed these rows
   // Causal: the first key tile of a segment (the most queries) first.
   const int k0 = seg_b + b * BK, k_stop = min(k0 + BK, seg_e);
@@ -741,7 +738,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dq_kernel(TrainParams p)
   const int g = lane / 4, t4 = lane % 4;
 
   int b = static_cast<int>(blockIdx.y), seg_b, seg_e, n_tiles;
-  if (!find_tile(p, BQ, b, seg_b, seg_e, n_tiles)) return;
+  if (!find_tile(p, BQ, b, seg_b, seg_e, n_tiles) || b >= n_tiles) return;
   if (is_padding(p, seg_b)) return;
   const int q0 = seg_b + (kCausal ? n_tiles - 1 - b : b) * BQ;
   const int q_end = seg_e, q_stop = min(q0 + BQ, q_end);
