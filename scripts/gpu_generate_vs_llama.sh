@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # iris generate against llama-mtmd-cli on the GPU machine, one-shot, as a user runs them: the
 # whole command's wall time (load, the images, 64 greedy tokens) on the same random-weight
-# Qwen3-VL-2B checkpoint (tools/make_random_checkpoint.py; llama.cpp gets it as bf16 GGUF through
+# Qwen-VL checkpoint (tools/make_random_checkpoint.py; llama.cpp gets it as bf16 GGUF through
 # its own convert_hf_to_gguf.py) and the same images, for one 448, 896 and 1344 pixel square and
 # eight 448 squares. Iris runs with its GEMM tuning cache empty, then filled by `iris generate
 # --tune` on the same command. Each timed command runs RUNS times (3) after one untimed run that
@@ -22,21 +22,26 @@
 # of one warm machine: `split -b 26000000 -d .peer/llama-peer.tar.xz`, part 00 in .peer/a (the
 # first call copies it to /tmp and builds), part 01 and an xz of the tokenizer in .peer/b (the
 # second joins the parts and runs this script).
+#
+# CONFIG (recipes/configs/qwen3vl_2b.json) picks the geometry and family, FIXTURE (the tiny
+# fixture of that family, tests/data/qwen3vl-tiny) its preprocessor and chat template, ROWS the
+# inputs (1x448 1x896 1x1344 8x448); e.g. CONFIG=bench/configs/qwen2_5_vl_7b.json
+# FIXTURE=tests/data/qwen25vl-tiny ROWS=1x896 for Qwen2.5-VL-7B.
 source "$(dirname "$0")/gpu_env.sh"
 runs=${RUNS:-3}
 tok=tests/data/qwen3vl-tiny/tokenizer.json
-model=${MODEL_DIR:-/tmp/qwen3vl-2b-random}
-work=/tmp/generate_vs_llama
+config=${CONFIG:-recipes/configs/qwen3vl_2b.json}
+fixture=${FIXTURE:-tests/data/qwen3vl-tiny}
+model=${MODEL_DIR:-/tmp/$(basename "$config" .json)-random}
+work=/tmp/generate_vs_llama_$(basename "$config" .json)
 mkdir -p "$work"
 export NCCL_NVLS_ENABLE=0
 
 if [ ! -x build-gpu/iris ]; then build_gpu iris || exit 1; fi
 
 if [ ! -f "$model/config.json" ]; then
-  python3 tools/make_random_checkpoint.py --config recipes/configs/qwen3vl_2b.json \
-    --tokenizer $tok --out "$model" || exit 1
-  cp tests/data/qwen3vl-tiny/preprocessor_config.json tests/data/qwen3vl-tiny/tokenizer_config.json \
-    "$model/"
+  python3 tools/make_random_checkpoint.py --config "$config" --tokenizer $tok --out "$model" || exit 1
+  cp $fixture/preprocessor_config.json $fixture/tokenizer_config.json "$model/"
 fi
 # Without LLAMA_MTMD_CLI only Iris runs (its first-call and warm figures, the wall times without
 # the peer's column).
@@ -71,7 +76,7 @@ prompt="Describe the picture."
 declare -A images=(
   [1x448]="$work/img448_0.png" [1x896]="$work/img896_0.png" [1x1344]="$work/img1344_0.png"
   [8x448]="$(ls $work/img448_*.png | tr '\n' ' ')")
-rows=(1x448 1x896 1x1344 8x448)
+read -r -a rows <<<"${ROWS:-1x448 1x896 1x1344 8x448}"
 
 wall() {  # wall time in seconds of "$@", output to $log
   local t0 t1

@@ -19,7 +19,11 @@ from transformers import AutoModelForImageTextToText
 def grads(model_dir, mode, g):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    # As the goldens were made (make_golden.py, make_family_golden.py): eager attention, and the
+    # rotary frequencies rounded through bf16 as a bf16 checkpoint's are.
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                        attn_implementation="eager")
+    model.to(torch.bfloat16).to(torch.float32)
     if mode == "bf16":
         model = model.to(torch.bfloat16)
     model.to("cuda").train()
@@ -30,10 +34,13 @@ def grads(model_dir, mode, g):
         px = px.to(torch.bfloat16)
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px,
               image_grid_thw=g["image_grid_thw"].cuda(), labels=g["labels"].cuda())
-    if model.config.model_type == "qwen3_vl":
-        kw["mm_token_type_ids"] = mm
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
-        out = model(**kw)
+        try:
+            # transformers 5.x places image tokens in M-RoPE from mm_token_type_ids; revisions
+            # whose forward does not take it find them by id.
+            out = model(**kw, mm_token_type_ids=mm)
+        except TypeError:
+            out = model(**kw)
     out.loss.backward()
     # make_golden.py keeps the embedding's rows of the prompt; make_family_golden.py the rows of
     # every vocabulary-sized gradient (the embedding and an untied head) in grad_rows_of_vocab.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a random-weight Qwen3-VL checkpoint in Hugging Face format (config.json, sharded bf16
+"""Writes a random-weight Qwen-VL checkpoint (any family the config's model_type names) in Hugging Face format (config.json, sharded bf16
 safetensors, tokenizer.json) from a config such as recipes/configs/qwen3vl_2b.json, for load and
 first-call measurements of iris generate against peers on the same files. Needs torch and
 transformers (the GPU machine has both); uses the GPU when there is one, for a fast init.
@@ -10,7 +10,7 @@ transformers (the GPU machine has both); uses the GPU when there is one, for a f
 import argparse, os, shutil
 
 import torch
-from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig, AutoModelForImageTextToText
 
 
 def main():
@@ -28,8 +28,11 @@ def main():
     torch.manual_seed(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = Qwen3VLForConditionalGeneration._from_config(cfg, torch_dtype=torch.bfloat16)
+        model = AutoModelForImageTextToText.from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(a.out, safe_serialization=True, max_shard_size=a.shard)
+    # config.json as the hub ships it (save_pretrained writes transformers 5.x's nested layout,
+    # which Qwen2.5-VL and Qwen2-VL checkpoints on the hub do not have).
+    shutil.copy(a.config, os.path.join(a.out, "config.json"))
     n = sum(p.numel() for p in model.parameters())
     print(f"{n / 1e9:.2f}B parameters written to {a.out}")
 
