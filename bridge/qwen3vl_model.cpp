@@ -3,10 +3,73 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "bridge/joined_model.h"
 #include "bridge/vision_cuda_graph_helper.h"
 #include "language/mrope.h"
 
 namespace iris {
+
+namespace {
+
+// One prefill chunk of T rows at prompt row c0, whose n_img pad rows (at `index` within the
+// chunk) take the vision rows from `vision_row` on.
+class PrefillChunk final : public JoinedForwardSteps {
+ public:
+  PrefillChunk(Backend& be, TextDecoder& decoder, const VisionEncoder::Output& vision,
+               int64_t vision_row, const Tensor& index, int64_t T, int64_t c0,
+               const HiddenObserver& observer, std::vector<float>* all_logits)
+      : be_(be),
+        decoder_(decoder),
+        vision_(vision),
+        vision_row_(vision_row),
+        index_(index),
+        T_(T),
+        c0_(c0),
+        observer_(observer),
+        all_logits_(all_logits) {}
+
+  void embed() override { decoder_.embed(T_); }
+  void scatter_vision() override {
+    if (n_img() > 0) be_.scatter_rows(decoder_.hidden(T_), rows(vision_.embeds), index_, false);
+  }
+  void layer(int l) override { decoder_.layer(l, T_); }
+  void add_deepstack(int l) override {
+    if (n_img() > 0 && l < static_cast<int>(vision_.deepstack.size()))
+      be_.scatter_rows(decoder_.hidden(T_), rows(vision_.deepstack[l]), index_, true);
+  }
+  void final_norm() override { decoder_.final_norm(T_); }
+  void head() override {
+    if (all_logits_ == nullptr) {
+      decoder_.lm_head(T_ - 1, 1);
+      return;
+    }
+    decoder_.lm_head(0, T_);
+    const size_t V = static_cast<size_t>(decoder_.config().vocab_size);
+    const size_t old = all_logits_->size();
+    all_logits_->resize(old + static_cast<size_t>(T_) * V);
+    be_.read(all_logits_->data() + old, DType::f32, decoder_.logits(T_));
+  }
+  void hidden_state(int index) override {
+    if (!observer_) return;
+    const bool last = index == decoder_.config().num_hidden_layers;
+    observer_(index, c0_, last ? decoder_.normed(T_) : decoder_.hidden(T_));
+  }
+
+ private:
+  int64_t n_img() const { return index_.numel(); }
+  Tensor rows(const Tensor& t) const { return t.slice(vision_row_, vision_row_ + n_img()); }
+
+  Backend& be_;
+  TextDecoder& decoder_;
+  const VisionEncoder::Output& vision_;
+  int64_t vision_row_;
+  Tensor index_;
+  int64_t T_, c0_;
+  const HiddenObserver& observer_;
+  std::vector<float>* all_logits_;
+};
+
+}  // namespace
 
 Qwen3VLModel::Qwen3VLModel(Backend& backend, const std::string& dir, const ModelLimits& limits)
     : backend_(backend), limits_(limits) {
@@ -48,6 +111,7 @@ void Qwen3VLModel::build() {
   dl.max_step_tokens = limits_.max_step_tokens;
   dl.max_logit_rows = limits_.all_logits ? limits_.max_step_tokens : 1;
   decoder_ = std::make_unique<TextDecoder>(backend_, cfg_.text, weights_->text, dl);
+  whole_model_ = split_stages(cfg_, 1).front();
   Arena plan;
   plan.alloc(DType::i32, {limits_.max_step_tokens});
   arena_ = Arena(backend_, plan.used());
@@ -154,34 +218,10 @@ void Qwen3VLModel::extend(const std::vector<int32_t>& ids, const HiddenObserver&
     const int64_t n_img = static_cast<int64_t>(index_host_.size());
     if (n_img > 0) backend_.write(scatter_index_.slice(0, n_img), index_host_.data(), DType::i32);
 
-    decoder_->embed(T);
-    Tensor x = decoder_->hidden(T);
-    Tensor index = scatter_index_.slice(0, n_img);
-    if (n_img > 0)
-      backend_.scatter_rows(x, vision_out_.embeds.slice(image_rank, image_rank + n_img), index,
-                            false);
-    if (observer) observer(0, c0, x);
-    const int n_layers = cfg_.text.num_hidden_layers;
-    for (int l = 0; l < n_layers; ++l) {
-      decoder_->layer(l, T);
-      if (observer && l + 1 < n_layers) observer(l + 1, c0, x);
-      if (n_img > 0 && l < static_cast<int>(vision_out_.deepstack.size()))
-        backend_.scatter_rows(x, vision_out_.deepstack[l].slice(image_rank, image_rank + n_img),
-                              index, true);
-    }
-    decoder_->final_norm(T);
-    if (observer) observer(n_layers, c0, decoder_->normed(T));
-    if (limits_.all_logits) {
-      decoder_->lm_head(0, T);
-      const size_t V = static_cast<size_t>(cfg_.text.vocab_size);
-      const size_t old = prompt_logits_.size();
-      prompt_logits_.resize(old + static_cast<size_t>(T) * V);
-      backend_.read(prompt_logits_.data() + old, DType::f32, decoder_->logits(T));
-      last_row_in_step_ = T - 1;
-    } else {
-      decoder_->lm_head(T - 1, 1);
-      last_row_in_step_ = 0;
-    }
+    PrefillChunk chunk(backend_, *decoder_, vision_out_, image_rank, scatter_index_.slice(0, n_img),
+                       T, c0, observer, limits_.all_logits ? &prompt_logits_ : nullptr);
+    joined_forward(cfg_, whole_model_, chunk);
+    last_row_in_step_ = limits_.all_logits ? T - 1 : 0;
     image_rank += n_img;
     n_past_ += T;
   }
@@ -195,10 +235,8 @@ void Qwen3VLModel::decode(int32_t token) {
   mrope_tables_1d(cfg_.text, position, 1, cos_.data(), sin_.data());
   decoder_->upload_step(&token, cos_.data(), sin_.data(), 1, n_past_);
   if (graphs_.empty()) {
-    decoder_->embed(1);
-    for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) decoder_->layer(l, 1);
-    decoder_->final_norm(1);
-    decoder_->lm_head(0, 1);
+    DecodeSteps step(*decoder_, false);
+    joined_forward(cfg_, whole_model_, step);
   } else {
     decode_step_with_graph_helpers(graphs_);
   }

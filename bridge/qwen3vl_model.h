@@ -10,6 +10,7 @@
 
 #include "bridge/hf_weights.h"
 #include "bridge/model_config.h"
+#include "bridge/pipeline_stage.h"
 #include "bridge/rope_index.h"
 #include "language/decoder.h"
 #include "vision/vision_encoder.h"
@@ -105,6 +106,7 @@ class Qwen3VLModel {
   WeightLoadTimes weight_load_times_;
   std::unique_ptr<VisionEncoder> vision_;
   std::unique_ptr<TextDecoder> decoder_;
+  PipelineStage whole_model_;  // this model's eager passes run every part
   Arena arena_;
   Tensor scatter_index_;  // i32 [max_step_tokens]: rows of image pads inside a chunk
 

@@ -3,10 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <utility>
 
+#include "bridge/joined_model.h"
 #include "bridge/qwen3vl_model.h"
 #include "language/decoder.h"
 #include "language/mrope.h"
+#include "vision/vision_tower_order.h"
 
 namespace iris {
 
@@ -96,22 +100,36 @@ VisionCudaGraphHelper::BucketGraph& VisionCudaGraphHelper::bucket_graph(int64_t 
   IRIS_FAIL("no vision graph bucket of ", rows, " rows");
 }
 
+namespace {
+// A vision call through one graph per block: each block's graph replayed (or captured, on the
+// first call) in the tower's order, the embedding, the DeepStack mergers and the main merger
+// eagerly around them.
+class BlockGraphSteps final : public VisionTowerSteps {
+ public:
+  BlockGraphSteps(VisionEncoder& encoder, int64_t rows, std::function<void(int)> block_graph)
+      : encoder_(encoder), rows_(rows), block_graph_(std::move(block_graph)) {}
+  void embed() override { encoder_.run_embed(rows_); }
+  void block(int l) override { block_graph_(l); }
+  void deepstack_merger(int k, int) override { encoder_.run_deepstack_merger(k, rows_); }
+  void merger() override { encoder_.run_merger(rows_); }
+
+ private:
+  VisionEncoder& encoder_;
+  int64_t rows_;
+  std::function<void(int)> block_graph_;
+};
+}  // namespace
+
 void VisionCudaGraphHelper::run_bucket(BucketGraph& b) {
   // The segment count is part of the graph, so every call runs with the full capacity; unused
   // segments are empty (their cu_seqlens entries repeat the last offset).
   const int segments = encoder_->max_segments();
   const bool per_layer = cfg_.vision.inference_scope == VisionGraphScope::layer;
-  if (b.captured()) {
-    if (!per_layer) {
-      b.graphs[0].launch();
-      return;
-    }
-    encoder_->run_embed(b.rows);
-    for (CapturedGraph& g : b.graphs) g.launch();
-    b.out = encoder_->run_finish(b.rows);
+  if (b.captured() && !per_layer) {
+    b.graphs[0].launch();
     return;
   }
-  if (b.eager_runs < warmup_steps_) {
+  if (!b.captured() && b.eager_runs < warmup_steps_) {
     ++b.eager_runs;
     b.out = encoder_->run(b.rows, segments);
     return;
@@ -122,12 +140,18 @@ void VisionCudaGraphHelper::run_bucket(BucketGraph& b) {
                         [this, &b, segments] { b.out = encoder_->run(b.rows, segments); }));
     return;
   }
-  encoder_->run_embed(b.rows);
-  for (int l = 0; l < encoder_->config().depth; ++l)
+  const bool capture = !b.captured();
+  BlockGraphSteps steps(*encoder_, b.rows, [this, &b, segments, capture](int l) {
+    if (!capture) {
+      b.graphs[static_cast<size_t>(l)].launch();
+      return;
+    }
     b.graphs.push_back(capture_and_run(
         *api_, backend_, str_cat("vision bucket ", b.rows, " block ", l, ", ", stage_.describe()),
         [this, &b, segments, l] { encoder_->run_block(l, b.rows, segments); }));
-  b.out = encoder_->run_finish(b.rows);
+  });
+  vision_tower_forward(encoder_->config(), steps);
+  b.out = encoder_->output(b.rows);
 }
 
 VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
@@ -177,19 +201,23 @@ VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
 
 // ---- decoder ----
 
-void VisionCudaGraphHelper::run_decoder_part(bool embed, int first_layer, int end_layer,
-                                             bool head) {
-  if (embed) decoder_->embed(1);
-  for (int l = first_layer; l < end_layer; ++l) decoder_->layer(l, 1);
-  if (head) {
-    decoder_->final_norm(1);
-    decoder_->lm_head(0, 1);
-    decoder_->argmax(1);
-  }
-}
+namespace {
+// A decode step through one graph per layer: each layer's graph replayed (or captured, on the
+// first call) in the joined order, the embedding and the head eagerly around them.
+class LayerGraphDecode final : public DecodeSteps {
+ public:
+  LayerGraphDecode(TextDecoder& decoder, std::function<void(int)> layer_graph)
+      : DecodeSteps(decoder, true), layer_graph_(std::move(layer_graph)) {}
+  void layer(int l) override { layer_graph_(l); }
+
+ private:
+  std::function<void(int)> layer_graph_;
+};
+}  // namespace
 
 void VisionCudaGraphHelper::run_decoder_eager() {
-  run_decoder_part(stage_.has_embed(), stage_.first_layer, stage_.end_layer, stage_.has_head);
+  DecodeSteps step(*decoder_, true);
+  joined_forward(model_->config(), stage_, step);
 }
 
 void VisionCudaGraphHelper::capture_decoder() {
@@ -199,12 +227,12 @@ void VisionCudaGraphHelper::capture_decoder() {
     graphs.push_back(capture_and_run(*api_, backend_, str_cat("decoder block, ", stage_.describe()),
                                      [this] { run_decoder_eager(); }));
   } else {
-    if (stage_.has_embed()) decoder_->embed(1);
-    for (int l = stage_.first_layer; l < stage_.end_layer; ++l)
+    LayerGraphDecode step(*decoder_, [this, &graphs](int l) {
       graphs.push_back(capture_and_run(*api_, backend_,
                                        str_cat("decoder layer ", l, ", ", stage_.describe()),
                                        [this, l] { decoder_->layer(l, 1); }));
-    run_decoder_part(false, 0, 0, stage_.has_head);
+    });
+    joined_forward(model_->config(), stage_, step);
   }
   decoder_graphs_ = std::move(graphs);
 }
@@ -228,9 +256,10 @@ void VisionCudaGraphHelper::decode_stage() {
     decoder_graphs_.front().launch();
     return;
   }
-  if (stage_.has_embed()) decoder_->embed(1);
-  for (CapturedGraph& g : decoder_graphs_) g.launch();
-  run_decoder_part(false, 0, 0, stage_.has_head);
+  LayerGraphDecode step(*decoder_, [this](int l) {
+    decoder_graphs_[static_cast<size_t>(l - stage_.first_layer)].launch();
+  });
+  joined_forward(model_->config(), stage_, step);
 }
 
 int32_t VisionCudaGraphHelper::greedy_token() {

@@ -130,7 +130,6 @@ class VisionCudaGraphHelper {
   void require_model() const;
   BucketGraph& bucket_graph(int64_t rows);
   void run_bucket(BucketGraph& b);
-  void run_decoder_part(bool embed, int first_layer, int end_layer, bool head);
   void run_decoder_eager();
   void capture_decoder();
 

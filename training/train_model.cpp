@@ -5,10 +5,12 @@
 #include <cmath>
 #include <set>
 
+#include "bridge/joined_model.h"
 #include "bridge/rope_index.h"
 #include "core/thread_cpu_clock.h"
 #include "core/vision_tables.h"
 #include "language/mrope.h"
+#include "vision/vision_tower_order.h"
 
 namespace iris {
 namespace {
@@ -806,8 +808,7 @@ void TrainableQwen3VL::forward_part(bool backward, const Tensor& loss_out, bool 
   if (S_ > 0 && limits_.stage.has_vision)
     maybe_graphed(whole_encoder, str_cat("vision fwd ", vkey),
                   [this, vision_modules] { vision_forward(vision_modules); });
-  text_forward(layer_graphs);
-  if (limits_.stage.has_head) loss(backward, loss_out);
+  text_forward(layer_graphs, backward, loss_out);
 }
 
 void TrainableQwen3VL::backward_part(bool vision_grads, bool layer_graphs) {
@@ -1096,102 +1097,157 @@ namespace {
 bool has_module(const std::vector<GraphModule>& modules, GraphModule m) {
   return std::find(modules.begin(), modules.end(), m) != modules.end();
 }
+
+// Which halves of a block or layer replay graphs of their own.
+struct HalfGraphs {
+  bool attn = false, mlp = false;
+};
+HalfGraphs half_graphs(bool on, const std::vector<GraphModule>& modules) {
+  return {on && has_module(modules, GraphModule::attn),
+          on && has_module(modules, GraphModule::mlp)};
+}
 }  // namespace
 
 void TrainableQwen3VL::vision_forward(bool module_graphs) {
-  const VisionConfig& v = cfg_.vision;
-  const VisionWeights& w = params_.vision;
-  const int64_t S = S_;
-  // The micro-batch's tables from its grids (in the vision graph, when there is one); the
-  // backward reads them as the forward left them.
-  be_.vision_tables(v_cos_.slice(0, S), v_sin_.slice(0, S), pos_index_.slice(0, S),
-                    pos_weight_.slice(0, S), v_cu_, v_real_rows_, v_grids_, v_inv_freq_,
-                    v.spatial_merge_size, v.position_grid_side(), v_window_cu_, v.window_units());
-  v.tower->embed(be_, w, vx_[0].slice(0, S), pixels_.slice(0, S), pos_index_.slice(0, S),
-                 pos_weight_.slice(0, S));
-  const VisionSegments all_seg = vision_segments();
-  const auto& taps = v.deepstack_visual_indexes;
-  const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
-  const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
-  // Keys name the rows and the segment count (the only host values the halves pass).
-  const std::string shape = str_cat(" S", S, " segments ", n_segments_);
-  for (int l = 0; l < v.depth; ++l) {
-    const VisionBlockBuffers b = vision_block(l);
-    const VisionSegments seg = all_seg.for_block(v, l);
-    maybe_graphed(
-        attn_graphs, str_cat("vision block ", l, " attn fwd", shape),
-        [this, &v, &w, l, b, seg] { vision_attention_forward(be_, v, w.blocks[l], b, seg); });
-    maybe_graphed(mlp_graphs, str_cat("vision block ", l, " mlp fwd", shape),
-                  [this, &v, &w, l, b] { vision_mlp_forward(be_, v, w.blocks[l], b); });
-    const auto tap = std::find(taps.begin(), taps.end(), l);
-    if (tap != taps.end()) {
-      const size_t k = static_cast<size_t>(tap - taps.begin());
-      merger_forward(be_, v, w.deepstack_mergers[k], ds_[k], vx_[l + 1], S, true);
+  // The tower's order on the training buffers; a block's halves are graphs where
+  // TrainGraphs::vision_modules names them. Keys name the rows and the segment count (the only
+  // host values the halves pass).
+  class Steps final : public VisionTowerSteps {
+   public:
+    Steps(TrainableQwen3VL& m, bool module_graphs) : m_(m), seg_(m.vision_segments()) {
+      halves_ = half_graphs(module_graphs, m.graphs_.vision_modules);
+      shape_ = str_cat(" S", m.S_, " segments ", m.n_segments_);
     }
-  }
-  merger_forward(be_, v, w.merger, merger_, vx_[v.depth], S, false);
+    // The micro-batch's tables from its grids (in the vision graph, when there is one); the
+    // backward reads them as the forward left them.
+    void embed() override {
+      TrainableQwen3VL& m = m_;
+      const VisionConfig& v = m.cfg_.vision;
+      const int64_t S = m.S_;
+      m.be_.vision_tables(m.v_cos_.slice(0, S), m.v_sin_.slice(0, S), m.pos_index_.slice(0, S),
+                          m.pos_weight_.slice(0, S), m.v_cu_, m.v_real_rows_, m.v_grids_,
+                          m.v_inv_freq_, v.spatial_merge_size, v.position_grid_side(),
+                          m.v_window_cu_, v.window_units());
+      v.tower->embed(m.be_, m.params_.vision, m.vx_[0].slice(0, S), m.pixels_.slice(0, S),
+                     m.pos_index_.slice(0, S), m.pos_weight_.slice(0, S));
+    }
+    void block(int l) override {
+      TrainableQwen3VL& m = m_;
+      const VisionConfig& v = m.cfg_.vision;
+      const VisionBlockWeights& w = m.params_.vision.blocks[l];
+      const VisionBlockBuffers b = m.vision_block(l);
+      const VisionSegments seg = seg_.for_block(v, l);
+      m.maybe_graphed(halves_.attn, str_cat("vision block ", l, " attn fwd", shape_),
+                      [&m, &v, &w, b, seg] { vision_attention_forward(m.be_, v, w, b, seg); });
+      m.maybe_graphed(halves_.mlp, str_cat("vision block ", l, " mlp fwd", shape_),
+                      [&m, &v, &w, b] { vision_mlp_forward(m.be_, v, w, b); });
+    }
+    void deepstack_merger(int k, int l) override {
+      merger_forward(m_.be_, m_.cfg_.vision, m_.params_.vision.deepstack_mergers[k], m_.ds_[k],
+                     m_.vx_[l + 1], m_.S_, true);
+    }
+    void merger() override {
+      const VisionConfig& v = m_.cfg_.vision;
+      merger_forward(m_.be_, v, m_.params_.vision.merger, m_.merger_, m_.vx_[v.depth], m_.S_,
+                     false);
+    }
+
+   private:
+    TrainableQwen3VL& m_;
+    VisionSegments seg_;
+    HalfGraphs halves_;
+    std::string shape_;
+  };
+  Steps steps(*this, module_graphs);
+  vision_tower_forward(cfg_.vision, steps);
 }
 
 void TrainableQwen3VL::vision_backward(bool module_graphs) {
-  const VisionConfig& v = cfg_.vision;
-  const VisionWeights& w = params_.vision;
-  VisionWeights& g = grads_->vision;
-  const int64_t S = S_;
-  const bool tower = !frozen_.vision_tower;
-  const auto& taps = v.deepstack_visual_indexes;
-  const VisionSegments all_seg = vision_segments();
-  const VisionGradScratch scratch = vision_grad_scratch();
-  const bool attn_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::attn);
-  const bool mlp_graphs = module_graphs && has_module(graphs_.vision_modules, GraphModule::mlp);
-  const std::string shape = str_cat(" S", S, " segments ", n_segments_);
-  auto merger_grads = [&](PatchMergerWeights& m) { return frozen_.merger ? nullptr : &m; };
+  // The tower's order, reversed, on the training buffers. dres holds d(output of the block the
+  // walk is at); DeepStack taps read that output too.
+  class Steps final : public VisionTowerGradSteps {
+   public:
+    Steps(TrainableQwen3VL& m, bool module_graphs)
+        : m_(m), seg_(m.vision_segments()), scratch_(m.vision_grad_scratch()) {
+      tower_ = !m.frozen_.vision_tower;
+      dres_ = tower_ ? scratch_.dres : Tensor();
+      halves_ = half_graphs(module_graphs, m.graphs_.vision_modules);
+      shape_ = str_cat(" S", m.S_, " segments ", m.n_segments_);
+    }
+    void merger() override {
+      TrainableQwen3VL& m = m_;
+      const VisionConfig& v = m.cfg_.vision;
+      VisionWeights& g = m.grads_->vision;
+      if (tower_) m.be_.fill_zero(dres_);
+      merger_backward(m.be_, v, m.params_.vision.merger, merger_grads(g.merger), m.merger_,
+                      m.vx_[v.depth], m.S_, false, m.d_embeds_, dres_, scratch_);
+      mark(g.merger);
+    }
+    void deepstack_merger(int k, int l) override {
+      TrainableQwen3VL& m = m_;
+      VisionWeights& g = m.grads_->vision;
+      merger_backward(m.be_, m.cfg_.vision, m.params_.vision.deepstack_mergers[k],
+                      merger_grads(g.deepstack_mergers[k]), m.ds_[k], m.vx_[l + 1], m.S_, true,
+                      m.d_ds_[k], dres_, scratch_);
+      mark(g.deepstack_mergers[k]);
+    }
+    void block(int l) override {
+      TrainableQwen3VL& m = m_;
+      const VisionConfig& v = m.cfg_.vision;
+      const VisionBlockWeights& w = m.params_.vision.blocks[l];
+      VisionBlockWeights& gb = m.grads_->vision.blocks[l];
+      const VisionBlockBuffers b = m.vision_block(l);
+      const VisionSegments seg = seg_.for_block(v, l);
+      const VisionGradScratch scratch = scratch_;
+      const int64_t S = m.S_;
+      // The recomputation runs with the MLP half, whose backward is the first to read it.
+      m.maybe_graphed(halves_.mlp, str_cat("vision block ", l, " mlp bwd", shape_),
+                      [&m, &v, &w, &gb, b, seg, scratch, S] {
+                        if (m.limits_.recompute != Recompute::none) {
+                          VisionBlockBuffers rerun = b;
+                          if (m.limits_.recompute == Recompute::full)
+                            rerun.x_out = m.v_recompute_out_.slice(0, S);
+                          vision_block_recompute(m.be_, v, w, rerun, seg, m.limits_.recompute);
+                        }
+                        vision_mlp_backward(m.be_, v, w, gb, b, scratch);
+                      });
+      m.maybe_graphed(halves_.attn, str_cat("vision block ", l, " attn bwd", shape_),
+                      [&m, &v, &w, &gb, b, seg, scratch] {
+                        vision_attention_backward(m.be_, v, w, gb, b, seg, scratch);
+                      });
+      mark(gb);
+    }
+    void embed() override {
+      TrainableQwen3VL& m = m_;
+      VisionWeights& g = m.grads_->vision;
+      const int64_t S = m.S_;
+      m.cfg_.vision.tower->embed_backward(m.be_, g, dres_, scratch_.dres_c, m.pixels_.slice(0, S),
+                                          m.pos_index_.slice(0, S), m.pos_weight_.slice(0, S));
+      for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b})
+        if (t->defined()) m.gradient_final(*t);
+    }
+    bool tower() const { return tower_; }
 
-  const Tensor dres = tower ? scratch.dres : Tensor();
-  if (tower) be_.fill_zero(dres);
-  merger_backward(be_, v, w.merger, merger_grads(g.merger), merger_, vx_[v.depth], S, false,
-                  d_embeds_, dres, scratch);
-  auto mark = [this](const Tensor& t) { gradient_final(t); };
-  each_tensor(g.merger, mark);
-  if (!tower) {
-    for (size_t k = 0; k < taps.size(); ++k) {
-      merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      vx_[taps[k] + 1], S, true, d_ds_[k], Tensor(), scratch);
-      each_tensor(g.deepstack_mergers[k], mark);
+   private:
+    PatchMergerWeights* merger_grads(PatchMergerWeights& g) const {
+      return m_.frozen_.merger ? nullptr : &g;
     }
-    return;
-  }
-  for (int l = v.depth - 1; l >= 0; --l) {
-    // dres holds d(output of block l); DeepStack taps read that output too.
-    const auto tap = std::find(taps.begin(), taps.end(), l);
-    if (tap != taps.end()) {
-      const size_t k = static_cast<size_t>(tap - taps.begin());
-      merger_backward(be_, v, w.deepstack_mergers[k], merger_grads(g.deepstack_mergers[k]), ds_[k],
-                      vx_[l + 1], S, true, d_ds_[k], dres, scratch);
-      each_tensor(g.deepstack_mergers[k], mark);
+    void mark(const PatchMergerWeights& w) {
+      each_tensor(w, [this](const Tensor& t) { m_.gradient_final(t); });
     }
-    const VisionBlockBuffers b = vision_block(l);
-    const VisionSegments seg = all_seg.for_block(v, l);
-    // The recomputation runs with the MLP half, whose backward is the first to read it.
-    maybe_graphed(mlp_graphs, str_cat("vision block ", l, " mlp bwd", shape),
-                  [this, &v, &w, &g, l, b, seg, scratch, S] {
-                    if (limits_.recompute != Recompute::none) {
-                      VisionBlockBuffers rerun = b;
-                      if (limits_.recompute == Recompute::full)
-                        rerun.x_out = v_recompute_out_.slice(0, S);
-                      vision_block_recompute(be_, v, w.blocks[l], rerun, seg, limits_.recompute);
-                    }
-                    vision_mlp_backward(be_, v, w.blocks[l], g.blocks[l], b, scratch);
-                  });
-    maybe_graphed(attn_graphs, str_cat("vision block ", l, " attn bwd", shape),
-                  [this, &v, &w, &g, l, b, seg, scratch] {
-                    vision_attention_backward(be_, v, w.blocks[l], g.blocks[l], b, seg, scratch);
-                  });
-    each_tensor(g.blocks[l], mark);
-  }
-  v.tower->embed_backward(be_, g, dres, scratch.dres_c, pixels_.slice(0, S), pos_index_.slice(0, S),
-                          pos_weight_.slice(0, S));
-  for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b})
-    if (t->defined()) mark(*t);
+    void mark(const VisionBlockWeights& w) {
+      each_tensor(w, [this](const Tensor& t) { m_.gradient_final(t); });
+    }
+    TrainableQwen3VL& m_;
+    VisionSegments seg_;
+    VisionGradScratch scratch_;
+    Tensor dres_;
+    bool tower_ = false;
+    HalfGraphs halves_;
+    std::string shape_;
+  };
+  Steps steps(*this, module_graphs);
+  vision_tower_backward(cfg_.vision, steps, steps.tower());
 }
 
 // ---- Text --------------------------------------------------------------------------------------
@@ -1227,53 +1283,75 @@ DecoderAttention TrainableQwen3VL::text_attention() const {
   return at;
 }
 
-void TrainableQwen3VL::text_forward(bool layer_graphs) {
-  const TextConfig& t = cfg_.text;
-  const DecoderWeights& w = params_.text;
-  const int64_t L = L_, Ls = L_ + sink_rows();
-  const Tensor pads = pad_rows_.slice(0, n_pad_);
-  const DecoderAttention at = text_attention();
-
-  const PipelineStage& st = limits_.stage;
+void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tensor& loss_out) {
+  const int64_t L = L_;
   // The tables every layer's attention (and its backward) rotates with.
   be_.text_rope_tables(cos_.slice(0, L), sin_.slice(0, L), positions_.slice(0, L), rope_inv_freq_,
                        rope_axes_);
-  if (st.has_embed()) {
-    be_.embedding(tx_[0].slice(0, L), w.embed, ids_.slice(0, L));
-    if (n_pad_ > 0)
-      be_.scatter_rows(tx_[0].slice(0, Ls), merger_.out.slice(0, n_pad_), pads, false);
-  }
-  // Whole layers, or the halves TrainGraphs::decoder_modules names (the rest eagerly).
-  const auto& modules = graphs_.decoder_modules;
-  const bool whole = layer_graphs && modules.empty();
-  const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
-  const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
-  const std::string shape = str_cat(" L", L, " pads ", n_pad_);
-  for (int l = st.first_layer; l < st.end_layer; ++l) {
-    const DecoderLayerBuffers b = text_layer(l);
-    auto attention = [this, &t, &w, l, b, at] {
-      decoder_attention_forward(be_, t, w.layers[l], b, at);
-    };
-    auto mlp = [this, &t, &w, l, b, Ls] {
-      decoder_mlp_forward(be_, t, w.layers[l], b);
-      // DeepStack: the tapped vision features join the image-pad rows after the first layers.
-      if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-        be_.scatter_rows(tx_[l + 1].slice(0, Ls), ds_[l].out.slice(0, n_pad_),
-                         pad_rows_.slice(0, n_pad_), true);
-    };
-    if (whole) {
-      graphed(str_cat("layer ", l, " fwd", shape), [attention, mlp] {
-        attention();
-        mlp();
-      });
-      continue;
+  // The joined order on the training buffers: whole layers as graphs, or the halves
+  // TrainGraphs::decoder_modules names (the rest eagerly).
+  class Steps final : public JoinedForwardSteps {
+   public:
+    Steps(TrainableQwen3VL& m, bool layer_graphs, bool backward, const Tensor& loss_out)
+        : m_(m), backward_(backward), loss_out_(loss_out) {
+      const auto& modules = m.graphs_.decoder_modules;
+      whole_ = layer_graphs && modules.empty();
+      halves_ = half_graphs(layer_graphs, modules);
+      shape_ = str_cat(" L", m.L_, " pads ", m.n_pad_);
     }
-    maybe_graphed(attn_graphs, str_cat("layer ", l, " attn fwd", shape), attention);
-    maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp fwd", shape), mlp);
-  }
-  if (st.has_head)
-    be_.rms_norm_train(final_.slice(0, L), final_rstd_.slice(0, L),
-                       tx_[t.num_hidden_layers].slice(0, L), w.norm_w, t.rms_norm_eps);
+    void embed() override {
+      m_.be_.embedding(m_.tx_[0].slice(0, m_.L_), m_.params_.text.embed, m_.ids_.slice(0, m_.L_));
+    }
+    void scatter_vision() override {
+      if (m_.n_pad_ > 0)
+        m_.be_.scatter_rows(m_.tx_[0].slice(0, rows_with_sink()),
+                            m_.merger_.out.slice(0, m_.n_pad_), m_.pad_rows_.slice(0, m_.n_pad_),
+                            false);
+    }
+    void layer(int l) override {
+      TrainableQwen3VL& m = m_;
+      const TextConfig& t = m.cfg_.text;
+      const DecoderLayerWeights& w = m.params_.text.layers[l];
+      const DecoderLayerBuffers b = m.text_layer(l);
+      const DecoderAttention at = m.text_attention();
+      auto attention = [&m, &t, &w, b, at] { decoder_attention_forward(m.be_, t, w, b, at); };
+      auto mlp = [&m, &t, &w, b] { decoder_mlp_forward(m.be_, t, w, b); };
+      if (whole_) {
+        m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
+          attention();
+          mlp();
+        });
+        return;
+      }
+      m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn fwd", shape_), attention);
+      m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp fwd", shape_), mlp);
+    }
+    void add_deepstack(int l) override {
+      if (m_.n_pad_ > 0)
+        m_.be_.scatter_rows(m_.tx_[l + 1].slice(0, rows_with_sink()),
+                            m_.ds_[l].out.slice(0, m_.n_pad_), m_.pad_rows_.slice(0, m_.n_pad_),
+                            true);
+    }
+    void final_norm() override {
+      const TextConfig& t = m_.cfg_.text;
+      m_.be_.rms_norm_train(m_.final_.slice(0, m_.L_), m_.final_rstd_.slice(0, m_.L_),
+                            m_.tx_[t.num_hidden_layers].slice(0, m_.L_), m_.params_.text.norm_w,
+                            t.rms_norm_eps);
+    }
+    void head() override { m_.loss(backward_, loss_out_); }
+
+   private:
+    // Scatters and gathers address the rows with the padding's sink row.
+    int64_t rows_with_sink() const { return m_.L_ + m_.sink_rows(); }
+    TrainableQwen3VL& m_;
+    bool backward_;
+    Tensor loss_out_;
+    bool whole_ = false;
+    HalfGraphs halves_;
+    std::string shape_;
+  };
+  Steps steps(*this, layer_graphs, backward, loss_out);
+  joined_forward(cfg_, limits_.stage, steps);
 }
 
 void TrainableQwen3VL::loss(bool backward, const Tensor& loss_out) {
@@ -1306,78 +1384,104 @@ void TrainableQwen3VL::move_grads_into(TrainableQwen3VL& sum) {
 }
 
 void TrainableQwen3VL::text_backward(bool layer_graphs) {
-  const TextConfig& t = cfg_.text;
-  const DecoderWeights& w = params_.text;
-  DecoderWeights& g = grads_->text;
-  const bool lm = !frozen_.language_model;
-  const int64_t L = L_, Ls = L_ + sink_rows();
-  const Tensor pads = pad_rows_.slice(0, n_pad_);
-  const Tensor dres = t_dres_.slice(0, L), dres_c = t_dres_c_.slice(0, L);
-  // With the sink row, which padding's gathers read as zero.
-  const Tensor dres_sink = t_dres_.slice(0, Ls);
-  const PipelineStage& st = limits_.stage;
-  // A stage before the last starts from the gradient the next stage sent into dres.
-  if (st.has_head) {
-    const Tensor dloss_sink = t_dloss_.slice(0, Ls);
-    be_.fill_zero(dres_sink);
-    be_.fill_zero(dloss_sink);
-    be_.scatter_rows(dloss_sink, dxlab_.slice(0, n_label_), label_rows_.slice(0, n_label_), false);
-    be_.rms_norm_backward(dres, g_or_none(g.norm_w, lm), t_dloss_.slice(0, L),
-                          tx_[t.num_hidden_layers].slice(0, L), final_rstd_.slice(0, L), w.norm_w);
-    // The loss wrote the lm_head's; tied, it is the embedding, which this stage may still add to.
-    gradient_final(g.norm_w);
-    if (!cfg_.tie_word_embeddings || !st.has_embed()) gradient_final(g.lm_head);
-  }
-  const DecoderAttention at = text_attention();
-  const DecoderGradScratch scratch{dres,
-                                   dres_c,
-                                   t_dtmp_.slice(0, L),
-                                   t_dact_.slice(0, L),
-                                   t_dgu_.slice(0, L),
-                                   t_dattn_.slice(0, L),
-                                   t_dqkv_.slice(0, L),
-                                   t_dsum_.slice(0, L)};
-  const auto& modules = graphs_.decoder_modules;
-  const bool whole = layer_graphs && modules.empty();
-  const bool attn_graphs = layer_graphs && has_module(modules, GraphModule::attn);
-  const bool mlp_graphs = layer_graphs && has_module(modules, GraphModule::mlp);
-  const std::string shape = str_cat(" L", L, " pads ", n_pad_, " lm ", int(lm));
-  for (int l = st.end_layer - 1; l >= st.first_layer; --l) {
-    const DecoderLayerBuffers b = text_layer(l);
-    DecoderLayerWeights* gl = lm ? &g.layers[l] : nullptr;
-    // The DeepStack gradient and the recomputation run with the MLP half, the first to need
-    // them.
-    auto mlp = [this, &t, &w, gl, l, L, b, at, scratch, dres_sink] {
-      // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after l).
-      if (n_pad_ > 0 && l < static_cast<int>(ds_.size()))
-        be_.gather_rows(d_ds_[l].slice(0, n_pad_), dres_sink, pad_rows_.slice(0, n_pad_));
-      if (limits_.recompute != Recompute::none) {
-        DecoderLayerBuffers rerun = b;
-        if (limits_.recompute == Recompute::full) rerun.x_out = t_recompute_out_.slice(0, L);
-        decoder_layer_recompute(be_, t, w.layers[l], rerun, at, limits_.recompute);
-      }
-      decoder_mlp_backward(be_, w.layers[l], gl, b, scratch);
-    };
-    auto attention = [this, &t, &w, gl, l, b, at, scratch] {
-      decoder_attention_backward(be_, t, w.layers[l], gl, b, at, scratch);
-    };
-    if (whole) {
-      graphed(str_cat("layer ", l, " bwd", shape), [mlp, attention] {
-        mlp();
-        attention();
-      });
-    } else {
-      maybe_graphed(mlp_graphs, str_cat("layer ", l, " mlp bwd", shape), mlp);
-      maybe_graphed(attn_graphs, str_cat("layer ", l, " attn bwd", shape), attention);
+  // The joined order, reversed, on the training buffers.
+  class Steps final : public JoinedBackwardSteps {
+   public:
+    Steps(TrainableQwen3VL& m, bool layer_graphs) : m_(m) {
+      const int64_t L = m.L_;
+      scratch_ =
+          DecoderGradScratch{m.t_dres_.slice(0, L), m.t_dres_c_.slice(0, L), m.t_dtmp_.slice(0, L),
+                             m.t_dact_.slice(0, L), m.t_dgu_.slice(0, L),    m.t_dattn_.slice(0, L),
+                             m.t_dqkv_.slice(0, L), m.t_dsum_.slice(0, L)};
+      // With the sink row, which padding's gathers read as zero.
+      dres_sink_ = m.t_dres_.slice(0, L + m.sink_rows());
+      lm_ = !m.frozen_.language_model;
+      const auto& modules = m.graphs_.decoder_modules;
+      whole_ = layer_graphs && modules.empty();
+      halves_ = half_graphs(layer_graphs, modules);
+      shape_ = str_cat(" L", L, " pads ", m.n_pad_, " lm ", int(lm_));
     }
-    each_tensor(g.layers[l], [this](const Tensor& x) { gradient_final(x); });
-  }
-  // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
-  // tower, not to the pad token's embedding row.
-  if (!st.has_embed()) return;
-  if (lm) be_.embedding_backward(g.embed, dres, ids_.slice(0, L), cfg_.image_token_id);
-  gradient_final(g.embed);
-  if (n_pad_ > 0) be_.gather_rows(d_embeds_.slice(0, n_pad_), dres_sink, pads);
+    // A stage before the last starts from the gradient the next stage sent into dres instead.
+    void head() override {
+      TrainableQwen3VL& m = m_;
+      const TextConfig& t = m.cfg_.text;
+      DecoderWeights& g = m.grads_->text;
+      const int64_t L = m.L_;
+      const Tensor dloss_sink = m.t_dloss_.slice(0, L + m.sink_rows());
+      m.be_.fill_zero(dres_sink_);
+      m.be_.fill_zero(dloss_sink);
+      m.be_.scatter_rows(dloss_sink, m.dxlab_.slice(0, m.n_label_),
+                         m.label_rows_.slice(0, m.n_label_), false);
+      m.be_.rms_norm_backward(scratch_.dres, g_or_none(g.norm_w, lm_), m.t_dloss_.slice(0, L),
+                              m.tx_[t.num_hidden_layers].slice(0, L), m.final_rstd_.slice(0, L),
+                              m.params_.text.norm_w);
+      // The loss wrote the lm_head's; tied, it is the embedding, which this stage may still add
+      // to.
+      m.gradient_final(g.norm_w);
+      if (!m.cfg_.tie_word_embeddings || !m.limits_.stage.has_embed()) m.gradient_final(g.lm_head);
+    }
+    // dres holds d(input of layer l + 1), which is also d(the DeepStack rows added after l).
+    void deepstack(int l) override {
+      if (m_.n_pad_ > 0)
+        m_.be_.gather_rows(m_.d_ds_[l].slice(0, m_.n_pad_), dres_sink_,
+                           m_.pad_rows_.slice(0, m_.n_pad_));
+    }
+    void layer(int l) override {
+      TrainableQwen3VL& m = m_;
+      const TextConfig& t = m.cfg_.text;
+      const DecoderLayerWeights& w = m.params_.text.layers[l];
+      DecoderLayerWeights* gl = lm_ ? &m.grads_->text.layers[l] : nullptr;
+      const DecoderLayerBuffers b = m.text_layer(l);
+      const DecoderAttention at = m.text_attention();
+      const DecoderGradScratch scratch = scratch_;
+      const int64_t L = m.L_;
+      // The recomputation runs with the MLP half, the first to need it.
+      auto mlp = [&m, &t, &w, gl, L, b, at, scratch] {
+        if (m.limits_.recompute != Recompute::none) {
+          DecoderLayerBuffers rerun = b;
+          if (m.limits_.recompute == Recompute::full) rerun.x_out = m.t_recompute_out_.slice(0, L);
+          decoder_layer_recompute(m.be_, t, w, rerun, at, m.limits_.recompute);
+        }
+        decoder_mlp_backward(m.be_, w, gl, b, scratch);
+      };
+      auto attention = [&m, &t, &w, gl, b, at, scratch] {
+        decoder_attention_backward(m.be_, t, w, gl, b, at, scratch);
+      };
+      if (whole_) {
+        m.graphed(str_cat("layer ", l, " bwd", shape_), [mlp, attention] {
+          mlp();
+          attention();
+        });
+      } else {
+        m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp bwd", shape_), mlp);
+        m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
+      }
+      each_tensor(m.grads_->text.layers[l], [&m](const Tensor& x) { m.gradient_final(x); });
+    }
+    // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
+    // tower, not to the pad token's embedding row.
+    void embed() override {
+      TrainableQwen3VL& m = m_;
+      DecoderWeights& g = m.grads_->text;
+      if (lm_)
+        m.be_.embedding_backward(g.embed, scratch_.dres, m.ids_.slice(0, m.L_),
+                                 m.cfg_.image_token_id);
+      m.gradient_final(g.embed);
+      if (m.n_pad_ > 0)
+        m.be_.gather_rows(m.d_embeds_.slice(0, m.n_pad_), dres_sink_,
+                          m.pad_rows_.slice(0, m.n_pad_));
+    }
+
+   private:
+    TrainableQwen3VL& m_;
+    DecoderGradScratch scratch_;
+    Tensor dres_sink_;
+    bool lm_ = false, whole_ = false;
+    HalfGraphs halves_;
+    std::string shape_;
+  };
+  Steps steps(*this, layer_graphs);
+  joined_backward(cfg_, limits_.stage, steps);
 }
 
 }  // namespace iris

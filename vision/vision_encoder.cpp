@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "core/vision_tables.h"
+#include "vision/vision_tower_order.h"
 
 namespace iris {
 
@@ -353,10 +355,32 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
   merger_forward(backend_, cfg_, m, b, x, rows, post_shuffle, beside_layers);
 }
 
+namespace {
+// The eager call: the tower's order on the encoder's buffers, each DeepStack merger beside the
+// blocks after it.
+class EncoderSteps final : public VisionTowerSteps {
+ public:
+  EncoderSteps(VisionEncoder& encoder, int64_t rows, int n_segments,
+               std::function<void(int, int64_t)> deepstack)
+      : encoder_(encoder), rows_(rows), n_segments_(n_segments), deepstack_(std::move(deepstack)) {}
+  void embed() override { encoder_.run_embed(rows_); }
+  void block(int l) override { encoder_.run_block(l, rows_, n_segments_); }
+  void deepstack_merger(int k, int) override { deepstack_(k, rows_); }
+  void merger() override { encoder_.run_merger(rows_); }
+
+ private:
+  VisionEncoder& encoder_;
+  int64_t rows_;
+  int n_segments_;
+  std::function<void(int, int64_t)> deepstack_;
+};
+}  // namespace
+
 VisionEncoder::Output VisionEncoder::run(int64_t S, int n_segments) {
-  run_embed(S);
-  for (int l = 0; l < cfg_.depth; ++l) run_block(l, S, n_segments, true);
-  return run_finish(S);
+  EncoderSteps steps(*this, S, n_segments,
+                     [this](int k, int64_t rows) { run_deepstack_merger(k, rows, true); });
+  vision_tower_forward(cfg_, steps);
+  return output(S);
 }
 
 void VisionEncoder::run_embed(int64_t S) {
@@ -372,7 +396,7 @@ void VisionEncoder::run_embed(int64_t S) {
                     pos_weight_.slice(0, S));
 }
 
-void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_beside_layers) {
+void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   VisionBlockBuffers b;
   b.x_in = b.x_mid = b.x_out = x_.slice(0, S);
   b.ln1 = b.ln2 = xn_.slice(0, S);
@@ -384,16 +408,14 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments, bool merger_besi
   seg.window_cu = window_cu_;
   seg.n_windows = n_windows_;
   vision_block_forward(backend_, cfg_, w_.blocks[l], b, seg.for_block(cfg_, l));
-  const Tensor x = b.x_out;
-  const auto& taps = cfg_.deepstack_visual_indexes;
-  const auto tap = std::find(taps.begin(), taps.end(), l);
-  if (tap != taps.end()) {
-    const size_t k = static_cast<size_t>(tap - taps.begin());
-    run_merger(w_.deepstack_mergers[k], x, S, true, deepstack_[k], merger_beside_layers);
-  }
 }
 
-VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
+void VisionEncoder::run_deepstack_merger(int k, int64_t S, bool beside_layers) {
+  run_merger(w_.deepstack_mergers[static_cast<size_t>(k)], x_.slice(0, S), S, true,
+             deepstack_[static_cast<size_t>(k)], beside_layers);
+}
+
+void VisionEncoder::run_merger(int64_t S) {
   const int64_t Sm = S / cfg_.merge_unit();
   if (cfg_.window_units() > 0) {
     run_merger(w_.merger, x_, S, false, windowed_embeds_, false);
@@ -402,6 +424,10 @@ VisionEncoder::Output VisionEncoder::run_finish(int64_t S) {
   } else {
     run_merger(w_.merger, x_, S, false, embeds_, false);
   }
+}
+
+VisionEncoder::Output VisionEncoder::output(int64_t S) const {
+  const int64_t Sm = S / cfg_.merge_unit();
   Output out;
   out.embeds = embeds_.slice(0, Sm);
   for (const Tensor& d : deepstack_) out.deepstack.push_back(d.slice(0, Sm));

@@ -195,16 +195,16 @@ class VisionEncoder {
   // first. Captures in a CUDA graph as is. Outputs cover all rows/4 merged rows (padding
   // included).
   Output run(int64_t rows, int n_segments);
-  // run() in pieces, for per-layer graphs: the tables with the patch and position embedding, one
-  // block (with its DeepStack tap), then the main merger. run() == embed, every block in order,
-  // finish, except that run() overlaps each DeepStack merger with the blocks after it (side
-  // work), which a block captured as a graph of its own cannot leave unjoined: run_block's
-  // merger is in order.
+  // run() in pieces, for per-layer graphs: the steps of vision_tower_order.h on this encoder's
+  // buffers (the tables with the patch and position embedding, a block, a DeepStack merger, the
+  // main merger), then the outputs. run() overlaps each DeepStack merger with the blocks after it
+  // (side work, joined by the next merger's start), which a block captured as a graph of its own
+  // cannot leave unjoined: run_deepstack_merger runs in order.
   void run_embed(int64_t rows);
-  void run_block(int layer, int64_t rows, int n_segments) {
-    run_block(layer, rows, n_segments, false);
-  }
-  Output run_finish(int64_t rows);
+  void run_block(int layer, int64_t rows, int n_segments);
+  void run_deepstack_merger(int tap, int64_t rows) { run_deepstack_merger(tap, rows, false); }
+  void run_merger(int64_t rows);
+  Output output(int64_t rows) const;
   // Convenience: upload + run; the outputs are trimmed to the real merged rows.
   Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
 
@@ -215,7 +215,7 @@ class VisionEncoder {
 
  private:
   void allocate(Arena& arena);
-  void run_block(int layer, int64_t rows, int n_segments, bool merger_beside_layers);
+  void run_deepstack_merger(int tap, int64_t rows, bool beside_layers);
   // beside_layers: the merger's GEMMs run as side work (Backend::begin_side_work), joined by the
   // next merger's start.
   void run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows, bool post_shuffle,
