@@ -1,5 +1,6 @@
 // Image files as transformers' load_image reads them: EXIF orientation (exif_transpose), WebP
-// (libwebp) and TIFF (libtiff), against files written here with the same libraries.
+// (libwebp) and TIFF (libtiff), against files written here with the same libraries and against
+// the HF golden of tools/make_image_format_golden.py (tests/data/image_formats).
 #include <stb_image_write.h>
 #include <tiffio.h>
 #include <webp/decode.h>
@@ -15,6 +16,7 @@
 #include "test_util.h"
 #include "vision/image.h"
 #include "vision/image_formats.h"
+#include "vision/preprocess.h"
 
 namespace iris {
 namespace {
@@ -804,6 +806,113 @@ TEST(ImageFormats, UnknownAndEmptyFilesListTheFormats) {
   EXPECT_NE(msg.find("empty.webp: it is empty (0 bytes); expected PNG, JPEG, WebP, TIFF"),
             std::string::npos)
       << msg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// HF golden (tools/make_image_format_golden.py, transformers' load_image and image processor)
+
+// Levels by which stb's JPEG decoder may differ from the libjpeg-turbo under PIL: its IDCT and
+// chroma upsampling round differently. Measured on these files against Pillow 9.4 with
+// libjpeg-turbo 2.1.5: at most 2 levels, in 6.5-7.9% of the samples (the test prints its figures).
+constexpr int kJpegLevels = 2;
+
+class ImageFormatsGolden : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = test::data_dir() + "/image_formats";
+    if (!fs::exists(dir_ + "/golden.json"))
+      GTEST_SKIP() << dir_ << "/golden.json is missing: run python3 "
+                   << "tools/make_image_format_golden.py --out tests/data/image_formats where "
+                      "transformers is installed";
+    golden_ = std::make_unique<test::Golden>(dir_);
+    ASSERT_EQ(golden_->json()["source"], "transformers.image_utils.load_image")
+        << "the golden was not made with transformers";
+  }
+  ImageRGB8 expected(const std::string& key) const {
+    const HostTensor t = golden_->tensor(key);
+    EXPECT_EQ(t.dims().size(), 3u);
+    ImageRGB8 img{int(t.dim(1)), int(t.dim(0)), {}};
+    const int32_t* p = t.data<int32_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) img.pixels.push_back(uint8_t(p[i]));
+    return img;
+  }
+  std::string dir_;
+  std::unique_ptr<test::Golden> golden_;
+};
+
+TEST_F(ImageFormatsGolden, DecodedPixelsEqualHF) {
+  const nlohmann::json& files = golden_->json()["files"];
+  ASSERT_GE(files.size(), 20u);
+  const int up_w = golden_->json()["upright"][0], up_h = golden_->json()["upright"][1];
+  for (const auto& [stem, f] : files.items()) {
+    SCOPED_TRACE(stem);
+    const ImageRGB8 got = load_image(dir_ + "/" + f["file"].get<std::string>());
+    // Every file holds the upright image, stored turned where it has an orientation.
+    EXPECT_EQ(got.width, up_w);
+    EXPECT_EQ(got.height, up_h);
+    const bool alpha = f["has_alpha"];
+    const ImageRGB8 want = expected(stem + (alpha ? ".rgb_composited" : ".rgb"));
+    if (got.width != want.width || got.height != want.height) {
+      ADD_FAILURE() << "HF gives " << want.width << "x" << want.height;
+      continue;
+    }
+    int worst = 0;
+    size_t differ = 0;
+    for (size_t i = 0; i < got.pixels.size(); ++i) {
+      const int d = std::abs(int(got.pixels[i]) - int(want.pixels[i]));
+      worst = std::max(worst, d);
+      differ += d != 0;
+    }
+    std::printf("%-18s %-4s orientation %d: %zu of %zu samples differ from HF, max %d levels\n",
+                stem.c_str(), f["format"].get<std::string>().c_str(), f["orientation"].get<int>(),
+                differ, got.pixels.size(), worst);
+    if (f["lossless"]) {
+      EXPECT_EQ(worst, 0);
+    } else {
+      EXPECT_LE(worst, f["format"] == "JPEG" ? kJpegLevels : 0);
+    }
+    if (alpha) {
+      // load_image itself drops alpha; the composite differs only where alpha is below 255.
+      const ImageRGB8 dropped = expected(stem + ".rgb");
+      size_t changed = 0;
+      for (size_t i = 0; i < got.pixels.size(); ++i) changed += got.pixels[i] != dropped.pixels[i];
+      std::printf("%-18s load_image's convert(\"RGB\") (alpha dropped) differs in %zu samples\n",
+                  stem.c_str(), changed);
+    }
+  }
+}
+
+TEST_F(ImageFormatsGolden, TurnedLosslessFilesEqualTheUprightOne) {
+  const ImageRGB8 upright = load_image(dir_ + "/upright.png");
+  for (const char* file : {"webp_orient6.webp", "tiff_orient8.tif", "png_orient5.png",
+                           "webp_lossless.webp", "tiff_rgb.tif", "tiff_rgb_lzw.tif"})
+    EXPECT_EQ(load_image(dir_ + "/" + file).pixels, upright.pixels) << file;
+}
+
+TEST_F(ImageFormatsGolden, PixelValuesEqualHF) {
+  const PreprocessorConfig cfg =
+      PreprocessorConfig::from_file(test::fixture_dir() + "/preprocessor_config.json");
+  const nlohmann::json& stems = golden_->json()["pixel_value_stems"];
+  ASSERT_FALSE(stems.empty());
+  for (const auto& s : stems) {
+    const std::string stem = s;
+    SCOPED_TRACE(stem);
+    const HostTensor want = golden_->tensor(stem + ".pixel_values");
+    const HostTensor grid = golden_->tensor(stem + ".image_grid_thw");
+    // From HF's decoded pixels: the preprocessing alone.
+    const PreprocessedImage from_hf = preprocess_image(expected(stem + ".rgb"), cfg);
+    ASSERT_EQ(from_hf.pixel_values.dims(), want.dims());
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(from_hf.grid_thw[k], grid.data<int64_t>()[k]);
+    EXPECT_TRUE(test::all_close(from_hf.pixel_values.to_f32(), want.to_f32(), 0, 1e-4f));
+    // From the file: equal for lossless files, within the decoders' levels for JPEG (a level is
+    // 1 / (255 x std) = 2/255 in normalised units; resampling can carry a difference 1.25x).
+    const auto& f = golden_->json()["files"][stem];
+    const PreprocessedImage from_file =
+        preprocess_image(load_image(dir_ + "/" + f["file"].get<std::string>()), cfg);
+    const float levels = f["lossless"] ? 0.f : f["format"] == "JPEG" ? 1.25f * kJpegLevels : 1.f;
+    EXPECT_TRUE(test::all_close(from_file.pixel_values.to_f32(), want.to_f32(), 0,
+                                levels * 2.f / 255.f + 1e-4f));
+  }
 }
 
 }  // namespace
