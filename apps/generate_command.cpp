@@ -757,6 +757,9 @@ int run_generate_command(int argc, char** argv) {
                "iris generate"};
   app.formatter(std::make_shared<HelpFormatter>());
   app.get_formatter()->column_width(50);
+  app.footer(str_cat("Images: ", kImageFormats,
+                     "; turned upright by their EXIF orientation\nas transformers' load_image "
+                     "turns them. Videos: what OpenCV's FFmpeg backend reads."));
   // Unknown arguments are collected instead of failing inside CLI11, so that the error can name
   // the flag the user probably meant.
   app.allow_extras();
@@ -785,7 +788,7 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("-m,--model", o.model_dir, "Hugging Face checkpoint directory")
       ->type_name("DIR")
       ->required();
-  app.add_option("--image", o.images, "repeatable; placed at <__media__>, else first")
+  app.add_option("--image", o.images, "formats below; placed at <__media__>, else first")
       ->type_name("FILE");
   app.add_option("--video", o.videos, "repeatable; placed as --image files are")->type_name("FILE");
   auto* prompt_opt =
@@ -810,8 +813,7 @@ int run_generate_command(int argc, char** argv) {
   sampling_opts.push_back(app.add_option("--repeat-penalty", o.repeat_penalty,
                                          "1 = off" + from_ckpt(ckpt.repetition_penalty))
                               ->capture_default_str());
-  app.add_option("--presence-penalty", o.presence_penalty,
-                 "0 = off; per token in the reply, once")
+  app.add_option("--presence-penalty", o.presence_penalty, "0 = off; per token in the reply, once")
       ->capture_default_str();
   app.add_option("--frequency-penalty", o.frequency_penalty,
                  "0 = off; per time a token is in the reply")

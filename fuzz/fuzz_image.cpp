@@ -1,5 +1,8 @@
-// Image files of any format stb reads: decoded (under a pixel limit small enough for the fuzzer's
-// memory budget) and, when small, preprocessed into pixel rows as for the vision tower.
+// Image files of every format decode_image reads (stb's, WebP through libwebp, TIFF through
+// libtiff, with their EXIF and XMP orientation): decoded (under a pixel limit small enough for the
+// fuzzer's memory budget) and, when small, preprocessed into pixel rows as for the vision tower.
+// libwebp and libtiff are Debian's builds, not instrumented: coverage guides the fuzzer through
+// Iris's code around them only.
 #include "core/error.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"

@@ -309,6 +309,31 @@ TEST(AppGenerate, HelpListsFlagsWithDefaults) {
         "--json", "--cuda-graph-impl", "--vision-cuda-graph-buckets", "--no-cuda-graphs"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   EXPECT_NE(r.out.find("INT=128"), std::string::npos);
+  EXPECT_NE(r.out.find("Images: PNG, JPEG, WebP, TIFF, BMP, GIF, TGA, PNM; turned upright by their "
+                       "EXIF orientation"),
+            std::string::npos)
+      << r.out;
+}
+
+// A lossless WebP, a WebP stored turned with EXIF orientation 6 and a PNG stored transposed with
+// orientation 5 (fuzz seeds: tools/make_image_format_golden.py's formula image) reach the model
+// as the same upright pixels: the same logits after the prompt, bit for bit. (Turned or not, the
+// three give the same token count; the logits tell the pixels apart.)
+TEST(AppGenerate, ImageFormatsAndOrientationGiveTheSameLogits) {
+  ScratchModel m;
+  const std::string seeds = test::data_dir() + "/fuzz/image/";
+  std::vector<std::string> logits;
+  for (const char* file : {"small.webp", "exif_orient6.webp", "exif_orient5.png"}) {
+    const std::string out = m.path(std::string(file) + ".logits.safetensors");
+    const RunResult r =
+        run_iris(fixture_generate() + " --image " + q(seeds + file) + " --logits-out " + q(out) +
+                 " -p 'Describe this picture.' --temp 0 -n 1 --json --device cpu");
+    ASSERT_EQ(r.exit_code, 0) << file << ": " << r.err;
+    logits.push_back(slurp(out));
+  }
+  ASSERT_FALSE(logits[0].empty());
+  EXPECT_TRUE(logits[1] == logits[0]);
+  EXPECT_TRUE(logits[2] == logits[0]);
 }
 
 // Everyday flags first, then groups; one line per flag, within 100 columns.

@@ -422,7 +422,8 @@ TEST(VisionPreprocess, ConfigErrors) {
 // Decoding
 
 TEST(VisionImage, BadFilesNameTheFile) {
-  for (const char* name : {"truncated.png", "random_bytes.jpg", "empty.png"}) {
+  for (const char* name :
+       {"truncated.png", "random_bytes.jpg", "empty.png", "truncated.webp", "truncated.tif"}) {
     const std::string path = bad_dir() + "/" + name;
     ASSERT_TRUE(fs::exists(path)) << path;
     const std::string msg = error_of([&] { load_image(path); });

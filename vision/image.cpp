@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "vision/image_formats.h"
 
 #define STB_IMAGE_IMPLEMENTATION
 #define STB_IMAGE_WRITE_IMPLEMENTATION
@@ -25,18 +26,7 @@ struct StbiFree {
   void operator()(stbi_uc* p) const { stbi_image_free(p); }
 };
 
-// PIL's Image.alpha_composite(white, rgba) in integer arithmetic (AlphaComposite.c, 7 extra bits of
-// precision, rounded divisions by 255), so that transparent images match HF's convert_to_rgb bit
-// for bit rather than to within one level.
-inline uint8_t composite_on_white(uint32_t v, uint32_t a) {
-  if (a == 0) return 255;
-  constexpr uint32_t kBits = 7;
-  const uint32_t out_a255 = a * 255 + 255 * (255 - a);
-  const uint32_t coef1 = a * 255 * 255 * (1u << kBits) / out_a255;
-  const uint32_t coef2 = 255 * (1u << kBits) - coef1;
-  const uint32_t t = v * coef1 + 255 * coef2 + (0x80u << kBits);
-  return static_cast<uint8_t>(((((t >> 8) + t) >> 8)) >> kBits);
-}
+using image_detail::composite_on_white;
 
 // stb_image 2.27 (Debian's) writes past a 257-entry array when a JPEG Huffman table declares more
 // than 256 codes (fixed upstream later). Walk the markers the way stb does and reject such tables
@@ -203,7 +193,28 @@ const char* sniff_format(const uint8_t* d, size_t n) {
   return nullptr;
 }
 
+// Everything stb reads, as decode_image documents it; WebP and TIFF have decoders of their own.
+ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
+                          int64_t max_pixels);
+
 }  // namespace
+
+namespace image_detail {
+
+// PIL's Image.alpha_composite(white, rgba) in integer arithmetic (AlphaComposite.c, 7 extra bits of
+// precision, rounded divisions by 255), so that transparent images match HF's convert_to_rgb bit
+// for bit rather than to within one level.
+uint8_t composite_on_white(uint32_t v, uint32_t a) {
+  if (a == 0) return 255;
+  constexpr uint32_t kBits = 7;
+  const uint32_t out_a255 = a * 255 + 255 * (255 - a);
+  const uint32_t coef1 = a * 255 * 255 * (1u << kBits) / out_a255;
+  const uint32_t coef2 = 255 * (1u << kBits) - coef1;
+  const uint32_t t = v * coef1 + 255 * coef2 + (0x80u << kBits);
+  return static_cast<uint8_t>(((((t >> 8) + t) >> 8)) >> kBits);
+}
+
+}  // namespace image_detail
 
 void check_image(const ImageRGB8& img, const char* what) {
   IRIS_CHECK(img.width > 0 && img.height > 0, what, ": image has invalid size ", img.width, "x",
@@ -217,10 +228,24 @@ void check_image(const ImageRGB8& img, const char* what) {
 ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors,
                        int64_t max_pixels) {
   IRIS_CHECK(size > 0, "cannot decode image ", name_for_errors,
-             ": it is empty (0 bytes); expected PNG, JPEG, BMP, GIF, TGA or PNM data");
+             ": it is empty (0 bytes); expected ", kImageFormats, " data");
   IRIS_CHECK(data != nullptr, "cannot decode image ", name_for_errors, ": null data pointer");
   IRIS_CHECK(size <= static_cast<size_t>(INT_MAX), "cannot decode image ", name_for_errors, ": ",
              size, " bytes is more than the decoder accepts (2 GiB)");
+  ImageRGB8 img = image_detail::is_webp(data, size)
+                      ? image_detail::decode_webp(data, size, name_for_errors, max_pixels)
+                  : image_detail::is_tiff(data, size)
+                      ? image_detail::decode_tiff(data, size, name_for_errors, max_pixels)
+                      : decode_with_stb(data, size, name_for_errors, max_pixels);
+  // transformers' load_image applies PIL.ImageOps.exif_transpose before anything else.
+  return image_detail::apply_orientation(std::move(img),
+                                         image_detail::file_orientation(data, size));
+}
+
+namespace {
+
+ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
+                          int64_t max_pixels) {
   const int len = static_cast<int>(size);
   const std::string jpeg_problem = jpeg_huffman_problem(data, size);
   IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
@@ -236,8 +261,8 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
       IRIS_FAIL("cannot decode image ", name_for_errors, ": its ", format,
                 " header is corrupt or truncated");
     IRIS_FAIL("cannot decode image ", name_for_errors,
-              ": unknown image type (supported: PNG, JPEG, BMP, GIF, TGA, PNM); the file may be "
-              "truncated or not an image");
+              ": unknown image type (supported: ", kImageFormats,
+              "); the file may be truncated or not an image");
   }
   IRIS_CHECK(channels >= 1 && channels <= 4, "cannot decode image ", name_for_errors, ": ",
              channels, " channels per pixel is not supported (expected 1 to 4)");
@@ -319,6 +344,8 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   }
   return img;
 }
+
+}  // namespace
 
 ImageRGB8 load_image(const std::string& path, int64_t max_pixels) {
   std::error_code ec;

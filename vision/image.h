@@ -1,4 +1,4 @@
-// Decoding and encoding 8-bit RGB images (stb_image / stb_image_write).
+// Decoding and encoding 8-bit RGB images (stb_image / stb_image_write, libwebp, libtiff).
 #pragma once
 
 #include <cstddef>
@@ -20,16 +20,29 @@ struct ImageRGB8 {
 // below it); Qwen processors resize anything above 16384 x 28 x 28 pixels down anyway.
 inline constexpr int64_t kDefaultMaxImagePixels = 178956970;
 
-// Decodes PNG, JPEG, BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR and PIC).
-// Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are composited
-// onto white exactly as PIL's Image.alpha_composite does in HF's convert_to_rgb. Samples of more
-// than 8 bits, and PNM samples under another maximum than 255, become 8 bits as PIL's open and
-// convert("RGB") make them (16-bit grey clipped, other 16-bit PNG cut to the high byte, PNM
-// scaled). BMPs stored top-down (negative height) read as PIL reads them. EXIF orientation
-// is ignored, as PIL.Image.open ignores it. Throws iris::Error naming the file for a missing file
-// or data stb cannot decode, with stb's reason.
-// An image of more than `max_pixels` pixels is an error that names the limit's setting before any
-// memory is spent on it; a path that is not a regular file (a FIFO, a directory) is an error too.
+// The formats decode_image reads, for messages (help, errors).
+inline constexpr const char* kImageFormats = "PNG, JPEG, WebP, TIFF, BMP, GIF, TGA, PNM";
+
+// Decodes an image as transformers' load_image reads it (PIL.Image.open, ImageOps.exif_transpose,
+// RGB), from PNG, JPEG, WebP (first frame of an animation), TIFF (first image; the layouts are
+// listed in vision/image_tiff.cpp), BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR
+// and PIC). Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are
+// composited onto white exactly as PIL's Image.alpha_composite does in HF's image processor
+// (convert_to_rgb), which is what a PIL image handed to the processor gets; load_image's own
+// convert("RGB") would drop alpha instead, showing whatever colour a transparent pixel stores.
+// Samples of more than 8 bits, and PNM samples under another maximum than 255, become 8 bits as
+// PIL's open and convert("RGB") make them (16-bit grey clipped, other 16-bit PNG and TIFF cut to
+// the high byte, PNM scaled). BMPs stored top-down (negative height) read as PIL reads them.
+//
+// EXIF orientation is applied as exif_transpose applies it (all 8 values; the rotated photo comes
+// out upright), from JPEG, PNG (eXIf), WebP and TIFF files, falling back to XMP's tiff:Orientation
+// as PIL does (vision/image_formats.h says how the tag is read). A malformed EXIF block never
+// fails an image: it is used as stored.
+//
+// Throws iris::Error naming the file for a missing file or data that cannot be decoded, with the
+// decoder's reason. An image of more than `max_pixels` pixels is an error that names the limit's
+// setting before any memory is spent on it; a path that is not a regular file (a FIFO, a
+// directory) is an error too.
 ImageRGB8 load_image(const std::string& path, int64_t max_pixels = kDefaultMaxImagePixels);
 ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors,
                        int64_t max_pixels = kDefaultMaxImagePixels);
