@@ -619,7 +619,7 @@ TEST_F(MetricsFileTest, TheRunHistoryIsReadUpToTheResumedCheckpoint) {
   EXPECT_NE(why.find("do not end at iteration 3"), std::string::npos) << why;
   EXPECT_TRUE(h.intervals.empty());
   EXPECT_FALSE(read_run_history((dir_ / "none.json").string(), 4, h, why));
-  EXPECT_EQ(why, "there is none");
+  EXPECT_EQ(why, "there is no run_summary.json of the stretches before it");
   write_file_atomic(path, "{\"intervals\": 3}");
   EXPECT_FALSE(read_run_history(path, 4, h, why));
 }

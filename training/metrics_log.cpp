@@ -227,9 +227,12 @@ std::string run_summary_json(const RunSummary& r) {
   using nlohmann::json;
   // Performance figures are the last stretch's: a resumed process warms up and captures its
   // graphs anew, and may run on other devices than the one before it.
+  const int64_t current = !r.stretches.empty()   ? static_cast<int64_t>(r.stretches.size()) - 1
+                          : !r.intervals.empty() ? r.intervals.back().stretch
+                                                 : 0;
   std::vector<StepMetrics> last;
   for (const StepMetrics& m : r.intervals)
-    if (m.stretch == r.intervals.back().stretch) last.push_back(m);
+    if (m.stretch == current) last.push_back(m);
   const SteadyState st = steady_state(last);
   const bool steady = st.steps > 0;
   const auto ranks = static_cast<double>(std::max<int64_t>(1, r.ranks));
@@ -363,19 +366,19 @@ bool read_run_history(const std::string& path, int64_t iteration, RunHistory& hi
   using nlohmann::json;
   history = RunHistory{};
   if (!std::filesystem::exists(path)) {
-    why = "there is none";
+    why = "there is no run_summary.json of the stretches before it";
     return false;
   }
   json j;
   try {
     j = read_json_file(path, "run summary");
   } catch (const Error& e) {
-    why = e.what();
+    why = str_cat("the one there cannot be read (", e.what(), ")");
     return false;
   }
   const json::json_pointer kIntervals("/intervals");
   if (!j.is_object() || !j.contains(kIntervals) || !j.at(kIntervals).is_array()) {
-    why = "it has no intervals";
+    why = "the one there has no intervals";
     return false;
   }
   std::vector<RunStretch> stretches;
@@ -393,14 +396,14 @@ bool read_run_history(const std::string& path, int64_t iteration, RunHistory& hi
                            j.at("ranks").get<int64_t>()});
     }
   } catch (const json::exception& e) {
-    why = str_cat("its stretches are damaged (", e.what(), ")");
+    why = str_cat("the stretches of the one there are damaged (", e.what(), ")");
     return false;
   }
   std::vector<StepMetrics> intervals;
   for (const json& r : j.at(kIntervals)) {
     StepMetrics m;
     if (!step_metrics_from_json(r, m)) {
-      why = "an interval of it is damaged";
+      why = "an interval of the one there is damaged";
       return false;
     }
     if (m.iteration <= iteration) intervals.push_back(m);
@@ -408,7 +411,8 @@ bool read_run_history(const std::string& path, int64_t iteration, RunHistory& hi
   // Intervals close at every checkpoint, so a summary that reached the resumed one holds an
   // interval ending exactly there; without one its totals would not add up to the checkpoint.
   if (intervals.empty() || intervals.back().iteration != iteration) {
-    why = str_cat("its logged intervals do not end at iteration ", iteration);
+    why = str_cat("the intervals of the one there do not end at iteration ", iteration,
+                  " (it was written before that checkpoint, or by an older Iris)");
     return false;
   }
   for (RunStretch& t : stretches) {
@@ -421,12 +425,12 @@ bool read_run_history(const std::string& path, int64_t iteration, RunHistory& hi
     history.stretches.push_back(t);
   }
   if (history.stretches.empty()) {
-    why = "its stretches start after the checkpoint";
+    why = "the stretches of the one there start after the checkpoint";
     return false;
   }
   for (const StepMetrics& m : intervals)
     if (m.stretch < 0 || m.stretch >= static_cast<int64_t>(history.stretches.size())) {
-      why = "its intervals name stretches it does not list";
+      why = "the intervals of the one there name stretches it does not list";
       return false;
     }
   history.intervals = std::move(intervals);

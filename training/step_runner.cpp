@@ -255,8 +255,8 @@ RunLog::RunLog(const Recipe& r, const TrainerOptions& options, const std::string
       run_intervals_ = std::move(history.intervals);
       earlier_stretches_ = std::move(history.stretches);
     } else {
-      history_note_ = str_cat("note: the run summary (", summary_path_, ") covers iterations from ",
-                              start_iteration, " only: the one before ", why);
+      history_note_ = str_cat("note: ", summary_path_, " will cover the run from iteration ",
+                              start_iteration, " on only: ", why);
     }
   }
   interval_.stretch = static_cast<int64_t>(earlier_stretches_.size());
