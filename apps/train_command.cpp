@@ -8,8 +8,10 @@
 
 #include "apps/commands.h"
 #include "core/backend.h"
+#include "core/error.h"
 #include "parallel/launch.h"
 #include "training/memory_plan.h"
+#include "training/metrics_log.h"
 #include "training/recipe.h"
 #include "training/trainer.h"
 
@@ -52,11 +54,17 @@ int run_train_command(int argc, char** argv) {
     overrides.push_back("train.device_memory_gib=" + std::to_string(device_memory_gib));
   const Recipe recipe = load_recipe(recipe_path, overrides);
   // Of a multi-process run, rank 0 speaks for all (the trainer's log is rank 0's too).
-  const bool speaks = read_launch_env().rank == 0;
+  const LaunchEnv launch = read_launch_env();
+  const bool speaks = launch.rank == 0;
+  const std::string rank_tag = launcher_rank_tag(launch.launched(), launch.rank);
+  const auto say = [&](const std::string& line) {
+    std::fputs(format_log_message(line, rank_tag).c_str(), stdout);
+  };
   if (speaks) {
+    // The config is a document to read or reload, not log lines: printed as it is.
     std::printf("# resolved config (%s%s)\n%s", recipe_path.c_str(),
                 overrides.empty() ? "" : " + overrides", recipe_to_yaml(recipe).c_str());
-    for (const std::string& note : recipe.notes) std::printf("note: %s\n", note.c_str());
+    for (const std::string& note : recipe.notes) say("note: " + note);
   }
   if (dry_run) {
     // The chat template is part of what a run would use: a bad one fails here, not at step 0.
@@ -89,15 +97,23 @@ int run_train_command(int argc, char** argv) {
   }
   std::fflush(stdout);
   TrainerOptions options;
-  options.progress_bar = ::isatty(STDOUT_FILENO) != 0;
+  options.progress_bar =
+      progress_bar_wanted(recipe.logging.progress, ::isatty(STDOUT_FILENO) != 0, launch.launched());
   const TrainResult result = run_training(recipe, options);
-  if (speaks)
-    std::printf("%s: iteration %lld of %lld, last loss %.6f, run directory %s%s%s\n",
-                result.stop_signal != 0 ? "stopped" : "done",
-                static_cast<long long>(result.final_iteration),
-                static_cast<long long>(recipe.train.train_iters), result.last_loss,
-                result.run_dir.c_str(), result.last_checkpoint.empty() ? "" : ", checkpoint ",
-                result.last_checkpoint.c_str());
+  if (!result.finished.empty()) {
+    if (speaks) say(result.finished);
+    return 0;
+  }
+  if (speaks) {
+    char loss[32];
+    std::snprintf(loss, sizeof(loss), "%.6f", result.last_loss);
+    say(str_cat(result.stop_signal != 0 ? "stopped" : "done", ": iteration ",
+                result.final_iteration, " of ", recipe.train.train_iters,
+                result.final_iteration > result.start_iteration ? str_cat(", last loss ", loss)
+                                                                : std::string(", no step trained"),
+                ", run directory ", result.run_dir,
+                result.last_checkpoint.empty() ? "" : ", checkpoint ", result.last_checkpoint));
+  }
   // Not finished: 128 + the signal, as a shell reports a process the signal ended, so that
   // `iris train ... && iris export ...` stops here and schedulers that restart failed jobs
   // (Kubernetes, torchrun, Slurm scripts testing the status) restart it, and the restart resumes.

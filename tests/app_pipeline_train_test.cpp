@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -86,11 +87,12 @@ TEST_F(AppPipelineTrainTest, StagesGiveTheLossesOfOneProcessWhereverTheSplitFall
     int stages;
     const char* layers;
   } cases[] = {{2, "[1, 2]"}, {2, "[2, 1]"}, {2, "[]"}, {3, "[]"}};
-  for (const auto& c : cases) {
+  for (size_t k = 0; k < std::size(cases); ++k) {
+    const auto& c = cases[k];
     const std::string layers = c.layers;
     SCOPED_TRACE(std::to_string(c.stages) + " stages, " + layers);
-    const fs::path dir =
-        root_ / ("pp" + std::to_string(c.stages) + "_" + std::to_string(layers.size()));
+    // A folder per case: [1, 2] and [2, 1] in one would resume the first one's finished run.
+    const fs::path dir = root_ / ("pp" + std::to_string(c.stages) + "_case" + std::to_string(k));
     std::vector<std::string> pp_args{"train",
                                      "--recipe",
                                      recipe,

@@ -5,14 +5,18 @@
 // the checkpoint generates.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pty.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -338,8 +342,10 @@ TEST_F(AppTrainTest, AnExportStoppedBySigintOrSigtermLeavesNothingBehind) {
 TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
   const std::string recipe = write_recipe(4);
   const std::string run = (root_ / "run").string();
-  const Exit frozen = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run,
-                            "train.train_iters=2", "train.freeze_vision_tower=true"});
+  // The cosine's end kept at 4, so that the resume continues the same schedule.
+  const Exit frozen =
+      iris({"train", "--recipe", recipe, "checkpoint.dir=" + run, "train.train_iters=2",
+            "train.freeze_vision_tower=true", "schedule.decay_iters=4"});
   ASSERT_EQ(frozen.code, 0) << frozen.output;
   const std::string patch = "model.visual.patch_embed.proj.weight";
   const std::string embed = "model.language_model.embed_tokens.weight";
@@ -348,7 +354,8 @@ TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
     EXPECT_FALSE(state.contains("exp_avg." + patch));
     EXPECT_TRUE(state.contains("exp_avg." + embed));
   }
-  const Exit resumed = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run});
+  const Exit resumed =
+      iris({"train", "--recipe", recipe, "checkpoint.dir=" + run, "schedule.decay_iters=4"});
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("no optimizer state for vision_tower"), std::string::npos)
       << resumed.output;
@@ -360,6 +367,114 @@ TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
   };
   EXPECT_EQ(steps(patch), 2);  // trained since the resume only
   EXPECT_EQ(steps(embed), 4);
+}
+
+// Every file under `dir` (recursively) with its size, modification time and contents.
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    struct stat st {};
+    ::lstat(e.path().c_str(), &st);
+    std::string what =
+        str_cat(st.st_mode, " ", st.st_size, " ", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
+    if (e.is_regular_file()) what += " " + read_text_file(e.path().string());
+    files[e.path().string()] = what;
+  }
+  return files;
+}
+
+// A finished run started again has nothing to do: it says so, with how to train further, and
+// leaves every file of its folder as it was (the lock, the summary and the metrics included).
+TEST_F(AppTrainTest, AFinishedRunRunAgainSaysSoAndChangesNoFile) {
+  const std::string recipe = write_recipe(4);
+  const fs::path run = root_ / "run";
+  const std::vector<std::string> args{"train", "--recipe", recipe,
+                                      "checkpoint.dir=" + run.string()};
+  const Exit first = iris(args);
+  ASSERT_EQ(first.code, 0) << first.output;
+  const auto before = snapshot(run);
+  ASSERT_GT(before.size(), 8u);
+  const Exit again = iris(args);
+  EXPECT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find(str_cat("INFO run ", run.string(),
+                                      " already finished at iteration 4 of 4 (",
+                                      (run / "step_0000004").string(),
+                                      "); nothing to do (raise train.train_iters to train "
+                                      "further; the cosine decay ends at train.train_iters, so "
+                                      "also set schedule.decay_iters=4")),
+            std::string::npos)
+      << again.output;
+  EXPECT_EQ(again.output.find("last loss"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("iter "), std::string::npos) << again.output;
+  EXPECT_TRUE(snapshot(run) == before) << "a file of the finished run changed";
+  // What it says to do works: the schedule kept, the run goes on.
+  const Exit longer = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run.string(),
+                            "train.train_iters=5", "schedule.decay_iters=4"});
+  EXPECT_EQ(longer.code, 0) << longer.output;
+  EXPECT_NE(longer.output.find("done: iteration 5 of 5, last loss "), std::string::npos)
+      << longer.output;
+}
+
+// What iris train writes to a terminal (a pseudo-terminal here), with `env` added.
+std::string on_a_terminal(const std::vector<std::string>& args,
+                          const std::vector<std::string>& env) {
+  int master = -1;
+  const pid_t pid = ::forkpty(&master, nullptr, nullptr, nullptr);
+  if (pid == 0) {
+    std::vector<std::string> copy{IRIS_BINARY}, vars = env;
+    copy.insert(copy.end(), args.begin(), args.end());
+    for (std::string& e : vars) ::putenv(e.data());
+    std::vector<char*> argv;
+    for (std::string& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(master, buf, sizeof(buf));
+    if (n > 0) out.append(buf, static_cast<size_t>(n));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // EIO once the child has closed its side
+  }
+  ::close(master);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  return out;
+}
+
+// mpirun and srun give each rank a terminal whose output lands in a log file: there the bar's
+// escape codes would fill it. The bar is drawn on a terminal of the user's only, or as
+// logging.progress says; under a launcher the log lines name the rank.
+TEST_F(AppTrainTest, TheProgressBarStaysOutOfALaunchersLog) {
+  const std::string recipe = write_recipe(2);
+  int n = 0;
+  const auto train = [&](const std::vector<std::string>& extra,
+                         const std::vector<std::string>& env) {
+    std::vector<std::string> args{"train", "--recipe", recipe,
+                                  "checkpoint.dir=" + (root_ / str_cat("run", ++n)).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return on_a_terminal(args, env);
+  };
+  const std::vector<std::string> mpirun{"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1"};
+  const std::vector<std::string> srun{"SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_STEP_ID=0"};
+  const std::string bar = "\033[K[";  // the bar's redraw
+  const std::string mine = train({}, {});
+  EXPECT_NE(mine.find(bar), std::string::npos) << "no bar on a terminal: " << mine;
+  EXPECT_EQ(mine.find("[rank "), std::string::npos) << mine;
+  for (const auto& env : {mpirun, srun}) {
+    SCOPED_TRACE(env[0]);
+    const std::string launched = train({}, env);
+    EXPECT_EQ(launched.find('\033'), std::string::npos) << launched;
+    EXPECT_NE(launched.find(" INFO [rank 0] iter 2/2 | loss "), std::string::npos) << launched;
+  }
+  const std::string off = train({"logging.progress=off"}, {});
+  EXPECT_EQ(off.find('\033'), std::string::npos) << off;
+  EXPECT_NE(off.find("iter 2/2 | loss "), std::string::npos) << off;
+  const std::string on = train({"logging.progress=on"}, mpirun);
+  EXPECT_NE(on.find(bar), std::string::npos) << on;
 }
 
 TEST_F(AppTrainTest, KilledRunsResumeToTheLossesOfAnUninterruptedRun) {

@@ -26,6 +26,7 @@
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
+#include "training/lr_schedule.h"
 #include "training/recipe.h"
 #include "training/shapes_data.h"
 #include "training/trainer.h"
@@ -483,6 +484,10 @@ class TinyTrainingTest : public CheckpointTest {
     return o;
   }
 
+  static nlohmann::json summary(const std::string& run) {
+    return nlohmann::json::parse(read_text_file(run + "/run_summary.json"));
+  }
+
   void TearDown() override {
     std::fclose(null_out_);
     CheckpointTest::TearDown();
@@ -543,6 +548,191 @@ TEST_F(TinyTrainingTest, ResumingGivesTheLossesOfAnUninterruptedRun) {
   const TrainResult again = run_training(recipe(straight), quiet());
   EXPECT_EQ(again.start_iteration, 6);
   EXPECT_EQ(again.final_iteration, 6);
+}
+
+// A resume whose recipe would move the learning rates under the run (here: a cosine that decays
+// over train.train_iters, raised) is refused naming the keys and the next step's rates, and
+// touches no checkpoint and no record; schedule.override_on_resume takes the new schedule and
+// says so, and the checkpoints then record it.
+TEST_F(TinyTrainingTest, AResumeThatChangesTheScheduleIsRefusedUnlessOverridden) {
+  const std::string run = run_dir("run");
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"schedule.decay_iters=0", "train.eval_interval=0"});
+    return recipe(run, extra);
+  };
+  run_training(with({"train.train_iters=3"}), quiet());
+  const std::vector<int64_t> steps = list_checkpoints(run);
+  const std::string metrics = read_text_file(run + "/metrics.jsonl");
+  const std::string resolved = read_text_file(run + "/resolved_config.yaml");
+  const std::string summary = read_text_file(run + "/run_summary.json");
+
+  std::string err = test::error_of([&] { run_training(with({}), quiet()); });
+  for (const std::string part :
+       {"the recipe changes the learning-rate schedule that " + run +
+            "/step_0000003 was trained "
+            "with: train.train_iters 3 -> 6;",
+        std::string("the learning rate of iteration 4 is 0.0001 under the checkpoint's schedule"),
+        std::string("keep the cosine's end with schedule.decay_iters=3"),
+        std::string("set schedule.override_on_resume=true")})
+    EXPECT_NE(err.find(part), std::string::npos) << part << "\nin: " << err;
+  err = test::error_of([&] {
+    run_training(with({"schedule.decay_iters=3", "optimizer.lr=5e-4"}), quiet());
+  });
+  EXPECT_NE(err.find("was trained with: optimizer.lr 0.001 -> 0.0005;"), std::string::npos) << err;
+  EXPECT_EQ(list_checkpoints(run), steps);
+  EXPECT_EQ(read_text_file(run + "/metrics.jsonl"), metrics);
+  EXPECT_EQ(read_text_file(run + "/resolved_config.yaml"), resolved);
+  EXPECT_EQ(read_text_file(run + "/run_summary.json"), summary);
+
+  const std::string log_path = (root_ / "log.txt").string();
+  TrainerOptions o;
+  o.out = std::fopen(log_path.c_str(), "w");
+  const TrainResult r = run_training(with({"schedule.override_on_resume=true"}), o);
+  std::fclose(o.out);
+  EXPECT_EQ(r.start_iteration, 3);
+  EXPECT_EQ(r.final_iteration, 6);
+  const std::string log = read_text_file(log_path);
+  EXPECT_NE(log.find("INFO note: schedule.override_on_resume: the recipe's learning-rate schedule "
+                     "differs from the one " +
+                     run +
+                     "/step_0000003 was trained with (train.train_iters 3 -> 6) and is "
+                     "used from iteration 4 on"),
+            std::string::npos)
+      << log;
+  const LrSchedule now = recipe_schedule(with({})).lr_schedule();
+  for (const auto& [it, lr] : losses(run, "lr"))
+    if (it > 3) EXPECT_EQ(static_cast<float>(lr), now.at(it - 1)) << "iteration " << it;
+  const TrainerState state = load_trainer_state(run + "/step_0000006/trainer_state.json");
+  ASSERT_TRUE(state.has_schedule);
+  EXPECT_EQ(state.schedule.train_iters, 6);
+  EXPECT_TRUE(schedule_changes(state.schedule, recipe_schedule(with({}))).empty());
+
+  // A checkpoint from before schedules were recorded cannot be compared: the log says so.
+  nlohmann::json j =
+      nlohmann::json::parse(read_text_file(run + "/step_0000006/trainer_state.json"));
+  j.erase("schedule");
+  write_file_atomic(run + "/step_0000006/trainer_state.json", j.dump(2));
+  o.out = std::fopen(log_path.c_str(), "w");
+  run_training(with({"train.train_iters=7"}), o);
+  std::fclose(o.out);
+  EXPECT_NE(read_text_file(log_path).find("step_0000006 records no learning-rate schedule"),
+            std::string::npos)
+      << read_text_file(log_path);
+}
+
+// run_summary.json and metrics.jsonl after resumes read as one run: the totals, the first and
+// last loss and each step's record once, also where a stretch went on past its last checkpoint
+// (its later steps run again and count once).
+TEST_F(TinyTrainingTest, TheSummaryAndTheMetricsCoverTheWholeRunAcrossResumes) {
+  const std::string straight = run_dir("straight"), split = run_dir("split"),
+                    rerun = run_dir("rerun");
+  run_training(recipe(straight), quiet());
+  run_training(recipe(split, {"train.train_iters=3"}), quiet());
+  EXPECT_EQ(summary(split).at("status").get<std::string>(), "finished");
+  const TrainResult b = run_training(recipe(split), quiet());
+  EXPECT_EQ(b.start_iteration, 3);
+  // Without a final checkpoint the first stretch's steps 5 and 6 are lost to a resume, which
+  // continues from step 4 and runs them again.
+  run_training(recipe(rerun, {"checkpoint.save_interval=4", "checkpoint.save_final=false"}),
+               quiet());
+  EXPECT_EQ(summary(rerun).at("iterations").at("final").get<int64_t>(), 6);
+  const TrainResult c = run_training(recipe(rerun), quiet());
+  EXPECT_EQ(c.start_iteration, 4);
+
+  const nlohmann::json a = summary(straight);
+  for (const std::string& run : {split, rerun}) {
+    SCOPED_TRACE(run);
+    const nlohmann::json s = summary(run);
+    EXPECT_EQ(s.at("status").get<std::string>(), "finished");
+    EXPECT_EQ(s.at("iterations").at("start").get<int64_t>(), 0);
+    EXPECT_EQ(s.at("iterations").at("final").get<int64_t>(), 6);
+    for (const char* k : {"steps", "samples", "tokens", "labelled_tokens", "evaluations"})
+      EXPECT_EQ(s.at("totals").at(k).get<int64_t>(), a.at("totals").at(k).get<int64_t>()) << k;
+    EXPECT_EQ(s.at("totals").at("flops").get<double>(), a.at("totals").at("flops").get<double>());
+    // Bit-identical losses: the first one logged by the first stretch, the last by the second.
+    EXPECT_EQ(s.at("totals").at("first_loss"), a.at("totals").at("first_loss"));
+    EXPECT_EQ(s.at("totals").at("last_loss"), a.at("totals").at("last_loss"));
+    std::vector<int64_t> logged;
+    for (const nlohmann::json& m : s.at("intervals")) logged.push_back(m.at("iteration"));
+    EXPECT_EQ(logged, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+    std::vector<int64_t> recorded;
+    for (const auto& [it, loss] : losses(run)) recorded.push_back(it);
+    EXPECT_EQ(recorded, logged);
+    EXPECT_EQ(losses(run), losses(straight));
+    ASSERT_EQ(s.at("stretches").size(), 2u);
+    EXPECT_EQ(s.at("stretches")[0].at("final"), s.at("stretches")[1].at("start"));
+    EXPECT_EQ(s.at("intervals")[0].at("stretch").get<int64_t>(), 0);
+    EXPECT_EQ(s.at("intervals")[5].at("stretch").get<int64_t>(), 1);
+  }
+  // Saves at 2 and 4 and 6; the split run's first stretch also saved its end, 3.
+  EXPECT_EQ(a.at("totals").at("checkpoints").get<int64_t>(), 3);
+  EXPECT_EQ(summary(split).at("totals").at("checkpoints").get<int64_t>(), 4);
+  EXPECT_EQ(summary(split).at("stretches")[0].at("final").get<int64_t>(), 3);
+  // The stretch that went on to 6 is cut at the checkpoint the resume continued.
+  EXPECT_EQ(summary(rerun).at("stretches")[0].at("final").get<int64_t>(), 4);
+  EXPECT_EQ(summary(rerun).at("totals").at("checkpoints").get<int64_t>(), 2);
+}
+
+// A checkpoint every step: the interval's step time leaves out the saves (and the evaluations),
+// whose time the records and the summary give apart, as the saves themselves measured it.
+TEST_F(TinyTrainingTest, EvaluationsAndCheckpointsAreTimedApartFromTheSteps) {
+  const std::string run = run_dir("run");
+  const std::string log_path = (root_ / "log.txt").string();
+  TrainerOptions o;
+  o.out = std::fopen(log_path.c_str(), "w");
+  run_training(recipe(run, {"train.train_iters=4", "checkpoint.save_interval=1",
+                            "train.eval_interval=2", "checkpoint.keep_last=1"}),
+               o);
+  std::fclose(o.out);
+  const std::string log = read_text_file(log_path);
+  // Each save's own duration, as its log line gives it (4 significant digits).
+  double saved = 0;
+  int saves = 0;
+  const std::string mark = "saved checkpoint ";
+  for (size_t at = log.find(mark); at != std::string::npos; at = log.find(mark, at + 1)) {
+    const size_t in = log.find(" in ", at), eol = log.find('\n', at);
+    ASSERT_LT(in, eol) << log.substr(at, eol - at);
+    saved += std::stod(log.substr(in + 4, eol - in - 4));
+    ++saves;
+  }
+  EXPECT_EQ(saves, 4) << log;
+
+  double checkpoint_s = 0, eval_s = 0;
+  int records = 0, evals = 0;
+  std::ifstream f(run + "/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    ++records;
+    SCOPED_TRACE(line);
+    const double seconds = j.at("seconds"), wall = j.at("wall_s"), ckpt = j.at("checkpoint_s"),
+                 ev = j.at("eval_s");
+    const int64_t steps = j.at("steps");
+    EXPECT_EQ(j.at("checkpoints").get<int64_t>(), 1);
+    EXPECT_GT(ckpt, 0.0);
+    evals += j.at("evaluations").get<int>();
+    // The parts make the interval's wall time, and the step time is below the time with the save.
+    EXPECT_NEAR(seconds + ev + ckpt, wall, 1e-9 * wall);
+    EXPECT_LT(j.at("step_s").get<double>(), wall / static_cast<double>(steps));
+    // The step's own measured parts fit in its logged time.
+    EXPECT_LE(
+        (j.at("data_s_per_step").get<double>() + j.at("host_enqueue_s_per_step").get<double>()) *
+            static_cast<double>(steps),
+        seconds * (1 + 1e-9));
+    EXPECT_NEAR(j.at("tokens_per_s").get<double>(), j.at("tokens").get<double>() / seconds,
+                1e-9 * j.at("tokens_per_s").get<double>());
+    checkpoint_s += ckpt;
+    eval_s += ev;
+  }
+  EXPECT_EQ(records, 4);
+  EXPECT_EQ(evals, 2);
+  EXPECT_NEAR(checkpoint_s, saved, 5e-4 * saved);
+  const nlohmann::json t = summary(run).at("totals");
+  EXPECT_NEAR(t.at("checkpoint_seconds").get<double>(), checkpoint_s, 1e-9 * checkpoint_s);
+  EXPECT_NEAR(t.at("eval_seconds").get<double>(), eval_s, 1e-9 * eval_s);
+  EXPECT_EQ(t.at("checkpoints").get<int64_t>(), 4);
+  EXPECT_EQ(t.at("evaluations").get<int64_t>(), 2);
+  EXPECT_GT(eval_s, 0.0);
 }
 
 TEST_F(TinyTrainingTest, ResumeSettingsAreEnforced) {
@@ -618,10 +808,10 @@ TEST_F(TinyTrainingTest, ARunFolderIsNeverClobbered) {
                      "/step_0000004"),
             std::string::npos)
       << log;
-  EXPECT_NE(log.find("warning: data.train_files[0] " + train + " is " +
-                     std::to_string(fs::file_size(train)) + " bytes; it was " +
-                     std::to_string(data.size())),
-            std::string::npos)
+  EXPECT_NE(
+      log.find("WARN data.train_files[0] " + train + " is " + std::to_string(fs::file_size(train)) +
+               " bytes; it was " + std::to_string(data.size())),
+      std::string::npos)
       << log;
   EXPECT_EQ(list_checkpoints(run), (std::vector<int64_t>{2, 4, 6}));
   EXPECT_EQ(read_text_file(run + "/step_0000002/model.safetensors"), step2);
@@ -695,16 +885,16 @@ TEST_F(TinyTrainingTest, SkippedLinesAreWarnedOnceEachAndSummedUpByReason) {
     for (size_t at = log.find(s); at != std::string::npos; at = log.find(s, at + 1)) ++n;
     return n;
   };
-  EXPECT_EQ(count("warning: data: skipped " + train + ":2 (missing image): image file not found: " +
+  EXPECT_EQ(count("WARN data: skipped " + train + ":2 (missing image): image file not found: " +
                   (root_ / "shapes/gone.png").string()),
             1u)
       << log;
   // The run has a model, so the video row is read as video, and its file is missing.
-  EXPECT_EQ(count("warning: data: skipped " + train + ":4 (missing video): video file not found: " +
+  EXPECT_EQ(count("WARN data: skipped " + train + ":4 (missing video): video file not found: " +
                   (root_ / "shapes/clip.mp4").string()),
             1u)
       << log;
-  EXPECT_EQ(count("warning: data: skipped "), 2u) << log;
+  EXPECT_EQ(count("WARN data: skipped "), 2u) << log;
   EXPECT_EQ(count("data: skipped 2 of 4 lines: 1 missing image, 1 missing video\n"), 1u) << log;
 
   // data.on_bad_sample=error: the first refused line reached stops the run, naming its line.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -277,8 +279,94 @@ TEST_F(MetricsFileTest, ProgressBarShowsEta) {
   std::fclose(out);
   const std::string text = read_text_file(out_path.string());
   EXPECT_NE(text.find("2/4  50% ETA"), std::string::npos) << text;
-  EXPECT_NE(text.find("\r\033[Khello\n"), std::string::npos);
+  // The bar is cleared before the message's line.
+  EXPECT_TRUE(std::regex_search(text, std::regex("\r\033\\[K[0-9-]+ [0-9:]+ INFO hello\n")))
+      << text;
   EXPECT_FALSE(fs::exists(dir_ / "metrics.jsonl"));
+}
+
+TEST(LogLines, CarryTheTimeTheLevelAndTheRankUnderALauncher) {
+  const std::regex head("^[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2} ");
+  const std::string info = format_log_message("iter 1/2 | loss 3.0", "");
+  EXPECT_TRUE(std::regex_search(info, head)) << info;
+  EXPECT_EQ(info.substr(20), "INFO iter 1/2 | loss 3.0\n");
+  // A warning says so once, as its level.
+  EXPECT_EQ(format_log_message("warning: data: skipped x", "").substr(20),
+            "WARN data: skipped x\n");
+  EXPECT_EQ(format_log_message("error: gone", "").substr(20), "ERROR gone\n");
+  EXPECT_EQ(format_log_message("note: kept", "[rank 1]").substr(20), "INFO [rank 1] note: kept\n");
+  // Every line of a table gets the head; a trailing newline adds no empty line.
+  const std::string table = format_log_message("stages:\n  0: layers 0-1\n  1: layers 2-3\n", "");
+  size_t lines = 0;
+  for (size_t at = 0; (at = table.find('\n', at)) != std::string::npos; ++at) ++lines;
+  EXPECT_EQ(lines, 3u) << table;
+  for (const char* part : {" INFO stages:\n", " INFO   0: layers 0-1\n", " INFO   1: layers 2-3\n"})
+    EXPECT_NE(table.find(part), std::string::npos) << part << " in " << table;
+  EXPECT_EQ(launcher_rank_tag(true, 0), "[rank 0]");
+  EXPECT_EQ(launcher_rank_tag(true, 3), "[rank 3]");
+  EXPECT_EQ(launcher_rank_tag(false, 0), "");
+}
+
+TEST(ProgressBar, AutoDrawsItOnlyOnATerminalNoLauncherGave) {
+  EXPECT_TRUE(progress_bar_wanted("auto", true, false));
+  EXPECT_FALSE(progress_bar_wanted("auto", true, true)) << "mpirun and srun give ranks terminals";
+  EXPECT_FALSE(progress_bar_wanted("auto", false, false));
+  EXPECT_TRUE(progress_bar_wanted("on", false, true));
+  EXPECT_FALSE(progress_bar_wanted("off", true, false));
+  EXPECT_THROW(progress_bar_wanted("yes", true, false), Error);
+}
+
+// The metrics file is appended to across resumes: rewritten (a new file) only when records past
+// the resumed checkpoint must go.
+TEST_F(MetricsFileTest, AResumeAppendsAndRewritesOnlyToDropWhatRunsAgain) {
+  FILE* null_out = std::fopen("/dev/null", "w");
+  MetricsLog::Options o;
+  o.run_dir = dir_.string();
+  o.plot_file = "";
+  o.total_iterations = 10;
+  o.out = null_out;
+  const auto record = [](int64_t it) {
+    StepMetrics m;
+    m.iteration = it;
+    m.loss = 1.0 / static_cast<double>(it);
+    m.steps = 1;
+    return m;
+  };
+  const fs::path file = dir_ / "metrics.jsonl";
+  const auto inode = [&] {
+    struct stat st {};
+    ::stat(file.c_str(), &st);
+    return st.st_ino;
+  };
+  {
+    MetricsLog log(o, 0);
+    for (int64_t it = 1; it <= 4; ++it) log.log(record(it));
+  }
+  const std::string four = read_text_file(file.string());
+  const auto first = inode();
+  {
+    // Resumed at the last record: nothing to drop, the same file grows.
+    MetricsLog log(o, 4);
+    EXPECT_EQ(log.history().size(), 4u);
+    EXPECT_EQ(inode(), first);
+    EXPECT_EQ(read_text_file(file.string()), four);
+    log.log(record(5));
+    log.log(record(6));
+  }
+  EXPECT_EQ(inode(), first);
+  EXPECT_EQ(read_text_file(file.string()).rfind(four, 0), 0u);
+  {
+    // Resumed at 5: record 6 is of a step about to run again.
+    MetricsLog log(o, 5);
+    EXPECT_NE(inode(), first);
+    log.log(record(6));
+  }
+  std::vector<int64_t> iterations;
+  std::ifstream f(file);
+  for (std::string line; std::getline(f, line);)
+    iterations.push_back(nlohmann::json::parse(line)["iteration"].get<int64_t>());
+  EXPECT_EQ(iterations, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  std::fclose(null_out);
 }
 
 TEST(MetricsLog, LogLineAddsMfuAndTheStepsPartsWhenKnown) {
@@ -452,6 +540,88 @@ TEST(RunSummary, SteadyFiguresPerGpuAndNullsForWhatDoesNotExist) {
     EXPECT_TRUE(c.at("steady_state").at(k).is_null()) << k;
   EXPECT_NE(c.at("steady_state").at("note").get<std::string>().find("train_iters"),
             std::string::npos);
+}
+
+// A run resumed once: totals and losses over both stretches, the steady state (a performance
+// figure of the process that wrote the summary) over the last one only.
+TEST(RunSummary, TotalsCoverEveryStretchAndTheSteadyStateTheLast) {
+  RunSummary r;
+  r.device = "cpu";
+  r.peak = dense_bf16_peak(Device::cpu, "cpu");
+  r.stretches = {{0, 4, SIGTERM, "cpu", 1}, {4, 8, 0, "cpu", 1}};
+  r.start_iteration = 0;
+  r.final_iteration = 8;
+  // Stretch 0: 4 steps of 1 s (a slow warm-up first); stretch 1: 4 steps of 2 s.
+  r.intervals = {interval(1, 1, 9), interval(2, 1, 1), interval(4, 2, 2),
+                 interval(5, 1, 9), interval(6, 1, 2), interval(8, 2, 4)};
+  for (size_t i = 0; i < r.intervals.size(); ++i) {
+    StepMetrics& m = r.intervals[i];
+    m.stretch = i < 3 ? 0 : 1;
+    m.loss = 10.0 - static_cast<double>(i);
+    m.eval_seconds = 0.25;
+    m.evaluations = 1;
+    m.checkpoint_seconds = i == 2 || i == 5 ? 3.0 : 0.0;
+    m.checkpoints = i == 2 || i == 5 ? 1 : 0;
+    m.wall_seconds = m.seconds + m.eval_seconds + m.checkpoint_seconds;
+  }
+  const nlohmann::json j = nlohmann::json::parse(run_summary_json(r));
+  EXPECT_EQ(j.at("format").get<std::string>(), "iris run summary 2");
+  const nlohmann::json& t = j.at("totals");
+  EXPECT_EQ(t.at("steps").get<int64_t>(), 8);
+  EXPECT_EQ(t.at("tokens").get<int64_t>(), 800);
+  EXPECT_DOUBLE_EQ(t.at("step_seconds").get<double>(), 27.0);
+  EXPECT_DOUBLE_EQ(t.at("eval_seconds").get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(t.at("checkpoint_seconds").get<double>(), 6.0);
+  EXPECT_DOUBLE_EQ(t.at("wall_seconds").get<double>(), 34.5);
+  EXPECT_EQ(t.at("evaluations").get<int64_t>(), 6);
+  EXPECT_EQ(t.at("checkpoints").get<int64_t>(), 2);
+  EXPECT_EQ(t.at("first_loss").at("iteration").get<int64_t>(), 1);
+  EXPECT_DOUBLE_EQ(t.at("first_loss").at("loss").get<double>(), 10.0);
+  EXPECT_EQ(t.at("last_loss").at("iteration").get<int64_t>(), 8);
+  EXPECT_DOUBLE_EQ(t.at("last_loss").at("loss").get<double>(), 5.0);
+  ASSERT_EQ(j.at("stretches").size(), 2u);
+  EXPECT_EQ(j.at("stretches")[0].at("stop_signal").get<int>(), SIGTERM);
+  EXPECT_EQ(j.at("stretches")[1].at("start").get<int64_t>(), 4);
+  // Stretch 1 after its first interval: iterations 6-8, 3 steps of 2 s.
+  const nlohmann::json& st = j.at("steady_state");
+  EXPECT_EQ(st.at("first_iteration").get<int64_t>(), 6);
+  EXPECT_EQ(st.at("steps").get<int64_t>(), 3);
+  EXPECT_DOUBLE_EQ(st.at("step_seconds").get<double>(), 2.0);
+  EXPECT_EQ(j.at("intervals").size(), 6u);
+}
+
+// What a resume reads back of the run before it: the intervals and stretches up to its
+// checkpoint, or why it cannot.
+TEST_F(MetricsFileTest, TheRunHistoryIsReadUpToTheResumedCheckpoint) {
+  RunSummary r;
+  r.device = "cpu";
+  r.stretches = {{0, 6, 0, "cpu", 1}};
+  r.final_iteration = 6;
+  for (int64_t it : {2, 4, 5, 6}) {
+    r.intervals.push_back(interval(it, it == 2 ? 2 : it == 4 ? 2 : 1, 1));
+    r.intervals.back().checkpoint_seconds = 0.5;
+    r.intervals.back().checkpoints = 1;
+  }
+  const std::string path = (dir_ / "run_summary.json").string();
+  write_file_atomic(path, run_summary_json(r));
+  RunHistory h;
+  std::string why;
+  ASSERT_TRUE(read_run_history(path, 4, h, why)) << why;
+  ASSERT_EQ(h.intervals.size(), 2u);
+  EXPECT_EQ(h.intervals.back().iteration, 4);
+  EXPECT_DOUBLE_EQ(h.intervals.back().checkpoint_seconds, 0.5);
+  EXPECT_EQ(h.intervals.back().checkpoints, 1);
+  // The stretch that went on past the checkpoint is cut there: its later steps run again.
+  ASSERT_EQ(h.stretches.size(), 1u);
+  EXPECT_EQ(h.stretches[0].final, 4);
+  // No interval ends at 3: the totals could not add up to the checkpoint.
+  EXPECT_FALSE(read_run_history(path, 3, h, why));
+  EXPECT_NE(why.find("do not end at iteration 3"), std::string::npos) << why;
+  EXPECT_TRUE(h.intervals.empty());
+  EXPECT_FALSE(read_run_history((dir_ / "none.json").string(), 4, h, why));
+  EXPECT_EQ(why, "there is no run_summary.json of the stretches before it");
+  write_file_atomic(path, "{\"intervals\": 3}");
+  EXPECT_FALSE(read_run_history(path, 4, h, why));
 }
 
 TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {

@@ -791,6 +791,68 @@ TEST_F(RecipeTest, SchemaDocumentsEveryKey) {
   EXPECT_HAS(text, "schedule.kind (one of constant|cosine, default cosine)");
 }
 
+// What a resume compares: the keys that move some step's rates, each named with both values.
+TEST_F(RecipeTest, ScheduleChangesNameTheKeysThatMoveTheRates) {
+  const Recipe base =
+      load_recipe_text(tiny_recipe(), "r.yaml", {"optimizer.lr=7.5e-4", "schedule.warmup_iters=2"});
+  const ScheduleSettings was = recipe_schedule(base);
+  EXPECT_EQ(was.kind, "cosine");
+  EXPECT_EQ(was.decay_end(), 10);
+  const auto changes = [&](std::vector<std::string> overrides) {
+    overrides.insert(overrides.begin(), {"optimizer.lr=7.5e-4", "schedule.warmup_iters=2"});
+    std::string out;
+    for (const ScheduleChange& c : schedule_changes(
+             was, recipe_schedule(load_recipe_text(tiny_recipe(), "r.yaml", overrides))))
+      out += c.key + " " + c.before + " -> " + c.now + "; ";
+    return out;
+  };
+  EXPECT_EQ(changes({}), "");
+  // The cosine ends at train.train_iters: raising it moves every later rate.
+  EXPECT_EQ(changes({"train.train_iters=20"}), "train.train_iters 10 -> 20; ");
+  // ... unless schedule.decay_iters keeps the end where it was.
+  EXPECT_EQ(changes({"train.train_iters=20", "schedule.decay_iters=10"}), "");
+  EXPECT_EQ(changes({"train.train_iters=20", "schedule.decay_iters=12"}),
+            "schedule.decay_iters 0 -> 12; train.train_iters 10 -> 20; ");
+  EXPECT_EQ(changes({"optimizer.lr=1e-4"}), "optimizer.lr 0.00075 -> 0.0001; ");
+  EXPECT_EQ(changes({"optimizer.min_lr=1e-5", "optimizer.weight_decay=0.1"}),
+            "optimizer.weight_decay 0 -> 0.1; optimizer.min_lr 0 -> 1e-05; ");
+  EXPECT_EQ(changes({"schedule.warmup_iters=3"}), "schedule.warmup_iters 2 -> 3; ");
+  // A part's own rate counts only where it differs from what it was (0 means optimizer.lr).
+  EXPECT_EQ(changes({"optimizer.vision_lr=7.5e-4"}), "");
+  EXPECT_EQ(changes({"optimizer.merger_lr=1e-5"}), "optimizer.merger_lr 0 -> 1e-05; ");
+  EXPECT_EQ(changes({"schedule.kind=constant"}), "schedule.kind cosine -> constant; ");
+  // A constant schedule never reads the floor or the decay's end.
+  const ScheduleSettings flat =
+      recipe_schedule(load_recipe_text(tiny_recipe(), "r.yaml", {"schedule.kind=constant"}));
+  EXPECT_TRUE(schedule_changes(flat, recipe_schedule(load_recipe_text(
+                                         tiny_recipe(), "r.yaml",
+                                         {"schedule.kind=constant", "train.train_iters=50",
+                                          "optimizer.min_lr=1e-5"})))
+                  .empty());
+  // The settings make the schedule the trainer follows.
+  const LrSchedule lr = was.lr_schedule();
+  EXPECT_FLOAT_EQ(lr.at(2), 7.5e-4f);
+  EXPECT_FLOAT_EQ(lr.at(10), 0.0f);
+}
+
+TEST_F(RecipeTest, ResumeAndProgressKeys) {
+  const Recipe r = load_recipe_text(tiny_recipe(), "r.yaml");
+  EXPECT_FALSE(r.schedule.override_on_resume);
+  EXPECT_EQ(r.logging.progress, "auto");
+  const Recipe o = load_recipe_text(tiny_recipe(), "r.yaml",
+                                    {"schedule.override_on_resume=true", "logging.progress=off"});
+  EXPECT_TRUE(o.schedule.override_on_resume);
+  EXPECT_EQ(o.logging.progress, "off");
+  EXPECT_HAS(error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"logging.progress=tty"}); }),
+             "logging.progress expects one of auto|on|off");
+  // Megatron's name for the switch points at Iris's.
+  EXPECT_HAS(error_of([] {
+               load_recipe_text(
+                   tiny_recipe() + "scheduler:\n  override_opt_param_scheduler: true\n", "r.yaml");
+             }),
+             "use schedule.override_on_resume");
+}
+
 TEST_F(RecipeTest, ResolvedPathsAreAbsolute) {
   const Recipe r = load_recipe("recipes/qwen3vl_tiny_shapes.yaml");
   const std::string yaml = recipe_to_yaml(r);

@@ -399,6 +399,18 @@ void save_trainer_state(const std::string& path, const TrainerState& s) {
   json files = json::array();
   for (const CheckpointFile& f : s.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}});
   json out = j;
+  if (s.has_schedule) {
+    const ScheduleSettings& c = s.schedule;
+    out["schedule"] = {{"kind", c.kind},
+                       {"lr", c.lr},
+                       {"min_lr", c.min_lr},
+                       {"vision_lr", c.vision_lr},
+                       {"merger_lr", c.merger_lr},
+                       {"weight_decay", c.weight_decay},
+                       {"warmup_iters", c.warmup_iters},
+                       {"decay_iters", c.decay_iters},
+                       {"train_iters", c.train_iters}};
+  }
   out["data_files"] = std::move(data);
   out["files"] = std::move(files);
   write_file_atomic(path, out.dump(2) + "\n");
@@ -424,6 +436,19 @@ TrainerState load_trainer_state(const std::string& path) {
     s.data_position.index = j.at("data_position").at("index").get<int64_t>();
     s.data_seed = j.at("rng").at("data_seed").get<uint64_t>();
     s.threads = j.value("threads", 0);
+    if (j.contains("schedule")) {
+      const json& c = j.at("schedule");
+      s.has_schedule = true;
+      s.schedule.kind = c.at("kind").get<std::string>();
+      s.schedule.lr = c.at("lr").get<double>();
+      s.schedule.min_lr = c.at("min_lr").get<double>();
+      s.schedule.vision_lr = c.at("vision_lr").get<double>();
+      s.schedule.merger_lr = c.at("merger_lr").get<double>();
+      s.schedule.weight_decay = c.at("weight_decay").get<double>();
+      s.schedule.warmup_iters = c.at("warmup_iters").get<int64_t>();
+      s.schedule.decay_iters = c.at("decay_iters").get<int64_t>();
+      s.schedule.train_iters = c.at("train_iters").get<int64_t>();
+    }
     if (j.contains("data_files"))
       for (const json& f : j.at("data_files"))
         s.data_files.push_back({f.at("path").get<std::string>(), f.at("bytes").get<int64_t>(),

@@ -24,6 +24,7 @@
 #include "core/dtype.h"
 #include "core/fs.h"
 #include "training/dataset.h"
+#include "training/lr_schedule.h"
 
 namespace iris {
 
@@ -135,6 +136,10 @@ struct TrainerState {
   int threads = 0;
   // The training data files; empty in checkpoints written before they were recorded.
   std::vector<DataFileFingerprint> data_files;
+  // The schedule the run trained with up to this step; absent (has_schedule false) in
+  // checkpoints written before it was recorded, which a resume then cannot compare.
+  bool has_schedule = false;
+  ScheduleSettings schedule;
   // The checkpoint's other files: trainer_state.json is written last, so its list is what
   // checkpoint_complete() checks. Empty in older checkpoints (then only the state is checked).
   std::vector<CheckpointFile> files;

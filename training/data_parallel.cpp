@@ -266,6 +266,13 @@ int DataParallel::agreed_stop(int local) {
   return 0;
 }
 
+int64_t DataParallel::rank0_value(int64_t local, const char* what) {
+  if (env_.world == 1 || session_ == nullptr) return local;
+  std::vector<int64_t> all(static_cast<size_t>(env_.world));
+  session_->all_gather(&local, all.data(), sizeof(int64_t), what);
+  return all[0];
+}
+
 void DataParallel::check_same_on_every_rank(const std::string& value, const std::string& what,
                                             const std::string& fix) {
   if (env_.world == 1 || session_ == nullptr) return;

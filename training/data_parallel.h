@@ -72,6 +72,8 @@ class DataParallel {
   int stage_rank(int stage) const { return stage * replicas_ + replica(); }
   // The rank that writes the run directory and the log.
   bool writer() const { return env_.rank == 0; }
+  // Whether a launcher (mpirun, srun) started this process, whatever the process count.
+  bool launched() const { return env_.launched(); }
   // The GPU this rank trains on.
   int cuda_device() const;
   // Micro-batch i of every step is trained by replica i % replicas().
@@ -153,6 +155,8 @@ class DataParallel {
   // The stop signal any rank received (its number), so that every rank stops after the same
   // step; `local` for a single process.
   int agreed_stop(int local);
+  // Rank 0's `local`, on every rank (what rank 0 decided, where the ranks could see otherwise).
+  int64_t rank0_value(int64_t local, const char* what);
   // Refuses a run whose ranks hold different `value`s (their data files' fingerprints, say):
   // the message names the first rank that differs from rank 0, `what` and `fix`.
   void check_same_on_every_rank(const std::string& value, const std::string& what,

@@ -1,6 +1,7 @@
 #include "training/lr_schedule.h"
 
 #include <cmath>
+#include <cstdio>
 
 #include "core/error.h"
 
@@ -32,6 +33,50 @@ float LrSchedule::at(int64_t step) const {
   const double ratio = double(step - warmup_steps) / double(total_steps - warmup_steps);
   const double coeff = 0.5 * (std::cos(M_PI * ratio) + 1.0);
   return static_cast<float>(double(min_lr) + coeff * (double(lr) - double(min_lr)));
+}
+
+LrSchedule ScheduleSettings::lr_schedule() const {
+  return LrSchedule(parse_lr_schedule_kind(kind), static_cast<float>(lr),
+                    static_cast<float>(min_lr), warmup_iters, decay_end());
+}
+
+namespace {
+
+// As a recipe would spell the value: 0.00075, 1e-05, 100.
+std::string value_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.10g", v);
+  return buf;
+}
+
+}  // namespace
+
+std::vector<ScheduleChange> schedule_changes(const ScheduleSettings& before,
+                                             const ScheduleSettings& now) {
+  std::vector<ScheduleChange> out;
+  const auto number = [&](const char* key, double a, double b) {
+    if (a != b) out.push_back({key, value_text(a), value_text(b)});
+  };
+  if (before.kind != now.kind) out.push_back({"schedule.kind", before.kind, now.kind});
+  number("optimizer.lr", before.lr, now.lr);
+  // 0 means optimizer.lr: only a change of the rate a part trains at counts.
+  const auto part_lr = [](double part, double lr) { return part > 0 ? part : lr; };
+  if (part_lr(before.vision_lr, before.lr) != part_lr(now.vision_lr, now.lr))
+    number("optimizer.vision_lr", before.vision_lr, now.vision_lr);
+  if (part_lr(before.merger_lr, before.lr) != part_lr(now.merger_lr, now.lr))
+    number("optimizer.merger_lr", before.merger_lr, now.merger_lr);
+  number("optimizer.weight_decay", before.weight_decay, now.weight_decay);
+  number("schedule.warmup_iters", double(before.warmup_iters), double(now.warmup_iters));
+  // A constant schedule never reads its floor or the decay's end.
+  if (before.kind == "cosine" || now.kind == "cosine") {
+    number("optimizer.min_lr", before.min_lr, now.min_lr);
+    if (before.decay_end() != now.decay_end()) {
+      number("schedule.decay_iters", double(before.decay_iters), double(now.decay_iters));
+      if (before.decay_iters == 0 || now.decay_iters == 0)
+        number("train.train_iters", double(before.train_iters), double(now.train_iters));
+    }
+  }
+  return out;
 }
 
 }  // namespace iris

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/json_read.h"
 
 namespace iris {
 namespace {
@@ -89,39 +91,6 @@ std::string tick_label(double v, double step) {
 // A figure that exists only when `known`: JSON null otherwise.
 nlohmann::json maybe(bool known, double v) {
   return known ? nlohmann::json(v) : nlohmann::json(nullptr);
-}
-
-nlohmann::json step_record(const StepMetrics& m, int64_t ranks, double peak) {
-  const auto per_step = [&](double total) { return maybe(m.steps > 0, total / m.steps); };
-  const double flops_per_gpu = m.seconds > 0 ? m.flops / m.seconds / ranks : 0;
-  return {{"iteration", m.iteration},
-          {"loss", m.loss},
-          {"lr", m.learning_rate},
-          {"grad_norm", m.grad_norm},
-          {"labelled_tokens", m.labelled_tokens},
-          {"tokens", m.tokens},
-          {"samples", m.samples},
-          {"seconds", m.seconds},
-          {"tokens_per_s", m.tokens_per_second()},
-          {"samples_per_s", m.samples_per_second()},
-          {"tflops_per_s", m.tflops_per_second()},
-          {"flops", m.flops},
-          {"memory_bytes", m.memory_bytes},
-          {"steps", m.steps},
-          {"step_s", per_step(m.seconds)},
-          {"data_s_per_step", per_step(m.data_seconds)},
-          {"host_enqueue_s_per_step", per_step(m.host_seconds)},
-          {"host_wait_s_per_step", per_step(m.host_wait_seconds)},
-          {"host_prepare_s_per_step", per_step(m.host_prepare_seconds)},
-          {"graph_launch_s_per_step", per_step(m.graph_launch_seconds)},
-          {"graph_launch_cpu_s_per_step", per_step(m.graph_launch_cpu_seconds)},
-          {"device_s_per_step", per_step(m.device_seconds)},
-          {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
-          {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
-          {"mfu", maybe(peak > 0, flops_per_gpu / peak)},
-          {"graphs_captured", m.graphs_captured},
-          {"probed_steps", m.probed_steps},
-          {"probe_queue_full", m.probe_queue_full}};
 }
 
 // Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, at boost clock. Matched in
@@ -256,14 +225,22 @@ SteadyState host_probe(const std::vector<StepMetrics>& intervals) {
 
 std::string run_summary_json(const RunSummary& r) {
   using nlohmann::json;
-  const SteadyState st = steady_state(r.intervals);
+  // Performance figures are the last stretch's: a resumed process warms up and captures its
+  // graphs anew, and may run on other devices than the one before it.
+  const int64_t current = !r.stretches.empty()   ? static_cast<int64_t>(r.stretches.size()) - 1
+                          : !r.intervals.empty() ? r.intervals.back().stretch
+                                                 : 0;
+  std::vector<StepMetrics> last;
+  for (const StepMetrics& m : r.intervals)
+    if (m.stretch == current) last.push_back(m);
+  const SteadyState st = steady_state(last);
   const bool steady = st.steps > 0;
   const auto ranks = static_cast<double>(std::max<int64_t>(1, r.ranks));
   const double flops_per_gpu = st.flops_per_second / ranks;
   json steady_json{
       {"rule",
-       "mean over the logged intervals after the first one and after the last one that "
-       "captured a graph"},
+       "mean over the last stretch's logged intervals (the process that wrote this summary) "
+       "after its first one and after the last one that captured a graph"},
       {"steps", st.steps},
       {"first_iteration", steady ? json(st.first_iteration) : json(nullptr)},
       {"last_iteration", steady ? json(st.last_iteration) : json(nullptr)},
@@ -283,7 +260,7 @@ std::string run_summary_json(const RunSummary& r) {
     steady_json["note"] =
         "no logged interval qualified: run more iterations (train.train_iters), log more often "
         "(logging.log_interval) or capture sooner (cuda_graph.cuda_graph_warmup_steps)";
-  const SteadyState probe = host_probe(r.intervals);
+  const SteadyState probe = host_probe(last);
   const bool probed = probe.steps > 0;
   json probe_json{
       {"rule",
@@ -296,14 +273,58 @@ std::string run_summary_json(const RunSummary& r) {
       {"graph_launch_cpu_seconds_per_step", maybe(probed, probe.graph_launch_cpu_seconds)},
       {"device_seconds_per_step", maybe(probed, probe.device_seconds)},
       {"queue_full_steps", probe.probe_queue_full}};
+  // The whole run's totals, from its intervals (each resume keeps those up to its checkpoint).
+  StepMetrics sum;
+  for (const StepMetrics& m : r.intervals) {
+    sum.steps += m.steps;
+    sum.samples += m.samples;
+    sum.tokens += m.tokens;
+    sum.labelled_tokens += m.labelled_tokens;
+    sum.flops += m.flops;
+    sum.seconds += m.seconds;
+    sum.wall_seconds += m.wall_seconds;
+    sum.eval_seconds += m.eval_seconds;
+    sum.checkpoint_seconds += m.checkpoint_seconds;
+    sum.evaluations += m.evaluations;
+    sum.checkpoints += m.checkpoints;
+  }
+  const bool logged = !r.intervals.empty();
+  const auto loss_at = [&](const StepMetrics* m) {
+    return json{{"iteration", m ? json(m->iteration) : json(nullptr)},
+                {"loss", m ? json(m->loss) : json(nullptr)}};
+  };
+  json totals{{"steps", sum.steps},
+              {"samples", sum.samples},
+              {"tokens", sum.tokens},
+              {"labelled_tokens", sum.labelled_tokens},
+              {"flops", sum.flops},
+              {"step_seconds", sum.seconds},
+              {"eval_seconds", sum.eval_seconds},
+              {"checkpoint_seconds", sum.checkpoint_seconds},
+              {"wall_seconds", sum.wall_seconds},
+              {"evaluations", sum.evaluations},
+              {"checkpoints", sum.checkpoints},
+              {"tokens_per_s", maybe(sum.seconds > 0, sum.tokens / sum.seconds)},
+              {"first_loss", loss_at(logged ? &r.intervals.front() : nullptr)},
+              {"last_loss", loss_at(logged ? &r.intervals.back() : nullptr)}};
+  json stretches = json::array();
+  for (const RunStretch& t : r.stretches)
+    stretches.push_back({{"start", t.start},
+                         {"final", t.final},
+                         {"stop_signal", t.stop_signal},
+                         {"device", t.device},
+                         {"ranks", t.ranks}});
   json out{
-      {"format", "iris run summary 1"},
+      {"format", "iris run summary 2"},
+      {"status", r.status},
       {"device", r.device},
       {"ranks", r.ranks},
       {"iterations",
        {{"start", r.start_iteration},
         {"final", r.final_iteration},
         {"stop_signal", r.stop_signal}}},
+      {"stretches", stretches},
+      {"totals", totals},
       {"batch",
        {{"micro_batch_size", r.micro_batch_size},
         {"global_batch_size", r.global_batch_size},
@@ -335,9 +356,85 @@ std::string run_summary_json(const RunSummary& r) {
         {"label_slots", r.label_slots}}}};
   json intervals = json::array();
   for (const StepMetrics& m : r.intervals)
-    intervals.push_back(step_record(m, r.ranks, r.peak.flops_per_second));
+    intervals.push_back(step_metrics_json(m, r.ranks, r.peak.flops_per_second));
   out["intervals"] = intervals;
   return out.dump(2) + "\n";
+}
+
+bool read_run_history(const std::string& path, int64_t iteration, RunHistory& history,
+                      std::string& why) {
+  using nlohmann::json;
+  history = RunHistory{};
+  if (!std::filesystem::exists(path)) {
+    why = "there is no run_summary.json of the stretches before it";
+    return false;
+  }
+  json j;
+  try {
+    j = read_json_file(path, "run summary");
+  } catch (const Error& e) {
+    why = str_cat("the one there cannot be read (", e.what(), ")");
+    return false;
+  }
+  const json::json_pointer kIntervals("/intervals");
+  if (!j.is_object() || !j.contains(kIntervals) || !j.at(kIntervals).is_array()) {
+    why = "the one there has no intervals";
+    return false;
+  }
+  std::vector<RunStretch> stretches;
+  try {
+    if (j.contains("stretches")) {
+      for (const json& t : j.at("stretches"))
+        stretches.push_back({t.at("start").get<int64_t>(), t.at("final").get<int64_t>(),
+                             t.at("stop_signal").get<int>(), t.at("device").get<std::string>(),
+                             t.at("ranks").get<int64_t>()});
+    } else {
+      // A summary from before stretches were kept describes its own process only.
+      const json& it = j.at("iterations");
+      stretches.push_back({it.at("start").get<int64_t>(), it.at("final").get<int64_t>(),
+                           it.at("stop_signal").get<int>(), j.at("device").get<std::string>(),
+                           j.at("ranks").get<int64_t>()});
+    }
+  } catch (const json::exception& e) {
+    why = str_cat("the stretches of the one there are damaged (", e.what(), ")");
+    return false;
+  }
+  std::vector<StepMetrics> intervals;
+  for (const json& r : j.at(kIntervals)) {
+    StepMetrics m;
+    if (!step_metrics_from_json(r, m)) {
+      why = "an interval of the one there is damaged";
+      return false;
+    }
+    if (m.iteration <= iteration) intervals.push_back(m);
+  }
+  // Intervals close at every checkpoint, so a summary that reached the resumed one holds an
+  // interval ending exactly there; without one its totals would not add up to the checkpoint.
+  if (intervals.empty() || intervals.back().iteration != iteration) {
+    why = str_cat("the intervals of the one there do not end at iteration ", iteration,
+                  " (it was written before that checkpoint, or by an older Iris)");
+    return false;
+  }
+  for (RunStretch& t : stretches) {
+    if (t.start >= iteration) break;
+    if (t.final > iteration) {
+      // The steps after `iteration` run again now: what this stretch did there does not count.
+      t.final = iteration;
+      t.stop_signal = 0;
+    }
+    history.stretches.push_back(t);
+  }
+  if (history.stretches.empty()) {
+    why = "the stretches of the one there start after the checkpoint";
+    return false;
+  }
+  for (const StepMetrics& m : intervals)
+    if (m.stretch < 0 || m.stretch >= static_cast<int64_t>(history.stretches.size())) {
+      why = "the intervals of the one there name stretches it does not list";
+      return false;
+    }
+  history.intervals = std::move(intervals);
+  return true;
 }
 
 double training_flops(const ModelConfig& cfg, const SampleShape& shape, const TrainedParts& parts) {
@@ -370,6 +467,89 @@ int64_t peak_host_memory_bytes() {
   return 0;
 }
 
+nlohmann::json step_metrics_json(const StepMetrics& m, int64_t ranks, double peak) {
+  const auto per_step = [&](double total) { return maybe(m.steps > 0, total / m.steps); };
+  const double flops_per_gpu = m.seconds > 0 ? m.flops / m.seconds / ranks : 0;
+  return {{"iteration", m.iteration},
+          {"loss", m.loss},
+          {"lr", m.learning_rate},
+          {"grad_norm", m.grad_norm},
+          {"labelled_tokens", m.labelled_tokens},
+          {"tokens", m.tokens},
+          {"samples", m.samples},
+          {"seconds", m.seconds},
+          {"wall_s", m.wall_seconds},
+          {"eval_s", m.eval_seconds},
+          {"checkpoint_s", m.checkpoint_seconds},
+          {"evaluations", m.evaluations},
+          {"checkpoints", m.checkpoints},
+          {"stretch", m.stretch},
+          {"tokens_per_s", m.tokens_per_second()},
+          {"samples_per_s", m.samples_per_second()},
+          {"tflops_per_s", m.tflops_per_second()},
+          {"flops", m.flops},
+          {"memory_bytes", m.memory_bytes},
+          {"steps", m.steps},
+          {"step_s", per_step(m.seconds)},
+          {"data_s_per_step", per_step(m.data_seconds)},
+          {"host_enqueue_s_per_step", per_step(m.host_seconds)},
+          {"host_wait_s_per_step", per_step(m.host_wait_seconds)},
+          {"host_prepare_s_per_step", per_step(m.host_prepare_seconds)},
+          {"graph_launch_s_per_step", per_step(m.graph_launch_seconds)},
+          {"graph_launch_cpu_s_per_step", per_step(m.graph_launch_cpu_seconds)},
+          {"device_s_per_step", per_step(m.device_seconds)},
+          {"tokens_per_s_per_gpu", m.tokens_per_second() / ranks},
+          {"tflops_per_s_per_gpu", flops_per_gpu / 1e12},
+          {"mfu", maybe(peak > 0, flops_per_gpu / peak)},
+          {"graphs_captured", m.graphs_captured},
+          {"probed_steps", m.probed_steps},
+          {"probe_queue_full", m.probe_queue_full}};
+}
+
+bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m) {
+  if (!j.is_object() || !j.contains("iteration") || !j["iteration"].is_number_integer() ||
+      !j.contains("loss") || !j["loss"].is_number())
+    return false;
+  m = StepMetrics{};
+  m.iteration = j["iteration"].get<int64_t>();
+  m.loss = j["loss"].get<double>();
+  // Records written before a field existed read it as zero.
+  const auto number = [&](const char* key) {
+    return j.contains(key) && j[key].is_number() ? j[key].get<double>() : 0.0;
+  };
+  const auto integer = [&](const char* key) {
+    return j.contains(key) && j[key].is_number_integer() ? j[key].get<int64_t>() : int64_t{0};
+  };
+  m.learning_rate = number("lr");
+  m.grad_norm = number("grad_norm");
+  m.labelled_tokens = integer("labelled_tokens");
+  m.tokens = integer("tokens");
+  m.samples = integer("samples");
+  m.seconds = number("seconds");
+  m.wall_seconds = j.contains("wall_s") ? number("wall_s") : m.seconds;
+  m.eval_seconds = number("eval_s");
+  m.checkpoint_seconds = number("checkpoint_s");
+  m.evaluations = integer("evaluations");
+  m.checkpoints = integer("checkpoints");
+  m.stretch = integer("stretch");
+  m.flops = number("flops");
+  m.memory_bytes = integer("memory_bytes");
+  m.steps = integer("steps");
+  m.graphs_captured = integer("graphs_captured");
+  m.probed_steps = integer("probed_steps");
+  m.probe_queue_full = integer("probe_queue_full");
+  // Per-step figures are null when an interval had no steps; the totals follow from them.
+  const auto total = [&](const char* key) { return number(key) * static_cast<double>(m.steps); };
+  m.data_seconds = total("data_s_per_step");
+  m.host_seconds = total("host_enqueue_s_per_step");
+  m.host_wait_seconds = total("host_wait_s_per_step");
+  m.host_prepare_seconds = total("host_prepare_s_per_step");
+  m.graph_launch_seconds = total("graph_launch_s_per_step");
+  m.graph_launch_cpu_seconds = total("graph_launch_cpu_s_per_step");
+  m.device_seconds = total("device_s_per_step");
+  return true;
+}
+
 std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, double peak) {
   const int width = static_cast<int>(std::to_string(total).size());
   char head[64];
@@ -390,6 +570,8 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
                         ? str_cat(", host waiting ", fmt("%.4g", m.host_wait_seconds / m.steps))
                         : std::string(),
                     ", device ", fmt("%.4g", m.device_seconds / m.steps), ")");
+  if (m.evaluations > 0) line += str_cat(" | eval ", fmt("%.4g", m.eval_seconds), " s");
+  if (m.checkpoints > 0) line += str_cat(" | checkpoint ", fmt("%.4g", m.checkpoint_seconds), " s");
   return line;
 }
 
@@ -475,6 +657,50 @@ std::string render_svg_plot(const std::vector<PlotPanel>& panels, const std::str
   return s.str();
 }
 
+std::string log_line_prefix(LogLevel level, const std::string& rank_tag) {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S", &local);
+  const char* name = level == LogLevel::warn ? "WARN" : level == LogLevel::error ? "ERROR" : "INFO";
+  return str_cat(stamp, " ", name, " ", rank_tag.empty() ? "" : rank_tag + " ");
+}
+
+std::string format_log_message(const std::string& text, const std::string& rank_tag) {
+  LogLevel level = LogLevel::info;
+  std::string body = text;
+  for (const auto& [mark, lvl] :
+       {std::pair{"warning: ", LogLevel::warn}, std::pair{"error: ", LogLevel::error}})
+    if (body.rfind(mark, 0) == 0) {
+      level = lvl;
+      body = body.substr(std::strlen(mark));
+      break;
+    }
+  // Every line of a multi-line message (a table) gets the head, so that grep by time or rank
+  // finds all of it.
+  const std::string head = log_line_prefix(level, rank_tag);
+  std::string out;
+  for (size_t at = 0;;) {
+    const size_t end = body.find('\n', at);
+    out += head + body.substr(at, end == std::string::npos ? end : end - at) + "\n";
+    if (end == std::string::npos || end + 1 == body.size()) break;
+    at = end + 1;
+  }
+  return out;
+}
+
+std::string launcher_rank_tag(bool launched, int rank) {
+  return launched ? str_cat("[rank ", rank, "]") : std::string();
+}
+
+bool progress_bar_wanted(const std::string& setting, bool stdout_is_terminal, bool launched) {
+  if (setting == "on") return true;
+  if (setting == "off") return false;
+  IRIS_CHECK(setting == "auto", "logging.progress must be auto, on or off, got '", setting, "'");
+  return stdout_is_terminal && !launched;
+}
+
 namespace {
 constexpr const char* kRunDirWhat = "the run directory (checkpoint.dir)";
 constexpr const char* kMetricsWhat = "the metrics file (logging.metrics_file)";
@@ -492,50 +718,28 @@ MetricsLog::MetricsLog(const Options& options, int64_t start_iteration) : opt_(o
       output_path_inside(opt_.run_dir, opt_.metrics_file, "logging.metrics_file", kRunDirWhat);
   check_replaceable(metrics_path_, kMetricsWhat);
   if (fs::exists(metrics_path_)) {
-    std::istringstream in(read_text_file(metrics_path_, kMetricsWhat));
+    const std::string text = read_text_file(metrics_path_, kMetricsWhat);
+    std::istringstream in(text);
     std::string line, kept;
     while (std::getline(in, line)) {
       // A run killed mid-write leaves a torn last line; it belongs to the dropped tail anyway.
       const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.is_object() || !j.contains("iteration")) continue;
+      if (j.is_discarded() || !j.is_object() || !j.contains("iteration") ||
+          !j["iteration"].is_number_integer())
+        continue;
       const int64_t it = j["iteration"].get<int64_t>();
       if (it > start_iteration) continue;
       kept += line + "\n";
-      if (j.contains("eval_loss")) {
+      StepMetrics m;
+      if (j.contains("eval_loss") && j["eval_loss"].is_number())
         eval_history_.push_back({it, j["eval_loss"].get<double>(),
                                  j.value("eval_labelled_tokens", int64_t{0}),
                                  j.value("eval_samples", int64_t{0})});
-      } else if (j.contains("loss")) {
-        StepMetrics m;
-        m.iteration = it;
-        m.loss = j["loss"].get<double>();
-        m.learning_rate = j.value("lr", 0.0);
-        m.grad_norm = j.value("grad_norm", 0.0);
-        m.labelled_tokens = j.value("labelled_tokens", int64_t{0});
-        m.tokens = j.value("tokens", int64_t{0});
-        m.samples = j.value("samples", int64_t{0});
-        m.seconds = j.value("seconds", 0.0);
-        m.flops = j.value("flops", 0.0);
-        m.memory_bytes = j.value("memory_bytes", int64_t{0});
-        m.steps = j.value("steps", int64_t{0});
-        m.graphs_captured = j.value("graphs_captured", int64_t{0});
-        m.probed_steps = j.value("probed_steps", int64_t{0});
-        m.probe_queue_full = j.value("probe_queue_full", int64_t{0});
-        // Per-step figures are null when an interval had no steps; the totals follow from them.
-        const auto total = [&](const char* key) {
-          return j.contains(key) && j[key].is_number() ? j[key].get<double>() * m.steps : 0.0;
-        };
-        m.data_seconds = total("data_s_per_step");
-        m.host_seconds = total("host_enqueue_s_per_step");
-        m.host_wait_seconds = total("host_wait_s_per_step");
-        m.host_prepare_seconds = total("host_prepare_s_per_step");
-        m.graph_launch_seconds = total("graph_launch_s_per_step");
-        m.graph_launch_cpu_seconds = total("graph_launch_cpu_s_per_step");
-        m.device_seconds = total("device_s_per_step");
+      else if (step_metrics_from_json(j, m))
         history_.push_back(m);
-      }
     }
-    write_file_atomic(metrics_path_, kept);
+    // Appended to as it is; rewritten only to drop what the steps about to run again logged.
+    if (kept != text) write_file_atomic(metrics_path_, kept);
   }
   metrics_fd_ = open_append_file(metrics_path_, kMetricsWhat);
   if (!history_.empty()) write_plot();
@@ -575,14 +779,14 @@ void MetricsLog::clear_bar() {
 
 void MetricsLog::message(const std::string& text) {
   clear_bar();
-  std::fprintf(opt_.out, "%s\n", text.c_str());
+  std::fputs(format_log_message(text, opt_.rank_tag).c_str(), opt_.out);
   std::fflush(opt_.out);
 }
 
 void MetricsLog::log(const StepMetrics& m) {
   history_.push_back(m);
   message(format_log_line(m, opt_.total_iterations, opt_.ranks, opt_.peak_flops_per_second));
-  append_record(step_record(m, opt_.ranks, opt_.peak_flops_per_second).dump());
+  append_record(step_metrics_json(m, opt_.ranks, opt_.peak_flops_per_second).dump());
   write_plot();
 }
 

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -63,8 +64,16 @@ struct StepMetrics {
   int64_t labelled_tokens = 0;
   int64_t tokens = 0;  // every input token of the interval, all ranks
   int64_t samples = 0;
-  double seconds = 0;  // wall time of the interval
-  double flops = 0;    // training_flops summed over the interval, all ranks
+  // Wall time of the interval's steps: its whole wall time (wall_seconds) less its evaluations and
+  // checkpoints (eval_seconds, checkpoint_seconds), each timed from a device synchronisation to
+  // its end, so that they count in no step's time and no throughput.
+  double seconds = 0;
+  double wall_seconds = 0;
+  double eval_seconds = 0, checkpoint_seconds = 0;
+  int64_t evaluations = 0, checkpoints = 0;
+  // The process of the run that logged the interval: 0, and one more after each resume.
+  int64_t stretch = 0;
+  double flops = 0;  // training_flops summed over the interval, all ranks
   int64_t memory_bytes = 0;
   // Optimizer steps in the interval, and three parts of their time, summed over them:
   //  data: waiting for the step's samples (the data pipeline);
@@ -140,17 +149,32 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals);
 // The same means over the probed steps (logging.host_probe_steps) alone.
 SteadyState host_probe(const std::vector<StepMetrics>& intervals);
 
-// What a run leaves for performance reports (run_summary.json in the run directory): the
-// steady state of this run's logged intervals, the graphs, padding and memory.
+// One process's part of a run: from the step it started (or resumed) at to its last one.
+struct RunStretch {
+  int64_t start = 0, final = 0;
+  int stop_signal = 0;
+  std::string device;
+  int64_t ranks = 1;
+};
+
+// What a run leaves in its run directory (run_summary.json), rewritten after every checkpoint and
+// at the end: the whole run across its resumes (its stretches, the logged intervals up to the
+// checkpoint each resume continued, their totals and first and last loss), and, of the last
+// stretch (the process writing it: a resumed one warms up, captures its graphs and may run on
+// other devices), the steady state, graphs, padding and memory that performance reports read.
 struct RunSummary {
+  // running: written at a checkpoint with the run going on (what a killed run leaves);
+  // finished: train.train_iters reached; stopped: by SIGTERM or SIGINT (stop_signal).
+  std::string status = "finished";
   std::string device;  // the backend's name
   bool on_gpu = false;
   int64_t ranks = 1;
-  int64_t start_iteration = 0, final_iteration = 0;
+  int64_t start_iteration = 0, final_iteration = 0;  // the whole run's
   int stop_signal = 0;
+  std::vector<RunStretch> stretches;  // in order; the last one is the writer's
   int64_t micro_batch_size = 0, global_batch_size = 0, seq_length = 0;
   std::string recompute;
-  std::vector<StepMetrics> intervals;  // this run's, in order
+  std::vector<StepMetrics> intervals;  // the whole run's, in order
   DevicePeak peak;
   int64_t peak_memory_bytes = 0;
   std::string decoder_graphs = "none", vision_graphs = "none";
@@ -165,6 +189,22 @@ struct RunSummary {
 // state of a run too short to have one) are null.
 std::string run_summary_json(const RunSummary& s);
 
+// A logged interval as metrics.jsonl and run_summary.json hold it, and back; false when `j` is
+// not one (an evaluation's record, or a line of another shape).
+nlohmann::json step_metrics_json(const StepMetrics& m, int64_t ranks = 1,
+                                 double peak_flops_per_second = 0);
+bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m);
+
+// What an earlier stretch's run_summary.json says of the run up to `iteration`, the step a
+// resume continues from: its stretches (the last one cut at `iteration`) and the intervals that
+// end by it. False, with `why`, when it cannot tell: no summary, one that does not cover the
+// run up to `iteration`, or one of another shape.
+struct RunHistory {
+  std::vector<RunStretch> stretches;
+  std::vector<StepMetrics> intervals;
+};
+bool read_run_history(const std::string& summary_path, int64_t iteration, RunHistory& history,
+                      std::string& why);
 struct EvalMetrics {
   int64_t iteration = 0;
   double loss = 0;
@@ -173,7 +213,8 @@ struct EvalMetrics {
 };
 
 // One log line, e.g. "iter 10/200 | loss 2.3456 | lr 3.00e-04 | ...". The MFU is shown when
-// peak_flops_per_second (of one of `ranks` devices) is known.
+// peak_flops_per_second (of one of `ranks` devices) is known, the evaluations' and checkpoints'
+// time when the interval had some.
 std::string format_log_line(const StepMetrics& m, int64_t total_iterations, int64_t ranks = 1,
                             double peak_flops_per_second = 0);
 
@@ -195,6 +236,22 @@ struct PlotPanel {
 // "nice" tick values and a legend. Empty panels render as "no data yet".
 std::string render_svg_plot(const std::vector<PlotPanel>& panels, const std::string& x_label);
 
+enum class LogLevel { info, warn, error };
+
+// The head of a log line: local time, level and, under a launcher, the rank, e.g.
+// "2026-11-27 21:03:04 INFO [rank 1] ". `rank_tag` is "" or "[rank N]" (launcher_rank_tag).
+std::string log_line_prefix(LogLevel level, const std::string& rank_tag);
+// `text` with that head on each of its lines. A text that begins "warning: " is logged at WARN
+// (the prefix dropped), "error: " at ERROR, anything else at INFO.
+std::string format_log_message(const std::string& text, const std::string& rank_tag);
+// "[rank N]" for a process a launcher started (mpirun, srun; rank 0 included), else "".
+std::string launcher_rank_tag(bool launched, int rank);
+
+// Whether to draw the progress bar for logging.progress (auto | on | off): auto draws it only on
+// a terminal that no launcher gave the process, because mpirun and srun hand each rank a
+// terminal whose output ends up in a log file, escape codes and all.
+bool progress_bar_wanted(const std::string& setting, bool stdout_is_terminal, bool launched);
+
 // Writes the run's telemetry. Files are relative to the run directory; an empty name turns that
 // output off.
 class MetricsLog {
@@ -210,13 +267,16 @@ class MetricsLog {
     // bf16 peak (0: unknown, no MFU), for the per-GPU figures of the records.
     int64_t ranks = 1;
     double peak_flops_per_second = 0;
+    // "[rank N]" under a launcher, for the head of each message (format_log_message).
+    std::string rank_tag;
   };
 
-  // Opens (creates) the metrics file. Both files are resolved inside run_dir
+  // Opens (creates) the metrics file for appending. Both files are resolved inside run_dir
   // (output_path_inside: no absolute path, no "..", no symbolic link on the way). Records after
   // `start_iteration` (the resumed checkpoint's step, 0 for a fresh run) were written by a run that
-  // died before its next checkpoint: they are dropped, and the kept ones seed the plot, so the
-  // files read as if the run never stopped.
+  // died before its next checkpoint, and the steps they describe are about to run again: only
+  // then is the file rewritten, without them (and without a torn last line). The kept records
+  // seed the plot, so the files read as if the run never stopped.
   MetricsLog(const Options& options, int64_t start_iteration);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
@@ -226,7 +286,7 @@ class MetricsLog {
   void log_eval(const EvalMetrics& m);
   // Redraws the progress bar after iteration `iteration` (no-op without a bar).
   void progress(int64_t iteration);
-  // Prints a message above the bar.
+  // Prints a message above the bar, as format_log_message heads it.
   void message(const std::string& text);
   // Flushes and closes the metrics file, throwing if what was written could not be kept; the
   // destructor closes it silently where this was not called (an error already on its way).

@@ -182,6 +182,11 @@ std::vector<Field> fields(Recipe& r) {
       {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
       {"schedule.decay_iters", &s.decay_iters,
        "steps over which the cosine decays to optimizer.min_lr; 0: train.train_iters"},
+      {"schedule.override_on_resume", &s.override_on_resume,
+       "resume with this recipe's schedule where it differs from the checkpoint's (optimizer.lr, "
+       "min_lr, vision_lr, merger_lr, weight_decay, schedule.kind, warmup_iters, decay_iters, or "
+       "train.train_iters where it ends the cosine); false: such a resume is refused, naming "
+       "the keys"},
       {"checkpoint.dir",
        &c.dir,
        "run directory (checkpoints, metrics, plot, resolved config), relative to the working "
@@ -209,6 +214,11 @@ std::vector<Field> fields(Recipe& r) {
       {"logging.plot", &l.plot,
        "SVG of loss and learning rate, a file inside the run directory (a relative path without "
        "'..'); empty: off"},
+      {"logging.progress",
+       &l.progress,
+       "progress bar with ETA between log lines: auto (when stdout is a terminal that no "
+       "launcher gave the process: not under mpirun or srun), on, or off",
+       {"auto", "on", "off"}},
       {"parallel.tensor_parallel_size", &p.tensor_parallel_size, "tensor-parallel ranks"},
       {"parallel.pipeline_parallel_size", &p.pipeline_parallel_size,
        "pipeline stages (processes = pipeline_parallel_size x data_parallel_size)"},
@@ -356,6 +366,10 @@ constexpr ForeignKey kForeignKeys[] = {
     {"scheduler.lr_warmup_iters", "use schedule.warmup_iters"},
     {"scheduler.lr_decay_iters", "use schedule.decay_iters"},
     {"scheduler.lr_decay_style", "use schedule.kind (constant or cosine)"},
+    {"scheduler.override_opt_param_scheduler", "use schedule.override_on_resume"},
+    {"scheduler.use_checkpoint_opt_param_scheduler",
+     "not a setting: a resume keeps the checkpoint's schedule unless the recipe changes it, "
+     "which is refused without schedule.override_on_resume=true"},
     {"optimizer.adam_beta1", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_beta2", "use optimizer.betas: [beta1, beta2]"},
     {"optimizer.adam_eps", "use optimizer.eps"},
@@ -972,14 +986,14 @@ void validate(Recipe& r) {
   positive(r.schedule.warmup_iters, "schedule.warmup_iters", 0);
   positive(r.schedule.decay_iters, "schedule.decay_iters", 0);
   // The schedule's own checks, said in recipe keys.
-  const int64_t decay_end = r.schedule.decay_iters > 0 ? r.schedule.decay_iters : t.train_iters;
+  const ScheduleSettings schedule = recipe_schedule(r);
+  const int64_t decay_end = schedule.decay_end();
   IRIS_CHECK(r.schedule.kind != "cosine" || decay_end > r.schedule.warmup_iters,
              "recipe: a cosine schedule decays after its warmup, so ",
              r.schedule.decay_iters > 0 ? "schedule.decay_iters (" : "train.train_iters (",
              decay_end, ") must exceed schedule.warmup_iters (", r.schedule.warmup_iters,
              "); lower schedule.warmup_iters or use schedule.kind=constant");
-  LrSchedule(parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(o.lr),
-             static_cast<float>(o.min_lr), r.schedule.warmup_iters, decay_end);
+  schedule.lr_schedule();
   if (r.schedule.warmup_iters > t.train_iters)
     r.notes.push_back(str_cat("schedule.warmup_iters ", r.schedule.warmup_iters,
                               " exceeds train.train_iters ", t.train_iters,
@@ -1171,6 +1185,20 @@ Recipe load(const std::string& text, const std::string& source,
 }
 
 }  // namespace
+
+ScheduleSettings recipe_schedule(const Recipe& r) {
+  ScheduleSettings s;
+  s.kind = r.schedule.kind;
+  s.lr = r.optimizer.lr;
+  s.min_lr = r.optimizer.min_lr;
+  s.vision_lr = r.optimizer.vision_lr;
+  s.merger_lr = r.optimizer.merger_lr;
+  s.weight_decay = r.optimizer.weight_decay;
+  s.warmup_iters = r.schedule.warmup_iters;
+  s.decay_iters = r.schedule.decay_iters;
+  s.train_iters = r.train.train_iters;
+  return s;
+}
 
 ChatFormat recipe_chat_format(const Recipe& r) {
   std::vector<std::string> dirs;

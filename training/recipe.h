@@ -20,6 +20,7 @@
 #include "bridge/model_config.h"
 #include "core/graph_config.h"
 #include "training/dataset.h"
+#include "training/lr_schedule.h"
 #include "vision/preprocess.h"
 
 namespace iris {
@@ -92,6 +93,10 @@ struct ScheduleRecipe {
   std::string kind = "cosine";  // constant | cosine
   int64_t warmup_iters = 0;
   int64_t decay_iters = 0;  // 0: decay over train_iters
+  // A resume whose schedule differs from the checkpoint's (schedule_changes) is refused unless
+  // this is set; then the recipe's schedule is used from the resumed step on (Megatron's
+  // override_opt_param_scheduler).
+  bool override_on_resume = false;
 };
 
 struct CheckpointRecipe {
@@ -107,6 +112,9 @@ struct LoggingRecipe {
   int64_t host_probe_steps = 0;  // the run's last steps, each queued behind a held device
   std::string metrics_file = "metrics.jsonl";
   std::string plot = "training_curves.svg";
+  // auto | on | off: the progress bar between log lines (auto: on a terminal that no launcher
+  // gave the process, progress_bar_wanted in training/metrics_log.h).
+  std::string progress = "auto";
 };
 
 struct ParallelRecipe {
@@ -159,6 +167,9 @@ PreprocessorConfig recipe_preprocessor(const Recipe& r);
 // model's own (<model.hf_dir>'s, else the one beside model.tokenizer), else the built-in ChatML;
 // data.enable_thinking passed to it unless auto.
 ChatFormat recipe_chat_format(const Recipe& r);
+
+// The settings the run's learning rates and weight decay follow (recorded in its checkpoints).
+ScheduleSettings recipe_schedule(const Recipe& r);
 
 // Throws when a and b differ in a field that decides the weight shapes; the message names the
 // field, both sources and ends with `fix`.

@@ -163,6 +163,9 @@ void Checkpoints::fill_state(TrainerState& state, const DataPosition& position) 
   state.data_seed = r_.data.config.seed;
   state.threads = omp_get_max_threads();
   state.data_files = data_files_;
+  // The schedule this run trains with, which a resume compares its recipe's with.
+  state.has_schedule = true;
+  state.schedule = recipe_schedule(r_);
 }
 
 void Checkpoints::write_common_files(const std::string& dir) const {

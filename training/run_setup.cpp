@@ -1,6 +1,7 @@
 #include "training/run_setup.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <tuple>
 
@@ -71,10 +72,90 @@ std::vector<std::pair<int64_t, int64_t>> stage_reduce_ranges(const TrainableQwen
 
 }  // namespace
 
+namespace {
+
+// The checkpoint a run on `r` would continue from, found without writing anything: the newest
+// complete one in checkpoint.dir, else the checkpoint.resume path that seeds a new run. Empty
+// for a fresh run (or where the checks of start_run will refuse the directory).
+std::string checkpoint_to_continue(const Recipe& r) {
+  if (r.checkpoint.resume == "never") return "";
+  const std::string own = find_resume_point(r.checkpoint.dir).dir;
+  if (!own.empty() || r.checkpoint.resume == "auto") return own;
+  return checkpoint_complete(r.checkpoint.resume) ? r.checkpoint.resume : "";
+}
+
+std::string lr_text(float lr) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4g", static_cast<double>(lr));
+  return buf;
+}
+
+// The resumed checkpoint's schedule against the recipe's: the same, or refused, or (with
+// schedule.override_on_resume) replaced with a note. Returns the notes for the log.
+std::vector<std::string> check_resumed_schedule(const Recipe& r, const RunStart& s) {
+  if (!s.state.has_schedule)
+    return {str_cat("note: ", s.resume_dir,
+                    " records no learning-rate schedule (it was written before checkpoints kept "
+                    "one), so a change of optimizer.lr, optimizer.min_lr, optimizer.weight_decay "
+                    "or schedule.* cannot be told; the recipe's schedule is used")};
+  const ScheduleSettings now = recipe_schedule(r);
+  const std::vector<ScheduleChange> changes = schedule_changes(s.state.schedule, now);
+  if (changes.empty()) return {};
+  std::string keys;
+  for (const ScheduleChange& c : changes)
+    keys += str_cat(keys.empty() ? "" : ", ", c.key, " ", c.before, " -> ", c.now);
+  const int64_t next = s.state.iteration + 1;
+  // The rate of the next step under each schedule (the step after `iteration` updates).
+  const std::string rates =
+      str_cat("the learning rate of iteration ", next, " is ",
+              lr_text(s.state.schedule.lr_schedule().at(s.state.iteration)),
+              " under the checkpoint's schedule and ",
+              lr_text(now.lr_schedule().at(s.state.iteration)), " under the recipe's");
+  if (r.schedule.override_on_resume)
+    return {
+        str_cat("note: schedule.override_on_resume: the recipe's learning-rate schedule "
+                "differs from the one ",
+                s.resume_dir, " was trained with (", keys, ") and is used from iteration ", next,
+                " on; ", rates)};
+  const bool ends_decay = s.state.schedule.kind == "cosine" && s.state.schedule.decay_iters == 0;
+  IRIS_FAIL("the recipe changes the learning-rate schedule that ", s.resume_dir,
+            " was trained with: ", keys, "; ", rates,
+            ". Set those keys back to continue the same schedule",
+            ends_decay ? str_cat(" (to train past the old end at optimizer.min_lr, keep "
+                                 "the cosine's end with schedule.decay_iters=",
+                                 s.state.schedule.train_iters, ")")
+                       : std::string(),
+            ", or set schedule.override_on_resume=true to train on under the new one");
+}
+
+}  // namespace
+
 RunStart start_run(const Recipe& r, DataParallel& dp) {
   RunStart s;
   s.run_dir = r.checkpoint.dir;
   const std::string& run_dir = s.run_dir;
+  // A run already at train.train_iters is found before anything that writes (the lock records
+  // its holder's pid), so that running a finished command again leaves every file as it was.
+  {
+    const std::string done = checkpoint_to_continue(r);
+    int64_t step = -1;
+    if (!done.empty()) {
+      const TrainerState st = load_trainer_state((fs::path(done) / kTrainerStateFile).string());
+      if (st.iteration == r.train.train_iters) {
+        step = st.iteration;
+        s.resume_dir = done;
+        s.state = st;
+      }
+    }
+    // Every rank takes rank 0's view, should a checkpoint complete between their looks.
+    if (dp.rank0_value(step, "the finished-run check") >= 0) {
+      IRIS_CHECK(step >= 0, "rank ", dp.rank(), " does not see the checkpoint at iteration ",
+                 r.train.train_iters, " that rank 0 sees in ", run_dir,
+                 "; start every rank in one working directory on one filesystem");
+      s.finished = true;
+      return s;
+    }
+  }
   make_directories(run_dir, "the run directory (checkpoint.dir)");
   // Everything below reads or writes the run directory: one run at a time. Of a multi-process
   // run, rank 0 writes it; the others read what it holds once rank 0 has cleaned it.
@@ -108,6 +189,7 @@ RunStart start_run(const Recipe& r, DataParallel& dp) {
   IRIS_CHECK(s.state.iteration <= r.train.train_iters, "the checkpoint ", s.resume_dir,
              " is at step ", s.state.iteration, ", past train.train_iters ", r.train.train_iters,
              "; raise train.train_iters to train further");
+  if (!s.resume_dir.empty()) s.notes = check_resumed_schedule(r, s);
   // This run writes only steps past its start, and never over a directory it did not write: one
   // there (an incomplete checkpoint, or one a resume was pointed away from) is refused now rather
   // than when the run reaches it.
@@ -121,6 +203,30 @@ RunStart start_run(const Recipe& r, DataParallel& dp) {
     if (checkpoint_complete(dir)) s.owned.push_back(step);
   }
   return s;
+}
+
+std::string finished_message(const Recipe& r, const RunStart& start) {
+  const int64_t n = start.state.iteration;
+  // Not the checkpoint.resume path that seeds a new run: one of the run directory's own.
+  const bool own = start.resume_dir != r.checkpoint.resume;
+  std::string head =
+      own ? str_cat("run ", r.checkpoint.dir, " already finished at iteration ", n, " of ",
+                    r.train.train_iters, " (", start.resume_dir, "); nothing to do")
+          : str_cat("checkpoint.resume ", start.resume_dir, " is at iteration ", n,
+                    ", which is train.train_iters; nothing to train");
+  // Where the cosine decays over train.train_iters, raising it alone changes the schedule,
+  // which the resume would refuse: say so now rather than after the next command.
+  const ScheduleSettings& was =
+      start.state.has_schedule ? start.state.schedule : recipe_schedule(r);
+  const std::string schedule =
+      was.kind == "cosine" && was.decay_iters == 0
+          ? str_cat(
+                "; the cosine decay ends at train.train_iters, so also set schedule.decay_iters=",
+                n,
+                " to keep the schedule (the new steps train at optimizer.min_lr), or "
+                "schedule.override_on_resume=true for a new one")
+          : std::string();
+  return str_cat(head, " (raise train.train_iters to train further", schedule, ")");
 }
 
 ModelSource model_source(const Recipe& r, const std::string& resume_dir) {

@@ -33,10 +33,21 @@ struct RunStart {
   // The complete checkpoints up to the start, the run this one continues: checkpoint.keep_last
   // counts them with the run's own.
   std::vector<int64_t> owned;
+  // The checkpoint to continue is at train.train_iters: nothing to train. Nothing was locked,
+  // cleaned or written (resume_dir and state are the checkpoint's; lock is null).
+  bool finished = false;
+  // What the log says of the resume before the first step (the schedule kept or overridden).
+  std::vector<std::string> notes;
 };
 
 // Locks and checks the run directory and finds the checkpoint to resume (checkpoint.resume).
+// A resume whose recipe changes the schedule the checkpoint trained with (schedule_changes) is
+// an error naming the keys unless schedule.override_on_resume is set.
 RunStart start_run(const Recipe& r, DataParallel& dp);
+
+// What `iris train` says when a run has nothing left to do (RunStart::finished), in recipe
+// keys: how to train further, and what that does to a cosine schedule.
+std::string finished_message(const Recipe& r, const RunStart& start);
 
 // What a run trains: the model's config (a resumed checkpoint's) and where its weights are read.
 struct ModelSource {

@@ -178,6 +178,14 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   return batch_labels;
 }
 
+double timed_apart(Backend& be, const std::function<void()>& work) {
+  // The step before is still on the device (the host runs ahead): its tail is the step's time.
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  work();
+  return seconds_since(t0);
+}
+
 void evaluate(const Recipe& r, RankTraining& rank, DataParallel& dp, StepRunner& steps,
               Dataset& eval_data, MetricsLog& log, int64_t iteration) {
   TrainableQwen3VL& model = rank.model();
@@ -215,8 +223,12 @@ void evaluate(const Recipe& r, RankTraining& rank, DataParallel& dp, StepRunner&
 }
 
 RunLog::RunLog(const Recipe& r, const TrainerOptions& options, const std::string& run_dir,
-               const RankTraining& rank, DataParallel& dp, int64_t start_iteration)
-    : r_(r), rank_(rank), dp_(dp) {
+               const RankTraining& rank, DataParallel& dp, int64_t start_iteration, bool resumed)
+    : r_(r),
+      rank_(rank),
+      dp_(dp),
+      summary_path_((std::filesystem::path(run_dir) / "run_summary.json").string()),
+      start_iteration_(start_iteration) {
   // MFU's denominator, when the device is one whose peak is known.
   peak_ = dense_bf16_peak(rank.backend().device(), rank.backend().name());
   MetricsLog::Options lo;
@@ -228,12 +240,26 @@ RunLog::RunLog(const Recipe& r, const TrainerOptions& options, const std::string
   lo.total_iterations = r.train.train_iters;
   lo.progress_bar = options.progress_bar;
   lo.out = options.out;
+  lo.rank_tag = launcher_rank_tag(dp.launched(), dp.rank());
   if (!dp.writer()) {
     quiet_.reset(std::fopen("/dev/null", "w"));
     IRIS_CHECK(quiet_ != nullptr, "cannot open /dev/null for rank ", dp.rank(), "'s silent log");
-    lo = MetricsLog::Options{"", "", "", r.train.train_iters, false, quiet_.get(), dp.world(), 0};
+    lo = MetricsLog::Options{"",           "",         "", r.train.train_iters, false,
+                             quiet_.get(), dp.world(), 0,  lo.rank_tag};
   }
   log_ = std::make_unique<MetricsLog>(lo, start_iteration);
+  if (dp.writer() && resumed) {
+    RunHistory history;
+    std::string why;
+    if (read_run_history(summary_path_, start_iteration, history, why)) {
+      run_intervals_ = std::move(history.intervals);
+      earlier_stretches_ = std::move(history.stretches);
+    } else {
+      history_note_ = str_cat("note: ", summary_path_, " will cover the run from iteration ",
+                              start_iteration, " on only: ", why);
+    }
+  }
+  interval_.stretch = static_cast<int64_t>(earlier_stretches_.size());
   graphs_at_interval_start_ = rank.graph_count();
   interval_start_ = std::chrono::steady_clock::now();
 }
@@ -244,6 +270,7 @@ void RunLog::describe_start(const std::string& resume_dir, const TrainerState& s
   const Recipe& r = r_;
   DataParallel& dp = dp_;
   for (const std::string& n : notes) log.message(n);
+  if (!history_note_.empty()) log.message(history_note_);
   const TrainableQwen3VL& model = rank_.model();
   log.message(str_cat(
       resume_dir.empty() ? "starting" : "resuming from " + resume_dir + " at", " iteration ",
@@ -323,13 +350,24 @@ double RunLog::read_losses(int64_t it, const std::string& last_checkpoint) {
   return loss;
 }
 
+void RunLog::add_evaluation(double seconds) {
+  interval_.eval_seconds += seconds;
+  ++interval_.evaluations;
+}
+
+void RunLog::add_checkpoint(double seconds) {
+  interval_.checkpoint_seconds += seconds;
+  ++interval_.checkpoints;
+}
+
 void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
   StepMetrics& interval = interval_;
   interval.iteration = it;
   interval.loss = interval_loss_sum_ / static_cast<double>(interval.labelled_tokens);
   interval.learning_rate = lr;
   interval.grad_norm = rank_.optimizer().last_grad_norm();
-  interval.seconds = seconds_since(interval_start_);
+  interval.wall_seconds = seconds_since(interval_start_);
+  interval.seconds = interval.wall_seconds - interval.eval_seconds - interval.checkpoint_seconds;
   // On the GPU memory is planned up front, so what the device holds now is its peak.
   interval.memory_bytes = rank_.on_gpu() ? static_cast<int64_t>(rank_.gpu()->device_memory_in_use())
                                          : peak_host_memory_bytes();
@@ -340,9 +378,54 @@ void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
   peak_memory_ = std::max(peak_memory_, interval.memory_bytes);
   log_->log(interval);
   run_intervals_.push_back(interval);
+  if (interval.checkpoints > 0) write_summary("running", it, 0);
   interval_ = StepMetrics{};
+  interval_.stretch = static_cast<int64_t>(earlier_stretches_.size());
   interval_loss_sum_ = 0;
+  // Logging and the summary belong to no interval: the next one starts here.
   interval_start_ = std::chrono::steady_clock::now();
+}
+
+void RunLog::write_summary(const std::string& status, int64_t final_iteration, int stop_signal) {
+  if (!dp_.writer()) return;
+  const Recipe& r = r_;
+  const TrainableQwen3VL& model = rank_.model();
+  RunSummary sum;
+  sum.status = status;
+  sum.device = rank_.backend().name();
+  sum.on_gpu = rank_.on_gpu();
+  sum.ranks = dp_.world();
+  sum.stretches = earlier_stretches_;
+  sum.stretches.push_back({start_iteration_, final_iteration, stop_signal, sum.device, sum.ranks});
+  sum.start_iteration = sum.stretches.front().start;
+  sum.final_iteration = final_iteration;
+  sum.stop_signal = stop_signal;
+  sum.micro_batch_size = r.train.micro_batch_size;
+  sum.global_batch_size = r.train.global_batch_size;
+  sum.seq_length = r.train.seq_length;
+  sum.recompute = r.train.recompute;
+  sum.intervals = run_intervals_;
+  sum.peak = peak_;
+  sum.peak_memory_bytes =
+      rank_.on_gpu()
+          ? std::max(peak_memory_, static_cast<int64_t>(rank_.gpu()->device_memory_in_use()))
+          : peak_host_memory_bytes();
+  sum.decoder_graphs = to_string(r.cuda_graph.language.impl);
+  sum.vision_graphs = to_string(r.cuda_graph.vision.impl);
+  sum.graph_count = static_cast<int64_t>(rank_.graph_count());
+  sum.capture_ms = rank_.capture_ms();
+  sum.graph_memory_bytes = model.graph_memory_bytes();
+  sum.overflow_runs = model.overflow_runs();
+  for (const auto& m : rank_.models()) {
+    const auto& p = m->padding_stats();
+    sum.tokens += p.tokens;
+    sum.padded_tokens += p.padded_tokens;
+    sum.patches += p.patches;
+    sum.padded_patches += p.padded_patches;
+    sum.labels += p.labels;
+    sum.label_slots += p.label_slots;
+  }
+  write_file_atomic(summary_path_, run_summary_json(sum));
 }
 
 void RunLog::describe_end(const TrainResult& result, int64_t start_state_iteration,
@@ -390,39 +473,13 @@ void RunLog::describe_end(const TrainResult& result, int64_t start_state_iterati
     }
   }
   if (!dp_.writer()) return;
-  RunSummary sum;
-  sum.device = rank_.backend().name();
-  sum.on_gpu = rank_.on_gpu();
-  sum.ranks = dp_.world();
-  sum.start_iteration = result.start_iteration;
-  sum.final_iteration = result.final_iteration;
-  sum.stop_signal = result.stop_signal;
-  sum.micro_batch_size = r.train.micro_batch_size;
-  sum.global_batch_size = r.train.global_batch_size;
-  sum.seq_length = r.train.seq_length;
-  sum.recompute = r.train.recompute;
-  sum.intervals = run_intervals_;
-  sum.peak = peak_;
-  sum.peak_memory_bytes =
-      rank_.on_gpu()
-          ? std::max(peak_memory_, static_cast<int64_t>(rank_.gpu()->device_memory_in_use()))
-          : peak_host_memory_bytes();
-  sum.decoder_graphs = to_string(r.cuda_graph.language.impl);
-  sum.vision_graphs = to_string(r.cuda_graph.vision.impl);
-  sum.graph_count = static_cast<int64_t>(rank_.graph_count());
-  sum.capture_ms = rank_.capture_ms();
-  sum.graph_memory_bytes = model.graph_memory_bytes();
-  sum.overflow_runs = model.overflow_runs();
-  for (const auto& m : rank_.models()) {
-    const auto& p = m->padding_stats();
-    sum.tokens += p.tokens;
-    sum.padded_tokens += p.padded_tokens;
-    sum.patches += p.patches;
-    sum.padded_patches += p.padded_patches;
-    sum.labels += p.labels;
-    sum.label_slots += p.label_slots;
-  }
-  const SteadyState st = steady_state(run_intervals_);
+  write_summary(result.stop_signal != 0 ? "stopped" : "finished", result.final_iteration,
+                result.stop_signal);
+  // This stretch's, as the summary's steady state is.
+  std::vector<StepMetrics> own;
+  for (const StepMetrics& m : run_intervals_)
+    if (m.stretch == static_cast<int64_t>(earlier_stretches_.size())) own.push_back(m);
+  const SteadyState st = steady_state(own);
   const auto g4 = [](double v) {
     char buf[32];
     std::snprintf(buf, sizeof(buf), "%.4g", v);
@@ -446,10 +503,29 @@ void RunLog::describe_end(const TrainResult& result, int64_t start_state_iterati
     log.message(
         "steady state: none (it starts after the first logged interval and after the last "
         "graph capture; run more iterations or lower logging.log_interval)");
-  const std::string summary_path =
-      (std::filesystem::path(r.checkpoint.dir) / "run_summary.json").string();
-  write_file_atomic(summary_path, run_summary_json(sum));
-  log.message("run summary: " + summary_path);
+  // The whole run's, across its resumes, as the summary's totals are.
+  if (!run_intervals_.empty()) {
+    StepMetrics t;
+    for (const StepMetrics& m : run_intervals_) {
+      t.steps += m.steps;
+      t.tokens += m.tokens;
+      t.seconds += m.seconds;
+      t.eval_seconds += m.eval_seconds;
+      t.checkpoint_seconds += m.checkpoint_seconds;
+      t.evaluations += m.evaluations;
+      t.checkpoints += m.checkpoints;
+    }
+    const StepMetrics &first = run_intervals_.front(), &last = run_intervals_.back();
+    const size_t stretches = earlier_stretches_.size() + 1;
+    log.message(str_cat(
+        "run totals (iterations ", first.iteration - first.steps + 1, "-", last.iteration,
+        stretches > 1 ? str_cat(", ", stretches, " stretches") : std::string(), "): ", t.steps,
+        " steps, ", t.tokens, " tokens in ", g4(t.seconds), " s of steps; ", t.evaluations,
+        " evaluations in ", g4(t.eval_seconds), " s; ", t.checkpoints, " checkpoints in ",
+        g4(t.checkpoint_seconds), " s; loss ", g4(first.loss), " (iteration ", first.iteration,
+        ") to ", g4(last.loss), " (iteration ", last.iteration, ")"));
+  }
+  log.message("run summary: " + summary_path_);
 }
 
 }  // namespace iris

@@ -56,15 +56,21 @@ class StepRunner {
   std::vector<std::vector<const TrainSample*>> micro_batches_;
 };
 
+// Runs `work` once the device has finished what was queued before it, and returns its wall time:
+// an evaluation's or a checkpoint's own, with none of the step before it.
+double timed_apart(Backend& be, const std::function<void()>& work);
+
 // The evaluation on data.eval_files: its loss, logged.
 void evaluate(const Recipe& r, RankTraining& rank, DataParallel& dp, StepRunner& steps,
               Dataset& eval_data, MetricsLog& log, int64_t iteration);
 
 class RunLog {
  public:
-  // Ranks other than 0 train silently: one log, one metrics file.
+  // Ranks other than 0 train silently: one log, one metrics file. `resumed`: the run continues a
+  // checkpoint at start_iteration, and run_summary.json carries on what the earlier stretches
+  // left there (read_run_history).
   RunLog(const Recipe& r, const TrainerOptions& options, const std::string& run_dir,
-         const RankTraining& rank, DataParallel& dp, int64_t start_iteration);
+         const RankTraining& rank, DataParallel& dp, int64_t start_iteration, bool resumed);
 
   MetricsLog& log() { return *log_; }
   // What the run is about to do: its size, layout, memory and threads.
@@ -77,7 +83,12 @@ class RunLog {
   // The one read of an interval: the summed loss of the steps since the last read and each
   // step's gradient norm, checked finite (errors name the last checkpoint). Returns the mean loss.
   double read_losses(int64_t it, const std::string& last_checkpoint);
-  // Closes the interval that ends at step `it` and logs it; `device_seconds` are its steps'.
+  // An evaluation's or a checkpoint's wall time (timed_apart), kept out of the interval's steps.
+  void add_evaluation(double seconds);
+  void add_checkpoint(double seconds);
+  // Closes the interval that ends at step `it` and logs it; `device_seconds` are its steps'. An
+  // interval with a checkpoint also rewrites run_summary.json, so that a run killed later leaves
+  // the record a resume from that checkpoint continues.
   void end_interval(int64_t it, float lr, double device_seconds);
   // After the last step: why it stopped, what the data skipped, the graphs and the run summary.
   void describe_end(const TrainResult& result, int64_t start_state_iteration,
@@ -85,15 +96,23 @@ class RunLog {
                     int64_t skipped_large);
 
  private:
+  // run_summary.json (rank 0): the run to `final_iteration` with the status given.
+  void write_summary(const std::string& status, int64_t final_iteration, int stop_signal);
+
   const Recipe& r_;
   const RankTraining& rank_;
   DataParallel& dp_;
+  std::string summary_path_;
   DevicePeak peak_;
   std::unique_ptr<FILE, int (*)(FILE*)> quiet_{nullptr, &std::fclose};
   std::unique_ptr<MetricsLog> log_;
   StepMetrics interval_;
-  // This run's intervals, and the most device memory seen, for run_summary.json.
+  // The run's intervals (the earlier stretches' up to the resumed checkpoint, then this one's),
+  // the earlier stretches, and the most device memory seen, for run_summary.json.
   std::vector<StepMetrics> run_intervals_;
+  std::vector<RunStretch> earlier_stretches_;
+  int64_t start_iteration_ = 0;
+  std::string history_note_;  // why run_summary.json starts at this stretch, when it must
   int64_t peak_memory_ = 0;
   size_t graphs_at_interval_start_ = 0;
   double interval_loss_sum_ = 0;

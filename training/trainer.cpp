@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -158,6 +159,7 @@ RunData open_data(const Recipe& r, const ModelConfig& cfg, const Tokenizer& tok,
 std::vector<std::string> start_notes(const RunStart& start, const RankTraining& rank,
                                      const ChatFormat& chat, const RunData& data) {
   std::vector<std::string> notes = start.found.warnings;
+  notes.insert(notes.end(), start.notes.begin(), start.notes.end());
   if (!rank.optimizer().reinitialised_parts().empty()) {
     std::string parts;
     for (const std::string& p : rank.optimizer().reinitialised_parts())
@@ -185,6 +187,14 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
   const StopSignals stop;
   RunStart start = start_run(r, dp);
   TrainerState& state = start.state;
+  TrainResult result;
+  result.run_dir = start.run_dir;
+  result.start_iteration = result.final_iteration = state.iteration;
+  result.last_checkpoint = start.resume_dir;
+  if (start.finished) {
+    result.finished = finished_message(r, start);
+    return result;
+  }
   const ModelSource source = model_source(r, start.resume_dir);
   RankTraining rank(r, source, start.resume_dir, dp);
 
@@ -208,25 +218,24 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
   Checkpoints checkpoints(r, start, rank, dp, hf_config_text(source.config_text),
                           side_files(r, tok, pp, chat), data.files);
   checkpoints.write_resolved_config();
-  const LrSchedule schedule(
-      parse_lr_schedule_kind(r.schedule.kind), static_cast<float>(r.optimizer.lr),
-      static_cast<float>(r.optimizer.min_lr), r.schedule.warmup_iters,
-      r.schedule.decay_iters > 0 ? r.schedule.decay_iters : r.train.train_iters);
+  // With schedule.override_on_resume a resume may change it; the checkpoints record it.
+  const LrSchedule schedule = recipe_schedule(r).lr_schedule();
 
-  RunLog run_log(r, options, start.run_dir, rank, dp, state.iteration);
+  RunLog run_log(r, options, start.run_dir, rank, dp, state.iteration, !start.resume_dir.empty());
   MetricsLog& log = run_log.log();
   run_log.describe_start(start.resume_dir, state, start_notes(start, rank, chat, data));
 
-  TrainResult result;
-  result.run_dir = start.run_dir;
-  result.start_iteration = state.iteration;
-  result.last_checkpoint = start.resume_dir;
   const int64_t start_iteration = state.iteration;
   auto save = [&](int64_t it) {
-    const std::string dir = checkpoints.save(it, state, data.train->position());
+    std::string dir;
+    const double seconds = timed_apart(
+        rank.backend(), [&] { dir = checkpoints.save(it, state, data.train->position()); });
+    run_log.add_checkpoint(seconds);
     if (dir.empty()) return;
     result.last_checkpoint = dir;
-    log.message("saved checkpoint " + dir);
+    char took[32];
+    std::snprintf(took, sizeof(took), "%.4g", seconds);
+    log.message(str_cat("saved checkpoint ", dir, " in ", took, " s"));
   };
 
   StepRunner steps(r, rank, dp, *data.train);
@@ -253,27 +262,28 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
     run_log.add_unread(batch_labels);
     result.final_iteration = it;
 
-    // Intervals end at multiples of log_interval; after a resume the first one starts at the
-    // checkpoint, so its averages cover fewer steps than an uninterrupted run's would.
+    // Every rank stops after the same step, whichever of them the signal reached, with a
+    // checkpoint of that step.
+    result.stop_signal = dp.agreed_stop(stop.received());
     const bool saving = (r.checkpoint.save_interval > 0 && it % r.checkpoint.save_interval == 0) ||
-                        (it == r.train.train_iters && r.checkpoint.save_final);
-    // A probed step is an interval of its own, kept out of the steady state.
+                        (it == r.train.train_iters && r.checkpoint.save_final) ||
+                        result.stop_signal != 0;
+    // Intervals end at multiples of log_interval and at every checkpoint, so that a resume
+    // continues the run's record (run_summary.json, metrics) from a closed interval; after a
+    // resume the first one starts at the checkpoint. A probed step is an interval of its own,
+    // kept out of the steady state.
     const bool interval_ends = it % r.logging.log_interval == 0 || it == r.train.train_iters ||
-                               probed || it == r.train.train_iters - r.logging.host_probe_steps;
-    if (interval_ends || saving) result.last_loss = run_log.read_losses(it, result.last_checkpoint);
-    if (interval_ends) run_log.end_interval(it, lr, steps.take_device_seconds());
+                               probed || it == r.train.train_iters - r.logging.host_probe_steps ||
+                               saving;
+    if (interval_ends) result.last_loss = run_log.read_losses(it, result.last_checkpoint);
+    // Both are timed apart from the steps, and the interval's line (after them) gives their time.
     if (data.eval && it % r.train.eval_interval == 0)
-      evaluate(r, rank, dp, steps, *data.eval, log, it);
+      run_log.add_evaluation(
+          timed_apart(rank.backend(), [&] { evaluate(r, rank, dp, steps, *data.eval, log, it); }));
     if (saving) save(it);
+    if (interval_ends) run_log.end_interval(it, lr, steps.take_device_seconds());
     log.progress(it);
-    // Every rank stops after the same step, whichever of them the signal reached.
-    const int stop_signal = dp.agreed_stop(stop.received());
-    if (stop_signal != 0) {
-      if (!saving) save(it);
-      result.stop_signal = stop_signal;
-    }
   }
-  if (result.final_iteration == 0) result.final_iteration = state.iteration;
   run_log.describe_end(result, start_iteration, data.train->stats(),
                        data.eval ? &data.eval->stats() : nullptr, steps.skipped_large());
   return result;

@@ -21,7 +21,8 @@ namespace iris {
 
 struct TrainerOptions {
   FILE* out = stdout;
-  // Redraw a progress bar with ETA between log lines; the CLI sets it when stdout is a terminal.
+  // Redraw a progress bar with ETA between log lines; the CLI sets it as logging.progress says
+  // (progress_bar_wanted in training/metrics_log.h).
   bool progress_bar = false;
 };
 
@@ -33,9 +34,14 @@ struct TrainResult {
   std::string last_checkpoint;  // directory of the newest checkpoint, "" if none
   // SIGTERM or SIGINT when one stopped the run early (after saving the step it was on), else 0.
   int stop_signal = 0;
+  // The checkpoint the run would continue is at train.train_iters: nothing was trained, loaded
+  // or written, and `finished` says so in recipe keys (start and final iteration are its step).
+  std::string finished;
 };
 
-// Runs (or resumes, per checkpoint.resume) the recipe to train.train_iters. Throws iris::Error.
+// Runs (or resumes, per checkpoint.resume) the recipe to train.train_iters; returns at once,
+// having written nothing, when the checkpoint it would resume is already there
+// (TrainResult::finished). Throws iris::Error.
 // Holds checkpoint.dir's RunLock throughout. While it runs, SIGTERM and SIGINT stop it after the
 // current step with a checkpoint of that step (TrainResult::stop_signal); a second signal ends the
 // process at once.
