@@ -363,17 +363,13 @@ VideoClip load_video(const std::string& path, const GenerateOptions& o, const Mo
                      const VideoProcessorConfig& vpre, const VideoRoom& room) {
   const int64_t unit = cfg.vision.merge_unit();
   try {
-    ResizedSize size{};
-    const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
-      std::vector<int64_t> keep = cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
-      size = cfg.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height, info.width,
-                                        vpre);
+    return load_model_video(path, cfg, vpre, [&](const VideoPlan& plan) {
       const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
-      const int64_t slices = (static_cast<int64_t>(keep.size()) + tp - 1) / tp;
-      const int64_t patches = slices * (size.height / p) * (size.width / p);
+      const int64_t slices = (static_cast<int64_t>(plan.keep.size()) + tp - 1) / tp;
+      const int64_t patches = slices * (plan.size.height / p) * (plan.size.width / p);
       const int64_t tokens = patches / unit;
-      const std::string shape =
-          str_cat("the video's ", keep.size(), " kept frames at ", size.width, "x", size.height);
+      const std::string shape = str_cat("the video's ", plan.keep.size(), " kept frames at ",
+                                        plan.size.width, "x", plan.size.height);
       const char* lower = "; lower --video-fps or --video-max-frames, or raise -c/--ctx-size";
       IRIS_CHECK(tokens <= room.tokens, shape, " need ", tokens, " tokens, more than the ",
                  std::max<int64_t>(room.tokens, 0), " left of the context (-c/--ctx-size ",
@@ -387,13 +383,7 @@ VideoClip load_video(const std::string& path, const GenerateOptions& o, const Mo
       IRIS_CHECK(patches <= room.patches, shape, " have ", patches, " patches, more than the ",
                  std::max<int64_t>(room.patches, 0),
                  " the vision encoder was planned for beside the media attached", lower);
-      return keep;
     });
-    VideoClip clip = preprocess_video(d.frames, size, vpre);
-    clip.frame_indices = d.indices;
-    clip.total_frames = d.info.total_frames;
-    clip.video_fps = d.info.fps;
-    return clip;
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.find(path) != std::string::npos) throw;

@@ -6,6 +6,7 @@
 // write, and loads either (bridge/hf_weights.cpp), as HF does.
 #include <nlohmann/json.hpp>
 
+#include "bridge/arch_qwen2_family.h"
 #include "bridge/architecture.h"
 #include "bridge/config_fields.h"
 #include "bridge/hf_weights.h"
@@ -21,7 +22,7 @@ namespace {
 using nlohmann::json;
 using namespace config_fields;
 
-class Qwen25VL final : public Architecture {
+class Qwen25VL final : public Qwen2FamilyArchitecture {
  public:
   const char* model_type() const override { return "qwen2_5_vl"; }
   const char* hf_class() const override { return "Qwen2_5_VLForConditionalGeneration"; }
@@ -86,34 +87,6 @@ class Qwen25VL final : public Architecture {
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);
     t.linear(vis + "merger.mlp.2", vw.merger.fc2_w, vw.merger.fc2_b, out, M);
     declare_decoder(cfg, w, t, "model.language_model.", DecoderTensors::qwen2);
-  }
-
-  PreprocessorConfig default_preprocessor(const ModelConfig& cfg) const override {
-    (void)cfg;
-    return clip_preprocessor();
-  }
-
-  VideoProcessorConfig default_video_preprocessor(const ModelConfig& cfg) const override {
-    return qwen2_video_preprocessor(cfg);
-  }
-
-  std::vector<int64_t> sample_video_frames(int64_t total, double video_fps,
-                                           const VideoProcessorConfig& vc) const override {
-    return sample_frames_arange(total, video_fps, vc);
-  }
-
-  // Every frame is resized as an image is, under a per-frame pixel budget.
-  ResizedSize video_frame_size(int64_t n_frames, int height, int width,
-                               const VideoProcessorConfig& vc) const override {
-    (void)n_frames;
-    const PreprocessorConfig& f = vc.frame;
-    return smart_resize(height, width, f.patch_size * f.merge_size, f.min_pixels, f.max_pixels);
-  }
-
-  // The template's block as it is: its one <|video_pad|> becomes the whole video.
-  std::string video_prompt_text(const VideoClip& clip) const override {
-    (void)clip;
-    return "<|vision_start|><|video_pad|><|vision_end|>";
   }
 
   // Slice k sits k * tokens_per_second * int(second_per_grid_t) positions after the start, with

@@ -90,6 +90,24 @@ VideoProcessorConfig model_video_preprocessor(const std::string& model_dir,
   return base;
 }
 
+VideoClip load_model_video(const std::string& path, const ModelConfig& cfg,
+                           const VideoProcessorConfig& vpre,
+                           const std::function<void(const VideoPlan&)>& check) {
+  ResizedSize size{};
+  const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
+    std::vector<int64_t> keep = cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
+    size = cfg.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height, info.width,
+                                      vpre);
+    if (check) check(VideoPlan{info, keep, size});
+    return keep;
+  });
+  VideoClip clip = preprocess_video(d.frames, size, vpre);
+  clip.frame_indices = d.indices;
+  clip.total_frames = d.info.total_frames;
+  clip.video_fps = d.info.fps;
+  return clip;
+}
+
 void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
                                 const std::string& config_name,
                                 const std::string& preprocessor_name) {

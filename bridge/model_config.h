@@ -2,11 +2,14 @@
 // architecture (bridge/architecture.h).
 #pragma once
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "language/text_config.h"
 #include "vision/preprocess.h"
 #include "vision/video.h"
+#include "vision/video_decode.h"
 #include "vision/vision_config.h"
 
 namespace iris {
@@ -41,6 +44,21 @@ PreprocessorConfig model_preprocessor(const std::string& model_dir, const ModelC
 // (transformers' fallback), over the family's defaults with the model's patch geometry; checked
 // against the model as the image processor is.
 VideoProcessorConfig model_video_preprocessor(const std::string& model_dir, const ModelConfig& cfg);
+
+// What load_model_video will make of a file, from its container's metadata alone: the frames the
+// family's sampling keeps and the size each is resized to.
+struct VideoPlan {
+  const VideoInfo& info;
+  const std::vector<int64_t>& keep;
+  ResizedSize size;
+};
+// A video file decoded as the model's family samples it (only the kept frames), each frame
+// resized and the clip patchified as its video processor does: what iris generate --video and
+// training data read. `check` sees the plan before any frame is decoded and may refuse it by
+// throwing. Errors say what was wrong; callers add the file where it is not named.
+VideoClip load_model_video(const std::string& path, const ModelConfig& cfg,
+                           const VideoProcessorConfig& vpre,
+                           const std::function<void(const VideoPlan&)>& check = nullptr);
 void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
                                 const std::string& config_name,
                                 const std::string& preprocessor_name);

@@ -16,6 +16,7 @@
 #include "bridge/vision_cuda_graph_helper.h"
 #include "model_test_util.h"
 #include "test_util.h"
+#include "video_test_util.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
 #include "vision/video.h"
@@ -375,28 +376,18 @@ class ChatVideo : public ::testing::TestWithParam<const char*> {
   // tools/make_video_golden.py's formula video (30 frames of 140x100 at 12 fps), its frames kept
   // and preprocessed as the family's video processor does.
   VideoClip formula_clip() const {
-    constexpr int kFrames = 30, kHeight = 100, kWidth = 140;
+    constexpr int kFrames = test::kFormulaFrames, kHeight = test::kFormulaHeight,
+                  kWidth = test::kFormulaWidth;
     const VideoProcessorConfig vpre = model_video_preprocessor(dir_, cfg_);
-    const std::vector<int64_t> keep = cfg_.arch->sample_video_frames(kFrames, 12.0, vpre);
+    const std::vector<int64_t> keep = cfg_.arch->sample_video_frames(kFrames, test::kFormulaFps, vpre);
     std::vector<ImageRGB8> frames;
-    for (int64_t f : keep) {
-      ImageRGB8 im;
-      im.width = kWidth;
-      im.height = kHeight;
-      im.pixels.resize(static_cast<size_t>(kWidth) * kHeight * 3);
-      for (int y = 0; y < kHeight; ++y)
-        for (int x = 0; x < kWidth; ++x)
-          for (int c = 0; c < 3; ++c)
-            im.pixels[(static_cast<size_t>(y) * kWidth + x) * 3 + c] =
-                static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
-      frames.push_back(std::move(im));
-    }
+    for (int64_t f : keep) frames.push_back(test::formula_frame(f));
     const ResizedSize size =
         cfg_.arch->video_frame_size(static_cast<int64_t>(frames.size()), kHeight, kWidth, vpre);
     VideoClip clip = preprocess_video(frames, size, vpre);
     clip.frame_indices = keep;
     clip.total_frames = kFrames;
-    clip.video_fps = 12.0;
+    clip.video_fps = test::kFormulaFps;
     return clip;
   }
 

@@ -19,6 +19,7 @@
 #include "core/safetensors.h"
 #include "model_test_util.h"
 #include "test_util.h"
+#include "video_test_util.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
 #include "vision/video.h"
@@ -31,29 +32,12 @@ namespace fs = std::filesystem;
 using test::ids_of;
 using test::read_f32;
 
-constexpr int kFrames = 30, kHeight = 100, kWidth = 140;
-constexpr double kVideoFps = 12.0;
+constexpr int kFrames = test::kFormulaFrames, kHeight = test::kFormulaHeight,
+              kWidth = test::kFormulaWidth;
+constexpr double kVideoFps = test::kFormulaFps;
 constexpr float kRel = 1e-4f, kAbs = 1e-4f;
 
-// tools/make_video_golden.py's frame_value.
-uint8_t frame_value(int f, int y, int x, int c) {
-  return static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
-}
-
-std::vector<ImageRGB8> formula_frames() {
-  std::vector<ImageRGB8> frames(kFrames);
-  for (int f = 0; f < kFrames; ++f) {
-    ImageRGB8& im = frames[f];
-    im.width = kWidth;
-    im.height = kHeight;
-    im.pixels.resize(static_cast<size_t>(kWidth) * kHeight * 3);
-    for (int y = 0; y < kHeight; ++y)
-      for (int x = 0; x < kWidth; ++x)
-        for (int c = 0; c < 3; ++c)
-          im.pixels[(static_cast<size_t>(y) * kWidth + x) * 3 + c] = frame_value(f, y, x, c);
-  }
-  return frames;
-}
+using test::formula_frames;
 
 struct Family {
   const char* dir;

@@ -17,6 +17,7 @@
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/dataset.h"
+#include "video_test_util.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
 #include "vision/video.h"
@@ -673,19 +674,8 @@ const std::vector<std::string>& video_shape_lines() {
 
 // tools/make_video_golden.py's formula video, written losslessly into the scratch folder.
 std::string write_clip() {
-  std::vector<ImageRGB8> frames(30);
-  for (int f = 0; f < 30; ++f) {
-    frames[f].width = 140;
-    frames[f].height = 100;
-    frames[f].pixels.resize(140 * 100 * 3);
-    for (int y = 0; y < 100; ++y)
-      for (int x = 0; x < 140; ++x)
-        for (int c = 0; c < 3; ++c)
-          frames[f].pixels[(y * 140 + x) * 3 + c] =
-              static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
-  }
   const std::string path = (scratch_dir() / "clip.mkv").string();
-  write_lossless_video(path, frames, 12.0);
+  write_lossless_video(path, test::formula_frames(), test::kFormulaFps);
   return path;
 }
 

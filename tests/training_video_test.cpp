@@ -12,26 +12,13 @@
 #include "test_util.h"
 #include "training/chat_format.h"
 #include "training/train_model.h"
+#include "video_test_util.h"
 #include "vision/video.h"
 
 namespace iris {
 namespace {
 
-// tools/make_video_golden.py's formula frames (30 frames of 140x100 at 12 fps).
-std::vector<ImageRGB8> formula_frames() {
-  std::vector<ImageRGB8> frames(30);
-  for (int f = 0; f < 30; ++f) {
-    frames[f].width = 140;
-    frames[f].height = 100;
-    frames[f].pixels.resize(140 * 100 * 3);
-    for (int y = 0; y < 100; ++y)
-      for (int x = 0; x < 140; ++x)
-        for (int c = 0; c < 3; ++c)
-          frames[f].pixels[(y * 140 + x) * 3 + c] =
-              static_cast<uint8_t>((7 * f + 3 * y + 5 * x + 61 * c + ((x * y) >> 3)) & 255);
-  }
-  return frames;
-}
+using test::formula_frames;
 
 class FamilyVideoTraining : public ::testing::TestWithParam<const char*> {};
 

@@ -689,21 +689,7 @@ struct Dataset::Impl {
     }
     const DataVideo& v = *cfg.video;
     try {
-      ResizedSize size{};
-      const DecodedVideo d = decode_video(video.resolved, [&](const VideoInfo& info) {
-        std::vector<int64_t> keep =
-            v.model.arch->sample_video_frames(info.total_frames, info.fps, v.processor);
-        size = v.model.arch->video_frame_size(static_cast<int64_t>(keep.size()), info.height,
-                                              info.width, v.processor);
-        return keep;
-      });
-      VideoClip clip = preprocess_video(d.frames, size, v.processor);
-      clip.frame_indices = d.indices;
-      clip.total_frames = d.info.total_frames;
-      clip.video_fps = d.info.fps;
-      return clip;
-    } catch (const LineRefused&) {
-      throw;
+      return load_model_video(video.resolved, v.model, v.processor);
     } catch (const Error& e) {
       const std::string what = e.what();
       throw LineRefused(kBadVideo, what.find(video.resolved) != std::string::npos
