@@ -13,6 +13,7 @@
 #include <random>
 #include <set>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
@@ -24,7 +25,6 @@
 #include "core/graph_config.h"
 #include "core/json_read.h"
 #include "core/safetensors.h"
-#include "core/text_distance.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -104,44 +104,9 @@ bool is_multi_letter_short_flag(const std::string& a) {
 // Every flag name a user may mean, for "did you mean": the names help lists, plus the llama.cpp
 // spellings above.
 std::vector<std::string> suggestable_flags(const CLI::App& app) {
-  std::vector<std::string> names;
-  for (const CLI::Option* opt : app.get_options()) {
-    if (opt->get_group().empty()) continue;  // hidden: deprecated spellings
-    for (const std::string& l : opt->get_lnames()) names.push_back("--" + l);
-    for (const std::string& s : opt->get_snames()) names.push_back("-" + s);
-  }
+  std::vector<std::string> names = flag_names(app);
   for (const auto& [spelling, _] : kLlamaSpellings) names.push_back(spelling);
   return names;
-}
-
-// The known flag closest to `flag` by name (dashes aside), when it is close enough to be a typo.
-std::string closest_flag(const std::string& flag, const std::vector<std::string>& names) {
-  auto bare = [](const std::string& f) {
-    std::string b = f.substr(
-        f.find_first_not_of('-') == std::string::npos ? f.size() : f.find_first_not_of('-'));
-    std::replace(b.begin(), b.end(), '_', '-');
-    return b;
-  };
-  const std::string want = bare(flag.substr(0, flag.find('=')));
-  std::string best;
-  // A swap of two letters costs 2. Short names allow fewer edits, or every one-letter flag would
-  // be "close" to every other.
-  const size_t allowed = want.size() <= 2   ? 0
-                         : want.size() == 3 ? 1
-                                            : std::max<size_t>(2, want.size() / 3);
-  size_t best_d = allowed + 1;
-  for (const std::string& n : names) {
-    const size_t d = edit_distance(want, bare(n));
-    if (d < best_d) best_d = d, best = n;
-  }
-  return best;
-}
-
-[[noreturn]] void fail_unknown_flag(const std::string& flag, const CLI::App& app) {
-  const std::string best = closest_flag(flag, suggestable_flags(app));
-  IRIS_FAIL("unknown flag ", flag.substr(0, flag.find('=')),
-            best.empty() ? std::string() : "; did you mean " + best + "?",
-            " (iris generate --help lists the flags)");
 }
 
 // True when `dir` holds the vision encoder's weights, so that llama.cpp's separate projector
@@ -724,20 +689,26 @@ ChatFormat generate_chat_format(const GenerateOptions& o) {
           ? ChatFormat::from_dir(o.model_dir)
           : ChatFormat::from_file(o.chat_template_file, "--chat-template-file", {o.model_dir});
   if (!o.chat_template_kwargs.empty()) {
-    IRIS_CHECK(json_nesting_depth(o.chat_template_kwargs, kMaxJsonDepth) <= kMaxJsonDepth,
-               "--chat-template-kwargs nests deeper than ", kMaxJsonDepth, " levels");
+    IRIS_USAGE_CHECK(json_nesting_depth(o.chat_template_kwargs, kMaxJsonDepth) <= kMaxJsonDepth,
+                     "--chat-template-kwargs nests deeper than ", kMaxJsonDepth, " levels");
     nlohmann::ordered_json kwargs;
     try {
       kwargs = nlohmann::ordered_json::parse(o.chat_template_kwargs);
     } catch (const std::exception& e) {
-      IRIS_FAIL("--chat-template-kwargs is not JSON (", json_error_text(e),
-                "); give an object such as '{\"enable_thinking\": false}'");
+      IRIS_USAGE_FAIL("--chat-template-kwargs is not JSON (", json_error_text(e),
+                      "); give an object such as '{\"enable_thinking\": false}'");
     }
-    chat.set_kwargs(kwargs, "--chat-template-kwargs");
+    try {
+      chat.set_kwargs(kwargs, "--chat-template-kwargs");
+    } catch (const UsageError&) {
+      throw;
+    } catch (const Error& e) {
+      throw UsageError(e.what());  // the flag's JSON is not an object of template variables
+    }
   }
   if (!o.reasoning.empty()) {
-    IRIS_CHECK(!chat.kwargs().contains("enable_thinking"),
-               "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
+    IRIS_USAGE_CHECK(!chat.kwargs().contains("enable_thinking"),
+                     "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
     chat.set_kwargs({{"enable_thinking", o.reasoning == "on"}}, "--reasoning");
   }
   if (o.verbose) std::fprintf(stderr, "%s\n", chat.describe().c_str());
@@ -757,9 +728,6 @@ int run_generate_command(int argc, char** argv) {
                "iris generate"};
   app.formatter(std::make_shared<HelpFormatter>());
   app.get_formatter()->column_width(50);
-  // Unknown arguments are collected instead of failing inside CLI11, so that the error can name
-  // the flag the user probably meant.
-  app.allow_extras();
   GenerateOptions o;
   std::vector<std::string> args(argv + 1, argv + argc);
   // Sampling defaults: the checkpoint's generation_config.json, else llama.cpp's; flags win.
@@ -810,8 +778,7 @@ int run_generate_command(int argc, char** argv) {
   sampling_opts.push_back(app.add_option("--repeat-penalty", o.repeat_penalty,
                                          "1 = off" + from_ckpt(ckpt.repetition_penalty))
                               ->capture_default_str());
-  app.add_option("--presence-penalty", o.presence_penalty,
-                 "0 = off; per token in the reply, once")
+  app.add_option("--presence-penalty", o.presence_penalty, "0 = off; per token in the reply, once")
       ->capture_default_str();
   app.add_option("--frequency-penalty", o.frequency_penalty,
                  "0 = off; per time a token is in the reply")
@@ -920,7 +887,8 @@ int run_generate_command(int argc, char** argv) {
                   args[i - 1] == "--system" || args[i - 1] == "--system-prompt"))
       continue;
     const auto known = kLlamaSpellings.find(args[i]);
-    if (known == kLlamaSpellings.end()) fail_unknown_flag(args[i], app);
+    if (known == kLlamaSpellings.end())
+      fail_unknown_flag(args[i], suggestable_flags(app), "iris generate");
     args[i] = known->second;
   }
   // --image and --video may alternate; the media markers take them in the order given.
@@ -930,22 +898,12 @@ int run_generate_command(int argc, char** argv) {
     else if (args[i] == "--video" || args[i].rfind("--video=", 0) == 0)
       o.media_order.push_back(ChatPart::Kind::video);
   }
-  // As in llama.cpp, the last of a repeated flag wins (CLI11 would refuse the repeat); repeatable
-  // flags (--image, --video) keep every value.
-  for (CLI::Option* opt : app.get_options())
-    if (opt->get_items_expected_max() <= 1)
-      opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  std::reverse(args.begin(), args.end());  // CLI11 takes them last first
-  try {
-    app.parse(args);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  for (const std::string& extra : app.remaining()) {
-    if (extra.size() > 1 && extra[0] == '-') fail_unknown_flag(extra, app);
-    IRIS_FAIL("unexpected argument '", extra,
-              "'; quote text with spaces (-p \"two words\") and give each image with --image");
-  }
+  std::vector<std::string> llama_spellings;
+  for (const auto& [spelling, _] : kLlamaSpellings) llama_spellings.push_back(spelling);
+  if (!parse_command_line(
+          app, args, "iris generate", llama_spellings,
+          "quote text with spaces (-p \"two words\") and give each image with --image"))
+    return 0;
   // "-mDIR" and other spellings the look-ahead does not read: the defaults follow the directory
   // CLI11 settled on, for the sampling flags not given.
   if (o.model_dir != prescanned_dir && std::filesystem::is_directory(o.model_dir)) {
@@ -964,15 +922,16 @@ int run_generate_command(int argc, char** argv) {
     if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
   }
   // The logits after "the prompt" name one prompt; a chat has one per turn.
-  IRIS_CHECK(!chat || o.logits_out.empty(),
-             "--logits-out needs a prompt (-p TEXT or -f FILE); a chat (no prompt) has none");
+  IRIS_USAGE_CHECK(!chat || o.logits_out.empty(),
+                   "--logits-out needs a prompt (-p TEXT or -f FILE); a chat (no prompt) has "
+                   "none");
   if (o.threads > 0) omp_set_num_threads(o.threads);
-  IRIS_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
-                 o.image_min_tokens <= o.image_max_tokens,
-             "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
-             o.image_max_tokens);
-  IRIS_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
-             " must be -1 (until the context is full) or at least 0");
+  IRIS_USAGE_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
+                       o.image_min_tokens <= o.image_max_tokens,
+                   "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
+                   o.image_max_tokens);
+  IRIS_USAGE_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
+                   " must be -1 (until the context is full) or at least 0");
   if (jinja_opt->count() > 0)
     std::fprintf(stderr,
                  "note: --jinja has no effect: iris always renders the checkpoint's Jinja chat "
@@ -1000,7 +959,16 @@ int run_generate_command(int argc, char** argv) {
     std::fprintf(stderr,
                  "note: -t/--threads sets the CPU threads of host work (image preprocessing, "
                  "weight conversion); the model itself runs on the GPU\n");
-  GraphConfigs graphs = parse_graph_configs(graph_input);
+  // Every graph key here came from a flag, so a setting refused is a usage error.
+  GraphConfigs graphs = [&] {
+    try {
+      return parse_graph_configs(graph_input);
+    } catch (const UsageError&) {
+      throw;
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+  }();
   for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 
   namespace fs = std::filesystem;

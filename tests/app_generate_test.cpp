@@ -386,7 +386,7 @@ TEST(AppCli, VersionPrintsCommitAndBuild) {
 
 TEST(AppCli, MistypedCommandSuggestsTheClosest) {
   const RunResult r = run_iris("genrate -m x");
-  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("unknown command 'genrate'; did you mean 'generate'?"), std::string::npos)
       << r.err;
   EXPECT_EQ(run_iris("xyzzy").err.find("did you mean"), std::string::npos);
@@ -936,6 +936,10 @@ TEST(AppGenerateLlamaFlags, UnknownFlagsSuggestTheClosest) {
   expect_error(cnv, "unknown flag -cnv");
   EXPECT_EQ(cnv.err.find("did you mean"), std::string::npos) << cnv.err;
   expect_error(run_iris(base + "stray"), "unexpected argument 'stray'");
+  // The command line's mistakes exit with 2, a run that fails with 1.
+  EXPECT_EQ(run_iris(base + "--tmep 1").exit_code, 2);
+  EXPECT_EQ(run_iris(base + "stray").exit_code, 2);
+  EXPECT_EQ(run_iris("generate -m /nonexistent -p hi --device cpu").exit_code, 1);
 }
 
 // Sampling defaults come from the checkpoint's generation_config.json; flags override them.
