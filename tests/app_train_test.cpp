@@ -182,8 +182,9 @@ TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
     EXPECT_EQ(e.code, c.code) << e.output;
     EXPECT_NE(e.output.find(c.expect), std::string::npos) << e.output;
   }
+  // A value outside the key's choices, given on the command line, is a usage error too.
   const Exit device = iris({"train", "--recipe", recipe, "--dry-run", "train.device=gpu"});
-  EXPECT_EQ(device.code, 1) << device.output;
+  EXPECT_EQ(device.code, 2) << device.output;
   EXPECT_NE(device.output.find("train.device"), std::string::npos) << device.output;
   if (!cuda_available()) {
     const Exit no_gpu = iris({"train", "--recipe", recipe, "train.device=cuda",
