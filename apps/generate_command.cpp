@@ -48,6 +48,9 @@ struct GenerateOptions {
   std::string prompt;
   std::string prompt_file;
   std::string system;
+  bool conversation = false;                 // -cnv: chat, with -p as the first message
+  bool single_turn = false;                  // -st: a chat of one message
+  std::vector<std::string> reverse_prompts;  // -r: a reply stops once it writes one
   int n_predict = 128;
   float temp = 0.8f;
   int top_k = 40;
@@ -68,6 +71,7 @@ struct GenerateOptions {
   std::string logits_out;
   int64_t max_image_pixels = kDefaultMaxImagePixels;
   std::vector<std::pair<std::string, std::string>> graph_flags;
+  std::string chat_template;  // --chat-template: a built-in name, a file or Jinja text
   std::string chat_template_file;
   std::string chat_template_kwargs;  // a JSON object
   std::string reasoning;             // on, off, or empty: the template's default
@@ -93,8 +97,11 @@ void check_logits_out(const std::string& out, const std::string& model_dir,
 // llama.cpp spells some flags with one dash and several letters (-sys, -ngl, -mm), which CLI11
 // would split into a short flag and a value (-cnv read as -c nv). They become their long names
 // here; any other word of that shape is an unknown flag rather than a mis-split one.
-const std::map<std::string, std::string> kLlamaSpellings = {
-    {"-sys", "--system-prompt"}, {"-ngl", "--n-gpu-layers"}, {"-mm", "--mmproj"}};
+const std::map<std::string, std::string> kLlamaSpellings = {{"-sys", "--system-prompt"},
+                                                            {"-ngl", "--n-gpu-layers"},
+                                                            {"-mm", "--mmproj"},
+                                                            {"-cnv", "--conversation"},
+                                                            {"-st", "--single-turn"}};
 
 bool is_multi_letter_short_flag(const std::string& a) {
   if (a.size() < 3 || a[0] != '-' || a[1] == '-') return false;
@@ -449,6 +456,42 @@ struct ChatRun {
   bool cuda_graphs = false;
   LoadTimes load;
   double preprocess_ms = 0;  // of the --image and --video files, counted with the first turn
+  std::optional<std::string> first_message;  // -cnv with -p or -f: sent before stdin is read
+};
+
+// -r/--reverse-prompt as llama-cli applies it: a reply stops once its text holds one of the
+// texts, the token that completed it kept (it has been shown).
+class ReversePrompts {
+ public:
+  ReversePrompts(const std::vector<std::string>& texts, const Tokenizer& tokenizer)
+      : texts_(texts), decoder_(tokenizer) {
+    for (const std::string& t : texts) longest_ = std::max(longest_, t.size());
+  }
+  // After each token of the reply.
+  void push(int32_t token) {
+    if (texts_.empty() || !found_.empty()) return;
+    const size_t before = tail_.size();
+    tail_ += decoder_.push(token);
+    for (const std::string& t : texts_) {
+      // Only a match that the new text completes is new.
+      const size_t from = before >= t.size() ? before - t.size() + 1 : 0;
+      if (tail_.find(t, from) != std::string::npos) {
+        found_ = t;
+        return;
+      }
+    }
+    // A long reply keeps only what a match could still begin in.
+    if (tail_.size() > 4 * longest_ + 64) tail_.erase(0, tail_.size() - longest_);
+  }
+  bool seen() const { return !found_.empty(); }
+  const std::string& found() const { return found_; }
+
+ private:
+  const std::vector<std::string>& texts_;
+  StreamingDecoder decoder_;
+  std::string tail_;
+  size_t longest_ = 0;
+  std::string found_;
 };
 
 std::string trim(const std::string& s) {
@@ -521,14 +564,22 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     std::fprintf(stderr, "iris generate: error: %s\n", what.c_str());
     failed = true;
   };
+  std::optional<std::string> first_message = run.first_message;
   for (;;) {
-    if (tty) std::fputs("> ", stderr);
-    std::fflush(stderr);
     std::string line;
-    if (!std::getline(std::cin, line)) break;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    const std::string command = trim(line);
-    if (command.empty()) continue;
+    const bool given = first_message.has_value();
+    if (given) {
+      line = *first_message;
+      first_message.reset();
+    } else {
+      if (tty) std::fputs("> ", stderr);
+      std::fflush(stderr);
+      if (!std::getline(std::cin, line)) break;
+    }
+    if (!given && !line.empty() && line.back() == '\r') line.pop_back();
+    // -cnv's prompt is the first message as it stands, whatever it says: no command.
+    const std::string command = given ? std::string() : trim(line);
+    if (command.empty() && !given) continue;
     if (command == "/quit" || command == "/exit") break;
     if (command == "/clear") {
       session.clear();
@@ -616,7 +667,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       }
       continue;
     }
-    if (command[0] == '/') {
+    if (!command.empty() && command[0] == '/') {
       report(str_cat("unknown chat command ", word, "; ", kChatHelp));
       continue;
     }
@@ -629,13 +680,20 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     message.media = media;
     StreamingDecoder stream(run.tokenizer);
     bool streamed = false;
+    ReversePrompts reverse(o.reverse_prompts, run.tokenizer);
+    // A reply stops between tokens at a reverse prompt.
+    const auto stop = [&] { return reverse.seen(); };
     try {
-      const ChatReply reply = session.send(message, [&](int32_t tok) {
-        if (o.json) return;
-        std::fputs(stream.push(tok).c_str(), stdout);
-        std::fflush(stdout);
-        streamed = true;
-      });
+      const ChatReply reply = session.send(
+          message,
+          [&](int32_t tok) {
+            reverse.push(tok);
+            if (o.json) return;
+            std::fputs(stream.push(tok).c_str(), stdout);
+            std::fflush(stdout);
+            streamed = true;
+          },
+          stop);
       const GenerationResult& res = reply.result;
       if (o.json) {
         nlohmann::json j =
@@ -643,6 +701,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         j["turn"] = session.turns();
         j["context_tokens"] = session.conversation().size();
         j["context_full"] = reply.context_full;
+        j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
         add_load_json(j["timings"], session.turns() == 1 ? run.load : LoadTimes{});
         j["timings"]["preprocess_ms"] = preprocess_ms;
         std::cout << j.dump() << std::endl;
@@ -673,19 +732,45 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     // The media went with this message, whether or not it was answered.
     clear_attached();
     preprocess_ms = 0;
+    if (o.single_turn) break;
   }
   if (!o.json && total.prompt_tokens > 0)
     print_timings(run.load, preprocess_total, images_sent, total,
                   total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
                   run.backend.name(), settings.sampling.seed);
-  return failed ? 1 : 0;
+  return failed ? kExitFailure : 0;
 }
 
-// The checkpoint's chat template, or --chat-template-file's, with --chat-template-kwargs and
-// --reasoning as its variables.
+// --chat-template as llama.cpp takes it: a template name (here those that apply to Qwen-VL
+// models: llama.cpp's chatml and the Qwen families' own), else the template itself; a file is
+// taken too, as --chat-template-file.
+ChatFormat named_chat_format(const std::string& value, const std::string& model_dir) {
+  if (std::optional<ChatFormat> builtin = ChatFormat::builtin(value, {model_dir}))
+    return *std::move(builtin);
+  std::error_code not_a_file;  // the text of a template is no path (too long, say)
+  if (std::filesystem::is_regular_file(value, not_a_file))
+    return ChatFormat::from_file(value, "--chat-template", {model_dir});
+  if (value.find("{%") != std::string::npos || value.find("{{") != std::string::npos)
+    return ChatFormat::from_text(value, "--chat-template", {model_dir});
+  std::vector<std::string> names;
+  std::string list;
+  for (const auto& [name, models] : ChatFormat::builtin_names()) {
+    names.push_back(name);
+    list += str_cat(list.empty() ? "" : ", ", name, " (", models, ")");
+  }
+  const std::string near = closest_name(value, names, 2);
+  IRIS_USAGE_FAIL("--chat-template '", value, "' is not a template name, a file or Jinja text",
+                  near.empty() ? std::string(".") : "; did you mean '" + near + "'?",
+                  " The names are ", list,
+                  "; llama.cpp's other names are formats of other model families");
+}
+
+// The checkpoint's chat template, or --chat-template's or --chat-template-file's, with
+// --chat-template-kwargs and --reasoning as its variables.
 ChatFormat generate_chat_format(const GenerateOptions& o) {
   ChatFormat chat =
-      o.chat_template_file.empty()
+      !o.chat_template.empty() ? named_chat_format(o.chat_template, o.model_dir)
+      : o.chat_template_file.empty()
           ? ChatFormat::from_dir(o.model_dir)
           : ChatFormat::from_file(o.chat_template_file, "--chat-template-file", {o.model_dir});
   if (!o.chat_template_kwargs.empty()) {
@@ -712,12 +797,19 @@ ChatFormat generate_chat_format(const GenerateOptions& o) {
     chat.set_kwargs({{"enable_thinking", o.reasoning == "on"}}, "--reasoning");
   }
   if (o.verbose) std::fprintf(stderr, "%s\n", chat.describe().c_str());
-  if (!chat.has_template() && !chat.kwargs().empty())
-    std::fprintf(stderr,
-                 "note: %s has no effect: %s has no chat template, so the built-in ChatML is "
-                 "used\n",
-                 o.reasoning.empty() ? "--chat-template-kwargs" : "--reasoning",
-                 o.model_dir.c_str());
+  if (!chat.has_template() && !chat.kwargs().empty()) {
+    const std::string flag = o.reasoning.empty() ? "--chat-template-kwargs" : "--reasoning";
+    if (o.chat_template.empty())
+      std::fprintf(stderr,
+                   "note: %s has no effect: %s has no chat template, so the built-in ChatML is "
+                   "used\n",
+                   flag.c_str(), o.model_dir.c_str());
+    else
+      std::fprintf(stderr,
+                   "note: %s has no effect: --chat-template chatml writes the conversation "
+                   "alone and takes no template variables\n",
+                   flag.c_str());
+  }
   return chat;
 }
 
@@ -803,6 +895,9 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "one JSON object, not a stream (a chat: one a turn)");
+  app.add_option("-r,--reverse-prompt", o.reverse_prompts,
+                 "repeatable; a reply stops once it writes TEXT")
+      ->type_name("TEXT");
   app.add_option("--reasoning", o.reasoning, "on|off: the template's enable_thinking")
       ->type_name("on|off")
       ->check(quiet(CLI::IsMember({"on", "off"})));
@@ -818,6 +913,14 @@ int run_generate_command(int argc, char** argv) {
                  "refuse larger images, from the file's header")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 40)))
       ->capture_default_str()
+      ->group(more);
+  app.add_flag("--conversation", o.conversation, "also -cnv; chat, -p/-f the first message")
+      ->group(more);
+  app.add_flag("--single-turn", o.single_turn, "also -st; chat one message, then exit")
+      ->group(more);
+  app.add_option("--chat-template", o.chat_template,
+                 "chatml, qwen2-vl, qwen3-vl, ...; a FILE; Jinja")
+      ->type_name("NAME")
       ->group(more);
   app.add_option("--chat-template-file", o.chat_template_file,
                  "Jinja chat template instead of the model's own")
@@ -883,9 +986,10 @@ int run_generate_command(int argc, char** argv) {
   for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
     if (!is_multi_letter_short_flag(args[i])) continue;
     // The value of a text flag may look like one ("-p -abc" is odd but not ours to refuse).
-    if (i > 0 && (args[i - 1] == "-p" || args[i - 1] == "--prompt" || args[i - 1] == "-sys" ||
-                  args[i - 1] == "--system" || args[i - 1] == "--system-prompt"))
-      continue;
+    static const std::set<std::string> kTextFlags = {
+        "-p", "--prompt",         "-sys",           "--system", "--system-prompt",
+        "-r", "--reverse-prompt", "--chat-template"};
+    if (i > 0 && kTextFlags.count(args[i - 1])) continue;
     const auto known = kLlamaSpellings.find(args[i]);
     if (known == kLlamaSpellings.end())
       fail_unknown_flag(args[i], suggestable_flags(app), "iris generate");
@@ -915,16 +1019,18 @@ int run_generate_command(int argc, char** argv) {
     if (sampling_opts[3]->count()) o.min_p = given.min_p;
     if (sampling_opts[4]->count()) o.repeat_penalty = given.repeat_penalty;
   }
-  // Without a prompt the command chats, as llama-mtmd-cli does: messages come from stdin.
-  const bool chat = o.prompt_file.empty() && prompt_opt->count() == 0;
+  // Without a prompt the command chats, as llama-mtmd-cli does: messages come from stdin. With
+  // -cnv it chats anyway, and a prompt given is its first message (llama-cli's conversation).
+  const bool chat = (o.prompt_file.empty() && prompt_opt->count() == 0) || o.conversation;
+  const bool first_message_given = !o.prompt_file.empty() || prompt_opt->count() > 0;
   if (!o.prompt_file.empty()) {
     o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
     if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
   }
   // The logits after "the prompt" name one prompt; a chat has one per turn.
   IRIS_USAGE_CHECK(!chat || o.logits_out.empty(),
-                   "--logits-out needs a prompt (-p TEXT or -f FILE); a chat (no prompt) has "
-                   "none");
+                   "--logits-out needs a one-shot prompt (-p TEXT or -f FILE, without "
+                   "-cnv/--conversation); a chat has one per turn");
   if (o.threads > 0) omp_set_num_threads(o.threads);
   IRIS_USAGE_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
                        o.image_min_tokens <= o.image_max_tokens,
@@ -932,6 +1038,12 @@ int run_generate_command(int argc, char** argv) {
                    o.image_max_tokens);
   IRIS_USAGE_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
                    " must be -1 (until the context is full) or at least 0");
+  for (const std::string& r : o.reverse_prompts)
+    IRIS_USAGE_CHECK(!r.empty(),
+                     "-r/--reverse-prompt needs text: an empty one would stop every reply at "
+                     "once");
+  IRIS_USAGE_CHECK(o.chat_template.empty() || o.chat_template_file.empty(),
+                   "--chat-template and --chat-template-file both give a template; give one");
   if (jinja_opt->count() > 0)
     std::fprintf(stderr,
                  "note: --jinja has no effect: iris always renders the checkpoint's Jinja chat "
@@ -1157,8 +1269,9 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
-                      load, preprocess_ms};
+    ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
+                load, preprocess_ms};
+    if (first_message_given) run.first_message = o.prompt;
     const int rc = run_chat(run, model, req, batch, std::move(clips));
     save_tuning();
     return rc;
@@ -1211,11 +1324,16 @@ int run_generate_command(int argc, char** argv) {
   if (o.n_predict < 0)
     req.max_new_tokens = static_cast<int>(
         std::max<int64_t>(0, int64_t{o.ctx_size} - static_cast<int64_t>(req.prompt_ids.size())));
-  const GenerationResult res = generate(model, req, [&](int32_t tok) {
-    if (o.json) return;
-    std::fputs(stream.push(tok).c_str(), stdout);
-    std::fflush(stdout);
-  });
+  ReversePrompts reverse(o.reverse_prompts, tokenizer);
+  const GenerationResult res = generate(
+      model, req,
+      [&](int32_t tok) {
+        reverse.push(tok);
+        if (o.json) return;
+        std::fputs(stream.push(tok).c_str(), stdout);
+        std::fflush(stdout);
+      },
+      [&] { return reverse.seen(); });
   const GenerationTimings& t = res.timings;
   if (!o.logits_out.empty())
     write_safetensors(o.logits_out, {{"logits",
@@ -1224,6 +1342,7 @@ int run_generate_command(int argc, char** argv) {
                                       res.prompt_logits.data()}});
   if (o.json) {
     nlohmann::json j = generation_json(res, req, tokenizer, *backend, graph_helper != nullptr);
+    j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
     add_load_json(j["timings"], load);
     j["timings"]["preprocess_ms"] = preprocess_ms;
     std::cout << j.dump() << std::endl;

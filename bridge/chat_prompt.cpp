@@ -261,7 +261,7 @@ constexpr BuiltinTemplate kBuiltinTemplates[] = {
     {"qwen2.5-vl", builtin_chat_templates::qwen2_vl, "the same as qwen2-vl"},
     {"qwen3-vl", builtin_chat_templates::qwen3_vl_instruct, "Qwen3-VL Instruct"},
     {"qwen3-vl-thinking", builtin_chat_templates::qwen3_vl_thinking, "Qwen3-VL Thinking"},
-    {"qwen3", builtin_chat_templates::qwen3, "Qwen3 (text, with enable_thinking)"},
+    {"qwen3", builtin_chat_templates::qwen3, "Qwen3, text only, with enable_thinking"},
 };
 
 }  // namespace

@@ -111,6 +111,8 @@ TEST(AppCli, EveryCommandExitsWithTwoForUsageAndOneForRuntimeErrors) {
   expect_failure("generate" + m + " -p hi --seed abc", 2, "--seed");
   expect_failure("generate" + m + " -p hi -n -2", 2, "-n/--n-predict -2 must be -1");
   expect_failure("generate" + m + " -p hi stray", 2, "unexpected argument 'stray'");
+  expect_failure("generate" + m + " -p hi --logits-out x.safetensors -cnv", 2,
+                 "--logits-out needs a one-shot prompt");
   expect_failure("generate" + m + " -p hi --chat-template-kwargs '{bad'", 2,
                  "--chat-template-kwargs is not JSON");
   expect_failure("generate -m " + nowhere + " -p hi", 1, "does not exist");
