@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <future>
@@ -13,6 +14,7 @@
 #include <random>
 #include <set>
 
+#include "apps/chat_input.h"
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/architecture.h"
@@ -503,19 +505,34 @@ std::string trim(const std::string& s) {
 const char* const kChatHelp =
     "/image PATH or /video PATH attaches an image or a video to the next message, /clear forgets "
     "the conversation, /quit (or the end of input) exits";
+const char* const kChatTerminalHelp = "; Ctrl-C stops a reply, and exits at an empty prompt";
+
+// The exit status of a chat ended by Ctrl-C at its prompt, as a shell reports a command that
+// SIGINT ended (and llama-mtmd-cli exits).
+constexpr int kExitInterrupted = 128 + SIGINT;
 
 // Multi-turn chat on stdin, as llama-mtmd-cli without -p: one line is one user message; the KV
 // cache keeps the conversation, so a turn prefills only its new tokens. Replies stream to stdout
 // one per line (with --json, one JSON object per turn instead); the input prompt, notes and
 // errors go to stderr, the prompt only when stdin is a terminal, so piped use gives clean stdout.
-// A failed command or turn is reported and the chat goes on; the exit code is then 1.
+// A failed command or turn is reported and the chat goes on; the exit code is then 1. On a
+// terminal Ctrl-C stops the reply in flight, and ends the chat at an empty prompt; lines are read
+// through TerminalLineReader (libedit's editing and history where the build has it), while piped
+// input is read as it always was, with Ctrl-C left to end the process.
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
              const PreprocessedBatch& first_images, std::vector<VideoClip> first_videos) {
   const GenerateOptions& o = run.options;
   const ModelConfig& cfg = run.config;
   ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
-  std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
+  std::optional<ChatInterrupts> interrupts;
+  std::optional<TerminalLineReader> terminal;
+  if (tty) {
+    interrupts.emplace();
+    terminal.emplace(*interrupts);
+  }
+  std::fprintf(stderr, "chat: each line is a message; %s%s\n", kChatHelp,
+               tty ? kChatTerminalHelp : "");
   // The media of the next message: the --image and --video files for the first, then each
   // /image and /video, decoded and preprocessed when given so that a bad file is reported at
   // once. Images' pixel rows in order, the videos, and both kinds in the order attached.
@@ -565,14 +582,28 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     failed = true;
   };
   std::optional<std::string> first_message = run.first_message;
+  bool quit_by_interrupt = false;
   for (;;) {
     std::string line;
     const bool given = first_message.has_value();
     if (given) {
       line = *first_message;
       first_message.reset();
+    } else if (terminal) {
+      const TerminalLineReader::Status status = terminal->read(line);
+      if (status == TerminalLineReader::Status::end) {
+        std::fputs("\n", stderr);
+        break;
+      }
+      if (status == TerminalLineReader::Status::interrupted) {
+        std::fputs("\n", stderr);
+        // Ctrl-C drops a line being typed, as a shell does; at an empty prompt it ends the chat.
+        if (terminal->had_text()) continue;
+        quit_by_interrupt = true;
+        break;
+      }
+      if (!trim(line).empty()) terminal->remember(line);
     } else {
-      if (tty) std::fputs("> ", stderr);
       std::fflush(stderr);
       if (!std::getline(std::cin, line)) break;
     }
@@ -681,8 +712,8 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     StreamingDecoder stream(run.tokenizer);
     bool streamed = false;
     ReversePrompts reverse(o.reverse_prompts, run.tokenizer);
-    // A reply stops between tokens at a reverse prompt.
-    const auto stop = [&] { return reverse.seen(); };
+    // A reply stops between tokens at a Ctrl-C or a reverse prompt.
+    const auto stop = [&] { return (interrupts && interrupts->pending()) || reverse.seen(); };
     try {
       const ChatReply reply = session.send(
           message,
@@ -695,12 +726,14 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
           },
           stop);
       const GenerationResult& res = reply.result;
+      const bool interrupted = res.halted && interrupts && interrupts->pending();
       if (o.json) {
         nlohmann::json j =
             generation_json(res, settings, run.tokenizer, run.backend, run.cuda_graphs);
         j["turn"] = session.turns();
         j["context_tokens"] = session.conversation().size();
         j["context_full"] = reply.context_full;
+        j["interrupted"] = interrupted;
         j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
         add_load_json(j["timings"], session.turns() == 1 ? run.load : LoadTimes{});
         j["timings"]["preprocess_ms"] = preprocess_ms;
@@ -710,6 +743,10 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         std::fputs("\n", stdout);
         std::fflush(stdout);
       }
+      if (interrupted)
+        std::fprintf(stderr,
+                     "(reply stopped by Ctrl-C after %zu token%s; it stays in the conversation)\n",
+                     res.tokens.size(), res.tokens.size() == 1 ? "" : "s");
       if (reply.context_full)
         std::fprintf(stderr,
                      "note: the reply stopped at the end of the context (%d tokens, "
@@ -738,6 +775,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     print_timings(run.load, preprocess_total, images_sent, total,
                   total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
                   run.backend.name(), settings.sampling.seed);
+  if (quit_by_interrupt) return kExitInterrupted;
   return failed ? kExitFailure : 0;
 }
 

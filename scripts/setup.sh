@@ -7,6 +7,7 @@ packages=(build-essential cmake pkg-config git
   libcli11-dev libgtest-dev libbenchmark-dev clang-format
   libopenmpi-dev openmpi-bin  # multi-process training and its mpirun tests
   libopencv-videoio-dev  # video decoding (vision/video_decode.h), through OpenCV's FFmpeg backend
+  libedit-dev  # line editing and history in iris generate's terminal chat
   clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
