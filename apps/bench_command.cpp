@@ -14,6 +14,7 @@
 #include <random>
 
 #include "apps/bench_common.h"
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/model_flops.h"
 #include "bridge/pipeline_stage.h"
@@ -313,11 +314,7 @@ int run_bench_command(int argc, char** argv) {
                  "case to bracket once for a profiler started with collection off (ncu "
                  "--profile-from-start off): a vision case such as 'graphs 1x256', or 'eager "
                  "decode' / 'graphs decode' for one decode step");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris bench")) return 0;
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
   auto be = make_backend(dev);
   const bool on_gpu = be->device() == Device::cuda;

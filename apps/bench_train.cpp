@@ -8,6 +8,7 @@
 #include <random>
 
 #include "apps/bench_common.h"
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/hf_weights.h"
 #include "bridge/random_weights.h"
@@ -96,13 +97,9 @@ int run_bench_train(int argc, char** argv) {
                  "command printing the same figures as JSON, e.g. 'python3 "
                  "bench/peers/hf_transformers_train.py --config bench/configs/qwen3vl_2b.json "
                  "--text 3310 --accumulation 8'");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  IRIS_CHECK(micro > 0 && accumulation > 0 && steps > 0 && warmup >= 0,
-             "--micro, --accumulation and --steps must be positive, --warmup not negative");
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris bench --train")) return 0;
+  IRIS_USAGE_CHECK(micro > 0 && accumulation > 0 && steps > 0 && warmup >= 0,
+                   "--micro, --accumulation and --steps must be positive, --warmup not negative");
   // The peer runs first, while this process holds no device memory: both need most of it.
   const json peer_results = peer.empty() ? json() : run_peer(peer);
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;

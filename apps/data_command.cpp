@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <string>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "training/shapes_data.h"
 #include "training/shapes_eval.h"
@@ -49,11 +50,7 @@ int run_data_command(int argc, char** argv) {
   eval->add_option("--limit", eval_opt.limit, "samples to score; 0 = all")->capture_default_str();
   eval->add_option("--device", eval_opt.device, "cpu or cuda")->capture_default_str();
   eval->add_option("--show", show, "predictions to print")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris data")) return 0;
   if (eval->parsed()) {
     int shown = 0;
     const ShapesScore s = evaluate_shapes(

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <string>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/error.h"
 #include "training/checkpoint.h"
@@ -21,11 +22,7 @@ int run_export_command(int argc, char** argv) {
   app.add_option("--dtype", dtype, "weight dtype: bf16 (as HF ships Qwen3-VL), f16 or f32")
       ->check(CLI::IsMember({"bf16", "f16", "f32"}))
       ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris export")) return 0;
   const DType dt = dtype == "bf16" ? DType::bf16 : dtype == "f16" ? DType::f16 : DType::f32;
   export_checkpoint(checkpoint, out_dir, dt);
   std::printf("exported %s to %s (%s weights)\n", checkpoint.c_str(), out_dir.c_str(),

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <future>
@@ -13,6 +14,8 @@
 #include <random>
 #include <set>
 
+#include "apps/chat_input.h"
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/architecture.h"
 #include "bridge/chat_prompt.h"
@@ -24,7 +27,6 @@
 #include "core/graph_config.h"
 #include "core/json_read.h"
 #include "core/safetensors.h"
-#include "core/text_distance.h"
 #include "language/tokenizer.h"
 #include "vision/image.h"
 #include "vision/preprocess.h"
@@ -48,6 +50,9 @@ struct GenerateOptions {
   std::string prompt;
   std::string prompt_file;
   std::string system;
+  bool conversation = false;                 // -cnv: chat, with -p as the first message
+  bool single_turn = false;                  // -st: a chat of one message
+  std::vector<std::string> reverse_prompts;  // -r: a reply stops once it writes one
   int n_predict = 128;
   float temp = 0.8f;
   int top_k = 40;
@@ -68,6 +73,7 @@ struct GenerateOptions {
   std::string logits_out;
   int64_t max_image_pixels = kDefaultMaxImagePixels;
   std::vector<std::pair<std::string, std::string>> graph_flags;
+  std::string chat_template;  // --chat-template: a built-in name, a file or Jinja text
   std::string chat_template_file;
   std::string chat_template_kwargs;  // a JSON object
   std::string reasoning;             // on, off, or empty: the template's default
@@ -93,8 +99,11 @@ void check_logits_out(const std::string& out, const std::string& model_dir,
 // llama.cpp spells some flags with one dash and several letters (-sys, -ngl, -mm), which CLI11
 // would split into a short flag and a value (-cnv read as -c nv). They become their long names
 // here; any other word of that shape is an unknown flag rather than a mis-split one.
-const std::map<std::string, std::string> kLlamaSpellings = {
-    {"-sys", "--system-prompt"}, {"-ngl", "--n-gpu-layers"}, {"-mm", "--mmproj"}};
+const std::map<std::string, std::string> kLlamaSpellings = {{"-sys", "--system-prompt"},
+                                                            {"-ngl", "--n-gpu-layers"},
+                                                            {"-mm", "--mmproj"},
+                                                            {"-cnv", "--conversation"},
+                                                            {"-st", "--single-turn"}};
 
 bool is_multi_letter_short_flag(const std::string& a) {
   if (a.size() < 3 || a[0] != '-' || a[1] == '-') return false;
@@ -104,44 +113,9 @@ bool is_multi_letter_short_flag(const std::string& a) {
 // Every flag name a user may mean, for "did you mean": the names help lists, plus the llama.cpp
 // spellings above.
 std::vector<std::string> suggestable_flags(const CLI::App& app) {
-  std::vector<std::string> names;
-  for (const CLI::Option* opt : app.get_options()) {
-    if (opt->get_group().empty()) continue;  // hidden: deprecated spellings
-    for (const std::string& l : opt->get_lnames()) names.push_back("--" + l);
-    for (const std::string& s : opt->get_snames()) names.push_back("-" + s);
-  }
+  std::vector<std::string> names = flag_names(app);
   for (const auto& [spelling, _] : kLlamaSpellings) names.push_back(spelling);
   return names;
-}
-
-// The known flag closest to `flag` by name (dashes aside), when it is close enough to be a typo.
-std::string closest_flag(const std::string& flag, const std::vector<std::string>& names) {
-  auto bare = [](const std::string& f) {
-    std::string b = f.substr(
-        f.find_first_not_of('-') == std::string::npos ? f.size() : f.find_first_not_of('-'));
-    std::replace(b.begin(), b.end(), '_', '-');
-    return b;
-  };
-  const std::string want = bare(flag.substr(0, flag.find('=')));
-  std::string best;
-  // A swap of two letters costs 2. Short names allow fewer edits, or every one-letter flag would
-  // be "close" to every other.
-  const size_t allowed = want.size() <= 2   ? 0
-                         : want.size() == 3 ? 1
-                                            : std::max<size_t>(2, want.size() / 3);
-  size_t best_d = allowed + 1;
-  for (const std::string& n : names) {
-    const size_t d = edit_distance(want, bare(n));
-    if (d < best_d) best_d = d, best = n;
-  }
-  return best;
-}
-
-[[noreturn]] void fail_unknown_flag(const std::string& flag, const CLI::App& app) {
-  const std::string best = closest_flag(flag, suggestable_flags(app));
-  IRIS_FAIL("unknown flag ", flag.substr(0, flag.find('=')),
-            best.empty() ? std::string() : "; did you mean " + best + "?",
-            " (iris generate --help lists the flags)");
 }
 
 // True when `dir` holds the vision encoder's weights, so that llama.cpp's separate projector
@@ -474,6 +448,42 @@ struct ChatRun {
   bool cuda_graphs = false;
   LoadTimes load;
   double preprocess_ms = 0;  // of the --image and --video files, counted with the first turn
+  std::optional<std::string> first_message;  // -cnv with -p or -f: sent before stdin is read
+};
+
+// -r/--reverse-prompt as llama-cli applies it: a reply stops once its text holds one of the
+// texts, the token that completed it kept (it has been shown).
+class ReversePrompts {
+ public:
+  ReversePrompts(const std::vector<std::string>& texts, const Tokenizer& tokenizer)
+      : texts_(texts), decoder_(tokenizer) {
+    for (const std::string& t : texts) longest_ = std::max(longest_, t.size());
+  }
+  // After each token of the reply.
+  void push(int32_t token) {
+    if (texts_.empty() || !found_.empty()) return;
+    const size_t before = tail_.size();
+    tail_ += decoder_.push(token);
+    for (const std::string& t : texts_) {
+      // Only a match that the new text completes is new.
+      const size_t from = before >= t.size() ? before - t.size() + 1 : 0;
+      if (tail_.find(t, from) != std::string::npos) {
+        found_ = t;
+        return;
+      }
+    }
+    // A long reply keeps only what a match could still begin in.
+    if (tail_.size() > 4 * longest_ + 64) tail_.erase(0, tail_.size() - longest_);
+  }
+  bool seen() const { return !found_.empty(); }
+  const std::string& found() const { return found_; }
+
+ private:
+  const std::vector<std::string>& texts_;
+  StreamingDecoder decoder_;
+  std::string tail_;
+  size_t longest_ = 0;
+  std::string found_;
 };
 
 std::string trim(const std::string& s) {
@@ -485,19 +495,34 @@ std::string trim(const std::string& s) {
 const char* const kChatHelp =
     "/image PATH or /video PATH attaches an image or a video to the next message, /clear forgets "
     "the conversation, /quit (or the end of input) exits";
+const char* const kChatTerminalHelp = "; Ctrl-C stops a reply, and exits at an empty prompt";
+
+// The exit status of a chat ended by Ctrl-C at its prompt, as a shell reports a command that
+// SIGINT ended (and llama-mtmd-cli exits).
+constexpr int kExitInterrupted = 128 + SIGINT;
 
 // Multi-turn chat on stdin, as llama-mtmd-cli without -p: one line is one user message; the KV
 // cache keeps the conversation, so a turn prefills only its new tokens. Replies stream to stdout
 // one per line (with --json, one JSON object per turn instead); the input prompt, notes and
 // errors go to stderr, the prompt only when stdin is a terminal, so piped use gives clean stdout.
-// A failed command or turn is reported and the chat goes on; the exit code is then 1.
+// A failed command or turn is reported and the chat goes on; the exit code is then 1. On a
+// terminal Ctrl-C stops the reply in flight, and ends the chat at an empty prompt; lines are read
+// through TerminalLineReader (libedit's editing and history where the build has it), while piped
+// input is read as it always was, with Ctrl-C left to end the process.
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
              const PreprocessedBatch& first_images, std::vector<VideoClip> first_videos) {
   const GenerateOptions& o = run.options;
   const ModelConfig& cfg = run.config;
   ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
-  std::fprintf(stderr, "chat: each line is a message; %s\n", kChatHelp);
+  std::optional<ChatInterrupts> interrupts;
+  std::optional<TerminalLineReader> terminal;
+  if (tty) {
+    interrupts.emplace();
+    terminal.emplace(*interrupts);
+  }
+  std::fprintf(stderr, "chat: each line is a message; %s%s\n", kChatHelp,
+               tty ? kChatTerminalHelp : "");
   // The media of the next message: the --image and --video files for the first, then each
   // /image and /video, decoded and preprocessed when given so that a bad file is reported at
   // once. Images' pixel rows in order, the videos, and both kinds in the order attached.
@@ -546,14 +571,36 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     std::fprintf(stderr, "iris generate: error: %s\n", what.c_str());
     failed = true;
   };
+  std::optional<std::string> first_message = run.first_message;
+  bool quit_by_interrupt = false;
   for (;;) {
-    if (tty) std::fputs("> ", stderr);
-    std::fflush(stderr);
     std::string line;
-    if (!std::getline(std::cin, line)) break;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    const std::string command = trim(line);
-    if (command.empty()) continue;
+    const bool given = first_message.has_value();
+    if (given) {
+      line = *first_message;
+      first_message.reset();
+    } else if (terminal) {
+      const TerminalLineReader::Status status = terminal->read(line);
+      if (status == TerminalLineReader::Status::end) {
+        std::fputs("\n", stderr);
+        break;
+      }
+      if (status == TerminalLineReader::Status::interrupted) {
+        std::fputs("\n", stderr);
+        // Ctrl-C drops a line being typed, as a shell does; at an empty prompt it ends the chat.
+        if (terminal->had_text()) continue;
+        quit_by_interrupt = true;
+        break;
+      }
+      if (!trim(line).empty()) terminal->remember(line);
+    } else {
+      std::fflush(stderr);
+      if (!std::getline(std::cin, line)) break;
+    }
+    if (!given && !line.empty() && line.back() == '\r') line.pop_back();
+    // -cnv's prompt is the first message as it stands, whatever it says: no command.
+    const std::string command = given ? std::string() : trim(line);
+    if (command.empty() && !given) continue;
     if (command == "/quit" || command == "/exit") break;
     if (command == "/clear") {
       session.clear();
@@ -641,7 +688,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       }
       continue;
     }
-    if (command[0] == '/') {
+    if (!command.empty() && command[0] == '/') {
       report(str_cat("unknown chat command ", word, "; ", kChatHelp));
       continue;
     }
@@ -654,20 +701,30 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     message.media = media;
     StreamingDecoder stream(run.tokenizer);
     bool streamed = false;
+    ReversePrompts reverse(o.reverse_prompts, run.tokenizer);
+    // A reply stops between tokens at a Ctrl-C or a reverse prompt.
+    const auto stop = [&] { return (interrupts && interrupts->pending()) || reverse.seen(); };
     try {
-      const ChatReply reply = session.send(message, [&](int32_t tok) {
-        if (o.json) return;
-        std::fputs(stream.push(tok).c_str(), stdout);
-        std::fflush(stdout);
-        streamed = true;
-      });
+      const ChatReply reply = session.send(
+          message,
+          [&](int32_t tok) {
+            reverse.push(tok);
+            if (o.json) return;
+            std::fputs(stream.push(tok).c_str(), stdout);
+            std::fflush(stdout);
+            streamed = true;
+          },
+          stop);
       const GenerationResult& res = reply.result;
+      const bool interrupted = res.halted && interrupts && interrupts->pending();
       if (o.json) {
         nlohmann::json j =
             generation_json(res, settings, run.tokenizer, run.backend, run.cuda_graphs);
         j["turn"] = session.turns();
         j["context_tokens"] = session.conversation().size();
         j["context_full"] = reply.context_full;
+        j["interrupted"] = interrupted;
+        j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
         add_load_json(j["timings"], session.turns() == 1 ? run.load : LoadTimes{});
         j["timings"]["preprocess_ms"] = preprocess_ms;
         std::cout << j.dump() << std::endl;
@@ -676,6 +733,10 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         std::fputs("\n", stdout);
         std::fflush(stdout);
       }
+      if (interrupted)
+        std::fprintf(stderr,
+                     "(reply stopped by Ctrl-C after %zu token%s; it stays in the conversation)\n",
+                     res.tokens.size(), res.tokens.size() == 1 ? "" : "s");
       if (reply.context_full)
         std::fprintf(stderr,
                      "note: the reply stopped at the end of the context (%d tokens, "
@@ -698,45 +759,85 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     // The media went with this message, whether or not it was answered.
     clear_attached();
     preprocess_ms = 0;
+    if (o.single_turn) break;
   }
   if (!o.json && total.prompt_tokens > 0)
     print_timings(run.load, preprocess_total, images_sent, total,
                   total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
                   run.backend.name(), settings.sampling.seed);
-  return failed ? 1 : 0;
+  if (quit_by_interrupt) return kExitInterrupted;
+  return failed ? kExitFailure : 0;
 }
 
-// The checkpoint's chat template, or --chat-template-file's, with --chat-template-kwargs and
-// --reasoning as its variables.
+// --chat-template as llama.cpp takes it: a template name (here those that apply to Qwen-VL
+// models: llama.cpp's chatml and the Qwen families' own), else the template itself; a file is
+// taken too, as --chat-template-file.
+ChatFormat named_chat_format(const std::string& value, const std::string& model_dir) {
+  if (std::optional<ChatFormat> builtin = ChatFormat::builtin(value, {model_dir}))
+    return *std::move(builtin);
+  std::error_code not_a_file;  // the text of a template is no path (too long, say)
+  if (std::filesystem::is_regular_file(value, not_a_file))
+    return ChatFormat::from_file(value, "--chat-template", {model_dir});
+  if (value.find("{%") != std::string::npos || value.find("{{") != std::string::npos)
+    return ChatFormat::from_text(value, "--chat-template", {model_dir});
+  std::vector<std::string> names;
+  std::string list;
+  for (const auto& [name, models] : ChatFormat::builtin_names()) {
+    names.push_back(name);
+    list += str_cat(list.empty() ? "" : ", ", name, " (", models, ")");
+  }
+  const std::string near = closest_name(value, names, 2);
+  IRIS_USAGE_FAIL("--chat-template '", value, "' is not a template name, a file or Jinja text",
+                  near.empty() ? std::string(".") : "; did you mean '" + near + "'?",
+                  " The names are ", list,
+                  "; llama.cpp's other names are formats of other model families");
+}
+
+// The checkpoint's chat template, or --chat-template's or --chat-template-file's, with
+// --chat-template-kwargs and --reasoning as its variables.
 ChatFormat generate_chat_format(const GenerateOptions& o) {
   ChatFormat chat =
-      o.chat_template_file.empty()
+      !o.chat_template.empty() ? named_chat_format(o.chat_template, o.model_dir)
+      : o.chat_template_file.empty()
           ? ChatFormat::from_dir(o.model_dir)
           : ChatFormat::from_file(o.chat_template_file, "--chat-template-file", {o.model_dir});
   if (!o.chat_template_kwargs.empty()) {
-    IRIS_CHECK(json_nesting_depth(o.chat_template_kwargs, kMaxJsonDepth) <= kMaxJsonDepth,
-               "--chat-template-kwargs nests deeper than ", kMaxJsonDepth, " levels");
+    IRIS_USAGE_CHECK(json_nesting_depth(o.chat_template_kwargs, kMaxJsonDepth) <= kMaxJsonDepth,
+                     "--chat-template-kwargs nests deeper than ", kMaxJsonDepth, " levels");
     nlohmann::ordered_json kwargs;
     try {
       kwargs = nlohmann::ordered_json::parse(o.chat_template_kwargs);
     } catch (const std::exception& e) {
-      IRIS_FAIL("--chat-template-kwargs is not JSON (", json_error_text(e),
-                "); give an object such as '{\"enable_thinking\": false}'");
+      IRIS_USAGE_FAIL("--chat-template-kwargs is not JSON (", json_error_text(e),
+                      "); give an object such as '{\"enable_thinking\": false}'");
     }
-    chat.set_kwargs(kwargs, "--chat-template-kwargs");
+    try {
+      chat.set_kwargs(kwargs, "--chat-template-kwargs");
+    } catch (const UsageError&) {
+      throw;
+    } catch (const Error& e) {
+      throw UsageError(e.what());  // the flag's JSON is not an object of template variables
+    }
   }
   if (!o.reasoning.empty()) {
-    IRIS_CHECK(!chat.kwargs().contains("enable_thinking"),
-               "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
+    IRIS_USAGE_CHECK(!chat.kwargs().contains("enable_thinking"),
+                     "--reasoning and --chat-template-kwargs both set enable_thinking; give one");
     chat.set_kwargs({{"enable_thinking", o.reasoning == "on"}}, "--reasoning");
   }
   if (o.verbose) std::fprintf(stderr, "%s\n", chat.describe().c_str());
-  if (!chat.has_template() && !chat.kwargs().empty())
-    std::fprintf(stderr,
-                 "note: %s has no effect: %s has no chat template, so the built-in ChatML is "
-                 "used\n",
-                 o.reasoning.empty() ? "--chat-template-kwargs" : "--reasoning",
-                 o.model_dir.c_str());
+  if (!chat.has_template() && !chat.kwargs().empty()) {
+    const std::string flag = o.reasoning.empty() ? "--chat-template-kwargs" : "--reasoning";
+    if (o.chat_template.empty())
+      std::fprintf(stderr,
+                   "note: %s has no effect: %s has no chat template, so the built-in ChatML is "
+                   "used\n",
+                   flag.c_str(), o.model_dir.c_str());
+    else
+      std::fprintf(stderr,
+                   "note: %s has no effect: --chat-template chatml writes the conversation "
+                   "alone and takes no template variables\n",
+                   flag.c_str());
+  }
   return chat;
 }
 
@@ -750,9 +851,6 @@ int run_generate_command(int argc, char** argv) {
   app.footer(str_cat("Images: ", kImageFormats,
                      "; turned upright by their EXIF orientation\nas transformers' load_image "
                      "turns them. Videos: what OpenCV's FFmpeg backend reads."));
-  // Unknown arguments are collected instead of failing inside CLI11, so that the error can name
-  // the flag the user probably meant.
-  app.allow_extras();
   GenerateOptions o;
   std::vector<std::string> args(argv + 1, argv + argc);
   // Sampling defaults: the checkpoint's generation_config.json, else llama.cpp's; flags win.
@@ -828,6 +926,9 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("--device", o.device, "cpu, cuda, cuda:N, auto (cuda if there is a GPU)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "one JSON object, not a stream (a chat: one a turn)");
+  app.add_option("-r,--reverse-prompt", o.reverse_prompts,
+                 "repeatable; a reply stops once it writes TEXT")
+      ->type_name("TEXT");
   app.add_option("--reasoning", o.reasoning, "on|off: the template's enable_thinking")
       ->type_name("on|off")
       ->check(quiet(CLI::IsMember({"on", "off"})));
@@ -843,6 +944,14 @@ int run_generate_command(int argc, char** argv) {
                  "refuse larger images, from the file's header")
       ->check(quiet(CLI::Range(int64_t{1}, int64_t{1} << 40)))
       ->capture_default_str()
+      ->group(more);
+  app.add_flag("--conversation", o.conversation, "also -cnv; chat, -p/-f the first message")
+      ->group(more);
+  app.add_flag("--single-turn", o.single_turn, "also -st; chat one message, then exit")
+      ->group(more);
+  app.add_option("--chat-template", o.chat_template,
+                 "chatml, qwen2-vl, qwen3-vl, ...; a FILE; Jinja")
+      ->type_name("NAME")
       ->group(more);
   app.add_option("--chat-template-file", o.chat_template_file,
                  "Jinja chat template instead of the model's own")
@@ -908,11 +1017,13 @@ int run_generate_command(int argc, char** argv) {
   for (size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
     if (!is_multi_letter_short_flag(args[i])) continue;
     // The value of a text flag may look like one ("-p -abc" is odd but not ours to refuse).
-    if (i > 0 && (args[i - 1] == "-p" || args[i - 1] == "--prompt" || args[i - 1] == "-sys" ||
-                  args[i - 1] == "--system" || args[i - 1] == "--system-prompt"))
-      continue;
+    static const std::set<std::string> kTextFlags = {
+        "-p", "--prompt",         "-sys",           "--system", "--system-prompt",
+        "-r", "--reverse-prompt", "--chat-template"};
+    if (i > 0 && kTextFlags.count(args[i - 1])) continue;
     const auto known = kLlamaSpellings.find(args[i]);
-    if (known == kLlamaSpellings.end()) fail_unknown_flag(args[i], app);
+    if (known == kLlamaSpellings.end())
+      fail_unknown_flag(args[i], suggestable_flags(app), "iris generate");
     args[i] = known->second;
   }
   // --image and --video may alternate; the media markers take them in the order given.
@@ -922,22 +1033,12 @@ int run_generate_command(int argc, char** argv) {
     else if (args[i] == "--video" || args[i].rfind("--video=", 0) == 0)
       o.media_order.push_back(ChatPart::Kind::video);
   }
-  // As in llama.cpp, the last of a repeated flag wins (CLI11 would refuse the repeat); repeatable
-  // flags (--image, --video) keep every value.
-  for (CLI::Option* opt : app.get_options())
-    if (opt->get_items_expected_max() <= 1)
-      opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  std::reverse(args.begin(), args.end());  // CLI11 takes them last first
-  try {
-    app.parse(args);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  for (const std::string& extra : app.remaining()) {
-    if (extra.size() > 1 && extra[0] == '-') fail_unknown_flag(extra, app);
-    IRIS_FAIL("unexpected argument '", extra,
-              "'; quote text with spaces (-p \"two words\") and give each image with --image");
-  }
+  std::vector<std::string> llama_spellings;
+  for (const auto& [spelling, _] : kLlamaSpellings) llama_spellings.push_back(spelling);
+  if (!parse_command_line(
+          app, args, "iris generate", llama_spellings,
+          "quote text with spaces (-p \"two words\") and give each image with --image"))
+    return 0;
   // "-mDIR" and other spellings the look-ahead does not read: the defaults follow the directory
   // CLI11 settled on, for the sampling flags not given.
   if (o.model_dir != prescanned_dir && std::filesystem::is_directory(o.model_dir)) {
@@ -949,22 +1050,31 @@ int run_generate_command(int argc, char** argv) {
     if (sampling_opts[3]->count()) o.min_p = given.min_p;
     if (sampling_opts[4]->count()) o.repeat_penalty = given.repeat_penalty;
   }
-  // Without a prompt the command chats, as llama-mtmd-cli does: messages come from stdin.
-  const bool chat = o.prompt_file.empty() && prompt_opt->count() == 0;
+  // Without a prompt the command chats, as llama-mtmd-cli does: messages come from stdin. With
+  // -cnv it chats anyway, and a prompt given is its first message (llama-cli's conversation).
+  const bool chat = (o.prompt_file.empty() && prompt_opt->count() == 0) || o.conversation;
+  const bool first_message_given = !o.prompt_file.empty() || prompt_opt->count() > 0;
   if (!o.prompt_file.empty()) {
     o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
     if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
   }
   // The logits after "the prompt" name one prompt; a chat has one per turn.
-  IRIS_CHECK(!chat || o.logits_out.empty(),
-             "--logits-out needs a prompt (-p TEXT or -f FILE); a chat (no prompt) has none");
+  IRIS_USAGE_CHECK(!chat || o.logits_out.empty(),
+                   "--logits-out needs a one-shot prompt (-p TEXT or -f FILE, without "
+                   "-cnv/--conversation); a chat has one per turn");
   if (o.threads > 0) omp_set_num_threads(o.threads);
-  IRIS_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
-                 o.image_min_tokens <= o.image_max_tokens,
-             "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
-             o.image_max_tokens);
-  IRIS_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
-             " must be -1 (until the context is full) or at least 0");
+  IRIS_USAGE_CHECK(o.image_min_tokens == 0 || o.image_max_tokens == 0 ||
+                       o.image_min_tokens <= o.image_max_tokens,
+                   "--image-min-tokens ", o.image_min_tokens, " is above --image-max-tokens ",
+                   o.image_max_tokens);
+  IRIS_USAGE_CHECK(o.n_predict >= -1, "-n/--n-predict ", o.n_predict,
+                   " must be -1 (until the context is full) or at least 0");
+  for (const std::string& r : o.reverse_prompts)
+    IRIS_USAGE_CHECK(!r.empty(),
+                     "-r/--reverse-prompt needs text: an empty one would stop every reply at "
+                     "once");
+  IRIS_USAGE_CHECK(o.chat_template.empty() || o.chat_template_file.empty(),
+                   "--chat-template and --chat-template-file both give a template; give one");
   if (jinja_opt->count() > 0)
     std::fprintf(stderr,
                  "note: --jinja has no effect: iris always renders the checkpoint's Jinja chat "
@@ -992,7 +1102,16 @@ int run_generate_command(int argc, char** argv) {
     std::fprintf(stderr,
                  "note: -t/--threads sets the CPU threads of host work (image preprocessing, "
                  "weight conversion); the model itself runs on the GPU\n");
-  GraphConfigs graphs = parse_graph_configs(graph_input);
+  // Every graph key here came from a flag, so a setting refused is a usage error.
+  GraphConfigs graphs = [&] {
+    try {
+      return parse_graph_configs(graph_input);
+    } catch (const UsageError&) {
+      throw;
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+  }();
   for (const std::string& w : graphs.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 
   namespace fs = std::filesystem;
@@ -1181,8 +1300,9 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    const ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
-                      load, preprocess_ms};
+    ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
+                load, preprocess_ms};
+    if (first_message_given) run.first_message = o.prompt;
     const int rc = run_chat(run, model, req, batch, std::move(clips));
     save_tuning();
     return rc;
@@ -1235,11 +1355,16 @@ int run_generate_command(int argc, char** argv) {
   if (o.n_predict < 0)
     req.max_new_tokens = static_cast<int>(
         std::max<int64_t>(0, int64_t{o.ctx_size} - static_cast<int64_t>(req.prompt_ids.size())));
-  const GenerationResult res = generate(model, req, [&](int32_t tok) {
-    if (o.json) return;
-    std::fputs(stream.push(tok).c_str(), stdout);
-    std::fflush(stdout);
-  });
+  ReversePrompts reverse(o.reverse_prompts, tokenizer);
+  const GenerationResult res = generate(
+      model, req,
+      [&](int32_t tok) {
+        reverse.push(tok);
+        if (o.json) return;
+        std::fputs(stream.push(tok).c_str(), stdout);
+        std::fflush(stdout);
+      },
+      [&] { return reverse.seen(); });
   const GenerationTimings& t = res.timings;
   if (!o.logits_out.empty())
     write_safetensors(o.logits_out, {{"logits",
@@ -1248,6 +1373,7 @@ int run_generate_command(int argc, char** argv) {
                                       res.prompt_logits.data()}});
   if (o.json) {
     nlohmann::json j = generation_json(res, req, tokenizer, *backend, graph_helper != nullptr);
+    j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
     add_load_json(j["timings"], load);
     j["timings"]["preprocess_ms"] = preprocess_ms;
     std::cout << j.dump() << std::endl;

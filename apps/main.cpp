@@ -1,17 +1,17 @@
 // The iris command line: one binary with subcommands (as git does). Every user-facing failure is
-// an iris::Error whose message says what was wrong; it is printed and the exit code is 1.
-#include <algorithm>
+// an iris::Error whose message says what was wrong; it is printed and the exit code is 1, or 2
+// for a UsageError (a command line the command cannot take; apps/cli.h).
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <new>
 #include <string>
+#include <vector>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/error.h"
-#include "core/text_distance.h"
 #include "iris_build_info.h"
 
 namespace {
@@ -36,9 +36,10 @@ const Command kCommands[] = {
 
 void print_usage(FILE* out) {
   std::fprintf(out,
-               "usage: iris <command> [options]   (iris <command> --help for its flags; "
-               "iris --version)\n\n");
+               "usage: iris <command> [options]   (iris <command> --help or iris help <command> "
+               "for its flags; iris --version)\n\n");
   for (const Command& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.help);
+  std::fprintf(out, "  %-10s %s\n", "help", "this list, or a command's flags (iris help train)");
 }
 
 void print_version() {
@@ -51,15 +52,55 @@ void print_version() {
 #endif
 }
 
-// The command a mistyped one most likely meant ("genrate" -> "generate"), or null.
-const Command* closest_command(const char* typed) {
-  const Command* best = nullptr;
-  size_t best_d = std::max<size_t>(2, std::strlen(typed) / 3) + 1;  // a swap costs 2
-  for (const Command& c : kCommands) {
-    const size_t d = iris::edit_distance(typed, c.name);
-    if (d < best_d) best_d = d, best = &c;
+// What a mistyped command most likely meant ("genrate" or "gen" -> "generate"), including the
+// top-level flags, or "".
+std::string closest_command(const std::string& typed) {
+  std::vector<std::string> names{"help", "--help", "--version"};
+  for (const Command& c : kCommands) names.push_back(c.name);
+  return iris::closest_name(typed, names, /*min_prefix=*/2);
+}
+
+const Command* find_command(const std::string& name) {
+  for (const Command& c : kCommands)
+    if (name == c.name) return &c;
+  return nullptr;
+}
+
+int unknown_command(const std::string& typed) {
+  const std::string best = closest_command(typed);
+  const bool flag = !typed.empty() && typed[0] == '-';
+  std::fprintf(stderr, "iris: error: unknown %s '%s'%s%s%s (iris help lists the commands)\n",
+               flag ? "flag" : "command", typed.c_str(), best.empty() ? "" : "; did you mean '",
+               best.c_str(), best.empty() ? "" : "'?");
+  return iris::kExitUsage;
+}
+
+// Runs a command, turning its errors into their message and exit status.
+int run_command(const Command& c, int argc, char** argv) {
+  try {
+    return c.run(argc, argv);
+  } catch (const iris::UsageError& e) {
+    std::fprintf(stderr, "iris %s: error: %s\n", c.name, e.what());
+    return iris::kExitUsage;
+  } catch (const iris::Error& e) {
+    std::fprintf(stderr, "iris %s: error: %s\n", c.name, e.what());
+    return iris::kExitFailure;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "iris %s: error: out of memory (the model, images or limits asked for more "
+                 "than this machine has)\n",
+                 c.name);
+    return iris::kExitFailure;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the user gave that the system refused (a symbolic link loop, a permission): the
+    // path and the system's reason, not the library's wording.
+    std::fprintf(stderr, "iris %s: error: %s%s%s: %s\n", c.name, e.path1().c_str(),
+                 e.path2().empty() ? "" : " -> ", e.path2().c_str(), e.code().message().c_str());
+    return iris::kExitFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "iris %s: unexpected error: %s\n", c.name, e.what());
+    return iris::kExitFailure;
   }
-  return best;
 }
 
 }  // namespace
@@ -72,43 +113,31 @@ int main(int argc, char** argv) {
   // launched 0.95 s per 1.10 s step and trailed eager by 0.7%; with 4x its host enqueue is 13 ms
   // and it runs as fast as eager. llama.cpp's CUDA backend sets the same for the same reason.
   setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    print_usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 1 : 0;
+  if (argc < 2) {
+    print_usage(stderr);
+    return iris::kExitUsage;
   }
-  if (!std::strcmp(argv[1], "--version") || !std::strcmp(argv[1], "-v")) {
+  const std::string first = argv[1];
+  if (first == "--help" || first == "-h") {
+    print_usage(stdout);
+    return 0;
+  }
+  if (first == "--version" || first == "-v") {
     print_version();
     return 0;
   }
-  for (const Command& c : kCommands) {
-    if (std::strcmp(argv[1], c.name) != 0) continue;
-    try {
-      return c.run(argc - 1, argv + 1);
-    } catch (const iris::Error& e) {
-      std::fprintf(stderr, "iris %s: error: %s\n", c.name, e.what());
-      return 1;
-    } catch (const std::bad_alloc&) {
-      std::fprintf(stderr,
-                   "iris %s: error: out of memory (the model, images or limits asked for more "
-                   "than this machine has)\n",
-                   c.name);
-      return 1;
-    } catch (const std::filesystem::filesystem_error& e) {
-      // A path the user gave that the system refused (a symbolic link loop, a permission): the
-      // path and the system's reason, not the library's wording.
-      std::fprintf(stderr, "iris %s: error: %s%s%s: %s\n", c.name, e.path1().c_str(),
-                   e.path2().empty() ? "" : " -> ", e.path2().c_str(), e.code().message().c_str());
-      return 1;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "iris %s: unexpected error: %s\n", c.name, e.what());
-      return 1;
+  if (first == "help") {
+    if (argc == 2) {
+      print_usage(stdout);
+      return 0;
     }
+    // iris help train: the command's own --help.
+    const Command* c = find_command(argv[2]);
+    if (c == nullptr) return unknown_command(argv[2]);
+    char help_flag[] = "--help";
+    char* help_argv[] = {argv[2], help_flag, nullptr};
+    return run_command(*c, 2, help_argv);
   }
-  if (const Command* c = closest_command(argv[1])) {
-    std::fprintf(stderr, "iris: unknown command '%s'; did you mean '%s'?\n\n", argv[1], c->name);
-  } else {
-    std::fprintf(stderr, "iris: unknown command '%s'\n\n", argv[1]);
-  }
-  print_usage(stderr);
-  return 1;
+  if (const Command* c = find_command(first)) return run_command(*c, argc - 1, argv + 1);
+  return unknown_command(first);
 }

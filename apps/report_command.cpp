@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -29,11 +30,7 @@ int run_report_command(int argc, char** argv) {
   app.add_option("--command", command, "the command that ran it, recorded in the report");
   app.add_flag("--table", table, "print a table of the report.json files given");
   app.add_option("--json", table_json, "with --table: also write its rows to this JSON file");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris report")) return 0;
   namespace fs = std::filesystem;
   if (table) {
     std::vector<nlohmann::json> reports;
@@ -43,10 +40,11 @@ int run_report_command(int argc, char** argv) {
     if (!table_json.empty()) write_file_atomic(table_json, t.json.dump(2) + "\n");
     return 0;
   }
-  IRIS_CHECK(paths.size() == 1, "iris report takes one run directory (got ", paths.size(),
-             "); to compare several runs, pass their report.json files with --table");
-  IRIS_CHECK(table_json.empty(), "--json goes with --table; a run's report.json is written to ",
-             paths[0], " anyway");
+  IRIS_USAGE_CHECK(paths.size() == 1, "iris report takes one run directory (got ", paths.size(),
+                   "); to compare several runs, pass their report.json files with --table");
+  IRIS_USAGE_CHECK(table_json.empty(),
+                   "--json goes with --table; a run's report.json is written to ", paths[0],
+                   " anyway");
   const std::string& dir = paths[0];
   if (label.empty()) label = fs::path(dir).lexically_normal().filename().string();
   if (label.empty()) label = fs::path(dir).lexically_normal().parent_path().filename().string();

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/backend.h"
 #include "core/error.h"
@@ -37,19 +38,14 @@ int run_train_command(int argc, char** argv) {
                  "default: the GPU's own)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--list-keys", list_keys, "print every recipe key with its type, default and doc");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (!parse_command_line(app, {argv + 1, argv + argc}, "iris train")) return 0;
   if (list_keys) {
     std::fputs(describe_recipe_schema().c_str(), stdout);
     return 0;
   }
-  if (recipe_path.empty()) {
-    std::fprintf(stderr, "iris train: --recipe is required (see recipes/, or iris train --help)\n");
-    return 1;
-  }
+  IRIS_USAGE_CHECK(!recipe_path.empty(),
+                   "--recipe is required: a recipe file or the name of one in recipes/ (iris "
+                   "train --help lists the flags)");
   if (device_memory_gib > 0)
     overrides.push_back("train.device_memory_gib=" + std::to_string(device_memory_gib));
   const Recipe recipe = load_recipe(recipe_path, overrides);

@@ -5,6 +5,7 @@
 
 #include "bridge/architecture.h"
 #include "bridge/model_config.h"
+#include "builtin_chat_templates.h"
 #include "chat_template/jinja.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -232,6 +233,58 @@ ChatFormat ChatFormat::from_file(const std::string& path, const std::string& wha
   f.source_ = path;
   f.template_ = std::make_shared<const jinja::Template>(f.text_, name);
   return f;
+}
+
+ChatFormat ChatFormat::from_text(const std::string& text, const std::string& what,
+                                 const std::vector<std::string>& special_tokens_dirs) {
+  IRIS_CHECK(text.size() <= jinja::kMaxTemplateBytes, what, " is ", text.size(),
+             " bytes of template text, more than the ", jinja::kMaxTemplateBytes, " allowed");
+  ChatFormat f;
+  f.special_tokens_ = special_tokens_in(special_tokens_dirs);
+  f.text_ = text;
+  f.source_ = what + " (the text given)";
+  f.template_ = std::make_shared<const jinja::Template>(f.text_, what);
+  return f;
+}
+
+namespace {
+
+struct BuiltinTemplate {
+  const char* name;
+  std::string_view text;  // empty: the built-in ChatML, rendered without a template
+  const char* models;
+};
+
+constexpr BuiltinTemplate kBuiltinTemplates[] = {
+    {"chatml", {}, "ChatML, as Qwen3-VL Instruct writes plain conversations"},
+    {"qwen2-vl", builtin_chat_templates::qwen2_vl, "Qwen2-VL and Qwen2.5-VL Instruct"},
+    {"qwen2.5-vl", builtin_chat_templates::qwen2_vl, "the same as qwen2-vl"},
+    {"qwen3-vl", builtin_chat_templates::qwen3_vl_instruct, "Qwen3-VL Instruct"},
+    {"qwen3-vl-thinking", builtin_chat_templates::qwen3_vl_thinking, "Qwen3-VL Thinking"},
+    {"qwen3", builtin_chat_templates::qwen3, "Qwen3, text only, with enable_thinking"},
+};
+
+}  // namespace
+
+std::optional<ChatFormat> ChatFormat::builtin(const std::string& name,
+                                              const std::vector<std::string>& special_tokens_dirs) {
+  for (const BuiltinTemplate& b : kBuiltinTemplates) {
+    if (name != b.name) continue;
+    ChatFormat f;
+    f.special_tokens_ = special_tokens_in(special_tokens_dirs);
+    if (b.text.empty()) return f;
+    f.text_ = std::string(b.text);
+    f.source_ = str_cat("the built-in ", b.name, " (", b.models, ")");
+    f.template_ = std::make_shared<const jinja::Template>(f.text_, str_cat("built-in ", b.name));
+    return f;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::pair<std::string, std::string>> ChatFormat::builtin_names() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const BuiltinTemplate& b : kBuiltinTemplates) out.emplace_back(b.name, b.models);
+  return out;
 }
 
 std::string ChatFormat::describe() const {

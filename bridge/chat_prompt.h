@@ -15,8 +15,10 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "bridge/rope_index.h"
@@ -83,6 +85,17 @@ class ChatFormat {
   // errors.
   static ChatFormat from_file(const std::string& path, const std::string& what,
                               const std::vector<std::string>& special_tokens_dirs = {});
+  // Template text given on the command line (llama.cpp's --chat-template JINJA); `what` names it
+  // in errors.
+  static ChatFormat from_text(const std::string& text, const std::string& what,
+                              const std::vector<std::string>& special_tokens_dirs = {});
+  // A template Iris carries, by name: "chatml" (the built-in ChatML, as llama.cpp names it) and
+  // the Qwen families' own, as Hugging Face ships them (qwen2-vl, qwen3-vl, ...: builtin_names());
+  // nothing when `name` is none of them.
+  static std::optional<ChatFormat> builtin(
+      const std::string& name, const std::vector<std::string>& special_tokens_dirs = {});
+  // The names builtin() takes, each with the models whose template it is.
+  static std::vector<std::pair<std::string, std::string>> builtin_names();
 
   bool has_template() const { return template_ != nullptr; }
   // Where the template came from ("DIR/tokenizer_config.json"); empty for the built-in ChatML.

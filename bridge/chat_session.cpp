@@ -212,7 +212,8 @@ std::vector<int32_t> ChatSession::turn_ids(const UserMessage& message) const {
 }
 
 ChatReply ChatSession::send(const UserMessage& message,
-                            const std::function<void(int32_t)>& on_token) {
+                            const std::function<void(int32_t)>& on_token,
+                            const std::function<bool()>& stop) {
   IRIS_CHECK(model_.n_past() == cached_, "the model's KV cache holds ", model_.n_past(),
              " tokens but the chat put ", cached_,
              " there: it was used outside the chat; /clear starts a new conversation");
@@ -307,7 +308,7 @@ ChatReply ChatSession::send(const UserMessage& message,
   ChatReply reply;
   try {
     model_.truncate_cache(p.reuse);
-    reply.result = generate(model_, req, on_token);
+    reply.result = generate(model_, req, on_token, stop);
     const GenerationResult& res = reply.result;
     const std::vector<int32_t> reply_ids(res.tokens.begin(),
                                          res.tokens.end() - (res.stopped ? 1 : 0));
@@ -352,7 +353,8 @@ ChatReply ChatSession::send(const UserMessage& message,
   }
   const GenerationResult& res = reply.result;
   ++turns_;
-  reply.context_full = !res.stopped && req.max_new_tokens < settings_.max_new_tokens &&
+  reply.context_full = !res.stopped && !res.halted &&
+                       req.max_new_tokens < settings_.max_new_tokens &&
                        static_cast<int64_t>(res.tokens.size()) == req.max_new_tokens;
   return reply;
 }

@@ -69,7 +69,10 @@ class ChatSession {
   // as it was; a reply that reaches the end of the context stops there (context_full). Any other
   // failure after the model started clears the conversation (its cache rows are then unknown) and
   // says so.
-  ChatReply send(const UserMessage& message, const std::function<void(int32_t)>& on_token = {});
+  // `stop` is generate()'s: asked after each token, it may end the reply there (a Ctrl-C, a
+  // reverse prompt), which then stays in the conversation as one cut short by -n does.
+  ChatReply send(const UserMessage& message, const std::function<void(int32_t)>& on_token = {},
+                 const std::function<bool()>& stop = {});
 
   // Forgets the conversation and the model's cached rows; the system prompt stays.
   void clear();

@@ -28,7 +28,8 @@ double GenerationTimings::decode_tokens_per_s() const {
 }
 
 GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
-                          const std::function<void(int32_t)>& on_token) {
+                          const std::function<void(int32_t)>& on_token,
+                          const std::function<bool()>& stop) {
   IRIS_CHECK(req.max_new_tokens >= 0, "the number of tokens to predict must be >= 0");
   GenerationResult res;
   GenerationTimings& t = res.timings;
@@ -80,6 +81,10 @@ GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& req,
       break;
     }
     if (on_token) on_token(tok);
+    if (stop && i + 1 < req.max_new_tokens && stop()) {
+      res.halted = true;
+      break;
+    }
   }
   t.decode_ms = ms_since(t0);
   t.generated_tokens = static_cast<int64_t>(res.tokens.size());

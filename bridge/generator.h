@@ -51,13 +51,18 @@ struct GenerationResult {
   // after the call (the last was sampled, never fed).
   std::vector<int32_t> tokens;
   bool stopped = false;  // a stop id was produced
+  bool halted = false;   // the caller's `stop` ended the reply (generate())
   GenerationTimings timings;
   std::vector<float> prompt_logits;  // [vocab] after the last prompt token, if asked for
 };
 
-// on_token is called for every generated token, in order, before the next is computed.
+// on_token is called for every generated token, in order, before the next is computed. `stop`,
+// when given, is asked after each token streamed (but the last that max_new_tokens allows, so
+// that `halted` means cut short) and ends the reply there when it says so (a Ctrl-C, a reverse
+// prompt seen in the text): the reply then ends as one cut short by -n does.
 GenerationResult generate(Qwen3VLModel& model, const GenerationRequest& request,
-                          const std::function<void(int32_t)>& on_token = nullptr);
+                          const std::function<void(int32_t)>& on_token = nullptr,
+                          const std::function<bool()>& stop = nullptr);
 
 // One entry per output row of the model: 1 where the tokenizer has a token of that id. Qwen
 // checkpoints have 151,936 rows for 151,669 tokens; the rest are padding, which sampling must

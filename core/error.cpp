@@ -17,4 +17,9 @@ void throw_error(const char* file, int line, const std::string& message) {
   throw Error(message);
 }
 
+void throw_usage_error(const char* file, int line, const std::string& message) {
+  if (debug_locations_enabled()) throw UsageError(str_cat(message, " [", file, ":", line, "]"));
+  throw UsageError(message);
+}
+
 }  // namespace iris

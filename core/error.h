@@ -14,7 +14,17 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A command line that cannot be taken as it stands: an unknown flag, subcommand, argument or
+// recipe key, a value of the wrong type or out of its range, flags that cannot go together. The
+// iris commands exit with 2 for these and 1 for every other Error, as getopt-style tools do, so
+// that a script can tell a mistyped call from one that failed at its work.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void throw_error(const char* file, int line, const std::string& message);
+[[noreturn]] void throw_usage_error(const char* file, int line, const std::string& message);
 // IRIS_DEBUG=1 (any value but empty or 0) appends the source file and line to every Error.
 bool debug_locations_enabled();
 
@@ -43,4 +53,13 @@ std::string str_cat(const Args&... args) {
 #define IRIS_CHECK(cond, ...)                                                           \
   do {                                                                                  \
     if (!(cond)) ::iris::throw_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__)); \
+  } while (0)
+
+// A usage failure (UsageError): the command line is wrong, and the message says which part.
+#define IRIS_USAGE_FAIL(...) \
+  ::iris::throw_usage_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__))
+
+#define IRIS_USAGE_CHECK(cond, ...)                                                           \
+  do {                                                                                        \
+    if (!(cond)) ::iris::throw_usage_error(__FILE__, __LINE__, ::iris::str_cat(__VA_ARGS__)); \
   } while (0)

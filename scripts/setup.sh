@@ -8,6 +8,7 @@ packages=(build-essential cmake pkg-config git
   libopenmpi-dev openmpi-bin  # multi-process training and its mpirun tests
   libopencv-videoio-dev  # video decoding (vision/video_decode.h), through OpenCV's FFmpeg backend
   libwebp-dev libtiff-dev  # WebP and TIFF images (vision/image_webp.cpp, vision/image_tiff.cpp)
+  libedit-dev  # line editing and history in iris generate's terminal chat
   clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do

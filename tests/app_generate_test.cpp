@@ -401,7 +401,7 @@ TEST(AppCli, VersionPrintsCommitAndBuild) {
 
 TEST(AppCli, MistypedCommandSuggestsTheClosest) {
   const RunResult r = run_iris("genrate -m x");
-  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("unknown command 'genrate'; did you mean 'generate'?"), std::string::npos)
       << r.err;
   EXPECT_EQ(run_iris("xyzzy").err.find("did you mean"), std::string::npos);
@@ -946,11 +946,18 @@ TEST(AppGenerateLlamaFlags, UnknownFlagsSuggestTheClosest) {
     expect_error(r, "unknown flag " + typed.substr(0, typed.find_first_of(" =")));
     EXPECT_NE(r.err.find(meant), std::string::npos) << typed << ": " << r.err;
   }
-  // -cnv once failed as "-c nv" (Could not convert); nothing is close enough to suggest.
-  const RunResult cnv = run_iris(base + "-cnv");
-  expect_error(cnv, "unknown flag -cnv");
-  EXPECT_EQ(cnv.err.find("did you mean"), std::string::npos) << cnv.err;
+  // llama.cpp's one-dash spellings are not split into a short flag and a value ("-cnvx" as
+  // "-c nvx"): an unknown one is an unknown flag, answered with the nearest spelling; one that
+  // nothing is near gets no suggestion.
+  expect_error(run_iris(base + "-cnvx"), "unknown flag -cnvx; did you mean -cnv?");
+  const RunResult far = run_iris(base + "-qqqq");
+  expect_error(far, "unknown flag -qqqq");
+  EXPECT_EQ(far.err.find("did you mean"), std::string::npos) << far.err;
   expect_error(run_iris(base + "stray"), "unexpected argument 'stray'");
+  // The command line's mistakes exit with 2, a run that fails with 1.
+  EXPECT_EQ(run_iris(base + "--tmep 1").exit_code, 2);
+  EXPECT_EQ(run_iris(base + "stray").exit_code, 2);
+  EXPECT_EQ(run_iris("generate -m /nonexistent -p hi --device cpu").exit_code, 1);
 }
 
 // Sampling defaults come from the checkpoint's generation_config.json; flags override them.
@@ -1172,7 +1179,7 @@ TEST(AppGenerateChat, BadCommandsAreReportedAndQuitEndsTheChat) {
   EXPECT_NE(chat.err.find("/image needs a file"), std::string::npos) << chat.err;
   EXPECT_EQ(chat.out, "");  // /quit came before the message
   expect_error(run_iris(fixture_generate() + " --device cpu --logits-out /tmp/x.safetensors"),
-               "--logits-out needs a prompt");
+               "--logits-out needs a one-shot prompt");
 }
 
 // /video attaches a video to the next message as /image does, and --video files go with the first
@@ -1260,6 +1267,150 @@ TEST(AppGenerateChat, ABadVideoIsReportedAndTheChatGoesOn) {
   ASSERT_EQ(json_lines(big.out).size(), 1u) << big.out;
   EXPECT_EQ(json_lines(big.out)[0]["tokens"], nlohmann::json::parse(one_small.out)["tokens"]);
   fs::remove_all(tmp);
+}
+
+// ---- llama.cpp's chat flags: -cnv, -st, -r ----
+
+std::vector<int32_t> json_tokens(const nlohmann::json& j) {
+  return j.at("tokens").get<std::vector<int32_t>>();
+}
+
+// -cnv chats: without -p it is the chat there is anyway; with -p (or -f) the prompt is the first
+// message, answered as the one-shot run answers it, then stdin is read.
+TEST(AppGenerateLlamaFlags, ConversationChatsWithThePromptAsItsFirstMessage) {
+  const std::string flags = kChatFlags + " --json";
+  const RunResult plain = run_iris(fixture_generate() + flags, chat_input());
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const std::vector<nlohmann::json> plain_turns = json_lines(plain.out);
+  ASSERT_EQ(plain_turns.size(), 3u) << plain.out;
+  for (const char* spelling : {" -cnv", " --conversation"}) {
+    const RunResult cnv = run_iris(fixture_generate() + flags + spelling, chat_input());
+    ASSERT_EQ(cnv.exit_code, 0) << spelling << ": " << cnv.err;
+    const std::vector<nlohmann::json> turns = json_lines(cnv.out);
+    ASSERT_EQ(turns.size(), 3u) << spelling << ": " << cnv.out;
+    for (size_t i = 0; i < turns.size(); ++i) {
+      EXPECT_EQ(json_tokens(turns[i]), json_tokens(plain_turns[i])) << spelling << " turn " << i;
+      EXPECT_EQ(turns[i]["prompt_tokens"], plain_turns[i]["prompt_tokens"]) << spelling;
+    }
+  }
+  // The prompt, even one that reads as a chat command, is the first message.
+  const RunResult one1 = run_iris(fixture_generate() + flags + " -p " + q(kTurn1));
+  const RunResult one_slash = run_iris(fixture_generate() + flags + " -p /clear");
+  const RunResult first =
+      run_iris(fixture_generate() + flags + " -cnv -p " + q(kTurn1), kTurn3 + "\n");
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const std::vector<nlohmann::json> turns = json_lines(first.out);
+  ASSERT_EQ(turns.size(), 2u) << first.out;
+  EXPECT_EQ(json_tokens(turns[0]), json_tokens(nlohmann::json::parse(one1.out)));
+  EXPECT_EQ(turns[1]["turn"], 2);
+  const RunResult slash = run_iris(fixture_generate() + flags + " -cnv -p /clear");
+  ASSERT_EQ(slash.exit_code, 0) << slash.err;
+  ASSERT_EQ(json_lines(slash.out).size(), 1u) << slash.out;
+  EXPECT_EQ(json_tokens(json_lines(slash.out)[0]),
+            json_tokens(nlohmann::json::parse(one_slash.out)));
+  // -f too, and the --image files go with that first message.
+  ScratchModel m;
+  std::ofstream(m.path("prompt.txt")) << kTurn2 << "\n";
+  const std::string img = " --image " + q(test::fixture_dir() + "/images/image1.png");
+  const RunResult one2 = run_iris(fixture_generate() + flags + img + " -p " + q(kTurn2));
+  const RunResult file =
+      run_iris(fixture_generate() + flags + img + " -cnv -f " + q(m.path("prompt.txt")));
+  ASSERT_EQ(file.exit_code, 0) << file.err;
+  ASSERT_EQ(json_lines(file.out).size(), 1u) << file.out;
+  EXPECT_EQ(json_tokens(json_lines(file.out)[0]), json_tokens(nlohmann::json::parse(one2.out)));
+}
+
+// -st answers one message and exits: the commands before it are no turn, and the lines after it
+// are not read. With -p it is the one-shot run.
+TEST(AppGenerateLlamaFlags, SingleTurnAnswersOneMessage) {
+  const std::string flags = kChatFlags + " --json";
+  for (const char* spelling : {" -st", " --single-turn"}) {
+    const RunResult r = run_iris(fixture_generate() + flags + spelling, chat_input());
+    ASSERT_EQ(r.exit_code, 0) << spelling << ": " << r.err;
+    const std::vector<nlohmann::json> turns = json_lines(r.out);
+    ASSERT_EQ(turns.size(), 1u) << spelling << ": " << r.out;
+    const RunResult one1 = run_iris(fixture_generate() + flags + " -p " + q(kTurn1));
+    EXPECT_EQ(json_tokens(turns[0]), json_tokens(nlohmann::json::parse(one1.out)));
+    EXPECT_EQ(r.err.find("image1.png attached"), std::string::npos) << r.err;
+  }
+  const RunResult commands = run_iris(
+      fixture_generate() + flags + " -st",
+      "/image " + test::fixture_dir() + "/images/image1.png\n" + kTurn2 + "\n" + kTurn3 + "\n");
+  ASSERT_EQ(commands.exit_code, 0) << commands.err;
+  ASSERT_EQ(json_lines(commands.out).size(), 1u) << commands.out;
+  const RunResult one2 =
+      run_iris(fixture_generate() + flags + " --image " +
+               q(test::fixture_dir() + "/images/image1.png") + " -p " + q(kTurn2));
+  EXPECT_EQ(json_tokens(json_lines(commands.out)[0]), json_tokens(nlohmann::json::parse(one2.out)));
+  const RunResult prompt = run_iris(fixture_generate() + flags + " -st -p " + q(kTurn1));
+  const RunResult one1 = run_iris(fixture_generate() + flags + " -p " + q(kTurn1));
+  ASSERT_EQ(prompt.exit_code, 0) << prompt.err;
+  EXPECT_EQ(json_tokens(nlohmann::json::parse(prompt.out)),
+            json_tokens(nlohmann::json::parse(one1.out)));
+}
+
+// A shell word for `s`, whatever it holds.
+std::string shell_word(const std::string& s) {
+  std::string w = "'";
+  for (char c : s) w += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return w + "'";
+}
+
+// -r stops the reply once its text holds the reverse prompt, the token that completed it kept,
+// as llama.cpp does; several may be given. In a chat the next message is read after it.
+TEST(AppGenerateLlamaFlags, ReversePromptStopsTheReply) {
+  const std::string flags = " --temp 0 -n 12 --ignore-eos --json --device cpu";
+  const RunResult full = run_iris(fixture_generate() + kCudaPrompt + flags);
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  const std::vector<int32_t> tokens = tokens_of(full.out);
+  ASSERT_EQ(tokens.size(), 12u);
+  // The text through token k, as the reply streams it, first whole after token k.
+  const Tokenizer tok = Tokenizer::from_file(test::tokenizer_path());
+  StreamingDecoder stream(tok);
+  std::string text, reverse;
+  size_t k = 0;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::string piece = stream.push(tokens[i]);
+    text += piece;
+    if (i >= 4 && !piece.empty()) {
+      reverse = text;
+      k = i + 1;
+      break;
+    }
+  }
+  ASSERT_FALSE(reverse.empty()) << "no token of the reply adds text";
+  ASSERT_LT(k, tokens.size());
+  const std::vector<int32_t> want(tokens.begin(), tokens.begin() + static_cast<long>(k));
+  for (const std::string& r : {" -r " + shell_word(reverse),
+                               " --reverse-prompt " + shell_word(reverse) + " -r 'never written'",
+                               " -r 'never written' -r " + shell_word(reverse)}) {
+    const RunResult stopped = run_iris(fixture_generate() + kCudaPrompt + flags + r);
+    ASSERT_EQ(stopped.exit_code, 0) << r << ": " << stopped.err;
+    EXPECT_EQ(tokens_of(stopped.out), want) << r;
+    EXPECT_EQ(nlohmann::json::parse(stopped.out)["reverse_prompt"], reverse) << r;
+  }
+  // Streamed, the text ends with the reverse prompt.
+  const RunResult streamed =
+      run_iris(fixture_generate() + kCudaPrompt + " --temp 0 -n 12 --ignore-eos --device cpu -r " +
+               shell_word(reverse));
+  ASSERT_EQ(streamed.exit_code, 0) << streamed.err;
+  EXPECT_EQ(streamed.out, reverse + "\n");
+  // Never written: the reply runs to -n.
+  const RunResult never =
+      run_iris(fixture_generate() + kCudaPrompt + flags + " -r 'never written'");
+  EXPECT_EQ(tokens_of(never.out), tokens);
+  EXPECT_TRUE(nlohmann::json::parse(never.out)["reverse_prompt"].is_null());
+  // In a chat the reply stops there and the chat goes on to the next message.
+  const RunResult chat = run_iris(fixture_generate() + flags + " -r " + shell_word(reverse),
+                                  "Write one sentence about CUDA graphs.\n" + kTurn3 + "\n");
+  ASSERT_EQ(chat.exit_code, 0) << chat.err;
+  const std::vector<nlohmann::json> turns = json_lines(chat.out);
+  ASSERT_EQ(turns.size(), 2u) << chat.out;
+  EXPECT_EQ(json_tokens(turns[0]), want);
+  EXPECT_EQ(turns[0]["reverse_prompt"], reverse);
+  EXPECT_FALSE(turns[0]["context_full"].get<bool>());
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + " -r ''"),
+               "-r/--reverse-prompt needs text");
 }
 
 // ---- Chat templates ----
@@ -1434,6 +1585,61 @@ TEST(AppGenerateChatTemplate, ChatTurnsFollowTheTemplate) {
   GenerationResult want = generate(model, req);
   if (want.stopped) want.tokens.pop_back();
   EXPECT_EQ(turns[1]["tokens"].get<std::vector<int32_t>>(), want.tokens);
+}
+
+// --chat-template as llama.cpp takes it: a name (chatml, or a Qwen family's template, as the
+// files here), the template text itself, or (as --chat-template-file) a file. Other names are
+// refused with the list and the closest.
+TEST(AppGenerateChatTemplate, BuiltInTemplatesByName) {
+  const RunResult own = run_iris(fixture_generate() + kCudaPrompt + kGreedy);
+  ASSERT_EQ(own.exit_code, 0) << own.err;
+  // The fixture's own template is Qwen3-VL Instruct's, which writes a text prompt as ChatML does.
+  for (const char* name : {"qwen3-vl", "chatml"}) {
+    const RunResult r =
+        run_iris(fixture_generate() + kCudaPrompt + kGreedy + " -v --chat-template " + name);
+    ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err;
+    EXPECT_EQ(tokens_of(r.out), tokens_of(own.out)) << name;
+    EXPECT_NE(r.err.find(std::string("chat template: the built-in ") +
+                         (std::string(name) == "chatml" ? "ChatML" : name)),
+              std::string::npos)
+        << r.err;
+  }
+  // Qwen2-VL's writes a default system prompt; the name, the file and the text agree.
+  const std::string file = template_file("qwen2_vl.jinja");
+  const RunResult by_file =
+      run_iris(fixture_generate() + kCudaPrompt + kGreedy + " --chat-template-file " + q(file));
+  ASSERT_EQ(by_file.exit_code, 0) << by_file.err;
+  EXPECT_GT(nlohmann::json::parse(by_file.out)["prompt_tokens"].get<int>(),
+            nlohmann::json::parse(own.out)["prompt_tokens"].get<int>());
+  for (const std::string& given :
+       {std::string("qwen2-vl"), std::string("qwen2.5-vl"), q(file), shell_word(slurp(file))}) {
+    const RunResult r =
+        run_iris(fixture_generate() + kCudaPrompt + kGreedy + " --chat-template " + given);
+    ASSERT_EQ(r.exit_code, 0) << given << ": " << r.err;
+    EXPECT_EQ(tokens_of(r.out), tokens_of(by_file.out)) << given;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["prompt_tokens"],
+              nlohmann::json::parse(by_file.out)["prompt_tokens"])
+        << given;
+  }
+  const RunResult llama = run_iris(fixture_generate() + kCudaPrompt + " --chat-template llama3");
+  EXPECT_EQ(llama.exit_code, 2) << llama.err;
+  expect_error(llama,
+               "--chat-template 'llama3' is not a template name, a file or Jinja text. The names "
+               "are chatml (");
+  EXPECT_NE(llama.err.find("qwen3-vl-thinking (Qwen3-VL Thinking)"), std::string::npos)
+      << llama.err;
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + " --chat-template qwen3vl"),
+               "did you mean 'qwen3-vl'?");
+  expect_error(run_iris(fixture_generate() + kCudaPrompt + " --chat-template chatml " +
+                        "--chat-template-file " + q(file)),
+               "--chat-template and --chat-template-file both give a template; give one");
+  // The ChatML has no variables to take.
+  const RunResult kwargs = run_iris(fixture_generate() + kCudaPrompt + kGreedy +
+                                    " --chat-template chatml --reasoning off");
+  ASSERT_EQ(kwargs.exit_code, 0) << kwargs.err;
+  EXPECT_NE(kwargs.err.find("note: --reasoning has no effect: --chat-template chatml"),
+            std::string::npos)
+      << kwargs.err;
 }
 
 }  // namespace

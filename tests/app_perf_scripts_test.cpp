@@ -286,7 +286,7 @@ TEST_F(PerfScriptsTest, UnknownOverridesAreErrorsNamingThem) {
   args.push_back((root_ / "run").string());
   // Keys are iris's to check: its error names the key and the one it probably meant.
   const Exit key = sh("run.sh", args);
-  EXPECT_EQ(key.code, 1) << key.output;
+  EXPECT_EQ(key.code, 2) << key.output;  // iris train's status: a usage error
   EXPECT_NE(key.output.find("unknown key 'train.micro_batch_sise'"), std::string::npos)
       << key.output;
   EXPECT_NE(key.output.find("train.micro_batch_size"), std::string::npos) << key.output;

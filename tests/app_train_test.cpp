@@ -165,25 +165,30 @@ TEST_F(AppTrainTest, DryRunPrintsTheResolvedConfigAndTrainsNothing) {
 
 TEST_F(AppTrainTest, RecipeErrorsExitWithTheirMessage) {
   const std::string recipe = write_recipe(4);
+  // An override the command line gets wrong (an unknown key, a value of the wrong type) is a
+  // usage error (2); settings the recipe cannot run with are the run's failure (1).
   struct Case {
     std::vector<std::string> args;
+    int code;
     const char* expect;
   };
   for (const Case& c :
-       {Case{{"train.micro_batch=2"}, "did you mean 'train.micro_batch_size'"},
-        Case{{"train.train_iters=many"}, "train.train_iters expects an integer, got 'many'"},
-        Case{{"parallel.tensor_parallel_size=2"}, "not supported yet"},
-        Case{{"train.global_batch_size=3", "train.micro_batch_size=2"}, "use 2 or 4"},
+       {Case{{"train.micro_batch=2"}, 2, "did you mean 'train.micro_batch_size'"},
+        Case{{"train.train_iters=many"}, 2, "train.train_iters expects an integer, got 'many'"},
+        Case{{"parallel.tensor_parallel_size=2"}, 1, "not supported yet"},
+        Case{{"train.global_batch_size=3", "train.micro_batch_size=2"}, 1, "use 2 or 4"},
         Case{{"cuda_graph.cuda_graph_impl=full_iteration", "cuda_graph.cuda_graph_modules=[attn]"},
+             1,
              "cuda_graph"}}) {
     std::vector<std::string> args{"train", "--recipe", recipe, "--dry-run"};
     args.insert(args.end(), c.args.begin(), c.args.end());
     const Exit e = iris(args);
-    EXPECT_EQ(e.code, 1) << e.output;
+    EXPECT_EQ(e.code, c.code) << e.output;
     EXPECT_NE(e.output.find(c.expect), std::string::npos) << e.output;
   }
+  // A value outside the key's choices, given on the command line, is a usage error too.
   const Exit device = iris({"train", "--recipe", recipe, "--dry-run", "train.device=gpu"});
-  EXPECT_EQ(device.code, 1) << device.output;
+  EXPECT_EQ(device.code, 2) << device.output;
   EXPECT_NE(device.output.find("train.device"), std::string::npos) << device.output;
   if (!cuda_available()) {
     const Exit no_gpu = iris({"train", "--recipe", recipe, "train.device=cuda",

@@ -4,7 +4,9 @@
 // renderings through ChatMessage, and the image pads expanded after it.
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "bridge/chat_prompt.h"
 #include "core/error.h"
@@ -153,6 +155,58 @@ TEST(ChatFormat, TemplateFilesGivenByTheUser) {
               ChatFormat::from_file(d.path("missing.jinja"), "--chat-template-file");
             }).find("missing.jinja"),
             std::string::npos);
+}
+
+// --chat-template NAME: llama.cpp's chatml is the built-in ChatML, and each Qwen name is the
+// family's template byte for byte as the files kept here (whose sources and golden renderings are
+// checked); any other name is none of them.
+TEST(ChatFormat, BuiltInTemplatesByName) {
+  const std::map<std::string, std::string> files = {
+      {"qwen2-vl", "qwen2_vl.jinja"},
+      {"qwen2.5-vl", "qwen2_vl.jinja"},
+      {"qwen3-vl", "qwen3_vl_instruct.jinja"},
+      {"qwen3-vl-thinking", "qwen3_vl_thinking.jinja"},
+      {"qwen3", "qwen3.jinja"}};
+  std::vector<std::string> names;
+  for (const auto& [name, models] : ChatFormat::builtin_names()) {
+    names.push_back(name);
+    EXPECT_FALSE(models.empty()) << name;
+  }
+  std::vector<std::string> want = {"chatml"};
+  for (const auto& [name, _] : files) want.push_back(name);
+  std::sort(names.begin(), names.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(names, want);
+  for (const auto& [name, file] : files) {
+    const std::optional<ChatFormat> f = ChatFormat::builtin(name, {test::fixture_dir()});
+    ASSERT_TRUE(f.has_value()) << name;
+    ASSERT_TRUE(f->has_template()) << name;
+    EXPECT_EQ(f->template_text(), read(template_path(file))) << name;
+    EXPECT_EQ(f->describe().rfind("chat template: the built-in " + name + " (", 0), 0u)
+        << f->describe();
+    const ChatFormat from_file =
+        ChatFormat::from_file(template_path(file), "template", {test::fixture_dir()});
+    EXPECT_EQ(f->render(kHello, true), from_file.render(kHello, true)) << name;
+  }
+  const std::optional<ChatFormat> chatml = ChatFormat::builtin("chatml");
+  ASSERT_TRUE(chatml.has_value());
+  EXPECT_FALSE(chatml->has_template());
+  EXPECT_EQ(chatml->describe(), "chat template: the built-in ChatML");
+  EXPECT_EQ(chatml->render(kHello, true), ChatFormat().render(kHello, true));
+  for (const char* other : {"llama2", "gemma", "Qwen3-VL", "qwen3_vl", ""})
+    EXPECT_FALSE(ChatFormat::builtin(other).has_value()) << other;
+}
+
+// llama.cpp's --chat-template also takes the template itself.
+TEST(ChatFormat, TemplateTextGivenInline) {
+  EXPECT_EQ(ChatFormat::from_text("{% for m in messages %}[{{ m.content }}]{% endfor %}",
+                                  "--chat-template")
+                .render(kHello, true),
+            "[Hello]");
+  EXPECT_EQ(error_of([] {
+              ChatFormat::from_text("{{ messages|upper }}", "--chat-template");
+            }).rfind("--chat-template, line 1: the filter 'upper' is not supported", 0),
+            0u);
 }
 
 // The conversations of golden.json through ChatMessage, as the CLI, the chat and training build

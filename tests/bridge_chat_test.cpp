@@ -242,6 +242,45 @@ TEST_F(ChatFixture, ContinuedPrefillLogitsEqualTheWholePrefill) {
   EXPECT_EQ(chat_model.next_position(), one_shot_model.next_position());
 }
 
+// A reply that the caller's stop cuts short (a Ctrl-C, a reverse prompt) stays in the conversation
+// as generated, as one cut short by -n does: the next turn gives the tokens of a one-shot run over
+// the conversation with that partial reply.
+TEST_F(ChatFixture, AReplyCutShortByStopStaysInTheConversationAsGenerated) {
+  auto be = make_cpu_backend();
+  Qwen3VLModel chat_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel one_shot_model(*be, test::fixture_dir(), chat_limits());
+  ChatSession chat(chat_model, *tokenizer_, format_, "", settings_);
+  const std::vector<int32_t> p1 = build_generation_prompt(*tokenizer_, format_, {}, kText1, "");
+  const GenerationResult full = one_shot(one_shot_model, p1);
+  ASSERT_GE(full.tokens.size(), 6u);
+  int asked = 0;
+  const ChatReply r1 = chat.send(message(kText1), {}, [&] { return ++asked == 5; });
+  EXPECT_TRUE(r1.result.halted);
+  EXPECT_FALSE(r1.result.stopped);
+  EXPECT_FALSE(r1.context_full);
+  ASSERT_EQ(r1.result.tokens.size(), 5u);
+  EXPECT_EQ(r1.result.tokens, std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + 5));
+  const std::vector<int32_t> p2 =
+      continued(p1, r1.result, user_turn_with_image(images_[0].grid, kText2));
+  const ChatReply r2 = chat.send(message(kText2, &images_[0]));
+  EXPECT_FALSE(r2.result.halted);
+  EXPECT_EQ(r2.result.tokens, one_shot(one_shot_model, p2, &images_[0]).tokens);
+  // A stop that never says so leaves the reply whole; one asked is never asked after the last
+  // token, so a reply that -n ends is not taken for a stopped one.
+  int calls = 0;
+  GenerationRequest req = settings_;
+  req.prompt_ids = p1;
+  req.max_new_tokens = 4;
+  req.stop_ids.clear();
+  const GenerationResult unstopped = generate(one_shot_model, req, {}, [&] {
+    ++calls;
+    return false;
+  });
+  EXPECT_EQ(unstopped.tokens.size(), 4u);
+  EXPECT_FALSE(unstopped.halted);
+  EXPECT_EQ(calls, 3);
+}
+
 TEST_F(ChatFixture, AMessageBeyondTheContextIsRefusedAndTheChatGoesOn) {
   auto be = make_cpu_backend();
   const std::vector<int32_t> p1 =

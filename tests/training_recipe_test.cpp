@@ -167,6 +167,15 @@ TEST_F(RecipeTest, SuggestionsFollowTheKeysWordsAndMegatronKeysPointHome) {
   EXPECT_HAS(msg, "did you mean 'schedule.warmup_iters'");
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"frobnicate.knob=1"}); });
   EXPECT_HAS(msg, "no key is close to it");
+  // The setting named is the key's last part; the section is the likelier slip. By letters and
+  // by the section's word train.seed would win.
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"train.lr=1e-3"}); });
+  EXPECT_HAS(msg, "did you mean 'optimizer.lr'");
+  // A key whose last part holds the one typed comes before the section's other keys.
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"optimizer.warmup=3"}); });
+  EXPECT_HAS(msg, "did you mean 'schedule.warmup_iters'");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"data.micro_batch_size=3"}); });
+  EXPECT_HAS(msg, "did you mean 'train.micro_batch_size'");
   // Keys Megatron-Bridge users type.
   msg = error_of(
       [] { load_recipe_text(tiny_recipe(), "r.yaml", {"model.tensor_model_parallel_size=2"}); });
@@ -180,6 +189,27 @@ TEST_F(RecipeTest, SuggestionsFollowTheKeysWordsAndMegatronKeysPointHome) {
       error_of([] { load_recipe_text(tiny_recipe() + "logger:\n  wandb_project: x\n", "r.yaml"); });
   EXPECT_HAS(msg,
              "'logger.wandb_project' (r.yaml line 13) is a Megatron-Bridge key; not supported");
+}
+
+// What an override gets wrong is the command line's (iris train exits with 2 for a UsageError);
+// what the recipe file gets wrong is the recipe's (1).
+TEST_F(RecipeTest, OverrideMistakesAreUsageErrorsAndTheFilesAreNot) {
+  for (const std::string& bad :
+       {"train.lr=1e-3", "train.train_iters=many", "no_equals_sign", "train=3", "train..seed=1"}) {
+    EXPECT_THROW(load_recipe_text(tiny_recipe(), "r.yaml", {bad}), UsageError) << bad;
+  }
+  for (const std::string& file :
+       {tiny_recipe() + "  micro_batch: 2\n", tiny_recipe() + "  seed: many\n"}) {
+    bool usage = false, error = false;
+    try {
+      load_recipe_text(file, "r.yaml");
+    } catch (const UsageError&) {
+      usage = true;
+    } catch (const Error&) {
+      error = true;
+    }
+    EXPECT_TRUE(error && !usage) << file;
+  }
 }
 
 TEST_F(RecipeTest, ATypoInsideAnInlineModelConfigIsAnError) {

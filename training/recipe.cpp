@@ -311,24 +311,41 @@ int shared_words(const std::vector<std::string>& a, const std::vector<std::strin
   return n;
 }
 
-// The valid key a mistyped one most likely meant: the most words in common first (so
-// checkpoint.save finds checkpoint.save_interval, not the nearer-by-letters train.seed), then
-// the fewest edits. Empty when no key shares a word and none is a near spelling.
+// How a key's last dotted part answers the typed key's: 2 the same (train.lr, optimizer.lr), 1
+// holding it (schedule.warmup, schedule.warmup_iters; three letters at least, or every key with
+// an "a" would do), 0 neither.
+int last_part_match(const std::string& typed, const std::string& key) {
+  const std::string want = typed.substr(typed.rfind('.') + 1);
+  const std::string have = key.substr(key.rfind('.') + 1);
+  if (want == have) return 2;
+  return want.size() >= 3 && have.find(want) != std::string::npos ? 1 : 0;
+}
+
+// The valid key a mistyped one most likely meant. The setting a user names is the key's last part
+// and the section is the likelier slip, so a key whose last part is the one typed comes first
+// (train.lr finds optimizer.lr, not the nearer-by-letters train.seed), then one whose last part
+// holds it, then the most words in common (checkpoint.save finds checkpoint.save_interval), then
+// the fewest edits. Empty when nothing matches by part or word and no key is a near spelling.
 std::string closest_key(const std::string& key) {
   const std::vector<std::string> words = key_words(key);
   std::string best;
-  int best_shared = 0;
+  int best_part = 0, best_shared = 0;
   size_t best_d = std::numeric_limits<size_t>::max();
   for (const std::string& k : all_keys()) {
+    const int part = last_part_match(key, k);
     const int shared = shared_words(words, key_words(k));
     const size_t d = edit_distance(key, k);
-    if (shared > best_shared || (shared == best_shared && d < best_d)) {
+    const bool better = part != best_part       ? part > best_part
+                        : shared != best_shared ? shared > best_shared
+                                                : d < best_d;
+    if (better) {
+      best_part = part;
       best_shared = shared;
       best_d = d;
       best = k;
     }
   }
-  if (best_shared == 0 && best_d > 3) return "";
+  if (best_part == 0 && best_shared == 0 && best_d > 3) return "";
   return best;
 }
 
@@ -415,15 +432,35 @@ void check_config_keys(const json& j, const std::string& path) {
   }
 }
 
+// An override's origin, as messages name it: "override 'train.lr=1e-3'".
+std::string override_origin(const std::string& key, const std::string& text) {
+  return "override '" + key + "=" + text + "'";
+}
+
+// A problem with an override is one of the command line's (a UsageError: the command exits with
+// 2), one with the recipe file is the recipe's (an Error).
+bool is_override_origin(const std::string& where) {
+  return where.rfind("override '", 0) == 0;
+}
+
+[[noreturn]] void fail_recipe(bool usage, const std::string& message) {
+  if (usage) throw_usage_error(__FILE__, __LINE__, message);
+  throw_error(__FILE__, __LINE__, message);
+}
+
+// `where` is the key's origin, which says whether it came from an override.
 [[noreturn]] void fail_unknown(const std::string& key, const std::string& where) {
+  const bool usage = is_override_origin(where);
+  const std::string at = usage ? " in " + where : " (" + where + ")";
   for (const ForeignKey& f : kForeignKeys)
     if (key == f.key)
-      IRIS_FAIL("recipe: '", key, "'", where, " is a Megatron-Bridge key; ", f.answer);
+      fail_recipe(usage,
+                  str_cat("recipe: '", key, "'", at, " is a Megatron-Bridge key; ", f.answer));
   const std::string near = closest_key(key);
-  IRIS_FAIL(
-      "recipe: unknown key '", key, "'", where,
-      near.empty() ? std::string("; no key is close to it") : "; did you mean '" + near + "'?",
-      " (iris train --list-keys prints every key)");
+  fail_recipe(usage, str_cat("recipe: unknown key '", key, "'", at,
+                             near.empty() ? std::string("; no key is close to it")
+                                          : "; did you mean '" + near + "'?",
+                             " (iris train --list-keys prints every key)"));
 }
 
 // Where a value came from, for messages: "recipes/x.yaml line 12" or "override 'a.b=c'".
@@ -501,8 +538,9 @@ std::string node_text(const YAML::Node& n) {
 
 [[noreturn]] void fail_type(const std::string& key, const std::string& type, const YAML::Node& n,
                             const std::string& where) {
-  IRIS_FAIL("recipe: ", key, " expects ", a_type(type), ", got '", clip_text(node_text(n), 80),
-            "' (", where, ")");
+  fail_recipe(is_override_origin(where),
+              str_cat("recipe: ", key, " expects ", a_type(type), ", got '",
+                      clip_text(node_text(n), 80), "' (", where, ")"));
 }
 
 bool parse_int64(const std::string& s, int64_t& out) {
@@ -713,19 +751,20 @@ struct Parsed {
 };
 
 void apply_override(Parsed& p, const std::string& key, const std::string& text) {
-  const std::string where = "override '" + key + "=" + text + "'";
+  const std::string where = override_origin(key, text);
   std::vector<std::string> parts;
   std::stringstream ss(key);
   for (std::string part; std::getline(ss, part, '.');) {
-    IRIS_CHECK(!part.empty(), "recipe: ", where, " has an empty key part; write section.key=value");
+    IRIS_USAGE_CHECK(!part.empty(), "recipe: ", where,
+                     " has an empty key part; write section.key=value");
     parts.push_back(part);
   }
-  IRIS_CHECK(parts.size() >= 2, "recipe: ", where,
-             " must name a key inside a section, e.g. train.train_iters=100");
+  IRIS_USAGE_CHECK(parts.size() >= 2, "recipe: ", where,
+                   " must name a key inside a section, e.g. train.train_iters=100");
   const std::string& section = parts[0];
   const bool known_section =
       std::find(section_names().begin(), section_names().end(), section) != section_names().end();
-  if (!known_section) fail_unknown(key, " in " + where);
+  if (!known_section) fail_unknown(key, where);
   YAML::Node value;
   try {
     value = load_yaml(text, where);
@@ -755,9 +794,9 @@ void apply_override(Parsed& p, const std::string& key, const std::string& text) 
   if (section != "cuda_graph") {
     const std::vector<std::string> keys = all_keys();
     if (parts.size() != 2 || std::find(keys.begin(), keys.end(), key) == keys.end())
-      fail_unknown(key, " in " + where);
+      fail_unknown(key, where);
   } else {
-    IRIS_CHECK(parts.size() == 2, "recipe: ", where, " must be cuda_graph.<key>=value");
+    IRIS_USAGE_CHECK(parts.size() == 2, "recipe: ", where, " must be cuda_graph.<key>=value");
   }
   p.root[section][parts[1]] = value;
   p.origins.set(key, where);
@@ -842,7 +881,7 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
         for (const auto& kv : sec.second)
           for (const ForeignKey& f : kForeignKeys)
             if (section + "." + kv.first.Scalar() == f.key)
-              fail_unknown(f.key, str_cat(" (", source, " line ", kv.first.Mark().line + 1, ")"));
+              fail_unknown(f.key, str_cat(source, " line ", kv.first.Mark().line + 1));
       std::string best;
       size_t best_d = std::numeric_limits<size_t>::max();
       for (const std::string& s : section_names())
@@ -868,7 +907,7 @@ void resolve(Recipe& r, const Parsed& p, const std::string& source) {
         continue;
       }
       auto it = by_key.find(key);
-      if (it == by_key.end()) fail_unknown(key, " (" + where + ")");
+      if (it == by_key.end()) fail_unknown(key, where);
       if (kv.second.IsNull()) continue;  // null: keep the default
       assign(*it->second, kv.second, where);
       // Input paths written in a recipe file are relative to that file, so that a recipe and its
@@ -1318,8 +1357,8 @@ int64_t recipe_max_vision_patches(const Recipe& r) {
 
 std::pair<std::string, std::string> parse_override(const std::string& arg) {
   const size_t eq = arg.find('=');
-  IRIS_CHECK(eq != std::string::npos && eq > 0, "override '", arg,
-             "' must look like section.key=value, e.g. train.train_iters=100");
+  IRIS_USAGE_CHECK(eq != std::string::npos && eq > 0, "override '", arg,
+                   "' must look like section.key=value, e.g. train.train_iters=100");
   return {arg.substr(0, eq), arg.substr(eq + 1)};
 }
 

@@ -4,6 +4,8 @@
 //
 // Every key has a type, a default and a doc string (recipe_schema()); an unknown key fails naming
 // the closest valid one, a value of the wrong type fails naming the key and the expected type.
+// Those failures are UsageErrors when an override made them (the command line is wrong), Errors
+// when the recipe file did.
 // The cuda_graph section goes through core/graph_config.h so that a bad combination is rejected on
 // every backend, the CPU included (which then ignores graphs).
 //
