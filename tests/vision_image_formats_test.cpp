@@ -362,29 +362,48 @@ TEST(WebPImage, LosslessDecodesExactly) {
   EXPECT_EQ(back.pixels, img.pixels);
 }
 
-// PIL's formula for compositing onto white, in floating point (vision_preprocess_test checks the
-// integer form against it for every value and alpha).
-int over_white(int v, int a) {
-  return int(std::floor((v * a + 255.0 * (255 - a)) / 255.0 + 0.5));
+// A lossless RGBA WebP that keeps the colours of transparent pixels (libwebp's `exact`, as
+// PIL's save(..., exact=True)); the simple encoder may replace them to compress better.
+std::string webp_lossless_rgba_exact(const std::vector<uint8_t>& rgba, int w, int h) {
+  WebPConfig config;
+  WebPPicture pic;
+  if (!WebPConfigInit(&config) || !WebPPictureInit(&pic)) return {};
+  config.lossless = 1;
+  config.exact = 1;
+  pic.use_argb = 1;
+  pic.width = w;
+  pic.height = h;
+  WebPMemoryWriter writer;
+  WebPMemoryWriterInit(&writer);
+  pic.writer = WebPMemoryWrite;
+  pic.custom_ptr = &writer;
+  const bool ok = WebPPictureImportRGBA(&pic, rgba.data(), w * 4) && WebPEncode(&config, &pic);
+  std::string file = ok ? std::string(reinterpret_cast<const char*>(writer.mem), writer.size) : "";
+  WebPPictureFree(&pic);
+  WebPMemoryWriterClear(&writer);
+  return file;
 }
 
-TEST(WebPImage, AlphaCompositesOntoWhiteAndLossyMatchesLibwebp) {
+TEST(WebPImage, AlphaIsDroppedAndLossyMatchesLibwebp) {
+  // load_image's convert("RGB") drops alpha: each pixel keeps its stored colour, also where alpha
+  // is 0 (the first pixel of every row here, whose colours are random, not white).
   std::vector<uint8_t> rgba(16 * 9 * 4);
   std::mt19937 rng(9);
   for (auto& v : rgba) v = uint8_t(rng());
   for (int i = 0; i < 9; ++i) rgba[size_t(i) * 16 * 4 + 3] = 0;  // transparent, colour stored
-  uint8_t* out = nullptr;
-  const size_t n = WebPEncodeLosslessRGBA(rgba.data(), 16, 9, 16 * 4, &out);
-  const std::string file(reinterpret_cast<const char*>(out), n);
-  WebPFree(out);
+  const std::string file = webp_lossless_rgba_exact(rgba, 16, 9);
+  ASSERT_FALSE(file.empty());
   const ImageRGB8 img = decode(file, "alpha.webp");
   ASSERT_EQ(img.pixels.size(), size_t(16 * 9 * 3));
-  int mismatches = 0;
+  int mismatches = 0, transparent_not_white = 0;
   for (int i = 0; i < 16 * 9; ++i)
-    for (int c = 0; c < 3; ++c)
-      mismatches += img.pixels[size_t(i) * 3 + c] !=
-                    over_white(rgba[size_t(i) * 4 + c], rgba[size_t(i) * 4 + 3]);
+    for (int c = 0; c < 3; ++c) {
+      const uint8_t stored = rgba[size_t(i) * 4 + c];
+      mismatches += img.pixels[size_t(i) * 3 + c] != stored;
+      transparent_not_white += rgba[size_t(i) * 4 + 3] == 0 && stored != 255;
+    }
   EXPECT_EQ(mismatches, 0);
+  EXPECT_GT(transparent_not_white, 0);  // so that compositing onto white could not pass
 
   // Lossy: the animation decoder PIL uses gives what libwebp's plain RGB decoder gives.
   const ImageRGB8 src = pattern(40, 30, 6);
@@ -604,27 +623,23 @@ TEST(TiffImage, AlphaAndExtraSamplesAsPilReadsThem) {
   s.spp = 4;
   std::vector<uint32_t> px = random_samples(s, 3);
   for (int a = 0; a < 256; ++a) px[size_t(a) * 4 + 3] = uint32_t(a);  // every alpha once
-  // Premultiplied samples must not exceed alpha for the file to make sense; PIL clips anyway.
+  // Alpha is dropped (load_image's convert("RGB")): unassociated alpha leaves the stored colours,
+  // also at alpha 0, where compositing onto white would give 255.
   s.extras = {EXTRASAMPLE_UNASSALPHA};
-  EXPECT_EQ(decode(write_tiff(s, px), "rgba.tif").pixels, expect_rgb(s, px, [](const uint32_t* p) {
-                                                            return std::array<int, 3>{
-                                                                over_white(int(p[0]), int(p[3])),
-                                                                over_white(int(p[1]), int(p[3])),
-                                                                over_white(int(p[2]), int(p[3]))};
-                                                          }).pixels);
+  const ImageRGB8 stored = expect_rgb(s, px, [](const uint32_t* p) {
+    return std::array<int, 3>{int(p[0]), int(p[1]), int(p[2])};
+  });
+  EXPECT_EQ(decode(write_tiff(s, px), "rgba.tif").pixels, stored.pixels);
+  // Premultiplied samples must not exceed alpha for the file to make sense; PIL clips anyway.
   s.extras = {EXTRASAMPLE_ASSOCALPHA};
-  EXPECT_EQ(
-      decode(write_tiff(s, px), "rgba_premultiplied.tif").pixels,
-      expect_rgb(s, px, [](const uint32_t* p) {
-        std::array<int, 3> out{};
-        const int a = int(p[3]);
-        for (int c = 0; c < 3; ++c) {
-          // Unpack.c's unpackRGBa, then the composite.
-          const int v = a == 0 ? 0 : a == 255 ? int(p[c]) : std::min(int(p[c]) * 255 / a, 255);
-          out[size_t(c)] = over_white(v, a);
-        }
-        return out;
-      }).pixels);
+  const ImageRGB8 unpremultiplied = expect_rgb(s, px, [](const uint32_t* p) {
+    std::array<int, 3> out{};
+    const int a = int(p[3]);
+    for (int c = 0; c < 3; ++c)  // Unpack.c's unpackRGBa; then alpha is dropped
+      out[size_t(c)] = a == 0 ? 0 : a == 255 ? int(p[c]) : std::min(int(p[c]) * 255 / a, 255);
+    return out;
+  });
+  EXPECT_EQ(decode(write_tiff(s, px), "rgba_premultiplied.tif").pixels, unpremultiplied.pixels);
   s.extras = {EXTRASAMPLE_UNSPECIFIED};
   EXPECT_EQ(decode(write_tiff(s, px), "rgbx.tif").pixels,
             expect_rgb(s, px, [](const uint32_t* p) {
@@ -635,10 +650,11 @@ TEST(TiffImage, AlphaAndExtraSamplesAsPilReadsThem) {
   la.photometric = PHOTOMETRIC_MINISBLACK;
   la.spp = 2;
   la.extras = {EXTRASAMPLE_UNASSALPHA};
-  const std::vector<uint32_t> lpx = random_samples(la, 4);
+  std::vector<uint32_t> lpx = random_samples(la, 4);
+  for (size_t i = 0; i < 8; ++i) lpx[i * 2 + 1] = 0;  // transparent, grey stored
   EXPECT_EQ(decode(write_tiff(la, lpx), "la.tif").pixels,
             expect_rgb(la, lpx, [](const uint32_t* p) {
-              const int v = over_white(int(p[0]), int(p[1]));
+              const int v = int(p[0]);
               return std::array<int, 3>{v, v, v};
             }).pixels);
 }
@@ -850,8 +866,8 @@ TEST_F(ImageFormatsGolden, DecodedPixelsEqualHF) {
     // Every file holds the upright image, stored turned where it has an orientation.
     EXPECT_EQ(got.width, up_w);
     EXPECT_EQ(got.height, up_h);
-    const bool alpha = f["has_alpha"];
-    const ImageRGB8 want = expected(stem + (alpha ? ".rgb_composited" : ".rgb"));
+    // load_image's pixels, which are what HF's processor is given (alpha dropped).
+    const ImageRGB8 want = expected(stem + ".rgb");
     if (got.width != want.width || got.height != want.height) {
       ADD_FAILURE() << "HF gives " << want.width << "x" << want.height;
       continue;
@@ -871,13 +887,16 @@ TEST_F(ImageFormatsGolden, DecodedPixelsEqualHF) {
     } else {
       EXPECT_LE(worst, f["format"] == "JPEG" ? kJpegLevels : 0);
     }
-    if (alpha) {
-      // load_image itself drops alpha; the composite differs only where alpha is below 255.
-      const ImageRGB8 dropped = expected(stem + ".rgb");
+    if (f["has_alpha"]) {
+      // The same file made RGB by transformers' convert_to_rgb (the golden's key keeps its old
+      // name): convert("RGB") in transformers 5.x, so load_image's pixels again. Were it to
+      // differ, transformers would treat alpha otherwise than by dropping it, and so must Iris.
+      const ImageRGB8 via_hf = expected(stem + ".rgb_composited");
       size_t changed = 0;
-      for (size_t i = 0; i < got.pixels.size(); ++i) changed += got.pixels[i] != dropped.pixels[i];
-      std::printf("%-18s load_image's convert(\"RGB\") (alpha dropped) differs in %zu samples\n",
+      for (size_t i = 0; i < want.pixels.size(); ++i) changed += via_hf.pixels[i] != want.pixels[i];
+      std::printf("%-18s transformers' convert_to_rgb differs from load_image in %zu samples\n",
                   stem.c_str(), changed);
+      EXPECT_EQ(changed, 0u) << "transformers' convert_to_rgb no longer drops alpha";
     }
   }
 }

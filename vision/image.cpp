@@ -26,8 +26,6 @@ struct StbiFree {
   void operator()(stbi_uc* p) const { stbi_image_free(p); }
 };
 
-using image_detail::composite_on_white;
-
 // stb_image 2.27 (Debian's) writes past a 257-entry array when a JPEG Huffman table declares more
 // than 256 codes (fixed upstream later). Walk the markers the way stb does and reject such tables
 // before stb sees them. The walk follows stb exactly for well-formed files (segments are skipped by
@@ -158,25 +156,21 @@ std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, ui
 }
 
 // A 16-bit grey PNG opens in PIL as mode I;16 with its full sample values, and convert("RGB")
-// (or "RGBA", which HF's convert_to_rgb goes through) clips them: any value above 255 is 255
-// (Convert.c, I16_RGB and I16_L). stb's 8-bit API keeps the high byte instead, right for PIL's
-// other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high byte) but not for this one.
-// Read with an alpha channel, as 8-bit grey is, so a tRNS colour key becomes transparency.
+// clips them: any value above 255 is 255 (Convert.c, I16_RGB). stb's 8-bit API keeps the high
+// byte instead, right for PIL's other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high
+// byte) but not for this one. A tRNS colour key changes no value: convert("RGB") ignores it.
 std::vector<uint8_t> decode_png16_grey(const uint8_t* data, int len, int& w, int& h,
                                        const std::string& name) {
   int c = 0;
-  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 2),
+  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 1),
                                                 &stbi_image_free);
   if (!raw)
     IRIS_FAIL("cannot decode image ", name, ": PNG data is corrupt or truncated (",
               stbi_failure_reason(), ")");
   const size_t n = static_cast<size_t>(w) * h;
-  std::vector<uint8_t> out(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    const stbi_us grey = raw.get()[2 * i], alpha = raw.get()[2 * i + 1];
-    out[2 * i] = static_cast<uint8_t>(std::min<stbi_us>(grey, 255));
-    out[2 * i + 1] = static_cast<uint8_t>(alpha >> 8);  // a colour key gives 0 or 65535
-  }
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = static_cast<uint8_t>(std::min<stbi_us>(raw.get()[i], 255));
   return out;
 }
 
@@ -198,23 +192,6 @@ ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& n
                           int64_t max_pixels);
 
 }  // namespace
-
-namespace image_detail {
-
-// PIL's Image.alpha_composite(white, rgba) in integer arithmetic (AlphaComposite.c, 7 extra bits of
-// precision, rounded divisions by 255), so that transparent images match HF's convert_to_rgb bit
-// for bit rather than to within one level.
-uint8_t composite_on_white(uint32_t v, uint32_t a) {
-  if (a == 0) return 255;
-  constexpr uint32_t kBits = 7;
-  const uint32_t out_a255 = a * 255 + 255 * (255 - a);
-  const uint32_t coef1 = a * 255 * 255 * (1u << kBits) / out_a255;
-  const uint32_t coef2 = 255 * (1u << kBits) - coef1;
-  const uint32_t t = v * coef1 + 255 * coef2 + (0x80u << kBits);
-  return static_cast<uint8_t>(((((t >> 8) + t) >> 8)) >> kBits);
-}
-
-}  // namespace image_detail
 
 void check_image(const ImageRGB8& img, const char* what) {
   IRIS_CHECK(img.width > 0 && img.height > 0, what, ": image has invalid size ", img.width, "x",
@@ -276,13 +253,14 @@ ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& n
              " (a decompression bomb, or a scan far larger than the model can see); downscale it, "
              "or raise the limit (iris generate --max-image-pixels, recipe data.max_image_pixels)");
   // We ask stb for the stored channel count: its own channel converter is wrong for 16-bit PNM
-  // in 2.27 (a heap over-read). The one exception is grey PNG, read with an alpha channel so that
-  // a tRNS colour key composites onto white as PIL's convert("RGBA") does in HF's convert_to_rgb.
-  // Palette PNGs with tRNS and GIFs already report 4 channels. An RGB colour key is dropped, as
-  // HF leaves RGB images untouched; opaque alpha composites to the identity.
+  // in 2.27 (a heap over-read). Alpha, where there is some, is then dropped, as load_image's
+  // convert("RGB") drops it (and transformers 5.x's convert_to_rgb, the same convert("RGB")):
+  // every pixel keeps the colour it stores, whatever its alpha. stb reports a grey or RGB PNG
+  // with a tRNS colour key as grey or RGB, which is right: convert("RGB") ignores the key too.
+  // Palette PNGs with tRNS and GIFs report 4 channels, alpha after the palette's colours.
+  const int want = channels;
   static constexpr uint8_t kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   const bool is_png = size >= 8 && std::memcmp(data, kPngSignature, 8) == 0;
-  const int want = channels == 1 && is_png ? 2 : channels;
   std::unique_ptr<stbi_uc, StbiFree> decoded;
   std::vector<uint8_t> from16;  // 8-bit samples made from a 16-bit file where stb's differ
   const bool is_pnm = size >= 2 && data[0] == 'P' && (data[1] == '5' || data[1] == '6');
@@ -330,17 +308,14 @@ ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& n
       for (size_t i = 0; i < n; ++i) dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = src[i];
       break;
     case 2:
-      for (size_t i = 0; i < n; ++i)
-        dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] =
-            composite_on_white(src[2 * i], src[2 * i + 1]);
+      for (size_t i = 0; i < n; ++i) dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = src[2 * i];
       break;
     case 3:
       std::memcpy(dst, src, n * 3);
       break;
     default:
       for (size_t i = 0; i < n; ++i)
-        for (int c = 0; c < 3; ++c)
-          dst[3 * i + c] = composite_on_white(src[4 * i + c], src[4 * i + 3]);
+        for (int c = 0; c < 3; ++c) dst[3 * i + c] = src[4 * i + c];
   }
   return img;
 }

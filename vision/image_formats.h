@@ -11,10 +11,6 @@
 
 namespace iris::image_detail {
 
-// PIL's Image.alpha_composite(white, rgba) for one sample: what HF's convert_to_rgb makes of a
-// pixel of value `v` and alpha `a` (vision/image.cpp).
-uint8_t composite_on_white(uint32_t v, uint32_t a);
-
 // The orientation PIL.ImageOps.exif_transpose acts on (2 to 8; 1 leaves the image as stored).
 //
 // The EXIF block is read as PIL's Exif.load reads it: "Exif\0\0" prefixes skipped, a TIFF header,
@@ -43,11 +39,11 @@ bool is_webp(const uint8_t* data, size_t size);
 bool is_tiff(const uint8_t* data, size_t size);
 
 // The first frame, as PIL's WebPImagePlugin decodes it (libwebp's animation decoder, RGBA; RGB
-// when WebPGetFeatures reports no alpha), alpha composited onto white as the other formats are.
+// when WebPGetFeatures reports no alpha), with alpha dropped as for the other formats.
 ImageRGB8 decode_webp(const uint8_t* data, size_t size, const std::string& name,
                       int64_t max_pixels);
 
-// The first image, as PIL's TiffImagePlugin unpacks it and convert_to_rgb makes it RGB; the
+// The first image, as PIL's TiffImagePlugin unpacks it and convert("RGB") makes it RGB; the
 // layouts read are listed at decode_tiff's definition (vision/image_tiff.cpp).
 ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
                       int64_t max_pixels);
