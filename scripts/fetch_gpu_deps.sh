@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Unpacks the -dev packages that the GPU machine lacks (yaml-cpp, CLI11, PCRE2, stb) into .deps/,
-# which a device run carries and the build finds through -DIRIS_DEPS_PREFIX=.deps. Run here (a
-# Debian 12 machine with apt), not on the GPU machine, which reaches no package registry.
+# Unpacks the -dev packages that the GPU machine lacks (yaml-cpp, CLI11, PCRE2, stb, libjpeg-turbo)
+# into .deps/, which a device run carries and the build finds through -DIRIS_DEPS_PREFIX=.deps. Run
+# here (a Debian 12 machine with apt), not on the GPU machine, which reaches no package registry.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 packages=(libyaml-cpp-dev libyaml-cpp0.7 libcli11-dev libpcre2-dev libpcre2-8-0 libpcre2-16-0
-  libpcre2-32-0 libpcre2-posix3 libstb-dev libstb0)
+  libpcre2-32-0 libpcre2-posix3 libstb-dev libstb0
+  libjpeg62-turbo-dev libjpeg62-turbo)  # JPEG images, decoded as PIL decodes them
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 (cd "$work" && apt-get download "${packages[@]}" >/dev/null)

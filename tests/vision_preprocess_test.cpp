@@ -445,9 +445,12 @@ TEST(VisionImage, CorruptJpegIsReportedAsAJpeg) {
   const ImageRGB8 img = random_image(64, 64, 5);
   std::string jpg;
   ASSERT_TRUE(stbi_write_jpg_to_func(append_bytes, &jpg, 64, 64, 3, img.pixels.data(), 90));
-  // Cut inside the entropy-coded data: the header parses, the decode fails, and stb's last
-  // complaint is another format's ("bad png sig").
-  const std::string cut = jpg.substr(0, 200);
+  // Cut inside the entropy-coded data, 100 bytes after the start of scan: the header parses, the
+  // decode fails, and the message is libjpeg's, not another format's ("bad png sig", as stb gave).
+  const size_t sos = jpg.find("\xff\xda");
+  ASSERT_NE(sos, std::string::npos);
+  ASSERT_LT(sos + 100, jpg.size() / 2);
+  const std::string cut = jpg.substr(0, sos + 100);
   const std::string msg = error_of(
       [&] { decode_image(reinterpret_cast<const uint8_t*>(cut.data()), cut.size(), "photo.jpg"); });
   EXPECT_NE(msg.find("photo.jpg: JPEG data is corrupt or truncated"), std::string::npos) << msg;
@@ -807,7 +810,8 @@ TEST(VisionImage, JpegDecodesAndOversizedHuffmanTableIsRejected) {
   EXPECT_EQ(grey.pixels[3 * 10], grey.pixels[3 * 10 + 2]);
   EXPECT_NEAR(grey.pixels[3 * 10], 40, 4);
 
-  // stb 2.27 would write past its code table for a Huffman table with more than 256 codes.
+  // A Huffman table with more than 256 codes (stb 2.27 wrote past its code table for one):
+  // libjpeg refuses it.
   const size_t dht = jpg.find("\xff\xc4");
   ASSERT_NE(dht, std::string::npos);
   std::string bad = jpg;

@@ -14,6 +14,9 @@
 #include "vision/image_formats.h"
 
 #define STB_IMAGE_IMPLEMENTATION
+// JPEG goes through libjpeg-turbo (vision/image_jpeg.cpp), as PIL decodes it; stb's JPEG decoder,
+// whose 2.27 release writes out of bounds for oversized Huffman tables, is not compiled in.
+#define STBI_NO_JPEG
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #include <stb_image.h>
 #include <stb_image_write.h>
@@ -25,56 +28,6 @@ namespace {
 struct StbiFree {
   void operator()(stbi_uc* p) const { stbi_image_free(p); }
 };
-
-// stb_image 2.27 (Debian's) writes past a 257-entry array when a JPEG Huffman table declares more
-// than 256 codes (fixed upstream later). Walk the markers the way stb does and reject such tables
-// before stb sees them. The walk follows stb exactly for well-formed files (segments are skipped by
-// their length, entropy-coded data ends at the first real marker) and otherwise only checks more
-// places than stb would reach, so it never rejects a file stb decodes correctly.
-std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
-  auto at = [&](size_t i) -> unsigned { return i < n ? d[i] : 0u; };  // stb reads 0 past the end
-  size_t pos = 0;
-  if (at(pos) != 0xFF) return {};
-  while (pos < n && d[pos] == 0xFF) ++pos;
-  if (at(pos) != 0xD8) return {};
-  ++pos;
-  bool entropy = false;
-  while (pos < n) {
-    if (d[pos] != 0xFF) {  // entropy-coded data, or padding stb skips between header segments
-      ++pos;
-      continue;
-    }
-    size_t q = pos + 1;
-    while (q < n && d[q] == 0xFF) ++q;  // fill bytes
-    if (q >= n) break;
-    const unsigned m = d[q];
-    pos = q + 1;
-    if (m == 0xD9) break;                                              // EOI
-    if (m == 0x00 || m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;  // no length field
-    const size_t len = (at(pos) << 8) | at(pos + 1);
-    if (m == 0xC4) {
-      // Tables follow one another until the segment length is used up, as stb parses them.
-      int64_t left = static_cast<int64_t>(len) - 2;
-      size_t p = pos + 2;
-      while (left > 0) {
-        const unsigned tcth = at(p++);
-        if ((tcth >> 4) > 1 || (tcth & 15) > 3) break;  // stb rejects this itself
-        unsigned codes = 0;
-        for (int i = 0; i < 16; ++i) codes += at(p + i);
-        if (codes > 256)
-          return str_cat("a Huffman table declares ", codes,
-                         " codes, more than the 256 a JPEG "
-                         "table can hold (corrupt JPEG)");
-        p += 16 + codes;
-        left -= 17 + static_cast<int64_t>(codes);
-      }
-    }
-    if (len < 2) break;   // stb fails on every segment this short
-    entropy = m == 0xDA;  // start of scan: entropy-coded data follows the header
-    pos += len;
-  }
-  return {};
-}
 
 // stb 2.27 parses a PNM header's numbers into an int without an overflow check (signed overflow,
 // undefined behaviour; fixed upstream later). Read the header exactly as stbi__pnm_info does and
@@ -180,14 +133,14 @@ const char* sniff_format(const uint8_t* d, size_t n) {
     return n >= sig.size() && std::equal(sig.begin(), sig.end(), d);
   };
   if (starts({0x89, 'P', 'N', 'G'})) return "PNG";
-  if (starts({0xFF, 0xD8})) return "JPEG";
   if (starts({'G', 'I', 'F', '8'})) return "GIF";
   if (starts({'B', 'M'})) return "BMP";
   if (n >= 2 && d[0] == 'P' && d[1] >= '1' && d[1] <= '6') return "PNM";
   return nullptr;
 }
 
-// Everything stb reads, as decode_image documents it; WebP and TIFF have decoders of their own.
+// Everything stb reads, as decode_image documents it; JPEG, WebP and TIFF have decoders of their
+// own.
 ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
                           int64_t max_pixels);
 
@@ -209,7 +162,9 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   IRIS_CHECK(data != nullptr, "cannot decode image ", name_for_errors, ": null data pointer");
   IRIS_CHECK(size <= static_cast<size_t>(INT_MAX), "cannot decode image ", name_for_errors, ": ",
              size, " bytes is more than the decoder accepts (2 GiB)");
-  ImageRGB8 img = image_detail::is_webp(data, size)
+  ImageRGB8 img = image_detail::is_jpeg(data, size)
+                      ? image_detail::decode_jpeg(data, size, name_for_errors, max_pixels)
+                  : image_detail::is_webp(data, size)
                       ? image_detail::decode_webp(data, size, name_for_errors, max_pixels)
                   : image_detail::is_tiff(data, size)
                       ? image_detail::decode_tiff(data, size, name_for_errors, max_pixels)
@@ -224,8 +179,6 @@ namespace {
 ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
                           int64_t max_pixels) {
   const int len = static_cast<int>(size);
-  const std::string jpeg_problem = jpeg_huffman_problem(data, size);
-  IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
   int64_t pnm_maxval = 255;
   const std::string pnm_problem = pnm_header_problem(data, size, &pnm_maxval);
   IRIS_CHECK(pnm_problem.empty(), "cannot decode image ", name_for_errors, ": ", pnm_problem);

@@ -350,16 +350,9 @@ ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
           for (int c = 0; c < 3; ++c) rgb[c] = cmap[c][i] >> 8;
           break;
         }
-        case Kind::cmyk: {
-          // Convert.c's cmyk2rgb.
-          const uint32_t nk = 255 - sample(y, x, 3);
-          for (int c = 0; c < 3; ++c) {
-            const uint32_t t = sample(y, x, c) * nk + 128;
-            const int v = int(nk) - int(((t >> 8) + t) >> 8);
-            rgb[c] = static_cast<uint32_t>(std::clamp(v, 0, 255));
-          }
+        case Kind::cmyk:
+          for (int c = 0; c < 3; ++c) rgb[c] = pil_cmyk_to_rgb(sample(y, x, c), sample(y, x, 3));
           break;
-        }
       }
       // No alpha here: load_image's convert("RGB") drops it, leaving the stored colours.
       for (int c = 0; c < 3; ++c) dst[c] = static_cast<uint8_t>(rgb[c]);
