@@ -7,6 +7,7 @@ packages=(build-essential cmake pkg-config git
   libcli11-dev libgtest-dev libbenchmark-dev clang-format
   libopenmpi-dev openmpi-bin  # multi-process training and its mpirun tests
   libopencv-videoio-dev  # video decoding (vision/video_decode.h), through OpenCV's FFmpeg backend
+  libjpeg62-turbo-dev  # JPEG images, decoded as PIL decodes them (vision/image_jpeg.cpp)
   libwebp-dev libtiff-dev  # WebP and TIFF images (vision/image_webp.cpp, vision/image_tiff.cpp)
   libedit-dev  # line editing and history in iris generate's terminal chat
   clang libclang-rt-dev libomp-dev)  # the last three build the fuzz targets (scripts/fuzz.sh)

@@ -16,8 +16,14 @@ Into --out:
                                CMYK, and tiff_orient8.tif (Orientation tag 8 in its own IFD)
   png_alpha.png, png_orient5.png (eXIf chunk)
   golden.safetensors           "<stem>.rgb": int32 [H, W, 3], load_image's pixels;
-                               "<stem>.rgb_composited": the same file through HF's convert_to_rgb
-                               (alpha composited onto white) for the files with alpha;
+                               "<stem>.rgb_composited", for the files with alpha: the same file
+                               opened and exif_transpose'd, then made RGB by
+                               transformers.image_transforms.convert_to_rgb instead of
+                               convert("RGB"). The name is historical (Iris once composited
+                               alpha onto white); in transformers 5.17 convert_to_rgb is
+                               convert("RGB") and drops alpha, so the two keys hold the same
+                               pixels. Both are kept so that a transformers whose convert_to_rgb
+                               treats alpha otherwise shows up as a difference between them;
                                "<stem>.pixel_values" f32 and "<stem>.image_grid_thw" int64 from
                                the image processor given load_image's image, for PIXEL_VALUE_STEMS
   golden.json                  per file: format, EXIF orientation, PIL mode, size as loaded,
@@ -214,13 +220,11 @@ def main():
         entry = dict(facts, file=name, mode=opened.mode, width=loaded.width,
                      height=loaded.height, has_alpha="A" in opened.mode)
         if entry["has_alpha"]:
-            if convert_to_rgb is not None:
-                composited = convert_to_rgb(ImageOps.exif_transpose(Image.open(path)))
-            else:  # the steps of transformers' convert_to_rgb
-                rgba = ImageOps.exif_transpose(Image.open(path)).convert("RGBA")
-                white = Image.new("RGBA", rgba.size, (255, 255, 255))
-                composited = Image.alpha_composite(white, rgba).convert("RGB")
-            tensors[stem + ".rgb_composited"] = np.asarray(composited, np.uint8).astype(np.int32)
+            turned = ImageOps.exif_transpose(Image.open(path))
+            # Without transformers: PIL's convert("RGB"), which is what
+            # transformers.image_transforms.convert_to_rgb does in 5.17.
+            via_hf = convert_to_rgb(turned) if convert_to_rgb is not None else turned.convert("RGB")
+            tensors[stem + ".rgb_composited"] = np.asarray(via_hf, np.uint8).astype(np.int32)
         if improc is not None and stem in PIXEL_VALUE_STEMS:
             out = improc(images=[loaded], return_tensors="pt")
             tensors[stem + ".pixel_values"] = out["pixel_values"].float().numpy()
@@ -228,7 +232,7 @@ def main():
         meta[stem] = entry
 
     versions["convert_to_rgb"] = ("transformers.image_transforms" if convert_to_rgb is not None
-                                  else "its steps, with PIL")
+                                  else "PIL convert(\"RGB\") in its place")
     write_safetensors(os.path.join(a.out, "golden.safetensors"), tensors)
     with open(os.path.join(a.out, "golden.json"), "w", encoding="utf-8") as f:
         json.dump({"source": "PIL only (--no-transformers)" if a.no_transformers

@@ -14,6 +14,9 @@
 #include "vision/image_formats.h"
 
 #define STB_IMAGE_IMPLEMENTATION
+// JPEG goes through libjpeg-turbo (vision/image_jpeg.cpp), as PIL decodes it; stb's JPEG decoder,
+// whose 2.27 release writes out of bounds for oversized Huffman tables, is not compiled in.
+#define STBI_NO_JPEG
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #include <stb_image.h>
 #include <stb_image_write.h>
@@ -25,58 +28,6 @@ namespace {
 struct StbiFree {
   void operator()(stbi_uc* p) const { stbi_image_free(p); }
 };
-
-using image_detail::composite_on_white;
-
-// stb_image 2.27 (Debian's) writes past a 257-entry array when a JPEG Huffman table declares more
-// than 256 codes (fixed upstream later). Walk the markers the way stb does and reject such tables
-// before stb sees them. The walk follows stb exactly for well-formed files (segments are skipped by
-// their length, entropy-coded data ends at the first real marker) and otherwise only checks more
-// places than stb would reach, so it never rejects a file stb decodes correctly.
-std::string jpeg_huffman_problem(const uint8_t* d, size_t n) {
-  auto at = [&](size_t i) -> unsigned { return i < n ? d[i] : 0u; };  // stb reads 0 past the end
-  size_t pos = 0;
-  if (at(pos) != 0xFF) return {};
-  while (pos < n && d[pos] == 0xFF) ++pos;
-  if (at(pos) != 0xD8) return {};
-  ++pos;
-  bool entropy = false;
-  while (pos < n) {
-    if (d[pos] != 0xFF) {  // entropy-coded data, or padding stb skips between header segments
-      ++pos;
-      continue;
-    }
-    size_t q = pos + 1;
-    while (q < n && d[q] == 0xFF) ++q;  // fill bytes
-    if (q >= n) break;
-    const unsigned m = d[q];
-    pos = q + 1;
-    if (m == 0xD9) break;                                              // EOI
-    if (m == 0x00 || m == 0x01 || (m >= 0xD0 && m <= 0xD8)) continue;  // no length field
-    const size_t len = (at(pos) << 8) | at(pos + 1);
-    if (m == 0xC4) {
-      // Tables follow one another until the segment length is used up, as stb parses them.
-      int64_t left = static_cast<int64_t>(len) - 2;
-      size_t p = pos + 2;
-      while (left > 0) {
-        const unsigned tcth = at(p++);
-        if ((tcth >> 4) > 1 || (tcth & 15) > 3) break;  // stb rejects this itself
-        unsigned codes = 0;
-        for (int i = 0; i < 16; ++i) codes += at(p + i);
-        if (codes > 256)
-          return str_cat("a Huffman table declares ", codes,
-                         " codes, more than the 256 a JPEG "
-                         "table can hold (corrupt JPEG)");
-        p += 16 + codes;
-        left -= 17 + static_cast<int64_t>(codes);
-      }
-    }
-    if (len < 2) break;   // stb fails on every segment this short
-    entropy = m == 0xDA;  // start of scan: entropy-coded data follows the header
-    pos += len;
-  }
-  return {};
-}
 
 // stb 2.27 parses a PNM header's numbers into an int without an overflow check (signed overflow,
 // undefined behaviour; fixed upstream later). Read the header exactly as stbi__pnm_info does and
@@ -158,25 +109,21 @@ std::vector<uint8_t> decode_pnm16(const uint8_t* data, int len, int channels, ui
 }
 
 // A 16-bit grey PNG opens in PIL as mode I;16 with its full sample values, and convert("RGB")
-// (or "RGBA", which HF's convert_to_rgb goes through) clips them: any value above 255 is 255
-// (Convert.c, I16_RGB and I16_L). stb's 8-bit API keeps the high byte instead, right for PIL's
-// other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high byte) but not for this one.
-// Read with an alpha channel, as 8-bit grey is, so a tRNS colour key becomes transparency.
+// clips them: any value above 255 is 255 (Convert.c, I16_RGB). stb's 8-bit API keeps the high
+// byte instead, right for PIL's other 16-bit PNG modes (RGB;16B, RGBA;16B, LA;16B unpack the high
+// byte) but not for this one. A tRNS colour key changes no value: convert("RGB") ignores it.
 std::vector<uint8_t> decode_png16_grey(const uint8_t* data, int len, int& w, int& h,
                                        const std::string& name) {
   int c = 0;
-  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 2),
+  std::unique_ptr<stbi_us, void (*)(void*)> raw(stbi_load_16_from_memory(data, len, &w, &h, &c, 1),
                                                 &stbi_image_free);
   if (!raw)
     IRIS_FAIL("cannot decode image ", name, ": PNG data is corrupt or truncated (",
               stbi_failure_reason(), ")");
   const size_t n = static_cast<size_t>(w) * h;
-  std::vector<uint8_t> out(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    const stbi_us grey = raw.get()[2 * i], alpha = raw.get()[2 * i + 1];
-    out[2 * i] = static_cast<uint8_t>(std::min<stbi_us>(grey, 255));
-    out[2 * i + 1] = static_cast<uint8_t>(alpha >> 8);  // a colour key gives 0 or 65535
-  }
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = static_cast<uint8_t>(std::min<stbi_us>(raw.get()[i], 255));
   return out;
 }
 
@@ -186,35 +133,18 @@ const char* sniff_format(const uint8_t* d, size_t n) {
     return n >= sig.size() && std::equal(sig.begin(), sig.end(), d);
   };
   if (starts({0x89, 'P', 'N', 'G'})) return "PNG";
-  if (starts({0xFF, 0xD8})) return "JPEG";
   if (starts({'G', 'I', 'F', '8'})) return "GIF";
   if (starts({'B', 'M'})) return "BMP";
   if (n >= 2 && d[0] == 'P' && d[1] >= '1' && d[1] <= '6') return "PNM";
   return nullptr;
 }
 
-// Everything stb reads, as decode_image documents it; WebP and TIFF have decoders of their own.
+// Everything stb reads, as decode_image documents it; JPEG, WebP and TIFF have decoders of their
+// own.
 ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
                           int64_t max_pixels);
 
 }  // namespace
-
-namespace image_detail {
-
-// PIL's Image.alpha_composite(white, rgba) in integer arithmetic (AlphaComposite.c, 7 extra bits of
-// precision, rounded divisions by 255), so that transparent images match HF's convert_to_rgb bit
-// for bit rather than to within one level.
-uint8_t composite_on_white(uint32_t v, uint32_t a) {
-  if (a == 0) return 255;
-  constexpr uint32_t kBits = 7;
-  const uint32_t out_a255 = a * 255 + 255 * (255 - a);
-  const uint32_t coef1 = a * 255 * 255 * (1u << kBits) / out_a255;
-  const uint32_t coef2 = 255 * (1u << kBits) - coef1;
-  const uint32_t t = v * coef1 + 255 * coef2 + (0x80u << kBits);
-  return static_cast<uint8_t>(((((t >> 8) + t) >> 8)) >> kBits);
-}
-
-}  // namespace image_detail
 
 void check_image(const ImageRGB8& img, const char* what) {
   IRIS_CHECK(img.width > 0 && img.height > 0, what, ": image has invalid size ", img.width, "x",
@@ -232,7 +162,9 @@ ImageRGB8 decode_image(const uint8_t* data, size_t size, const std::string& name
   IRIS_CHECK(data != nullptr, "cannot decode image ", name_for_errors, ": null data pointer");
   IRIS_CHECK(size <= static_cast<size_t>(INT_MAX), "cannot decode image ", name_for_errors, ": ",
              size, " bytes is more than the decoder accepts (2 GiB)");
-  ImageRGB8 img = image_detail::is_webp(data, size)
+  ImageRGB8 img = image_detail::is_jpeg(data, size)
+                      ? image_detail::decode_jpeg(data, size, name_for_errors, max_pixels)
+                  : image_detail::is_webp(data, size)
                       ? image_detail::decode_webp(data, size, name_for_errors, max_pixels)
                   : image_detail::is_tiff(data, size)
                       ? image_detail::decode_tiff(data, size, name_for_errors, max_pixels)
@@ -247,8 +179,6 @@ namespace {
 ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& name_for_errors,
                           int64_t max_pixels) {
   const int len = static_cast<int>(size);
-  const std::string jpeg_problem = jpeg_huffman_problem(data, size);
-  IRIS_CHECK(jpeg_problem.empty(), "cannot decode image ", name_for_errors, ": ", jpeg_problem);
   int64_t pnm_maxval = 255;
   const std::string pnm_problem = pnm_header_problem(data, size, &pnm_maxval);
   IRIS_CHECK(pnm_problem.empty(), "cannot decode image ", name_for_errors, ": ", pnm_problem);
@@ -276,13 +206,14 @@ ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& n
              " (a decompression bomb, or a scan far larger than the model can see); downscale it, "
              "or raise the limit (iris generate --max-image-pixels, recipe data.max_image_pixels)");
   // We ask stb for the stored channel count: its own channel converter is wrong for 16-bit PNM
-  // in 2.27 (a heap over-read). The one exception is grey PNG, read with an alpha channel so that
-  // a tRNS colour key composites onto white as PIL's convert("RGBA") does in HF's convert_to_rgb.
-  // Palette PNGs with tRNS and GIFs already report 4 channels. An RGB colour key is dropped, as
-  // HF leaves RGB images untouched; opaque alpha composites to the identity.
+  // in 2.27 (a heap over-read). Alpha, where there is some, is then dropped, as load_image's
+  // convert("RGB") drops it (and transformers 5.x's convert_to_rgb, the same convert("RGB")):
+  // every pixel keeps the colour it stores, whatever its alpha. stb reports a grey or RGB PNG
+  // with a tRNS colour key as grey or RGB, which is right: convert("RGB") ignores the key too.
+  // Palette PNGs with tRNS and GIFs report 4 channels, alpha after the palette's colours.
+  const int want = channels;
   static constexpr uint8_t kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   const bool is_png = size >= 8 && std::memcmp(data, kPngSignature, 8) == 0;
-  const int want = channels == 1 && is_png ? 2 : channels;
   std::unique_ptr<stbi_uc, StbiFree> decoded;
   std::vector<uint8_t> from16;  // 8-bit samples made from a 16-bit file where stb's differ
   const bool is_pnm = size >= 2 && data[0] == 'P' && (data[1] == '5' || data[1] == '6');
@@ -330,17 +261,14 @@ ImageRGB8 decode_with_stb(const uint8_t* data, size_t size, const std::string& n
       for (size_t i = 0; i < n; ++i) dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = src[i];
       break;
     case 2:
-      for (size_t i = 0; i < n; ++i)
-        dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] =
-            composite_on_white(src[2 * i], src[2 * i + 1]);
+      for (size_t i = 0; i < n; ++i) dst[3 * i] = dst[3 * i + 1] = dst[3 * i + 2] = src[2 * i];
       break;
     case 3:
       std::memcpy(dst, src, n * 3);
       break;
     default:
       for (size_t i = 0; i < n; ++i)
-        for (int c = 0; c < 3; ++c)
-          dst[3 * i + c] = composite_on_white(src[4 * i + c], src[4 * i + 3]);
+        for (int c = 0; c < 3; ++c) dst[3 * i + c] = src[4 * i + c];
   }
   return img;
 }

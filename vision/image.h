@@ -1,4 +1,5 @@
-// Decoding and encoding 8-bit RGB images (stb_image / stb_image_write, libwebp, libtiff).
+// Decoding and encoding 8-bit RGB images (stb_image / stb_image_write, libjpeg-turbo, libwebp,
+// libtiff).
 #pragma once
 
 #include <cstddef>
@@ -26,13 +27,16 @@ inline constexpr const char* kImageFormats = "PNG, JPEG, WebP, TIFF, BMP, GIF, T
 // Decodes an image as transformers' load_image reads it (PIL.Image.open, ImageOps.exif_transpose,
 // RGB), from PNG, JPEG, WebP (first frame of an animation), TIFF (first image; the layouts are
 // listed in vision/image_tiff.cpp), BMP, GIF (first frame), TGA and PNM (stb also reads PSD, HDR
-// and PIC). Grey becomes RGB; images with alpha (RGBA, grey+alpha, palettes with transparency) are
-// composited onto white exactly as PIL's Image.alpha_composite does in HF's image processor
-// (convert_to_rgb), which is what a PIL image handed to the processor gets; load_image's own
-// convert("RGB") would drop alpha instead, showing whatever colour a transparent pixel stores.
-// Samples of more than 8 bits, and PNM samples under another maximum than 255, become 8 bits as
-// PIL's open and convert("RGB") make them (16-bit grey clipped, other 16-bit PNG and TIFF cut to
-// the high byte, PNM scaled). BMPs stored top-down (negative height) read as PIL reads them.
+// and PIC). JPEG decodes through libjpeg-turbo with the settings PIL uses, so its pixels are
+// PIL's (grey, RGB, and CMYK read inverted as PIL reads it). Grey becomes RGB. Alpha (RGBA,
+// grey+alpha, palettes with transparency) is dropped, as load_image's convert("RGB") drops it: a
+// pixel keeps the colour it stores, even under alpha 0. transformers 5.x's convert_to_rgb is the
+// same convert("RGB"), so the processor sees these pixels whichever of the two made the image RGB
+// (the golden of tools/make_image_format_golden.py records both). One known difference: a GIF's
+// transparent pixels come out black from stb_image, where PIL gives the colour their palette entry
+// stores. Samples of more than 8 bits, and PNM samples under another maximum than 255, become 8
+// bits as PIL's open and convert("RGB") make them (16-bit grey clipped, other 16-bit PNG and TIFF
+// cut to the high byte, PNM scaled). BMPs stored top-down (negative height) read as PIL reads them.
 //
 // EXIF orientation is applied as exif_transpose applies it (all 8 values; the rotated photo comes
 // out upright), from JPEG, PNG (eXIf), WebP and TIFF files, falling back to XMP's tiff:Orientation

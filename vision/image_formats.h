@@ -11,10 +11,6 @@
 
 namespace iris::image_detail {
 
-// PIL's Image.alpha_composite(white, rgba) for one sample: what HF's convert_to_rgb makes of a
-// pixel of value `v` and alpha `a` (vision/image.cpp).
-uint8_t composite_on_white(uint32_t v, uint32_t a);
-
 // The orientation PIL.ImageOps.exif_transpose acts on (2 to 8; 1 leaves the image as stored).
 //
 // The EXIF block is read as PIL's Exif.load reads it: "Exif\0\0" prefixes skipped, a TIFF header,
@@ -39,15 +35,34 @@ int file_orientation(const uint8_t* data, size_t size);
 // 4 flip, 5 transpose, 6 rotate 90 clockwise, 7 transverse, 8 rotate 90 counter-clockwise.
 ImageRGB8 apply_orientation(ImageRGB8 img, int orientation);
 
+// A JPEG as PIL's JpegImagePlugin accepts one: a start-of-image marker and the 0xFF of the next
+// (FF D8 FF). Anything else goes to stb_image, whose own JPEG decoder is not compiled in.
+bool is_jpeg(const uint8_t* data, size_t size);
 bool is_webp(const uint8_t* data, size_t size);
 bool is_tiff(const uint8_t* data, size_t size);
 
+// PIL's cmyk2rgb (Convert.c) for one colour sample `c` under black `k`: 255 - k - c (255 - k) /
+// 255, with its rounded division by 255.
+inline uint8_t pil_cmyk_to_rgb(uint32_t c, uint32_t k) {
+  const uint32_t nk = 255 - k;
+  const uint32_t t = c * nk + 128;
+  const int v = static_cast<int>(nk) - static_cast<int>(((t >> 8) + t) >> 8);
+  return static_cast<uint8_t>(v < 0 ? 0 : v > 255 ? 255 : v);
+}
+
+// The image, as PIL's JpegImagePlugin decodes it through libjpeg-turbo with libjpeg's defaults:
+// grey, RGB (from YCbCr or RGB) and CMYK or YCCK (read inverted, as PIL reads every 4-component
+// JPEG, then cmyk2rgb). Truncated data is an error, as in PIL; corrupt data libjpeg recovers from
+// decodes as libjpeg recovers it, as in PIL.
+ImageRGB8 decode_jpeg(const uint8_t* data, size_t size, const std::string& name,
+                      int64_t max_pixels);
+
 // The first frame, as PIL's WebPImagePlugin decodes it (libwebp's animation decoder, RGBA; RGB
-// when WebPGetFeatures reports no alpha), alpha composited onto white as the other formats are.
+// when WebPGetFeatures reports no alpha), with alpha dropped as for the other formats.
 ImageRGB8 decode_webp(const uint8_t* data, size_t size, const std::string& name,
                       int64_t max_pixels);
 
-// The first image, as PIL's TiffImagePlugin unpacks it and convert_to_rgb makes it RGB; the
+// The first image, as PIL's TiffImagePlugin unpacks it and convert("RGB") makes it RGB; the
 // layouts read are listed at decode_tiff's definition (vision/image_tiff.cpp).
 ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
                       int64_t max_pixels);

@@ -1,6 +1,6 @@
 // TIFF through libtiff, read from memory. libtiff decompresses (none, PackBits, LZW, Deflate,
 // JPEG, CCITT, ... with predictors and fill orders undone); the samples are then made RGB as PIL's
-// TiffImagePlugin unpacks them (its OPEN_INFO table and Unpack.c) and convert_to_rgb converts them.
+// TiffImagePlugin unpacks them (its OPEN_INFO table and Unpack.c) and convert("RGB") converts them.
 #include <tiffio.h>
 
 #include <algorithm>
@@ -120,9 +120,9 @@ std::string describe(uint16_t photometric, uint16_t spp, uint16_t bps, uint16_t 
 // a fourth sample without ExtraSamples) or premultiplied alpha (1, divided out as PIL's RGBa
 // unpacker does), then up to two more ignored samples; palettes of 1, 2, 4 or 8 bits (colours the
 // colormap's high bytes), with an ignored or alpha second sample for 8 bits; 8-bit CMYK through
-// PIL's cmyk2rgb; YCbCr in JPEG compression, which libjpeg returns as RGB. Alpha composites onto
-// white as for every format. Float, signed, 32-bit, CIELab, YCbCr outside JPEG and the like are
-// refused with what the file holds.
+// PIL's cmyk2rgb; YCbCr in JPEG compression, which libjpeg returns as RGB. Alpha is dropped, as
+// for every format. Float, signed, 32-bit, CIELab, YCbCr outside JPEG and the like are refused
+// with what the file holds.
 ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
                       int64_t max_pixels) {
   silence_global_handlers();
@@ -321,7 +321,7 @@ ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
   uint8_t* dst = img.pixels.data();
   for (uint32_t y = 0; y < height; ++y)
     for (uint32_t x = 0; x < width; ++x, dst += 3) {
-      uint32_t rgb[3] = {0, 0, 0}, a = 255;
+      uint32_t rgb[3] = {0, 0, 0};
       switch (lay.kind) {
         case Kind::grey: {
           const uint32_t v = sample(y, x, 0);
@@ -332,15 +332,15 @@ ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
         case Kind::grey16:
           rgb[0] = rgb[1] = rgb[2] = std::min<uint32_t>(sample(y, x, 0), 255);
           break;
-        case Kind::grey_alpha:
+        case Kind::grey_alpha:  // the alpha sample is dropped
           rgb[0] = rgb[1] = rgb[2] = sample(y, x, 0);
-          a = sample(y, x, 1);
           break;
         case Kind::rgb:
           for (int c = 0; c < 3; ++c) rgb[c] = to8(sample(y, x, c));
-          if (lay.alpha != Alpha::none) a = to8(sample(y, x, 3));
           if (lay.alpha == Alpha::premultiplied) {
-            // Unpack.c's unpackRGBa: colours divided by alpha (truncating), clipped to 255.
+            // Unpack.c's unpackRGBa: PIL opens the file as RGBA with the colours divided by alpha
+            // (truncating, clipped to 255) before convert("RGB") drops alpha.
+            const uint32_t a = to8(sample(y, x, 3));
             for (uint32_t& c : rgb)
               c = a == 0 ? 0 : a == 255 ? c : std::min<uint32_t>(c * 255 / a, 255);
           }
@@ -348,23 +348,14 @@ ImageRGB8 decode_tiff(const uint8_t* data, size_t size, const std::string& name,
         case Kind::palette: {
           const uint32_t i = sample(y, x, 0);
           for (int c = 0; c < 3; ++c) rgb[c] = cmap[c][i] >> 8;
-          if (lay.alpha == Alpha::straight) a = sample(y, x, 1);
           break;
         }
-        case Kind::cmyk: {
-          // Convert.c's cmyk2rgb.
-          const uint32_t nk = 255 - sample(y, x, 3);
-          for (int c = 0; c < 3; ++c) {
-            const uint32_t t = sample(y, x, c) * nk + 128;
-            const int v = int(nk) - int(((t >> 8) + t) >> 8);
-            rgb[c] = static_cast<uint32_t>(std::clamp(v, 0, 255));
-          }
+        case Kind::cmyk:
+          for (int c = 0; c < 3; ++c) rgb[c] = pil_cmyk_to_rgb(sample(y, x, c), sample(y, x, 3));
           break;
-        }
       }
-      for (int c = 0; c < 3; ++c)
-        dst[c] =
-            lay.alpha == Alpha::none ? static_cast<uint8_t>(rgb[c]) : composite_on_white(rgb[c], a);
+      // No alpha here: load_image's convert("RGB") drops it, leaving the stored colours.
+      for (int c = 0; c < 3; ++c) dst[c] = static_cast<uint8_t>(rgb[c]);
     }
   return img;
 }

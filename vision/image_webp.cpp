@@ -1,6 +1,7 @@
 // WebP through libwebp, the way PIL's WebPImagePlugin decodes it: libwebp's animation decoder
-// (which a still image goes through too) gives the first frame's canvas as straight RGBA, and the
-// image is RGBA only when WebPGetFeatures reports alpha.
+// (which a still image goes through too) gives the first frame's canvas as straight RGBA, PIL's
+// image is RGBA when WebPGetFeatures reports alpha (RGB otherwise), and load_image's
+// convert("RGB") then drops alpha: the colours stay as stored, also under alpha 0.
 #include <webp/decode.h>
 #include <webp/demux.h>
 
@@ -78,11 +79,8 @@ ImageRGB8 decode_webp(const uint8_t* data, size_t size, const std::string& name,
   const size_t n = static_cast<size_t>(w) * h;
   img.pixels.resize(n * 3);
   uint8_t* dst = img.pixels.data();
-  for (size_t i = 0; i < n; ++i) {
-    const uint8_t* px = rgba + 4 * i;
-    for (int c = 0; c < 3; ++c)
-      dst[3 * i + c] = features.has_alpha ? composite_on_white(px[c], px[3]) : px[c];
-  }
+  for (size_t i = 0; i < n; ++i)
+    for (int c = 0; c < 3; ++c) dst[3 * i + c] = rgba[4 * i + c];  // alpha dropped
   return img;
 }
 
