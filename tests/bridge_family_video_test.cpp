@@ -39,6 +39,35 @@ constexpr float kRel = 1e-4f, kAbs = 1e-4f;
 
 using test::formula_frames;
 
+// The clip of the formula video's kept frames, as iris generate makes it from a decoded file.
+VideoClip clip_of(const ModelConfig& cfg, const VideoProcessorConfig& vpre,
+                  const std::vector<ImageRGB8>& all, const std::vector<int64_t>& keep) {
+  std::vector<ImageRGB8> kept;
+  for (int64_t i : keep) kept.push_back(all[static_cast<size_t>(i)]);
+  const ResizedSize size =
+      cfg.arch->video_frame_size(static_cast<int64_t>(kept.size()), kHeight, kWidth, vpre);
+  VideoClip clip = preprocess_video(kept, size, vpre);
+  clip.frame_indices = keep;
+  clip.total_frames = kFrames;
+  clip.video_fps = kVideoFps;
+  return clip;
+}
+
+// The frames the family's sampling keeps of the formula video, as HF's golden has them.
+VideoClip golden_clip(const ModelConfig& cfg, const VideoProcessorConfig& vpre) {
+  return clip_of(cfg, vpre, formula_frames(),
+                 cfg.arch->sample_video_frames(kFrames, kVideoFps, vpre));
+}
+
+ModelLimits video_model_limits() {
+  ModelLimits limits;
+  limits.max_context = 512;
+  limits.max_step_tokens = 256;
+  limits.max_vision_patches = 1024;
+  limits.max_images = 4;
+  return limits;
+}
+
 struct Family {
   const char* dir;
   const char* model_type;
@@ -57,21 +86,10 @@ class FamilyVideo : public ::testing::TestWithParam<Family> {
   }
   HostTensor tensor(const std::string& name) const { return golden_->load(name); }
 
-  // The clip of the kept frames, as iris generate makes it from a decoded file.
   VideoClip clip_of(const std::vector<ImageRGB8>& all, const std::vector<int64_t>& keep) const {
-    std::vector<ImageRGB8> kept;
-    for (int64_t i : keep) kept.push_back(all[static_cast<size_t>(i)]);
-    const ResizedSize size =
-        cfg_.arch->video_frame_size(static_cast<int64_t>(kept.size()), kHeight, kWidth, vpre_);
-    VideoClip clip = preprocess_video(kept, size, vpre_);
-    clip.frame_indices = keep;
-    clip.total_frames = kFrames;
-    clip.video_fps = kVideoFps;
-    return clip;
+    return iris::clip_of(cfg_, vpre_, all, keep);
   }
-  VideoClip golden_clip() const {
-    return clip_of(formula_frames(), cfg_.arch->sample_video_frames(kFrames, kVideoFps, vpre_));
-  }
+  VideoClip golden_clip() const { return iris::golden_clip(cfg_, vpre_); }
 
   MediaPrompt prompt(const std::vector<ChatPart::Kind>& media, const std::string& text,
                      const std::vector<GridTHW>& images, const VideoClip& clip) const {
@@ -138,12 +156,7 @@ class FamilyVideoModel : public FamilyVideo {
   void SetUp() override {
     FamilyVideo::SetUp();
     backend_ = make_cpu_backend();
-    ModelLimits limits;
-    limits.max_context = 512;
-    limits.max_step_tokens = 256;
-    limits.max_vision_patches = 1024;
-    limits.max_images = 4;
-    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, limits);
+    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, video_model_limits());
   }
 
   // `prefix`'s prompt ids, positions and deltas equal HF's; then the last logits (top 16 and
@@ -234,23 +247,11 @@ class FamilyVideoDevice : public ::testing::TestWithParam<std::tuple<Family, boo
     dir_ = test::data_dir() + "/" + std::get<0>(GetParam()).dir;
     golden_ = std::make_unique<SafetensorsFile>(dir_ + "/golden_video.safetensors");
     const ModelConfig cfg = ModelConfig::from_file(dir_ + "/config.json");
-    const VideoProcessorConfig vpre = model_video_preprocessor(dir_, cfg);
-    const std::vector<ImageRGB8> all = formula_frames();
-    std::vector<ImageRGB8> kept;
-    for (int64_t i : cfg.arch->sample_video_frames(kFrames, kVideoFps, vpre))
-      kept.push_back(all[static_cast<size_t>(i)]);
-    const ResizedSize size =
-        cfg.arch->video_frame_size(static_cast<int64_t>(kept.size()), kHeight, kWidth, vpre);
-    clip_ = preprocess_video(kept, size, vpre);
+    clip_ = golden_clip(cfg, model_video_preprocessor(dir_, cfg));
     pixels_.assign(clip_.pixel_values.data<float>(),
                    clip_.pixel_values.data<float>() + clip_.pixel_values.numel());
     backend_ = cuda_ ? make_cuda_backend(0) : make_cpu_backend();
-    ModelLimits limits;
-    limits.max_context = 512;
-    limits.max_step_tokens = 256;
-    limits.max_vision_patches = 1024;
-    limits.max_images = 4;
-    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, limits);
+    model_ = std::make_unique<Qwen3VLModel>(*backend_, dir_, video_model_limits());
   }
   GraphConfigs graph_configs() const {
     GraphConfigs c = parse_graph_configs({{"cuda_graph_impl", "local"},
@@ -310,11 +311,7 @@ TEST_P(FamilyVideoDevice, AVideoPromptOnCudaKeepsTheBf16RulesOfHF) {
   const std::string rendered = ChatFormat::from_dir(dir_).render(
       {user_message("Describe this video.", {ChatPart::Kind::video})}, true);
   const Tokenizer tokenizer = Tokenizer::from_file(dir_ + "/tokenizer.json");
-  VideoClip clip = clip_;
-  clip.total_frames = kFrames;
-  clip.video_fps = kVideoFps;
-  clip.frame_indices =
-      cfg.arch->sample_video_frames(kFrames, kVideoFps, model_video_preprocessor(dir_, cfg));
+  const VideoClip& clip = clip_;
   const MediaPrompt p = encode_media_prompt(tokenizer, rendered, cfg, {}, {&clip});
   ASSERT_EQ(p.ids, ids_of(golden_->load("video.input_ids")));
   // Eager, then through the graph helper: its warm-up, its capture and a replay.
