@@ -148,14 +148,21 @@ void Checkpoints::write_resolved_config() const {
     write_file_atomic((fs::path(run_dir_) / "resolved_config.yaml").string(), resolved_);
 }
 
-std::string Checkpoints::save(int64_t iteration, TrainerState& state,
-                              const DataPosition& position) {
+void Checkpoints::write(int64_t iteration, TrainerState& state, const DataPosition& position) {
   // A sharded optimizer's state comes to rank 0 from every rank.
   rank_.optimizer().gather_state();
-  if (rank_.pipelined()) return save_pipelined(iteration, state, position);
-  if (!dp_.writer()) return "";
+  if (rank_.pipelined()) return write_pipelined(iteration, state, position);
+  if (!dp_.writer()) return;
   fill_state(state, position);
-  return save_whole(iteration, state);
+  write_whole(iteration, state);
+}
+
+std::string Checkpoints::commit(int64_t iteration) {
+  if (!dp_.writer()) return "";
+  const std::string dir = finish_checkpoint(run_dir_, iteration);
+  owned_.push_back(iteration);
+  prune_checkpoints(run_dir_, owned_, r_.checkpoint.keep_last);
+  return dir;
 }
 
 void Checkpoints::fill_state(TrainerState& state, const DataPosition& position) const {
@@ -175,22 +182,20 @@ void Checkpoints::write_common_files(const std::string& dir) const {
   write_file_atomic((d / "resolved_config.yaml").string(), resolved_);
 }
 
-std::string Checkpoints::save_whole(int64_t iteration, TrainerState& state) {
-  const std::string dir = commit_checkpoint(run_dir_, iteration, [&](const std::string& tmp) {
-    const fs::path d(tmp);
-    save_model_weights(rank_.backend(), rank_.master_weights(), rank_.weights(),
-                       (d / "model.safetensors").string());
-    rank_.optimizer().save((d / kOptimizerFile).string());
-    write_common_files(tmp);
-    // Last: it lists the files above with their sizes, and checkpoint_complete() checks them.
-    state.files = list_checkpoint_files(tmp);
-    save_trainer_state((d / kTrainerStateFile).string(), state);
-  });
-  return finish(iteration, dir);
+void Checkpoints::write_whole(int64_t iteration, TrainerState& state) {
+  const std::string tmp = begin_checkpoint(run_dir_, iteration);
+  const fs::path d(tmp);
+  save_model_weights(rank_.backend(), rank_.master_weights(), rank_.weights(),
+                     (d / "model.safetensors").string());
+  rank_.optimizer().save((d / kOptimizerFile).string());
+  write_common_files(tmp);
+  // Last: it lists the files above with their sizes, and checkpoint_complete() checks them.
+  state.files = list_checkpoint_files(tmp);
+  save_trainer_state((d / kTrainerStateFile).string(), state);
 }
 
-std::string Checkpoints::save_pipelined(int64_t iteration, TrainerState& state,
-                                        const DataPosition& position) {
+void Checkpoints::write_pipelined(int64_t iteration, TrainerState& state,
+                                  const DataPosition& position) {
   const fs::path d = fs::path(run_dir_) / (checkpoint_name(iteration) + ".tmp");
   if (dp_.writer()) begin_checkpoint(run_dir_, iteration);
   dp_.barrier("the checkpoint directory");
@@ -210,7 +215,7 @@ std::string Checkpoints::save_pipelined(int64_t iteration, TrainerState& state,
     rank_.optimizer().save((d / stage_file("optimizer", me, P)).string());
   }
   dp_.barrier("the checkpoint's stage files");
-  if (!dp_.writer()) return "";
+  if (!dp_.writer()) return;
   fill_state(state, position);
   json weight_map = json::object();
   int64_t total = 0;
@@ -224,13 +229,6 @@ std::string Checkpoints::save_pipelined(int64_t iteration, TrainerState& state,
   write_common_files(d.string());
   state.files = list_checkpoint_files(d.string());
   save_trainer_state((d / kTrainerStateFile).string(), state);
-  return finish(iteration, finish_checkpoint(run_dir_, iteration));
-}
-
-std::string Checkpoints::finish(int64_t iteration, const std::string& dir) {
-  owned_.push_back(iteration);
-  prune_checkpoints(run_dir_, owned_, r_.checkpoint.keep_last);
-  return dir;
 }
 
 }  // namespace iris

@@ -44,20 +44,24 @@ class Checkpoints {
 
   // Writes the resolved recipe into the run directory (rank 0).
   void write_resolved_config() const;
-  // Saves checkpoint `iteration` with `state` (its data position, seed, threads and files are
-  // filled in here); every rank calls it. Returns the checkpoint's directory on the rank that
-  // wrote it (rank 0), else "".
-  std::string save(int64_t iteration, TrainerState& state, const DataPosition& position);
+  // A checkpoint is saved in two steps, so that the run's record of the step (metrics.jsonl,
+  // run_summary.json) is on disk before the checkpoint counts: a run killed in between resumes
+  // from the checkpoint before, and runs that step again.
+  // write: checkpoint `iteration` with `state` (its data position, seed, threads and files are
+  // filled in here) into step_N.tmp; every rank calls it.
+  void write(int64_t iteration, TrainerState& state, const DataPosition& position);
+  // commit: renames the written checkpoint into place, points `latest` at it and prunes to
+  // checkpoint.keep_last. Returns its directory on the rank that wrote it (rank 0), else "".
+  std::string commit(int64_t iteration);
 
  private:
   void fill_state(TrainerState& state, const DataPosition& position) const;
-  std::string save_whole(int64_t iteration, TrainerState& state);
+  void write_whole(int64_t iteration, TrainerState& state);
   // Rank 0 makes step_N.tmp, the first replica of each stage writes the tensors (and their
   // moments) that its stage owns as one shard, and once all have written, rank 0 adds the shard
-  // index, the side files and the trainer state and renames it.
-  std::string save_pipelined(int64_t iteration, TrainerState& state, const DataPosition& position);
+  // index, the side files and the trainer state.
+  void write_pipelined(int64_t iteration, TrainerState& state, const DataPosition& position);
   void write_common_files(const std::string& dir) const;
-  std::string finish(int64_t iteration, const std::string& dir);
 
   const Recipe& r_;
   const RankTraining& rank_;

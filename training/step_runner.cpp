@@ -358,6 +358,7 @@ void RunLog::add_evaluation(double seconds) {
 void RunLog::add_checkpoint(double seconds) {
   interval_.checkpoint_seconds += seconds;
   ++interval_.checkpoints;
+  last_checkpoint_seconds_ = seconds;
 }
 
 void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
@@ -382,8 +383,6 @@ void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
   interval_ = StepMetrics{};
   interval_.stretch = static_cast<int64_t>(earlier_stretches_.size());
   interval_loss_sum_ = 0;
-  // Logging and the summary belong to no interval: the next one starts here.
-  interval_start_ = std::chrono::steady_clock::now();
 }
 
 void RunLog::write_summary(const std::string& status, int64_t final_iteration, int stop_signal) {

@@ -226,15 +226,18 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
   run_log.describe_start(start.resume_dir, state, start_notes(start, rank, chat, data));
 
   const int64_t start_iteration = state.iteration;
-  auto save = [&](int64_t it) {
-    std::string dir;
-    const double seconds = timed_apart(
-        rank.backend(), [&] { dir = checkpoints.save(it, state, data.train->position()); });
-    run_log.add_checkpoint(seconds);
+  // The checkpoint's files are timed as its save; committing it (the rename, `latest`, pruning)
+  // waits for the step's record, as Checkpoints explains.
+  auto write_checkpoint = [&](int64_t it) {
+    run_log.add_checkpoint(
+        timed_apart(rank.backend(), [&] { checkpoints.write(it, state, data.train->position()); }));
+  };
+  auto commit_checkpoint = [&](int64_t it) {
+    const std::string dir = checkpoints.commit(it);
     if (dir.empty()) return;
     result.last_checkpoint = dir;
     char took[32];
-    std::snprintf(took, sizeof(took), "%.4g", seconds);
+    std::snprintf(took, sizeof(took), "%.4g", run_log.last_checkpoint_seconds());
     log.message(str_cat("saved checkpoint ", dir, " in ", took, " s"));
   };
 
@@ -280,8 +283,12 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
     if (data.eval && it % r.train.eval_interval == 0)
       run_log.add_evaluation(
           timed_apart(rank.backend(), [&] { evaluate(r, rank, dp, steps, *data.eval, log, it); }));
-    if (saving) save(it);
-    if (interval_ends) run_log.end_interval(it, lr, steps.take_device_seconds());
+    if (saving) write_checkpoint(it);
+    if (interval_ends) {
+      run_log.end_interval(it, lr, steps.take_device_seconds());
+      if (saving) commit_checkpoint(it);
+      run_log.start_interval();
+    }
     log.progress(it);
   }
   run_log.describe_end(result, start_iteration, data.train->stats(),
