@@ -202,9 +202,19 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
     const WeightBinding& b = w->bindings[i];
     const SafetensorsEntry& e = *sources[i];
     const auto t0 = Clock::now();
-    // The check reads every element anyway, so it costs little beside the copy; a NaN or Inf
-    // weight otherwise surfaces only as NaN logits, far from its cause.
-    const int64_t bad = first_non_finite(e);
+    // A NaN or Inf weight otherwise surfaces only as NaN logits, far from its cause. The backend
+    // checks each block as it stages it, so the file is read once.
+    const void* src = e.data;
+    DType src_dtype = e.dtype;
+    if (e.dtype == DType::f16 && b.target->dtype != DType::f16) {
+      host.resize(e.nbytes / dtype_size(e.dtype));
+      convert_to_f32(e, host.data());  // f16's Inf and NaN stay so in f32
+      src = host.data();
+      src_dtype = DType::f32;
+    }
+    const int64_t rows = b.hf_shape[0];
+    const int64_t bad =
+        backend.write_finite(b.target->slice(b.row_offset, b.row_offset + rows), src, src_dtype);
     if (bad >= 0) {
       SafetensorsEntry one = e;
       one.data = static_cast<const char*>(e.data) + bad * int64_t(dtype_size(e.dtype));
@@ -214,19 +224,7 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
       IRIS_FAIL(e.file, ": tensor '", e.name, "' holds a non-finite value (", value, " at element ",
                 bad, "); the checkpoint is corrupt");
     }
-    const void* src = e.data;
-    DType src_dtype = e.dtype;
-    if (e.dtype != b.target->dtype) {
-      host.resize(e.nbytes / dtype_size(e.dtype));
-      convert_to_f32(e, host.data());
-      src = host.data();
-      src_dtype = DType::f32;
-    }
-    const auto t1 = Clock::now();
-    const int64_t rows = b.hf_shape[0];
-    backend.write(b.target->slice(b.row_offset, b.row_offset + rows), src, src_dtype);
-    t.read_ms += ms(t1 - t0);
-    t.upload_ms += ms(Clock::now() - t1);
+    t.read_ms += ms(Clock::now() - t0);
   }
   const auto t2 = Clock::now();
   backend.synchronize();

@@ -60,8 +60,9 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
                                                DType dtype,
                                                const std::function<bool(const std::string&)>& keep);
 
-// Where a load's time went: reading the files (through the page cache, with the finiteness
-// check and any dtype conversion) and handing the bytes to the backend (the device upload).
+// Where a load's time went: reading the files through the page cache into the backend (with the
+// finiteness check and any dtype conversion; on CUDA the staging copy, whose uploads overlap it),
+// and the wait for the last uploads after that.
 struct WeightLoadTimes {
   double read_ms = 0, upload_ms = 0;
 };

@@ -38,6 +38,15 @@ class Backend {
 
   // dst.numel() elements from host memory of type src_dtype, converted to dst.dtype.
   virtual void write(const Tensor& dst, const void* host_src, DType src_dtype) = 0;
+  // write() of a source that may hold NaN or Inf (a checkpoint's weights): returns the index of
+  // the first such element of host_src, dst then holding an unspecified part of it, or -1 when
+  // all are finite and dst holds them. A backend that stages its writes checks each block as it
+  // copies it, so that the host reads the source once.
+  virtual int64_t write_finite(const Tensor& dst, const void* host_src, DType src_dtype) {
+    const int64_t bad = first_non_finite(host_src, src_dtype, dst.numel());
+    if (bad < 0) write(dst, host_src, src_dtype);
+    return bad;
+  }
   // A backend whose writes go through host staging (CUDA: pinned memory, reused once the copies
   // it fed are done) makes a write wait for the device when the staging is full. A caller that
   // writes up to `bytes` between two points where it waits anyway (a training step, which ends

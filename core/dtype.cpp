@@ -1,5 +1,6 @@
 #include "core/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -137,6 +138,35 @@ void convert_elements(void* dst, DType dt, const void* src, DType st, int64_t n)
         static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
         break;
     }
+  }
+}
+
+namespace {
+// The element's exponent bits all set: Inf or NaN, whatever the mantissa.
+template <typename Bits>
+int64_t first_all_ones(const unsigned char* s, int64_t n, Bits exponent) {
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first) if (n > (int64_t(1) << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    Bits v;
+    std::memcpy(&v, s + i * int64_t(sizeof(Bits)), sizeof(Bits));
+    if ((v & exponent) == exponent) first = std::min(first, i);
+  }
+  return first == n ? -1 : first;
+}
+}  // namespace
+
+int64_t first_non_finite(const void* data, DType dtype, int64_t n) {
+  const auto* s = static_cast<const unsigned char*>(data);
+  switch (dtype) {
+    case DType::f32:
+      return first_all_ones<uint32_t>(s, n, 0x7F800000u);
+    case DType::bf16:
+      return first_all_ones<uint16_t>(s, n, uint16_t{0x7F80});
+    case DType::f16:
+      return first_all_ones<uint16_t>(s, n, uint16_t{0x7C00});
+    default:
+      IRIS_FAIL("first_non_finite: ", dtype_name(dtype), " is not a floating-point dtype");
   }
 }
 

@@ -41,4 +41,8 @@ uint16_t f32_to_f16(float f);
 // backends' write()/read() use it, so model code sees the same conversions everywhere.
 void convert_elements(void* dst, DType to, const void* src, DType from, int64_t n);
 
+// The index of the first NaN or Inf among n floating-point elements of type `dtype` at `data`
+// (unaligned is fine), or -1 when all are finite. Reads the raw bits on every thread.
+int64_t first_non_finite(const void* data, DType dtype, int64_t n);
+
 }  // namespace iris

@@ -214,35 +214,11 @@ void convert_to_f32(const SafetensorsEntry& e, float* dst) {
   }
 }
 
-namespace {
-// The element's exponent bits all set: Inf or NaN, whatever the mantissa.
-template <typename Bits>
-int64_t first_all_ones(const unsigned char* s, int64_t n, Bits exponent) {
-  int64_t first = n;
-#pragma omp parallel for schedule(static) reduction(min : first) if (n > (int64_t(1) << 20))
-  for (int64_t i = 0; i < n; ++i) {
-    Bits v;
-    std::memcpy(&v, s + i * int64_t(sizeof(Bits)), sizeof(Bits));  // unaligned in the file
-    if ((v & exponent) == exponent) first = std::min(first, i);
-  }
-  return first == n ? -1 : first;
-}
-}  // namespace
-
 int64_t first_non_finite(const SafetensorsEntry& e) {
-  const auto* s = static_cast<const unsigned char*>(e.data);
-  const int64_t n = static_cast<int64_t>(e.nbytes / dtype_size(e.dtype));
-  switch (e.dtype) {
-    case DType::f32:
-      return first_all_ones<uint32_t>(s, n, 0x7F800000u);
-    case DType::bf16:
-      return first_all_ones<uint16_t>(s, n, uint16_t{0x7F80});
-    case DType::f16:
-      return first_all_ones<uint16_t>(s, n, uint16_t{0x7C00});
-    default:
-      IRIS_FAIL(e.file, ": tensor '", e.name, "' has integer dtype ", dtype_name(e.dtype),
-                " where floating point was expected");
-  }
+  IRIS_CHECK(e.dtype == DType::f32 || e.dtype == DType::bf16 || e.dtype == DType::f16, e.file,
+             ": tensor '", e.name, "' has integer dtype ", dtype_name(e.dtype),
+             " where floating point was expected");
+  return first_non_finite(e.data, e.dtype, static_cast<int64_t>(e.nbytes / dtype_size(e.dtype)));
 }
 
 HostTensor SafetensorsFile::load(const std::string& name) const {

@@ -291,6 +291,46 @@ TEST_F(BackendOps, WriteReadLargeAndManySmallTransfers) {
   EXPECT_TRUE(gpu.guards_intact());
 }
 
+// A checkpoint's weights go through write_finite: on CUDA the check runs inside the staging copy
+// of each chunk, so a NaN or Inf must be found at its index in whichever chunk it falls, and a
+// finite source must arrive as write() would bring it.
+TEST_F(BackendOps, WriteFiniteFindsTheFirstNonFiniteElementInAnyChunk) {
+  Side gpu(*gpu_);
+  Rng rng(4);
+  // bf16 to bf16 (the fused copy) and f32 to bf16 (checked, then converted), over more than one
+  // 8 MiB staging chunk.
+  const int64_t n = 9'000'001;
+  const std::vector<float> values = rng.normal(n);
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) bits[size_t(i)] = f32_to_bf16(values[size_t(i)]);
+  Tensor dst = gpu.make(Kind::act, {n}, std::vector<float>(size_t(n), 0.f));
+  EXPECT_EQ(gpu_->write_finite(dst, bits.data(), DType::bf16), -1);
+  std::vector<uint16_t> back(static_cast<size_t>(n));
+  gpu_->read(back.data(), DType::bf16, dst);
+  EXPECT_EQ(back, bits);
+  EXPECT_EQ(gpu_->write_finite(dst, values.data(), DType::f32), -1);
+  gpu_->read(back.data(), DType::bf16, dst);
+  EXPECT_EQ(back, bits);
+
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  for (int64_t at : {int64_t{0}, int64_t{4'194'303}, int64_t{4'194'304}, n - 1}) {
+    SCOPED_TRACE(at);
+    std::vector<uint16_t> bad_bits = bits;
+    std::vector<float> bad = values;
+    bad[size_t(at)] = at % 2 == 0 ? nan : -inf;
+    bad_bits[size_t(at)] = f32_to_bf16(bad[size_t(at)]);
+    // A second one later: the first is the one reported.
+    if (at + 7 < n) {
+      bad[size_t(at + 7)] = inf;
+      bad_bits[size_t(at + 7)] = f32_to_bf16(inf);
+    }
+    ASSERT_EQ(first_non_finite(bad_bits.data(), DType::bf16, n), at);
+    EXPECT_EQ(gpu_->write_finite(dst, bad_bits.data(), DType::bf16), at);
+    EXPECT_EQ(gpu_->write_finite(dst, bad.data(), DType::f32), at);
+  }
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
 TEST_F(BackendOps, CopyAndFillZero) {
   for (Kind kind : {Kind::act, Kind::f32, Kind::i32}) {
     for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4096}, int64_t{100003}}) {

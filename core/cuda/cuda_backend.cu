@@ -259,35 +259,11 @@ class CudaBackend final : public Backend {
   }
 
   void write(const Tensor& dst, const void* host_src, DType src_dtype) override {
-    bind();
-    check_device(dst, "write");
-    const int64_t n = dst.numel();
-    if (n == 0) return;
-    IRIS_CHECK(host_src != nullptr, "write: null host source for ", dst.shape_str());
-    const size_t elem = dtype_size(dst.dtype), src_elem = dtype_size(src_dtype);
-    const int64_t per_chunk = static_cast<int64_t>(kStagingChunk / elem);
-    for (int64_t i = 0; i < n;) {
-      const int64_t m = std::min(n - i, per_chunk);
-      const size_t bytes = static_cast<size_t>(m) * elem;
-      // Small writes pack into the current half of the staging buffer; a full half hands over
-      // to the other, which is reusable once its last copy (tracked by an event) is done.
-      if (staging_offset_ + bytes > staging_half_bytes_) {
-        staging_half_ ^= 1;
-        const auto wait_start = std::chrono::steady_clock::now();
-        IRIS_CUDA_CHECK(cudaEventSynchronize(staging_events_[staging_half_]->get()));
-        write_wait_seconds_ +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
-        staging_offset_ = 0;
-      }
-      char* stage = staging_->data() + staging_half_ * staging_half_bytes_ + staging_offset_;
-      convert_host(stage, dst.dtype, static_cast<const char*>(host_src) + i * src_elem, src_dtype,
-                   m);
-      IRIS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.data) + i * elem, stage, bytes,
-                                      cudaMemcpyHostToDevice, stream()));
-      IRIS_CUDA_CHECK(cudaEventRecord(staging_events_[staging_half_]->get(), stream()));
-      staging_offset_ += (bytes + 255) / 256 * 256;
-      i += m;
-    }
+    stage_write(dst, host_src, src_dtype, false);
+  }
+
+  int64_t write_finite(const Tensor& dst, const void* host_src, DType src_dtype) override {
+    return stage_write(dst, host_src, src_dtype, true);
   }
 
   void reserve_write_staging(size_t bytes) override {
@@ -1273,6 +1249,49 @@ class CudaBackend final : public Backend {
     IRIS_CHECK(spans.rows() <= kTrainMaxTensors, op, ": ", spans.rows(), " tensors, more than the ",
                kTrainMaxTensors, " planned");
     return spans.rows();
+  }
+
+  // write() through the pinned staging; `check`: also find the source's first NaN or Inf (the
+  // returned index, -1 for none), in the staging copy where the dtypes agree.
+  int64_t stage_write(const Tensor& dst, const void* host_src, DType src_dtype, bool check) {
+    bind();
+    check_device(dst, "write");
+    const int64_t n = dst.numel();
+    if (n == 0) return -1;
+    IRIS_CHECK(host_src != nullptr, "write: null host source for ", dst.shape_str());
+    const size_t elem = dtype_size(dst.dtype), src_elem = dtype_size(src_dtype);
+    const int64_t per_chunk = static_cast<int64_t>(kStagingChunk / elem);
+    for (int64_t i = 0; i < n;) {
+      const int64_t m = std::min(n - i, per_chunk);
+      const size_t bytes = static_cast<size_t>(m) * elem;
+      // Small writes pack into the current half of the staging buffer; a full half hands over
+      // to the other, which is reusable once its last copy (tracked by an event) is done.
+      if (staging_offset_ + bytes > staging_half_bytes_) {
+        staging_half_ ^= 1;
+        const auto wait_start = std::chrono::steady_clock::now();
+        IRIS_CUDA_CHECK(cudaEventSynchronize(staging_events_[staging_half_]->get()));
+        write_wait_seconds_ +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+        staging_offset_ = 0;
+      }
+      char* stage = staging_->data() + staging_half_ * staging_half_bytes_ + staging_offset_;
+      const char* src = static_cast<const char*>(host_src) + i * src_elem;
+      if (check) {
+        const int64_t bad = src_dtype == dst.dtype
+                                ? cuda::copy_finite_parallel(stage, src, src_dtype, m)
+                                : first_non_finite(src, src_dtype, m);
+        if (bad >= 0) return i + bad;
+        if (src_dtype != dst.dtype) convert_host(stage, dst.dtype, src, src_dtype, m);
+      } else {
+        convert_host(stage, dst.dtype, src, src_dtype, m);
+      }
+      IRIS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.data) + i * elem, stage, bytes,
+                                      cudaMemcpyHostToDevice, stream()));
+      IRIS_CUDA_CHECK(cudaEventRecord(staging_events_[staging_half_]->get(), stream()));
+      staging_offset_ += (bytes + 255) / 256 * 256;
+      i += m;
+    }
+    return -1;
   }
 
   static constexpr size_t kStagingChunk = size_t{8} << 20;

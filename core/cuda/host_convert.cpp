@@ -38,6 +38,23 @@ void copy_bytes_parallel(void* dst, const void* src, size_t bytes) {
   }
 }
 
+int64_t copy_finite_parallel(void* dst, const void* src, DType dtype, int64_t n) {
+  const size_t elem = dtype_size(dtype);
+  const int64_t per_block = static_cast<int64_t>((size_t{256} << 10) / elem);
+  const int64_t blocks = (n + per_block - 1) / per_block;
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first) if (blocks >= 4)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * per_block, len = std::min(per_block, n - begin);
+    char* out = static_cast<char*>(dst) + begin * static_cast<int64_t>(elem);
+    std::memcpy(out, static_cast<const char*>(src) + begin * static_cast<int64_t>(elem),
+                static_cast<size_t>(len) * elem);
+    const int64_t bad = first_non_finite(out, dtype, len);
+    if (bad >= 0) first = std::min(first, begin + bad);
+  }
+  return first == n ? -1 : first;
+}
+
 void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);

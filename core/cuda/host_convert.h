@@ -6,10 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/dtype.h"
+
 namespace iris::cuda {
 
 // memcpy over the host's cores, in blocks (a weight upload from the page cache).
 void copy_bytes_parallel(void* dst, const void* src, size_t bytes);
+// copy_bytes_parallel of n floating-point elements of `dtype` that also checks each block in the
+// copy, while it is in cache: the index of the first NaN or Inf element, or -1.
+int64_t copy_finite_parallel(void* dst, const void* src, DType dtype, int64_t n);
 // dst[i] = f32_to_bf16(src[i]) (round to nearest even, NaN stays NaN), for i < n.
 void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n);
 // dst[i] = bf16_to_f32(src[i]), for i < n.
