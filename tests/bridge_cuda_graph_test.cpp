@@ -111,8 +111,6 @@ class TracingBackend final : public Backend {
     flag("read");
     in_.read(dst, dt, src);
   }
-  void copy(const Tensor& dst, const Tensor& src) override { in_.copy(dst, src); }
-  void fill_zero(const Tensor& dst) override { in_.fill_zero(dst); }
   void synchronize() override {
     flag("synchronize");
     in_.synchronize();
@@ -131,165 +129,19 @@ class TracingBackend final : public Backend {
   // The inner backend tapes what this one forwards, so launches replay the record.
   bool begin_op_tape() override { return in_.begin_op_tape(); }
   std::function<void()> end_op_tape() override { return in_.end_op_tape(); }
-  // Training ops: forwarded as they are.
-  void convert(const Tensor& dst, const Tensor& src) override { in_.convert(dst, src); }
-  void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w,
-                             bool accumulate) override {
-    in_.linear_backward_input(dx, dy, w, accumulate);
-  }
-  void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
-                              const Tensor& x) override {
-    in_.linear_backward_weight(dw, db, dy, x);
-  }
-  void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                        const Tensor& w, const Tensor& b, float eps) override {
-    in_.layer_norm_train(y, mean, rstd, x, w, b, eps);
-  }
-  void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy,
-                           const Tensor& x, const Tensor& mean, const Tensor& rstd,
-                           const Tensor& w) override {
-    in_.layer_norm_backward(dx, dw, db, dy, x, mean, rstd, w);
-  }
-  void rms_norm_train(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w,
-                      float eps) override {
-    in_.rms_norm_train(y, rstd, x, w, eps);
-  }
-  void rms_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
-                         const Tensor& rstd, const Tensor& w) override {
-    in_.rms_norm_backward(dx, dw, dy, x, rstd, w);
-  }
-  void qkv_norm_rope_train(const Tensor& out, const Tensor& rstd, const Tensor& in,
-                           const Tensor& q_norm_w, const Tensor& k_norm_w, float eps,
-                           const Tensor& cos, const Tensor& sin, int n_q_heads, int n_kv_heads,
-                           int head_dim, bool round_tables_to_compute_dtype) override {
-    in_.qkv_norm_rope_train(out, rstd, in, q_norm_w, k_norm_w, eps, cos, sin, n_q_heads, n_kv_heads,
-                            head_dim, round_tables_to_compute_dtype);
-  }
-  void qkv_norm_rope_backward(const Tensor& din, const Tensor& dq_norm_w, const Tensor& dk_norm_w,
-                              const Tensor& dout, const Tensor& in, const Tensor& rstd,
-                              const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& cos,
-                              const Tensor& sin, int n_q_heads, int n_kv_heads, int head_dim,
-                              bool round_tables_to_compute_dtype) override {
-    in_.qkv_norm_rope_backward(din, dq_norm_w, dk_norm_w, dout, in, rstd, q_norm_w, k_norm_w, cos,
-                               sin, n_q_heads, n_kv_heads, head_dim, round_tables_to_compute_dtype);
-  }
-  void attention_train(const Tensor& out, const Tensor& lse, const Tensor& qkv,
-                       const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
-                       int head_dim, float scale, bool causal, const Tensor& real_rows) override {
-    in_.attention_train(out, lse, qkv, cu_seqlens, n_segments, n_q_heads, n_kv_heads, head_dim,
-                        scale, causal, real_rows);
-  }
-  void attention_backward(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
-                          const Tensor& out, const Tensor& lse, const Tensor& qkv,
-                          const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
-                          int head_dim, float scale, bool causal,
-                          const Tensor& real_rows) override {
-    in_.attention_backward(dqkv, dsum, dout, out, lse, qkv, cu_seqlens, n_segments, n_q_heads,
-                           n_kv_heads, head_dim, scale, causal, real_rows);
-  }
-  void gelu_tanh_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
-    in_.gelu_tanh_backward(dx, dy, x);
-  }
-  void gelu_erf_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
-    in_.gelu_erf_backward(dx, dy, x);
-  }
-  void quick_gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x) override {
-    in_.quick_gelu_backward(dx, dy, x);
-  }
-  void swiglu_backward(const Tensor& dgate_up, const Tensor& dy, const Tensor& gate_up) override {
-    in_.swiglu_backward(dgate_up, dy, gate_up);
-  }
-  void embedding_backward(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
-                          int32_t skip_id) override {
-    in_.embedding_backward(dtable, dy, ids, skip_id);
-  }
-  void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) override {
-    in_.gather_rows(dst, src, index);
-  }
-  void add_interpolated_rows_backward(const Tensor& dtable, const Tensor& dy, const Tensor& index,
-                                      const Tensor& weight) override {
-    in_.add_interpolated_rows_backward(dtable, dy, index, weight);
-  }
   size_t lm_head_loss_workspace_bytes(int64_t chunk_rows, int64_t hidden,
                                       int64_t vocab) const override {
     return in_.lm_head_loss_workspace_bytes(chunk_rows, hidden, vocab);
   }
-  void lm_head_loss(const Tensor& loss_sum, const Tensor& dx, const Tensor& dw, const Tensor& x,
-                    const Tensor& w, const Tensor& targets, const Tensor& grad_scale,
-                    const Tensor& workspace, int64_t chunk_rows) override {
-    in_.lm_head_loss(loss_sum, dx, dw, x, w, targets, grad_scale, workspace, chunk_rows);
+  // Every op: forwarded as it is.
+#define IRIS_BACKEND_OP(name, params, args) \
+  void name params override {               \
+    in_.name args;                          \
   }
-  void grad_norm_clip(const Tensor& grad_stats, const Tensor& grads, const Tensor& spans,
-                      const Tensor& hyper, float max_norm) override {
-    in_.grad_norm_clip(grad_stats, grads, spans, hyper, max_norm);
-  }
-  void grad_sum_squares(const Tensor& sums, const Tensor& grads, const Tensor& spans,
-                        const Tensor& hyper) override {
-    in_.grad_sum_squares(sums, grads, spans, hyper);
-  }
-  void adamw_step(const Tensor& params, const Tensor& grads, const Tensor& exp_avg,
-                  const Tensor& exp_avg_sq, const Tensor& weights, const Tensor& spans,
-                  const Tensor& hyper, const Tensor& steps, const Tensor& lr,
-                  const Tensor& grad_stats, float beta1, float beta2, float eps) override {
-    in_.adamw_step(params, grads, exp_avg, exp_avg_sq, weights, spans, hyper, steps, lr, grad_stats,
-                   beta1, beta2, eps);
-  }
-  void linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b,
-              bool acc) override {
-    in_.linear(y, x, w, b, acc);
-  }
-  void layer_norm(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b,
-                  float eps) override {
-    in_.layer_norm(y, x, w, b, eps);
-  }
-  void rms_norm(const Tensor& y, const Tensor& x, const Tensor& w, float eps) override {
-    in_.rms_norm(y, x, w, eps);
-  }
-  void add(const Tensor& y, const Tensor& a, const Tensor& b) override { in_.add(y, a, b); }
-  void gelu_tanh(const Tensor& y, const Tensor& x) override { in_.gelu_tanh(y, x); }
-  void gelu_erf(const Tensor& y, const Tensor& x) override { in_.gelu_erf(y, x); }
-  void quick_gelu(const Tensor& y, const Tensor& x) override { in_.quick_gelu(y, x); }
-  void swiglu(const Tensor& y, const Tensor& gu) override { in_.swiglu(y, gu); }
-  void qkv_norm_rope(const Tensor& qkv, const Tensor& qn, const Tensor& kn, float eps,
-                     const Tensor& cos, const Tensor& sin, int nq, int nkv, int hd,
-                     bool round) override {
-    in_.qkv_norm_rope(qkv, qn, kn, eps, cos, sin, nq, nkv, hd, round);
-  }
-  void attention_segments(const Tensor& out, const Tensor& qkv, const Tensor& cu, int n_seg, int nh,
-                          int hd, float scale, const Tensor& real_rows) override {
-    in_.attention_segments(out, qkv, cu, n_seg, nh, hd, scale, real_rows);
-  }
-  void kv_store(const Tensor& k, const Tensor& v, const Tensor& qkv, const Tensor& past, int nq,
-                int nkv, int hd) override {
-    in_.kv_store(k, v, qkv, past, nq, nkv, hd);
-  }
-  void attention_causal(const Tensor& out, const Tensor& qkv, const Tensor& k, const Tensor& v,
-                        const Tensor& past, int nq, int nkv, int hd, float scale) override {
-    in_.attention_causal(out, qkv, k, v, past, nq, nkv, hd, scale);
-  }
-  void embedding(const Tensor& y, const Tensor& table, const Tensor& ids) override {
-    in_.embedding(y, table, ids);
-  }
-  void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index, bool acc) override {
-    in_.scatter_rows(dst, src, index, acc);
-  }
-  void add_interpolated_rows(const Tensor& y, const Tensor& table, const Tensor& index,
-                             const Tensor& weight) override {
-    in_.add_interpolated_rows(y, table, index, weight);
-  }
-  void argmax_rows(const Tensor& out, const Tensor& x) override { in_.argmax_rows(out, x); }
-  void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
-                        const std::vector<float>& inv_freq,
-                        const std::vector<int>& pair_axis) override {
-    in_.text_rope_tables(cos, sin, positions, inv_freq, pair_axis);
-  }
-  void vision_tables(const Tensor& cos, const Tensor& sin, const Tensor& pos_index,
-                     const Tensor& pos_weight, const Tensor& cu_seqlens, const Tensor& real_rows,
-                     const Tensor& grids, const std::vector<float>& inv_freq, int merge_size,
-                     int grid_side, const Tensor& window_cu, int window_units) override {
-    in_.vision_tables(cos, sin, pos_index, pos_weight, cu_seqlens, real_rows, grids, inv_freq,
-                      merge_size, grid_side, window_cu, window_units);
-  }
+#define IRIS_BACKEND_OP_WITH_DEFAULT IRIS_BACKEND_OP
+#include "core/backend_ops.inc"
+#undef IRIS_BACKEND_OP
+#undef IRIS_BACKEND_OP_WITH_DEFAULT
 
  private:
   void flag(const char* what) {
