@@ -15,6 +15,7 @@
 
 #include "core/cuda/attention_train.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_handles.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/gemm.h"
 #include "core/cuda/gemm_train.h"
@@ -28,57 +29,6 @@
 
 namespace iris {
 namespace {
-
-// ---- RAII owners (non-copyable; destructors ignore errors so that they never throw) ----
-
-class Stream {
- public:
-  Stream() { IRIS_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s_) cudaStreamDestroy(s_);
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
-
-class Event {
- public:
-  explicit Event(unsigned flags = cudaEventDisableTiming) {
-    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags));
-  }
-  ~Event() {
-    if (e_) cudaEventDestroy(e_);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return e_; }
-
- private:
-  cudaEvent_t e_ = nullptr;
-};
-
-class PinnedBuffer {
- public:
-  // flags: cudaHostAllocMapped for memory that kernels also read and write.
-  explicit PinnedBuffer(size_t bytes, unsigned flags = cudaHostAllocDefault) : bytes_(bytes) {
-    IRIS_CUDA_CHECK(cudaHostAlloc(&p_, bytes, flags));
-  }
-  ~PinnedBuffer() {
-    if (p_) cudaFreeHost(p_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  char* data() const { return static_cast<char*>(p_); }
-  size_t size() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_;
-};
 
 // Frees a buffer obtained from CudaBackend::allocate().
 struct DeviceFree {
@@ -150,9 +100,9 @@ class CudaBackend final : public Backend {
     name_ = str_cat("cuda:", device_, " (", prop.name, ")");
     num_sms_ = prop.multiProcessorCount;
     heuristics_warmup_ = std::make_unique<cuda::HeuristicsWarmup>(device_);
-    stream_ = std::make_unique<Stream>();
-    for (auto& e : staging_events_) e = std::make_unique<Event>();
-    staging_ = std::make_unique<PinnedBuffer>(2 * kStagingChunk);
+    stream_ = std::make_unique<cuda::Stream>();
+    for (auto& e : staging_events_) e = std::make_unique<cuda::Event>();
+    staging_ = std::make_unique<cuda::PinnedBuffer>(2 * kStagingChunk);
     // The only device allocations besides the arenas, made once here through allocate().
     workspace_.reset(allocate(kGemmWorkspaceBytes));
     tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
@@ -164,11 +114,11 @@ class CudaBackend final : public Backend {
     gemm_ =
         std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes, tune_scratch_.get(),
                                        kGemmTuneScratchBytes, tuning_cache_.get());
-    side_stream_ = std::make_unique<Stream>();
-    side_fork_ = std::make_unique<Event>();
-    side_done_ = std::make_unique<Event>();
+    side_stream_ = std::make_unique<cuda::Stream>();
+    side_fork_ = std::make_unique<cuda::Event>();
+    side_done_ = std::make_unique<cuda::Event>();
     side_workspace_.reset(allocate(kGemmWorkspaceBytes));
-    for (auto& e : timing_marks_) e = std::make_unique<Event>(cudaEventDefault);
+    for (auto& e : timing_marks_) e = std::make_unique<cuda::Event>(cudaEventDefault);
     // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
     // scratch only receives trial outputs that nothing reads, so the two share it.
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
@@ -276,7 +226,7 @@ class CudaBackend final : public Backend {
     if (half <= staging_half_bytes_) return;
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
     staging_.reset();
-    staging_ = std::make_unique<PinnedBuffer>(2 * half);
+    staging_ = std::make_unique<cuda::PinnedBuffer>(2 * half);
     staging_half_bytes_ = half;
     staging_half_ = 0;
     staging_offset_ = 0;
@@ -289,7 +239,7 @@ class CudaBackend final : public Backend {
     IRIS_CHECK(!holding_, "hold_device: the device is already held");
     finish_background_startup();
     if (hold_flags_ == nullptr) {
-      hold_flags_ = std::make_unique<PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
+      hold_flags_ = std::make_unique<cuda::PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
     }
     int* flags = reinterpret_cast<int*>(hold_flags_->data());
     flags[0] = 0;  // release
@@ -370,7 +320,7 @@ class CudaBackend final : public Backend {
 
   double device_span_ms(const std::function<void()>& enqueue) override {
     bind();
-    Event start(cudaEventDefault), stop(cudaEventDefault);
+    cuda::Event start(cudaEventDefault), stop(cudaEventDefault);
     IRIS_CUDA_CHECK(cudaEventRecord(start.get(), stream()));
     enqueue();
     IRIS_CUDA_CHECK(cudaEventRecord(stop.get(), stream()));
@@ -1398,13 +1348,13 @@ class CudaBackend final : public Backend {
   int device_;
   std::string name_;
   int num_sms_ = 0;
-  std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> staging_events_[2];
-  std::unique_ptr<PinnedBuffer> staging_;
+  std::unique_ptr<cuda::Stream> stream_;
+  std::unique_ptr<cuda::Event> staging_events_[2];
+  std::unique_ptr<cuda::PinnedBuffer> staging_;
   int staging_half_ = 0;
   size_t staging_half_bytes_ = kStagingChunk;
   double write_wait_seconds_ = 0;
-  std::unique_ptr<PinnedBuffer> hold_flags_;  // hold_device's release and expired flags
+  std::unique_ptr<cuda::PinnedBuffer> hold_flags_;  // hold_device's release and expired flags
   bool holding_ = false;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
@@ -1412,10 +1362,10 @@ class CudaBackend final : public Backend {
   DeviceBuffer decode_buffer_;
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
-  std::unique_ptr<Stream> side_stream_;
-  std::unique_ptr<Event> side_fork_, side_done_;
+  std::unique_ptr<cuda::Stream> side_stream_;
+  std::unique_ptr<cuda::Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
-  std::unique_ptr<Event> timing_marks_[kTimingMarks];
+  std::unique_ptr<cuda::Event> timing_marks_[kTimingMarks];
   std::array<bool, kTimingMarks> timing_recorded_{};
   DeviceBuffer side_workspace_;
   DeviceBuffer train_scratch_;

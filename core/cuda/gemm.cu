@@ -66,8 +66,6 @@ LtGemm::LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch,
       tune_scratch_bytes_(tune_scratch_bytes),
       cache_(cache) {
   IRIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
-  IRIS_CUDA_CHECK(cudaEventCreate(&start_));
-  IRIS_CUDA_CHECK(cudaEventCreate(&stop_));
 }
 
 void LtGemm::destroy(Plan& p) {
@@ -81,8 +79,6 @@ void LtGemm::destroy(Plan& p) {
 
 LtGemm::~LtGemm() {
   for (auto& [key, p] : plans_) destroy(p);
-  if (start_) cudaEventDestroy(start_);
-  if (stop_) cudaEventDestroy(stop_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -162,13 +158,13 @@ LtGemm::Pick LtGemm::fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* res
   std::vector<float> best_ms(count, 0.f);
   for (int round = 0; round < kTimedRounds; ++round)
     for (int i : usable) {
-      IRIS_CUDA_CHECK(cudaEventRecord(start_, stream));
+      IRIS_CUDA_CHECK(cudaEventRecord(start_.get(), stream));
       bool ok = true;
       for (int r = 0; r < kTimedReps && ok; ++r) ok = launch(i) == CUBLAS_STATUS_SUCCESS;
-      IRIS_CUDA_CHECK(cudaEventRecord(stop_, stream));
-      IRIS_CUDA_CHECK(cudaEventSynchronize(stop_));
+      IRIS_CUDA_CHECK(cudaEventRecord(stop_.get(), stream));
+      IRIS_CUDA_CHECK(cudaEventSynchronize(stop_.get()));
       float ms = 0.f;
-      IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start_.get(), stop_.get()));
       if (!ok) ms = std::numeric_limits<float>::infinity();
       if (round == 0 || ms < best_ms[i]) best_ms[i] = ms;
     }

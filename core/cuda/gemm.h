@@ -12,6 +12,7 @@
 #include <thread>
 #include <tuple>
 
+#include "core/cuda/cuda_handles.h"
 #include "core/tuning_cache.h"
 
 namespace iris::cuda {
@@ -101,7 +102,8 @@ class LtGemm {
   size_t workspace_bytes_;
   void* tune_scratch_;
   size_t tune_scratch_bytes_;
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  // Timing events: tune mode times the candidates between them.
+  Event start_{cudaEventDefault}, stop_{cudaEventDefault};
   std::map<Key, Plan> plans_;
   GemmTuningCache* cache_;
   GemmTuning tuning_ = GemmTuning::cached;

@@ -154,8 +154,6 @@ LtTrainGemm::LtTrainGemm(void* workspace, size_t workspace_bytes, void* tune_scr
       tune_scratch_bytes_(tune_scratch_bytes),
       cache_(cache) {
   IRIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
-  IRIS_CUDA_CHECK(cudaEventCreate(&start_));
-  IRIS_CUDA_CHECK(cudaEventCreate(&stop_));
 }
 
 LtTrainGemm::~LtTrainGemm() {
@@ -166,8 +164,6 @@ LtTrainGemm::~LtTrainGemm() {
     if (p.d) cublasLtMatrixLayoutDestroy(p.d);
     if (p.op) cublasLtMatmulDescDestroy(p.op);
   }
-  if (start_) cudaEventDestroy(start_);
-  if (stop_) cudaEventDestroy(stop_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -260,13 +256,13 @@ LtTrainGemm::Pick LtTrainGemm::fastest(const Plan& p,
   std::vector<float> best_ms(count, std::numeric_limits<float>::infinity());
   for (int round = 0; round < kTimedRounds; ++round)
     for (int i : usable) {
-      IRIS_CUDA_CHECK(cudaEventRecord(start_, stream));
+      IRIS_CUDA_CHECK(cudaEventRecord(start_.get(), stream));
       bool ok = true;
       for (int r = 0; r < kTimedReps && ok; ++r) ok = launch(i) == CUBLAS_STATUS_SUCCESS;
-      IRIS_CUDA_CHECK(cudaEventRecord(stop_, stream));
-      IRIS_CUDA_CHECK(cudaEventSynchronize(stop_));
+      IRIS_CUDA_CHECK(cudaEventRecord(stop_.get(), stream));
+      IRIS_CUDA_CHECK(cudaEventSynchronize(stop_.get()));
       float ms = 0.f;
-      IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      IRIS_CUDA_CHECK(cudaEventElapsedTime(&ms, start_.get(), stop_.get()));
       if (ok && ms < best_ms[i]) best_ms[i] = ms;
     }
   float fastest_ms = std::numeric_limits<float>::infinity();

@@ -29,6 +29,7 @@
 #include <string>
 #include <tuple>
 
+#include "core/cuda/cuda_handles.h"
 #include "core/tuning_cache.h"
 
 namespace iris::cuda {
@@ -118,7 +119,8 @@ class LtTrainGemm {
   GemmTuningCache* cache_;
   GemmTuning tuning_ = GemmTuning::cached;
   int64_t rejected_ = 0;  // cached entries that failed the checks (over the object's life)
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  // Timing events: tune mode times the candidates between them.
+  Event start_{cudaEventDefault}, stop_{cudaEventDefault};
   std::map<Key, Plan> plans_;
 };
 
