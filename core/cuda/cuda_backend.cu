@@ -18,7 +18,6 @@
 #include "core/cuda/cuda_handles.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/gemm.h"
-#include "core/cuda/gemm_train.h"
 #include "core/cuda/gemm_tuning.h"
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
@@ -134,11 +133,8 @@ class CudaBackend final : public Backend {
     scratch_.capacity_tickets = kDecodeTickets;
     IRIS_CUDA_CHECK(
         cudaMemsetAsync(scratch_.tickets, 0, kDecodeTickets * sizeof(unsigned), stream_->get()));
-    // Training: its GEMMs share the main stream's workspace and tuning scratch (one op at a time),
-    // and one scratch buffer serves the deterministic reductions.
-    train_gemm_ = std::make_unique<cuda::LtTrainGemm>(workspace_.get(), kGemmWorkspaceBytes,
-                                                      tune_scratch_.get(), kGemmTuneScratchBytes,
-                                                      tuning_cache_.get());
+    // Training: its GEMMs go through the main stream's planner, and one scratch buffer serves the
+    // deterministic reductions.
     train_scratch_bytes_ =
         cuda::train_scratch_bytes(kTrainMaxCols, kTrainMaxLossRows, kTrainMaxTensors);
     train_scratch_.reset(allocate(train_scratch_bytes_));
@@ -363,7 +359,6 @@ class CudaBackend final : public Backend {
   void set_gemm_tuning(GemmTuning mode) override {
     gemm_->set_tuning(mode);
     side_gemm_->set_tuning(mode);
-    train_gemm_->set_tuning(mode);
   }
 
   bool save_gemm_tuning() override { return tuning_cache_->save(); }
@@ -374,7 +369,6 @@ class CudaBackend final : public Backend {
     r.cache_path = tuning_cache_->path();
     r.plans += gemm_->plan_counts();
     r.plans += side_gemm_->plan_counts();
-    r.plans += train_gemm_->plan_counts();
     return r;
   }
 
@@ -753,8 +747,8 @@ class CudaBackend final : public Backend {
         window_capacity, stream());
   }
 
-  // ---- Training ops (core/backend.h): kernels of train_kernels.cu, attention_train.cu and
-  // gemm_train.cu. They run on the main stream only.
+  // ---- Training ops (core/backend.h): kernels of train_kernels.cu and attention_train.cu, GEMMs
+  // of gemm.cu. They run on the main stream only.
 
   void convert(const Tensor& dst, const Tensor& src) override {
     bind();
@@ -787,8 +781,8 @@ class CudaBackend final : public Backend {
                dx.shape_str());
     IRIS_CHECK(dx.data != dy.data, "linear_backward_input: dx aliases dy");
     if (M == 0 || K == 0) return;
-    train_gemm_->backward_input(dx.data, dx.dtype == DType::f32, cbf(dy), cbf(w), M, N, K,
-                                accumulate, stream());
+    gemm_->backward_input(dx.data, dx.dtype == DType::f32, cbf(dy), cbf(w), M, N, K, accumulate,
+                          stream());
   }
 
   void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
@@ -811,7 +805,7 @@ class CudaBackend final : public Backend {
                  N);
     }
     if (!dw.defined() && !db.defined()) return;
-    train_gemm_->backward_weight(opt_f32(dw), opt_f32(db), cbf(dy), cbf(x), M, N, K, stream());
+    gemm_->backward_weight(opt_f32(dw), opt_f32(db), cbf(dy), cbf(x), M, N, K, stream());
   }
 
   void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
@@ -1059,16 +1053,14 @@ class CudaBackend final : public Backend {
     for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
       const int64_t n = std::min(chunk_rows, N - r0);
       const uint16_t* xc = cbf(x) + r0 * H;
-      train_gemm_->forward_f32(logits, xc, cbf(w), n, V, H, stream());
+      gemm_->forward_f32(logits, xc, cbf(w), n, V, H, stream());
       cuda::launch_cross_entropy(f32(loss_sum), backward ? dlogits : nullptr, logits,
                                  ci32(targets) + r0, backward ? cf32(grad_scale) : nullptr, n, V,
                                  train_scratch(), train_scratch_floats(), stream());
       if (!backward) continue;
       // dx rows = d(logits) . w; the weight gradient += d(logits)^T . x rows.
-      train_gemm_->backward_input(bf(dx) + r0 * H, false, dlogits, cbf(w), n, V, H, false,
-                                  stream());
-      if (dw.defined())
-        train_gemm_->backward_weight(f32(dw), nullptr, dlogits, xc, n, V, H, stream());
+      gemm_->backward_input(bf(dx) + r0 * H, false, dlogits, cbf(w), n, V, H, false, stream());
+      if (dw.defined()) gemm_->backward_weight(f32(dw), nullptr, dlogits, xc, n, V, H, stream());
     }
   }
 
@@ -1373,7 +1365,6 @@ class CudaBackend final : public Backend {
   // Shared by the planners below, which are destroyed first.
   std::unique_ptr<GemmTuningCache> tuning_cache_;
   // Destroyed before the workspaces they use.
-  std::unique_ptr<cuda::LtTrainGemm> train_gemm_;
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
   // Last, so that its thread is joined first when the backend goes.

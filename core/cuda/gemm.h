@@ -1,5 +1,26 @@
-// bf16 GEMMs through cuBLASLt: y[M,N] = x[M,K] w[N,K]^T (+ bias[N]) (+ y), fp32 compute, with an
-// optional tanh-GELU epilogue.
+// The CUDA backend's GEMMs through cuBLASLt, inference and training alike (bf16 operands as
+// uint16_t bits, fp32 compute), all row-major:
+//   run:             y[M,N] (bf16)         = x[M,K] . w[N,K]^T (+ bias[N]) (+ y), optionally
+//                                            through the tanh-GELU epilogue     (linear)
+//   forward_f32:     y[M,N] (f32)          = x[M,K] . w[N,K]^T           (lm_head logits)
+//   backward_input:  dx[M,K] (bf16 or f32) = dy[M,N] . w[N,K] (+ dx)
+//   backward_weight: dw[N,K] (f32)        += dy[M,N]^T . x[M,K],  db[N] (f32) += sum_m dy[m,:]
+//
+// Plans (descriptors and the chosen algorithm) are cached per call, shape, output dtype,
+// epilogue, accumulation and operand alignment, and choose their algorithm as set_tuning says
+// (GemmTuning in core/tuning_cache.h): the heuristic's first candidate, the persistent tuning
+// cache's pick, or, in tune mode and outside stream capture, the fastest candidate timed on the
+// real operands. A call that times synchronises the stream, so run one eager step before
+// capturing a graph (plan_info and has_*_plan tell whether a call would still build a plan). Once
+// a key's plan exists every call only enqueues work (capturable).
+//
+// Determinism of the training calls: a plan's algorithm is fixed for the life of the object,
+// candidates (cached ones included) are limited to reduction schemes without split-K atomics, and
+// db is a fixed-order column sum (no float atomics), so the same inputs give the same bits on
+// every call. Across processes a timed or cached pick may differ (and with it the rounding);
+// GemmTuning::heuristic makes the pick the heuristic's first candidate, which depends only on the
+// GPU, the library version and the key: training runs that way, so that a resumed run continues
+// bit for bit.
 #pragma once
 
 #include <cublasLt.h>
@@ -36,25 +57,38 @@ class LtGemm {
  public:
   // `workspace` (device memory owned by the caller) is handed to every matmul; `tune_scratch`
   // (also the caller's) receives the outputs of trial runs when algorithms are timed for an
-  // accumulating GEMM, whose real output is also an input. `cache` (the caller's, may be null:
-  // then nothing is read or recorded) is the persistent tuning cache.
+  // accumulating GEMM (run and backward_input with accumulate, backward_weight always), whose
+  // real output is also an input. An accumulating output larger than tune_scratch_bytes is not
+  // timed: its plan takes the cached or the heuristic's first candidate. `cache` (the caller's,
+  // may be null: then nothing is read or recorded) is the persistent tuning cache.
   LtGemm(void* workspace, size_t workspace_bytes, void* tune_scratch, size_t tune_scratch_bytes,
          GemmTuningCache* cache = nullptr);
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
 
+  // How plans made from now on choose their algorithm (the default is cached; only tune ever
+  // times and synchronises). Existing plans are kept, so that eager calls and captured graphs
+  // keep running the same algorithms.
+  void set_tuning(GemmTuning mode) { tuning_ = mode; }
+  GemmTuning tuning() const { return tuning_; }
+
   // gelu: y = gelu_tanh(x w^T + bias), applied in f32 before the single rounding to bf16
   // (accumulate must be false then). Returns false, having done nothing, when cuBLASLt has no
   // algorithm for that GELU epilogue (the caller runs the unfused ops); any other failure throws.
   bool run(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
            int64_t n, int64_t k, bool accumulate, bool gelu, cudaStream_t stream);
-  // How plans made from now on choose their algorithm (GemmTuning in core/tuning_cache.h; the
-  // default is cached). Existing plans are kept, so that eager calls and captured graphs keep
-  // running the same algorithms. Candidates are timed only outside stream capture: timing waits
-  // on events.
-  void set_tuning(GemmTuning mode) { tuning_ = mode; }
-  GemmTuning tuning() const { return tuning_; }
+  // y[M,N] (f32) = x[M,K] . w[N,K]^T.
+  void forward_f32(float* y, const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, int64_t k,
+                   cudaStream_t stream);
+  // dx[M,K] = dy[M,N] . w[N,K] (+ dx when accumulate); dx is f32 when dx_f32, else bf16. dx must
+  // not alias dy or w.
+  void backward_input(void* dx, bool dx_f32, const uint16_t* dy, const uint16_t* w, int64_t m,
+                      int64_t n, int64_t k, bool accumulate, cudaStream_t stream);
+  // dw[N,K] (f32) += dy[M,N]^T . x[M,K] when dw is not null; db[N] (f32) += column sums of dy
+  // when db is not null.
+  void backward_weight(float* dw, float* db, const uint16_t* dy, const uint16_t* x, int64_t m,
+                       int64_t n, int64_t k, cudaStream_t stream);
 
   // Where a plan's algorithm came from.
   enum class Source { heuristic, cache, timed };
@@ -67,33 +101,62 @@ class LtGemm {
   std::optional<PlanInfo> plan_info(const uint16_t* y, const uint16_t* x, const uint16_t* w,
                                     const uint16_t* bias, int64_t m, int64_t n, int64_t k,
                                     bool accumulate, bool gelu) const;
+  // Whether the matching training call already has its plan (it then enqueues only, never
+  // synchronises). Shapes that need no matmul (a zero dimension, backward_weight without dw)
+  // count as planned.
+  bool has_forward_f32_plan(const float* y, const uint16_t* x, const uint16_t* w, int64_t m,
+                            int64_t n, int64_t k) const;
+  bool has_backward_input_plan(const void* dx, bool dx_f32, const uint16_t* dy, const uint16_t* w,
+                               int64_t m, int64_t n, int64_t k, bool accumulate) const;
+  bool has_backward_weight_plan(const float* dw, const uint16_t* dy, const uint16_t* x, int64_t m,
+                                int64_t n, int64_t k) const;
+  size_t plan_count() const { return plans_.size(); }
   GemmPlanCounts plan_counts() const;
 
  private:
-  // The algorithm depends on the shape, the epilogue and the operands' alignment (a pointer
-  // into the middle of a tensor may be less aligned than the heuristic's default of 256).
-  // Fields: m, n, k, has_bias, gelu, accumulate, alignment of x, w, y.
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, int, int, int>;
+  // The calls, and the epilogues of run(), by their values in keys; named in kOpNames and
+  // kEpilogueNames (gemm.cu) for errors and tuning cache keys.
+  enum Op : int { kLinear = 0, kForwardF32 = 1, kBackwardInput = 2, kBackwardWeight = 3 };
+  enum Epilogue : int { kNone = 0, kBias = 1, kGelu = 2, kGeluBias = 3 };
+  // Fields: op, m, n, k (the row-major sizes of the call), f32 output, epilogue, accumulate,
+  // alignments in bytes of cuBLASLt's A, B and D.
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, int, bool, int, int, int>;
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;  // null: no algorithm for this GELU epilogue
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
     Source source = Source::heuristic;
   };
-  static Key key_of(const uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
-                    int64_t m, int64_t n, int64_t k, bool accumulate, bool gelu);
+  // One call as a cuBLASLt problem (gemm.cu).
+  struct Problem;
+
+  static Key linear_key(const uint16_t* y, const uint16_t* x, const uint16_t* w,
+                        const uint16_t* bias, int64_t m, int64_t n, int64_t k, bool accumulate,
+                        bool gelu);
+  static Key forward_f32_key(const float* y, const uint16_t* x, const uint16_t* w, int64_t m,
+                             int64_t n, int64_t k);
+  static Key backward_input_key(const void* dx, bool dx_f32, const uint16_t* dy, const uint16_t* w,
+                                int64_t m, int64_t n, int64_t k, bool accumulate);
+  static Key backward_weight_key(const float* dw, const uint16_t* dy, const uint16_t* x, int64_t m,
+                                 int64_t n, int64_t k);
+  static Problem problem_of(const Key& key);
   static std::string cache_key(const Key& key);
-  const Plan& plan(const Key& key, uint16_t* y, const uint16_t* x, const uint16_t* w,
-                   const uint16_t* bias, cudaStream_t stream);
-  // The fastest of `count` candidate algorithms, timed on the real operands: its index and its
-  // best time per call in microseconds. Not timed when no candidate would run (index 0 then).
+
+  // D = op(A) op(B) (+ bias) (+ D) with the key's plan; a and b are cuBLASLt's A and B. Returns
+  // false, having done nothing, for a GELU epilogue that has no algorithm.
+  bool matmul(const Key& key, void* d, const void* a, const void* b, const void* bias,
+              cudaStream_t stream);
+  const Plan& plan(const Key& key, void* d, const void* a, const void* b, const void* bias,
+                   cudaStream_t stream);
+  // The candidate to keep among `count`, timed on the real operands: its index and its best time
+  // per call in microseconds. Not timed when no candidate would run (index 0 then).
   struct Pick {
     bool timed = false;
     int index = 0;
     double us = 0;
   };
-  Pick fastest(Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, uint16_t* y,
-               const uint16_t* x, const uint16_t* w, const uint16_t* bias, bool accumulate,
+  Pick fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, void* d,
+               const void* a, const void* b, const void* bias, bool accumulate, float tie_margin,
                cudaStream_t stream);
   static void destroy(Plan& p);
 
@@ -102,12 +165,12 @@ class LtGemm {
   size_t workspace_bytes_;
   void* tune_scratch_;
   size_t tune_scratch_bytes_;
+  GemmTuningCache* cache_;
+  GemmTuning tuning_ = GemmTuning::cached;
+  int64_t rejected_ = 0;  // cached entries that failed the checks (over the object's life)
   // Timing events: tune mode times the candidates between them.
   Event start_{cudaEventDefault}, stop_{cudaEventDefault};
   std::map<Key, Plan> plans_;
-  GemmTuningCache* cache_;
-  GemmTuning tuning_ = GemmTuning::cached;
-  int64_t rejected_ = 0;  // cached entries that failed the check (over the object's life)
 };
 
 }  // namespace iris::cuda
