@@ -256,10 +256,6 @@ void set_gemv_smem() {
 
 }  // namespace
 
-void set_programmatic_launch(bool supported) {
-  if (!supported) g_programmatic_launch.store(false, std::memory_order_relaxed);
-}
-
 void gemv_init() {
   set_gemv_smem<false, false>();
   set_gemv_smem<true, false>();

@@ -54,9 +54,6 @@ void launch_vision_tables(float* cos, float* sin, int32_t* pos_index, float* pos
 constexpr int64_t kGemvMaxM = 8;
 // Raises the dynamic shared-memory limit of the GEMV kernels; called once per device.
 void gemv_init();
-// Whether the device runs programmatic dependent launches (sm_90+, launch.cuh); called once per
-// device: one without them turns them off for all.
-void set_programmatic_launch(bool supported);
 // Whether the GEMV kernels take y[M,N] = x[M,K] w[N,K]^T: M <= kGemvMaxM, K a multiple of 8, the
 // x rows small enough for shared memory, x and w 16-byte aligned.
 bool gemv_supported(int64_t m, int64_t n, int64_t k, const void* x, const void* w);

@@ -8,6 +8,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/train_kernels.h"
+#include "core/cuda/train_scratch.h"
 
 namespace iris::cuda {
 namespace {
@@ -19,48 +20,6 @@ constexpr int64_t kMaxBlocks = 8192;
 int grid_for(int64_t work) {
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
-}
-
-// ---- element access for f32 and bf16 (uint16_t) data ---------------------------------------
-
-__device__ __forceinline__ float ld(const float* p, int64_t i) {
-  return p[i];
-}
-__device__ __forceinline__ float ld(const uint16_t* p, int64_t i) {
-  return bf16_to_float(p[i]);
-}
-__device__ __forceinline__ void st(float* p, int64_t i, float v) {
-  p[i] = v;
-}
-__device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) {
-  p[i] = float_to_bf16(v);
-}
-
-// 8 consecutive elements at a 16-byte aligned address.
-__device__ __forceinline__ void ld8(const float* p, float (&f)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 b = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-__device__ __forceinline__ void ld8(const uint16_t* p, float (&f)[8]) {
-  load8(p, f);
-}
-__device__ __forceinline__ void st8(float* p, const float (&f)[8]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-__device__ __forceinline__ void st8(uint16_t* p, const float (&f)[8]) {
-  store8(p, f);
-}
-
-// 4 consecutive elements at a 16-byte (f32) or 8-byte (bf16) aligned address.
-__device__ __forceinline__ float4 ld4(const float* p) {
-  return *reinterpret_cast<const float4*>(p);
-}
-__device__ __forceinline__ float4 ld4(const uint16_t* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
 }
 
 // ---- conversion -----------------------------------------------------------------------------
@@ -320,14 +279,6 @@ __global__ void reduce_partials_kernel(float* __restrict__ out0, const float* __
   }
 }
 
-void check_scratch(const float* scratch, int64_t scratch_floats, int64_t need, size_t align,
-                   const char* op) {
-  IRIS_CHECK(scratch_floats >= need, op, ": the scratch of ", scratch_floats,
-             " floats is smaller than the ", need, " this call needs");
-  IRIS_CHECK(scratch != nullptr && aligned(scratch, align), op, ": the scratch must be ", align,
-             "-byte aligned");
-}
-
 template <typename TG, bool kLayer>
 void launch_norm_backward_t(float* dx, float* dw, float* db, const TG* dy, const uint16_t* x,
                             const float* mean, const float* rstd, const uint16_t* w, int64_t rows,
@@ -368,6 +319,7 @@ void launch_norm_backward_t(float* dx, float* dw, float* db, const TG* dy, const
 constexpr int kRopeWarps = 4;
 constexpr int kRopeMaxPairsPerLane = 4;  // head_dim <= 256
 constexpr int kMaxHeadDim = 2 * kWarpSize * kRopeMaxPairsPerLane;
+static_assert(kMaxHeadDim == kQkvNormRopeMaxHeadDim, "the header states the kernels' limit");
 
 // One warp per (token, head) over all n_q + 2 n_kv heads; v heads are copied.
 __global__ void __launch_bounds__(kRopeWarps* kWarpSize)
@@ -1143,17 +1095,6 @@ __global__ void __launch_bounds__(kCeThreads)
   }
 }
 
-// Block-wide double sum in a fixed tree order; `sh` holds blockDim.x doubles (a power of two).
-__device__ double block_sum_f64(double v, double* sh) {
-  sh[threadIdx.x] = v;
-  __syncthreads();
-  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
-    __syncthreads();
-  }
-  return sh[0];
-}
-
 // out[0] += float(sum of the n values in a fixed order, in f64). One block of kThreads.
 __global__ void __launch_bounds__(kThreads)
     sum_rows_kernel(float* __restrict__ out, const float* __restrict__ vals, int64_t n) {
@@ -1375,15 +1316,6 @@ int64_t adamw_scratch_floats(int64_t n_tensors) {
 int64_t cross_entropy_scratch_floats(int64_t rows) {
   return rows;
 }
-size_t train_scratch_bytes(int64_t max_cols, int64_t max_ce_rows, int64_t max_tensors) {
-  int64_t f = norm_backward_scratch_floats(max_cols);
-  const int64_t others[] = {qkv_norm_rope_backward_scratch_floats(kMaxHeadDim),
-                            grad_norm_scratch_floats(), adamw_scratch_floats(max_tensors),
-                            cross_entropy_scratch_floats(max_ce_rows)};
-  for (int64_t o : others) f = o > f ? o : f;
-  return static_cast<size_t>(f) * sizeof(float);
-}
-
 // ---- launchers --------------------------------------------------------------------------------
 
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s) {

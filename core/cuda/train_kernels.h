@@ -6,10 +6,8 @@
 //
 // Determinism: no float atomics anywhere. Reductions over rows into per-column results (norm
 // weight gradients) run on a fixed number of partial blocks (kTrainReducePartials, independent of
-// the row count) that write to `scratch`, then a second kernel adds the partials in order; the
-// gradient norm and the loss sum likewise. Launchers taking `scratch` (f32, 16-byte aligned, of
-// `scratch_floats` floats) check its size on the host; two launches sharing one scratch buffer
-// must not run concurrently (e.g. on two streams).
+// the row count) that write to `scratch` (train_scratch.h), then a second kernel adds the partials
+// in order; the gradient norm and the loss sum likewise.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,9 +31,6 @@ int64_t grad_norm_scratch_floats();
 int64_t adamw_scratch_floats(int64_t n_tensors);
 // cross_entropy: one float per row.
 int64_t cross_entropy_scratch_floats(int64_t rows);
-// Bytes of one scratch buffer serving every launcher here for norm widths up to max_cols (and
-// any head_dim), cross-entropy chunks up to max_ce_rows rows and optimizers over up to max_tensors.
-size_t train_scratch_bytes(int64_t max_cols, int64_t max_ce_rows, int64_t max_tensors);
 
 // ---- conversion ----
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
@@ -62,6 +57,8 @@ void launch_rms_norm_backward(float* dx, float* dw, const void* dy, bool dy_f32,
                               float* scratch, int64_t scratch_floats, cudaStream_t s);
 
 // ---- q/k norm + RoPE ----
+// The largest head_dim the q/k norm + RoPE training kernels take.
+constexpr int kQkvNormRopeMaxHeadDim = 256;
 // out[T, (nq + 2 nkv) hd] = launch_qkv_norm_rope(in) out of place (same kernels and bits); v heads
 // copied. With q_norm_w / k_norm_w, rstd[T, nq + nkv] (may be null) receives each normed head's
 // 1/rms and out must not alias in; without norms out may alias in. head_dim even, <= 256.
