@@ -71,27 +71,6 @@ void launch_gemv_rms_norm(uint16_t* y, uint16_t* xn, uint16_t* act, const uint16
                           const uint16_t* norm_w, float eps, const uint16_t* w, int64_t m,
                           int64_t n, int64_t k, cudaStream_t s);
 
-// ---- normalisation and RoPE (norm_rope.cu) ----
-void launch_layer_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* b,
-                       int64_t rows, int64_t cols, float eps, cudaStream_t s);
-void launch_rms_norm(uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t rows, int64_t cols,
-                     float eps, cudaStream_t s);
-// q_norm_w / k_norm_w may be null (no per-head norm for that block).
-void launch_qkv_norm_rope(uint16_t* qkv, const uint16_t* q_norm_w, const uint16_t* k_norm_w,
-                          float eps, const float* cos, const float* sin, int64_t tokens,
-                          int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
-                          cudaStream_t s);
-// launch_qkv_norm_rope, and in the same kernel the rotated k heads and the v heads of row t
-// stored at cache row past_len[0] + t (rows past max_len dropped, as launch_kv_store does).
-// Returns false, having launched nothing, where the shapes or alignments do not suit the fused
-// kernel (the caller then launches the two ops).
-bool launch_qkv_norm_rope_kv_store(uint16_t* qkv, const uint16_t* q_norm_w,
-                                   const uint16_t* k_norm_w, float eps, const float* cos,
-                                   const float* sin, int64_t tokens, int n_q_heads, int n_kv_heads,
-                                   int head_dim, bool round_tables, uint16_t* k_cache,
-                                   uint16_t* v_cache, const int32_t* past_len, int64_t max_len,
-                                   cudaStream_t s);
-
 // ---- attention (attention.cu) ----
 // Raises the dynamic shared-memory limit of the attention kernels; called once per device at
 // backend creation (it is not a stream operation, so it stays out of captured graphs).

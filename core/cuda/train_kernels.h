@@ -1,13 +1,11 @@
-// Host-side launchers of the CUDA backend's training kernels (train_kernels.cu): the forwards
-// that save statistics, the backwards, the cross-entropy over a logits chunk and the optimizer.
+// Host-side launchers of the CUDA backend's training kernels (train_kernels.cu): the backwards,
+// the cross-entropy over a logits chunk and the optimizer.
 // Same conventions as kernels.h: bf16 travels as uint16_t bits, every launcher enqueues on
 // `stream` without synchronising or allocating (graph-capturable). Parameters typed `const void*`
 // with a `bool ..._f32` flag are f32 when the flag is set, bf16 otherwise.
 //
-// Determinism: no float atomics anywhere. Reductions over rows into per-column results (norm
-// weight gradients) run on a fixed number of partial blocks (kTrainReducePartials, independent of
-// the row count) that write to `scratch` (train_scratch.h), then a second kernel adds the partials
-// in order; the gradient norm and the loss sum likewise.
+// Determinism: no float atomics anywhere. Reductions run on a fixed number of partial blocks that
+// write to `scratch` (train_scratch.h), then a second kernel adds the partials in order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,13 +16,7 @@
 namespace iris::cuda {
 
 // ---- scratch sizes (floats) ----
-constexpr int kTrainReducePartials = 128;  // partial blocks of the norm column reductions
-constexpr int kQkNormPartials = 512;       // partial blocks of the q/k norm weight gradients
-constexpr int kOptimizerBlocks = 1024;     // fixed grid of grad_norm_clip (and adamw)
-// layer_norm_backward / rms_norm_backward with dw or db: 2 * kTrainReducePartials * cols.
-int64_t norm_backward_scratch_floats(int64_t cols);
-// qkv_norm_rope_backward with a norm-weight gradient: 2 * kQkNormPartials * head_dim.
-int64_t qkv_norm_rope_backward_scratch_floats(int head_dim);
+constexpr int kOptimizerBlocks = 1024;  // fixed grid of grad_norm_clip (and adamw)
 // grad_norm_clip: kOptimizerBlocks doubles.
 int64_t grad_norm_scratch_floats();
 // adamw_step: 4 floats per tensor.
@@ -35,47 +27,6 @@ int64_t cross_entropy_scratch_floats(int64_t rows);
 // ---- conversion ----
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
 void launch_convert_bf16_to_f32(float* dst, const uint16_t* src, int64_t n, cudaStream_t s);
-
-// ---- norms ----
-// launch_layer_norm (same kernels, same bits of y) that also saves mean[rows], rstd[rows] (f32).
-// y must not alias x.
-void launch_layer_norm_train(uint16_t* y, float* mean, float* rstd, const uint16_t* x,
-                             const uint16_t* w, const uint16_t* b, int64_t rows, int64_t cols,
-                             float eps, cudaStream_t s);
-// dx[rows, cols] f32 += d/dx; dw, db f32 [cols] += d/dw, d/db. Each of dx, dw, db may be null
-// (skipped); scratch is needed only with dw or db.
-void launch_layer_norm_backward(float* dx, float* dw, float* db, const void* dy, bool dy_f32,
-                                const uint16_t* x, const float* mean, const float* rstd,
-                                const uint16_t* w, int64_t rows, int64_t cols, float* scratch,
-                                int64_t scratch_floats, cudaStream_t s);
-// launch_rms_norm (same kernels, same bits of y) that also saves rstd[rows] (f32).
-void launch_rms_norm_train(uint16_t* y, float* rstd, const uint16_t* x, const uint16_t* w,
-                           int64_t rows, int64_t cols, float eps, cudaStream_t s);
-// dx f32 += d/dx; dw f32 [cols] += d/dw; either may be null (scratch needed only with dw).
-void launch_rms_norm_backward(float* dx, float* dw, const void* dy, bool dy_f32, const uint16_t* x,
-                              const float* rstd, const uint16_t* w, int64_t rows, int64_t cols,
-                              float* scratch, int64_t scratch_floats, cudaStream_t s);
-
-// ---- q/k norm + RoPE ----
-// The largest head_dim the q/k norm + RoPE training kernels take.
-constexpr int kQkvNormRopeMaxHeadDim = 256;
-// out[T, (nq + 2 nkv) hd] = launch_qkv_norm_rope(in) out of place (same kernels and bits); v heads
-// copied. With q_norm_w / k_norm_w, rstd[T, nq + nkv] (may be null) receives each normed head's
-// 1/rms and out must not alias in; without norms out may alias in. head_dim even, <= 256.
-void launch_qkv_norm_rope_train(uint16_t* out, float* rstd, const uint16_t* in,
-                                const uint16_t* q_norm_w, const uint16_t* k_norm_w, float eps,
-                                const float* cos, const float* sin, int64_t tokens, int n_q_heads,
-                                int n_kv_heads, int head_dim, bool round_tables, cudaStream_t s);
-// Overwrites din (bf16; may alias dout): the adjoint of the rotation (with the bf16-rounded
-// tables when round_tables), then of the per-head RMSNorm for heads with a norm weight; v heads
-// copied. dq_norm_w / dk_norm_w f32 [hd] += (each may be null; scratch needed when one is set
-// together with its norm weight). in and rstd are read only for normed heads.
-void launch_qkv_norm_rope_backward(uint16_t* din, float* dq_norm_w, float* dk_norm_w,
-                                   const uint16_t* dout, const uint16_t* in, const float* rstd,
-                                   const uint16_t* q_norm_w, const uint16_t* k_norm_w,
-                                   const float* cos, const float* sin, int64_t tokens,
-                                   int n_q_heads, int n_kv_heads, int head_dim, bool round_tables,
-                                   float* scratch, int64_t scratch_floats, cudaStream_t s);
 
 // ---- activations (bf16; dx may alias dy) ----
 void launch_gelu_tanh_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* x, int64_t n,
