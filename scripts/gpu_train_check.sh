@@ -13,7 +13,7 @@ nvcc=/usr/local/cuda/bin/nvcc
 command -v nvcc >/dev/null && nvcc=nvcc
 echo "== attention_train_check"
 $nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. \
-  tools/attention_train_check.cu core/cuda/attention_train.cu core/error.cpp -o build-gpu/attention_train_check \
+  tools/attention_train_check.cu core/cuda/attention/attention_train.cu core/error.cpp -o build-gpu/attention_train_check \
   && build-gpu/attention_train_check 2>&1 | tee "$out/attention_train_check.txt" | tail -25
 echo "== gemm_train_check"
 $nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu \

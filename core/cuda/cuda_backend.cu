@@ -13,7 +13,7 @@
 
 #include <cuda_profiler_api.h>
 
-#include "core/cuda/attention_train.h"
+#include "core/cuda/attention/attention.h"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_handles.h"
 #include "core/cuda/device_utils.cuh"

@@ -71,39 +71,4 @@ void launch_gemv_rms_norm(uint16_t* y, uint16_t* xn, uint16_t* act, const uint16
                           const uint16_t* norm_w, float eps, const uint16_t* w, int64_t m,
                           int64_t n, int64_t k, cudaStream_t s);
 
-// ---- attention (attention.cu) ----
-// Raises the dynamic shared-memory limit of the attention kernels; called once per device at
-// backend creation (it is not a stream operation, so it stays out of captured graphs).
-void attention_init();
-bool attention_head_dim_supported(int head_dim);
-// num_sms picks between the 64-row and the 128-row kernel (launch_attention_causal too).
-// real_rows may be null; segments starting at or past *real_rows get zero rows (padding).
-void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t* cu_seqlens,
-                               const int32_t* real_rows, int n_segments, int64_t total_rows,
-                               int n_heads, int head_dim, float scale, int num_sms, cudaStream_t s);
-void launch_kv_store(uint16_t* k_cache, uint16_t* v_cache, const uint16_t* qkv,
-                     const int32_t* past_len, int64_t tokens, int64_t max_len, int n_q_heads,
-                     int n_kv_heads, int head_dim, cudaStream_t s);
-
-// Split-K decode scratch: per (query head, split) partial outputs, maxima and sums, f32, and
-// one ticket counter per kv head, which must be zero before the first decode step.
-struct DecodeScratch {
-  float* partial_out = nullptr;  // [n_q_heads * max_splits * head_dim]
-  float* partial_max = nullptr;  // [n_q_heads * max_splits]
-  float* partial_sum = nullptr;  // [n_q_heads * max_splits]
-  unsigned* tickets = nullptr;   // [capacity_tickets]
-  int64_t capacity_floats = 0;   // size of partial_out
-  int64_t capacity_rows = 0;     // size of partial_max and partial_sum
-  int capacity_tickets = 0;      // kv heads the decode kernel serves
-};
-// Causal GQA attention of `tokens` new queries against the caches; past_len lives on the device.
-// A single token with a supported shape takes the split-K decode kernel, which reads past_len and
-// the cache rows below it before waiting for the kernel just before it (Backend::
-// attention_causal states the contract).
-void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t* k_cache,
-                             const uint16_t* v_cache, const int32_t* past_len, int64_t tokens,
-                             int64_t max_len, int n_q_heads, int n_kv_heads, int head_dim,
-                             float scale, const DecodeScratch& scratch, int num_sms,
-                             cudaStream_t s);
-
 }  // namespace iris::cuda
