@@ -23,6 +23,7 @@
 #include "core/cuda/kernels.h"
 #include "core/cuda/launch.cuh"
 #include "core/cuda/norm_rope/norm_rope.h"
+#include "core/cuda/rows/rows.h"
 #include "core/cuda/train_kernels.h"
 #include "core/cuda/train_scratch.h"
 #include "core/loss_workspace.h"

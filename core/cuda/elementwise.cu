@@ -1,5 +1,5 @@
-// Elementwise, gather/scatter and reduction kernels of the CUDA backend. All arithmetic runs in
-// f32 on bf16 storage and rounds once per materialised bf16 tensor, matching torch's opmath.
+// Elementwise and reduction kernels of the CUDA backend. All arithmetic runs in f32 on bf16
+// storage and rounds once per materialised bf16 tensor, matching torch's opmath.
 #include <cfloat>
 #include <cmath>
 
@@ -105,90 +105,6 @@ __global__ void swiglu_kernel(uint16_t* y, const uint16_t* gu, int64_t rows, int
       const float g = bf16_to_float(gu[r * 2 * inter + c]);
       const float u = bf16_to_float(gu[r * 2 * inter + inter + c]);
       y[i] = float_to_bf16(round_bf16(silu(g)) * u);
-    }
-  }
-}
-
-// One block per output row; `vec` when the row length and the pointers allow 16-byte access.
-__global__ void embedding_kernel(uint16_t* y, const uint16_t* table, const int32_t* ids,
-                                 int64_t vocab, int64_t cols, bool vec) {
-  const int64_t row = blockIdx.x;
-  const int32_t id = ids[row];
-  const bool valid = id >= 0 && id < vocab;
-  const uint16_t* src = table + static_cast<int64_t>(valid ? id : 0) * cols;
-  uint16_t* dst = y + row * cols;
-  if (vec) {
-    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
-      const uint4 v = valid ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
-      reinterpret_cast<uint4*>(dst)[c] = v;
-    }
-  } else {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = valid ? src[c] : 0;
-  }
-}
-
-__global__ void scatter_rows_kernel(uint16_t* dst, const uint16_t* src, const int32_t* index,
-                                    int64_t dst_rows, int64_t cols, bool accumulate, bool vec) {
-  const int64_t row = blockIdx.x;
-  const int32_t to = index[row];
-  if (to < 0 || to >= dst_rows) return;
-  const uint16_t* s = src + row * cols;
-  uint16_t* d = dst + static_cast<int64_t>(to) * cols;
-  if (vec) {
-    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
-      if (!accumulate) {
-        reinterpret_cast<uint4*>(d)[c] = reinterpret_cast<const uint4*>(s)[c];
-      } else {
-        float a[8], b[8];
-        load8(d + c * 8, a);
-        load8(s + c * 8, b);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) a[k] += b[k];
-        store8(d + c * 8, a);
-      }
-    }
-  } else {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-      d[c] = accumulate ? float_to_bf16(bf16_to_float(d[c]) + bf16_to_float(s[c])) : s[c];
-  }
-}
-
-// y += bf16(sum_k w_k * table[idx_k]): the weighted sum stays in f32 and is rounded once, then
-// added in bf16 (spec 3.2).
-__global__ void add_interpolated_rows_kernel(uint16_t* y, const uint16_t* table,
-                                             const int32_t* index, const float* weight,
-                                             int64_t table_rows, int64_t cols, bool vec) {
-  const int64_t row = blockIdx.x;
-  const uint16_t* src[4];
-  float w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int32_t idx = index[row * 4 + k];
-    const bool valid = idx >= 0 && idx < table_rows;
-    src[k] = table + static_cast<int64_t>(valid ? idx : 0) * cols;
-    w[k] = valid ? weight[row * 4 + k] : 0.f;
-  }
-  uint16_t* dst = y + row * cols;
-  if (vec) {
-    for (int64_t c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, t[8], out[8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        load8(src[k] + c, t);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += w[k] * t[e];
-      }
-      load8(dst + c, out);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] += round_bf16(acc[e]);
-      store8(dst + c, out);
-    }
-  } else {
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      float acc = 0.f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc += w[k] * bf16_to_float(src[k][c]);
-      dst[c] = float_to_bf16(bf16_to_float(dst[c]) + round_bf16(acc));
     }
   }
 }
@@ -314,14 +230,6 @@ __global__ void add_f32_kernel(float* y, const float* a, const float* b, int64_t
     y[i] = __fadd_rn(a[i], b[i]);
 }
 
-int row_threads(int64_t cols_per_thread_unit) {
-  // Enough threads to cover a row of 1024-4096 elements in one 16-byte pass, no more.
-  if (cols_per_thread_unit >= 256) return 256;
-  if (cols_per_thread_unit >= 128) return 128;
-  if (cols_per_thread_unit >= 64) return 64;
-  return 32;
-}
-
 }  // namespace
 
 void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cudaStream_t s) {
@@ -355,34 +263,6 @@ void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t i
   const bool vec = inter % 8 == 0 && aligned16(y) && aligned16(gate_up);
   const int64_t work = vec ? rows * inter / 8 : rows * inter;
   swiglu_kernel<<<grid_for(work), kThreads, 0, s>>>(y, gate_up, rows, inter, vec);
-  IRIS_CUDA_LAUNCH_CHECK();
-}
-
-void launch_embedding(uint16_t* y, const uint16_t* table, const int32_t* ids, int64_t n_ids,
-                      int64_t vocab, int64_t cols, cudaStream_t s) {
-  if (n_ids == 0 || cols == 0) return;
-  const bool vec = cols % 8 == 0 && aligned16(y) && aligned16(table);
-  embedding_kernel<<<static_cast<unsigned>(n_ids), row_threads(vec ? cols / 8 : cols), 0, s>>>(
-      y, table, ids, vocab, cols, vec);
-  IRIS_CUDA_LAUNCH_CHECK();
-}
-
-void launch_scatter_rows(uint16_t* dst, const uint16_t* src, const int32_t* index, int64_t n,
-                         int64_t dst_rows, int64_t cols, bool accumulate, cudaStream_t s) {
-  if (n == 0 || cols == 0) return;
-  const bool vec = cols % 8 == 0 && aligned16(dst) && aligned16(src);
-  scatter_rows_kernel<<<static_cast<unsigned>(n), row_threads(vec ? cols / 8 : cols), 0, s>>>(
-      dst, src, index, dst_rows, cols, accumulate, vec);
-  IRIS_CUDA_LAUNCH_CHECK();
-}
-
-void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int32_t* index,
-                                  const float* weight, int64_t rows, int64_t table_rows,
-                                  int64_t cols, cudaStream_t s) {
-  if (rows == 0 || cols == 0) return;
-  const bool vec = cols % 8 == 0 && aligned16(y) && aligned16(table);
-  add_interpolated_rows_kernel<<<static_cast<unsigned>(rows), row_threads(vec ? cols / 8 : cols), 0,
-                                 s>>>(y, table, index, weight, table_rows, cols, vec);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 

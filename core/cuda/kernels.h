@@ -17,15 +17,6 @@ void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
                    cudaStream_t s);
-// Rows whose id is outside [0, vocab) are written as zeros (the device cannot throw).
-void launch_embedding(uint16_t* y, const uint16_t* table, const int32_t* ids, int64_t n_ids,
-                      int64_t vocab, int64_t cols, cudaStream_t s);
-// Indices outside [0, dst_rows) are skipped.
-void launch_scatter_rows(uint16_t* dst, const uint16_t* src, const int32_t* index, int64_t n,
-                         int64_t dst_rows, int64_t cols, bool accumulate, cudaStream_t s);
-void launch_add_interpolated_rows(uint16_t* y, const uint16_t* table, const int32_t* index,
-                                  const float* weight, int64_t rows, int64_t table_rows,
-                                  int64_t cols, cudaStream_t s);
 // Rows of 32k+ columns use `key_scratch` (one 64-bit key per row, up to scratch_rows rows) to
 // spread a row over many blocks.
 void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,

@@ -39,22 +39,6 @@ void launch_gelu_erf_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* 
 void launch_swiglu_backward(uint16_t* dgate_up, const uint16_t* dy, const uint16_t* gate_up,
                             int64_t rows, int64_t inter, cudaStream_t s);
 
-// ---- rows ----
-// dtable[ids[t], :] (f32 [vocab, cols]) += dy[t, :] for ids[t] != skip_id and in [0, vocab);
-// rows with the same id add in token order (one block per first occurrence; O(T^2) id scan).
-void launch_embedding_backward(float* dtable, const void* dy, bool dy_f32, const int32_t* ids,
-                               int64_t tokens, int64_t vocab, int64_t cols, int32_t skip_id,
-                               cudaStream_t s);
-// dst[i, :] = src[index[i], :] converted; indices outside [0, src_rows) give zero rows.
-void launch_gather_rows(void* dst, bool dst_f32, const void* src, bool src_f32,
-                        const int32_t* index, int64_t rows, int64_t src_rows, int64_t cols,
-                        cudaStream_t s);
-// dtable (f32 [table_rows, cols]) [index[s,k], :] += weight[s,k] * dy[s, :] for s < rows, k < 4,
-// in (s, k) order per table row; indices outside [0, table_rows) skipped.
-void launch_add_interpolated_rows_backward(float* dtable, const void* dy, bool dy_f32,
-                                           const int32_t* index, const float* weight, int64_t rows,
-                                           int64_t table_rows, int64_t cols, cudaStream_t s);
-
 // ---- cross-entropy over an f32 logits chunk ----
 // loss_sum[0] += sum over rows of (logsumexp(logits[r]) - logits[r, targets[r]]) (per-row losses
 // in scratch, summed in f64 in a fixed order); when dlogits is not null, dlogits bf16 [rows,
