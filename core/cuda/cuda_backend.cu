@@ -22,6 +22,7 @@
 #include "core/cuda/host_convert.h"
 #include "core/cuda/kernels.h"
 #include "core/cuda/launch.cuh"
+#include "core/cuda/logits/logits.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/rows/rows.h"
 #include "core/cuda/train_kernels.h"

@@ -17,10 +17,6 @@ void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
                    cudaStream_t s);
-// Rows of 32k+ columns use `key_scratch` (one 64-bit key per row, up to scratch_rows rows) to
-// spread a row over many blocks.
-void launch_argmax_rows(int32_t* out, const uint16_t* x, int64_t rows, int64_t cols,
-                        unsigned long long* key_scratch, int64_t scratch_rows, cudaStream_t s);
 
 // ---- vision tables (vision_tables.cu) ----
 // Backend::vision_tables: inv_freq holds head_dim / 4 host values (copied into the launch);

@@ -1,5 +1,5 @@
-// Training kernels of the CUDA backend (train_kernels.h): the backwards, cross-entropy over a
-// logits chunk and the multi-tensor optimizer.
+// Training kernels of the CUDA backend (train_kernels.h): the backwards and the multi-tensor
+// optimizer.
 // Every reduction runs in a fixed order (no float atomics), so the same inputs give the same
 // bits; nothing allocates or synchronises.
 #include <cfloat>
@@ -134,90 +134,6 @@ __global__ void swiglu_backward_kernel(uint16_t* dgu, const uint16_t* dy, const 
       dgu[r * 2 * inter + inter + c] = float_to_bf16(du);
     }
   }
-}
-
-// ---- cross-entropy ----------------------------------------------------------------------------
-
-constexpr int kCeThreads = 512;
-
-// Merges the running (max, sum of exp(x - max)) pair (m, s) with (mo, so).
-__device__ __forceinline__ void lse_merge(float& m, float& s, float mo, float so) {
-  const float mn = fmaxf(m, mo);
-  if (mn == -INFINITY) return;  // both empty
-  s = s * expf(m - mn) + so * expf(mo - mn);
-  m = mn;
-}
-
-// One block per row: an online (max, sum) pass, then, with dlogits, a second pass writing
-// grad_scale * (softmax - onehot). loss[row] = logsumexp - logits[target].
-__global__ void __launch_bounds__(kCeThreads)
-    cross_entropy_kernel(float* __restrict__ loss, uint16_t* __restrict__ dlogits,
-                         const float* __restrict__ logits, const int32_t* __restrict__ targets,
-                         const float* __restrict__ grad_scale, int64_t vocab, bool vec_in,
-                         bool vec_out) {
-  __shared__ float sm[kCeThreads / kWarpSize], ss[kCeThreads / kWarpSize];
-  const int64_t row = blockIdx.x;
-  const float* x = logits + row * vocab;
-  float m = -INFINITY, s = 0.f;
-  if (vec_in) {
-    for (int64_t v = threadIdx.x; v < vocab / 4; v += kCeThreads) {
-      const float4 q = reinterpret_cast<const float4*>(x)[v];
-      const float mn = fmaxf(fmaxf(m, fmaxf(q.x, q.y)), fmaxf(q.z, q.w));
-      if (mn == -INFINITY) continue;
-      s = s * expf(m - mn) + (expf(q.x - mn) + expf(q.y - mn)) + (expf(q.z - mn) + expf(q.w - mn));
-      m = mn;
-    }
-  } else {
-    for (int64_t v = threadIdx.x; v < vocab; v += kCeThreads) lse_merge(m, s, x[v], 1.f);
-  }
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
-    const float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
-    lse_merge(m, s, mo, so);
-  }
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  if (lane == 0) sm[warp] = m, ss[warp] = s;
-  __syncthreads();
-  m = -INFINITY, s = 0.f;
-  for (int w = 0; w < kCeThreads / kWarpSize; ++w) lse_merge(m, s, sm[w], ss[w]);
-  const int32_t target = targets[row];
-  const bool valid = target >= 0 && target < vocab;
-  if (threadIdx.x == 0)
-    loss[row] = valid ? static_cast<float>(static_cast<double>(m) + log(static_cast<double>(s)) -
-                                           static_cast<double>(x[target]))
-                      : 0.f;
-  if (dlogits == nullptr) return;
-  uint16_t* d = dlogits + row * vocab;
-  const float gs = valid ? *grad_scale : 0.f;
-  const float k = __fdiv_rn(gs, s);
-  if (vec_out) {
-    for (int64_t v = threadIdx.x; v < vocab / 8; v += kCeThreads) {
-      float f[8];
-      ld8(x + v * 8, f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        f[e] = expf(f[e] - m) * k;
-        if (v * 8 + e == target) f[e] -= gs;
-      }
-      store8(d + v * 8, f);
-    }
-  } else {
-    for (int64_t v = threadIdx.x; v < vocab; v += kCeThreads) {
-      float f = expf(x[v] - m) * k;
-      if (v == target) f -= gs;
-      d[v] = float_to_bf16(f);
-    }
-  }
-}
-
-// out[0] += float(sum of the n values in a fixed order, in f64). One block of kThreads.
-__global__ void __launch_bounds__(kThreads)
-    sum_rows_kernel(float* __restrict__ out, const float* __restrict__ vals, int64_t n) {
-  __shared__ double sh[kThreads];
-  double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) acc += static_cast<double>(vals[i]);
-  const double total = block_sum_f64(acc, sh);
-  if (threadIdx.x == 0) out[0] += static_cast<float>(total);
 }
 
 // ---- optimizer --------------------------------------------------------------------------------
@@ -422,9 +338,6 @@ int64_t grad_norm_scratch_floats() {
 int64_t adamw_scratch_floats(int64_t n_tensors) {
   return 4 * n_tensors;
 }
-int64_t cross_entropy_scratch_floats(int64_t rows) {
-  return rows;
-}
 // ---- launchers --------------------------------------------------------------------------------
 
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s) {
@@ -456,22 +369,6 @@ void launch_swiglu_backward(uint16_t* dgate_up, const uint16_t* dy, const uint16
   const int64_t work = vec ? rows * inter / 8 : rows * inter;
   swiglu_backward_kernel<<<grid_for(work), kThreads, 0, s>>>(dgate_up, dy, gate_up, rows, inter,
                                                              vec);
-  IRIS_CUDA_LAUNCH_CHECK();
-}
-
-void launch_cross_entropy(float* loss_sum, uint16_t* dlogits, const float* logits,
-                          const int32_t* targets, const float* grad_scale, int64_t rows,
-                          int64_t vocab, float* scratch, int64_t scratch_floats, cudaStream_t s) {
-  if (rows == 0) return;
-  IRIS_CHECK(vocab > 0, "cross_entropy: empty vocabulary");
-  check_scratch(scratch, scratch_floats, cross_entropy_scratch_floats(rows), 4, "cross_entropy");
-  const bool vec_in = vocab % 4 == 0 && aligned16(logits);
-  const bool vec_out =
-      dlogits != nullptr && vocab % 8 == 0 && aligned16(logits) && aligned16(dlogits);
-  cross_entropy_kernel<<<static_cast<unsigned>(rows), kCeThreads, 0, s>>>(
-      scratch, dlogits, logits, targets, grad_scale, vocab, vec_in, vec_out);
-  IRIS_CUDA_LAUNCH_CHECK();
-  sum_rows_kernel<<<1, kThreads, 0, s>>>(loss_sum, scratch, rows);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 

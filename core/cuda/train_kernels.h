@@ -21,8 +21,6 @@ constexpr int kOptimizerBlocks = 1024;  // fixed grid of grad_norm_clip (and ada
 int64_t grad_norm_scratch_floats();
 // adamw_step: 4 floats per tensor.
 int64_t adamw_scratch_floats(int64_t n_tensors);
-// cross_entropy: one float per row.
-int64_t cross_entropy_scratch_floats(int64_t rows);
 
 // ---- conversion ----
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
@@ -38,16 +36,6 @@ void launch_gelu_erf_backward(uint16_t* dx, const uint16_t* dy, const uint16_t* 
 // dgate_up[rows, 2 inter] from dy[rows, inter] and gate_up[rows, 2 inter] (may alias dgate_up).
 void launch_swiglu_backward(uint16_t* dgate_up, const uint16_t* dy, const uint16_t* gate_up,
                             int64_t rows, int64_t inter, cudaStream_t s);
-
-// ---- cross-entropy over an f32 logits chunk ----
-// loss_sum[0] += sum over rows of (logsumexp(logits[r]) - logits[r, targets[r]]) (per-row losses
-// in scratch, summed in f64 in a fixed order); when dlogits is not null, dlogits bf16 [rows,
-// vocab] = grad_scale[0] * (softmax - onehot(target)). dlogits must not alias logits. A target
-// outside [0, vocab) gives a zero loss and a zero gradient row. Needs
-// cross_entropy_scratch_floats(rows).
-void launch_cross_entropy(float* loss_sum, uint16_t* dlogits, const float* logits,
-                          const int32_t* targets, const float* grad_scale, int64_t rows,
-                          int64_t vocab, float* scratch, int64_t scratch_floats, cudaStream_t s);
 
 // ---- optimizer over flat f32 buffers (Backend::grad_norm_clip / adamw_step) ----
 // spans i64 [n, 3] = {offset, numel, offset into weights}; hyper f32 [n, 2] = {weight decay, lr
