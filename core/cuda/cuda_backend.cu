@@ -24,6 +24,7 @@
 #include "core/cuda/launch.cuh"
 #include "core/cuda/logits/logits.h"
 #include "core/cuda/norm_rope/norm_rope.h"
+#include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/rows/rows.h"
 #include "core/cuda/train_kernels.h"
 #include "core/cuda/train_scratch.h"

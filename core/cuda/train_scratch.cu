@@ -3,6 +3,7 @@
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/logits/logits.h"
 #include "core/cuda/norm_rope/norm_rope.h"
+#include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/train_kernels.h"
 #include "core/error.h"
 
