@@ -17,6 +17,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/cuda_handles.h"
 #include "core/cuda/device_utils.cuh"
+#include "core/cuda/elementwise/elementwise.h"
 #include "core/cuda/gemm.h"
 #include "core/cuda/gemm_tuning.h"
 #include "core/cuda/host_convert.h"
@@ -26,7 +27,6 @@
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/rows/rows.h"
-#include "core/cuda/train_kernels.h"
 #include "core/cuda/train_scratch.h"
 #include "core/loss_workspace.h"
 #include "core/text_rope_tables.h"
@@ -753,8 +753,7 @@ class CudaBackend final : public Backend {
         window_capacity, stream());
   }
 
-  // ---- Training ops (core/backend.h): kernels of train_kernels.cu and attention_train.cu, GEMMs
-  // of gemm.cu. They run on the main stream only.
+  // ---- Training ops (core/backend.h). They run on the main stream only.
 
   void convert(const Tensor& dst, const Tensor& src) override {
     bind();

@@ -9,15 +9,6 @@
 
 namespace iris::cuda {
 
-// ---- elementwise (elementwise.cu) ----
-void launch_add(uint16_t* y, const uint16_t* a, const uint16_t* b, int64_t n, cudaStream_t s);
-void launch_add_f32(float* y, const float* a, const float* b, int64_t n, cudaStream_t s);
-void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
-void launch_gelu_erf(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
-void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s);
-void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
-                   cudaStream_t s);
-
 // ---- vision tables (vision_tables.cu) ----
 // Backend::vision_tables: inv_freq holds head_dim / 4 host values (copied into the launch);
 // head_dim is a multiple of 4 up to 4 * kVisionTablesMaxQuarter, the capacity at most

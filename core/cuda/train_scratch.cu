@@ -4,7 +4,6 @@
 #include "core/cuda/logits/logits.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
-#include "core/cuda/train_kernels.h"
 #include "core/error.h"
 
 namespace iris::cuda {
