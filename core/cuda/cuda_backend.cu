@@ -27,6 +27,7 @@
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/rows/rows.h"
+#include "core/cuda/tables/tables.h"
 #include "core/cuda/train_scratch.h"
 #include "core/loss_workspace.h"
 #include "core/text_rope_tables.h"
