@@ -1,4 +1,4 @@
-// Standalone check of the training calls of iris::cuda::LtGemm (core/cuda/gemm.cu) against an
+// Standalone check of the training calls of iris::cuda::LtGemm (core/cuda/gemm/gemm.cu) against an
 // fp64 host reference: forward_f32, backward_input (bf16 / f32, with and without accumulation) and
 // backward_weight (dw and db, accumulating into random initial values), each run twice for
 // bitwise determinism, plus a CUDA-graph replay and an instance that takes the heuristic's first
@@ -7,7 +7,7 @@
 //
 // Build and run (from the repository root):
 // clang-format off
-//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm.cu core/cuda/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
+//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm/gemm.cu core/cuda/gemm/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
 //   /tmp/gemm_train_check
 // clang-format on
 //
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
-#include "core/cuda/gemm.h"
+#include "core/cuda/gemm/gemm.h"
 #include "core/splitmix.h"
 
 using iris::cuda::LtGemm;

@@ -1,4 +1,4 @@
-#include "core/cuda/gemm.h"
+#include "core/cuda/gemm/gemm.h"
 
 #include <cuda_bf16.h>
 
@@ -9,7 +9,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
-#include "core/cuda/gemm_tuning.h"
+#include "core/cuda/gemm/gemm_tuning.h"
 
 namespace iris::cuda {
 namespace {
