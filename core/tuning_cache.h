@@ -10,7 +10,7 @@
 // never see a torn file, and the last writer wins.
 //
 // This file is host-only (no CUDA) so that the format, the validation and the file handling are
-// tested on machines without a GPU; core/cuda/gemm_tuning.h turns cuBLASLt algorithms and the
+// tested on machines without a GPU; core/cuda/gemm/gemm_tuning.h turns cuBLASLt algorithms and the
 // device's identity into the values kept here.
 #pragma once
 

@@ -12,11 +12,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_handles.h"
 #include "core/error.h"
 #include "parallel/communicator.h"
 #include "parallel/mpi_session.h"
@@ -57,16 +59,14 @@ class NcclCommunicator final : public Communicator {
     ncclUniqueId id{};
     if (rank == 0) IRIS_NCCL_CHECK(ncclGetUniqueId(&id));
     if (world > 1) session->broadcast(&id, sizeof(id), 0, "the NCCL id broadcast");
-    IRIS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
-    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+    stream_ = std::make_unique<cuda::Stream>();
+    before_ = std::make_unique<cuda::Event>();
+    after_ = std::make_unique<cuda::Event>();
     IRIS_NCCL_CHECK(ncclCommInitRank(&comm_, world, id, rank));
   }
+  // The communicator goes before the stream and events it uses (members are destroyed after).
   ~NcclCommunicator() override {
     if (comm_ != nullptr) ncclCommDestroy(comm_);
-    if (after_ != nullptr) cudaEventDestroy(after_);
-    if (before_ != nullptr) cudaEventDestroy(before_);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return rank_; }
@@ -81,7 +81,8 @@ class NcclCommunicator final : public Communicator {
                "all_gather: out must hold size() copies of in, got ", out.shape_str(), " and ",
                in.shape_str());
     Ordered o(*this);
-    IRIS_NCCL_CHECK(ncclAllGather(in.data, out.data, in.nbytes(), ncclUint8, comm_, stream_));
+    IRIS_NCCL_CHECK(
+        ncclAllGather(in.data, out.data, in.nbytes(), ncclUint8, comm_, stream_->get()));
   }
   void all_to_all(const Tensor& out, const Tensor& in) override {
     check(out, "all_to_all");
@@ -94,9 +95,9 @@ class NcclCommunicator final : public Communicator {
     IRIS_NCCL_CHECK(ncclGroupStart());
     for (int r = 0; r < world_; ++r) {
       IRIS_NCCL_CHECK(ncclSend(static_cast<const char*>(in.data) + r * piece, piece, ncclUint8, r,
-                               comm_, stream_));
-      IRIS_NCCL_CHECK(
-          ncclRecv(static_cast<char*>(out.data) + r * piece, piece, ncclUint8, r, comm_, stream_));
+                               comm_, stream_->get()));
+      IRIS_NCCL_CHECK(ncclRecv(static_cast<char*>(out.data) + r * piece, piece, ncclUint8, r, comm_,
+                               stream_->get()));
     }
     IRIS_NCCL_CHECK(ncclGroupEnd());
   }
@@ -104,17 +105,17 @@ class NcclCommunicator final : public Communicator {
     check(buf, "broadcast");
     Ordered o(*this);
     IRIS_NCCL_CHECK(
-        ncclBroadcast(buf.data, buf.data, buf.nbytes(), ncclUint8, root, comm_, stream_));
+        ncclBroadcast(buf.data, buf.data, buf.nbytes(), ncclUint8, root, comm_, stream_->get()));
   }
   void send(const Tensor& t, int peer) override {
     check(t, "send");
     Ordered o(*this);
-    IRIS_NCCL_CHECK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_));
+    IRIS_NCCL_CHECK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_->get()));
   }
   void recv(const Tensor& t, int peer) override {
     check(t, "recv");
     Ordered o(*this);
-    IRIS_NCCL_CHECK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_));
+    IRIS_NCCL_CHECK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, comm_, stream_->get()));
   }
   void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
                 const char* what) override {
@@ -135,10 +136,10 @@ class NcclCommunicator final : public Communicator {
     IRIS_NCCL_CHECK(ncclGroupStart());
     for (const Transfer& x : recvs)
       if (x.t.nbytes() > 0)
-        IRIS_NCCL_CHECK(ncclRecv(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_));
+        IRIS_NCCL_CHECK(ncclRecv(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_->get()));
     for (const Transfer& x : sends)
       if (x.t.nbytes() > 0)
-        IRIS_NCCL_CHECK(ncclSend(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_));
+        IRIS_NCCL_CHECK(ncclSend(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_->get()));
     IRIS_NCCL_CHECK(ncclGroupEnd());
   }
   void begin_detached() override { detached_ = true; }
@@ -146,8 +147,9 @@ class NcclCommunicator final : public Communicator {
     if (!detached_) return;
     detached_ = false;
     // The stream runs its calls in order, so waiting for its last one waits for all of them.
-    IRIS_CUDA_CHECK(cudaEventRecord(after_, stream_));
-    IRIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(be_.native_stream()), after_, 0));
+    IRIS_CUDA_CHECK(cudaEventRecord(after_->get(), stream_->get()));
+    IRIS_CUDA_CHECK(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(be_.native_stream()), after_->get(), 0));
   }
   void sum_pieces(const Tensor& out, const Tensor& pieces) override {
     check(out, "sum_pieces");
@@ -161,8 +163,8 @@ class NcclCommunicator final : public Communicator {
     Ordered o(*this);
     const int threads = 256;
     const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 4096));
-    sum_pieces_kernel<<<blocks, threads, 0, stream_>>>(out.as<float>(), pieces.as<float>(), n,
-                                                       world_);
+    sum_pieces_kernel<<<blocks, threads, 0, stream_->get()>>>(out.as<float>(), pieces.as<float>(),
+                                                              n, world_);
     IRIS_CUDA_LAUNCH_CHECK();
   }
 
@@ -173,14 +175,14 @@ class NcclCommunicator final : public Communicator {
    public:
     explicit Ordered(NcclCommunicator& c) : c_(c) {
       auto compute = static_cast<cudaStream_t>(c_.be_.native_stream());
-      IRIS_CUDA_CHECK(cudaEventRecord(c_.before_, compute));
-      IRIS_CUDA_CHECK(cudaStreamWaitEvent(c_.stream_, c_.before_, 0));
+      IRIS_CUDA_CHECK(cudaEventRecord(c_.before_->get(), compute));
+      IRIS_CUDA_CHECK(cudaStreamWaitEvent(c_.stream_->get(), c_.before_->get(), 0));
     }
     ~Ordered() noexcept(false) {
       if (std::uncaught_exceptions() > 0 || c_.detached_) return;
       auto compute = static_cast<cudaStream_t>(c_.be_.native_stream());
-      IRIS_CUDA_CHECK(cudaEventRecord(c_.after_, c_.stream_));
-      IRIS_CUDA_CHECK(cudaStreamWaitEvent(compute, c_.after_, 0));
+      IRIS_CUDA_CHECK(cudaEventRecord(c_.after_->get(), c_.stream_->get()));
+      IRIS_CUDA_CHECK(cudaStreamWaitEvent(compute, c_.after_->get(), 0));
     }
 
    private:
@@ -195,8 +197,9 @@ class NcclCommunicator final : public Communicator {
   Backend& be_;
   int rank_, world_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t before_ = nullptr, after_ = nullptr;
+  // Made in the constructor once the checks and the id broadcast have passed.
+  std::unique_ptr<cuda::Stream> stream_;
+  std::unique_ptr<cuda::Event> before_, after_;
   bool detached_ = false;
 };
 
@@ -214,12 +217,12 @@ class MarkWatchdog final : public StallWatchdog {
         timeout_(timeout_seconds),
         rank_(rank) {
     IRIS_CHECK(be.device() == Device::cuda, "the stall watchdog watches a CUDA backend");
-    void* host = nullptr;
-    IRIS_CUDA_CHECK(cudaHostAlloc(&host, sizeof(unsigned long long), cudaHostAllocMapped));
-    reached_host_ = static_cast<unsigned long long*>(host);
+    reached_ =
+        std::make_unique<cuda::PinnedBuffer>(sizeof(unsigned long long), cudaHostAllocMapped);
+    reached_host_ = reinterpret_cast<unsigned long long*>(reached_->data());
     *reached_host_ = 0;
     void* dev = nullptr;
-    IRIS_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+    IRIS_CUDA_CHECK(cudaHostGetDevicePointer(&dev, reached_host_, 0));
     reached_dev_ = static_cast<unsigned long long*>(dev);
     thread_ = std::thread([this] { watch(); });
   }
@@ -230,9 +233,8 @@ class MarkWatchdog final : public StallWatchdog {
     }
     wake_.notify_all();
     thread_.join();
-    // The last mark may still be queued: it writes this memory.
+    // The last mark may still be queued: it writes the memory that reached_ frees after this.
     cudaStreamSynchronize(stream_);
-    cudaFreeHost(reached_host_);
   }
 
   void mark() override {
@@ -288,8 +290,9 @@ class MarkWatchdog final : public StallWatchdog {
   cudaStream_t stream_;
   double timeout_;
   int rank_;
-  unsigned long long* reached_host_ = nullptr;
-  unsigned long long* reached_dev_ = nullptr;
+  std::unique_ptr<cuda::PinnedBuffer> reached_;  // made after the backend check
+  unsigned long long* reached_host_ = nullptr;   // reached_'s memory, as the host sees it
+  unsigned long long* reached_dev_ = nullptr;    // and as kernels see it
   std::atomic<unsigned long long> marked_{0};
   std::array<std::atomic<Clock::rep>, kTimes> marked_at_{};
   std::mutex mu_;

@@ -13,11 +13,11 @@ nvcc=/usr/local/cuda/bin/nvcc
 command -v nvcc >/dev/null && nvcc=nvcc
 echo "== attention_train_check"
 $nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. \
-  tools/attention_train_check.cu core/cuda/attention_train.cu core/error.cpp -o build-gpu/attention_train_check \
+  tools/attention_train_check.cu core/cuda/attention/attention_train.cu core/error.cpp -o build-gpu/attention_train_check \
   && build-gpu/attention_train_check 2>&1 | tee "$out/attention_train_check.txt" | tail -25
 echo "== gemm_train_check"
 $nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu \
-  core/cuda/gemm_train.cu core/cuda/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp \
+  core/cuda/gemm/gemm.cu core/cuda/gemm/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp \
   core/error.cpp -lcublasLt -lcublas -o build-gpu/gemm_train_check \
   && build-gpu/gemm_train_check 2>&1 | tee "$out/gemm_train_check.txt" | grep -E "FAIL|PASS|ALL" | tail -12
 echo "== backward backend ops"

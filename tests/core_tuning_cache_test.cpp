@@ -31,8 +31,8 @@
 
 #include <random>
 
-#include "core/cuda/gemm.h"
-#include "core/cuda/gemm_tuning.h"
+#include "core/cuda/gemm/gemm.h"
+#include "core/cuda/gemm/gemm_tuning.h"
 #endif
 
 namespace iris {

@@ -1,12 +1,12 @@
-// Standalone check of the training attention kernels (core/cuda/attention_train.cu) against a
-// float64 host reference: forward (out, lse) and backward (dq, dk, dv), zero rows past the last
-// segment and in padding segments, every output element written (outputs are poisoned with NaNs
-// first), bitwise determinism over two runs, and CUDA-graph capture. `--bench` also times large
-// shapes (decoder causal GQA at head_dim 128, vision segments at head_dim 64 and 72).
+// Standalone check of the training attention kernels (core/cuda/attention/attention_train.cu)
+// against a float64 host reference: forward (out, lse) and backward (dq, dk, dv), zero rows past
+// the last segment and in padding segments, every output element written (outputs are poisoned with
+// NaNs first), bitwise determinism over two runs, and CUDA-graph capture. `--bench` also times
+// large shapes (decoder causal GQA at head_dim 128, vision segments at head_dim 64 and 72).
 //
 // Build (from the repository root), then run on a Hopper GPU:
 // clang-format off
-//   /usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. tools/attention_train_check.cu core/cuda/attention_train.cu core/error.cpp -o /tmp/attention_train_check
+//   /usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. tools/attention_train_check.cu core/cuda/attention/attention_train.cu core/error.cpp -o /tmp/attention_train_check
 //   /tmp/attention_train_check [--bench | --only-bench[=K]]
 // clang-format on
 #include <cuda_runtime.h>
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda/attention_train.h"
+#include "core/cuda/attention/attention.h"
 #include "core/error.h"
 
 #define CK(x)                                                                                \

@@ -1,5 +1,5 @@
-// Standalone check of iris::cuda::LtTrainGemm (core/cuda/gemm_train.cu) against an fp64 host
-// reference: forward_f32, backward_input (bf16 / f32, with and without accumulation) and
+// Standalone check of the training calls of iris::cuda::LtGemm (core/cuda/gemm/gemm.cu) against an
+// fp64 host reference: forward_f32, backward_input (bf16 / f32, with and without accumulation) and
 // backward_weight (dw and db, accumulating into random initial values), each run twice for
 // bitwise determinism, plus a CUDA-graph replay and an instance that takes the heuristic's first
 // choice (the main one times the candidates, without a tuning cache). Prints PASS/FAIL
@@ -7,7 +7,7 @@
 //
 // Build and run (from the repository root):
 // clang-format off
-//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm_train.cu core/cuda/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
+//   /usr/local/cuda/bin/nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -I. tools/gemm_train_check.cu core/cuda/gemm/gemm.cu core/cuda/gemm/gemm_tuning.cpp core/tuning_cache.cpp core/fs.cpp core/json_read.cpp core/error.cpp -lcublasLt -lcublas -o /tmp/gemm_train_check
 //   /tmp/gemm_train_check
 // clang-format on
 //
@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
-#include "core/cuda/gemm_train.h"
+#include "core/cuda/gemm/gemm.h"
 #include "core/splitmix.h"
 
-using iris::cuda::LtTrainGemm;
+using iris::cuda::LtGemm;
 
 namespace {
 
@@ -214,7 +214,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
                           " N=" + std::to_string(N) + " K=" + std::to_string(K) + ": ";
   std::printf("-- %s%s\n", tag.c_str(), c.misalign ? " (operands misaligned)" : "");
   const cudaStream_t s = ctx.stream;
-  LtTrainGemm gemm(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
+  LtGemm gemm(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
   gemm.set_tuning(iris::GemmTuning::tune);
 
   const Bf16Host x = random_bf16(M * K, 11 + M), w = random_bf16(N * K, 22 + N),
@@ -252,7 +252,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
     report(tag + "forward_f32", rel_l2(y1, ref, {}), 1e-5,
            same_bits(y1.data(), y2.data(), M * N * 4));
 
-    LtTrainGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
+    LtGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
     untuned.set_tuning(iris::GemmTuning::heuristic);
     untuned.forward_f32(y.ptr<float>(), d_x, d_w, M, N, K, s);
     const auto y3 = download(y.ptr<float>(), M * N);
@@ -357,7 +357,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
     const auto dw0 = random_f32(N * K, 66 + N, 8.0);
     const auto db0 = random_f32(N, 77 + N, 8.0);
     DevBuf dw(N * K * 4, off32), db(N * 4, off32);
-    auto run = [&](LtTrainGemm& g, bool with_dw) {
+    auto run = [&](LtGemm& g, bool with_dw) {
       upload(dw.ptr<float>(), dw0);
       upload(db.ptr<float>(), db0);
       g.backward_weight(with_dw ? dw.ptr<float>() : nullptr, db.ptr<float>(), d_dy, d_x, M, N, K,
@@ -375,7 +375,7 @@ void run_case(const Case& c, const Context& ctx, bool timings) {
         tag + "backward_weight db alone: dw untouched, db bits as with dw",
         same_bits(dw3.data(), dw0.data(), N * K * 4) && same_bits(db3.data(), db1.data(), N * 4));
 
-    LtTrainGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
+    LtGemm untuned(ctx.workspace, ctx.workspace_bytes, ctx.scratch, ctx.scratch_bytes);
     untuned.set_tuning(iris::GemmTuning::heuristic);
     const auto [dw4, db4] = run(untuned, true);
     const auto [dw5, db5] = run(untuned, true);

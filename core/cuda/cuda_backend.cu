@@ -13,72 +13,27 @@
 
 #include <cuda_profiler_api.h>
 
-#include "core/cuda/attention_train.h"
+#include "core/cuda/attention/attention.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_handles.h"
 #include "core/cuda/device_utils.cuh"
-#include "core/cuda/gemm.h"
-#include "core/cuda/gemm_train.h"
-#include "core/cuda/gemm_tuning.h"
+#include "core/cuda/elementwise/elementwise.h"
+#include "core/cuda/gemm/gemm.h"
+#include "core/cuda/gemm/gemm_tuning.h"
 #include "core/cuda/host_convert.h"
-#include "core/cuda/kernels.h"
-#include "core/cuda/train_kernels.h"
+#include "core/cuda/launch.cuh"
+#include "core/cuda/logits/logits.h"
+#include "core/cuda/norm_rope/norm_rope.h"
+#include "core/cuda/optimizer/optimizer.h"
+#include "core/cuda/rows/rows.h"
+#include "core/cuda/tables/tables.h"
+#include "core/cuda/train_scratch.h"
 #include "core/loss_workspace.h"
 #include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
 
 namespace iris {
 namespace {
-
-// ---- RAII owners (non-copyable; destructors ignore errors so that they never throw) ----
-
-class Stream {
- public:
-  Stream() { IRIS_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() {
-    if (s_) cudaStreamDestroy(s_);
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
-
-class Event {
- public:
-  explicit Event(unsigned flags = cudaEventDisableTiming) {
-    IRIS_CUDA_CHECK(cudaEventCreateWithFlags(&e_, flags));
-  }
-  ~Event() {
-    if (e_) cudaEventDestroy(e_);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return e_; }
-
- private:
-  cudaEvent_t e_ = nullptr;
-};
-
-class PinnedBuffer {
- public:
-  // flags: cudaHostAllocMapped for memory that kernels also read and write.
-  explicit PinnedBuffer(size_t bytes, unsigned flags = cudaHostAllocDefault) : bytes_(bytes) {
-    IRIS_CUDA_CHECK(cudaHostAlloc(&p_, bytes, flags));
-  }
-  ~PinnedBuffer() {
-    if (p_) cudaFreeHost(p_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  char* data() const { return static_cast<char*>(p_); }
-  size_t size() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_;
-};
 
 // Frees a buffer obtained from CudaBackend::allocate().
 struct DeviceFree {
@@ -150,9 +105,9 @@ class CudaBackend final : public Backend {
     name_ = str_cat("cuda:", device_, " (", prop.name, ")");
     num_sms_ = prop.multiProcessorCount;
     heuristics_warmup_ = std::make_unique<cuda::HeuristicsWarmup>(device_);
-    stream_ = std::make_unique<Stream>();
-    for (auto& e : staging_events_) e = std::make_unique<Event>();
-    staging_ = std::make_unique<PinnedBuffer>(2 * kStagingChunk);
+    stream_ = std::make_unique<cuda::Stream>();
+    for (auto& e : staging_events_) e = std::make_unique<cuda::Event>();
+    staging_ = std::make_unique<cuda::PinnedBuffer>(2 * kStagingChunk);
     // The only device allocations besides the arenas, made once here through allocate().
     workspace_.reset(allocate(kGemmWorkspaceBytes));
     tune_scratch_.reset(allocate(kGemmTuneScratchBytes));
@@ -164,11 +119,11 @@ class CudaBackend final : public Backend {
     gemm_ =
         std::make_unique<cuda::LtGemm>(workspace_.get(), kGemmWorkspaceBytes, tune_scratch_.get(),
                                        kGemmTuneScratchBytes, tuning_cache_.get());
-    side_stream_ = std::make_unique<Stream>();
-    side_fork_ = std::make_unique<Event>();
-    side_done_ = std::make_unique<Event>();
+    side_stream_ = std::make_unique<cuda::Stream>();
+    side_fork_ = std::make_unique<cuda::Event>();
+    side_done_ = std::make_unique<cuda::Event>();
     side_workspace_.reset(allocate(kGemmWorkspaceBytes));
-    for (auto& e : timing_marks_) e = std::make_unique<Event>(cudaEventDefault);
+    for (auto& e : timing_marks_) e = std::make_unique<cuda::Event>(cudaEventDefault);
     // A GEMM's workspace holds live data while it runs, so side work has its own; the tuning
     // scratch only receives trial outputs that nothing reads, so the two share it.
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
@@ -184,11 +139,8 @@ class CudaBackend final : public Backend {
     scratch_.capacity_tickets = kDecodeTickets;
     IRIS_CUDA_CHECK(
         cudaMemsetAsync(scratch_.tickets, 0, kDecodeTickets * sizeof(unsigned), stream_->get()));
-    // Training: its GEMMs share the main stream's workspace and tuning scratch (one op at a time),
-    // and one scratch buffer serves the deterministic reductions.
-    train_gemm_ = std::make_unique<cuda::LtTrainGemm>(workspace_.get(), kGemmWorkspaceBytes,
-                                                      tune_scratch_.get(), kGemmTuneScratchBytes,
-                                                      tuning_cache_.get());
+    // Training: its GEMMs go through the main stream's planner, and one scratch buffer serves the
+    // deterministic reductions.
     train_scratch_bytes_ =
         cuda::train_scratch_bytes(kTrainMaxCols, kTrainMaxLossRows, kTrainMaxTensors);
     train_scratch_.reset(allocate(train_scratch_bytes_));
@@ -276,7 +228,7 @@ class CudaBackend final : public Backend {
     if (half <= staging_half_bytes_) return;
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream()));
     staging_.reset();
-    staging_ = std::make_unique<PinnedBuffer>(2 * half);
+    staging_ = std::make_unique<cuda::PinnedBuffer>(2 * half);
     staging_half_bytes_ = half;
     staging_half_ = 0;
     staging_offset_ = 0;
@@ -289,7 +241,7 @@ class CudaBackend final : public Backend {
     IRIS_CHECK(!holding_, "hold_device: the device is already held");
     finish_background_startup();
     if (hold_flags_ == nullptr) {
-      hold_flags_ = std::make_unique<PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
+      hold_flags_ = std::make_unique<cuda::PinnedBuffer>(2 * sizeof(int), cudaHostAllocMapped);
     }
     int* flags = reinterpret_cast<int*>(hold_flags_->data());
     flags[0] = 0;  // release
@@ -370,7 +322,7 @@ class CudaBackend final : public Backend {
 
   double device_span_ms(const std::function<void()>& enqueue) override {
     bind();
-    Event start(cudaEventDefault), stop(cudaEventDefault);
+    cuda::Event start(cudaEventDefault), stop(cudaEventDefault);
     IRIS_CUDA_CHECK(cudaEventRecord(start.get(), stream()));
     enqueue();
     IRIS_CUDA_CHECK(cudaEventRecord(stop.get(), stream()));
@@ -413,7 +365,6 @@ class CudaBackend final : public Backend {
   void set_gemm_tuning(GemmTuning mode) override {
     gemm_->set_tuning(mode);
     side_gemm_->set_tuning(mode);
-    train_gemm_->set_tuning(mode);
   }
 
   bool save_gemm_tuning() override { return tuning_cache_->save(); }
@@ -424,7 +375,6 @@ class CudaBackend final : public Backend {
     r.cache_path = tuning_cache_->path();
     r.plans += gemm_->plan_counts();
     r.plans += side_gemm_->plan_counts();
-    r.plans += train_gemm_->plan_counts();
     return r;
   }
 
@@ -803,8 +753,7 @@ class CudaBackend final : public Backend {
         window_capacity, stream());
   }
 
-  // ---- Training ops (core/backend.h): kernels of train_kernels.cu, attention_train.cu and
-  // gemm_train.cu. They run on the main stream only.
+  // ---- Training ops (core/backend.h). They run on the main stream only.
 
   void convert(const Tensor& dst, const Tensor& src) override {
     bind();
@@ -837,8 +786,8 @@ class CudaBackend final : public Backend {
                dx.shape_str());
     IRIS_CHECK(dx.data != dy.data, "linear_backward_input: dx aliases dy");
     if (M == 0 || K == 0) return;
-    train_gemm_->backward_input(dx.data, dx.dtype == DType::f32, cbf(dy), cbf(w), M, N, K,
-                                accumulate, stream());
+    gemm_->backward_input(dx.data, dx.dtype == DType::f32, cbf(dy), cbf(w), M, N, K, accumulate,
+                          stream());
   }
 
   void linear_backward_weight(const Tensor& dw, const Tensor& db, const Tensor& dy,
@@ -861,7 +810,7 @@ class CudaBackend final : public Backend {
                  N);
     }
     if (!dw.defined() && !db.defined()) return;
-    train_gemm_->backward_weight(opt_f32(dw), opt_f32(db), cbf(dy), cbf(x), M, N, K, stream());
+    gemm_->backward_weight(opt_f32(dw), opt_f32(db), cbf(dy), cbf(x), M, N, K, stream());
   }
 
   void layer_norm_train(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
@@ -1109,16 +1058,14 @@ class CudaBackend final : public Backend {
     for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
       const int64_t n = std::min(chunk_rows, N - r0);
       const uint16_t* xc = cbf(x) + r0 * H;
-      train_gemm_->forward_f32(logits, xc, cbf(w), n, V, H, stream());
+      gemm_->forward_f32(logits, xc, cbf(w), n, V, H, stream());
       cuda::launch_cross_entropy(f32(loss_sum), backward ? dlogits : nullptr, logits,
                                  ci32(targets) + r0, backward ? cf32(grad_scale) : nullptr, n, V,
                                  train_scratch(), train_scratch_floats(), stream());
       if (!backward) continue;
       // dx rows = d(logits) . w; the weight gradient += d(logits)^T . x rows.
-      train_gemm_->backward_input(bf(dx) + r0 * H, false, dlogits, cbf(w), n, V, H, false,
-                                  stream());
-      if (dw.defined())
-        train_gemm_->backward_weight(f32(dw), nullptr, dlogits, xc, n, V, H, stream());
+      gemm_->backward_input(bf(dx) + r0 * H, false, dlogits, cbf(w), n, V, H, false, stream());
+      if (dw.defined()) gemm_->backward_weight(f32(dw), nullptr, dlogits, xc, n, V, H, stream());
     }
   }
 
@@ -1398,13 +1345,13 @@ class CudaBackend final : public Backend {
   int device_;
   std::string name_;
   int num_sms_ = 0;
-  std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> staging_events_[2];
-  std::unique_ptr<PinnedBuffer> staging_;
+  std::unique_ptr<cuda::Stream> stream_;
+  std::unique_ptr<cuda::Event> staging_events_[2];
+  std::unique_ptr<cuda::PinnedBuffer> staging_;
   int staging_half_ = 0;
   size_t staging_half_bytes_ = kStagingChunk;
   double write_wait_seconds_ = 0;
-  std::unique_ptr<PinnedBuffer> hold_flags_;  // hold_device's release and expired flags
+  std::unique_ptr<cuda::PinnedBuffer> hold_flags_;  // hold_device's release and expired flags
   bool holding_ = false;
   size_t staging_offset_ = 0;
   DeviceBuffer workspace_;
@@ -1412,10 +1359,10 @@ class CudaBackend final : public Backend {
   DeviceBuffer decode_buffer_;
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
-  std::unique_ptr<Stream> side_stream_;
-  std::unique_ptr<Event> side_fork_, side_done_;
+  std::unique_ptr<cuda::Stream> side_stream_;
+  std::unique_ptr<cuda::Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
-  std::unique_ptr<Event> timing_marks_[kTimingMarks];
+  std::unique_ptr<cuda::Event> timing_marks_[kTimingMarks];
   std::array<bool, kTimingMarks> timing_recorded_{};
   DeviceBuffer side_workspace_;
   DeviceBuffer train_scratch_;
@@ -1423,7 +1370,6 @@ class CudaBackend final : public Backend {
   // Shared by the planners below, which are destroyed first.
   std::unique_ptr<GemmTuningCache> tuning_cache_;
   // Destroyed before the workspaces they use.
-  std::unique_ptr<cuda::LtTrainGemm> train_gemm_;
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
   // Last, so that its thread is joined first when the backend goes.

@@ -1,5 +1,6 @@
 // Device-side helpers shared by the kernels: bf16 packing, 16-byte vector access, reductions,
-// programmatic-launch hooks, and the pointer alignment tests their launchers make.
+// element access for f32 and bf16 data alike, programmatic-launch hooks, and the pointer
+// alignment tests their launchers make.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -101,6 +102,59 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   for (int w = 0; w < n_warps; ++w) m = fmaxf(m, scratch[w]);
   __syncthreads();
   return m;
+}
+
+// Block-wide double sum in a fixed tree order; `sh` holds blockDim.x doubles (a power of two).
+__device__ __forceinline__ double block_sum_f64(double v, double* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  return sh[0];
+}
+
+// ---- element access for f32 and bf16 (uint16_t) data, for kernels that take either ----
+
+__device__ __forceinline__ float ld(const float* p, int64_t i) {
+  return p[i];
+}
+__device__ __forceinline__ float ld(const uint16_t* p, int64_t i) {
+  return bf16_to_float(p[i]);
+}
+__device__ __forceinline__ void st(float* p, int64_t i, float v) {
+  p[i] = v;
+}
+__device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) {
+  p[i] = float_to_bf16(v);
+}
+
+// 8 consecutive elements at a 16-byte aligned address.
+__device__ __forceinline__ void ld8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void ld8(const uint16_t* p, float (&f)[8]) {
+  load8(p, f);
+}
+__device__ __forceinline__ void st8(float* p, const float (&f)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void st8(uint16_t* p, const float (&f)[8]) {
+  store8(p, f);
+}
+
+// 4 consecutive elements at a 16-byte (f32) or 8-byte (bf16) aligned address.
+__device__ __forceinline__ float4 ld4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 ld4(const uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
 }
 
 // Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream

@@ -18,6 +18,12 @@ namespace iris::cuda {
 // Cleared when a device without programmatic launches is initialised (set_programmatic_launch).
 inline std::atomic<bool> g_programmatic_launch{true};
 
+// Whether the device runs programmatic dependent launches (sm_90+); called once per device: one
+// without them turns them off for all.
+inline void set_programmatic_launch(bool supported) {
+  if (!supported) g_programmatic_launch.store(false, std::memory_order_relaxed);
+}
+
 template <typename... KernelArgs, typename... Args>
 void launch_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
                          cudaStream_t stream, Args&&... args) {

@@ -11,12 +11,12 @@
 #include <string>
 #include <type_traits>
 
+#include "core/cuda/attention/attention.h"
+#include "core/cuda/attention/segment_tiles.cuh"
+#include "core/cuda/attention/wgmma.cuh"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
-#include "core/cuda/kernels.h"
 #include "core/cuda/launch.cuh"
-#include "core/cuda/segment_tiles.cuh"
-#include "core/cuda/wgmma.cuh"
 
 namespace iris::cuda {
 namespace {

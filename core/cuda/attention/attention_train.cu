@@ -23,7 +23,7 @@
 // per (query, key) pair for the forward, 2.5 times that for the backward): decoder, causal, 16/8
 // heads of 128, 4096 rows: forward 280 us (245 TFLOP/s), backward 886 us (194); vision, 16 heads
 // of 64, 16 x 1024 rows: 282 us (244), 922 us (186); 16 heads of 72: 487 us (159), 1197 us (161).
-#include "core/cuda/attention_train.h"
+#include "core/cuda/attention/attention.h"
 
 #include <cuda_bf16.h>
 
@@ -31,10 +31,10 @@
 #include <cmath>
 #include <type_traits>
 
+#include "core/cuda/attention/segment_tiles.cuh"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/launch.cuh"
-#include "core/cuda/segment_tiles.cuh"
 
 namespace iris::cuda {
 namespace {

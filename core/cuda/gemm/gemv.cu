@@ -12,7 +12,7 @@
 // as the GEMM output, and silu(gate) is rounded before the product as in swiglu.
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
-#include "core/cuda/kernels.h"
+#include "core/cuda/gemm/gemm.h"
 #include "core/cuda/launch.cuh"
 
 namespace iris::cuda {
@@ -255,10 +255,6 @@ void set_gemv_smem() {
 }
 
 }  // namespace
-
-void set_programmatic_launch(bool supported) {
-  if (!supported) g_programmatic_launch.store(false, std::memory_order_relaxed);
-}
 
 void gemv_init() {
   set_gemv_smem<false, false>();

@@ -1,4 +1,4 @@
-#include "core/cuda/gemm_tuning.h"
+#include "core/cuda/gemm/gemm_tuning.h"
 
 #include <cuda_runtime.h>
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "core/cuda/cuda_check.h"
-#include "core/cuda/kernels.h"
+#include "core/cuda/tables/tables.h"
 #include "core/vision_tables.h"
 
 namespace iris::cuda {
