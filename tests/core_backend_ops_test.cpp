@@ -935,6 +935,46 @@ TEST_F(BackendOps, AddInterpolatedRows) {
   }
 }
 
+// ids must match exactly (the ranking is by logit on both backends, ties to the lower index),
+// weights within one rounding to the compute dtype, probs within f32 rounding.
+TEST_F(BackendOps, MoeRoute) {
+  for (const auto& [T, E, k] : std::vector<std::tuple<int64_t, int64_t, int>>{
+           {300, 128, 8}, {64, 8, 2}, {33, 512, 32}, {5, 3, 3}, {17, 64, 1}}) {
+    SCOPED_TRACE(dims_str({T, E, k}));
+    Side cpu(*cpu_), gpu(*gpu_);
+    Rng rng(120);
+    std::vector<float> x = rng.normal(T * E, 0.f, 2.f);
+    for (float& v : x) v = round_bf16(v);
+    // Exact ties in the first row: experts 1 and 2 share the row's largest logit.
+    x[1] = x[2] = 9.f;
+    const int64_t real = T - T / 4;
+    std::vector<int32_t> ids_cpu(T * k), ids_gpu(T * k);
+    std::vector<std::vector<float>> outs[2];
+    int side = 0;
+    for (Side* s : {&cpu, &gpu}) {
+      Tensor logits = s->make(Kind::act, {T, E}, x);
+      Tensor ids = s->make_i32({T, k}, std::vector<int32_t>(T * k, 7));
+      Tensor weights = s->make(Kind::act, {T, k}, std::vector<float>(T * k, 3.f));
+      Tensor probs = s->make(Kind::f32, {T, E}, std::vector<float>(T * E, 3.f));
+      Tensor real_rows = s->make_i32({1}, {static_cast<int32_t>(real)});
+      s->be().moe_route(ids, weights, probs, logits, k, real_rows);
+      s->be().read((side == 0 ? ids_cpu : ids_gpu).data(), DType::i32, ids);
+      outs[side] = {s->get(weights), s->get(probs)};
+      EXPECT_TRUE(s->guards_intact());
+      ++side;
+    }
+    EXPECT_EQ(ids_gpu, ids_cpu);
+    EXPECT_EQ(ids_cpu[0], 1);
+    if (k > 1) EXPECT_EQ(ids_cpu[1], 2);
+    EXPECT_EQ(ids_cpu[static_cast<size_t>(real * k)], -1);
+    // The CPU's weights rounded as the GPU's are: within one bf16 step of them.
+    const std::vector<float>&wc = outs[0][0], &wg = outs[1][0];
+    for (size_t i = 0; i < wc.size(); ++i)
+      ASSERT_NEAR(wg[i], round_bf16(wc[i]), std::ldexp(std::fabs(wc[i]), -7) + 1e-30f) << i;
+    EXPECT_TRUE(matches(outs[1][1], outs[0][1], kElementwise));
+  }
+}
+
 TEST_F(BackendOps, ArgmaxRows) {
   // 151936 and 40000 columns spread a row over many blocks; 40001 (unaligned rows) and the short
   // rows take one block per row.
@@ -1198,6 +1238,53 @@ TEST_F(BackendOps, CapturedDecodeStepMatchesEagerAtEveryPosition) {
 }
 
 #endif  // IRIS_WITH_CUDA
+
+// ---- mixture of experts ----
+
+// The router's definition on small rows worked by hand: softmax over all experts, the k largest
+// (the lower index first among equal logits), renormalised; padding rows route nowhere.
+TEST(MoeRouteOnTheCpu, PicksRenormalisesAndSkipsPadding) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  const float ln2 = std::log(2.0f), ln3 = std::log(3.0f);
+  // Row 0: probabilities 1/6, 2/6, 3/6 -> experts 2, 1 with weights 3/5, 2/5. Row 1: a tie
+  // between experts 1 and 2 -> 1 first. Row 2: padding.
+  Tensor logits = s.make(Kind::act, {3, 3}, {0.f, ln2, ln3, 0.f, 1.f, 1.f, 5.f, 6.f, 7.f});
+  Tensor ids = s.make_i32({3, 2}, std::vector<int32_t>(6, 99));
+  Tensor weights = s.make(Kind::act, {3, 2}, std::vector<float>(6, 9.f));
+  Tensor probs = s.make(Kind::f32, {3, 3}, std::vector<float>(9, 9.f));
+  Tensor real = s.make_i32({1}, {2});
+  cpu->moe_route(ids, weights, probs, logits, 2, real);
+  std::vector<int32_t> got_ids(6);
+  cpu->read(got_ids.data(), DType::i32, ids);
+  EXPECT_EQ(got_ids, (std::vector<int32_t>{2, 1, 1, 2, -1, -1}));
+  const std::vector<float> w = s.get(weights), p = s.get(probs);
+  EXPECT_NEAR(w[0], 0.6f, 1e-6f);
+  EXPECT_NEAR(w[1], 0.4f, 1e-6f);
+  EXPECT_NEAR(w[2], 0.5f, 1e-6f);
+  EXPECT_NEAR(w[3], 0.5f, 1e-6f);
+  EXPECT_EQ(w[4], 0.f);
+  EXPECT_EQ(w[5], 0.f);
+  EXPECT_NEAR(p[0], 1.f / 6, 1e-6f);
+  EXPECT_NEAR(p[1], 2.f / 6, 1e-6f);
+  EXPECT_NEAR(p[2], 3.f / 6, 1e-6f);
+  const float e = std::exp(1.f);
+  EXPECT_NEAR(p[4], e / (1 + 2 * e), 1e-6f);
+  for (int i = 6; i < 9; ++i) EXPECT_EQ(p[i], 0.f);
+  EXPECT_TRUE(s.guards_intact());
+  // Without real_rows every row routes; without probs none is written.
+  Tensor top1 = s.make_i32({3, 1}, std::vector<int32_t>(3, 99));
+  Tensor top1_weight = s.make(Kind::act, {3, 1}, std::vector<float>(3, 9.f));
+  cpu->moe_route(top1, top1_weight, Tensor(), logits, 1, Tensor());
+  std::vector<int32_t> got_top1(3);
+  cpu->read(got_top1.data(), DType::i32, top1);
+  EXPECT_EQ(got_top1, (std::vector<int32_t>{2, 1, 2}));
+  EXPECT_EQ(s.get(top1_weight), (std::vector<float>{1.f, 1.f, 1.f}));
+  // k must fit the experts and the ids' shape.
+  EXPECT_THROW(cpu->moe_route(ids, weights, probs, logits, 4, Tensor()), Error);
+  Tensor wide = s.make_i32({3, 3}, std::vector<int32_t>(9, 0));
+  EXPECT_THROW(cpu->moe_route(wide, weights, probs, logits, 2, Tensor()), Error);
+}
 
 }  // namespace
 // The CPU oracle's padding semantics (runs everywhere): rows of segments starting at or past

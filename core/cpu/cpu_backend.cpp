@@ -11,7 +11,9 @@
 
 #include "core/backend.h"
 #include "core/cpu/cpu_gemm.h"
+#include "core/cpu/cpu_moe_ops.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "core/moe_ops.h"
 #include "core/taping_backend.h"
 #include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
@@ -460,6 +462,24 @@ class CpuBackend final : public Backend {
       const float* r = x.as<float>() + m * N;
       out.as<int32_t>()[m] = static_cast<int32_t>(std::max_element(r, r + N) - r);
     }
+  }
+
+  void moe_route(const Tensor& ids, const Tensor& weights, const Tensor& probs,
+                 const Tensor& logits, int k, const Tensor& real_rows) override {
+    check_f32(logits, "moe_route logits");
+    check_i32(ids, "moe_route ids");
+    check_f32(weights, "moe_route weights");
+    const int64_t T = logits.rows(), E = logits.cols();
+    check_moe_route_shapes(ids, weights, probs, logits, k, real_rows);
+    if (probs.defined()) check_f32(probs, "moe_route probs");
+    int64_t real = T;
+    if (real_rows.defined()) {
+      check_i32(real_rows, "moe_route real_rows");
+      real = real_rows.as<int32_t>()[0];
+    }
+    cpu::moe_route(ids.as<int32_t>(), weights.as<float>(),
+                   probs.defined() ? probs.as<float>() : nullptr, logits.as<float>(), T, E, k,
+                   real);
   }
 
   // ---- Training ops: the fp32 kernels of core/cpu/cpu_train_ops.h ----

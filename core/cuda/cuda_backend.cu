@@ -23,12 +23,14 @@
 #include "core/cuda/host_convert.h"
 #include "core/cuda/launch.cuh"
 #include "core/cuda/logits/logits.h"
+#include "core/cuda/moe/moe.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/rows/rows.h"
 #include "core/cuda/tables/tables.h"
 #include "core/cuda/train_scratch.h"
 #include "core/loss_workspace.h"
+#include "core/moe_ops.h"
 #include "core/text_rope_tables.h"
 #include "core/vision_tables.h"
 
@@ -694,6 +696,23 @@ class CudaBackend final : public Backend {
     cuda::launch_argmax_rows(static_cast<int32_t*>(out.data), cbf(x), x.rows(), x.cols(),
                              static_cast<unsigned long long*>(argmax_keys_.get()),
                              kArgmaxScratchRows, stream());
+  }
+
+  void moe_route(const Tensor& ids, const Tensor& weights, const Tensor& probs,
+                 const Tensor& logits, int k, const Tensor& real_rows) override {
+    bind();
+    check_act(logits, "moe_route", "logits");
+    check_act(weights, "moe_route", "weights");
+    check_index(ids, "moe_route", "ids");
+    if (probs.defined()) check_device(probs, "moe_route");
+    if (real_rows.defined()) check_index(real_rows, "moe_route", "real_rows");
+    check_moe_route_shapes(ids, weights, probs, logits, k, real_rows);
+    IRIS_CHECK(logits.cols() <= cuda::kMoeRouteMaxExperts, "moe_route: ", logits.cols(),
+               " experts, more than the router kernel's ", cuda::kMoeRouteMaxExperts);
+    cuda::launch_moe_route(static_cast<int32_t*>(ids.data), bf(weights),
+                           probs.defined() ? f32(probs) : nullptr, cbf(logits), logits.rows(),
+                           static_cast<int>(logits.cols()), k,
+                           real_rows.defined() ? ci32(real_rows) : nullptr, stream());
   }
 
   void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,

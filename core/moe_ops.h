@@ -1,0 +1,15 @@
+// What both backends check of the mixture-of-experts ops' arguments (core/backend_ops.inc), so
+// that a wrong shape is the same clear error on the CPU and on CUDA.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace iris {
+
+// The largest k the routers accept (a warp's lanes on CUDA).
+constexpr int kMoeMaxTopK = 32;
+
+void check_moe_route_shapes(const Tensor& ids, const Tensor& weights, const Tensor& probs,
+                            const Tensor& logits, int k, const Tensor& real_rows);
+
+}  // namespace iris
