@@ -24,4 +24,51 @@ void check_moe_route_shapes(const Tensor& ids, const Tensor& weights, const Tens
                real_rows.shape_str(), " should be i32 [1]");
 }
 
+void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
+                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids) {
+  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2, "moe_dispatch: ids ", ids.shape_str(),
+             " should be i32 [tokens, k]");
+  const int64_t T = ids.rows(), slots = ids.numel();
+  IRIS_CHECK(x.ndim == 2 && x.rows() == T, "moe_dispatch: x ", x.shape_str(), " should have ", T,
+             " rows, one per token of ids ", ids.shape_str());
+  IRIS_CHECK(x_sorted.ndim == 2 && x_sorted.rows() == slots && x_sorted.cols() == x.cols() &&
+                 x_sorted.dtype == x.dtype,
+             "moe_dispatch: x_sorted ", x_sorted.shape_str(), " should be [", slots, ", ", x.cols(),
+             "] like x ", x.shape_str());
+  IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.numel() == slots,
+             "moe_dispatch: slot_rows ", slot_rows.shape_str(), " should be i32 with ", slots,
+             " entries");
+  IRIS_CHECK(offsets.dtype == DType::i32 && offsets.numel() >= 2, "moe_dispatch: offsets ",
+             offsets.shape_str(), " should be i32 [experts + 1]");
+}
+
+void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
+                                     const Tensor& offsets) {
+  IRIS_CHECK(w.ndim == 3, "moe_grouped_linear: w ", w.shape_str(), " should be [experts, out, in]");
+  const int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
+  IRIS_CHECK(offsets.dtype == DType::i32 && offsets.numel() == E + 1,
+             "moe_grouped_linear: offsets ", offsets.shape_str(), " should be i32 [", E + 1,
+             "] for ", E, " experts");
+  IRIS_CHECK(x.ndim == 2 && x.cols() == K, "moe_grouped_linear: x ", x.shape_str(), " should have ",
+             K, " columns (w ", w.shape_str(), ")");
+  IRIS_CHECK(y.ndim == 2 && y.rows() == x.rows() && y.cols() == N, "moe_grouped_linear: y ",
+             y.shape_str(), " should be [", x.rows(), ", ", N, "]");
+  IRIS_CHECK(y.data != x.data, "moe_grouped_linear: y aliases x");
+}
+
+void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                              const Tensor& weights) {
+  IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.ndim == 2, "moe_combine: slot_rows ",
+             slot_rows.shape_str(), " should be i32 [tokens, k]");
+  const int64_t T = slot_rows.rows(), k = slot_rows.cols();
+  IRIS_CHECK(weights.ndim == 2 && weights.rows() == T && weights.cols() == k,
+             "moe_combine: weights ", weights.shape_str(), " should be [", T, ", ", k, "]");
+  IRIS_CHECK(y.ndim == 2 && y.rows() == T, "moe_combine: y ", y.shape_str(), " should have ", T,
+             " rows");
+  IRIS_CHECK(y_sorted.ndim == 2 && y_sorted.rows() == T * k && y_sorted.cols() == y.cols() &&
+                 y_sorted.dtype == y.dtype,
+             "moe_combine: y_sorted ", y_sorted.shape_str(), " should be [", T * k, ", ", y.cols(),
+             "] like y ", y.shape_str());
+}
+
 }  // namespace iris

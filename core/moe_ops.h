@@ -11,5 +11,11 @@ constexpr int kMoeMaxTopK = 32;
 
 void check_moe_route_shapes(const Tensor& ids, const Tensor& weights, const Tensor& probs,
                             const Tensor& logits, int k, const Tensor& real_rows);
+void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
+                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids);
+void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
+                                     const Tensor& offsets);
+void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                              const Tensor& weights);
 
 }  // namespace iris

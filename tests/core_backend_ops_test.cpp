@@ -975,6 +975,71 @@ TEST_F(BackendOps, MoeRoute) {
   }
 }
 
+// The routing metadata and row order must match the CPU exactly (ids from moe_route, padding
+// rows included); the projections and the combine within rounding.
+TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
+  struct Case {
+    int64_t T;
+    int k;
+    int64_t E, H, N;
+    bool one_expert;  // every token's first choice the same expert (a tile boundary inside it)
+  };
+  for (const Case& c : std::vector<Case>{{300, 8, 128, 64, 96, false},
+                                         {7, 2, 4, 33, 17, false},
+                                         {1, 8, 128, 128, 64, false},
+                                         {200, 1, 8, 40, 24, true},
+                                         {64, 4, 512, 32, 16, false}}) {
+    SCOPED_TRACE(dims_str({c.T, c.k, c.E, c.H, c.N}));
+    Rng rng(130);
+    std::vector<float> logits = rng.normal(c.T * c.E);
+    for (float& v : logits) v = round_bf16(v);
+    if (c.one_expert)
+      for (int64_t t = 0; t < c.T; ++t) logits[static_cast<size_t>(t * c.E + 3)] = 20.f;
+    std::vector<float> x = rng.normal(c.T * c.H), w = rng.normal(c.E * c.N * c.H, 0.f, 0.2f);
+    for (std::vector<float>* v : {&x, &w})
+      for (float& f : *v) f = round_bf16(f);
+    const int64_t slots = c.T * c.k, real = c.T - c.T / 5;
+    std::vector<int32_t> off[2], rows[2];
+    std::vector<float> xs[2], ys[2], y[2];
+    int side = 0;
+    for (Backend* be : {cpu_.get(), gpu_.get()}) {
+      Side s(*be);
+      Tensor lg = s.make(Kind::act, {c.T, c.E}, logits);
+      Tensor ids = s.make_i32({c.T, c.k}, std::vector<int32_t>(slots, 0));
+      Tensor weights = s.make(Kind::act, {c.T, c.k}, std::vector<float>(slots, 0.f));
+      Tensor real_rows = s.make_i32({1}, {static_cast<int32_t>(real)});
+      be->moe_route(ids, weights, Tensor(), lg, c.k, real_rows);
+      Tensor xt = s.make(Kind::act, {c.T, c.H}, x);
+      Tensor x_sorted = s.make(Kind::act, {slots, c.H}, std::vector<float>(slots * c.H, 0.f));
+      Tensor offsets = s.make_i32({c.E + 1}, std::vector<int32_t>(c.E + 1, 0));
+      Tensor slot_rows = s.make_i32({c.T, c.k}, std::vector<int32_t>(slots, 0));
+      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids);
+      Tensor wt = s.make(Kind::act, {c.E, c.N, c.H}, w);
+      Tensor y_sorted = s.make(Kind::act, {slots, c.N}, std::vector<float>(slots * c.N, 0.f));
+      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
+      Tensor out = s.make(Kind::act, {c.T, c.N}, std::vector<float>(c.T * c.N, 1.f));
+      be->moe_combine(out, y_sorted, slot_rows, weights, true);
+      off[side].resize(static_cast<size_t>(c.E + 1));
+      rows[side].resize(static_cast<size_t>(slots));
+      be->read(off[side].data(), DType::i32, offsets);
+      be->read(rows[side].data(), DType::i32, slot_rows);
+      const int64_t routed = off[side].back();
+      xs[side] = s.get(x_sorted.slice(0, routed));
+      ys[side] = s.get(y_sorted.slice(0, routed));
+      y[side] = s.get(out);
+      EXPECT_TRUE(s.guards_intact());
+      ++side;
+    }
+    EXPECT_EQ(off[1], off[0]);
+    EXPECT_EQ(rows[1], rows[0]);
+    EXPECT_EQ(off[0].back(), real * c.k);
+    if (c.one_expert) EXPECT_EQ(off[0][4] - off[0][3], real);
+    EXPECT_TRUE(matches(xs[1], xs[0], kExact));
+    EXPECT_TRUE(matches(ys[1], ys[0], kElementwise));
+    EXPECT_TRUE(matches(y[1], y[0], kElementwise));
+  }
+}
+
 TEST_F(BackendOps, ArgmaxRows) {
   // 151936 and 40000 columns spread a row over many blocks; 40001 (unaligned rows) and the short
   // rows take one block per row.
@@ -1284,6 +1349,46 @@ TEST(MoeRouteOnTheCpu, PicksRenormalisesAndSkipsPadding) {
   EXPECT_THROW(cpu->moe_route(ids, weights, probs, logits, 4, Tensor()), Error);
   Tensor wide = s.make_i32({3, 3}, std::vector<int32_t>(9, 0));
   EXPECT_THROW(cpu->moe_route(wide, weights, probs, logits, 2, Tensor()), Error);
+}
+
+// The permutation and the experts' projections worked by hand: slots sorted by expert, stable by
+// slot; padding slots get no row; the combine adds each token's slots in order.
+TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  // Slots (t, j): e2 e0 | e0 pad | e2 e1.
+  Tensor ids = s.make_i32({3, 2}, {2, 0, 0, -1, 2, 1});
+  Tensor x = s.make(Kind::act, {3, 2}, {1, 2, 3, 4, 5, 6});
+  Tensor x_sorted = s.make(Kind::act, {6, 2}, std::vector<float>(12, 7.f));
+  Tensor offsets = s.make_i32({4}, std::vector<int32_t>(4, 99));
+  Tensor slot_rows = s.make_i32({3, 2}, std::vector<int32_t>(6, 99));
+  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids);
+  std::vector<int32_t> off(4), rows(6);
+  cpu->read(off.data(), DType::i32, offsets);
+  cpu->read(rows.data(), DType::i32, slot_rows);
+  EXPECT_EQ(off, (std::vector<int32_t>{0, 2, 3, 5}));
+  EXPECT_EQ(rows, (std::vector<int32_t>{3, 0, 1, -1, 4, 2}));
+  EXPECT_EQ(s.get(x_sorted), (std::vector<float>{1, 2, 3, 4, 5, 6, 1, 2, 5, 6, 7, 7}));
+
+  // Expert 0 reads column 0, expert 1 column 1, expert 2 their sum.
+  Tensor w = s.make(Kind::act, {3, 1, 2}, {1, 0, 0, 1, 1, 1});
+  Tensor y_sorted = s.make(Kind::act, {6, 1}, std::vector<float>(6, 7.f));
+  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets);
+  EXPECT_EQ(s.get(y_sorted), (std::vector<float>{1, 3, 6, 3, 11, 7}));
+
+  Tensor weights = s.make(Kind::act, {3, 2}, {0.5f, 0.25f, 1.f, 0.f, 0.75f, 0.25f});
+  Tensor y = s.make(Kind::act, {3, 1}, {1, 1, 1});
+  cpu->moe_combine(y, y_sorted, slot_rows, weights, true);
+  EXPECT_EQ(s.get(y), (std::vector<float>{2.75f, 4.f, 10.75f}));
+  cpu->moe_combine(y, y_sorted, slot_rows, weights, false);
+  EXPECT_EQ(s.get(y), (std::vector<float>{1.75f, 3.f, 9.75f}));
+  EXPECT_TRUE(s.guards_intact());
+
+  // An expert id the layer does not have is refused, as is a grouped weight of other experts.
+  Tensor bad = s.make_i32({3, 2}, {2, 0, 0, 3, 2, 1});
+  EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, bad), Error);
+  Tensor w4 = s.make(Kind::act, {4, 1, 2}, std::vector<float>(8, 1.f));
+  EXPECT_THROW(cpu->moe_grouped_linear(y_sorted, x_sorted, w4, offsets), Error);
 }
 
 }  // namespace

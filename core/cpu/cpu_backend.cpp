@@ -482,6 +482,50 @@ class CpuBackend final : public Backend {
                    real);
   }
 
+  void moe_dispatch(const Tensor& x_sorted, const Tensor& offsets, const Tensor& slot_rows,
+                    const Tensor& x, const Tensor& ids) override {
+    check_f32(x_sorted, "moe_dispatch x_sorted");
+    check_f32(x, "moe_dispatch x");
+    check_i32(offsets, "moe_dispatch offsets");
+    check_i32(slot_rows, "moe_dispatch slot_rows");
+    check_i32(ids, "moe_dispatch ids");
+    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids);
+    cpu::moe_dispatch(x_sorted.as<float>(), offsets.as<int32_t>(), slot_rows.as<int32_t>(),
+                      x.as<float>(), ids.as<int32_t>(), ids.rows(), static_cast<int>(ids.cols()),
+                      offsets.numel() - 1, x.cols());
+  }
+
+  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,
+                          const Tensor& offsets) override {
+    check_f32(y, "moe_grouped_linear y");
+    check_f32(x, "moe_grouped_linear x");
+    check_f32(w, "moe_grouped_linear w");
+    check_i32(offsets, "moe_grouped_linear offsets");
+    check_moe_grouped_linear_shapes(y, x, w, offsets);
+    const int32_t* off = offsets.as<int32_t>();
+    const int64_t E = w.shape[0];
+    for (int64_t e = 0; e < E; ++e)
+      IRIS_CHECK(off[0] == 0 && off[e] <= off[e + 1] && off[E] <= x.rows(),
+                 "moe_grouped_linear: offsets are not ascending within the ", x.rows(), " rows");
+    cpu::moe_grouped_linear(y.as<float>(), x.as<float>(), w.as<float>(), off, E, w.shape[1],
+                            w.shape[2]);
+  }
+
+  void moe_combine(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                   const Tensor& weights, bool accumulate) override {
+    check_f32(y, "moe_combine y");
+    check_f32(y_sorted, "moe_combine y_sorted");
+    check_i32(slot_rows, "moe_combine slot_rows");
+    check_f32(weights, "moe_combine weights");
+    check_moe_combine_shapes(y, y_sorted, slot_rows, weights);
+    const int32_t* rows = slot_rows.as<int32_t>();
+    for (int64_t s = 0; s < slot_rows.numel(); ++s)
+      IRIS_CHECK(rows[s] >= -1 && rows[s] < y_sorted.rows(), "moe_combine: slot row ", rows[s],
+                 " is outside the ", y_sorted.rows(), " sorted rows");
+    cpu::moe_combine(y.as<float>(), y_sorted.as<float>(), rows, weights.as<float>(), y.rows(),
+                     static_cast<int>(slot_rows.cols()), y.cols(), accumulate);
+  }
+
   // ---- Training ops: the fp32 kernels of core/cpu/cpu_train_ops.h ----
 
   void convert(const Tensor& dst, const Tensor& src) override {

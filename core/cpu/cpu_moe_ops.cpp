@@ -1,7 +1,11 @@
 #include "core/cpu/cpu_moe_ops.h"
 
 #include <cmath>
+#include <cstring>
+
 #include <vector>
+#include "core/cpu/cpu_gemm.h"
+#include "core/error.h"
 
 namespace iris::cpu {
 
@@ -43,6 +47,55 @@ void moe_route(int32_t* ids, float* weights, float* probs, const float* logits, 
       chosen_sum += w[j];
     }
     for (int j = 0; j < k; ++j) w[j] /= chosen_sum;
+  }
+}
+
+void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const float* x,
+                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H) {
+  const int64_t slots = T * k;
+  std::vector<int64_t> count(static_cast<size_t>(E), 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int32_t e = ids[s];
+    IRIS_CHECK(e >= -1 && e < E, "moe_dispatch: expert id ", e, " of slot ", s, " is outside -1..",
+               E - 1);
+    if (e >= 0) ++count[static_cast<size_t>(e)];
+  }
+  offsets[0] = 0;
+  for (int64_t e = 0; e < E; ++e)
+    offsets[e + 1] = offsets[e] + static_cast<int32_t>(count[static_cast<size_t>(e)]);
+  std::vector<int64_t> next(offsets, offsets + E);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int32_t e = ids[s];
+    slot_rows[s] = e < 0 ? -1 : static_cast<int32_t>(next[static_cast<size_t>(e)]++);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < slots; ++s)
+    if (slot_rows[s] >= 0)
+      std::memcpy(x_sorted + slot_rows[s] * H, x + (s / k) * H,
+                  static_cast<size_t>(H) * sizeof(float));
+}
+
+void moe_grouped_linear(float* y, const float* x, const float* w, const int32_t* offsets, int64_t E,
+                        int64_t N, int64_t K) {
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+    if (rows > 0) sgemm_xwt(rows, N, K, x + begin * K, w + e * N * K, y + begin * N, 0.0f);
+  }
+}
+
+void moe_combine(float* y, const float* y_sorted, const int32_t* slot_rows, const float* weights,
+                 int64_t T, int k, int64_t H, bool accumulate) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* out = y + t * H;
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int32_t r = slot_rows[t * k + j];
+        if (r >= 0) sum += weights[t * k + j] * y_sorted[r * H + h];
+      }
+      out[h] = accumulate ? out[h] + sum : sum;
+    }
   }
 }
 

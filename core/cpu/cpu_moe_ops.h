@@ -11,4 +11,16 @@ namespace iris::cpu {
 void moe_route(int32_t* ids, float* weights, float* probs, const float* logits, int64_t T,
                int64_t E, int k, int64_t real_rows);
 
+// moe_dispatch of `slots` = T * k slots over E experts, rows of H floats.
+void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const float* x,
+                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H);
+
+// moe_grouped_linear: w [E, N, K], x [R, K], y [R, N], over rows [0, offsets[E]).
+void moe_grouped_linear(float* y, const float* x, const float* w, const int32_t* offsets, int64_t E,
+                        int64_t N, int64_t K);
+
+// moe_combine: y [T, H], y_sorted [*, H], slot_rows and weights [T, k].
+void moe_combine(float* y, const float* y_sorted, const int32_t* slot_rows, const float* weights,
+                 int64_t T, int k, int64_t H, bool accumulate);
+
 }  // namespace iris::cpu

@@ -715,6 +715,51 @@ class CudaBackend final : public Backend {
                            real_rows.defined() ? ci32(real_rows) : nullptr, stream());
   }
 
+  void moe_dispatch(const Tensor& x_sorted, const Tensor& offsets, const Tensor& slot_rows,
+                    const Tensor& x, const Tensor& ids) override {
+    bind();
+    check_act(x_sorted, "moe_dispatch", "x_sorted");
+    check_act(x, "moe_dispatch", "x");
+    check_index(offsets, "moe_dispatch", "offsets");
+    check_index(slot_rows, "moe_dispatch", "slot_rows");
+    check_index(ids, "moe_dispatch", "ids");
+    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids);
+    const int64_t E = offsets.numel() - 1;
+    IRIS_CHECK(E <= cuda::kMoeRouteMaxExperts, "moe_dispatch: ", E,
+               " experts, more than the plan kernel's ", cuda::kMoeRouteMaxExperts);
+    cuda::launch_moe_dispatch(bf(x_sorted), static_cast<int32_t*>(offsets.data),
+                              static_cast<int32_t*>(slot_rows.data), cbf(x), ci32(ids), ids.rows(),
+                              static_cast<int>(ids.cols()), static_cast<int>(E), x.cols(),
+                              stream());
+  }
+
+  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,
+                          const Tensor& offsets) override {
+    bind();
+    check_act(y, "moe_grouped_linear", "y");
+    check_act(x, "moe_grouped_linear", "x");
+    check_act(w, "moe_grouped_linear", "w");
+    check_index(offsets, "moe_grouped_linear", "offsets");
+    check_moe_grouped_linear_shapes(y, x, w, offsets);
+    const int64_t E = w.shape[0];
+    IRIS_CHECK((x.rows() + 63) / 64 + E <= 65535, "moe_grouped_linear: ", x.rows(), " rows over ",
+               E, " experts need more row tiles than one launch holds");
+    cuda::launch_moe_grouped_linear(bf(y), cbf(x), cbf(w), ci32(offsets), x.rows(),
+                                    static_cast<int>(E), w.shape[1], w.shape[2], stream());
+  }
+
+  void moe_combine(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                   const Tensor& weights, bool accumulate) override {
+    bind();
+    check_act(y, "moe_combine", "y");
+    check_act(y_sorted, "moe_combine", "y_sorted");
+    check_act(weights, "moe_combine", "weights");
+    check_index(slot_rows, "moe_combine", "slot_rows");
+    check_moe_combine_shapes(y, y_sorted, slot_rows, weights);
+    cuda::launch_moe_combine(bf(y), cbf(y_sorted), ci32(slot_rows), cbf(weights), y.rows(),
+                             static_cast<int>(slot_rows.cols()), y.cols(), accumulate, stream());
+  }
+
   void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,
                         const std::vector<float>& inv_freq,
                         const std::vector<int>& pair_axis) override {

@@ -17,4 +17,23 @@ constexpr int kMoeRouteMaxExperts = 512;
 void launch_moe_route(int32_t* ids, uint16_t* weights, float* probs, const uint16_t* logits,
                       int64_t T, int E, int k, const int32_t* real_rows, cudaStream_t s);
 
+// ---- the permutation (Backend::moe_dispatch, Backend::moe_combine) ----
+// One block plans the whole call (counts, offsets and every slot's row, stable by slot); ids
+// outside 0..E-1 count as padding (the CPU oracle refuses them; moe_route makes none). The rows
+// of x (bf16 [T, H]) then go to x_sorted.
+void launch_moe_dispatch(uint16_t* x_sorted, int32_t* offsets, int32_t* slot_rows,
+                         const uint16_t* x, const int32_t* ids, int64_t T, int k, int E, int64_t H,
+                         cudaStream_t s);
+// y[t] (+)= sum over j of weights[t, j] * y_sorted[slot_rows[t, j]], in f32 in slot order.
+void launch_moe_combine(uint16_t* y, const uint16_t* y_sorted, const int32_t* slot_rows,
+                        const uint16_t* weights, int64_t T, int k, int64_t H, bool accumulate,
+                        cudaStream_t s);
+
+// ---- the experts' projections (Backend::moe_grouped_linear) ----
+// y [R, N] = x [R, K] . w[e]^T per expert's rows, w bf16 [E, N, K]; the row counts are read from
+// offsets on the device, so the grid covers every split of R rows over E experts.
+void launch_moe_grouped_linear(uint16_t* y, const uint16_t* x, const uint16_t* w,
+                               const int32_t* offsets, int64_t R, int E, int64_t N, int64_t K,
+                               cudaStream_t s);
+
 }  // namespace iris::cuda

@@ -1,0 +1,129 @@
+// The permutation of a mixture-of-experts layer (core/backend_ops.inc: moe_dispatch and
+// moe_combine). The plan runs in one block so that it needs no scratch beyond shared memory and
+// no host synchronisation: each warp counts the experts of a contiguous segment of slots, the
+// counts are prefixed over the warps and the experts, and each warp then walks its segment again,
+// ranking equal experts within a 32-slot step with __match_any_sync. Rows are therefore stable
+// by slot, as the CPU oracle assigns them.
+#include <cuda_runtime.h>
+
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/device_utils.cuh"
+#include "core/cuda/moe/moe.h"
+
+namespace iris::cuda {
+namespace {
+
+constexpr int kPlanWarps = 16;
+
+__global__ void moe_plan_kernel(int32_t* __restrict__ offsets, int32_t* __restrict__ slot_rows,
+                                const int32_t* __restrict__ ids, int64_t slots, int E) {
+  extern __shared__ int32_t smem[];
+  int32_t* warp_count = smem;              // [kPlanWarps][E]
+  int32_t* start = smem + kPlanWarps * E;  // [E + 1]
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  for (int i = static_cast<int>(threadIdx.x); i < kPlanWarps * E; i += blockDim.x) smem[i] = 0;
+  __syncthreads();
+  const int64_t per_warp = (slots + kPlanWarps - 1) / kPlanWarps;
+  const int64_t begin = warp * per_warp, end = min(slots, begin + per_warp);
+  auto expert_of = [&](int64_t s) {
+    const int32_t e = ids[s];
+    return e >= 0 && e < E ? e : -1;
+  };
+  for (int64_t s = begin + lane; s < end; s += 32) {
+    const int32_t e = expert_of(s);
+    if (e >= 0) atomicAdd(&warp_count[warp * E + e], 1);
+  }
+  __syncthreads();
+  // Per expert, each warp's first row relative to the expert's start, and the expert's total.
+  for (int e = static_cast<int>(threadIdx.x); e < E; e += blockDim.x) {
+    int32_t running = 0;
+    for (int w = 0; w < kPlanWarps; ++w) {
+      const int32_t c = warp_count[w * E + e];
+      warp_count[w * E + e] = running;
+      running += c;
+    }
+    start[e + 1] = running;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    start[0] = 0;
+    for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+  }
+  __syncthreads();
+  for (int e = static_cast<int>(threadIdx.x); e <= E; e += blockDim.x) offsets[e] = start[e];
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t s = base + lane;
+    const bool here = s < end;
+    const unsigned active = __ballot_sync(0xffffffffu, here);
+    const int32_t e = here ? expert_of(s) : -2;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (here) {
+      if (e < 0) {
+        slot_rows[s] = -1;
+      } else {
+        const int rank = __popc(peers & active & lower);
+        slot_rows[s] = start[e] + warp_count[warp * E + e] + rank;
+      }
+    }
+    __syncwarp();
+    // The lowest lane of each expert's peers moves that expert's count on by the step's slots.
+    if (here && e >= 0 && (peers & active & lower) == 0)
+      warp_count[warp * E + e] += __popc(peers & active);
+    __syncwarp();
+  }
+}
+
+__global__ void moe_gather_kernel(uint16_t* __restrict__ x_sorted,
+                                  const int32_t* __restrict__ slot_rows,
+                                  const uint16_t* __restrict__ x, int k, int64_t H) {
+  const int64_t s = blockIdx.x;
+  const int32_t r = slot_rows[s];
+  if (r < 0) return;
+  const uint16_t* src = x + (s / k) * H;
+  uint16_t* dst = x_sorted + static_cast<int64_t>(r) * H;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+}
+
+__global__ void moe_combine_kernel(uint16_t* __restrict__ y, const uint16_t* __restrict__ y_sorted,
+                                   const int32_t* __restrict__ slot_rows,
+                                   const uint16_t* __restrict__ weights, int k, int64_t H,
+                                   bool accumulate) {
+  const int64_t t = blockIdx.x;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t r = slot_rows[t * k + j];
+      if (r >= 0)
+        sum += bf16_to_float(weights[t * k + j]) *
+               bf16_to_float(y_sorted[static_cast<int64_t>(r) * H + h]);
+    }
+    if (accumulate) sum += bf16_to_float(y[t * H + h]);
+    y[t * H + h] = float_to_bf16(sum);
+  }
+}
+
+}  // namespace
+
+void launch_moe_dispatch(uint16_t* x_sorted, int32_t* offsets, int32_t* slot_rows,
+                         const uint16_t* x, const int32_t* ids, int64_t T, int k, int E, int64_t H,
+                         cudaStream_t s) {
+  const int64_t slots = T * k;
+  const size_t smem = (static_cast<size_t>(kPlanWarps) * E + E + 1) * sizeof(int32_t);
+  moe_plan_kernel<<<1, 32 * kPlanWarps, smem, s>>>(offsets, slot_rows, ids, slots, E);
+  IRIS_CUDA_LAUNCH_CHECK();
+  if (slots == 0) return;
+  moe_gather_kernel<<<static_cast<unsigned>(slots), 128, 0, s>>>(x_sorted, slot_rows, x, k, H);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_combine(uint16_t* y, const uint16_t* y_sorted, const int32_t* slot_rows,
+                        const uint16_t* weights, int64_t T, int k, int64_t H, bool accumulate,
+                        cudaStream_t s) {
+  if (T == 0) return;
+  moe_combine_kernel<<<static_cast<unsigned>(T), 256, 0, s>>>(y, y_sorted, slot_rows, weights, k, H,
+                                                              accumulate);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace iris::cuda
