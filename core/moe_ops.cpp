@@ -44,8 +44,8 @@ void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
 
 void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
                                      const Tensor& offsets) {
-  IRIS_CHECK(w.ndim == 3, "moe_grouped_linear: w ", w.shape_str(), " should be [experts, out, in]");
-  const int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
+  IRIS_CHECK(w.ndim == 3, "moe_grouped_linear: w ", w.shape_str(), " should be [experts, in, out]");
+  const int64_t E = w.shape[0], K = w.shape[1], N = w.shape[2];
   IRIS_CHECK(offsets.dtype == DType::i32 && offsets.numel() == E + 1,
              "moe_grouped_linear: offsets ", offsets.shape_str(), " should be i32 [", E + 1,
              "] for ", E, " experts");
@@ -56,19 +56,52 @@ void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Ten
   IRIS_CHECK(y.data != x.data, "moe_grouped_linear: y aliases x");
 }
 
-void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
-                              const Tensor& weights) {
-  IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.ndim == 2, "moe_combine: slot_rows ",
+namespace {
+// The combine's shapes, whatever the dtypes (its backward's dy may be f32 beside bf16 rows).
+void check_combine_dims(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                        const Tensor& weights, const char* op) {
+  IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.ndim == 2, op, ": slot_rows ",
              slot_rows.shape_str(), " should be i32 [tokens, k]");
   const int64_t T = slot_rows.rows(), k = slot_rows.cols();
-  IRIS_CHECK(weights.ndim == 2 && weights.rows() == T && weights.cols() == k,
-             "moe_combine: weights ", weights.shape_str(), " should be [", T, ", ", k, "]");
-  IRIS_CHECK(y.ndim == 2 && y.rows() == T, "moe_combine: y ", y.shape_str(), " should have ", T,
-             " rows");
-  IRIS_CHECK(y_sorted.ndim == 2 && y_sorted.rows() == T * k && y_sorted.cols() == y.cols() &&
-                 y_sorted.dtype == y.dtype,
-             "moe_combine: y_sorted ", y_sorted.shape_str(), " should be [", T * k, ", ", y.cols(),
-             "] like y ", y.shape_str());
+  IRIS_CHECK(weights.ndim == 2 && weights.rows() == T && weights.cols() == k, op, ": weights ",
+             weights.shape_str(), " should be [", T, ", ", k, "]");
+  IRIS_CHECK(y.ndim == 2 && y.rows() == T, op, ": y ", y.shape_str(), " should have ", T, " rows");
+  IRIS_CHECK(y_sorted.ndim == 2 && y_sorted.rows() == T * k && y_sorted.cols() == y.cols(), op,
+             ": y_sorted ", y_sorted.shape_str(), " should be [", T * k, ", ", y.cols(), "]");
+}
+}  // namespace
+
+void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
+                              const Tensor& weights) {
+  check_combine_dims(y, y_sorted, slot_rows, weights, "moe_combine");
+  IRIS_CHECK(y_sorted.dtype == y.dtype, "moe_combine: y_sorted ", y_sorted.shape_str(), " and y ",
+             y.shape_str(), " differ in dtype");
+}
+
+void check_moe_combine_backward_shapes(const Tensor& dy_sorted, const Tensor& dweights,
+                                       const Tensor& dy, const Tensor& y_sorted,
+                                       const Tensor& slot_rows, const Tensor& weights) {
+  check_combine_dims(dy, y_sorted, slot_rows, weights, "moe_combine_backward");
+  IRIS_CHECK(dy_sorted.ndim == 2 && dy_sorted.rows() == y_sorted.rows() &&
+                 dy_sorted.cols() == y_sorted.cols(),
+             "moe_combine_backward: dy_sorted ", dy_sorted.shape_str(), " should be shaped as ",
+             y_sorted.shape_str());
+  IRIS_CHECK(dweights.dtype == DType::f32 && dweights.numel() == slot_rows.numel(),
+             "moe_combine_backward: dweights ", dweights.shape_str(), " should be f32 with ",
+             slot_rows.numel(), " entries");
+}
+
+void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorted,
+                                        const Tensor& slot_rows) {
+  IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.ndim == 2,
+             "moe_dispatch_backward: slot_rows ", slot_rows.shape_str(),
+             " should be i32 [tokens, k]");
+  IRIS_CHECK(dx.ndim == 2 && dx.rows() == slot_rows.rows(), "moe_dispatch_backward: dx ",
+             dx.shape_str(), " should have ", slot_rows.rows(), " rows");
+  IRIS_CHECK(
+      dx_sorted.ndim == 2 && dx_sorted.rows() == slot_rows.numel() && dx_sorted.cols() == dx.cols(),
+      "moe_dispatch_backward: dx_sorted ", dx_sorted.shape_str(), " should be [", slot_rows.numel(),
+      ", ", dx.cols(), "]");
 }
 
 }  // namespace iris

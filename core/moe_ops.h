@@ -17,5 +17,10 @@ void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Ten
                                      const Tensor& offsets);
 void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
                               const Tensor& weights);
+void check_moe_combine_backward_shapes(const Tensor& dy_sorted, const Tensor& dweights,
+                                       const Tensor& dy, const Tensor& y_sorted,
+                                       const Tensor& slot_rows, const Tensor& weights);
+void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorted,
+                                        const Tensor& slot_rows);
 
 }  // namespace iris

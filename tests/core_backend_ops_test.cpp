@@ -1014,7 +1014,7 @@ TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
       Tensor offsets = s.make_i32({c.E + 1}, std::vector<int32_t>(c.E + 1, 0));
       Tensor slot_rows = s.make_i32({c.T, c.k}, std::vector<int32_t>(slots, 0));
       be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids);
-      Tensor wt = s.make(Kind::act, {c.E, c.N, c.H}, w);
+      Tensor wt = s.make(Kind::act, {c.E, c.H, c.N}, w);
       Tensor y_sorted = s.make(Kind::act, {slots, c.N}, std::vector<float>(slots * c.N, 0.f));
       be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
       Tensor out = s.make(Kind::act, {c.T, c.N}, std::vector<float>(c.T * c.N, 1.f));
@@ -1037,6 +1037,62 @@ TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
     EXPECT_TRUE(matches(xs[1], xs[0], kExact));
     EXPECT_TRUE(matches(ys[1], ys[0], kElementwise));
     EXPECT_TRUE(matches(y[1], y[0], kElementwise));
+  }
+}
+
+// The backwards on random routing with padding, against the CPU oracle: the sorted gradients and
+// dx within rounding, the weight and routing-weight gradients (f32) within accumulation order.
+TEST_F(BackendOps, MoeBackward) {
+  for (const auto& [T, k, E, H, N] :
+       std::vector<std::tuple<int64_t, int, int64_t, int64_t, int64_t>>{
+           {300, 8, 128, 64, 96}, {7, 2, 4, 33, 17}, {200, 1, 8, 40, 24}}) {
+    SCOPED_TRACE(dims_str({T, k, E, H, N}));
+    Rng rng(150);
+    auto bf = [](std::vector<float> v) {
+      for (float& f : v) f = round_bf16(f);
+      return v;
+    };
+    const std::vector<float> logits = bf(rng.normal(T * E)), x = bf(rng.normal(T * H)),
+                             w = bf(rng.normal(E * H * N, 0.f, 0.2f)), dout = rng.normal(T * N),
+                             gsort = bf(rng.normal(T * k * H));
+    const int64_t slots = T * k, real = T - T / 5;
+    std::vector<std::vector<float>> got[2];
+    int side = 0;
+    for (Backend* be : {cpu_.get(), gpu_.get()}) {
+      Side s(*be);
+      Tensor lg = s.make(Kind::act, {T, E}, logits);
+      Tensor ids = s.make_i32({T, k}, std::vector<int32_t>(slots, 0));
+      Tensor weights = s.make(Kind::act, {T, k}, std::vector<float>(slots, 0.f));
+      Tensor real_rows = s.make_i32({1}, {static_cast<int32_t>(real)});
+      be->moe_route(ids, weights, Tensor(), lg, k, real_rows);
+      Tensor xt = s.make(Kind::act, {T, H}, x);
+      Tensor x_sorted = s.make(Kind::act, {slots, H}, std::vector<float>(slots * H, 0.f));
+      Tensor offsets = s.make_i32({E + 1}, std::vector<int32_t>(E + 1, 0));
+      Tensor slot_rows = s.make_i32({T, k}, std::vector<int32_t>(slots, 0));
+      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids);
+      Tensor wt = s.make(Kind::act, {E, H, N}, w);
+      Tensor y_sorted = s.make(Kind::act, {slots, N}, std::vector<float>(slots * N, 0.f));
+      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
+      // The residual stream's gradient is f32 on both backends.
+      Tensor dy = s.make(Kind::f32, {T, N}, dout);
+      Tensor dy_sorted = s.make(Kind::act, {slots, N}, std::vector<float>(slots * N, 0.f));
+      Tensor dweights = s.make(Kind::f32, {T, k}, std::vector<float>(slots, 3.f));
+      be->moe_combine_backward(dy_sorted, dweights, dy, y_sorted, slot_rows, weights);
+      Tensor dxs = s.make(Kind::act, {slots, H}, std::vector<float>(slots * H, 0.f));
+      Tensor dw = s.make(Kind::f32, {E, H, N}, std::vector<float>(E * H * N, 0.5f));
+      be->moe_grouped_linear_backward(dxs, dw, dy_sorted, x_sorted, wt, offsets);
+      Tensor gs = s.make(Kind::act, {slots, H}, gsort);
+      Tensor dx = s.make(Kind::f32, {T, H}, std::vector<float>(T * H, 1.f));
+      be->moe_dispatch_backward(dx, gs, slot_rows);
+      const int64_t routed = real * k;
+      got[side] = {s.get(dy_sorted.slice(0, routed)), s.get(dweights), s.get(dxs.slice(0, routed)),
+                   s.get(dw), s.get(dx)};
+      EXPECT_TRUE(s.guards_intact());
+      ++side;
+    }
+    const char* names[] = {"dy_sorted", "dweights", "dx_sorted", "dw", "dx"};
+    for (size_t i = 0; i < got[0].size(); ++i)
+      EXPECT_TRUE(matches(got[1][i], got[0][i], kChained)) << names[i];
   }
 }
 
@@ -1370,8 +1426,8 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
   EXPECT_EQ(rows, (std::vector<int32_t>{3, 0, 1, -1, 4, 2}));
   EXPECT_EQ(s.get(x_sorted), (std::vector<float>{1, 2, 3, 4, 5, 6, 1, 2, 5, 6, 7, 7}));
 
-  // Expert 0 reads column 0, expert 1 column 1, expert 2 their sum.
-  Tensor w = s.make(Kind::act, {3, 1, 2}, {1, 0, 0, 1, 1, 1});
+  // Expert 0 reads column 0, expert 1 column 1, expert 2 their sum (w [E, K, N]).
+  Tensor w = s.make(Kind::act, {3, 2, 1}, {1, 0, 0, 1, 1, 1});
   Tensor y_sorted = s.make(Kind::act, {6, 1}, std::vector<float>(6, 7.f));
   cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets);
   EXPECT_EQ(s.get(y_sorted), (std::vector<float>{1, 3, 6, 3, 11, 7}));
@@ -1387,8 +1443,81 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
   // An expert id the layer does not have is refused, as is a grouped weight of other experts.
   Tensor bad = s.make_i32({3, 2}, {2, 0, 0, 3, 2, 1});
   EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, bad), Error);
-  Tensor w4 = s.make(Kind::act, {4, 1, 2}, std::vector<float>(8, 1.f));
+  Tensor w4 = s.make(Kind::act, {4, 2, 1}, std::vector<float>(8, 1.f));
   EXPECT_THROW(cpu->moe_grouped_linear(y_sorted, x_sorted, w4, offsets), Error);
+}
+
+// Each backward is the adjoint of its forward, which is linear in the input it differentiates:
+// <dy, f(x)> = <f^T(dy), x> for the permutation, the projections (in x and in w) and the combine
+// (in y_sorted and in the weights), on random routing with padding.
+TEST(MoeBackwardOnTheCpu, EachBackwardIsItsForwardsAdjoint) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  const int64_t T = 37, E = 6, H = 12, N = 10;
+  const int k = 3;
+  Rng rng(140);
+  auto dot = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double d = 0;
+    for (size_t i = 0; i < a.size(); ++i) d += double(a[i]) * b[i];
+    return d;
+  };
+  Tensor logits = s.make(Kind::act, {T, E}, rng.normal(T * E));
+  Tensor ids = s.make_i32({T, k}, std::vector<int32_t>(T * k, 0));
+  Tensor weights = s.make(Kind::act, {T, k}, std::vector<float>(T * k, 0.f));
+  Tensor real = s.make_i32({1}, {30});
+  cpu->moe_route(ids, weights, Tensor(), logits, k, real);
+  const std::vector<float> xv = rng.normal(T * H);
+  Tensor x = s.make(Kind::act, {T, H}, xv);
+  Tensor x_sorted = s.make(Kind::act, {T * k, H}, std::vector<float>(T * k * H, 0.f));
+  Tensor offsets = s.make_i32({E + 1}, std::vector<int32_t>(E + 1, 0));
+  Tensor slot_rows = s.make_i32({T, k}, std::vector<int32_t>(T * k, 0));
+  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids);
+  std::vector<int32_t> off(static_cast<size_t>(E + 1));
+  cpu->read(off.data(), DType::i32, offsets);
+  const int64_t R = off.back();
+  ASSERT_EQ(R, 30 * k);
+
+  // Dispatch: <dx_sorted, x_sorted> over the routed rows = <dispatch^T(dx_sorted), x>.
+  const std::vector<float> g_sorted = rng.normal(T * k * H);
+  Tensor dx_sorted = s.make(Kind::act, {T * k, H}, g_sorted);
+  Tensor dx = s.make(Kind::act, {T, H}, std::vector<float>(T * H, 0.f));
+  cpu->moe_dispatch_backward(dx, dx_sorted, slot_rows);
+  const std::vector<float> xs = s.get(x_sorted.slice(0, R)),
+                           gs(g_sorted.begin(), g_sorted.begin() + R * H);
+  EXPECT_NEAR(dot(gs, xs), dot(s.get(dx), xv), 1e-4 * std::fabs(dot(gs, xs)) + 1e-6);
+
+  // Projections: <dy, x_sorted . w> = <dx, x_sorted> = <dw, w>.
+  const std::vector<float> wv = rng.normal(E * H * N);
+  Tensor w = s.make(Kind::act, {E, H, N}, wv);
+  Tensor y_sorted = s.make(Kind::act, {T * k, N}, std::vector<float>(T * k * N, 0.f));
+  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets);
+  const std::vector<float> dyv = rng.normal(T * k * N);
+  Tensor dy = s.make(Kind::act, {T * k, N}, dyv);
+  Tensor dxs = s.make(Kind::act, {T * k, H}, std::vector<float>(T * k * H, 0.f));
+  Tensor dw = s.make(Kind::f32, {E, H, N}, std::vector<float>(E * H * N, 0.f));
+  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets);
+  const std::vector<float> ys = s.get(y_sorted.slice(0, R)), dys(dyv.begin(), dyv.begin() + R * N);
+  const double forward = dot(dys, ys);
+  EXPECT_NEAR(dot(s.get(dxs.slice(0, R)), xs), forward, 1e-4 * std::fabs(forward));
+  EXPECT_NEAR(dot(s.get(dw), wv), forward, 1e-4 * std::fabs(forward));
+  // dw accumulates.
+  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets);
+  EXPECT_NEAR(dot(s.get(dw), wv), 2 * forward, 2e-4 * std::fabs(forward));
+
+  // Combine: <dout, combine(y_sorted, weights)> = <dy_sorted, y_sorted> = <dweights, weights>.
+  Tensor out = s.make(Kind::act, {T, N}, std::vector<float>(T * N, 0.f));
+  cpu->moe_combine(out, y_sorted, slot_rows, weights, false);
+  const std::vector<float> doutv = rng.normal(T * N);
+  Tensor dout = s.make(Kind::act, {T, N}, doutv);
+  Tensor dy_sorted = s.make(Kind::act, {T * k, N}, std::vector<float>(T * k * N, 0.f));
+  Tensor dweights = s.make(Kind::f32, {T, k}, std::vector<float>(T * k, 5.f));
+  cpu->moe_combine_backward(dy_sorted, dweights, dout, y_sorted, slot_rows, weights);
+  const double combined = dot(doutv, s.get(out));
+  EXPECT_NEAR(dot(s.get(dy_sorted.slice(0, R)), ys), combined, 1e-4 * std::fabs(combined));
+  EXPECT_NEAR(dot(s.get(dweights), s.get(weights)), combined, 1e-4 * std::fabs(combined));
+  // Padding slots (tokens 30 on) get no weight gradient.
+  EXPECT_EQ(s.get(dweights)[static_cast<size_t>(30 * k)], 0.f);
+  EXPECT_TRUE(s.guards_intact());
 }
 
 }  // namespace

@@ -41,6 +41,21 @@ void check_i32(const Tensor& t, const char* what) {
   IRIS_CHECK(t.dtype == DType::i32, what, " must be i32, got ", t.shape_str());
 }
 
+// The oracle refuses what the CUDA kernels cannot: routing tables that point outside their rows.
+void check_offsets(const Tensor& offsets, int64_t rows, const char* op) {
+  const int32_t* off = offsets.as<int32_t>();
+  const int64_t E = offsets.numel() - 1;
+  for (int64_t e = 0; e < E; ++e)
+    IRIS_CHECK(off[0] == 0 && off[e] <= off[e + 1] && off[E] <= rows, op,
+               ": offsets are not ascending within the ", rows, " rows");
+}
+void check_slot_rows(const Tensor& slot_rows, int64_t rows, const char* op) {
+  const int32_t* r = slot_rows.as<int32_t>();
+  for (int64_t s = 0; s < slot_rows.numel(); ++s)
+    IRIS_CHECK(r[s] >= -1 && r[s] < rows, op, ": slot row ", r[s], " is outside the ", rows,
+               " sorted rows");
+}
+
 float gelu_tanh_f(float x) {
   const float k = 0.7978845608028654f;  // sqrt(2/pi)
   return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
@@ -502,13 +517,9 @@ class CpuBackend final : public Backend {
     check_f32(w, "moe_grouped_linear w");
     check_i32(offsets, "moe_grouped_linear offsets");
     check_moe_grouped_linear_shapes(y, x, w, offsets);
-    const int32_t* off = offsets.as<int32_t>();
-    const int64_t E = w.shape[0];
-    for (int64_t e = 0; e < E; ++e)
-      IRIS_CHECK(off[0] == 0 && off[e] <= off[e + 1] && off[E] <= x.rows(),
-                 "moe_grouped_linear: offsets are not ascending within the ", x.rows(), " rows");
-    cpu::moe_grouped_linear(y.as<float>(), x.as<float>(), w.as<float>(), off, E, w.shape[1],
-                            w.shape[2]);
+    check_offsets(offsets, x.rows(), "moe_grouped_linear");
+    cpu::moe_grouped_linear(y.as<float>(), x.as<float>(), w.as<float>(), offsets.as<int32_t>(),
+                            w.shape[0], w.shape[2], w.shape[1]);
   }
 
   void moe_combine(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
@@ -518,12 +529,59 @@ class CpuBackend final : public Backend {
     check_i32(slot_rows, "moe_combine slot_rows");
     check_f32(weights, "moe_combine weights");
     check_moe_combine_shapes(y, y_sorted, slot_rows, weights);
-    const int32_t* rows = slot_rows.as<int32_t>();
-    for (int64_t s = 0; s < slot_rows.numel(); ++s)
-      IRIS_CHECK(rows[s] >= -1 && rows[s] < y_sorted.rows(), "moe_combine: slot row ", rows[s],
-                 " is outside the ", y_sorted.rows(), " sorted rows");
-    cpu::moe_combine(y.as<float>(), y_sorted.as<float>(), rows, weights.as<float>(), y.rows(),
-                     static_cast<int>(slot_rows.cols()), y.cols(), accumulate);
+    check_slot_rows(slot_rows, y_sorted.rows(), "moe_combine");
+    cpu::moe_combine(y.as<float>(), y_sorted.as<float>(), slot_rows.as<int32_t>(),
+                     weights.as<float>(), y.rows(), static_cast<int>(slot_rows.cols()), y.cols(),
+                     accumulate);
+  }
+
+  void moe_combine_backward(const Tensor& dy_sorted, const Tensor& dweights, const Tensor& dy,
+                            const Tensor& y_sorted, const Tensor& slot_rows,
+                            const Tensor& weights) override {
+    check_f32(dy_sorted, "moe_combine_backward dy_sorted");
+    check_f32(dweights, "moe_combine_backward dweights");
+    check_f32(dy, "moe_combine_backward dy");
+    check_f32(y_sorted, "moe_combine_backward y_sorted");
+    check_i32(slot_rows, "moe_combine_backward slot_rows");
+    check_f32(weights, "moe_combine_backward weights");
+    check_moe_combine_backward_shapes(dy_sorted, dweights, dy, y_sorted, slot_rows, weights);
+    check_slot_rows(slot_rows, y_sorted.rows(), "moe_combine_backward");
+    cpu::moe_combine_backward(dy_sorted.as<float>(), dweights.as<float>(), dy.as<float>(),
+                              y_sorted.as<float>(), slot_rows.as<int32_t>(), weights.as<float>(),
+                              dy.rows(), static_cast<int>(slot_rows.cols()), dy.cols());
+  }
+
+  void moe_grouped_linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                                   const Tensor& x, const Tensor& w,
+                                   const Tensor& offsets) override {
+    check_f32(dx, "moe_grouped_linear_backward dx");
+    check_f32(dy, "moe_grouped_linear_backward dy");
+    check_f32(x, "moe_grouped_linear_backward x");
+    check_f32(w, "moe_grouped_linear_backward w");
+    check_i32(offsets, "moe_grouped_linear_backward offsets");
+    check_moe_grouped_linear_shapes(dy, x, w, offsets);
+    IRIS_CHECK(dx.rows() == x.rows() && dx.cols() == x.cols(), "moe_grouped_linear_backward: dx ",
+               dx.shape_str(), " should be shaped as x ", x.shape_str());
+    if (dw.defined()) {
+      check_f32(dw, "moe_grouped_linear_backward dw");
+      IRIS_CHECK(dw.numel() == w.numel(), "moe_grouped_linear_backward: dw ", dw.shape_str(),
+                 " should be shaped as w ", w.shape_str());
+    }
+    check_offsets(offsets, x.rows(), "moe_grouped_linear_backward");
+    cpu::moe_grouped_linear_backward(dx.as<float>(), dw.defined() ? dw.as<float>() : nullptr,
+                                     dy.as<float>(), x.as<float>(), w.as<float>(),
+                                     offsets.as<int32_t>(), w.shape[0], w.shape[1], w.shape[2]);
+  }
+
+  void moe_dispatch_backward(const Tensor& dx, const Tensor& dx_sorted,
+                             const Tensor& slot_rows) override {
+    check_f32(dx, "moe_dispatch_backward dx");
+    check_f32(dx_sorted, "moe_dispatch_backward dx_sorted");
+    check_i32(slot_rows, "moe_dispatch_backward slot_rows");
+    check_moe_dispatch_backward_shapes(dx, dx_sorted, slot_rows);
+    check_slot_rows(slot_rows, dx_sorted.rows(), "moe_dispatch_backward");
+    cpu::moe_dispatch_backward(dx.as<float>(), dx_sorted.as<float>(), slot_rows.as<int32_t>(),
+                               dx.rows(), static_cast<int>(slot_rows.cols()), dx.cols());
   }
 
   // ---- Training ops: the fp32 kernels of core/cpu/cpu_train_ops.h ----

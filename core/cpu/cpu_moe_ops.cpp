@@ -79,7 +79,7 @@ void moe_grouped_linear(float* y, const float* x, const float* w, const int32_t*
                         int64_t N, int64_t K) {
   for (int64_t e = 0; e < E; ++e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
-    if (rows > 0) sgemm_xwt(rows, N, K, x + begin * K, w + e * N * K, y + begin * N, 0.0f);
+    if (rows > 0) sgemm_xw(rows, N, K, x + begin * K, w + e * K * N, y + begin * N, 0.0f);
   }
 }
 
@@ -97,6 +97,53 @@ void moe_combine(float* y, const float* y_sorted, const int32_t* slot_rows, cons
       out[h] = accumulate ? out[h] + sum : sum;
     }
   }
+}
+
+void moe_combine_backward(float* dy_sorted, float* dweights, const float* dy, const float* y_sorted,
+                          const int32_t* slot_rows, const float* weights, int64_t T, int k,
+                          int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < T * k; ++s) {
+    const int32_t r = slot_rows[s];
+    if (r < 0) {
+      dweights[s] = 0.0f;
+      continue;
+    }
+    const float* g = dy + (s / k) * H;
+    const float* y = y_sorted + r * H;
+    float* out = dy_sorted + r * H;
+    float dot = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      out[h] = weights[s] * g[h];
+      dot += g[h] * y[h];
+    }
+    dweights[s] = dot;
+  }
+}
+
+void moe_grouped_linear_backward(float* dx, float* dw, const float* dy, const float* x,
+                                 const float* w, const int32_t* offsets, int64_t E, int64_t K,
+                                 int64_t N) {
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+    if (rows == 0) continue;
+    sgemm_xwt(rows, K, N, dy + begin * N, w + e * K * N, dx + begin * K, 0.0f);
+    if (dw != nullptr) sgemm_xtw(K, N, rows, x + begin * K, dy + begin * N, dw + e * K * N, 1.0f);
+  }
+}
+
+void moe_dispatch_backward(float* dx, const float* dx_sorted, const int32_t* slot_rows, int64_t T,
+                           int k, int64_t H) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int32_t r = slot_rows[t * k + j];
+        if (r >= 0) sum += dx_sorted[r * H + h];
+      }
+      dx[t * H + h] += sum;
+    }
 }
 
 }  // namespace iris::cpu

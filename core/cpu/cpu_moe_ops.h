@@ -15,12 +15,24 @@ void moe_route(int32_t* ids, float* weights, float* probs, const float* logits, 
 void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const float* x,
                   const int32_t* ids, int64_t T, int k, int64_t E, int64_t H);
 
-// moe_grouped_linear: w [E, N, K], x [R, K], y [R, N], over rows [0, offsets[E]).
+// moe_grouped_linear: w [E, K, N], x [R, K], y [R, N], over rows [0, offsets[E]).
 void moe_grouped_linear(float* y, const float* x, const float* w, const int32_t* offsets, int64_t E,
                         int64_t N, int64_t K);
+// Its backward: dx [R, K]; dw [E, K, N] (may be null) accumulates.
+void moe_grouped_linear_backward(float* dx, float* dw, const float* dy, const float* x,
+                                 const float* w, const int32_t* offsets, int64_t E, int64_t K,
+                                 int64_t N);
 
 // moe_combine: y [T, H], y_sorted [*, H], slot_rows and weights [T, k].
 void moe_combine(float* y, const float* y_sorted, const int32_t* slot_rows, const float* weights,
                  int64_t T, int k, int64_t H, bool accumulate);
+// Its backward: dy_sorted rows of routed slots, dweights [T, k].
+void moe_combine_backward(float* dy_sorted, float* dweights, const float* dy, const float* y_sorted,
+                          const int32_t* slot_rows, const float* weights, int64_t T, int k,
+                          int64_t H);
+
+// moe_dispatch's backward: dx [T, H] += the token's sorted rows in slot order.
+void moe_dispatch_backward(float* dx, const float* dx_sorted, const int32_t* slot_rows, int64_t T,
+                           int k, int64_t H);
 
 }  // namespace iris::cpu

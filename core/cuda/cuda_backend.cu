@@ -745,7 +745,7 @@ class CudaBackend final : public Backend {
     IRIS_CHECK((x.rows() + 63) / 64 + E <= 65535, "moe_grouped_linear: ", x.rows(), " rows over ",
                E, " experts need more row tiles than one launch holds");
     cuda::launch_moe_grouped_linear(bf(y), cbf(x), cbf(w), ci32(offsets), x.rows(),
-                                    static_cast<int>(E), w.shape[1], w.shape[2], stream());
+                                    static_cast<int>(E), w.shape[2], w.shape[1], stream());
   }
 
   void moe_combine(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
@@ -758,6 +758,60 @@ class CudaBackend final : public Backend {
     check_moe_combine_shapes(y, y_sorted, slot_rows, weights);
     cuda::launch_moe_combine(bf(y), cbf(y_sorted), ci32(slot_rows), cbf(weights), y.rows(),
                              static_cast<int>(slot_rows.cols()), y.cols(), accumulate, stream());
+  }
+
+  void moe_combine_backward(const Tensor& dy_sorted, const Tensor& dweights, const Tensor& dy,
+                            const Tensor& y_sorted, const Tensor& slot_rows,
+                            const Tensor& weights) override {
+    bind();
+    check_act(dy_sorted, "moe_combine_backward", "dy_sorted");
+    check_act(y_sorted, "moe_combine_backward", "y_sorted");
+    check_act(weights, "moe_combine_backward", "weights");
+    check_act_or_f32(dy, "moe_combine_backward", "dy");
+    check_device(dweights, "moe_combine_backward");
+    check_index(slot_rows, "moe_combine_backward", "slot_rows");
+    check_moe_combine_backward_shapes(dy_sorted, dweights, dy, y_sorted, slot_rows, weights);
+    cuda::launch_moe_combine_backward(bf(dy_sorted), f32(dweights), dy.data, dy.dtype == DType::f32,
+                                      cbf(y_sorted), ci32(slot_rows), cbf(weights), dy.rows(),
+                                      static_cast<int>(slot_rows.cols()), dy.cols(), stream());
+  }
+
+  void moe_grouped_linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                                   const Tensor& x, const Tensor& w,
+                                   const Tensor& offsets) override {
+    bind();
+    check_act(dx, "moe_grouped_linear_backward", "dx");
+    check_act(dy, "moe_grouped_linear_backward", "dy");
+    check_act(x, "moe_grouped_linear_backward", "x");
+    check_act(w, "moe_grouped_linear_backward", "w");
+    check_index(offsets, "moe_grouped_linear_backward", "offsets");
+    check_moe_grouped_linear_shapes(dy, x, w, offsets);
+    IRIS_CHECK(dx.rows() == x.rows() && dx.cols() == x.cols(), "moe_grouped_linear_backward: dx ",
+               dx.shape_str(), " should be shaped as x ", x.shape_str());
+    if (dw.defined()) {
+      check_f32(dw, "moe_grouped_linear_backward", "dw");
+      IRIS_CHECK(dw.numel() == w.numel(), "moe_grouped_linear_backward: dw ", dw.shape_str(),
+                 " should be shaped as w ", w.shape_str());
+    }
+    const int64_t E = w.shape[0];
+    IRIS_CHECK((x.rows() + 63) / 64 + E <= 65535 && E <= 65535,
+               "moe_grouped_linear_backward: ", x.rows(), " rows over ", E,
+               " experts need more row tiles than one launch holds");
+    cuda::launch_moe_grouped_linear_backward(bf(dx), dw.defined() ? f32(dw) : nullptr, cbf(dy),
+                                             cbf(x), cbf(w), ci32(offsets), x.rows(),
+                                             static_cast<int>(E), w.shape[1], w.shape[2], stream());
+  }
+
+  void moe_dispatch_backward(const Tensor& dx, const Tensor& dx_sorted,
+                             const Tensor& slot_rows) override {
+    bind();
+    check_act_or_f32(dx, "moe_dispatch_backward", "dx");
+    check_act(dx_sorted, "moe_dispatch_backward", "dx_sorted");
+    check_index(slot_rows, "moe_dispatch_backward", "slot_rows");
+    check_moe_dispatch_backward_shapes(dx, dx_sorted, slot_rows);
+    cuda::launch_moe_dispatch_backward(dx.data, dx.dtype == DType::f32, cbf(dx_sorted),
+                                       ci32(slot_rows), dx.rows(),
+                                       static_cast<int>(slot_rows.cols()), dx.cols(), stream());
   }
 
   void text_rope_tables(const Tensor& cos, const Tensor& sin, const Tensor& positions,

@@ -29,11 +29,27 @@ void launch_moe_combine(uint16_t* y, const uint16_t* y_sorted, const int32_t* sl
                         const uint16_t* weights, int64_t T, int k, int64_t H, bool accumulate,
                         cudaStream_t s);
 
+// dy_sorted[row of (t, j)] = weights[t, j] * dy[t] and dweights f32 [T, k] = dy[t] . y_sorted[row];
+// dy is f32 (dy_is_f32) or bf16.
+void launch_moe_combine_backward(uint16_t* dy_sorted, float* dweights, const void* dy,
+                                 bool dy_is_f32, const uint16_t* y_sorted, const int32_t* slot_rows,
+                                 const uint16_t* weights, int64_t T, int k, int64_t H,
+                                 cudaStream_t s);
+// dx[t] += the token's sorted rows in slot order; dx is f32 (dx_is_f32) or bf16.
+void launch_moe_dispatch_backward(void* dx, bool dx_is_f32, const uint16_t* dx_sorted,
+                                  const int32_t* slot_rows, int64_t T, int k, int64_t H,
+                                  cudaStream_t s);
+
 // ---- the experts' projections (Backend::moe_grouped_linear) ----
-// y [R, N] = x [R, K] . w[e]^T per expert's rows, w bf16 [E, N, K]; the row counts are read from
+// y [R, N] = x [R, K] . w[e] per expert's rows, w bf16 [E, K, N]; the row counts are read from
 // offsets on the device, so the grid covers every split of R rows over E experts.
 void launch_moe_grouped_linear(uint16_t* y, const uint16_t* x, const uint16_t* w,
                                const int32_t* offsets, int64_t R, int E, int64_t N, int64_t K,
                                cudaStream_t s);
+// dx [R, K] = dy [R, N] . w[e]^T, and dw f32 [E, K, N] (null: none) += x^T . dy per expert.
+void launch_moe_grouped_linear_backward(uint16_t* dx, float* dw, const uint16_t* dy,
+                                        const uint16_t* x, const uint16_t* w,
+                                        const int32_t* offsets, int64_t R, int E, int64_t K,
+                                        int64_t N, cudaStream_t s);
 
 }  // namespace iris::cuda

@@ -103,7 +103,100 @@ __global__ void moe_combine_kernel(uint16_t* __restrict__ y, const uint16_t* __r
   }
 }
 
+template <typename DY>
+__device__ __forceinline__ float load_grad(const DY* p, int64_t i);
+template <>
+__device__ __forceinline__ float load_grad<float>(const float* p, int64_t i) {
+  return p[i];
+}
+template <>
+__device__ __forceinline__ float load_grad<uint16_t>(const uint16_t* p, int64_t i) {
+  return bf16_to_float(p[i]);
+}
+
+constexpr int kReduceThreads = 256;
+
+// One block a slot: its sorted row of the gradient and its weight's gradient, the dot product
+// reduced in a fixed tree (the same bits every run).
+template <typename DY>
+__global__ void moe_combine_backward_kernel(uint16_t* __restrict__ dy_sorted,
+                                            float* __restrict__ dweights, const DY* __restrict__ dy,
+                                            const uint16_t* __restrict__ y_sorted,
+                                            const int32_t* __restrict__ slot_rows,
+                                            const uint16_t* __restrict__ weights, int k,
+                                            int64_t H) {
+  const int64_t s = blockIdx.x;
+  const int32_t r = slot_rows[s];
+  if (r < 0) {
+    if (threadIdx.x == 0) dweights[s] = 0.0f;
+    return;
+  }
+  const float w = bf16_to_float(weights[s]);
+  const int64_t t = s / k;
+  float dot = 0.0f;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    const float g = load_grad(dy, t * H + h);
+    dy_sorted[static_cast<int64_t>(r) * H + h] = float_to_bf16(w * g);
+    dot += g * bf16_to_float(y_sorted[static_cast<int64_t>(r) * H + h]);
+  }
+  __shared__ float part[kReduceThreads];
+  part[threadIdx.x] = dot;
+  __syncthreads();
+  for (int half = kReduceThreads / 2; half > 0; half >>= 1) {
+    if (static_cast<int>(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dweights[s] = part[0];
+}
+
+template <typename DX>
+__global__ void moe_dispatch_backward_kernel(DX* __restrict__ dx,
+                                             const uint16_t* __restrict__ dx_sorted,
+                                             const int32_t* __restrict__ slot_rows, int k,
+                                             int64_t H) {
+  const int64_t t = blockIdx.x;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t r = slot_rows[t * k + j];
+      if (r >= 0) sum += bf16_to_float(dx_sorted[static_cast<int64_t>(r) * H + h]);
+    }
+    if constexpr (sizeof(DX) == sizeof(float))
+      dx[t * H + h] += sum;
+    else
+      dx[t * H + h] = float_to_bf16(bf16_to_float(dx[t * H + h]) + sum);
+  }
+}
+
 }  // namespace
+
+void launch_moe_combine_backward(uint16_t* dy_sorted, float* dweights, const void* dy,
+                                 bool dy_is_f32, const uint16_t* y_sorted, const int32_t* slot_rows,
+                                 const uint16_t* weights, int64_t T, int k, int64_t H,
+                                 cudaStream_t s) {
+  const int64_t slots = T * k;
+  if (slots == 0) return;
+  if (dy_is_f32)
+    moe_combine_backward_kernel<float><<<static_cast<unsigned>(slots), kReduceThreads, 0, s>>>(
+        dy_sorted, dweights, static_cast<const float*>(dy), y_sorted, slot_rows, weights, k, H);
+  else
+    moe_combine_backward_kernel<uint16_t><<<static_cast<unsigned>(slots), kReduceThreads, 0, s>>>(
+        dy_sorted, dweights, static_cast<const uint16_t*>(dy), y_sorted, slot_rows, weights, k, H);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_dispatch_backward(void* dx, bool dx_is_f32, const uint16_t* dx_sorted,
+                                  const int32_t* slot_rows, int64_t T, int k, int64_t H,
+                                  cudaStream_t s) {
+  if (T == 0) return;
+  if (dx_is_f32)
+    moe_dispatch_backward_kernel<float><<<static_cast<unsigned>(T), 256, 0, s>>>(
+        static_cast<float*>(dx), dx_sorted, slot_rows, k, H);
+  else
+    moe_dispatch_backward_kernel<uint16_t><<<static_cast<unsigned>(T), 256, 0, s>>>(
+        static_cast<uint16_t*>(dx), dx_sorted, slot_rows, k, H);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
 
 void launch_moe_dispatch(uint16_t* x_sorted, int32_t* offsets, int32_t* slot_rows,
                          const uint16_t* x, const int32_t* ids, int64_t T, int k, int E, int64_t H,

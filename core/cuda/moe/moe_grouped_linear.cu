@@ -16,10 +16,12 @@ constexpr int kTile = 64;   // rows and columns of y a block computes
 constexpr int kDepth = 16;  // the K slice a block stages at a time
 constexpr int kThreads = 256;
 
+// y[r, n] = sum over i < K of x[r, i] * w[e][i * in_stride + n * out_stride]: the forward with
+// w[e] [K, N] (in_stride N, out_stride 1), the input gradient with its transpose.
 __global__ void moe_grouped_linear_kernel(uint16_t* __restrict__ y, const uint16_t* __restrict__ x,
                                           const uint16_t* __restrict__ w,
                                           const int32_t* __restrict__ offsets, int E, int64_t N,
-                                          int64_t K) {
+                                          int64_t K, int64_t in_stride, int64_t out_stride) {
   // This block's expert and row tile: tile blockIdx.y of the experts' tiles laid end to end.
   int64_t tile = blockIdx.y;
   int e = 0;
@@ -47,7 +49,7 @@ __global__ void moe_grouped_linear_kernel(uint16_t* __restrict__ y, const uint16
       const int64_t kg = k0 + kk;
       xs[kk][r] = r < rows && kg < K ? bf16_to_float(x[(row0 + r) * K + kg]) : 0.0f;
       const int64_t n = col0 + r;
-      ws[kk][r] = n < N && kg < K ? bf16_to_float(we[n * K + kg]) : 0.0f;
+      ws[kk][r] = n < N && kg < K ? bf16_to_float(we[kg * in_stride + n * out_stride]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -77,6 +79,58 @@ __global__ void moe_grouped_linear_kernel(uint16_t* __restrict__ y, const uint16
   }
 }
 
+// dw[e] [K, N] += x[rows of e]^T . dy[rows of e]: one block a 64 x 64 tile of one expert's
+// gradient, its rows taken 16 at a time in order, so each element has one owner and one order.
+__global__ void moe_grouped_weight_grad_kernel(float* __restrict__ dw,
+                                               const uint16_t* __restrict__ dy,
+                                               const uint16_t* __restrict__ x,
+                                               const int32_t* __restrict__ offsets, int64_t K,
+                                               int64_t N) {
+  const int e = static_cast<int>(blockIdx.z);
+  const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+  if (rows <= 0) return;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTile,
+                k0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  __shared__ float xs[kDepth][kTile + 1];
+  __shared__ float gs[kDepth][kTile + 1];
+  const int tx = static_cast<int>(threadIdx.x % 16), ty = static_cast<int>(threadIdx.x / 16);
+  float acc[4][4] = {};
+  for (int64_t r0 = 0; r0 < rows; r0 += kDepth) {
+    for (int i = static_cast<int>(threadIdx.x); i < kDepth * kTile; i += kThreads) {
+      const int c = i % kTile, rr = i / kTile;
+      const int64_t r = r0 + rr;
+      xs[rr][c] = r < rows && k0 + c < K ? bf16_to_float(x[(begin + r) * K + k0 + c]) : 0.0f;
+      gs[rr][c] = r < rows && n0 + c < N ? bf16_to_float(dy[(begin + r) * N + n0 + c]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rr = 0; rr < kDepth; ++rr) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[i] = xs[rr][ty + 16 * i];
+        b[i] = gs[rr][tx + 16 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  float* out = dw + static_cast<int64_t>(e) * K * N;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t k = k0 + ty + 16 * i;
+    if (k >= K) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = n0 + tx + 16 * j;
+      if (n < N) out[k * N + n] += acc[i][j];
+    }
+  }
+}
+
 }  // namespace
 
 void launch_moe_grouped_linear(uint16_t* y, const uint16_t* x, const uint16_t* w,
@@ -85,7 +139,24 @@ void launch_moe_grouped_linear(uint16_t* y, const uint16_t* x, const uint16_t* w
   if (R == 0 || N == 0) return;
   const dim3 grid(static_cast<unsigned>((N + kTile - 1) / kTile),
                   static_cast<unsigned>((R + kTile - 1) / kTile + E));
-  moe_grouped_linear_kernel<<<grid, kThreads, 0, s>>>(y, x, w, offsets, E, N, K);
+  moe_grouped_linear_kernel<<<grid, kThreads, 0, s>>>(y, x, w, offsets, E, N, K, N, 1);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_grouped_linear_backward(uint16_t* dx, float* dw, const uint16_t* dy,
+                                        const uint16_t* x, const uint16_t* w,
+                                        const int32_t* offsets, int64_t R, int E, int64_t K,
+                                        int64_t N, cudaStream_t s) {
+  if (R == 0) return;
+  // dx [R, K] = dy [R, N] . w[e]^T: the forward's kernel reading w[e] transposed.
+  const dim3 grid(static_cast<unsigned>((K + kTile - 1) / kTile),
+                  static_cast<unsigned>((R + kTile - 1) / kTile + E));
+  moe_grouped_linear_kernel<<<grid, kThreads, 0, s>>>(dx, dy, w, offsets, E, K, N, 1, N);
+  IRIS_CUDA_LAUNCH_CHECK();
+  if (dw == nullptr) return;
+  const dim3 wgrid(static_cast<unsigned>((N + kTile - 1) / kTile),
+                   static_cast<unsigned>((K + kTile - 1) / kTile), static_cast<unsigned>(E));
+  moe_grouped_weight_grad_kernel<<<wgrid, kThreads, 0, s>>>(dw, dy, x, offsets, K, N);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
