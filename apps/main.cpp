@@ -1,6 +1,8 @@
 // The iris command line: one binary with subcommands (as git does). Every user-facing failure is
 // an iris::Error whose message says what was wrong; it is printed and the exit code is 1, or 2
 // for a UsageError (a command line the command cannot take; apps/cli.h).
+#include <omp.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -12,6 +14,7 @@
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "core/error.h"
+#include "core/usable_cores.h"
 #include "iris_build_info.h"
 
 namespace {
@@ -113,6 +116,10 @@ int main(int argc, char** argv) {
   // launched 0.95 s per 1.10 s step and trailed eager by 0.7%; with 4x its host enqueue is 13 ms
   // and it runs as fast as eager. llama.cpp's CUDA backend sets the same for the same reason.
   setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x", /*overwrite=*/0);
+  // OpenMP's default team is the affinity mask's CPUs; a container's CPU quota may allow fewer,
+  // and threads beyond it only wait for each other's time slices. OMP_NUM_THREADS, when set, is
+  // the user's own choice; -t and the trainer's host-thread rule narrow this further.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) omp_set_num_threads(iris::usable_cores());
   if (argc < 2) {
     print_usage(stderr);
     return iris::kExitUsage;

@@ -3,6 +3,7 @@
 // typed field reads, regular-file checks (a FIFO is an error, not a hang), bounded lines, and
 // writes that only ever touch the path asked for.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +25,7 @@
 #include "core/fs.h"
 #include "core/json_read.h"
 #include "core/safetensors.h"
+#include "core/usable_cores.h"
 #include "process_util.h"
 #include "test_util.h"
 
@@ -61,6 +63,33 @@ std::string open_error(const std::string& name, const std::string& blob) {
 // Two f32 tensors of 2 elements each, back to back.
 const std::string kTwoTensors = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+
+// A container's CPU quota caps the threads: cgroup v2's cpu.max and v1's CFS quota, rounded up;
+// "max", -1 and unreadable text set no cap.
+TEST(UsableCores, CgroupQuotasAreReadAndRoundedUp) {
+  EXPECT_EQ(cores_of_cpu_max("max 100000\n"), 0);
+  EXPECT_EQ(cores_of_cpu_max("150000 100000\n"), 2);
+  EXPECT_EQ(cores_of_cpu_max("200000 100000"), 2);
+  EXPECT_EQ(cores_of_cpu_max("50000 100000"), 1);
+  EXPECT_EQ(cores_of_cpu_max(""), 0);
+  EXPECT_EQ(cores_of_cpu_max("lots 100000"), 0);
+  EXPECT_EQ(cores_of_cfs_quota("-1\n", "100000\n"), 0);
+  EXPECT_EQ(cores_of_cfs_quota("250000\n", "100000\n"), 3);
+  EXPECT_EQ(cores_of_cfs_quota("", ""), 0);
+
+  const std::string hybrid = "12:cpuset:/\n4:cpu,cpuacct:/docker/abc\n0::/system.slice/x.scope\n";
+  EXPECT_EQ(cgroup_v2_path(hybrid), "/system.slice/x.scope");
+  EXPECT_EQ(cgroup_v1_cpu_path(hybrid), "/docker/abc");
+  EXPECT_EQ(cgroup_v1_cpu_path("3:cpuacct:/a\n"), "");
+  EXPECT_EQ(cgroup_v2_path("1:cpu:/a\n"), "");
+
+  // Never more than the affinity mask allows, never none.
+  cpu_set_t mask;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+  const int cores = usable_cores();
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(cores, CPU_COUNT(&mask));
+}
 
 TEST(Safetensors, AWellFormedFileLoads) {
   const std::string path = (scratch_dir() / "ok.safetensors").string();

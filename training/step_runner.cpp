@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/usable_cores.h"
 #include "training/pipeline_parallel.h"
 
 namespace iris {
@@ -312,7 +313,7 @@ void RunLog::describe_start(const std::string& resume_dir, const TrainerState& s
   // After the weights are drawn and uploaded, which use every core. OMP_NUM_THREADS, when set,
   // is the user's own choice.
   if (rank_.on_gpu() && std::getenv("OMP_NUM_THREADS") == nullptr) {
-    const int cores = omp_get_num_procs();
+    const int cores = usable_cores();
     const int local = dp.local_processes();
     const int threads = gpu_host_threads(cores, local, r.data.config.num_workers);
     omp_set_num_threads(threads);
