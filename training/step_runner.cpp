@@ -359,7 +359,6 @@ void RunLog::add_evaluation(double seconds) {
 void RunLog::add_checkpoint(double seconds) {
   interval_.checkpoint_seconds += seconds;
   ++interval_.checkpoints;
-  last_checkpoint_seconds_ = seconds;
 }
 
 void RunLog::end_interval(int64_t it, float lr, double device_seconds) {

@@ -86,7 +86,6 @@ class RunLog {
   // An evaluation's or a checkpoint's wall time (timed_apart), kept out of the interval's steps.
   void add_evaluation(double seconds);
   void add_checkpoint(double seconds);
-  double last_checkpoint_seconds() const { return last_checkpoint_seconds_; }
   // Closes the interval that ends at step `it` and logs it; `device_seconds` are its steps'. An
   // interval with a checkpoint also rewrites run_summary.json, so that a run killed later leaves
   // the record a resume from that checkpoint continues.
@@ -120,7 +119,6 @@ class RunLog {
   int64_t peak_memory_ = 0;
   size_t graphs_at_interval_start_ = 0;
   double interval_loss_sum_ = 0;
-  double last_checkpoint_seconds_ = 0;
   int64_t unread_labels_ = 0;  // labelled tokens of the steps whose loss is still on the device
   std::chrono::steady_clock::time_point interval_start_;
 };

@@ -229,15 +229,17 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
   // The checkpoint's files are timed as its save; committing it (the rename, `latest`, pruning)
   // waits for the step's record, as Checkpoints explains.
   auto write_checkpoint = [&](int64_t it) {
-    run_log.add_checkpoint(
-        timed_apart(rank.backend(), [&] { checkpoints.write(it, state, data.train->position()); }));
+    const double seconds =
+        timed_apart(rank.backend(), [&] { checkpoints.write(it, state, data.train->position()); });
+    run_log.add_checkpoint(seconds);
+    return seconds;
   };
-  auto commit_checkpoint = [&](int64_t it) {
+  auto commit_checkpoint = [&](int64_t it, double seconds) {
     const std::string dir = checkpoints.commit(it);
     if (dir.empty()) return;
     result.last_checkpoint = dir;
     char took[32];
-    std::snprintf(took, sizeof(took), "%.4g", run_log.last_checkpoint_seconds());
+    std::snprintf(took, sizeof(took), "%.4g", seconds);
     log.message(str_cat("saved checkpoint ", dir, " in ", took, " s"));
   };
 
@@ -283,10 +285,10 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
     if (data.eval && it % r.train.eval_interval == 0)
       run_log.add_evaluation(
           timed_apart(rank.backend(), [&] { evaluate(r, rank, dp, steps, *data.eval, log, it); }));
-    if (saving) write_checkpoint(it);
+    const double checkpoint_seconds = saving ? write_checkpoint(it) : 0.0;
     if (interval_ends) {
       run_log.end_interval(it, lr, steps.take_device_seconds());
-      if (saving) commit_checkpoint(it);
+      if (saving) commit_checkpoint(it, checkpoint_seconds);
       run_log.start_interval();
     }
     log.progress(it);
