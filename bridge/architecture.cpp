@@ -42,7 +42,8 @@ std::vector<VisionRun> whole_video_run(const VideoClip& clip, const ModelConfig&
 
 const std::vector<const Architecture*>& architectures() {
   static const std::vector<const Architecture*> all{
-      &qwen3_vl_architecture(), &qwen2_5_vl_architecture(), &qwen2_vl_architecture()};
+      &qwen3_vl_architecture(), &qwen2_5_vl_architecture(), &qwen2_vl_architecture(),
+      &qwen3_vl_moe_architecture()};
   return all;
 }
 

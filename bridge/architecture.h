@@ -97,6 +97,7 @@ std::vector<VisionRun> whole_video_run(const VideoClip& clip, const ModelConfig&
 const Architecture& qwen3_vl_architecture();
 const Architecture& qwen2_5_vl_architecture();
 const Architecture& qwen2_vl_architecture();
+const Architecture& qwen3_vl_moe_architecture();
 
 // Every architecture Iris loads, in the order the docs list them.
 const std::vector<const Architecture*>& architectures();

@@ -65,6 +65,14 @@ void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
       t.norm(pre + "self_attn.k_norm", L.k_norm_w, nullptr, hd);
     }
     t.norm(pre + "post_attention_layernorm", L.post_norm_w, nullptr, H);
+    if (tc.sparse_layer(l)) {
+      // The router and the fused experts, stored [E, in, out] (no .weight suffix on the experts).
+      const int64_t E = tc.num_experts, Ie = tc.moe_intermediate_size;
+      t.add(pre + "mlp.gate.weight", L.router_w, {E, H});
+      t.add(pre + "mlp.experts.gate_up_proj", L.experts_gate_up_w, {E, H, 2 * Ie});
+      t.add(pre + "mlp.experts.down_proj", L.experts_down_w, {E, Ie, H});
+      continue;
+    }
     t.add_stacked(L.gate_up_w, {2 * It, H});
     t.part(pre + "mlp.gate_proj.weight", {It, H}, L.gate_up_w, 0);
     t.part(pre + "mlp.up_proj.weight", {It, H}, L.gate_up_w, It);

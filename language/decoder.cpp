@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "language/moe_mlp.h"
+
 namespace iris {
 namespace {
 
@@ -36,6 +38,11 @@ void decoder_attention_forward(Backend& be, const TextConfig& cfg, const Decoder
 
 void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                          const DecoderLayerBuffers& b) {
+  // A layer is the tensors it has: a sparse one holds a router and experts.
+  if (w.router_w.defined()) {
+    moe_mlp_forward(be, cfg, w, b);
+    return;
+  }
   const float eps = cfg.rms_norm_eps;
   if (b.saves()) {
     be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
@@ -63,6 +70,8 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
     return;
   }
   if (mode != Recompute::selective) return;
+  IRIS_CHECK(!w.router_w.defined(),
+             "selective recompute of a mixture-of-experts layer is not implemented");
   const float eps = cfg.rms_norm_eps;
   // The statistics are rewritten with the values they already hold.
   be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
@@ -75,6 +84,9 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
 
 void decoder_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLayerWeights* g,
                           const DecoderLayerBuffers& b, const DecoderGradScratch& s) {
+  IRIS_CHECK(!w.router_w.defined(),
+             "the backward of a mixture-of-experts layer is not implemented (training "
+             "Qwen3-VL-MoE is refused before it starts)");
   const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
   // Overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
@@ -141,8 +153,13 @@ void TextDecoder::allocate(Arena& a) {
   xn_ = a.alloc(dt, {T, H});
   qkv_ = a.alloc(dt, {T, cfg_.qkv_width()});
   attn_ = a.alloc(dt, {T, cfg_.q_width()});
-  gate_up_ = a.alloc(dt, {T, 2 * int64_t(cfg_.intermediate_size)});
-  mlp_ = a.alloc(dt, {T, cfg_.intermediate_size});
+  bool any_dense = false;
+  for (int l = 0; l < cfg_.num_hidden_layers; ++l) any_dense |= !cfg_.sparse_layer(l);
+  if (any_dense) {
+    gate_up_ = a.alloc(dt, {T, 2 * int64_t(cfg_.intermediate_size)});
+    mlp_ = a.alloc(dt, {T, cfg_.intermediate_size});
+  }
+  if (cfg_.any_sparse_layer()) moe_ = allocate_moe_buffers(a, dt, cfg_, T, false);
   normed_ = a.alloc(dt, {T, H});
   logits_ = a.alloc(dt, {limits_.max_logit_rows, cfg_.vocab_size});
   next_ = a.alloc(DType::i32, {limits_.max_logit_rows});
@@ -177,8 +194,12 @@ void TextDecoder::layer(int l, int64_t T) {
   b.rms1 = b.rms2 = xn_.slice(0, T);
   b.qkv_lin = b.qkv = qkv_.slice(0, T);
   b.attn = attn_.slice(0, T);
-  b.gate_up = gate_up_.slice(0, T);
-  b.act = mlp_.slice(0, T);
+  if (cfg_.sparse_layer(l)) {
+    b.moe = moe_rows(moe_, cfg_, T);
+  } else {
+    b.gate_up = gate_up_.slice(0, T);
+    b.act = mlp_.slice(0, T);
+  }
   DecoderAttention at;
   at.cos = cos_.slice(0, T);
   at.sin = sin_.slice(0, T);

@@ -25,6 +25,11 @@ struct DecoderLayerWeights {
   Tensor post_norm_w;         // [H]
   Tensor gate_up_w;           // [2I, H]: gate_proj then up_proj
   Tensor down_w;              // [H, I]
+  // A sparse (mixture-of-experts) layer has these instead of gate_up_w and down_w, in the
+  // checkpoints' layout (language/moe_mlp.h).
+  Tensor router_w;           // [E, H]: mlp.gate
+  Tensor experts_gate_up_w;  // [E, H, 2I]: each expert's gate columns, then its up columns
+  Tensor experts_down_w;     // [E, I, H]
 };
 
 struct DecoderWeights {
@@ -46,9 +51,23 @@ struct DecoderLimits {
 // stored into the cache), and no statistics; the norms are fused into the projections that read
 // them. Training passes a buffer for each and the rstd/lse tensors: the forward then saves what
 // decoder_layer_backward reads.
+// A sparse layer's MLP reads and writes `moe` (language/moe_mlp.h) in place of gate_up and act.
+struct MoeBuffers {
+  Tensor logits;     // [T, E] the router's logits (compute dtype)
+  Tensor probs;      // f32 [T, E] their softmax, kept by training for the backward; else undefined
+  Tensor ids;        // i32 [T, k] each token's experts
+  Tensor weights;    // [T, k] their routing weights
+  Tensor offsets;    // i32 [E + 1] each expert's rows of the sorted order
+  Tensor slot_rows;  // i32 [T, k] each slot's row of the sorted order
+  Tensor x_sorted;   // [T k, H] the normed rows, one per slot, grouped by expert
+  Tensor gate_up;    // [T k, 2I]
+  Tensor act;        // [T k, I]
+  Tensor y_sorted;   // [T k, H] each slot's expert output
+};
 struct DecoderLayerBuffers {
   Tensor x_in, rms1, rstd1, qkv_lin, qk_rstd, qkv, lse, attn, x_mid, rms2, rstd2, gate_up, act,
       x_out;
+  MoeBuffers moe;
   bool saves() const { return lse.defined(); }
 };
 // Where a layer's attention looks. Training: causal segments of one packed sequence
@@ -110,6 +129,10 @@ class TextDecoder {
   void lm_head(int64_t first_row, int64_t n_rows);
   void argmax(int64_t n_rows);
 
+  // A sparse layer's routing as the last layer run left it (tests read it between layers).
+  Tensor router_logits(int64_t T) const { return moe_.logits.slice(0, T); }
+  Tensor routed_experts(int64_t T) const { return moe_.ids.slice(0, T); }
+
   Tensor hidden(int64_t T) const { return x_.slice(0, T); }       // the residual stream
   Tensor normed(int64_t T) const { return normed_.slice(0, T); }  // final norm output
   Tensor logits(int64_t n_rows) const { return logits_.slice(0, n_rows); }
@@ -133,6 +156,7 @@ class TextDecoder {
   // Activations and caches.
   Tensor x_, xn_, qkv_, attn_, gate_up_, mlp_, normed_, logits_, next_;
   std::vector<Tensor> k_cache_, v_cache_;
+  MoeBuffers moe_;  // one set for every sparse layer: a layer's routing is used within it
 };
 
 }  // namespace iris

@@ -134,6 +134,9 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
 void TrainableQwen3VL::check_limits() {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
+  IRIS_CHECK(!t.any_sparse_layer(),
+             "training a mixture-of-experts checkpoint (Qwen3-VL-MoE) is not implemented yet: its "
+             "router and experts have no backward; iris generate runs it");
   IRIS_CHECK(limits_.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
   IRIS_CHECK(limits_.max_patches >= 0 && limits_.max_patches % v.merge_unit() == 0,
              "TrainLimits.max_patches (", limits_.max_patches, ") must be a multiple of ",

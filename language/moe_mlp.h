@@ -1,0 +1,28 @@
+// The MLP of a sparse (mixture-of-experts) decoder layer, as transformers 5.x's
+// Qwen3VLMoeTextSparseMoeBlock computes it (../shared/docs/qwen3vl-moe-spec.md 1.3, 1.4): the
+// router's logits in the compute dtype, softmax in f32 over every expert, the top k renormalised;
+// each token's k slots sorted by expert, each expert's SwiGLU over its rows, and the k outputs of
+// a token summed in slot order with their weights (no atomics: the same bits every run). It is
+// dropless, as HF is: every slot is computed. Each step is a Backend op with a CPU oracle, and none
+// waits for the host, so that a layer can be captured in a CUDA graph.
+#pragma once
+
+#include "core/arena.h"
+#include "core/backend.h"
+#include "language/decoder.h"
+#include "language/text_config.h"
+
+namespace iris {
+
+// Buffers for steps of up to max_tokens tokens, from `a` (training keeps the router's softmax).
+MoeBuffers allocate_moe_buffers(Arena& a, DType compute, const TextConfig& cfg, int64_t max_tokens,
+                                bool keep_probs);
+// The buffers' rows for a step of T tokens.
+MoeBuffers moe_rows(const MoeBuffers& m, const TextConfig& cfg, int64_t T);
+
+// x_out = x_mid + MoE(post_attention_layernorm(x_mid)), with b.rms2 the normed rows and b.moe
+// the step's buffers (moe_rows).
+void moe_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
+                     const DecoderLayerBuffers& b);
+
+}  // namespace iris
