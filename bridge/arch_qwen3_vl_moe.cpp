@@ -34,12 +34,13 @@ class Qwen3VLMoe final : public Qwen3FamilyArchitecture {
     const json& tc = j["text_config"];
     const std::string tw = src + ": text_config";
     TextConfig& t = c.text;
-    // num_experts is what the released configs say; transformers 5.x reads num_local_experts as
-    // its alias.
+    // Absent fields take transformers 5.x's Qwen3VLMoeTextConfig defaults (recorded by
+    // tools/make_moe_golden.py from 5.17), as HF would; the checkpoint's tensors then pin them (a
+    // mismatch is a shape error naming the tensor). num_local_experts is num_experts' alias.
+    t.num_experts = 60;
+    t.num_experts_per_tok = 4;
+    t.moe_intermediate_size = 1408;
     const bool has_experts = present(tc, "num_experts"), has_local = present(tc, "num_local_experts");
-    IRIS_CHECK(has_experts || has_local, tw,
-               ": a Qwen3-VL-MoE config needs num_experts (or num_local_experts), the number of "
-               "experts of a sparse layer");
     if (has_experts) read_int(tc, "num_experts", t.num_experts, tw, 1, kMaxExperts);
     if (has_local) {
       int local = 0;
@@ -48,14 +49,9 @@ class Qwen3VLMoe final : public Qwen3FamilyArchitecture {
                  " disagrees with num_experts ", t.num_experts, " (one is an alias of the other)");
       t.num_experts = local;
     }
-    IRIS_CHECK(present(tc, "num_experts_per_tok"), tw,
-               ": a Qwen3-VL-MoE config needs num_experts_per_tok, the experts each token is "
-               "routed to");
     read_int(tc, "num_experts_per_tok", t.num_experts_per_tok, tw, 1, kMaxExpertsPerToken);
     IRIS_CHECK(t.num_experts_per_tok <= t.num_experts, tw, ".num_experts_per_tok ",
                t.num_experts_per_tok, " exceeds num_experts ", t.num_experts);
-    IRIS_CHECK(present(tc, "moe_intermediate_size"), tw,
-               ": a Qwen3-VL-MoE config needs moe_intermediate_size, the width of an expert");
     read_int(tc, "moe_intermediate_size", t.moe_intermediate_size, tw, 1, kMaxWidth);
     read_int(tc, "decoder_sparse_step", t.decoder_sparse_step, tw, 1, kMaxLayers);
     if (present(tc, "mlp_only_layers") && !tc["mlp_only_layers"].is_null())

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <map>
@@ -75,6 +76,14 @@ TEST(MoeConfig, FieldsAreReadAndTheSparseLayersFollowHFsRule) {
   j["text_config"].erase("num_experts");
   j["text_config"]["num_local_experts"] = 6;
   EXPECT_EQ(config_of(j).text.num_experts, 6);
+  // Absent fields take transformers 5.x's class defaults, as HF reads such a config.
+  j = moe_config_json();
+  for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
+    j["text_config"].erase(key);
+  const ModelConfig d = config_of(j);
+  EXPECT_EQ(d.text.num_experts, 60);
+  EXPECT_EQ(d.text.num_experts_per_tok, 4);
+  EXPECT_EQ(d.text.moe_intermediate_size, 1408);
   // A dense Qwen3-VL has no sparse layer whatever its text_config holds.
   EXPECT_FALSE(ModelConfig::from_file(test::fixture_dir() + "/config.json").text.any_sparse_layer());
 }
@@ -88,11 +97,6 @@ TEST(MoeConfig, BadFieldsAreRefusedNamingThem) {
       j["text_config"][key] = value;
     return error_of([&] { config_of(j); });
   };
-  EXPECT_NE(error_with("num_experts", nullptr).find("needs num_experts"), std::string::npos);
-  EXPECT_NE(error_with("num_experts_per_tok", nullptr).find("needs num_experts_per_tok"),
-            std::string::npos);
-  EXPECT_NE(error_with("moe_intermediate_size", nullptr).find("needs moe_intermediate_size"),
-            std::string::npos);
   EXPECT_NE(error_with("num_experts_per_tok", 5).find("num_experts_per_tok 5 exceeds num_experts 4"),
             std::string::npos);
   EXPECT_NE(error_with("num_experts", 0).find("num_experts"), std::string::npos);
@@ -359,9 +363,10 @@ TEST_F(MoeGolden, ExportGivesBackTheCheckpointBitForBit) {
   }
 }
 
-// bf16 weights and activations against HF's fp32: hidden states and logits within a relative L2
-// error of 3% (golden.json's bf16_rel); near-tied router logits may pick another expert in bf16,
-// so the routing is compared as the share of slots that agree.
+// bf16 weights and activations against HF's fp32. A near-tie of router logits may pick another
+// expert in bf16 (as HF run in bf16 may): the routing is compared as the share of slots that
+// agree, and the hidden states within a relative L2 error of 3% (golden.json's bf16_rel) over the
+// tokens routed as HF routed them in every sparse layer so far.
 TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   const Golden golden(moe_fixture());
@@ -377,7 +382,8 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
   model.encode_images(pv.data<float>(), grids_of(golden.tensor("image_grid_thw")));
   const std::vector<int32_t> ids = ids_of(golden.tensor("input_ids"));
   const TextConfig& t = model.config().text;
-  const int64_t T = static_cast<int64_t>(ids.size()), k = t.num_experts_per_tok;
+  const int64_t T = static_cast<int64_t>(ids.size()), k = t.num_experts_per_tok,
+                H = t.hidden_size;
   auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
     double num = 0, den = 0;
     for (size_t i = 0; i < a.size(); ++i) {
@@ -387,21 +393,36 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
     return std::sqrt(num / std::max(den, 1e-30));
   };
   int64_t agree = 0, slots = 0;
+  std::vector<bool> routed_as_hf(static_cast<size_t>(T), true);
   model.prefill(ids, [&](int index, int64_t, const Tensor& rows) {
-    const std::vector<float> want = golden.tensor("mm.hidden." + std::to_string(index)).to_f32();
-    EXPECT_LE(rel_l2(read_f32(*be, rows), want), 0.03) << "hidden " << index;
     const int layer = index - 1;
-    if (layer < 0 || !t.sparse_layer(layer)) return;
-    std::vector<int32_t> got(static_cast<size_t>(T * k));
-    be->read(got.data(), DType::i32, model.decoder().routed_experts(T));
-    const std::vector<int32_t> want_ids =
-        ids_of(golden.tensor("mm.router_ids." + std::to_string(layer)));
+    if (layer >= 0 && t.sparse_layer(layer)) {
+      std::vector<int32_t> got(static_cast<size_t>(T * k));
+      be->read(got.data(), DType::i32, model.decoder().routed_experts(T));
+      const std::vector<int32_t> want_ids =
+          ids_of(golden.tensor("mm.router_ids." + std::to_string(layer)));
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t j = 0; j < k; ++j, ++slots) {
+          const auto first = want_ids.begin() + r * k, last = first + k;
+          const bool same = std::find(first, last, got[r * k + j]) != last;
+          agree += same;
+          if (!same) routed_as_hf[r] = false;
+        }
+    }
+    const std::vector<float> all = read_f32(*be, rows);
+    const std::vector<float> want_all =
+        golden.tensor("mm.hidden." + std::to_string(index)).to_f32();
+    std::vector<float> mine, want;
     for (int64_t r = 0; r < T; ++r)
-      for (int64_t j = 0; j < k; ++j, ++slots)
-        agree += std::find(want_ids.begin() + r * k, want_ids.begin() + (r + 1) * k,
-                           got[r * k + j]) != want_ids.begin() + (r + 1) * k;
+      if (routed_as_hf[r]) {
+        mine.insert(mine.end(), all.begin() + r * H, all.begin() + (r + 1) * H);
+        want.insert(want.end(), want_all.begin() + r * H, want_all.begin() + (r + 1) * H);
+      }
+    EXPECT_LE(rel_l2(mine, want), 0.03)
+        << "hidden " << index << " over " << mine.size() / H << " of " << T << " tokens";
   });
   EXPECT_GE(double(agree) / double(slots), 0.9) << agree << " of " << slots << " slots agree";
+  std::cout << agree << " of " << slots << " routed slots agree with HF's fp32 routing\n";
   const HostTensor top_vals = golden.tensor("mm.top8_values");
   const HostTensor top_ids = golden.tensor("mm.top8_ids");
   std::vector<float> got, want;
