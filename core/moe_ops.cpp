@@ -104,4 +104,53 @@ void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorte
       ", ", dx.cols(), "]");
 }
 
+void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweights,
+                                     const Tensor& probs, const Tensor& ids,
+                                     const Tensor& aux_dprob) {
+  IRIS_CHECK(probs.dtype == DType::f32 && probs.ndim == 2 && probs.cols() > 0,
+             "moe_route_backward: probs ", probs.shape_str(), " should be f32 [tokens, experts]");
+  const int64_t T = probs.rows(), E = probs.cols();
+  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2 && ids.rows() == T && ids.cols() >= 1 &&
+                 ids.cols() <= kMoeMaxTopK && ids.cols() <= E,
+             "moe_route_backward: ids ", ids.shape_str(), " should be i32 [", T, ", k] with k <= ",
+             E < kMoeMaxTopK ? E : int64_t{kMoeMaxTopK});
+  IRIS_CHECK(dweights.dtype == DType::f32 && dweights.ndim == 2 && dweights.rows() == T &&
+                 dweights.cols() == ids.cols(),
+             "moe_route_backward: dweights ", dweights.shape_str(), " should be f32 [", T, ", ",
+             ids.cols(), "]");
+  IRIS_CHECK(dlogits.ndim == 2 && dlogits.rows() == T && dlogits.cols() == E,
+             "moe_route_backward: dlogits ", dlogits.shape_str(), " should be [", T, ", ", E, "]");
+  if (aux_dprob.defined())
+    IRIS_CHECK(aux_dprob.dtype == DType::f32 && aux_dprob.numel() == E,
+               "moe_route_backward: aux_dprob ", aux_dprob.shape_str(), " should be f32 [", E,
+               "]");
+}
+
+void check_moe_route_stats_shapes(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,
+                                  const Tensor& probs) {
+  IRIS_CHECK(probs.dtype == DType::f32 && probs.ndim == 2 && probs.cols() > 0,
+             "moe_route_stats: probs ", probs.shape_str(), " should be f32 [tokens, experts]");
+  const int64_t T = probs.rows(), E = probs.cols();
+  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2 && ids.rows() == T,
+             "moe_route_stats: ids ", ids.shape_str(), " should be i32 [", T, ", k]");
+  for (const Tensor* t : {&load, &prob_sum})
+    IRIS_CHECK(t->dtype == DType::f32 && t->numel() == E, "moe_route_stats: load and prob_sum ",
+               t->shape_str(), " should be f32 [", E, "]");
+}
+
+void check_moe_aux_loss_shapes(const Tensor& aux_sum, const Tensor& dprob, const Tensor& load,
+                               const Tensor& prob_sum, const Tensor& real_rows, int layers) {
+  const int64_t E = load.numel();
+  IRIS_CHECK(E > 0 && load.dtype == DType::f32, "moe_aux_loss: load ", load.shape_str(),
+             " should be f32 [experts]");
+  for (const Tensor* t : {&prob_sum, &dprob})
+    IRIS_CHECK(t->dtype == DType::f32 && t->numel() == E, "moe_aux_loss: prob_sum and dprob ",
+               t->shape_str(), " should be f32 [", E, "]");
+  IRIS_CHECK(aux_sum.dtype == DType::f32 && aux_sum.numel() == 1, "moe_aux_loss: aux_sum ",
+             aux_sum.shape_str(), " should be f32 [1]");
+  IRIS_CHECK(real_rows.dtype == DType::i32 && real_rows.numel() == 1, "moe_aux_loss: real_rows ",
+             real_rows.shape_str(), " should be i32 [1]");
+  IRIS_CHECK(layers >= 1, "moe_aux_loss: layers = ", layers, " should be positive");
+}
+
 }  // namespace iris

@@ -22,5 +22,12 @@ void check_moe_combine_backward_shapes(const Tensor& dy_sorted, const Tensor& dw
                                        const Tensor& slot_rows, const Tensor& weights);
 void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorted,
                                         const Tensor& slot_rows);
+void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweights,
+                                     const Tensor& probs, const Tensor& ids,
+                                     const Tensor& aux_dprob);
+void check_moe_route_stats_shapes(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,
+                                  const Tensor& probs);
+void check_moe_aux_loss_shapes(const Tensor& aux_sum, const Tensor& dprob, const Tensor& load,
+                               const Tensor& prob_sum, const Tensor& real_rows, int layers);
 
 }  // namespace iris

@@ -1096,6 +1096,53 @@ TEST_F(BackendOps, MoeBackward) {
   }
 }
 
+// The router's backward and the load-balancing loss: the statistics and the loss bit for bit (both
+// backends add in the same order), the logits' gradient within bf16 rounding.
+TEST_F(BackendOps, MoeRouteBackwardAndAuxLoss) {
+  for (const auto& [T, k, E] :
+       std::vector<std::tuple<int64_t, int, int64_t>>{{300, 8, 128}, {7, 2, 4}, {50, 4, 200}}) {
+    SCOPED_TRACE(dims_str({T, k, E}));
+    Rng rng(160);
+    std::vector<float> logits = rng.normal(T * E);
+    for (float& f : logits) f = round_bf16(f);
+    const std::vector<float> dw = rng.normal(T * k), aux = rng.normal(E, 0.f, 0.1f);
+    const int64_t real = T - T / 4;
+    std::vector<std::vector<float>> got[2];
+    int side = 0;
+    for (Backend* be : {cpu_.get(), gpu_.get()}) {
+      Side s(*be);
+      Tensor lg = s.make(Kind::act, {T, E}, logits);
+      Tensor ids = s.make_i32({T, k}, std::vector<int32_t>(T * k, 0));
+      Tensor weights = s.make(Kind::act, {T, k}, std::vector<float>(T * k, 0.f));
+      Tensor probs = s.make(Kind::f32, {T, E}, std::vector<float>(T * E, 0.f));
+      Tensor real_rows = s.make_i32({1}, {static_cast<int32_t>(real)});
+      be->moe_route(ids, weights, probs, lg, k, real_rows);
+      // Both sides differentiate the CPU's probabilities, so that only the backward differs.
+      if (side == 1) be->write(probs, got[0][0].data(), DType::f32);
+      Tensor dweights = s.make(Kind::f32, {T, k}, dw);
+      Tensor aux_dprob = s.make(Kind::f32, {E}, aux);
+      Tensor dlogits = s.make(Kind::act, {T, E}, std::vector<float>(T * E, 9.f));
+      be->moe_route_backward(dlogits, dweights, probs, ids, aux_dprob);
+      Tensor load = s.make(Kind::f32, {E}, std::vector<float>(E, 1.f));
+      Tensor prob_sum = s.make(Kind::f32, {E}, std::vector<float>(E, 0.5f));
+      be->moe_route_stats(load, prob_sum, ids, probs);
+      be->moe_route_stats(load, prob_sum, ids, probs);
+      Tensor aux_sum = s.make(Kind::f32, {1}, {0.25f});
+      Tensor dprob = s.make(Kind::f32, {E}, std::vector<float>(E, 9.f));
+      be->moe_aux_loss(aux_sum, dprob, load, prob_sum, real_rows, 2, 0.125f);
+      got[side] = {s.get(probs), s.get(dlogits), s.get(load), s.get(prob_sum), s.get(aux_sum),
+                   s.get(dprob)};
+      EXPECT_TRUE(s.guards_intact());
+      ++side;
+    }
+    EXPECT_TRUE(matches(got[1][1], got[0][1], kChained)) << "dlogits";
+    EXPECT_EQ(got[1][2], got[0][2]) << "load";
+    EXPECT_EQ(got[1][3], got[0][3]) << "prob_sum";
+    EXPECT_EQ(got[1][4], got[0][4]) << "aux_sum";
+    EXPECT_TRUE(matches(got[1][5], got[0][5], kExact)) << "dprob";
+  }
+}
+
 TEST_F(BackendOps, ArgmaxRows) {
   // 151936 and 40000 columns spread a row over many blocks; 40001 (unaligned rows) and the short
   // rows take one block per row.
@@ -1517,6 +1564,84 @@ TEST(MoeBackwardOnTheCpu, EachBackwardIsItsForwardsAdjoint) {
   EXPECT_NEAR(dot(s.get(dweights), s.get(weights)), combined, 1e-4 * std::fabs(combined));
   // Padding slots (tokens 30 on) get no weight gradient.
   EXPECT_EQ(s.get(dweights)[static_cast<size_t>(30 * k)], 0.f);
+  EXPECT_TRUE(s.guards_intact());
+}
+
+// The router's backward against central differences of its forward: L = sum_j c_j w_j + sum_e
+// a_e p_e, whose gradient moe_route_backward gives from dweights = c and aux_dprob = a. Padding
+// rows get zeros.
+TEST(MoeBackwardOnTheCpu, RouterBackwardIsTheForwardsDerivative) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  const int64_t T = 9, E = 7;
+  const int k = 3;
+  Rng rng(170);
+  const std::vector<float> logits = rng.normal(T * E, 0.f, 2.f), c = rng.normal(T * k),
+                           a = rng.normal(E);
+  Tensor lg = s.make(Kind::act, {T, E}, logits);
+  Tensor ids = s.make_i32({T, k}, std::vector<int32_t>(T * k, 0));
+  Tensor weights = s.make(Kind::act, {T, k}, std::vector<float>(T * k, 0.f));
+  Tensor probs = s.make(Kind::f32, {T, E}, std::vector<float>(T * E, 0.f));
+  Tensor real = s.make_i32({1}, {T - 1});
+  cpu->moe_route(ids, weights, probs, lg, k, real);
+  Tensor dlogits = s.make(Kind::act, {T, E}, std::vector<float>(T * E, 9.f));
+  cpu->moe_route_backward(dlogits, s.make(Kind::f32, {T, k}, c), probs, ids,
+                          s.make(Kind::f32, {E}, a));
+  const std::vector<float> analytic = s.get(dlogits);
+  auto loss_of_row = [&](int64_t t, const std::vector<float>& row) {
+    Side r(*cpu);
+    Tensor l1 = r.make(Kind::act, {1, E}, row);
+    Tensor i1 = r.make_i32({1, k}, std::vector<int32_t>(k, 0));
+    Tensor w1 = r.make(Kind::act, {1, k}, std::vector<float>(k, 0.f));
+    Tensor p1 = r.make(Kind::f32, {1, E}, std::vector<float>(E, 0.f));
+    cpu->moe_route(i1, w1, p1, l1, k, Tensor());
+    const std::vector<float> w = r.get(w1), p = r.get(p1);
+    double L = 0;
+    for (int j = 0; j < k; ++j) L += double(c[t * k + j]) * w[j];
+    for (int64_t e = 0; e < E; ++e) L += double(a[e]) * p[e];
+    return L;
+  };
+  const float h = 1e-2f;
+  for (int64_t t = 0; t < T - 1; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<float> up(logits.begin() + t * E, logits.begin() + (t + 1) * E), down = up;
+      up[e] += h;
+      down[e] -= h;
+      const double numeric = (loss_of_row(t, up) - loss_of_row(t, down)) / (2 * h);
+      EXPECT_NEAR(analytic[t * E + e], numeric, 2e-3) << "row " << t << " expert " << e;
+    }
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(analytic[(T - 1) * E + e], 0.f);
+  EXPECT_TRUE(s.guards_intact());
+}
+
+// The load-balancing loss as HF writes it, worked by hand: two layers' statistics of 2 real rows
+// each (N = 4), 3 experts, k = 1.
+TEST(MoeBackwardOnTheCpu, AuxLossIsHFsLoadBalancingLoss) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  Tensor load = s.make(Kind::f32, {3}, {0.f, 0.f, 0.f});
+  Tensor prob_sum = s.make(Kind::f32, {3}, {0.f, 0.f, 0.f});
+  // Layer 1 routes rows to experts 0, 2; layer 2 to 0, 0; the third row is padding.
+  cpu->moe_route_stats(load, prob_sum, s.make_i32({3, 1}, {0, 2, -1}),
+                       s.make(Kind::f32, {3, 3}, {0.5f, 0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 0, 0, 0}));
+  cpu->moe_route_stats(load, prob_sum, s.make_i32({3, 1}, {0, 0, -1}),
+                       s.make(Kind::f32, {3, 3}, {0.75f, 0.25f, 0.f, 0.5f, 0.5f, 0.f, 0, 0, 0}));
+  EXPECT_EQ(s.get(load), (std::vector<float>{3.f, 0.f, 1.f}));
+  EXPECT_EQ(s.get(prob_sum), (std::vector<float>{2.f, 1.25f, 0.75f}));
+  Tensor aux = s.make(Kind::f32, {1}, {1.f});
+  Tensor dprob = s.make(Kind::f32, {3}, {9.f, 9.f, 9.f});
+  cpu->moe_aux_loss(aux, dprob, load, prob_sum, s.make_i32({1}, {2}), 2, 0.5f);
+  // E * sum_e f_e P_e = 3 * (3/4 * 2/4 + 0 + 1/4 * 0.75/4) = 1.265625, added to 1.
+  EXPECT_FLOAT_EQ(s.get(aux)[0], 2.265625f);
+  // 0.5 * 3 * load_e / 16.
+  EXPECT_EQ(s.get(dprob), (std::vector<float>{0.28125f, 0.f, 0.09375f}));
+  // No real rows: nothing added, no gradient.
+  cpu->moe_aux_loss(aux, dprob, load, prob_sum, s.make_i32({1}, {0}), 2, 0.5f);
+  EXPECT_FLOAT_EQ(s.get(aux)[0], 2.265625f);
+  EXPECT_EQ(s.get(dprob), (std::vector<float>{0.f, 0.f, 0.f}));
+  EXPECT_THROW(cpu->moe_route_stats(load, prob_sum, s.make_i32({1, 1}, {3}),
+                                    s.make(Kind::f32, {1, 3}, {1.f, 0.f, 0.f})),
+               Error);
   EXPECT_TRUE(s.guards_intact());
 }
 

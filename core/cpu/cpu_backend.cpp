@@ -584,6 +584,42 @@ class CpuBackend final : public Backend {
                                dx.rows(), static_cast<int>(slot_rows.cols()), dx.cols());
   }
 
+  void moe_route_backward(const Tensor& dlogits, const Tensor& dweights, const Tensor& probs,
+                          const Tensor& ids, const Tensor& aux_dprob) override {
+    check_f32(dlogits, "moe_route_backward dlogits");
+    check_f32(dweights, "moe_route_backward dweights");
+    check_f32(probs, "moe_route_backward probs");
+    check_i32(ids, "moe_route_backward ids");
+    if (aux_dprob.defined()) check_f32(aux_dprob, "moe_route_backward aux_dprob");
+    check_moe_route_backward_shapes(dlogits, dweights, probs, ids, aux_dprob);
+    cpu::moe_route_backward(dlogits.as<float>(), dweights.as<float>(), probs.as<float>(),
+                            ids.as<int32_t>(), aux_dprob.defined() ? aux_dprob.as<float>() : nullptr,
+                            probs.rows(), probs.cols(), static_cast<int>(ids.cols()));
+  }
+
+  void moe_route_stats(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,
+                       const Tensor& probs) override {
+    check_f32(load, "moe_route_stats load");
+    check_f32(prob_sum, "moe_route_stats prob_sum");
+    check_i32(ids, "moe_route_stats ids");
+    check_f32(probs, "moe_route_stats probs");
+    check_moe_route_stats_shapes(load, prob_sum, ids, probs);
+    cpu::moe_route_stats(load.as<float>(), prob_sum.as<float>(), ids.as<int32_t>(),
+                         probs.as<float>(), probs.rows(), probs.cols(),
+                         static_cast<int>(ids.cols()));
+  }
+
+  void moe_aux_loss(const Tensor& aux_sum, const Tensor& dprob, const Tensor& load,
+                    const Tensor& prob_sum, const Tensor& real_rows, int layers,
+                    float grad_scale) override {
+    for (const Tensor* t : {&aux_sum, &dprob, &load, &prob_sum}) check_f32(*t, "moe_aux_loss");
+    check_i32(real_rows, "moe_aux_loss real_rows");
+    check_moe_aux_loss_shapes(aux_sum, dprob, load, prob_sum, real_rows, layers);
+    cpu::moe_aux_loss(aux_sum.as<float>(), dprob.as<float>(), load.as<float>(),
+                      prob_sum.as<float>(), load.numel(), real_rows.as<int32_t>()[0], layers,
+                      grad_scale);
+  }
+
   // ---- Training ops: the fp32 kernels of core/cpu/cpu_train_ops.h ----
 
   void convert(const Tensor& dst, const Tensor& src) override {

@@ -146,4 +146,61 @@ void moe_dispatch_backward(float* dx, const float* dx_sorted, const int32_t* slo
     }
 }
 
+void moe_route_backward(float* dlogits, const float* dweights, const float* probs,
+                        const int32_t* ids, const float* aux_dprob, int64_t T, int64_t E, int k) {
+  // Checked before the parallel loop: an exception may not leave an OpenMP region.
+  for (int64_t s = 0; s < T * k; ++s)
+    IRIS_CHECK(ids[s] >= (ids[s - s % k] < 0 ? -1 : 0) && ids[s] < E, "moe_route_backward: expert id ",
+               ids[s], " of slot ", s, " is outside 0..", E - 1);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* dl = dlogits + t * E;
+    const int32_t* id = ids + t * k;
+    if (id[0] < 0) {
+      for (int64_t e = 0; e < E; ++e) dl[e] = 0.0f;
+      continue;
+    }
+    const float* p = probs + t * E;
+    const float* dw = dweights + t * k;
+    float S = 0.0f;
+    for (int j = 0; j < k; ++j) S += p[id[j]];
+    float g = 0.0f;
+    for (int j = 0; j < k; ++j) g += dw[j] * (p[id[j]] / S);
+    // dl holds dp until the softmax's backward rewrites it.
+    for (int64_t e = 0; e < E; ++e) dl[e] = aux_dprob != nullptr ? aux_dprob[e] : 0.0f;
+    for (int j = 0; j < k; ++j) dl[id[j]] += (dw[j] - g) / S;
+    float dot = 0.0f;
+    for (int64_t e = 0; e < E; ++e) dot += p[e] * dl[e];
+    for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dl[e] - dot);
+  }
+}
+
+void moe_route_stats(float* load, float* prob_sum, const int32_t* ids, const float* probs,
+                     int64_t T, int64_t E, int k) {
+  for (int64_t s = 0; s < T * k; ++s) {
+    IRIS_CHECK(ids[s] >= -1 && ids[s] < E, "moe_route_stats: expert id ", ids[s], " of slot ", s,
+               " is outside -1..", E - 1);
+    if (ids[s] >= 0) load[ids[s]] += 1.0f;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    float sum = prob_sum[e];
+    for (int64_t t = 0; t < T; ++t) sum += probs[t * E + e];
+    prob_sum[e] = sum;
+  }
+}
+
+void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum,
+                  int64_t E, int64_t real_rows, int layers, float grad_scale) {
+  const float N = static_cast<float>(real_rows) * static_cast<float>(layers);
+  if (!(N > 0.0f)) {
+    for (int64_t e = 0; e < E; ++e) dprob[e] = 0.0f;
+    return;
+  }
+  float aux = 0.0f;
+  for (int64_t e = 0; e < E; ++e) aux += (load[e] / N) * (prob_sum[e] / N);
+  aux_sum[0] += static_cast<float>(E) * aux;
+  for (int64_t e = 0; e < E; ++e)
+    dprob[e] = grad_scale * static_cast<float>(E) * load[e] / (N * N);
+}
+
 }  // namespace iris::cpu

@@ -35,4 +35,15 @@ void moe_combine_backward(float* dy_sorted, float* dweights, const float* dy, co
 void moe_dispatch_backward(float* dx, const float* dx_sorted, const int32_t* slot_rows, int64_t T,
                            int k, int64_t H);
 
+// moe_route_backward: dlogits [T, E] from dweights [T, k], probs [T, E], ids [T, k] and
+// aux_dprob [E] (may be null).
+void moe_route_backward(float* dlogits, const float* dweights, const float* probs,
+                        const int32_t* ids, const float* aux_dprob, int64_t T, int64_t E, int k);
+// moe_route_stats: load and prob_sum [E] accumulate over rows [0, T).
+void moe_route_stats(float* load, float* prob_sum, const int32_t* ids, const float* probs,
+                     int64_t T, int64_t E, int k);
+// moe_aux_loss over N = layers * real_rows rows.
+void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum,
+                  int64_t E, int64_t real_rows, int layers, float grad_scale);
+
 }  // namespace iris::cpu

@@ -776,6 +776,43 @@ class CudaBackend final : public Backend {
                                       static_cast<int>(slot_rows.cols()), dy.cols(), stream());
   }
 
+  void moe_route_backward(const Tensor& dlogits, const Tensor& dweights, const Tensor& probs,
+                          const Tensor& ids, const Tensor& aux_dprob) override {
+    bind();
+    check_act(dlogits, "moe_route_backward", "dlogits");
+    check_device(dweights, "moe_route_backward");
+    check_device(probs, "moe_route_backward");
+    check_index(ids, "moe_route_backward", "ids");
+    if (aux_dprob.defined()) check_device(aux_dprob, "moe_route_backward");
+    check_moe_route_backward_shapes(dlogits, dweights, probs, ids, aux_dprob);
+    cuda::launch_moe_route_backward(bf(dlogits), f32(dweights), f32(probs), ci32(ids),
+                                    aux_dprob.defined() ? f32(aux_dprob) : nullptr, probs.rows(),
+                                    static_cast<int>(probs.cols()), static_cast<int>(ids.cols()),
+                                    stream());
+  }
+
+  void moe_route_stats(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,
+                       const Tensor& probs) override {
+    bind();
+    for (const Tensor* t : {&load, &prob_sum, &probs}) check_device(*t, "moe_route_stats");
+    check_index(ids, "moe_route_stats", "ids");
+    check_moe_route_stats_shapes(load, prob_sum, ids, probs);
+    cuda::launch_moe_route_stats(f32(load), f32(prob_sum), ci32(ids), f32(probs), probs.rows(),
+                                 static_cast<int>(probs.cols()), static_cast<int>(ids.cols()),
+                                 stream());
+  }
+
+  void moe_aux_loss(const Tensor& aux_sum, const Tensor& dprob, const Tensor& load,
+                    const Tensor& prob_sum, const Tensor& real_rows, int layers,
+                    float grad_scale) override {
+    bind();
+    for (const Tensor* t : {&aux_sum, &dprob, &load, &prob_sum}) check_device(*t, "moe_aux_loss");
+    check_index(real_rows, "moe_aux_loss", "real_rows");
+    check_moe_aux_loss_shapes(aux_sum, dprob, load, prob_sum, real_rows, layers);
+    cuda::launch_moe_aux_loss(f32(aux_sum), f32(dprob), f32(load), f32(prob_sum), ci32(real_rows),
+                              static_cast<int>(load.numel()), layers, grad_scale, stream());
+  }
+
   void moe_grouped_linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
                                    const Tensor& x, const Tensor& w,
                                    const Tensor& offsets) override {

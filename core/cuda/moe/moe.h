@@ -52,4 +52,18 @@ void launch_moe_grouped_linear_backward(uint16_t* dx, float* dw, const uint16_t*
                                         const int32_t* offsets, int64_t R, int E, int64_t K,
                                         int64_t N, cudaStream_t s);
 
+// ---- the router's backward and the load-balancing loss (moe_aux.cu) ----
+// One warp a row: dlogits bf16 [T, E] from dweights f32 [T, k], probs f32 [T, E], ids [T, k] and
+// aux_dprob f32 [E] (null: none).
+void launch_moe_route_backward(uint16_t* dlogits, const float* dweights, const float* probs,
+                               const int32_t* ids, const float* aux_dprob, int64_t T, int E, int k,
+                               cudaStream_t s);
+// load and prob_sum f32 [E] += the call's counts and probability sums (a thread an expert).
+void launch_moe_route_stats(float* load, float* prob_sum, const int32_t* ids, const float* probs,
+                            int64_t T, int E, int k, cudaStream_t s);
+// aux_sum f32 [1] += the loss; dprob f32 [E]; real_rows one i32 on the device.
+void launch_moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum,
+                         const int32_t* real_rows, int E, int layers, float grad_scale,
+                         cudaStream_t s);
+
 }  // namespace iris::cuda
