@@ -70,8 +70,6 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
     return;
   }
   if (mode != Recompute::selective) return;
-  IRIS_CHECK(!w.router_w.defined(),
-             "selective recompute of a mixture-of-experts layer is not implemented");
   const float eps = cfg.rms_norm_eps;
   // The statistics are rewritten with the values they already hold.
   be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
@@ -79,14 +77,19 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
                          at.sin, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          true);
   be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
-  be.swiglu(b.act, b.gate_up);
+  // A layer is the tensors it has: a sparse one's activations are its experts' rows.
+  if (w.router_w.defined())
+    be.swiglu(b.moe.act, b.moe.gate_up);
+  else
+    be.swiglu(b.act, b.gate_up);
 }
 
 void decoder_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLayerWeights* g,
                           const DecoderLayerBuffers& b, const DecoderGradScratch& s) {
-  IRIS_CHECK(!w.router_w.defined(),
-             "the backward of a mixture-of-experts layer is not implemented (training "
-             "Qwen3-VL-MoE is refused before it starts)");
+  if (w.router_w.defined()) {
+    moe_mlp_backward(be, w, g, b, s);
+    return;
+  }
   const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
   // Overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);

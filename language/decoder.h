@@ -63,6 +63,11 @@ struct MoeBuffers {
   Tensor gate_up;    // [T k, 2I]
   Tensor act;        // [T k, I]
   Tensor y_sorted;   // [T k, H] each slot's expert output
+  // Training: i32 [1] the step's real rows (undefined: every row; later rows are padding and
+  // route nowhere), and f32 [E] the load-balancing loss's gradient with respect to each routed
+  // row's probabilities (moe_aux_loss; undefined: no such loss).
+  Tensor real_rows;
+  Tensor aux_dprob;
 };
 struct DecoderLayerBuffers {
   Tensor x_in, rms1, rstd1, qkv_lin, qk_rstd, qkv, lse, attn, x_mid, rms2, rstd2, gate_up, act,
@@ -95,8 +100,15 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
                              Recompute mode);
 // Backward scratch: dres and dtmp f32, the rest in the compute dtype; dres_c is the
 // compute-dtype copy of dres that the GEMMs read (dres itself where the compute dtype is f32).
+// A sparse layer's backward scratch, over its T k sorted rows (compute dtype unless noted).
+struct MoeGradScratch {
+  Tensor dy_sorted, dact, dgu, dx_sorted;  // [T k, H], [T k, I], [T k, 2I], [T k, H]
+  Tensor dweights;                         // f32 [T, k]
+  Tensor dlogits;                          // [T, E]
+};
 struct DecoderGradScratch {
   Tensor dres, dres_c, dtmp, dact, dgu, dattn, dqkv, dsum;
+  MoeGradScratch moe;
 };
 // dres holds d(x_out) and becomes d(x_in); g (null: frozen) receives the layer's weight
 // gradients (+=).

@@ -25,4 +25,13 @@ MoeBuffers moe_rows(const MoeBuffers& m, const TextConfig& cfg, int64_t T);
 void moe_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
                      const DecoderLayerBuffers& b);
 
+// Its backward: dres holds d(x_out) and gains d(x_mid) through the MLP; dtmp is overwritten; g
+// (null: frozen) accumulates the router's, the experts' and the post-attention norm's gradients.
+void moe_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLayerWeights* g,
+                      const DecoderLayerBuffers& b, const DecoderGradScratch& s);
+// Scratch for the backward of steps of up to max_tokens tokens, from `a`.
+MoeGradScratch allocate_moe_grad_scratch(Arena& a, DType compute, const TextConfig& cfg,
+                                         int64_t max_tokens);
+MoeGradScratch moe_grad_rows(const MoeGradScratch& s, const TextConfig& cfg, int64_t T);
+
 }  // namespace iris

@@ -474,6 +474,7 @@ nlohmann::json step_metrics_json(const StepMetrics& m, int64_t ranks, double pea
           {"loss", m.loss},
           {"lr", m.learning_rate},
           {"grad_norm", m.grad_norm},
+          {"moe_aux_loss", maybe(m.moe_aux_runs > 0, m.moe_aux_loss)},
           {"labelled_tokens", m.labelled_tokens},
           {"tokens", m.tokens},
           {"samples", m.samples},
@@ -522,6 +523,10 @@ bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m) {
   };
   m.learning_rate = number("lr");
   m.grad_norm = number("grad_norm");
+  if (j.contains("moe_aux_loss") && j["moe_aux_loss"].is_number()) {
+    m.moe_aux_loss = j["moe_aux_loss"].get<double>();
+    m.moe_aux_runs = 1;
+  }
   m.labelled_tokens = integer("labelled_tokens");
   m.tokens = integer("tokens");
   m.samples = integer("samples");
@@ -557,7 +562,9 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
                 static_cast<long long>(total));
   const std::string rest =
       str_cat(" | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
-              " | grad norm ", fmt("%.4f", m.grad_norm), " | ", fmt("%.1f", m.tokens_per_second()),
+              " | grad norm ", fmt("%.4f", m.grad_norm),
+              m.moe_aux_runs > 0 ? str_cat(" | aux loss ", fmt("%.4f", m.moe_aux_loss)) : "",
+              " | ", fmt("%.1f", m.tokens_per_second()),
               " tok/s | ", fmt("%.2f", m.samples_per_second()), " samples/s | ",
               fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
   std::string line = str_cat(head, rest);

@@ -61,6 +61,10 @@ struct StepMetrics {
   double loss = 0;  // mean over the labelled tokens of the interval
   double learning_rate = 0;
   double grad_norm = 0;  // before clipping, of the last step of the interval
+  // A mixture-of-experts model's load-balancing loss (HF's, before its coefficient), the mean
+  // over the interval's micro-batches; moe_aux_runs 0 (a dense model): none.
+  double moe_aux_loss = 0;
+  int64_t moe_aux_runs = 0;
   int64_t labelled_tokens = 0;
   int64_t tokens = 0;  // every input token of the interval, all ranks
   int64_t samples = 0;

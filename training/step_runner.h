@@ -119,6 +119,8 @@ class RunLog {
   int64_t peak_memory_ = 0;
   size_t graphs_at_interval_start_ = 0;
   double interval_loss_sum_ = 0;
+  double interval_aux_sum_ = 0;  // load-balancing losses of the interval's micro-batches, all ranks
+  int64_t interval_aux_runs_ = 0;
   int64_t unread_labels_ = 0;  // labelled tokens of the steps whose loss is still on the device
   std::chrono::steady_clock::time_point interval_start_;
 };

@@ -9,6 +9,7 @@
 #include "bridge/rope_index.h"
 #include "core/thread_cpu_clock.h"
 #include "core/vision_tables.h"
+#include "language/moe_mlp.h"
 #include "language/mrope.h"
 #include "vision/vision_tower_order.h"
 
@@ -127,6 +128,7 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
                        {static_cast<int64_t>(arena_.capacity() / sizeof(float))}));
   zero_grads();
   be_.fill_zero(loss_total_);
+  if (moe_aux_sum_.defined()) be_.fill_zero(moe_aux_sum_);
   set_frozen(limits.frozen.vision_tower || limits.vision_tower_frozen, limits.frozen.merger,
              limits.frozen.language_model);
 }
@@ -134,9 +136,16 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
 void TrainableQwen3VL::check_limits() {
   const VisionConfig& v = cfg_.vision;
   const TextConfig& t = cfg_.text;
-  IRIS_CHECK(!t.any_sparse_layer(),
-             "training a mixture-of-experts checkpoint (Qwen3-VL-MoE) is not implemented yet: its "
-             "router and experts have no backward; iris generate runs it");
+  if (t.any_sparse_layer()) {
+    // HF's load-balancing loss is one product over every sparse layer's statistics: a stage of a
+    // pipeline holds only its own.
+    IRIS_CHECK(limits_.stage.index == 0 && limits_.stage.count == 1,
+               "training a mixture-of-experts model (Qwen3-VL-MoE) over pipeline stages is not "
+               "implemented yet; set parallel.pipeline_model_parallel_size: 1");
+    IRIS_CHECK(limits_.text_buckets.empty(),
+               "training a mixture-of-experts model (Qwen3-VL-MoE) with decoder CUDA graphs is not "
+               "implemented yet; set cuda_graph.cuda_graph_impl: none");
+  }
   IRIS_CHECK(limits_.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
   IRIS_CHECK(limits_.max_patches >= 0 && limits_.max_patches % v.merge_unit() == 0,
              "TrainLimits.max_patches (", limits_.max_patches, ") must be a multiple of ",
@@ -324,8 +333,25 @@ void TrainableQwen3VL::allocate(Arena& a) {
     x.x_mid = v_buf(t_keep_layer, ts.x_mid, A, {L, H});
     x.rms2 = v_buf(t_keep_all, ts.rms2, A, {L, H});
     x.rstd2 = v_buf(t_keep_layer, ts.rstd2, F, {L});
-    x.gate_up = v_buf(t_keep_layer, ts.gate_up, A, {L, 2 * int64_t(t.intermediate_size)});
-    x.act = v_buf(t_keep_all, ts.act, A, {L, t.intermediate_size});
+    if (!t.sparse_layer(static_cast<int>(l))) {
+      x.gate_up = v_buf(t_keep_layer, ts.gate_up, A, {L, 2 * int64_t(t.intermediate_size)});
+      x.act = v_buf(t_keep_all, ts.act, A, {L, t.intermediate_size});
+      continue;
+    }
+    // A sparse layer's routing and expert rows, kept as the dense MLP's are; its logits are
+    // never read again.
+    const int64_t E = t.num_experts, k = t.num_experts_per_tok, Ie = t.moe_intermediate_size;
+    MoeBuffers& m = x.moe;
+    m.logits = v_buf(false, ts.moe.logits, A, {L, E});
+    m.probs = v_buf(t_keep_layer, ts.moe.probs, F, {L, E});
+    m.ids = v_buf(t_keep_layer, ts.moe.ids, I32, {L, k});
+    m.weights = v_buf(t_keep_layer, ts.moe.weights, A, {L, k});
+    m.offsets = v_buf(t_keep_layer, ts.moe.offsets, I32, {E + 1});
+    m.slot_rows = v_buf(t_keep_layer, ts.moe.slot_rows, I32, {L, k});
+    m.x_sorted = v_buf(t_keep_layer, ts.moe.x_sorted, A, {L * k, H});
+    m.gate_up = v_buf(t_keep_layer, ts.moe.gate_up, A, {L * k, 2 * Ie});
+    m.act = v_buf(t_keep_all, ts.moe.act, A, {L * k, Ie});
+    m.y_sorted = v_buf(t_keep_layer, ts.moe.y_sorted, A, {L * k, H});
   }
   t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
   activation_bytes_ = a.used() - activations_start;
@@ -352,6 +378,16 @@ void TrainableQwen3VL::allocate(Arena& a) {
   t_dgu_ = a.alloc(A, {L, 2 * int64_t(t.intermediate_size)});
   t_dact_ = a.alloc(A, {L, t.intermediate_size});
   t_dsum_ = a.alloc(F, {L, t.num_attention_heads});
+  moe_layers_ = 0;
+  for (int l = st.first_layer; l < st.end_layer; ++l) moe_layers_ += t.sparse_layer(l);
+  if (moe_layers_ > 0) {
+    t_moe_ = allocate_moe_grad_scratch(a, A, t, L);
+    text_real_rows_ = a.alloc(I32, {1});
+    moe_load_ = a.alloc(F, {t.num_experts});
+    moe_prob_sum_ = a.alloc(F, {t.num_experts});
+    moe_aux_sum_ = a.alloc(F, {1});
+    moe_aux_dprob_ = a.alloc(F, {t.num_experts});
+  }
   v_dres_ = a.alloc(F, {S, D});
   v_dres_c_ = f32_compute ? v_dres_ : a.alloc(A, {S, D});
   v_dtmp_ = a.alloc(F, {S, D});
@@ -457,6 +493,11 @@ int64_t TrainableQwen3VL::queue_step(
     const std::vector<std::vector<const TrainSample*>>& micro_batches, float grad_scale) {
   int64_t labelled = 0;
   const size_t n = micro_batches.size();
+  micro_batches_in_step_ = static_cast<int>(std::max<size_t>(n, 1));
+  struct ResetCount {
+    int& count;
+    ~ResetCount() { count = 1; }
+  } reset_count{micro_batches_in_step_};
   if (graph_api_ == nullptr || graphs_.decoder != GraphImpl::full_iteration || n < 2 ||
       n > slots_.size()) {
     for (size_t i = 0; i < n; ++i) {
@@ -550,6 +591,16 @@ void TrainableQwen3VL::use_slot(size_t i) {
   for (size_t k = 0; k < kInputs; ++k) this->*input_members()[k] = s.inputs[k];
   set_shape(s.shape);
   n_label_real_ = s.n_label_real;
+}
+
+std::pair<double, int64_t> TrainableQwen3VL::take_moe_aux_loss() {
+  if (moe_layers_ == 0) return {0.0, 0};
+  float sum = 0.0f;
+  be_.read(&sum, DType::f32, moe_aux_sum_);
+  be_.fill_zero(moe_aux_sum_);
+  const int64_t runs = moe_aux_runs_;
+  moe_aux_runs_ = 0;
+  return {sum, runs};
 }
 
 double TrainableQwen3VL::take_loss_sum() {
@@ -737,6 +788,10 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 2, h_text_cu_.back());
 
   be_.write(ids_.slice(0, Lb), h_ids_.data(), DType::i32);
+  if (text_real_rows_.defined()) {
+    const int32_t real = static_cast<int32_t>(L);
+    be_.write(text_real_rows_, &real, DType::i32);
+  }
   be_.write(positions_.slice(0, Lb), h_positions_.data(), DType::i32);
   be_.write(text_cu_, h_text_cu_.data(), DType::i32);
   if (n_pad_ > 0) be_.write(pad_rows_.slice(0, n_pad_), h_pad_rows_.data(), DType::i32);
@@ -842,7 +897,8 @@ namespace {
 template <class F>
 void each_tensor(const DecoderLayerWeights& w, F f) {
   for (const Tensor* t : {&w.input_norm_w, &w.qkv_w, &w.q_norm_w, &w.k_norm_w, &w.o_w,
-                          &w.post_norm_w, &w.gate_up_w, &w.down_w})
+                          &w.post_norm_w, &w.gate_up_w, &w.down_w, &w.router_w,
+                          &w.experts_gate_up_w, &w.experts_down_w})
     f(*t);
 }
 template <class F>
@@ -1273,7 +1329,13 @@ DecoderLayerBuffers TrainableQwen3VL::text_layer(int l) const {
                           {&b.gate_up, &p.gate_up},
                           {&b.act, &p.act},
                           {&b.x_out, &p.x_out}})
-    *dst = src->slice(0, L);
+    if (src->defined()) *dst = src->slice(0, L);
+  if (cfg_.text.sparse_layer(l)) {
+    b.moe = moe_rows(p.moe, cfg_.text, L);
+    b.moe.real_rows = text_real_rows_;
+    // The load-balancing loss adds its gradient when its coefficient is not zero.
+    if (cfg_.text.router_aux_loss_coef != 0.0f) b.moe.aux_dprob = moe_aux_dprob_;
+  }
   return b;
 }
 
@@ -1291,6 +1353,10 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
   // The tables every layer's attention (and its backward) rotates with.
   be_.text_rope_tables(cos_.slice(0, L), sin_.slice(0, L), positions_.slice(0, L), rope_inv_freq_,
                        rope_axes_);
+  if (moe_layers_ > 0) {
+    be_.fill_zero(moe_load_);
+    be_.fill_zero(moe_prob_sum_);
+  }
   // The joined order on the training buffers: whole layers as graphs, or the halves
   // TrainGraphs::decoder_modules names (the rest eagerly).
   class Steps final : public JoinedForwardSteps {
@@ -1318,7 +1384,11 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
       const DecoderLayerBuffers b = m.text_layer(l);
       const DecoderAttention at = m.text_attention();
       auto attention = [&m, &t, &w, b, at] { decoder_attention_forward(m.be_, t, w, b, at); };
-      auto mlp = [&m, &t, &w, b] { decoder_mlp_forward(m.be_, t, w, b); };
+      auto mlp = [&m, &t, &w, b] {
+        decoder_mlp_forward(m.be_, t, w, b);
+        // The routing's statistics, for the load-balancing loss after the last layer.
+        if (b.moe.ids.defined()) m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
+      };
       if (whole_) {
         m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
           attention();
@@ -1341,7 +1411,16 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
                             m_.tx_[t.num_hidden_layers].slice(0, m_.L_), m_.params_.text.norm_w,
                             t.rms_norm_eps);
     }
-    void head() override { m_.loss(backward_, loss_out_); }
+    void head() override {
+      if (m_.moe_layers_ > 0) {
+        const float coef = m_.cfg_.text.router_aux_loss_coef;
+        m_.be_.moe_aux_loss(m_.moe_aux_sum_, m_.moe_aux_dprob_, m_.moe_load_, m_.moe_prob_sum_,
+                            m_.text_real_rows_, m_.moe_layers_,
+                            coef / static_cast<float>(m_.micro_batches_in_step_));
+        ++m_.moe_aux_runs_;
+      }
+      m_.loss(backward_, loss_out_);
+    }
 
    private:
     // Scatters and gathers address the rows with the padding's sink row.
@@ -1395,7 +1474,8 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       scratch_ =
           DecoderGradScratch{m.t_dres_.slice(0, L), m.t_dres_c_.slice(0, L), m.t_dtmp_.slice(0, L),
                              m.t_dact_.slice(0, L), m.t_dgu_.slice(0, L),    m.t_dattn_.slice(0, L),
-                             m.t_dqkv_.slice(0, L), m.t_dsum_.slice(0, L)};
+                             m.t_dqkv_.slice(0, L), m.t_dsum_.slice(0, L),   {}};
+      if (m.moe_layers_ > 0) scratch_.moe = moe_grad_rows(m.t_moe_, m.cfg_.text, L);
       // With the sink row, which padding's gathers read as zero.
       dres_sink_ = m.t_dres_.slice(0, L + m.sink_rows());
       lm_ = !m.frozen_.language_model;

@@ -172,6 +172,9 @@ class TrainableQwen3VL {
                      float grad_scale);
   // The summed loss of the micro-batches queued since the last call; resets the total.
   double take_loss_sum();
+  // A mixture-of-experts model's load-balancing loss (HF's, unscaled) summed over the
+  // micro-batches run since the last call, and their count; resets both. Zero for a dense model.
+  std::pair<double, int64_t> take_moe_aux_loss();
   // One sample as a micro-batch.
   LossStats forward(const TrainSample& s) { return forward({&s}); }
   LossStats forward_backward(const TrainSample& s, float grad_scale) {
@@ -447,6 +450,15 @@ class TrainableQwen3VL {
   // Backward scratch. *_dres_ are the f32 residual gradients, *_dres_c_ their compute-dtype
   // copies for the GEMMs.
   Tensor t_dres_, t_dres_c_, t_dtmp_, t_dloss_, t_dattn_, t_dqkv_, t_dgu_, t_dact_, t_dsum_;
+  MoeGradScratch t_moe_;
+  // Mixture of experts: the step's real text rows (i32 [1]), the routing statistics summed over
+  // a forward's sparse layers, the load-balancing loss's sum and its gradient per expert.
+  Tensor text_real_rows_, moe_load_, moe_prob_sum_, moe_aux_sum_, moe_aux_dprob_;
+  int moe_layers_ = 0;
+  int64_t moe_aux_runs_ = 0;
+  // Micro-batches of the step being queued: each one's load-balancing loss counts 1/n of it, as
+  // HF's accumulation divides each micro-batch's loss.
+  int micro_batches_in_step_ = 1;
   Tensor v_dres_, v_dres_c_, v_dtmp_, v_dattn_, v_dqkv_, v_dfc_, v_dup_, v_dsum_, m_da_, m_dln_,
       d_embeds_;
   std::vector<Tensor> d_ds_;
