@@ -127,6 +127,25 @@ TEST(MoeConfig, SparseLayersDeclareTheRouterAndFusedExpertsInTheCheckpointsLayou
   EXPECT_FALSE(w->text.layers[1].router_w.defined());
 }
 
+// The tensor table of the 30B-A3B geometry (bench/configs/qwen3vl_30b_a3b.json, the released
+// config's values) holds the released checkpoint's parameter count exactly: 882 tensors,
+// 31,070,754,032 parameters (../shared/docs/qwen3vl-moe-spec.md 2.4).
+TEST(MoeConfig, The30BA3BTableHoldsTheReleasedCheckpointsParameters) {
+  const ModelConfig c = ModelConfig::from_file(std::string(IRIS_SOURCE_DIR) +
+                                               "/bench/configs/qwen3vl_30b_a3b.json");
+  ModelWeights w;
+  WeightTable t(w);
+  c.arch->declare_weights(c, w, t);
+  int64_t params = 0;
+  for (const WeightBinding& b : w.bindings) {
+    int64_t n = 1;
+    for (int64_t d : b.hf_shape) n *= d;
+    params += n;
+  }
+  EXPECT_EQ(w.bindings.size(), 882u);
+  EXPECT_EQ(params, int64_t{31070754032});
+}
+
 // Every sparse layer's experts are the dense model's MLP of that layer, transposed into the
 // [E, in, out] layout, under a random router: the renormalised weights sum to one, so the logits
 // are the dense model's whatever the routing.
