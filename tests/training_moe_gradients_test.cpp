@@ -3,10 +3,22 @@
 // and every parameter's gradient in relative L2, the router's and the experts' included, with the
 // load-balancing loss's coefficient at the config's 0.001 (HF's grad_aux.*) and at 0 (grad.*).
 // HF holds the experts as [E, out, in] in memory (its loader transposes the checkpoints' [E, in,
-// out]); their golden gradients are transposed back here. CPU (fp32) within 1e-4; CUDA (bf16
-// weights and activations, f32 gradients) within 6%, as the other families' CUDA gradients.
+// out]); their golden gradients are transposed back here. On the CPU (fp32) within 1e-4.
+//
+// On CUDA a routed model's bf16 gradients are not comparable with fp32 ones: a near-tie of router
+// logits picks another expert in bf16. HF's own bf16 step on this fixture lands 53% (the last
+// sparse layer's router), 40% (its post-attention norm) and 31-36% (its experts) from its fp32
+// gradients (tools/hf_bf16_gradient_error.py on an H200, autocast and bf16 model alike), and
+// Iris's CUDA step lands at the same figures (53.6%, 39.9%, 31-36%). What CUDA is held to here is
+// routing-free: experts that all equal a dense MLP give the dense model's gradients
+// (MoeEqualExperts), beside the op-by-op checks against the CPU oracle (BackendOps.Moe*).
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "core/fs.h"
+#include "core/splitmix.h"
 
 #include "bridge/hf_weights.h"
 #include "model_test_util.h"
@@ -30,15 +42,14 @@ std::vector<float> transposed_per_expert(const HostTensor& t) {
   return out;
 }
 
-class MoeGradients : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+class MoeGradients : public ::testing::TestWithParam<bool> {};
 
-TEST_P(MoeGradients, LossesAndEveryGradientMatchHF) {
-  const auto [cuda, with_aux] = GetParam();
-  if (cuda && !cuda_available()) GTEST_SKIP() << "no GPU";
-  const double grad_tol = cuda ? 0.06 : 1e-4, loss_tol = cuda ? 1e-2 : 1e-5;
+TEST_P(MoeGradients, LossesAndEveryGradientMatchHFOnTheCpu) {
+  const bool with_aux = GetParam();
+  const double grad_tol = 1e-4, loss_tol = 1e-5;
   const std::string dir = test::data_dir() + "/qwen3vlmoe-tiny";
   const Golden golden(dir);
-  auto backend = cuda ? make_cuda_backend(0) : make_cpu_backend();
+  auto backend = make_cpu_backend();
   ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
   ASSERT_FLOAT_EQ(cfg.text.router_aux_loss_coef, 0.001f);
   if (!with_aux) cfg.text.router_aux_loss_coef = 0.0f;
@@ -78,8 +89,6 @@ TEST_P(MoeGradients, LossesAndEveryGradientMatchHF) {
     }
     EXPECT_GT(norm, 0.0) << name << " has an all-zero golden gradient";
     EXPECT_LE(std::sqrt(diff), grad_tol * std::sqrt(norm)) << name;
-    if (cuda && std::sqrt(diff) > 0.01 * std::sqrt(norm))
-      std::printf("  %-60s relative L2 %.4f\n", name.c_str(), std::sqrt(diff / norm));
     ++checked;
   }
   size_t golden_grads = 0;
@@ -103,11 +112,131 @@ TEST(MoeGradientGolden, TheLoadBalancingLossMovesTheRoutersGradient) {
   EXPECT_GT(std::sqrt(diff), 1e-3 * std::sqrt(norm));
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, MoeGradients,
-                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& i) {
-                           return std::string(std::get<1>(i.param) ? "with_aux" : "lm_only") +
-                                  (std::get<0>(i.param) ? "_cuda" : "_cpu");
+// Routing-free: a MoE model whose experts all equal the dense model's MLP (the dense tiny fixture's
+// weights, transposed into [E, in, out], under a random router; no load-balancing loss) computes
+// the dense model's loss whatever the routing, so every gradient outside the sparse MLPs is the
+// dense one, the experts' gradients sum to the dense MLP's, and the router's vanishes (its
+// renormalised weights sum to one). bf16 routing flips cannot move any of this, so on CUDA it
+// checks the sparse layer's backward against the dense one's at bf16's own error.
+class MoeEqualExperts : public ::testing::TestWithParam<bool> {};
+
+double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
+  const bool cuda = GetParam();
+  if (cuda && !cuda_available()) GTEST_SKIP() << "no GPU";
+  // Two bf16 runs of one model: H200, worst tensor 1.9%.
+  const double tol = cuda ? 3e-2 : 1e-4;
+  auto be = cuda ? make_cuda_backend(0) : make_cpu_backend();
+  const std::string dir = test::fixture_dir();
+  const ModelConfig dense_cfg = ModelConfig::from_file(dir + "/config.json");
+  nlohmann::json j = nlohmann::json::parse(read_text_file(dir + "/config.json"));
+  j["model_type"] = "qwen3_vl_moe";
+  j["text_config"]["num_experts"] = 4;
+  j["text_config"]["num_experts_per_tok"] = 2;
+  j["text_config"]["moe_intermediate_size"] = j["text_config"]["intermediate_size"];
+  j["text_config"]["mlp_only_layers"] = {1};
+  j["text_config"]["router_aux_loss_coef"] = 0.0;
+  const ModelConfig moe_cfg = ModelConfig::from_json_text(j.dump(), "config.json");
+  auto dense = load_weights(*be, dense_cfg, dir);
+  auto moe = allocate_weights(*be, moe_cfg);
+  std::map<std::string, const WeightBinding*> dense_by_name;
+  for (const WeightBinding& b : dense->bindings) dense_by_name[b.hf_name] = &b;
+  auto read = [&](const Tensor& t) {
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    be->read(v.data(), DType::f32, t);
+    return v;
+  };
+  for (const WeightBinding& b : moe->bindings)
+    if (auto it = dense_by_name.find(b.hf_name); it != dense_by_name.end())
+      be->write(b.tensor(), read(it->second->tensor()).data(), DType::f32);
+  const TextConfig& t = moe_cfg.text;
+  const int64_t E = t.num_experts, H = t.hidden_size, I = t.moe_intermediate_size;
+  SplitMix64 rng(5);
+  for (int l = 0; l < t.num_hidden_layers; ++l) {
+    if (!t.sparse_layer(l)) continue;
+    const std::vector<float> gu = read(dense->text.layers[l].gate_up_w),
+                             down = read(dense->text.layers[l].down_w);
+    std::vector<float> gu_t(static_cast<size_t>(E * H * 2 * I)), down_t(static_cast<size_t>(E * I * H));
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r = 0; r < 2 * I; ++r)
+        for (int64_t h = 0; h < H; ++h) gu_t[(e * H + h) * 2 * I + r] = gu[r * H + h];
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < I; ++i) down_t[(e * I + i) * H + h] = down[h * I + i];
+    }
+    be->write(moe->text.layers[l].experts_gate_up_w, gu_t.data(), DType::f32);
+    be->write(moe->text.layers[l].experts_down_w, down_t.data(), DType::f32);
+    std::vector<float> router(static_cast<size_t>(E * H));
+    for (float& x : router) x = static_cast<float>(rng.normal());
+    be->write(moe->text.layers[l].router_w, router.data(), DType::f32);
+  }
+  TrainLimits limits;
+  limits.max_seq_len = 256;
+  limits.max_patches = 1024;
+  limits.max_images = 4;
+  limits.loss_chunk_rows = 16;
+  const TrainSample sample = test::golden_sample(Golden(dir));
+  const float scale = 1.0f / static_cast<float>(labelled_positions(sample.labels));
+  TrainableQwen3VL dense_model(*be, dense_cfg, *dense, limits);
+  TrainableQwen3VL moe_model(*be, moe_cfg, *moe, limits);
+  dense_model.zero_grads();
+  moe_model.zero_grads();
+  const LossStats want = dense_model.forward_backward(sample, scale);
+  const LossStats got = moe_model.forward_backward(sample, scale);
+  EXPECT_NEAR(got.loss_sum, want.loss_sum, (cuda ? 1e-2 : 1e-5) * want.loss_sum);
+  std::map<std::string, const WeightBinding*> dense_grads;
+  for (const WeightBinding& b : dense_model.grads().bindings) dense_grads[b.hf_name] = &b;
+  size_t compared = 0;
+  double worst = 0;
+  for (const WeightBinding& b : moe_model.grads().bindings) {
+    const std::vector<float> g = read(b.tensor());
+    if (auto it = dense_grads.find(b.hf_name); it != dense_grads.end()) {
+      const double r = rel_l2(g, read(it->second->tensor()));
+      EXPECT_LE(r, tol) << b.hf_name;
+      worst = std::max(worst, r);
+      ++compared;
+    }
+  }
+  for (int l = 0; l < t.num_hidden_layers; ++l) {
+    if (!t.sparse_layer(l)) continue;
+    const DecoderLayerWeights& mg = moe_model.grads().text.layers[l];
+    const DecoderLayerWeights& dg = dense_model.grads().text.layers[l];
+    const std::vector<float> gu = read(mg.experts_gate_up_w), down = read(mg.experts_down_w);
+    std::vector<float> gu_sum(static_cast<size_t>(2 * I * H), 0.f), down_sum(static_cast<size_t>(H * I), 0.f);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r = 0; r < 2 * I; ++r)
+        for (int64_t h = 0; h < H; ++h) gu_sum[r * H + h] += gu[(e * H + h) * 2 * I + r];
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < I; ++i) down_sum[h * I + i] += down[(e * I + i) * H + h];
+    }
+    EXPECT_LE(rel_l2(gu_sum, read(dg.gate_up_w)), tol) << "layer " << l << " gate_up";
+    EXPECT_LE(rel_l2(down_sum, read(dg.down_w)), tol) << "layer " << l << " down";
+    // The router's gradient is the renormalisation's rounding alone.
+    const std::vector<float> router = read(mg.router_w);
+    double rn = 0, en = 0;
+    for (float x : router) rn += double(x) * x;
+    for (float x : gu) en += double(x) * x;
+    EXPECT_LE(std::sqrt(rn), (cuda ? 2e-2 : 1e-5) * std::sqrt(en)) << "layer " << l << " router";
+  }
+  std::printf("  %zu shared gradients, worst relative L2 %.2e\n", compared, worst);
+  EXPECT_GT(compared, 30u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, MoeEqualExperts, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "on_cuda" : "on_cpu");
+                         });
+
+INSTANTIATE_TEST_SUITE_P(LoadBalancing, MoeGradients, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return std::string(i.param ? "with_aux" : "lm_only");
                          });
 
 }  // namespace

@@ -76,11 +76,14 @@ __global__ void moe_aux_loss_kernel(float* __restrict__ aux_sum, float* __restri
                                     float grad_scale) {
   const float N = static_cast<float>(*real_rows) * static_cast<float>(layers);
   for (int e = threadIdx.x; e < E; e += blockDim.x)
-    dprob[e] = N > 0.0f ? grad_scale * static_cast<float>(E) * load[e] / (N * N) : 0.0f;
+    dprob[e] = N > 0.0f ? __fmul_rn(__fmul_rn(grad_scale, static_cast<float>(E)), load[e]) /
+                              __fmul_rn(N, N)
+                        : 0.0f;
   if (threadIdx.x == 0 && N > 0.0f) {
     float aux = 0.0f;
-    for (int e = 0; e < E; ++e) aux += (load[e] / N) * (prob_sum[e] / N);
-    aux_sum[0] += static_cast<float>(E) * aux;
+    // Rounded as the CPU rounds each step (no fused multiply-add), for the same bits.
+    for (int e = 0; e < E; ++e) aux = __fadd_rn(aux, __fmul_rn(load[e] / N, prob_sum[e] / N));
+    aux_sum[0] = __fadd_rn(aux_sum[0], __fmul_rn(static_cast<float>(E), aux));
   }
 }
 
