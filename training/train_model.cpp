@@ -142,9 +142,6 @@ void TrainableQwen3VL::check_limits() {
     IRIS_CHECK(limits_.stage.index == 0 && limits_.stage.count == 1,
                "training a mixture-of-experts model (Qwen3-VL-MoE) over pipeline stages is not "
                "implemented yet; set parallel.pipeline_model_parallel_size: 1");
-    IRIS_CHECK(limits_.text_buckets.empty(),
-               "training a mixture-of-experts model (Qwen3-VL-MoE) with decoder CUDA graphs is not "
-               "implemented yet; set cuda_graph.cuda_graph_impl: none");
   }
   IRIS_CHECK(limits_.max_seq_len > 0, "TrainLimits.max_seq_len must be positive");
   IRIS_CHECK(limits_.max_patches >= 0 && limits_.max_patches % v.merge_unit() == 0,
@@ -410,7 +407,8 @@ TrainableQwen3VL::input_members() {
   static const std::array<Tensor TrainableQwen3VL::*, kInputs> members = {
       &TrainableQwen3VL::ids_,        &TrainableQwen3VL::pad_rows_,  &TrainableQwen3VL::label_rows_,
       &TrainableQwen3VL::targets_,    &TrainableQwen3VL::positions_, &TrainableQwen3VL::text_cu_,
-      &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,    &TrainableQwen3VL::v_grids_};
+      &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,    &TrainableQwen3VL::v_grids_,
+      &TrainableQwen3VL::text_real_rows_};
   return members;
 }
 
@@ -534,6 +532,7 @@ int64_t TrainableQwen3VL::queue_step(
                 micro_batch(true, vision_grads, loss_total_, false);
               }
             });
+    if (moe_layers_ > 0) moe_aux_runs_ += static_cast<int64_t>(n);
   } else {
     for (size_t i = 0; i < n; ++i) {
       move_into_own_inputs(i);
@@ -552,8 +551,9 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
     // The rows of each input (in input_members' order) that prepare() wrote; -1: all of it.
     const BatchShape& b = s.shape;
     const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label,       b.L,
-                                   -1,  -1,      b.S,       b.S > 0 ? -1 : 0};
+                                   -1,  -1,      b.S,       b.S > 0 ? -1 : 0, -1};
     for (size_t k = 0; k < kInputs; ++k) {
+      if (!own.inputs[k].defined()) continue;  // an input this model does not have
       if (rows[k] < 0)
         be_.copy(own.inputs[k], s.inputs[k]);
       else if (rows[k] > 0)
@@ -827,6 +827,7 @@ void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_real_ > 0 && (lm || vision_grads);
+  if (moe_layers_ > 0 && backward) ++moe_aux_runs_;
   // Graphs serve the trainer's path (the loss adds into loss_total_) on padded micro-batches.
   const bool graphs = graph_api_ != nullptr && padded_ && loss_out.data == loss_total_.data;
   if (!graphs) {
@@ -1412,12 +1413,13 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
                             t.rms_norm_eps);
     }
     void head() override {
-      if (m_.moe_layers_ > 0) {
+      // Training's micro-batches report it (run_prepared counts them on the host, as a replayed
+      // graph does not run this).
+      if (m_.moe_layers_ > 0 && backward_) {
         const float coef = m_.cfg_.text.router_aux_loss_coef;
         m_.be_.moe_aux_loss(m_.moe_aux_sum_, m_.moe_aux_dprob_, m_.moe_load_, m_.moe_prob_sum_,
                             m_.text_real_rows_, m_.moe_layers_,
                             coef / static_cast<float>(m_.micro_batches_in_step_));
-        ++m_.moe_aux_runs_;
       }
       m_.loss(backward_, loss_out_);
     }

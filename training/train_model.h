@@ -387,7 +387,7 @@ class TrainableQwen3VL {
   BatchShape shape() const;
   void set_shape(const BatchShape& shape);
   // The tensors prepare() writes, in one order.
-  static constexpr size_t kInputs = 9;
+  static constexpr size_t kInputs = 10;
   static const std::array<Tensor TrainableQwen3VL::*, kInputs>& input_members();
   // A step's micro-batches as queue_step holds them: the inputs prepare() wrote and the shape it
   // set, per micro-batch. Slot 0 holds the model's own inputs; use_slot points the inputs and the
