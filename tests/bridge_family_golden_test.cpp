@@ -49,28 +49,10 @@ class FamilyGolden : public ::testing::TestWithParam<Family> {
   }
   // Top-8 ids exactly, their values and each row's logsumexp within 1e-4.
   void check_logits(const float* logits, int64_t rows, const std::string& prefix) {
-    const int64_t V = model_->config().text.vocab_size;
-    const HostTensor ids = golden_->tensor(prefix + ".top8_ids");
-    const HostTensor vals = golden_->tensor(prefix + ".top8_values");
-    const HostTensor lse = golden_->tensor(prefix + ".logsumexp");
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = logits + r * V;
-      std::vector<int32_t> order(static_cast<size_t>(V));
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + 8, order.end(), [&](int32_t a, int32_t b) {
-        return row[a] > row[b] || (row[a] == row[b] && a < b);
-      });
-      for (int k = 0; k < 8; ++k) {
-        EXPECT_EQ(order[k], ids.data<int64_t>()[r * 8 + k]) << prefix << " row " << r;
-        const float want = vals.data<float>()[r * 8 + k];
-        EXPECT_NEAR(row[order[k]], want, kRel * std::fabs(want) + kAbs) << prefix << " row " << r;
-      }
-      double s = 0;
-      for (int64_t v = 0; v < V; ++v) s += std::exp(double(row[v]) - row[order[0]]);
-      const float want = lse.data<float>()[r];
-      EXPECT_NEAR(row[order[0]] + std::log(s), want, kRel * std::fabs(want) + kAbs)
-          << prefix << " logsumexp row " << r;
-    }
+    test::expect_top8_and_logsumexp(logits, rows, model_->config().text.vocab_size,
+                                    golden_->tensor(prefix + ".top8_ids"),
+                                    golden_->tensor(prefix + ".top8_values"),
+                                    golden_->tensor(prefix + ".logsumexp"), prefix, kRel, kAbs);
   }
   void check_prompt(const std::string& prefix, const std::vector<int32_t>& ids) {
     const int n_hidden = model_->config().text.num_hidden_layers + 1;

@@ -169,18 +169,8 @@ void experts_equal_the_dense_mlp(Backend& be, float rel_l2_limit, float rel, flo
   SplitMix64 rng(11);
   for (int l = 0; l < moe_cfg.text.num_hidden_layers; ++l) {
     if (!moe_cfg.text.sparse_layer(l)) continue;
-    const DecoderLayerWeights& d = dense->text.layers[l];
     const DecoderLayerWeights& m = moe->text.layers[l];
-    const std::vector<float> gu = read_f32(be, d.gate_up_w), down = read_f32(be, d.down_w);
-    std::vector<float> gu_t(static_cast<size_t>(E * H * 2 * I)), down_t(static_cast<size_t>(E * I * H));
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t r = 0; r < 2 * I; ++r)
-        for (int64_t h = 0; h < H; ++h) gu_t[(e * H + h) * 2 * I + r] = gu[r * H + h];
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < I; ++i) down_t[(e * I + i) * H + h] = down[h * I + i];
-    }
-    be.write(m.experts_gate_up_w, gu_t.data(), DType::f32);
-    be.write(m.experts_down_w, down_t.data(), DType::f32);
+    test::experts_from_dense_mlp(be, dense->text.layers[l], m, E, H, I);
     std::vector<float> router(static_cast<size_t>(E * H));
     for (float& x : router) x = static_cast<float>(rng.normal());
     be.write(m.router_w, router.data(), DType::f32);
@@ -210,12 +200,7 @@ void experts_equal_the_dense_mlp(Backend& be, float rel_l2_limit, float rel, flo
   const std::vector<float>& want = dense_model.prompt_logits();
   const std::vector<float>& got = moe_model.prompt_logits();
   ASSERT_EQ(got.size(), want.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  EXPECT_LE(std::sqrt(num / den), rel_l2_limit);
+  EXPECT_LE(test::relative_l2(got, want), rel_l2_limit);
   if (rel > 0) EXPECT_TRUE(all_close(got, want, rel, abs));
   // Decode steps route one token at a time.
   const std::vector<float> d1 = (dense_model.decode(5), dense_model.last_logits());
@@ -282,29 +267,10 @@ class MoeGolden : public ::testing::Test {
       EXPECT_TRUE(all_close(
           hidden[l], golden_->tensor(prefix + ".hidden." + std::to_string(l)).to_f32(), kRel, kAbs))
           << prefix << ".hidden." << l;
-    const int64_t V = t.vocab_size;
-    const float* logits = model_->prompt_logits().data();
-    const HostTensor top_ids = golden_->tensor(prefix + ".top8_ids");
-    const HostTensor top_vals = golden_->tensor(prefix + ".top8_values");
-    const HostTensor lse = golden_->tensor(prefix + ".logsumexp");
-    for (int64_t r = 0; r < T; ++r) {
-      const float* row = logits + r * V;
-      std::vector<int32_t> order(static_cast<size_t>(V));
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + 8, order.end(), [&](int32_t a, int32_t b) {
-        return row[a] > row[b] || (row[a] == row[b] && a < b);
-      });
-      for (int j = 0; j < 8; ++j) {
-        EXPECT_EQ(order[j], top_ids.data<int64_t>()[r * 8 + j]) << prefix << " row " << r;
-        const float want = top_vals.data<float>()[r * 8 + j];
-        EXPECT_NEAR(row[order[j]], want, kRel * std::fabs(want) + kAbs) << prefix << " row " << r;
-      }
-      double s = 0;
-      for (int64_t v = 0; v < V; ++v) s += std::exp(double(row[v]) - row[order[0]]);
-      const float want = lse.data<float>()[r];
-      EXPECT_NEAR(row[order[0]] + std::log(s), want, kRel * std::fabs(want) + kAbs)
-          << prefix << " logsumexp row " << r;
-    }
+    test::expect_top8_and_logsumexp(model_->prompt_logits().data(), T, t.vocab_size,
+                                    golden_->tensor(prefix + ".top8_ids"),
+                                    golden_->tensor(prefix + ".top8_values"),
+                                    golden_->tensor(prefix + ".logsumexp"), prefix, kRel, kAbs);
   }
   std::vector<int32_t> greedy(const std::vector<int32_t>& ids, int n) {
     model_->prefill(ids);
@@ -403,14 +369,6 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
   const TextConfig& t = model.config().text;
   const int64_t T = static_cast<int64_t>(ids.size()), k = t.num_experts_per_tok,
                 H = t.hidden_size;
-  auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-      num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-      den += double(b[i]) * b[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-  };
   int64_t agree = 0, slots = 0;
   std::vector<bool> routed_as_hf(static_cast<size_t>(T), true);
   model.prefill(ids, [&](int index, int64_t, const Tensor& rows) {
@@ -437,7 +395,7 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
         mine.insert(mine.end(), all.begin() + r * H, all.begin() + (r + 1) * H);
         want.insert(want.end(), want_all.begin() + r * H, want_all.begin() + (r + 1) * H);
       }
-    EXPECT_LE(rel_l2(mine, want), 0.03)
+    EXPECT_LE(test::relative_l2(mine, want), 0.03)
         << "hidden " << index << " over " << mine.size() / H << " of " << T << " tokens";
   });
   EXPECT_GE(double(agree) / double(slots), 0.9) << agree << " of " << slots << " slots agree";
@@ -451,7 +409,7 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
       got.push_back(logits[r * t.vocab_size + top_ids.data<int64_t>()[r * 8 + j]]);
       want.push_back(top_vals.data<float>()[r * 8 + j]);
     }
-  EXPECT_LE(rel_l2(got, want), 0.03);
+  EXPECT_LE(test::relative_l2(got, want), 0.03);
 }
 
 }  // namespace

@@ -120,14 +120,7 @@ TEST(MoeGradientGolden, TheLoadBalancingLossMovesTheRoutersGradient) {
 // checks the sparse layer's backward against the dense one's at bf16's own error.
 class MoeEqualExperts : public ::testing::TestWithParam<bool> {};
 
-double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
+using test::relative_l2;
 
 TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
   const bool cuda = GetParam();
@@ -162,17 +155,7 @@ TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
   SplitMix64 rng(5);
   for (int l = 0; l < t.num_hidden_layers; ++l) {
     if (!t.sparse_layer(l)) continue;
-    const std::vector<float> gu = read(dense->text.layers[l].gate_up_w),
-                             down = read(dense->text.layers[l].down_w);
-    std::vector<float> gu_t(static_cast<size_t>(E * H * 2 * I)), down_t(static_cast<size_t>(E * I * H));
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t r = 0; r < 2 * I; ++r)
-        for (int64_t h = 0; h < H; ++h) gu_t[(e * H + h) * 2 * I + r] = gu[r * H + h];
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < I; ++i) down_t[(e * I + i) * H + h] = down[h * I + i];
-    }
-    be->write(moe->text.layers[l].experts_gate_up_w, gu_t.data(), DType::f32);
-    be->write(moe->text.layers[l].experts_down_w, down_t.data(), DType::f32);
+    test::experts_from_dense_mlp(*be, dense->text.layers[l], moe->text.layers[l], E, H, I);
     std::vector<float> router(static_cast<size_t>(E * H));
     for (float& x : router) x = static_cast<float>(rng.normal());
     be->write(moe->text.layers[l].router_w, router.data(), DType::f32);
@@ -198,7 +181,7 @@ TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
   for (const WeightBinding& b : moe_model.grads().bindings) {
     const std::vector<float> g = read(b.tensor());
     if (auto it = dense_grads.find(b.hf_name); it != dense_grads.end()) {
-      const double r = rel_l2(g, read(it->second->tensor()));
+      const double r = relative_l2(g, read(it->second->tensor()));
       EXPECT_LE(r, tol) << b.hf_name;
       worst = std::max(worst, r);
       ++compared;
@@ -216,8 +199,8 @@ TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < I; ++i) down_sum[h * I + i] += down[(e * I + i) * H + h];
     }
-    EXPECT_LE(rel_l2(gu_sum, read(dg.gate_up_w)), tol) << "layer " << l << " gate_up";
-    EXPECT_LE(rel_l2(down_sum, read(dg.down_w)), tol) << "layer " << l << " down";
+    EXPECT_LE(relative_l2(gu_sum, read(dg.gate_up_w)), tol) << "layer " << l << " gate_up";
+    EXPECT_LE(relative_l2(down_sum, read(dg.down_w)), tol) << "layer " << l << " down";
     // The router's gradient is the renormalisation's rounding alone.
     const std::vector<float> router = read(mg.router_w);
     double rn = 0, en = 0;
