@@ -124,8 +124,8 @@ double text_flops(const TextConfig& t, double T, double past, double logit_rows)
 double text_weight_bytes(const TextConfig& t, size_t elem) {
   const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
   const double attention_and_norms = H * (q + 2 * kv) + q * H + 2 * H + 2 * t.head_dim;
-  const double sparse_mlp = H * t.num_experts + double(t.num_experts_per_tok) * 3 * H *
-                                                    t.moe_intermediate_size;
+  const double sparse_mlp =
+      H * t.num_experts + double(t.num_experts_per_tok) * 3 * H * t.moe_intermediate_size;
   double layers = 0;
   for (int l = 0; l < t.num_hidden_layers; ++l)
     layers += attention_and_norms + (t.sparse_layer(l) ? sparse_mlp : 3 * H * I);

@@ -21,7 +21,8 @@ namespace iris {
 using nlohmann::json;
 using namespace config_fields;
 
-void Qwen3FamilyArchitecture::read_config(const json& j, ModelConfig& c, const std::string& src) const {
+void Qwen3FamilyArchitecture::read_config(const json& j, ModelConfig& c,
+                                          const std::string& src) const {
   IRIS_CHECK(j.contains("text_config") && j["text_config"].is_object(), src,
              ": missing text_config (Qwen3-VL configs are nested)");
   IRIS_CHECK(j.contains("vision_config") && j["vision_config"].is_object(), src,
@@ -66,7 +67,8 @@ void Qwen3FamilyArchitecture::read_config(const json& j, ModelConfig& c, const s
   }
 }
 
-void Qwen3FamilyArchitecture::declare_weights(const ModelConfig& cfg, ModelWeights& w, WeightTable& t) const {
+void Qwen3FamilyArchitecture::declare_weights(const ModelConfig& cfg, ModelWeights& w,
+                                              WeightTable& t) const {
   const VisionConfig& v = cfg.vision;
   const int64_t D = v.hidden_size, I = v.intermediate_size, M = v.merged_dim(),
                 out = v.out_hidden_size;
@@ -106,7 +108,8 @@ PreprocessorConfig Qwen3FamilyArchitecture::default_preprocessor(const ModelConf
 
 // Qwen3VLVideoProcessor's class defaults: 128 to 768 tokens' worth of pixels (32^2 each) over
 // all frames, 2 frames a second, 4 to 768 frames.
-VideoProcessorConfig Qwen3FamilyArchitecture::default_video_preprocessor(const ModelConfig& cfg) const {
+VideoProcessorConfig Qwen3FamilyArchitecture::default_video_preprocessor(
+    const ModelConfig& cfg) const {
   VideoProcessorConfig vc;
   vc.frame.patch_size = cfg.vision.patch_size;
   vc.frame.temporal_patch_size = cfg.vision.temporal_patch_size;
@@ -116,14 +119,14 @@ VideoProcessorConfig Qwen3FamilyArchitecture::default_video_preprocessor(const M
   return vc;
 }
 
-std::vector<int64_t> Qwen3FamilyArchitecture::sample_video_frames(int64_t total, double video_fps,
-                                         const VideoProcessorConfig& vc) const {
+std::vector<int64_t> Qwen3FamilyArchitecture::sample_video_frames(
+    int64_t total, double video_fps, const VideoProcessorConfig& vc) const {
   return sample_frames_linspace(total, video_fps, vc);
 }
 
 // The pixel budget is over the whole clip, not a frame.
 ResizedSize Qwen3FamilyArchitecture::video_frame_size(int64_t n_frames, int height, int width,
-                             const VideoProcessorConfig& vc) const {
+                                                      const VideoProcessorConfig& vc) const {
   const PreprocessorConfig& f = vc.frame;
   return smart_resize_video(n_frames, height, width, f.temporal_patch_size,
                             f.patch_size * f.merge_size, f.min_pixels, f.max_pixels);
@@ -141,9 +144,8 @@ std::string Qwen3FamilyArchitecture::video_prompt_text(const VideoClip& clip) co
   std::string text = "<|vision_start|>";
   for (int64_t k = 0; k < clip.grid_thw[0]; ++k) {
     const size_t a = static_cast<size_t>(k) * group;
-    IRIS_CHECK(a + group - 1 < idx.size(), "a video's ", clip.grid_thw[0],
-               " temporal slices need ", clip.grid_thw[0] * 2, " frame indices, it has ",
-               clip.frame_indices.size());
+    IRIS_CHECK(a + group - 1 < idx.size(), "a video's ", clip.grid_thw[0], " temporal slices need ",
+               clip.grid_thw[0] * 2, " frame indices, it has ", clip.frame_indices.size());
     const double t =
         (static_cast<double>(idx[a]) / fps + static_cast<double>(idx[a + group - 1]) / fps) / 2;
     char stamp[64];
@@ -155,7 +157,8 @@ std::string Qwen3FamilyArchitecture::video_prompt_text(const VideoClip& clip) co
 }
 
 // One run per temporal slice: HF splits a video's grid into (1, h, w) rows.
-std::vector<VisionRun> Qwen3FamilyArchitecture::video_runs(const VideoClip& clip, const ModelConfig& cfg) const {
+std::vector<VisionRun> Qwen3FamilyArchitecture::video_runs(const VideoClip& clip,
+                                                           const ModelConfig& cfg) const {
   const int m = cfg.vision.spatial_merge_size;
   return std::vector<VisionRun>(
       static_cast<size_t>(clip.grid_thw[0]),

@@ -40,7 +40,8 @@ class Qwen3VLMoe final : public Qwen3FamilyArchitecture {
     t.num_experts = 60;
     t.num_experts_per_tok = 4;
     t.moe_intermediate_size = 1408;
-    const bool has_experts = present(tc, "num_experts"), has_local = present(tc, "num_local_experts");
+    const bool has_experts = present(tc, "num_experts"),
+               has_local = present(tc, "num_local_experts");
     if (has_experts) read_int(tc, "num_experts", t.num_experts, tw, 1, kMaxExperts);
     if (has_local) {
       int local = 0;

@@ -42,8 +42,8 @@ double merger_flops(const VisionConfig& v, int64_t patches) {
 ForwardFlops decoder_flops(const TextConfig& t, double T, double past, double logit_rows) {
   const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
   // A sparse layer counts its router and the k experts a token runs (active parameters).
-  const double sparse_mlp = H * t.num_experts + static_cast<double>(t.num_experts_per_tok) * 3 *
-                                                    H * t.moe_intermediate_size;
+  const double sparse_mlp = H * t.num_experts + static_cast<double>(t.num_experts_per_tok) * 3 * H *
+                                                    t.moe_intermediate_size;
   double mlp = 0;
   for (int l = 0; l < t.num_hidden_layers; ++l) mlp += t.sparse_layer(l) ? sparse_mlp : 3 * H * I;
   ForwardFlops f;

@@ -112,8 +112,8 @@ void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweigh
   const int64_t T = probs.rows(), E = probs.cols();
   IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2 && ids.rows() == T && ids.cols() >= 1 &&
                  ids.cols() <= kMoeMaxTopK && ids.cols() <= E,
-             "moe_route_backward: ids ", ids.shape_str(), " should be i32 [", T, ", k] with k <= ",
-             E < kMoeMaxTopK ? E : int64_t{kMoeMaxTopK});
+             "moe_route_backward: ids ", ids.shape_str(), " should be i32 [", T,
+             ", k] with k <= ", E < kMoeMaxTopK ? E : int64_t{kMoeMaxTopK});
   IRIS_CHECK(dweights.dtype == DType::f32 && dweights.ndim == 2 && dweights.rows() == T &&
                  dweights.cols() == ids.cols(),
              "moe_route_backward: dweights ", dweights.shape_str(), " should be f32 [", T, ", ",
@@ -122,8 +122,7 @@ void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweigh
              "moe_route_backward: dlogits ", dlogits.shape_str(), " should be [", T, ", ", E, "]");
   if (aux_dprob.defined())
     IRIS_CHECK(aux_dprob.dtype == DType::f32 && aux_dprob.numel() == E,
-               "moe_route_backward: aux_dprob ", aux_dprob.shape_str(), " should be f32 [", E,
-               "]");
+               "moe_route_backward: aux_dprob ", aux_dprob.shape_str(), " should be f32 [", E, "]");
 }
 
 void check_moe_route_stats_shapes(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,
@@ -131,8 +130,8 @@ void check_moe_route_stats_shapes(const Tensor& load, const Tensor& prob_sum, co
   IRIS_CHECK(probs.dtype == DType::f32 && probs.ndim == 2 && probs.cols() > 0,
              "moe_route_stats: probs ", probs.shape_str(), " should be f32 [tokens, experts]");
   const int64_t T = probs.rows(), E = probs.cols();
-  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2 && ids.rows() == T,
-             "moe_route_stats: ids ", ids.shape_str(), " should be i32 [", T, ", k]");
+  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2 && ids.rows() == T, "moe_route_stats: ids ",
+             ids.shape_str(), " should be i32 [", T, ", k]");
   for (const Tensor* t : {&load, &prob_sum})
     IRIS_CHECK(t->dtype == DType::f32 && t->numel() == E, "moe_route_stats: load and prob_sum ",
                t->shape_str(), " should be f32 [", E, "]");

@@ -1096,7 +1096,9 @@ TEST_F(CudaGraphModel, SixtyFourGreedyStepsEqualEagerOnA2BShapedRandomModel) {
 // decode step with no host traffic (the stand-in flags any), and replay gives the eager tokens;
 // on CUDA, every decode step's logits bit for bit.
 
-std::string moe_dir() { return test::data_dir() + "/qwen3vlmoe-tiny"; }
+std::string moe_dir() {
+  return test::data_dir() + "/qwen3vlmoe-tiny";
+}
 
 std::vector<std::vector<float>> moe_decode(Qwen3VLModel& m, const Golden& g, bool mm, int n,
                                            std::vector<int32_t>* tokens) {

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
-#include <map>
 #include <set>
 
 #include "bridge/architecture.h"
@@ -32,7 +32,9 @@ using test::grids_of;
 using test::ids_of;
 using test::read_f32;
 
-std::string moe_fixture() { return test::data_dir() + "/qwen3vlmoe-tiny"; }
+std::string moe_fixture() {
+  return test::data_dir() + "/qwen3vlmoe-tiny";
+}
 
 // The dense tiny fixture's config made a MoE one: 4 experts of the dense MLP's width, 2 a token,
 // layer 1 dense.
@@ -48,7 +50,9 @@ json moe_config_json() {
   return j;
 }
 
-ModelConfig config_of(const json& j) { return ModelConfig::from_json_text(j.dump(), "config.json"); }
+ModelConfig config_of(const json& j) {
+  return ModelConfig::from_json_text(j.dump(), "config.json");
+}
 
 TEST(MoeConfig, FieldsAreReadAndTheSparseLayersFollowHFsRule) {
   const ModelConfig c = config_of(moe_config_json());
@@ -85,7 +89,8 @@ TEST(MoeConfig, FieldsAreReadAndTheSparseLayersFollowHFsRule) {
   EXPECT_EQ(d.text.num_experts_per_tok, 4);
   EXPECT_EQ(d.text.moe_intermediate_size, 1408);
   // A dense Qwen3-VL has no sparse layer whatever its text_config holds.
-  EXPECT_FALSE(ModelConfig::from_file(test::fixture_dir() + "/config.json").text.any_sparse_layer());
+  EXPECT_FALSE(
+      ModelConfig::from_file(test::fixture_dir() + "/config.json").text.any_sparse_layer());
 }
 
 TEST(MoeConfig, BadFieldsAreRefusedNamingThem) {
@@ -97,8 +102,9 @@ TEST(MoeConfig, BadFieldsAreRefusedNamingThem) {
       j["text_config"][key] = value;
     return error_of([&] { config_of(j); });
   };
-  EXPECT_NE(error_with("num_experts_per_tok", 5).find("num_experts_per_tok 5 exceeds num_experts 4"),
-            std::string::npos);
+  EXPECT_NE(
+      error_with("num_experts_per_tok", 5).find("num_experts_per_tok 5 exceeds num_experts 4"),
+      std::string::npos);
   EXPECT_NE(error_with("num_experts", 0).find("num_experts"), std::string::npos);
   EXPECT_NE(error_with("decoder_sparse_step", 0).find("decoder_sparse_step"), std::string::npos);
   EXPECT_NE(error_with("mlp_only_layers", json{3}).find("mlp_only_layers"), std::string::npos);
@@ -115,7 +121,8 @@ TEST(MoeConfig, SparseLayersDeclareTheRouterAndFusedExpertsInTheCheckpointsLayou
   const int64_t E = 4, H = c.text.hidden_size, I = c.text.intermediate_size;
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const WeightBinding& b : w->bindings) shapes[b.hf_name] = b.hf_shape;
-  const std::string l0 = "model.language_model.layers.0.mlp.", l1 = "model.language_model.layers.1.mlp.";
+  const std::string l0 = "model.language_model.layers.0.mlp.",
+                    l1 = "model.language_model.layers.1.mlp.";
   EXPECT_EQ(shapes[l0 + "gate.weight"], (std::vector<int64_t>{E, H}));
   EXPECT_EQ(shapes[l0 + "experts.gate_up_proj"], (std::vector<int64_t>{E, H, 2 * I}));
   EXPECT_EQ(shapes[l0 + "experts.down_proj"], (std::vector<int64_t>{E, I, H}));
@@ -131,8 +138,8 @@ TEST(MoeConfig, SparseLayersDeclareTheRouterAndFusedExpertsInTheCheckpointsLayou
 // config's values) holds the released checkpoint's parameter count exactly: 882 tensors,
 // 31,070,754,032 parameters (../shared/docs/qwen3vl-moe-spec.md 2.4).
 TEST(MoeConfig, The30BA3BTableHoldsTheReleasedCheckpointsParameters) {
-  const ModelConfig c = ModelConfig::from_file(std::string(IRIS_SOURCE_DIR) +
-                                               "/bench/configs/qwen3vl_30b_a3b.json");
+  const ModelConfig c =
+      ModelConfig::from_file(std::string(IRIS_SOURCE_DIR) + "/bench/configs/qwen3vl_30b_a3b.json");
   ModelWeights w;
   WeightTable t(w);
   c.arch->declare_weights(c, w, t);
@@ -367,8 +374,7 @@ TEST(CudaMoeGolden, HiddenStatesRoutingAndLogitsWithinBf16) {
   model.encode_images(pv.data<float>(), grids_of(golden.tensor("image_grid_thw")));
   const std::vector<int32_t> ids = ids_of(golden.tensor("input_ids"));
   const TextConfig& t = model.config().text;
-  const int64_t T = static_cast<int64_t>(ids.size()), k = t.num_experts_per_tok,
-                H = t.hidden_size;
+  const int64_t T = static_cast<int64_t>(ids.size()), k = t.num_experts_per_tok, H = t.hidden_size;
   int64_t agree = 0, slots = 0;
   std::vector<bool> routed_as_hf(static_cast<size_t>(T), true);
   model.prefill(ids, [&](int index, int64_t, const Tensor& rows) {

@@ -1130,8 +1130,8 @@ TEST_F(BackendOps, MoeRouteBackwardAndAuxLoss) {
       Tensor aux_sum = s.make(Kind::f32, {1}, {0.25f});
       Tensor dprob = s.make(Kind::f32, {E}, std::vector<float>(E, 9.f));
       be->moe_aux_loss(aux_sum, dprob, load, prob_sum, real_rows, 2, 0.125f);
-      got[side] = {s.get(probs), s.get(dlogits), s.get(load), s.get(prob_sum), s.get(aux_sum),
-                   s.get(dprob)};
+      got[side] = {s.get(probs),    s.get(dlogits), s.get(load),
+                   s.get(prob_sum), s.get(aux_sum), s.get(dprob)};
       EXPECT_TRUE(s.guards_intact());
       ++side;
     }
@@ -1622,8 +1622,9 @@ TEST(MoeBackwardOnTheCpu, AuxLossIsHFsLoadBalancingLoss) {
   Tensor load = s.make(Kind::f32, {3}, {0.f, 0.f, 0.f});
   Tensor prob_sum = s.make(Kind::f32, {3}, {0.f, 0.f, 0.f});
   // Layer 1 routes rows to experts 0, 2; layer 2 to 0, 0; the third row is padding.
-  cpu->moe_route_stats(load, prob_sum, s.make_i32({3, 1}, {0, 2, -1}),
-                       s.make(Kind::f32, {3, 3}, {0.5f, 0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 0, 0, 0}));
+  cpu->moe_route_stats(
+      load, prob_sum, s.make_i32({3, 1}, {0, 2, -1}),
+      s.make(Kind::f32, {3, 3}, {0.5f, 0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 0, 0, 0}));
   cpu->moe_route_stats(load, prob_sum, s.make_i32({3, 1}, {0, 0, -1}),
                        s.make(Kind::f32, {3, 3}, {0.75f, 0.25f, 0.f, 0.5f, 0.5f, 0.f, 0, 0, 0}));
   EXPECT_EQ(s.get(load), (std::vector<float>{3.f, 0.f, 1.f}));

@@ -192,7 +192,8 @@ TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
     const DecoderLayerWeights& mg = moe_model.grads().text.layers[l];
     const DecoderLayerWeights& dg = dense_model.grads().text.layers[l];
     const std::vector<float> gu = read(mg.experts_gate_up_w), down = read(mg.experts_down_w);
-    std::vector<float> gu_sum(static_cast<size_t>(2 * I * H), 0.f), down_sum(static_cast<size_t>(H * I), 0.f);
+    std::vector<float> gu_sum(static_cast<size_t>(2 * I * H), 0.f),
+        down_sum(static_cast<size_t>(H * I), 0.f);
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t r = 0; r < 2 * I; ++r)
         for (int64_t h = 0; h < H; ++h) gu_sum[r * H + h] += gu[(e * H + h) * 2 * I + r];

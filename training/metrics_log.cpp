@@ -563,10 +563,10 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
   const std::string rest =
       str_cat(" | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
               " | grad norm ", fmt("%.4f", m.grad_norm),
-              m.moe_aux_runs > 0 ? str_cat(" | aux loss ", fmt("%.4f", m.moe_aux_loss)) : "",
-              " | ", fmt("%.1f", m.tokens_per_second()),
-              " tok/s | ", fmt("%.2f", m.samples_per_second()), " samples/s | ",
-              fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
+              m.moe_aux_runs > 0 ? str_cat(" | aux loss ", fmt("%.4f", m.moe_aux_loss)) : "", " | ",
+              fmt("%.1f", m.tokens_per_second()), " tok/s | ", fmt("%.2f", m.samples_per_second()),
+              " samples/s | ", fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ",
+              human_bytes(m.memory_bytes));
   std::string line = str_cat(head, rest);
   if (peak > 0)
     line += str_cat(" | MFU ", fmt("%.1f", 100 * m.tflops_per_second() * 1e12 / ranks / peak), "%");

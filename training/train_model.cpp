@@ -405,10 +405,11 @@ void TrainableQwen3VL::allocate(Arena& a) {
 const std::array<Tensor TrainableQwen3VL::*, TrainableQwen3VL::kInputs>&
 TrainableQwen3VL::input_members() {
   static const std::array<Tensor TrainableQwen3VL::*, kInputs> members = {
-      &TrainableQwen3VL::ids_,        &TrainableQwen3VL::pad_rows_,  &TrainableQwen3VL::label_rows_,
-      &TrainableQwen3VL::targets_,    &TrainableQwen3VL::positions_, &TrainableQwen3VL::text_cu_,
-      &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,    &TrainableQwen3VL::v_grids_,
-      &TrainableQwen3VL::text_real_rows_};
+      &TrainableQwen3VL::ids_,        &TrainableQwen3VL::pad_rows_,
+      &TrainableQwen3VL::label_rows_, &TrainableQwen3VL::targets_,
+      &TrainableQwen3VL::positions_,  &TrainableQwen3VL::text_cu_,
+      &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,
+      &TrainableQwen3VL::v_grids_,    &TrainableQwen3VL::text_real_rows_};
   return members;
 }
 
@@ -550,7 +551,7 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
     InputSlot& own = slots_[0];
     // The rows of each input (in input_members' order) that prepare() wrote; -1: all of it.
     const BatchShape& b = s.shape;
-    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label,       b.L,
+    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label,        b.L,
                                    -1,  -1,      b.S,       b.S > 0 ? -1 : 0, -1};
     for (size_t k = 0; k < kInputs; ++k) {
       if (!own.inputs[k].defined()) continue;  // an input this model does not have
@@ -897,9 +898,9 @@ namespace {
 // writes).
 template <class F>
 void each_tensor(const DecoderLayerWeights& w, F f) {
-  for (const Tensor* t : {&w.input_norm_w, &w.qkv_w, &w.q_norm_w, &w.k_norm_w, &w.o_w,
-                          &w.post_norm_w, &w.gate_up_w, &w.down_w, &w.router_w,
-                          &w.experts_gate_up_w, &w.experts_down_w})
+  for (const Tensor* t :
+       {&w.input_norm_w, &w.qkv_w, &w.q_norm_w, &w.k_norm_w, &w.o_w, &w.post_norm_w, &w.gate_up_w,
+        &w.down_w, &w.router_w, &w.experts_gate_up_w, &w.experts_down_w})
     f(*t);
 }
 template <class F>
@@ -1388,7 +1389,8 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
       auto mlp = [&m, &t, &w, b] {
         decoder_mlp_forward(m.be_, t, w, b);
         // The routing's statistics, for the load-balancing loss after the last layer.
-        if (b.moe.ids.defined()) m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
+        if (b.moe.ids.defined())
+          m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
       };
       if (whole_) {
         m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {

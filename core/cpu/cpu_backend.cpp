@@ -593,8 +593,9 @@ class CpuBackend final : public Backend {
     if (aux_dprob.defined()) check_f32(aux_dprob, "moe_route_backward aux_dprob");
     check_moe_route_backward_shapes(dlogits, dweights, probs, ids, aux_dprob);
     cpu::moe_route_backward(dlogits.as<float>(), dweights.as<float>(), probs.as<float>(),
-                            ids.as<int32_t>(), aux_dprob.defined() ? aux_dprob.as<float>() : nullptr,
-                            probs.rows(), probs.cols(), static_cast<int>(ids.cols()));
+                            ids.as<int32_t>(),
+                            aux_dprob.defined() ? aux_dprob.as<float>() : nullptr, probs.rows(),
+                            probs.cols(), static_cast<int>(ids.cols()));
   }
 
   void moe_route_stats(const Tensor& load, const Tensor& prob_sum, const Tensor& ids,

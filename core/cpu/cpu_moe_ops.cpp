@@ -150,8 +150,8 @@ void moe_route_backward(float* dlogits, const float* dweights, const float* prob
                         const int32_t* ids, const float* aux_dprob, int64_t T, int64_t E, int k) {
   // Checked before the parallel loop: an exception may not leave an OpenMP region.
   for (int64_t s = 0; s < T * k; ++s)
-    IRIS_CHECK(ids[s] >= (ids[s - s % k] < 0 ? -1 : 0) && ids[s] < E, "moe_route_backward: expert id ",
-               ids[s], " of slot ", s, " is outside 0..", E - 1);
+    IRIS_CHECK(ids[s] >= (ids[s - s % k] < 0 ? -1 : 0) && ids[s] < E,
+               "moe_route_backward: expert id ", ids[s], " of slot ", s, " is outside 0..", E - 1);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* dl = dlogits + t * E;
@@ -189,8 +189,8 @@ void moe_route_stats(float* load, float* prob_sum, const int32_t* ids, const flo
   }
 }
 
-void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum,
-                  int64_t E, int64_t real_rows, int layers, float grad_scale) {
+void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum, int64_t E,
+                  int64_t real_rows, int layers, float grad_scale) {
   const float N = static_cast<float>(real_rows) * static_cast<float>(layers);
   if (!(N > 0.0f)) {
     for (int64_t e = 0; e < E; ++e) dprob[e] = 0.0f;
@@ -199,8 +199,7 @@ void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* 
   float aux = 0.0f;
   for (int64_t e = 0; e < E; ++e) aux += (load[e] / N) * (prob_sum[e] / N);
   aux_sum[0] += static_cast<float>(E) * aux;
-  for (int64_t e = 0; e < E; ++e)
-    dprob[e] = grad_scale * static_cast<float>(E) * load[e] / (N * N);
+  for (int64_t e = 0; e < E; ++e) dprob[e] = grad_scale * static_cast<float>(E) * load[e] / (N * N);
 }
 
 }  // namespace iris::cpu

@@ -43,7 +43,7 @@ void moe_route_backward(float* dlogits, const float* dweights, const float* prob
 void moe_route_stats(float* load, float* prob_sum, const int32_t* ids, const float* probs,
                      int64_t T, int64_t E, int k);
 // moe_aux_loss over N = layers * real_rows rows.
-void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum,
-                  int64_t E, int64_t real_rows, int layers, float grad_scale);
+void moe_aux_loss(float* aux_sum, float* dprob, const float* load, const float* prob_sum, int64_t E,
+                  int64_t real_rows, int layers, float grad_scale);
 
 }  // namespace iris::cpu
