@@ -451,7 +451,10 @@ TEST_F(BackendOps, RmsNormLinear) {
 TEST_F(BackendOps, LayerNormAndRmsNorm) {
   const std::pair<int64_t, int64_t> shapes[] = {{5, 32},   {3, 64},   {17, 1024}, {9, 2048},
                                                 {4, 4096}, {3, 4608}, {7, 100},   {2, 10000}};
-  for (const auto& [rows, cols] : shapes) {
+  // Named copies, not a structured binding, wherever a lambda uses them: clang before 16
+  // cannot capture a binding (the sanitizer build of scripts/test.sh uses clang).
+  for (const auto& shape : shapes) {
+    const int64_t rows = shape.first, cols = shape.second;
     for (bool in_place : {false, true}) {
       const std::string tag = dims_str({rows, cols}) + (in_place ? " in place" : "");
       compare("layer_norm " + tag, kElementwise, [&](Side& s) {
@@ -519,7 +522,8 @@ TEST_F(BackendOps, AddAndGelu) {
 
 TEST_F(BackendOps, SwiGlu) {
   const std::pair<int64_t, int64_t> shapes[] = {{5, 48}, {9, 3072}, {3, 37}, {1, 6144}};
-  for (const auto& [m, inter] : shapes) {
+  for (const auto& shape : shapes) {
+    const int64_t m = shape.first, inter = shape.second;
     compare("swiglu " + dims_str({m, inter}), kElementwise, [&](Side& s) {
       Rng rng(40);
       Tensor gu = s.make(Kind::act, {m, 2 * inter}, rng.normal(m * 2 * inter, 0.f, 2.f));
@@ -875,7 +879,8 @@ TEST_F(BackendOps, AttentionCausalIgnoresNonFiniteCacheRowsPastTheLimit) {
 TEST_F(BackendOps, Embedding) {
   const std::tuple<int64_t, int64_t, int64_t> cases[] = {
       {1000, 64, 9}, {5000, 2048, 17}, {100, 36, 5}, {151, 32, 1}};
-  for (const auto& [vocab, hidden, n] : cases) {
+  for (const auto& c : cases) {
+    const int64_t vocab = std::get<0>(c), hidden = std::get<1>(c), n = std::get<2>(c);
     compare("embedding " + dims_str({vocab, hidden, n}), kExact, [&](Side& s) {
       Rng rng(90);
       Tensor table = s.make(Kind::act, {vocab, hidden}, rng.normal(vocab * hidden));
@@ -893,7 +898,8 @@ TEST_F(BackendOps, Embedding) {
 TEST_F(BackendOps, ScatterRows) {
   const std::tuple<int64_t, int64_t, int64_t> cases[] = {
       {50, 64, 10}, {300, 2048, 64}, {20, 36, 7}, {16, 32, 16}};
-  for (const auto& [rows, cols, n] : cases) {
+  for (const auto& c : cases) {
+    const int64_t rows = std::get<0>(c), cols = std::get<1>(c), n = std::get<2>(c);
     for (bool accumulate : {false, true}) {
       compare("scatter_rows " + dims_str({rows, cols, n}) + (accumulate ? " acc" : ""),
               accumulate ? kElementwise : kExact, [&](Side& s) {
@@ -912,7 +918,8 @@ TEST_F(BackendOps, ScatterRows) {
 TEST_F(BackendOps, AddInterpolatedRows) {
   const std::tuple<int64_t, int64_t, int64_t> cases[] = {
       {2304, 1024, 100}, {64, 32, 20}, {50, 36, 7}, {2304, 1152, 64}};
-  for (const auto& [table_rows, cols, n] : cases) {
+  for (const auto& c : cases) {
+    const int64_t table_rows = std::get<0>(c), cols = std::get<1>(c), n = std::get<2>(c);
     compare("add_interpolated_rows " + dims_str({table_rows, cols, n}), kElementwise, [&](Side& s) {
       Rng rng(110);
       Tensor table = s.make(Kind::act, {table_rows, cols}, rng.normal(table_rows * cols));
@@ -1148,7 +1155,8 @@ TEST_F(BackendOps, ArgmaxRows) {
   // rows take one block per row.
   const std::pair<int64_t, int64_t> cases[] = {{3, 151936}, {2, 40000}, {2, 40001},
                                                {5, 1000},   {1, 17},    {4, 1003}};
-  for (const auto& [m, n] : cases) {
+  for (const auto& c : cases) {
+    const int64_t m = c.first, n = c.second;
     compare("argmax_rows " + dims_str({m, n}), kExact, [&](Side& s) {
       Rng rng(120);
       std::vector<float> x = rng.normal(m * n);

@@ -548,7 +548,10 @@ const std::pair<int64_t, int64_t> kRmsNormShapes[] = {{7, 64},  {300, 2048}, {1,
                                                       {5, 100}, {9, 16},     {3, 6144}};
 
 TEST_F(BackwardOps, LayerNormTrain) {
-  for (const auto& [rows, cols] : kLayerNormShapes) {
+  // Named copies, not a structured binding, wherever a lambda uses them: clang before 16
+  // cannot capture a binding (the sanitizer build of scripts/test.sh uses clang).
+  for (const auto& shape : kLayerNormShapes) {
+    const int64_t rows = shape.first, cols = shape.second;
     compare("layer_norm_train " + dims_str({rows, cols}), [&](Side& s) {
       Rng rng(230);
       // A mean far from zero checks that the variance is not E[x^2] - mean^2.
@@ -574,7 +577,8 @@ TEST_F(BackwardOps, LayerNormBackward) {
       {Kind::f32, true, true},
       {Kind::act, true, false},
       {Kind::f32, false, true}};  // dx undefined: only the parameter gradients
-  for (const auto& [rows, cols] : kLayerNormShapes) {
+  for (const auto& shape : kLayerNormShapes) {
+    const int64_t rows = shape.first, cols = shape.second;
     for (const Variant& v : variants) {
       compare("layer_norm_backward " + dims_str({rows, cols}) + " dy " + kind_name(v.dy) +
                   (v.dx ? " dx" : "") + (v.grads ? " dw db" : ""),
@@ -606,7 +610,8 @@ TEST_F(BackwardOps, LayerNormBackward) {
 }
 
 TEST_F(BackwardOps, RmsNormTrain) {
-  for (const auto& [rows, cols] : kRmsNormShapes) {
+  for (const auto& shape : kRmsNormShapes) {
+    const int64_t rows = shape.first, cols = shape.second;
     compare("rms_norm_train " + dims_str({rows, cols}), [&](Side& s) {
       Rng rng(240);
       Tensor x = s.make(Kind::act, {rows, cols}, rng.normal(rows * cols, 0.f, 2.f));
@@ -628,7 +633,8 @@ TEST_F(BackwardOps, RmsNormBackward) {
                               {Kind::f32, true, true},
                               {Kind::f32, true, false},
                               {Kind::act, false, true}};  // dx undefined: only the weight gradient
-  for (const auto& [rows, cols] : kRmsNormShapes) {
+  for (const auto& shape : kRmsNormShapes) {
+    const int64_t rows = shape.first, cols = shape.second;
     for (const Variant& v : variants) {
       compare("rms_norm_backward " + dims_str({rows, cols}) + " dy " + kind_name(v.dy) +
                   (v.dx ? " dx" : "") + (v.grads ? " dw" : ""),
@@ -924,7 +930,8 @@ TEST(CpuQuickGelu, ForwardIsTheFormulaAndBackwardIsItsDerivative) {
 TEST_F(BackwardOps, SwigluBackward) {
   const std::pair<int64_t, int64_t> shapes[] = {{7, 128},   {5, 48},   {3, 37},
                                                 {17, 6144}, {1, 6144}, {64, 6144}};
-  for (const auto& [m, inter] : shapes) {
+  for (const auto& shape : shapes) {
+    const int64_t m = shape.first, inter = shape.second;
     compare("swiglu_backward " + dims_str({m, inter}), [&](Side& s) {
       Rng rng(280);
       Tensor gu = s.make(Kind::act, {m, 2 * inter}, rng.normal(m * 2 * inter, 0.f, 2.f));
