@@ -122,14 +122,10 @@ double text_flops(const TextConfig& t, double T, double past, double logit_rows)
 // The weights a decode step reads: a sparse layer's router and the k experts a token runs (its
 // active parameters), a dense layer's whole MLP.
 double text_weight_bytes(const TextConfig& t, size_t elem) {
-  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
+  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width();
   const double attention_and_norms = H * (q + 2 * kv) + q * H + 2 * H + 2 * t.head_dim;
-  const double sparse_mlp =
-      H * t.num_experts + double(t.num_experts_per_tok) * 3 * H * t.moe_intermediate_size;
-  double layers = 0;
-  for (int l = 0; l < t.num_hidden_layers; ++l)
-    layers += attention_and_norms + (t.sparse_layer(l) ? sparse_mlp : 3 * H * I);
-  return elem * (layers + H + double(t.vocab_size) * H);
+  return elem * (t.num_hidden_layers * attention_and_norms + active_mlp_params(t) + H +
+                 double(t.vocab_size) * H);
 }
 
 // Attention alone at the model's shapes, outside the model (it is the same op eager or in a

@@ -39,15 +39,19 @@ double merger_flops(const VisionConfig& v, int64_t patches) {
          (M * M + M * out);
 }
 
+double active_mlp_params(const TextConfig& t) {
+  const double H = t.hidden_size, I = t.intermediate_size;
+  const double sparse = H * t.num_experts + static_cast<double>(t.num_experts_per_tok) * 3 * H *
+                                                t.moe_intermediate_size;
+  double params = 0;
+  for (int l = 0; l < t.num_hidden_layers; ++l) params += t.sparse_layer(l) ? sparse : 3 * H * I;
+  return params;
+}
+
 ForwardFlops decoder_flops(const TextConfig& t, double T, double past, double logit_rows) {
-  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width(), I = t.intermediate_size;
-  // A sparse layer counts its router and the k experts a token runs (active parameters).
-  const double sparse_mlp = H * t.num_experts + static_cast<double>(t.num_experts_per_tok) * 3 * H *
-                                                    t.moe_intermediate_size;
-  double mlp = 0;
-  for (int l = 0; l < t.num_hidden_layers; ++l) mlp += t.sparse_layer(l) ? sparse_mlp : 3 * H * I;
+  const double H = t.hidden_size, q = t.q_width(), kv = t.kv_width();
   ForwardFlops f;
-  f.gemm = 2 * T * (t.num_hidden_layers * (H * (q + 2 * kv) + q * H) + mlp) +
+  f.gemm = 2 * T * (t.num_hidden_layers * (H * (q + 2 * kv) + q * H) + active_mlp_params(t)) +
            2 * logit_rows * H * t.vocab_size;
   f.attention = t.num_hidden_layers * 4 * q * (T * past + T * (T + 1) / 2);
   return f;

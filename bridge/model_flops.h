@@ -21,6 +21,9 @@ struct ForwardFlops {
 ForwardFlops vision_tower_flops(const VisionConfig& v, const std::vector<GridTHW>& grids);
 // The main merger and the DeepStack mergers over `patches` patch rows.
 double merger_flops(const VisionConfig& v, int64_t patches);
+// The MLP weights a token runs through, over every layer: a dense layer's whole MLP, a sparse
+// layer's router and the k experts it picks (active parameters).
+double active_mlp_params(const TextConfig& t);
 // The decoder for T new tokens after `past` cached ones (causal attention), with the lm_head
 // over `logit_rows` rows.
 ForwardFlops decoder_flops(const TextConfig& t, double T, double past, double logit_rows);

@@ -136,7 +136,7 @@ TEST(MoeConfig, SparseLayersDeclareTheRouterAndFusedExpertsInTheCheckpointsLayou
 
 // The tensor table of the 30B-A3B geometry (bench/configs/qwen3vl_30b_a3b.json, the released
 // config's values) holds the released checkpoint's parameter count exactly: 882 tensors,
-// 31,070,754,032 parameters (../shared/docs/qwen3vl-moe-spec.md 2.4).
+// 31,070,754,032 parameters (the count of its published safetensors index).
 TEST(MoeConfig, The30BA3BTableHoldsTheReleasedCheckpointsParameters) {
   const ModelConfig c =
       ModelConfig::from_file(std::string(IRIS_SOURCE_DIR) + "/bench/configs/qwen3vl_30b_a3b.json");
