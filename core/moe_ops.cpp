@@ -24,22 +24,52 @@ void check_moe_route_shapes(const Tensor& ids, const Tensor& weights, const Tens
                real_rows.shape_str(), " should be i32 [1]");
 }
 
+void check_moe_capacity_drop_shapes(const Tensor& kept_ids, const Tensor& dropped,
+                                    const Tensor& ids, const Tensor& weights, int experts,
+                                    int64_t capacity, int policy) {
+  IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2, "moe_capacity_drop: ids ", ids.shape_str(),
+             " should be i32 [tokens, k]");
+  IRIS_CHECK(kept_ids.dtype == DType::i32 && kept_ids.ndim == 2 && kept_ids.rows() == ids.rows() &&
+                 kept_ids.cols() == ids.cols() && kept_ids.data != ids.data,
+             "moe_capacity_drop: kept_ids ", kept_ids.shape_str(), " should be i32 ",
+             ids.shape_str(), " apart from ids (which the router's backward still reads)");
+  IRIS_CHECK(weights.ndim == 2 && weights.rows() == ids.rows() && weights.cols() == ids.cols(),
+             "moe_capacity_drop: weights ", weights.shape_str(), " should be shaped as ids ",
+             ids.shape_str());
+  if (dropped.defined())
+    IRIS_CHECK(dropped.dtype == DType::i32 && dropped.numel() == 1, "moe_capacity_drop: dropped ",
+               dropped.shape_str(), " should be i32 [1]");
+  IRIS_CHECK(experts >= 1, "moe_capacity_drop: experts ", experts, " should be >= 1");
+  IRIS_CHECK(capacity >= 1 && capacity <= (int64_t{1} << 30), "moe_capacity_drop: capacity ",
+             capacity, " should be in 1..2^30");
+  IRIS_CHECK(policy == static_cast<int>(MoeDropPolicy::probs) ||
+                 policy == static_cast<int>(MoeDropPolicy::position),
+             "moe_capacity_drop: policy ", policy, " should be 0 (probs) or 1 (position)");
+}
+
 void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
-                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids) {
+                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids,
+                               int64_t padded_capacity) {
   IRIS_CHECK(ids.dtype == DType::i32 && ids.ndim == 2, "moe_dispatch: ids ", ids.shape_str(),
              " should be i32 [tokens, k]");
   const int64_t T = ids.rows(), slots = ids.numel();
   IRIS_CHECK(x.ndim == 2 && x.rows() == T, "moe_dispatch: x ", x.shape_str(), " should have ", T,
              " rows, one per token of ids ", ids.shape_str());
-  IRIS_CHECK(x_sorted.ndim == 2 && x_sorted.rows() == slots && x_sorted.cols() == x.cols() &&
+  IRIS_CHECK(offsets.dtype == DType::i32 && offsets.numel() >= 2, "moe_dispatch: offsets ",
+             offsets.shape_str(), " should be i32 [experts + 1]");
+  IRIS_CHECK(padded_capacity >= 0 && padded_capacity <= (int64_t{1} << 30),
+             "moe_dispatch: padded_capacity ", padded_capacity,
+             " should be 0 (dropless) or a capacity in 1..2^30");
+  const int64_t E = offsets.numel() - 1;
+  const int64_t rows = padded_capacity > 0 ? E * padded_capacity : slots;
+  IRIS_CHECK(x_sorted.ndim == 2 && x_sorted.rows() == rows && x_sorted.cols() == x.cols() &&
                  x_sorted.dtype == x.dtype,
-             "moe_dispatch: x_sorted ", x_sorted.shape_str(), " should be [", slots, ", ", x.cols(),
-             "] like x ", x.shape_str());
+             "moe_dispatch: x_sorted ", x_sorted.shape_str(), " should be [", rows, ", ", x.cols(),
+             "] like x ", x.shape_str(),
+             padded_capacity > 0 ? " (experts x padded_capacity rows)" : " (tokens x k rows)");
   IRIS_CHECK(slot_rows.dtype == DType::i32 && slot_rows.numel() == slots,
              "moe_dispatch: slot_rows ", slot_rows.shape_str(), " should be i32 with ", slots,
              " entries");
-  IRIS_CHECK(offsets.dtype == DType::i32 && offsets.numel() >= 2, "moe_dispatch: offsets ",
-             offsets.shape_str(), " should be i32 [experts + 1]");
 }
 
 void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
@@ -66,8 +96,8 @@ void check_combine_dims(const Tensor& y, const Tensor& y_sorted, const Tensor& s
   IRIS_CHECK(weights.ndim == 2 && weights.rows() == T && weights.cols() == k, op, ": weights ",
              weights.shape_str(), " should be [", T, ", ", k, "]");
   IRIS_CHECK(y.ndim == 2 && y.rows() == T, op, ": y ", y.shape_str(), " should have ", T, " rows");
-  IRIS_CHECK(y_sorted.ndim == 2 && y_sorted.rows() == T * k && y_sorted.cols() == y.cols(), op,
-             ": y_sorted ", y_sorted.shape_str(), " should be [", T * k, ", ", y.cols(), "]");
+  IRIS_CHECK(y_sorted.ndim == 2 && y_sorted.cols() == y.cols(), op, ": y_sorted ",
+             y_sorted.shape_str(), " should be [rows, ", y.cols(), "]");
 }
 }  // namespace
 
@@ -98,10 +128,8 @@ void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorte
              " should be i32 [tokens, k]");
   IRIS_CHECK(dx.ndim == 2 && dx.rows() == slot_rows.rows(), "moe_dispatch_backward: dx ",
              dx.shape_str(), " should have ", slot_rows.rows(), " rows");
-  IRIS_CHECK(
-      dx_sorted.ndim == 2 && dx_sorted.rows() == slot_rows.numel() && dx_sorted.cols() == dx.cols(),
-      "moe_dispatch_backward: dx_sorted ", dx_sorted.shape_str(), " should be [", slot_rows.numel(),
-      ", ", dx.cols(), "]");
+  IRIS_CHECK(dx_sorted.ndim == 2 && dx_sorted.cols() == dx.cols(), "moe_dispatch_backward: dx_sorted ",
+             dx_sorted.shape_str(), " should be [rows, ", dx.cols(), "]");
 }
 
 void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweights,

@@ -11,8 +11,15 @@ constexpr int kMoeMaxTopK = 32;
 
 void check_moe_route_shapes(const Tensor& ids, const Tensor& weights, const Tensor& probs,
                             const Tensor& logits, int k, const Tensor& real_rows);
+// Megatron's drop policies (moe_token_drop_policy), as moe_capacity_drop's `policy` numbers them.
+enum class MoeDropPolicy : int { probs = 0, position = 1 };
+
+void check_moe_capacity_drop_shapes(const Tensor& kept_ids, const Tensor& dropped,
+                                    const Tensor& ids, const Tensor& weights, int experts,
+                                    int64_t capacity, int policy);
 void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
-                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids);
+                               const Tensor& slot_rows, const Tensor& x, const Tensor& ids,
+                               int64_t padded_capacity);
 void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
                                      const Tensor& offsets);
 void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,

@@ -9,6 +9,7 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/moe_ops.h"
 #include "core/recompute.h"
 #include "language/text_config.h"
 
@@ -51,6 +52,15 @@ struct DecoderLimits {
 // stored into the cache), and no statistics; the norms are fused into the projections that read
 // them. Training passes a buffer for each and the rstd/lse tensors: the forward then saves what
 // decoder_layer_backward reads.
+// Megatron's static per-expert capacity for training (model.moe_expert_capacity_factor,
+// moe_pad_expert_input_to_capacity, moe_token_drop_policy; language/moe_mlp.h): factor 0 is
+// dropless, as HF and inference are.
+struct MoeCapacity {
+  double factor = 0.0;
+  bool pad = false;  // every expert computes exactly its capacity's rows
+  MoeDropPolicy policy = MoeDropPolicy::probs;
+  bool drops() const { return factor > 0.0; }
+};
 // A sparse layer's MLP reads and writes `moe` (language/moe_mlp.h) in place of gate_up and act.
 struct MoeBuffers {
   Tensor logits;     // [T, E] the router's logits (compute dtype)
@@ -59,10 +69,18 @@ struct MoeBuffers {
   Tensor weights;    // [T, k] their routing weights
   Tensor offsets;    // i32 [E + 1] each expert's rows of the sorted order
   Tensor slot_rows;  // i32 [T, k] each slot's row of the sorted order
-  Tensor x_sorted;   // [T k, H] the normed rows, one per slot, grouped by expert
-  Tensor gate_up;    // [T k, 2I]
-  Tensor act;        // [T k, I]
-  Tensor y_sorted;   // [T k, H] each slot's expert output
+  // The sorted rows, R of them: T k, or E x capacity when padded to capacity.
+  Tensor x_sorted;  // [R, H] the normed rows, one per slot, grouped by expert
+  Tensor gate_up;   // [R, 2I]
+  Tensor act;       // [R, I]
+  Tensor y_sorted;  // [R, H] each slot's expert output
+  // With a capacity (capacity_rule.drops()): the step's slots per expert (moe_rows), the routing
+  // after the drop (i32 [T, k], which the permutation follows) and where dropped slots are
+  // counted (i32 [1]; undefined: not counted, as in a recomputation or an evaluation).
+  MoeCapacity capacity_rule;
+  int64_t capacity = 0;
+  Tensor kept_ids;
+  Tensor dropped;
   // Training: i32 [1] the step's real rows (undefined: every row; later rows are padding and
   // route nowhere), and f32 [E] the load-balancing loss's gradient with respect to each routed
   // row's probabilities (moe_aux_loss; undefined: no such loss).
@@ -100,9 +118,9 @@ void decoder_layer_recompute(Backend& be, const TextConfig& cfg, const DecoderLa
                              Recompute mode);
 // Backward scratch: dres and dtmp f32, the rest in the compute dtype; dres_c is the
 // compute-dtype copy of dres that the GEMMs read (dres itself where the compute dtype is f32).
-// A sparse layer's backward scratch, over its T k sorted rows (compute dtype unless noted).
+// A sparse layer's backward scratch, over its R sorted rows (compute dtype unless noted).
 struct MoeGradScratch {
-  Tensor dy_sorted, dact, dgu, dx_sorted;  // [T k, H], [T k, I], [T k, 2I], [T k, H]
+  Tensor dy_sorted, dact, dgu, dx_sorted;  // [R, H], [R, I], [R, 2I], [R, H]
   Tensor dweights;                         // f32 [T, k]
   Tensor dlogits;                          // [T, E]
 };

@@ -40,6 +40,7 @@
 #include "core/arena.h"
 #include "core/backend.h"
 #include "core/dtype.h"
+#include "core/moe_ops.h"
 #include "core/vision_tables.h"
 
 #ifdef IRIS_WITH_CUDA
@@ -1020,7 +1021,7 @@ TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
       Tensor x_sorted = s.make(Kind::act, {slots, c.H}, std::vector<float>(slots * c.H, 0.f));
       Tensor offsets = s.make_i32({c.E + 1}, std::vector<int32_t>(c.E + 1, 0));
       Tensor slot_rows = s.make_i32({c.T, c.k}, std::vector<int32_t>(slots, 0));
-      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids);
+      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids, 0);
       Tensor wt = s.make(Kind::act, {c.E, c.H, c.N}, w);
       Tensor y_sorted = s.make(Kind::act, {slots, c.N}, std::vector<float>(slots * c.N, 0.f));
       be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
@@ -1044,6 +1045,86 @@ TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
     EXPECT_TRUE(matches(xs[1], xs[0], kExact));
     EXPECT_TRUE(matches(ys[1], ys[0], kElementwise));
     EXPECT_TRUE(matches(y[1], y[0], kElementwise));
+  }
+}
+
+// The drop over capacity and the padded permutation against the CPU oracle, exactly: the same
+// slots kept (weights in bf16 on both, ties included), the same count dropped, offsets, rows and
+// sorted rows; every token on one expert, experts with no token, a capacity over every count and
+// more slots than one block's step.
+TEST_F(BackendOps, MoeCapacityDropAndPaddedDispatch) {
+  struct Case {
+    int64_t T;
+    int k;
+    int64_t E, H, capacity;
+    int policy;
+    bool one_expert;
+  };
+  for (const Case& c : std::vector<Case>{{300, 8, 128, 16, 10, 0, false},
+                                         {300, 8, 128, 16, 10, 1, false},
+                                         {200, 1, 8, 8, 5, 0, true},
+                                         {64, 4, 16, 8, 1, 0, false},
+                                         {7, 2, 4, 8, 100, 0, false},
+                                         {2048, 8, 128, 8, 128, 0, false},
+                                         {2048, 8, 128, 8, 100, 1, false}}) {
+    SCOPED_TRACE(dims_str({c.T, c.k, c.E, c.H, c.capacity}) + " policy " +
+                 std::to_string(c.policy));
+    Rng rng(170);
+    // k distinct experts a token (from a random ranking), bf16 weights with many ties.
+    std::vector<int32_t> ids(static_cast<size_t>(c.T * c.k));
+    std::vector<float> weights(ids.size());
+    for (int64_t t = 0; t < c.T; ++t) {
+      std::vector<float> score = rng.normal(c.E);
+      if (c.one_expert) score[3] = 100.f;
+      for (int j = 0; j < c.k; ++j) {
+        const auto best = std::max_element(score.begin(), score.end()) - score.begin();
+        ids[static_cast<size_t>(t * c.k + j)] = static_cast<int32_t>(best);
+        score[static_cast<size_t>(best)] = -1e30f;
+        weights[static_cast<size_t>(t * c.k + j)] =
+            round_bf16(std::floor(std::fabs(rng.normal(1)[0]) * 8.f) / 16.f);
+      }
+    }
+    for (int j = 0; j < c.k; ++j) ids[static_cast<size_t>((c.T - 1) * c.k + j)] = -1;  // padding
+    const int64_t rows = c.E * c.capacity;
+    std::vector<float> x = rng.normal(c.T * c.H);
+    for (float& f : x) f = round_bf16(f);
+    std::vector<int32_t> kept[2], count[2], off[2], srows[2];
+    std::vector<float> xs[2];
+    int side = 0;
+    for (Backend* be : {cpu_.get(), gpu_.get()}) {
+      Side s(*be);
+      Tensor idt = s.make_i32({c.T, c.k}, ids);
+      Tensor wt = s.make(Kind::act, {c.T, c.k}, weights);
+      Tensor kt = s.make_i32({c.T, c.k}, std::vector<int32_t>(ids.size(), 77));
+      Tensor dropped = s.make_i32({1}, {3});
+      be->moe_capacity_drop(kt, dropped, idt, wt, static_cast<int>(c.E), c.capacity, c.policy);
+      Tensor xt = s.make(Kind::act, {c.T, c.H}, x);
+      Tensor x_sorted = s.make(Kind::act, {rows, c.H}, std::vector<float>(rows * c.H, 5.f));
+      Tensor offsets = s.make_i32({c.E + 1}, std::vector<int32_t>(c.E + 1, 0));
+      Tensor slot_rows = s.make_i32({c.T, c.k}, std::vector<int32_t>(ids.size(), 0));
+      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, kt, c.capacity);
+      for (auto [dst, src] : {std::pair{&kept[side], &kt}, {&count[side], &dropped},
+                              {&off[side], &offsets}, {&srows[side], &slot_rows}}) {
+        dst->resize(static_cast<size_t>(src->numel()));
+        be->read(dst->data(), DType::i32, *src);
+      }
+      xs[side] = s.get(x_sorted);
+      EXPECT_TRUE(s.guards_intact());
+      ++side;
+    }
+    EXPECT_EQ(kept[1], kept[0]);
+    EXPECT_EQ(count[1], count[0]);
+    EXPECT_EQ(off[1], off[0]);
+    EXPECT_EQ(srows[1], srows[0]);
+    EXPECT_TRUE(matches(xs[1], xs[0], kExact));
+    // The oracle's own count: what each expert holds over the capacity.
+    std::vector<int64_t> per_expert(static_cast<size_t>(c.E), 0);
+    for (int32_t e : ids)
+      if (e >= 0) ++per_expert[static_cast<size_t>(e)];
+    int64_t over = 0;
+    for (int64_t n : per_expert) over += std::max<int64_t>(0, n - c.capacity);
+    EXPECT_EQ(count[0][0], 3 + over);
+    if (c.one_expert) EXPECT_GT(over, 0);
   }
 }
 
@@ -1076,7 +1157,7 @@ TEST_F(BackendOps, MoeBackward) {
       Tensor x_sorted = s.make(Kind::act, {slots, H}, std::vector<float>(slots * H, 0.f));
       Tensor offsets = s.make_i32({E + 1}, std::vector<int32_t>(E + 1, 0));
       Tensor slot_rows = s.make_i32({T, k}, std::vector<int32_t>(slots, 0));
-      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids);
+      be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids, 0);
       Tensor wt = s.make(Kind::act, {E, H, N}, w);
       Tensor y_sorted = s.make(Kind::act, {slots, N}, std::vector<float>(slots * N, 0.f));
       be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
@@ -1473,7 +1554,7 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
   Tensor x_sorted = s.make(Kind::act, {6, 2}, std::vector<float>(12, 7.f));
   Tensor offsets = s.make_i32({4}, std::vector<int32_t>(4, 99));
   Tensor slot_rows = s.make_i32({3, 2}, std::vector<int32_t>(6, 99));
-  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids);
+  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids, 0);
   std::vector<int32_t> off(4), rows(6);
   cpu->read(off.data(), DType::i32, offsets);
   cpu->read(rows.data(), DType::i32, slot_rows);
@@ -1497,9 +1578,70 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
 
   // An expert id the layer does not have is refused, as is a grouped weight of other experts.
   Tensor bad = s.make_i32({3, 2}, {2, 0, 0, 3, 2, 1});
-  EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, bad), Error);
+  EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, bad, 0), Error);
   Tensor w4 = s.make(Kind::act, {4, 2, 1}, std::vector<float>(8, 1.f));
   EXPECT_THROW(cpu->moe_grouped_linear(y_sorted, x_sorted, w4, offsets), Error);
+}
+
+// Megatron's drop over a static capacity, worked by hand: per expert, the slots of the largest
+// weights stay ("probs"; the lower slot first among equal weights) or the first slots
+// ("position"); ids stay as routed. Padded to capacity, every expert owns capacity rows, its
+// slots first and zeros after.
+TEST(MoeCapacityOnTheCpu, DropsOverCapacityAndPadsEachExpertsRows) {
+  auto cpu = make_cpu_backend();
+  Side s(*cpu);
+  // Slots (t, j): e0 e1 | e0 e2 | e0 e1 | e1 e0 | pad pad.
+  Tensor ids = s.make_i32({5, 2}, {0, 1, 0, 2, 0, 1, 1, 0, -1, -1});
+  Tensor weights = s.make(Kind::act, {5, 2}, {.6f, .4f, .5f, .5f, .7f, .3f, .8f, .2f, 0.f, 0.f});
+  Tensor kept = s.make_i32({5, 2}, std::vector<int32_t>(10, 99));
+  Tensor dropped = s.make_i32({1}, {5});
+  const int probs = static_cast<int>(MoeDropPolicy::probs),
+            position = static_cast<int>(MoeDropPolicy::position);
+  auto got = [&](const Tensor& t) {
+    std::vector<int32_t> v(static_cast<size_t>(t.numel()));
+    cpu->read(v.data(), DType::i32, t);
+    return v;
+  };
+  // Expert 0 keeps .7 and .6 (slots 4, 0), expert 1 .8 and .4 (slots 6, 1); expert 2 is under.
+  cpu->moe_capacity_drop(kept, dropped, ids, weights, 3, 2, probs);
+  EXPECT_EQ(got(kept), (std::vector<int32_t>{0, 1, -1, 2, 0, -1, 1, -1, -1, -1}));
+  EXPECT_EQ(got(dropped), (std::vector<int32_t>{8}));  // 5 + 3
+  EXPECT_EQ(got(ids), (std::vector<int32_t>{0, 1, 0, 2, 0, 1, 1, 0, -1, -1}));
+  // By position the first two slots of each expert stay.
+  cpu->moe_capacity_drop(kept, Tensor(), ids, weights, 3, 2, position);
+  EXPECT_EQ(got(kept), (std::vector<int32_t>{0, 1, 0, 2, -1, 1, -1, -1, -1, -1}));
+  // Equal weights: the lower slot stays.
+  Tensor ties = s.make(Kind::act, {5, 2}, std::vector<float>(10, .5f));
+  cpu->moe_capacity_drop(kept, Tensor(), ids, ties, 3, 1, probs);
+  EXPECT_EQ(got(kept), (std::vector<int32_t>{0, 1, -1, 2, -1, -1, -1, -1, -1, -1}));
+  // A capacity no expert reaches drops nothing.
+  cpu->moe_capacity_drop(kept, dropped, ids, weights, 3, 4, probs);
+  EXPECT_EQ(got(kept), got(ids));
+  EXPECT_EQ(got(dropped), (std::vector<int32_t>{8}));
+
+  // Padded to capacity 2 after the probs drop: expert e's rows are [2e, 2e + 2).
+  cpu->moe_capacity_drop(kept, Tensor(), ids, weights, 3, 2, probs);
+  Tensor x = s.make(Kind::act, {5, 1}, {1, 2, 3, 4, 5});
+  Tensor x_sorted = s.make(Kind::act, {6, 1}, std::vector<float>(6, 7.f));
+  Tensor offsets = s.make_i32({4}, std::vector<int32_t>(4, 99));
+  Tensor slot_rows = s.make_i32({5, 2}, std::vector<int32_t>(10, 99));
+  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, kept, 2);
+  EXPECT_EQ(got(offsets), (std::vector<int32_t>{0, 2, 4, 6}));
+  EXPECT_EQ(got(slot_rows), (std::vector<int32_t>{0, 2, -1, 4, 1, -1, 3, -1, -1, -1}));
+  EXPECT_EQ(s.get(x_sorted), (std::vector<float>{1, 3, 1, 4, 2, 0}));
+  // A dropped slot adds nothing to its token.
+  Tensor y = s.make(Kind::act, {5, 1}, std::vector<float>(5, 0.f));
+  cpu->moe_combine(y, x_sorted, slot_rows, weights, false);
+  EXPECT_EQ(s.get(y), (std::vector<float>{.6f * 1 + .4f * 1, .5f * 2, .7f * 3, .8f * 4, 0.f}));
+  EXPECT_TRUE(s.guards_intact());
+
+  // Undropped routing does not fit the padded segments; the wrong rows are refused.
+  EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids, 2), Error);
+  Tensor short_sorted = s.make(Kind::act, {5, 1}, std::vector<float>(5, 0.f));
+  EXPECT_THROW(cpu->moe_dispatch(short_sorted, offsets, slot_rows, x, kept, 2), Error);
+  EXPECT_THROW(cpu->moe_capacity_drop(kept, Tensor(), ids, weights, 3, 0, probs), Error);
+  EXPECT_THROW(cpu->moe_capacity_drop(kept, Tensor(), ids, weights, 3, 2, 2), Error);
+  EXPECT_THROW(cpu->moe_capacity_drop(ids, Tensor(), ids, weights, 3, 2, probs), Error);
 }
 
 // Each backward is the adjoint of its forward, which is linear in the input it differentiates:
@@ -1526,7 +1668,7 @@ TEST(MoeBackwardOnTheCpu, EachBackwardIsItsForwardsAdjoint) {
   Tensor x_sorted = s.make(Kind::act, {T * k, H}, std::vector<float>(T * k * H, 0.f));
   Tensor offsets = s.make_i32({E + 1}, std::vector<int32_t>(E + 1, 0));
   Tensor slot_rows = s.make_i32({T, k}, std::vector<int32_t>(T * k, 0));
-  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids);
+  cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids, 0);
   std::vector<int32_t> off(static_cast<size_t>(E + 1));
   cpu->read(off.data(), DType::i32, offsets);
   const int64_t R = off.back();

@@ -338,17 +338,21 @@ void TrainableQwen3VL::allocate(Arena& a) {
     // A sparse layer's routing and expert rows, kept as the dense MLP's are; its logits are
     // never read again.
     const int64_t E = t.num_experts, k = t.num_experts_per_tok, Ie = t.moe_intermediate_size;
+    const MoeCapacity& rule = limits_.moe_capacity;
+    const int64_t R = moe_sorted_rows(t, rule, L);
     MoeBuffers& m = x.moe;
+    m.capacity_rule = rule;
     m.logits = v_buf(false, ts.moe.logits, A, {L, E});
     m.probs = v_buf(t_keep_layer, ts.moe.probs, F, {L, E});
     m.ids = v_buf(t_keep_layer, ts.moe.ids, I32, {L, k});
+    if (rule.drops()) m.kept_ids = v_buf(t_keep_layer, ts.moe.kept_ids, I32, {L, k});
     m.weights = v_buf(t_keep_layer, ts.moe.weights, A, {L, k});
     m.offsets = v_buf(t_keep_layer, ts.moe.offsets, I32, {E + 1});
     m.slot_rows = v_buf(t_keep_layer, ts.moe.slot_rows, I32, {L, k});
-    m.x_sorted = v_buf(t_keep_layer, ts.moe.x_sorted, A, {L * k, H});
-    m.gate_up = v_buf(t_keep_layer, ts.moe.gate_up, A, {L * k, 2 * Ie});
-    m.act = v_buf(t_keep_all, ts.moe.act, A, {L * k, Ie});
-    m.y_sorted = v_buf(t_keep_layer, ts.moe.y_sorted, A, {L * k, H});
+    m.x_sorted = v_buf(t_keep_layer, ts.moe.x_sorted, A, {R, H});
+    m.gate_up = v_buf(t_keep_layer, ts.moe.gate_up, A, {R, 2 * Ie});
+    m.act = v_buf(t_keep_all, ts.moe.act, A, {R, Ie});
+    m.y_sorted = v_buf(t_keep_layer, ts.moe.y_sorted, A, {R, H});
   }
   t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
   activation_bytes_ = a.used() - activations_start;
@@ -378,7 +382,8 @@ void TrainableQwen3VL::allocate(Arena& a) {
   moe_layers_ = 0;
   for (int l = st.first_layer; l < st.end_layer; ++l) moe_layers_ += t.sparse_layer(l);
   if (moe_layers_ > 0) {
-    t_moe_ = allocate_moe_grad_scratch(a, A, t, L);
+    t_moe_ = allocate_moe_grad_scratch(a, A, t, L, limits_.moe_capacity);
+    if (limits_.moe_capacity.drops()) moe_dropped_ = a.alloc(I32, {1});
     text_real_rows_ = a.alloc(I32, {1});
     moe_load_ = a.alloc(F, {t.num_experts});
     moe_prob_sum_ = a.alloc(F, {t.num_experts});
@@ -513,6 +518,7 @@ int64_t TrainableQwen3VL::queue_step(
     be_.write(grad_scale_, &grad_scale, DType::f32);
     slots_[i].shape = shape();
     slots_[i].n_label_real = n_label_real_;
+    slots_[i].n_text_real = n_text_real_;
     labelled += n_label_real_;
   }
   // One graph when every micro-batch has the shape (and so the host values) of the first, and
@@ -534,6 +540,7 @@ int64_t TrainableQwen3VL::queue_step(
               }
             });
     if (moe_layers_ > 0) moe_aux_runs_ += static_cast<int64_t>(n);
+    for (size_t i = 0; i < n; ++i) moe_routed_slots_ += routed_slots(slots_[i].n_text_real);
   } else {
     for (size_t i = 0; i < n; ++i) {
       move_into_own_inputs(i);
@@ -562,6 +569,7 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
     }
     own.shape = s.shape;
     own.n_label_real = s.n_label_real;
+    own.n_text_real = s.n_text_real;
   }
   use_slot(0);
 }
@@ -592,6 +600,17 @@ void TrainableQwen3VL::use_slot(size_t i) {
   for (size_t k = 0; k < kInputs; ++k) this->*input_members()[k] = s.inputs[k];
   set_shape(s.shape);
   n_label_real_ = s.n_label_real;
+  n_text_real_ = s.n_text_real;
+}
+
+std::pair<int64_t, int64_t> TrainableQwen3VL::take_moe_drops() {
+  if (!moe_dropped_.defined()) return {0, 0};
+  int32_t dropped = 0;
+  be_.read(&dropped, DType::i32, moe_dropped_);
+  be_.fill_zero(moe_dropped_);
+  const int64_t routed = moe_routed_slots_;
+  moe_routed_slots_ = 0;
+  return {dropped, routed};
 }
 
 std::pair<double, int64_t> TrainableQwen3VL::take_moe_aux_loss() {
@@ -789,6 +808,7 @@ void TrainableQwen3VL::prepare(const std::vector<const TrainSample*>& batch) {
   h_text_cu_.resize(static_cast<size_t>(limits_.max_samples) + 2, h_text_cu_.back());
 
   be_.write(ids_.slice(0, Lb), h_ids_.data(), DType::i32);
+  n_text_real_ = L;
   if (text_real_rows_.defined()) {
     const int32_t real = static_cast<int32_t>(L);
     be_.write(text_real_rows_, &real, DType::i32);
@@ -828,7 +848,10 @@ void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   const bool lm = !frozen_.language_model;
   const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
   backward = backward && n_label_real_ > 0 && (lm || vision_grads);
-  if (moe_layers_ > 0 && backward) ++moe_aux_runs_;
+  if (moe_layers_ > 0 && backward) {
+    ++moe_aux_runs_;
+    moe_routed_slots_ += routed_slots(n_text_real_);
+  }
   // Graphs serve the trainer's path (the loss adds into loss_total_) on padded micro-batches.
   const bool graphs = graph_api_ != nullptr && padded_ && loss_out.data == loss_total_.data;
   if (!graphs) {
@@ -1067,11 +1090,29 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
   IRIS_CHECK(!limits_.text_buckets.empty(),
              "training graphs need bucket padding: plan the model with TrainLimits.text_buckets");
   IRIS_CHECK(graphs.warmup_runs >= 0, "cuda_graph.cuda_graph_warmup_steps must not be negative");
-  for (const auto* modules : {&graphs.decoder_modules, &graphs.vision_modules})
-    for (GraphModule m : *modules)
-      IRIS_CHECK(m == GraphModule::attn || m == GraphModule::mlp,
-                 "training graphs capture the attn and mlp modules only (this model has no MoE "
-                 "layers)");
+  for (GraphModule m : graphs.vision_modules)
+    IRIS_CHECK(m == GraphModule::attn || m == GraphModule::mlp,
+               "cuda_graph.vision_cuda_graph_modules holds '", to_string(m),
+               "': the vision encoder has attn and mlp modules only");
+  const auto named = [&](GraphModule m) {
+    return std::find(graphs.decoder_modules.begin(), graphs.decoder_modules.end(), m) !=
+           graphs.decoder_modules.end();
+  };
+  const bool moe_modules =
+      named(GraphModule::moe) || named(GraphModule::moe_router) || named(GraphModule::moe_preprocess);
+  IRIS_CHECK(!moe_modules || moe_layers_ > 0,
+             "cuda_graph.cuda_graph_modules names MoE modules, but this model (or pipeline stage) has no MoE layers; valid "
+             "values for it: attn, mlp");
+  IRIS_CHECK(!named(GraphModule::moe) ||
+                 (limits_.moe_capacity.drops() && limits_.moe_capacity.pad),
+             "cuda_graph.cuda_graph_modules 'moe' graphs the whole MoE layer, which needs a static "
+             "capacity per expert: set model.moe_expert_capacity_factor (e.g. 1.0) and "
+             "model.moe_pad_expert_input_to_capacity=true, or graph moe_router,moe_preprocess "
+             "instead (dropless)");
+  IRIS_CHECK(!named(GraphModule::moe_preprocess) || named(GraphModule::moe_router),
+             "cuda_graph.cuda_graph_modules 'moe_preprocess' needs 'moe_router' beside it");
+  IRIS_CHECK(!(named(GraphModule::moe) && named(GraphModule::moe_router)),
+             "cuda_graph.cuda_graph_modules holds both 'moe' and 'moe_router': keep one");
   IRIS_CHECK(graphs.decoder_modules.empty() || graphs.decoder == GraphImpl::local,
              "cuda_graph.cuda_graph_modules applies to cuda_graph_impl local (full_iteration "
              "captures the whole micro-batch): leave it empty");
@@ -1159,13 +1200,17 @@ bool has_module(const std::vector<GraphModule>& modules, GraphModule m) {
   return std::find(modules.begin(), modules.end(), m) != modules.end();
 }
 
-// Which halves of a block or layer replay graphs of their own.
+// Which parts of a block or layer replay graphs of their own (Megatron's modules): attn, the
+// dense MLP (mlp), a sparse layer's router (moe_router), with its routing metadata and
+// permutation (moe_preprocess), or its whole MoE MLP (moe).
 struct HalfGraphs {
-  bool attn = false, mlp = false;
+  bool attn = false, mlp = false, moe = false, moe_router = false, moe_preprocess = false;
 };
 HalfGraphs half_graphs(bool on, const std::vector<GraphModule>& modules) {
-  return {on && has_module(modules, GraphModule::attn),
-          on && has_module(modules, GraphModule::mlp)};
+  return {on && has_module(modules, GraphModule::attn), on && has_module(modules, GraphModule::mlp),
+          on && has_module(modules, GraphModule::moe),
+          on && has_module(modules, GraphModule::moe_router),
+          on && has_module(modules, GraphModule::moe_preprocess)};
 }
 }  // namespace
 
@@ -1369,6 +1414,10 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
       whole_ = layer_graphs && modules.empty();
       halves_ = half_graphs(layer_graphs, modules);
       shape_ = str_cat(" L", m.L_, " pads ", m.n_pad_);
+      // Training counts the slots dropped over capacity; an evaluation's forward does not, so
+      // its graphs are others.
+      count_drops_ = backward && m.moe_dropped_.defined();
+      if (m.moe_dropped_.defined() && !backward) shape_ += " drops uncounted";
     }
     void embed() override {
       m_.be_.embedding(m_.tx_[0].slice(0, m_.L_), m_.params_.text.embed, m_.ids_.slice(0, m_.L_));
@@ -1383,24 +1432,60 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
       TrainableQwen3VL& m = m_;
       const TextConfig& t = m.cfg_.text;
       const DecoderLayerWeights& w = m.params_.text.layers[l];
-      const DecoderLayerBuffers b = m.text_layer(l);
+      DecoderLayerBuffers b = m.text_layer(l);
+      const bool sparse = b.moe.ids.defined();
+      if (sparse && count_drops_) b.moe.dropped = m.moe_dropped_;
       const DecoderAttention at = m.text_attention();
       auto attention = [&m, &t, &w, b, at] { decoder_attention_forward(m.be_, t, w, b, at); };
-      auto mlp = [&m, &t, &w, b] {
-        decoder_mlp_forward(m.be_, t, w, b);
+      if (!sparse) {
+        auto mlp = [&m, &t, &w, b] { decoder_mlp_forward(m.be_, t, w, b); };
+        if (whole_) {
+          m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
+            attention();
+            mlp();
+          });
+          return;
+        }
+        m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn fwd", shape_), attention);
+        m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp fwd", shape_), mlp);
+        return;
+      }
+      auto router = [&m, &t, &w, b] {
+        moe_router_forward(m.be_, t, w, b);
         // The routing's statistics, for the load-balancing loss after the last layer.
-        if (b.moe.ids.defined())
-          m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
+        m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
+      };
+      auto preprocess = [&m, b] { moe_preprocess_forward(m.be_, b); };
+      auto experts = [&m, &w, b] { moe_experts_forward(m.be_, w, b); };
+      auto moe = [router, preprocess, experts] {
+        router();
+        preprocess();
+        experts();
       };
       if (whole_) {
-        m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
+        m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, moe] {
           attention();
-          mlp();
+          moe();
         });
         return;
       }
       m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn fwd", shape_), attention);
-      m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp fwd", shape_), mlp);
+      if (halves_.moe) {
+        m.graphed(str_cat("layer ", l, " moe fwd", shape_), moe);
+        return;
+      }
+      if (halves_.moe_preprocess) {
+        m.graphed(str_cat("layer ", l, " moe_router+moe_preprocess fwd", shape_),
+                  [router, preprocess] {
+                    router();
+                    preprocess();
+                  });
+      } else {
+        m.maybe_graphed(halves_.moe_router, str_cat("layer ", l, " moe_router fwd", shape_),
+                        router);
+        preprocess();
+      }
+      experts();
     }
     void add_deepstack(int l) override {
       if (m_.n_pad_ > 0)
@@ -1432,7 +1517,7 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
     TrainableQwen3VL& m_;
     bool backward_;
     Tensor loss_out_;
-    bool whole_ = false;
+    bool whole_ = false, count_drops_ = false;
     HalfGraphs halves_;
     std::string shape_;
   };
@@ -1479,7 +1564,8 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
           DecoderGradScratch{m.t_dres_.slice(0, L), m.t_dres_c_.slice(0, L), m.t_dtmp_.slice(0, L),
                              m.t_dact_.slice(0, L), m.t_dgu_.slice(0, L),    m.t_dattn_.slice(0, L),
                              m.t_dqkv_.slice(0, L), m.t_dsum_.slice(0, L),   {}};
-      if (m.moe_layers_ > 0) scratch_.moe = moe_grad_rows(m.t_moe_, m.cfg_.text, L);
+      if (m.moe_layers_ > 0)
+        scratch_.moe = moe_grad_rows(m.t_moe_, m.cfg_.text, m.limits_.moe_capacity, L);
       // With the sink row, which padding's gathers read as zero.
       dres_sink_ = m.t_dres_.slice(0, L + m.sink_rows());
       lm_ = !m.frozen_.language_model;
@@ -1523,25 +1609,67 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       const DecoderGradScratch scratch = scratch_;
       const int64_t L = m.L_;
       // The recomputation runs with the MLP half, the first to need it.
-      auto mlp = [&m, &t, &w, gl, L, b, at, scratch] {
-        if (m.limits_.recompute != Recompute::none) {
-          DecoderLayerBuffers rerun = b;
-          if (m.limits_.recompute == Recompute::full) rerun.x_out = m.t_recompute_out_.slice(0, L);
-          decoder_layer_recompute(m.be_, t, w, rerun, at, m.limits_.recompute);
-        }
-        decoder_mlp_backward(m.be_, w, gl, b, scratch);
+      auto recompute = [&m, &t, &w, L, b, at] {
+        if (m.limits_.recompute == Recompute::none) return;
+        DecoderLayerBuffers rerun = b;
+        if (m.limits_.recompute == Recompute::full) rerun.x_out = m.t_recompute_out_.slice(0, L);
+        decoder_layer_recompute(m.be_, t, w, rerun, at, m.limits_.recompute);
       };
       auto attention = [&m, &t, &w, gl, b, at, scratch] {
         decoder_attention_backward(m.be_, t, w, gl, b, at, scratch);
       };
-      if (whole_) {
-        m.graphed(str_cat("layer ", l, " bwd", shape_), [mlp, attention] {
-          mlp();
-          attention();
-        });
+      if (!b.moe.ids.defined()) {
+        auto mlp = [recompute, &m, &w, gl, b, scratch] {
+          recompute();
+          decoder_mlp_backward(m.be_, w, gl, b, scratch);
+        };
+        if (whole_) {
+          m.graphed(str_cat("layer ", l, " bwd", shape_), [mlp, attention] {
+            mlp();
+            attention();
+          });
+        } else {
+          m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp bwd", shape_), mlp);
+          m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
+        }
       } else {
-        m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp bwd", shape_), mlp);
-        m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
+        // A sparse layer's parts backward: the experts, then the permutation's and the router's,
+        // which Megatron's moe_preprocess and moe_router graphs hold.
+        auto experts = [recompute, &m, &w, gl, b, scratch] {
+          recompute();
+          moe_experts_backward(m.be_, w, gl, b, scratch);
+        };
+        auto preprocess = [&m, b, scratch] { moe_preprocess_backward(m.be_, b, scratch); };
+        auto router = [&m, &w, gl, b, scratch] { moe_router_backward(m.be_, w, gl, b, scratch); };
+        auto moe = [experts, preprocess, router] {
+          experts();
+          preprocess();
+          router();
+        };
+        if (whole_) {
+          m.graphed(str_cat("layer ", l, " bwd", shape_), [moe, attention] {
+            moe();
+            attention();
+          });
+        } else {
+          if (halves_.moe) {
+            m.graphed(str_cat("layer ", l, " moe bwd", shape_), moe);
+          } else {
+            experts();
+            if (halves_.moe_preprocess) {
+              m.graphed(str_cat("layer ", l, " moe_router+moe_preprocess bwd", shape_),
+                        [preprocess, router] {
+                          preprocess();
+                          router();
+                        });
+            } else {
+              preprocess();
+              m.maybe_graphed(halves_.moe_router, str_cat("layer ", l, " moe_router bwd", shape_),
+                              router);
+            }
+          }
+          m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
+        }
       }
       each_tensor(m.grads_->text.layers[l], [&m](const Tensor& x) { m.gradient_final(x); });
     }

@@ -113,6 +113,10 @@ struct TrainLimits {
   // largest bucket runs unpadded (and eagerly).
   std::vector<int64_t> text_buckets;
   std::vector<int64_t> vision_buckets;
+  // Megatron's static per-expert capacity for the sparse layers (language/decoder.h); its
+  // capacity follows each micro-batch's rows (the bucket's, when padded, as Megatron counts a
+  // padded sequence's pad tokens), so with a capacity, padding can change which slots drop.
+  MoeCapacity moe_capacity;
   // The pipeline stage this model is (bridge/pipeline_stage.h): it plans activations for, and
   // runs, only its decoder layers, plus the vision encoder, its mergers and the embedding on
   // stage 0 and the final norm, lm_head and loss on the last stage. count 1: the whole model
@@ -175,6 +179,9 @@ class TrainableQwen3VL {
   // A mixture-of-experts model's load-balancing loss (HF's, unscaled) summed over the
   // micro-batches run since the last call, and their count; resets both. Zero for a dense model.
   std::pair<double, int64_t> take_moe_aux_loss();
+  // The slots dropped over capacity and the slots routed, summed over the training micro-batches
+  // since the last call (both 0 without a capacity); resets both.
+  std::pair<int64_t, int64_t> take_moe_drops();
   // One sample as a micro-batch.
   LossStats forward(const TrainSample& s) { return forward({&s}); }
   LossStats forward_backward(const TrainSample& s, float grad_scale) {
@@ -395,7 +402,7 @@ class TrainableQwen3VL {
   struct InputSlot {
     std::array<Tensor, kInputs> inputs;
     BatchShape shape;
-    int64_t n_label_real = 0;
+    int64_t n_label_real = 0, n_text_real = 0;
   };
   std::vector<InputSlot> slots_;
   Arena slot_arena_;
@@ -408,6 +415,12 @@ class TrainableQwen3VL {
   // The current micro-batch's shape (padded: the bucket's).
   bool padded_ = false;
   int64_t n_label_real_ = 0;
+  int64_t n_text_real_ = 0;  // tokens before the padding
+  // The slots a training micro-batch of `tokens` real tokens routes when a capacity drops some:
+  // what the dropped share is of.
+  int64_t routed_slots(int64_t tokens) const {
+    return moe_dropped_.defined() ? tokens * cfg_.text.num_experts_per_tok * moe_layers_ : 0;
+  }
   int64_t L_ = 0;        // tokens
   int64_t S_ = 0;        // vision patch rows
   int64_t n_pad_ = 0;    // image-pad tokens (= S_ / merge_unit)
@@ -454,6 +467,10 @@ class TrainableQwen3VL {
   // Mixture of experts: the step's real text rows (i32 [1]), the routing statistics summed over
   // a forward's sparse layers, the load-balancing loss's sum and its gradient per expert.
   Tensor text_real_rows_, moe_load_, moe_prob_sum_, moe_aux_sum_, moe_aux_dprob_;
+  // The training micro-batches' dropped slots (i32 [1]) under a capacity, and on the host the
+  // routed slots they dropped from, until take_moe_drops().
+  Tensor moe_dropped_;
+  int64_t moe_routed_slots_ = 0;
   int moe_layers_ = 0;
   int64_t moe_aux_runs_ = 0;
   // Micro-batches of the step being queued: each one's load-balancing loss counts 1/n of it, as

@@ -497,17 +497,32 @@ class CpuBackend final : public Backend {
                    real);
   }
 
+  void moe_capacity_drop(const Tensor& kept_ids, const Tensor& dropped, const Tensor& ids,
+                         const Tensor& weights, int experts, int64_t capacity,
+                         int policy) override {
+    check_i32(kept_ids, "moe_capacity_drop kept_ids");
+    check_i32(ids, "moe_capacity_drop ids");
+    check_f32(weights, "moe_capacity_drop weights");
+    check_moe_capacity_drop_shapes(kept_ids, dropped, ids, weights, experts, capacity, policy);
+    if (dropped.defined()) check_i32(dropped, "moe_capacity_drop dropped");
+    const int64_t n =
+        cpu::moe_capacity_drop(kept_ids.as<int32_t>(), ids.as<int32_t>(), weights.as<float>(),
+                               ids.numel(), experts, capacity,
+                               policy == static_cast<int>(MoeDropPolicy::probs));
+    if (dropped.defined()) dropped.as<int32_t>()[0] += static_cast<int32_t>(n);
+  }
+
   void moe_dispatch(const Tensor& x_sorted, const Tensor& offsets, const Tensor& slot_rows,
-                    const Tensor& x, const Tensor& ids) override {
+                    const Tensor& x, const Tensor& ids, int64_t padded_capacity) override {
     check_f32(x_sorted, "moe_dispatch x_sorted");
     check_f32(x, "moe_dispatch x");
     check_i32(offsets, "moe_dispatch offsets");
     check_i32(slot_rows, "moe_dispatch slot_rows");
     check_i32(ids, "moe_dispatch ids");
-    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids);
+    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids, padded_capacity);
     cpu::moe_dispatch(x_sorted.as<float>(), offsets.as<int32_t>(), slot_rows.as<int32_t>(),
                       x.as<float>(), ids.as<int32_t>(), ids.rows(), static_cast<int>(ids.cols()),
-                      offsets.numel() - 1, x.cols());
+                      offsets.numel() - 1, x.cols(), padded_capacity);
   }
 
   void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstring>
 
+#include <algorithm>
 #include <vector>
+
 #include "core/cpu/cpu_gemm.h"
 #include "core/error.h"
 
@@ -50,8 +52,32 @@ void moe_route(int32_t* ids, float* weights, float* probs, const float* logits, 
   }
 }
 
+int64_t moe_capacity_drop(int32_t* kept_ids, const int32_t* ids, const float* weights,
+                          int64_t slots, int64_t E, int64_t capacity, bool by_weight) {
+  std::vector<std::vector<int64_t>> of_expert(static_cast<size_t>(E));
+  for (int64_t s = 0; s < slots; ++s) {
+    const int32_t e = ids[s];
+    IRIS_CHECK(e >= -1 && e < E, "moe_capacity_drop: expert id ", e, " of slot ", s,
+               " is outside -1..", E - 1);
+    kept_ids[s] = e;
+    if (e >= 0) of_expert[static_cast<size_t>(e)].push_back(s);
+  }
+  int64_t dropped = 0;
+  for (std::vector<int64_t>& list : of_expert) {
+    if (static_cast<int64_t>(list.size()) <= capacity) continue;
+    // Slot order already breaks ties: a stable sort by weight keeps the lower slot first.
+    if (by_weight)
+      std::stable_sort(list.begin(), list.end(),
+                       [&](int64_t a, int64_t b) { return weights[a] > weights[b]; });
+    for (size_t i = static_cast<size_t>(capacity); i < list.size(); ++i) kept_ids[list[i]] = -1;
+    dropped += static_cast<int64_t>(list.size()) - capacity;
+  }
+  return dropped;
+}
+
 void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const float* x,
-                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H) {
+                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H,
+                  int64_t padded_capacity) {
   const int64_t slots = T * k;
   std::vector<int64_t> count(static_cast<size_t>(E), 0);
   for (int64_t s = 0; s < slots; ++s) {
@@ -61,13 +87,21 @@ void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const f
     if (e >= 0) ++count[static_cast<size_t>(e)];
   }
   offsets[0] = 0;
-  for (int64_t e = 0; e < E; ++e)
-    offsets[e + 1] = offsets[e] + static_cast<int32_t>(count[static_cast<size_t>(e)]);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = count[static_cast<size_t>(e)];
+    IRIS_CHECK(padded_capacity == 0 || c <= padded_capacity, "moe_dispatch: expert ", e, " has ",
+               c, " slots, more than padded_capacity ", padded_capacity,
+               " (drop them first with moe_capacity_drop)");
+    offsets[e + 1] = static_cast<int32_t>(padded_capacity > 0 ? (e + 1) * padded_capacity
+                                                              : offsets[e] + c);
+  }
   std::vector<int64_t> next(offsets, offsets + E);
   for (int64_t s = 0; s < slots; ++s) {
     const int32_t e = ids[s];
     slot_rows[s] = e < 0 ? -1 : static_cast<int32_t>(next[static_cast<size_t>(e)]++);
   }
+  if (padded_capacity > 0)
+    std::memset(x_sorted, 0, static_cast<size_t>(E * padded_capacity * H) * sizeof(float));
 #pragma omp parallel for schedule(static)
   for (int64_t s = 0; s < slots; ++s)
     if (slot_rows[s] >= 0)

@@ -11,9 +11,16 @@ namespace iris::cpu {
 void moe_route(int32_t* ids, float* weights, float* probs, const float* logits, int64_t T,
                int64_t E, int k, int64_t real_rows);
 
-// moe_dispatch of `slots` = T * k slots over E experts, rows of H floats.
+// moe_capacity_drop over `slots` slots and E experts (by_weight: the "probs" policy, else
+// "position"); returns the slots dropped.
+int64_t moe_capacity_drop(int32_t* kept_ids, const int32_t* ids, const float* weights,
+                          int64_t slots, int64_t E, int64_t capacity, bool by_weight);
+
+// moe_dispatch of `slots` = T * k slots over E experts, rows of H floats; padded_capacity 0:
+// compact, else E fixed segments of that many rows.
 void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const float* x,
-                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H);
+                  const int32_t* ids, int64_t T, int k, int64_t E, int64_t H,
+                  int64_t padded_capacity);
 
 // moe_grouped_linear: w [E, K, N], x [R, K], y [R, N], over rows [0, offsets[E]).
 void moe_grouped_linear(float* y, const float* x, const float* w, const int32_t* offsets, int64_t E,

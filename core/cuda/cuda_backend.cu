@@ -715,22 +715,37 @@ class CudaBackend final : public Backend {
                            real_rows.defined() ? ci32(real_rows) : nullptr, stream());
   }
 
+  void moe_capacity_drop(const Tensor& kept_ids, const Tensor& dropped, const Tensor& ids,
+                         const Tensor& weights, int experts, int64_t capacity,
+                         int policy) override {
+    bind();
+    check_index(kept_ids, "moe_capacity_drop", "kept_ids");
+    check_index(ids, "moe_capacity_drop", "ids");
+    check_act(weights, "moe_capacity_drop", "weights");
+    if (dropped.defined()) check_index(dropped, "moe_capacity_drop", "dropped");
+    check_moe_capacity_drop_shapes(kept_ids, dropped, ids, weights, experts, capacity, policy);
+    cuda::launch_moe_capacity_drop(
+        static_cast<int32_t*>(kept_ids.data),
+        dropped.defined() ? static_cast<int32_t*>(dropped.data) : nullptr, ci32(ids), cbf(weights),
+        ids.numel(), experts, capacity, policy == static_cast<int>(MoeDropPolicy::probs), stream());
+  }
+
   void moe_dispatch(const Tensor& x_sorted, const Tensor& offsets, const Tensor& slot_rows,
-                    const Tensor& x, const Tensor& ids) override {
+                    const Tensor& x, const Tensor& ids, int64_t padded_capacity) override {
     bind();
     check_act(x_sorted, "moe_dispatch", "x_sorted");
     check_act(x, "moe_dispatch", "x");
     check_index(offsets, "moe_dispatch", "offsets");
     check_index(slot_rows, "moe_dispatch", "slot_rows");
     check_index(ids, "moe_dispatch", "ids");
-    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids);
+    check_moe_dispatch_shapes(x_sorted, offsets, slot_rows, x, ids, padded_capacity);
     const int64_t E = offsets.numel() - 1;
     IRIS_CHECK(E <= cuda::kMoeRouteMaxExperts, "moe_dispatch: ", E,
                " experts, more than the plan kernel's ", cuda::kMoeRouteMaxExperts);
     cuda::launch_moe_dispatch(bf(x_sorted), static_cast<int32_t*>(offsets.data),
                               static_cast<int32_t*>(slot_rows.data), cbf(x), ci32(ids), ids.rows(),
                               static_cast<int>(ids.cols()), static_cast<int>(E), x.cols(),
-                              stream());
+                              padded_capacity, stream());
   }
 
   void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,

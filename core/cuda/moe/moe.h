@@ -21,9 +21,15 @@ void launch_moe_route(int32_t* ids, uint16_t* weights, float* probs, const uint1
 // One block plans the whole call (counts, offsets and every slot's row, stable by slot); ids
 // outside 0..E-1 count as padding (the CPU oracle refuses them; moe_route makes none). The rows
 // of x (bf16 [T, H]) then go to x_sorted.
+// padded_capacity > 0: E segments of that many rows, zeros past each expert's slots.
 void launch_moe_dispatch(uint16_t* x_sorted, int32_t* offsets, int32_t* slot_rows,
                          const uint16_t* x, const int32_t* ids, int64_t T, int k, int E, int64_t H,
-                         cudaStream_t s);
+                         int64_t padded_capacity, cudaStream_t s);
+// Backend::moe_capacity_drop over `slots` slots: one block an expert (E blocks), weights bf16;
+// dropped null: not counted.
+void launch_moe_capacity_drop(int32_t* kept_ids, int32_t* dropped, const int32_t* ids,
+                              const uint16_t* weights, int64_t slots, int E, int64_t capacity,
+                              bool by_weight, cudaStream_t s);
 // y[t] (+)= sum over j of weights[t, j] * y_sorted[slot_rows[t, j]], in f32 in slot order.
 void launch_moe_combine(uint16_t* y, const uint16_t* y_sorted, const int32_t* slot_rows,
                         const uint16_t* weights, int64_t T, int k, int64_t H, bool accumulate,

@@ -16,7 +16,8 @@ namespace {
 constexpr int kPlanWarps = 16;
 
 __global__ void moe_plan_kernel(int32_t* __restrict__ offsets, int32_t* __restrict__ slot_rows,
-                                const int32_t* __restrict__ ids, int64_t slots, int E) {
+                                const int32_t* __restrict__ ids, int64_t slots, int E,
+                                int64_t padded_capacity) {
   extern __shared__ int32_t smem[];
   int32_t* warp_count = smem;              // [kPlanWarps][E]
   int32_t* start = smem + kPlanWarps * E;  // [E + 1]
@@ -47,7 +48,9 @@ __global__ void moe_plan_kernel(int32_t* __restrict__ offsets, int32_t* __restri
   __syncthreads();
   if (threadIdx.x == 0) {
     start[0] = 0;
-    for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+    for (int e = 0; e < E; ++e)
+      start[e + 1] = padded_capacity > 0 ? static_cast<int32_t>((e + 1) * padded_capacity)
+                                         : start[e + 1] + start[e];
   }
   __syncthreads();
   for (int e = static_cast<int>(threadIdx.x); e <= E; e += blockDim.x) offsets[e] = start[e];
@@ -63,7 +66,10 @@ __global__ void moe_plan_kernel(int32_t* __restrict__ offsets, int32_t* __restri
         slot_rows[s] = -1;
       } else {
         const int rank = __popc(peers & active & lower);
-        slot_rows[s] = start[e] + warp_count[warp * E + e] + rank;
+        const int32_t within = warp_count[warp * E + e] + rank;
+        // Past a padded segment only when the caller skipped the drop (the CPU oracle refuses
+        // that): such a slot goes nowhere rather than into the next expert's rows.
+        slot_rows[s] = padded_capacity > 0 && within >= padded_capacity ? -1 : start[e] + within;
       }
     }
     __syncwarp();
@@ -72,6 +78,112 @@ __global__ void moe_plan_kernel(int32_t* __restrict__ offsets, int32_t* __restri
       warp_count[warp * E + e] += __popc(peers & active);
     __syncwarp();
   }
+}
+
+constexpr int kDropThreads = 512;
+
+// A non-negative bf16's bits order as its value; the sign bit (only -0 among routing weights)
+// counts as zero.
+__device__ __forceinline__ uint32_t weight_key(uint16_t bits) {
+  return (bits & 0x8000u) != 0 ? 0u : bits;
+}
+
+// The block's exclusive prefix of `flag` over its threads, and the block's total.
+__device__ int block_exclusive_count(bool flag, int* warp_totals, int* total) {
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const unsigned votes = __ballot_sync(0xffffffffu, flag);
+  const int below = __popc(votes & ((1u << lane) - 1u));
+  if (lane == 0) warp_totals[warp] = __popc(votes);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < kDropThreads / 32; ++w) {
+    if (w < warp) before += warp_totals[w];
+    all += warp_totals[w];
+  }
+  *total = all;
+  __syncthreads();
+  return before + below;
+}
+
+// One block an expert. Its slots over capacity are found without sorting: with the "probs"
+// policy, a two-byte radix select over the weights' bits finds the capacity-th largest weight,
+// the slots above it are kept and, among those equal to it, the first in slot order up to the
+// capacity (an ordered walk with a block prefix); with "position" only the walk. Each block
+// writes its own expert's slots; block 0 also the padding slots.
+__global__ void moe_capacity_drop_kernel(int32_t* __restrict__ kept, int32_t* __restrict__ dropped,
+                                         const int32_t* __restrict__ ids,
+                                         const uint16_t* __restrict__ weights, int64_t slots,
+                                         int64_t capacity, bool by_weight) {
+  const int e = static_cast<int>(blockIdx.x);
+  const int E = static_cast<int>(gridDim.x);
+  __shared__ int hist[256];
+  __shared__ int warp_totals[kDropThreads / 32];
+  __shared__ int count, select_bin, above;
+  for (int i = static_cast<int>(threadIdx.x); i < 256; i += blockDim.x) hist[i] = 0;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int32_t id = ids[s];
+    if (id == e) {
+      atomicAdd(&count, 1);
+      if (by_weight) atomicAdd(&hist[weight_key(weights[s]) >> 8], 1);
+    } else if (e == 0 && (id < 0 || id >= E)) {
+      kept[s] = -1;
+    }
+  }
+  __syncthreads();
+  const int n = count;
+  if (n <= capacity) {
+    for (int64_t s = threadIdx.x; s < slots; s += blockDim.x)
+      if (ids[s] == e) kept[s] = e;
+    return;
+  }
+  // The threshold key: slots above it are kept, `need` of those equal to it in slot order.
+  uint32_t threshold = 0;
+  int64_t need = capacity;
+  if (by_weight) {
+    for (int byte = 0; byte < 2; ++byte) {
+      if (threadIdx.x == 0) {
+        int64_t cum = byte == 0 ? 0 : above;
+        int bin = 255;
+        for (; bin > 0; --bin) {
+          if (cum + hist[bin] >= need) break;
+          cum += hist[bin];
+        }
+        select_bin = bin;
+        above = static_cast<int>(cum);
+      }
+      __syncthreads();
+      if (byte == 0) {
+        const uint32_t high = static_cast<uint32_t>(select_bin);
+        threshold = high << 8;
+        for (int i = static_cast<int>(threadIdx.x); i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int64_t s = threadIdx.x; s < slots; s += blockDim.x)
+          if (ids[s] == e) {
+            const uint32_t key = weight_key(weights[s]);
+            if ((key >> 8) == high) atomicAdd(&hist[key & 0xffu], 1);
+          }
+        __syncthreads();
+      } else {
+        threshold |= static_cast<uint32_t>(select_bin);
+        need = capacity - above;
+      }
+    }
+  }
+  // The ordered walk: the first `need` slots at the threshold (every slot, by position) stay.
+  int64_t taken = 0;
+  for (int64_t base = 0; base < slots; base += blockDim.x) {
+    const int64_t s = base + threadIdx.x;
+    const bool mine = s < slots && ids[s] == e;
+    const uint32_t key = mine && by_weight ? weight_key(weights[s]) : 0u;
+    const bool at = mine && key == threshold;
+    int in_step = 0;
+    const int before = block_exclusive_count(at, warp_totals, &in_step);
+    if (mine) kept[s] = (by_weight && key > threshold) || (at && taken + before < need) ? e : -1;
+    taken += in_step;
+  }
+  if (threadIdx.x == 0 && dropped != nullptr) atomicAdd(dropped, n - static_cast<int>(capacity));
 }
 
 __global__ void moe_gather_kernel(uint16_t* __restrict__ x_sorted,
@@ -198,13 +310,27 @@ void launch_moe_dispatch_backward(void* dx, bool dx_is_f32, const uint16_t* dx_s
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
+void launch_moe_capacity_drop(int32_t* kept_ids, int32_t* dropped, const int32_t* ids,
+                              const uint16_t* weights, int64_t slots, int E, int64_t capacity,
+                              bool by_weight, cudaStream_t s) {
+  moe_capacity_drop_kernel<<<static_cast<unsigned>(E), kDropThreads, 0, s>>>(
+      kept_ids, dropped, ids, weights, slots, capacity, by_weight);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
 void launch_moe_dispatch(uint16_t* x_sorted, int32_t* offsets, int32_t* slot_rows,
                          const uint16_t* x, const int32_t* ids, int64_t T, int k, int E, int64_t H,
-                         cudaStream_t s) {
+                         int64_t padded_capacity, cudaStream_t s) {
   const int64_t slots = T * k;
   const size_t smem = (static_cast<size_t>(kPlanWarps) * E + E + 1) * sizeof(int32_t);
-  moe_plan_kernel<<<1, 32 * kPlanWarps, smem, s>>>(offsets, slot_rows, ids, slots, E);
+  moe_plan_kernel<<<1, 32 * kPlanWarps, smem, s>>>(offsets, slot_rows, ids, slots, E,
+                                                   padded_capacity);
   IRIS_CUDA_LAUNCH_CHECK();
+  // A padded segment's rows past its slots are zeros, so that its GEMMs add nothing to the
+  // experts' weight gradients.
+  if (padded_capacity > 0)
+    IRIS_CUDA_CHECK(cudaMemsetAsync(
+        x_sorted, 0, static_cast<size_t>(E) * padded_capacity * H * sizeof(uint16_t), s));
   if (slots == 0) return;
   moe_gather_kernel<<<static_cast<unsigned>(slots), 128, 0, s>>>(x_sorted, slot_rows, x, k, H);
   IRIS_CUDA_LAUNCH_CHECK();
