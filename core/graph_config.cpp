@@ -730,6 +730,17 @@ void finalize_graph_configs(GraphConfigs& cfg, const GraphModelTraits& model) {
           "' needs MoE layers, but this model has none; valid values for it: attn, mlp "
           "(or an empty list for the whole layer)");
 
+  const auto& lm = cfg.language.modules;
+  IRIS_CHECK(!contains(lm, GraphModule::mlp) || model.has_dense_mlp, kPrefix,
+             "cuda_graph_modules 'mlp' graphs dense MLPs, but every decoder layer of this model "
+             "is MoE; use moe (with a static capacity) or moe_router,moe_preprocess");
+  IRIS_CHECK(!contains(lm, GraphModule::moe) || !model.has_moe || model.moe_static_capacity,
+             kPrefix,
+             "cuda_graph_modules 'moe' graphs the whole MoE layer, which needs static per-expert "
+             "shapes: set model.moe_expert_capacity_factor (e.g. 1.0) and "
+             "model.moe_pad_expert_input_to_capacity=true (Megatron's drop-and-pad), or graph "
+             "moe_router,moe_preprocess instead (dropless)");
+
   IRIS_CHECK(model.spatial_merge_size >= 1, kPrefix, "model spatial_merge_size ",
              model.spatial_merge_size, " must be >= 1");
   IRIS_CHECK(model.max_vision_seq_length >= 0, kPrefix, "model max_vision_seq_length ",

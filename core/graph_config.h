@@ -94,6 +94,10 @@ GraphConfigInput graph_config_input_from_flags(
 
 struct GraphModelTraits {
   bool has_moe = false;        // language decoder has MoE layers
+  bool has_dense_mlp = true;   // some decoder layer has a dense MLP (the 'mlp' module's)
+  // Training pads every expert to a static capacity (model.moe_expert_capacity_factor and
+  // moe_pad_expert_input_to_capacity), which the 'moe' module needs.
+  bool moe_static_capacity = false;
   bool has_deepstack = true;   // vision encoder has deepstack mergers (Qwen3-VL: yes, 3.5: no)
   int spatial_merge_size = 2;  // merge window side; padded lengths hold whole windows of size^2
   // Used when the config's max_seq_length is 0, derived by the caller from the model and the

@@ -136,6 +136,9 @@ class TrainingGraphs : public ::testing::Test {
       return std::find(ms.begin(), ms.end(), m) != ms.end();
     };
     const size_t layers = static_cast<size_t>(cfg_.text.num_hidden_layers);
+    size_t sparse = 0;
+    for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) sparse += cfg_.text.sparse_layer(l);
+    const size_t dense = layers - sparse;
     if (mode.decoder == GraphImpl::full_iteration) {
       EXPECT_EQ(keys.size(), 3u);  // one per micro-batch shape
       return;
@@ -149,18 +152,37 @@ class TrainingGraphs : public ::testing::Test {
       size_t text = 0, vision = 0;
       for (const std::string& k : keys)
         if (k.find(part) != std::string::npos) (k.rfind("vision", 0) == 0 ? vision : text)++;
-      EXPECT_EQ(text > 0, has(mode.decoder_modules, m)) << part;
-      if (has(mode.decoder_modules, m)) EXPECT_GE(text, 2 * layers) << part;
+      // mlp graphs the dense layers' MLPs only, as Megatron's does.
+      const size_t holders = m == GraphModule::mlp ? dense : layers;
+      EXPECT_EQ(text > 0, has(mode.decoder_modules, m) && holders > 0) << part;
+      if (has(mode.decoder_modules, m)) EXPECT_GE(text, 2 * holders) << part;
       EXPECT_EQ(vision > 0, has(mode.vision_modules, m)) << part;
+    }
+    // A sparse layer's parts: the whole MoE MLP, the router with the permutation, or the router.
+    const bool moe = has(mode.decoder_modules, GraphModule::moe),
+               preprocess = has(mode.decoder_modules, GraphModule::moe_preprocess),
+               router = has(mode.decoder_modules, GraphModule::moe_router) && !preprocess;
+    for (const auto& [part, on] : {std::pair{std::string(" moe "), moe},
+                                   {std::string(" moe_router+moe_preprocess "), preprocess},
+                                   {std::string(" moe_router "), router}}) {
+      EXPECT_EQ(count(part) > 0, on) << part;
+      if (on) EXPECT_GE(count(part), 2 * sparse) << part;
     }
     EXPECT_EQ(count("vision fwd") > 0, mode.vision && mode.vision_modules.empty());
   }
 
-  void expect_graphs_replay_eager(bool tower_frozen, const std::vector<Mode>& modes) {
-    const TrainLimits limits = padded_limits(*samples_);
+  // drops (optional) gets the slots the eager run dropped over capacity and those it routed,
+  // which every graph setting must count alike.
+  void expect_graphs_replay_eager(bool tower_frozen, const std::vector<Mode>& modes,
+                                  const MoeCapacity& capacity = {},
+                                  std::pair<int64_t, int64_t>* drops_out = nullptr) {
+    TrainLimits limits = padded_limits(*samples_);
+    limits.moe_capacity = capacity;
     TrainableQwen3VL eager(*be_, cfg_, *params_, limits);
     eager.set_frozen(tower_frozen, false, false);
     const Trace want = run(eager);
+    const std::pair<int64_t, int64_t> drops = eager.take_moe_drops();
+    if (drops_out != nullptr) *drops_out = drops;
     for (const Mode& mode : modes) {
       SCOPED_TRACE(mode.name);
       auto api = make_graph_api(*be_);
@@ -190,6 +212,7 @@ class TrainingGraphs : public ::testing::Test {
               << "micro-batch " << i << ": " << m.grads().bindings[k].hf_name;
         }
       }
+      EXPECT_EQ(m.take_moe_drops(), drops);
       EXPECT_TRUE(m.graphs_created());
       EXPECT_EQ(m.graph_keys().size(), m.graph_count());
       expect_graph_parts(mode, m.graph_keys());
@@ -300,6 +323,53 @@ TEST_F(TrainingGraphs, Qwen3VLMoePadsAndReplaysEagerBitForBit) {
   EXPECT_GT(padded.padding_stats().padded_tokens, padded.padding_stats().tokens);
   const auto modes = all_modes();
   expect_graphs_replay_eager(false, {modes[1], modes[2], modes[3], modes[5]});
+}
+
+// Megatron's MoE graph modules replay eager bit for bit through the stand-in: moe_router and
+// moe_preprocess dropless; with a static capacity that drops (padded, where the whole 'moe'
+// module and whole-step graphs join them, or compact by position); and with every token routed
+// to the same two experts (zero router weights tie every logit and the lower ids win), which
+// leaves the other six without a token and sends the two far over capacity. The graphs count the
+// dropped slots as eager does.
+TEST_F(TrainingGraphs, Qwen3VLMoeGraphModulesReplayEagerBitForBit) {
+  load(make_cpu_backend(), test::data_dir() + "/qwen3vlmoe-tiny");
+  using M = GraphModule;
+  const Mode router{"moe_router", GraphImpl::local, false, {M::moe_router}};
+  const Mode preprocess{"attn + moe_router + moe_preprocess + vision",
+                        GraphImpl::local,
+                        true,
+                        {M::attn, M::moe_router, M::moe_preprocess}};
+  const Mode whole{"mlp + moe", GraphImpl::local, false, {M::mlp, M::moe}};
+  const Mode step{"full_iteration", GraphImpl::full_iteration, false};
+  int sparse = 0;
+  for (int l = 0; l < cfg_.text.num_hidden_layers; ++l) sparse += cfg_.text.sparse_layer(l);
+  const int k = cfg_.text.num_experts_per_tok;
+
+  std::pair<int64_t, int64_t> drops{-1, -1};
+  expect_graphs_replay_eager(false, {router, preprocess}, {}, &drops);
+  EXPECT_EQ(drops, (std::pair<int64_t, int64_t>{0, 0}));
+
+  const MoeCapacity padded{0.5, true, MoeDropPolicy::probs};
+  expect_graphs_replay_eager(false, {router, preprocess, whole, step}, padded, &drops);
+  const auto [dropped, routed] = drops;
+  EXPECT_GT(dropped, 0);
+  EXPECT_LT(dropped, routed);
+  // Every real token's k slots in every sparse layer, over the schedule's micro-batches.
+  int64_t tokens = 0;
+  for (const auto& mb : schedule(*samples_))
+    for (const TrainSample* s : mb) tokens += static_cast<int64_t>(s->ids.size());
+  EXPECT_EQ(routed, tokens * k * sparse);
+
+  const MoeCapacity by_position{0.5, false, MoeDropPolicy::position};
+  expect_graphs_replay_eager(false, {preprocess}, by_position, &drops);
+  EXPECT_GT(drops.first, 0);
+
+  for (DecoderLayerWeights& w : params_->text.layers)
+    if (w.router_w.defined()) be_->fill_zero(w.router_w);
+  const MoeCapacity full{1.0, true, MoeDropPolicy::probs};
+  expect_graphs_replay_eager(false, {preprocess, whole}, full, &drops);
+  // Experts 0 and 1 take every token and keep a quarter of the bucket's rows each (k / E = 1/4).
+  EXPECT_GT(drops.first, drops.second / 4);
 }
 
 TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {

@@ -15,12 +15,15 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/fs.h"
 #include "core/splitmix.h"
 
 #include "bridge/hf_weights.h"
+#include "core/arena.h"
+#include "language/moe_mlp.h"
 #include "model_test_util.h"
 #include "test_util.h"
 #include "training/train_model.h"
@@ -211,6 +214,151 @@ TEST_P(MoeEqualExperts, GradientsAreTheDenseModels) {
   }
   std::printf("  %zu shared gradients, worst relative L2 %.2e\n", compared, worst);
   EXPECT_GT(compared, 30u);
+}
+
+// Megatron's capacity drop, differentiated: one sparse MLP on the CPU (f32) with slots over
+// capacity, its backward against central differences of f(w) = sum(x_out * r) for entries of every
+// weight and of the input, the drop being the same at w + h and w - h (else the entry is a
+// discontinuity, skipped). Padded to capacity and compact, by weight and by position.
+TEST(MoeCapacityGradients, TheBackwardIsTheForwardsDerivativeWhereSlotsDrop) {
+  auto be = make_cpu_backend();
+  TextConfig cfg;
+  cfg.hidden_size = 16;
+  cfg.num_experts = 4;
+  cfg.num_experts_per_tok = 2;
+  cfg.moe_intermediate_size = 8;
+  cfg.rms_norm_eps = 1e-6f;
+  const int64_t T = 12, H = 16, E = 4, I = 8, k = 2;
+  for (const MoeCapacity rule : {MoeCapacity{0.75, true, MoeDropPolicy::probs},
+                                 MoeCapacity{0.75, false, MoeDropPolicy::position}}) {
+    SCOPED_TRACE(rule.pad ? "padded, probs" : "compact, position");
+    Arena a(*be, size_t(1) << 20);
+    auto tensor = [&](std::vector<int64_t> dims, SplitMix64* rng, float scale) {
+      Tensor t = a.alloc(DType::f32, dims);
+      std::vector<float> v(static_cast<size_t>(t.numel()), 0.f);
+      if (rng != nullptr)
+        for (float& x : v) x = scale * static_cast<float>(rng->uniform01() * 2.0 - 1.0);
+      be->write(t, v.data(), DType::f32);
+      return t;
+    };
+    SplitMix64 rng(7);
+    DecoderLayerWeights w, g;
+    w.post_norm_w = tensor({H}, &rng, 1.f);
+    w.router_w = tensor({E, H}, &rng, 1.f);
+    w.experts_gate_up_w = tensor({E, H, 2 * I}, &rng, 0.5f);
+    w.experts_down_w = tensor({E, I, H}, &rng, 0.5f);
+    g.post_norm_w = tensor({H}, nullptr, 0);
+    g.router_w = tensor({E, H}, nullptr, 0);
+    g.experts_gate_up_w = tensor({E, H, 2 * I}, nullptr, 0);
+    g.experts_down_w = tensor({E, I, H}, nullptr, 0);
+    DecoderLayerBuffers b;
+    b.x_mid = tensor({T, H}, &rng, 1.f);
+    b.rms2 = tensor({T, H}, nullptr, 0);
+    b.rstd2 = tensor({T}, nullptr, 0);
+    b.lse = tensor({1}, nullptr, 0);  // a training layer's: the forward keeps its statistics
+    b.x_out = tensor({T, H}, nullptr, 0);
+    b.moe = moe_rows(allocate_moe_buffers(a, DType::f32, cfg, T, true, rule), cfg, T);
+    b.moe.dropped = a.alloc(DType::i32, {1});
+    ASSERT_EQ(b.moe.capacity, 5);  // ceil(12 x 2 / 4 x 0.75), against 6 slots an expert on average
+    const Tensor r = tensor({T, H}, &rng, 1.f);
+    auto read = [&](const Tensor& t) {
+      std::vector<float> v(static_cast<size_t>(t.numel()));
+      be->read(v.data(), DType::f32, t);
+      return v;
+    };
+    auto kept = [&] {
+      std::vector<int32_t> v(static_cast<size_t>(T * k));
+      be->read(v.data(), DType::i32, b.moe.kept_ids);
+      return v;
+    };
+    auto f = [&] {
+      moe_mlp_forward(*be, cfg, w, b);
+      double sum = 0;
+      const std::vector<float> y = read(b.x_out), rv = read(r);
+      for (size_t i = 0; i < y.size(); ++i) sum += double(y[i]) * rv[i];
+      return sum;
+    };
+    f();
+    const std::vector<int32_t> routing = kept();
+    int drops = 0;
+    for (int32_t e : routing) drops += e < 0;
+    ASSERT_GT(drops, 0);
+    DecoderGradScratch s;
+    s.dres = tensor({T, H}, nullptr, 0);
+    be->copy(s.dres, r);
+    s.dres_c = s.dres;
+    s.dtmp = tensor({T, H}, nullptr, 0);
+    s.moe = moe_grad_rows(allocate_moe_grad_scratch(a, DType::f32, cfg, T, rule), cfg, rule, T);
+    moe_mlp_backward(*be, w, &g, b, s);
+    // dres: d(x_out) = r, plus what the MLP adds: the whole d(x_mid).
+    const std::vector<float> dx = read(s.dres);
+
+    const double h = 1e-3;
+    int checked = 0, skipped = 0;
+    for (const auto& [param, grad, name] :
+         {std::tuple{w.router_w, read(g.router_w), "router"},
+          std::tuple{w.experts_gate_up_w, read(g.experts_gate_up_w), "gate_up"},
+          std::tuple{w.experts_down_w, read(g.experts_down_w), "down"},
+          std::tuple{w.post_norm_w, read(g.post_norm_w), "post norm"},
+          std::tuple{b.x_mid, dx, "x_mid"}}) {
+      std::vector<float> v = read(param);
+      for (size_t i = 0; i < v.size(); i += std::max<size_t>(1, v.size() / 23)) {
+        const float keep = v[i];
+        v[i] = keep + static_cast<float>(h);
+        be->write(param, v.data(), DType::f32);
+        const double up = f();
+        const bool same_up = kept() == routing;
+        v[i] = keep - static_cast<float>(h);
+        be->write(param, v.data(), DType::f32);
+        const double down = f();
+        const bool same_down = kept() == routing;
+        v[i] = keep;
+        be->write(param, v.data(), DType::f32);
+        if (!same_up || !same_down) {
+          ++skipped;
+          continue;
+        }
+        const double fd = (up - down) / (2 * h);
+        EXPECT_NEAR(grad[i], fd, 2e-3 + 2e-3 * std::fabs(fd)) << name << " entry " << i;
+        ++checked;
+      }
+    }
+    EXPECT_GT(checked, 80);
+    EXPECT_LT(skipped, 10);
+  }
+}
+
+// A capacity no expert reaches drops nothing and changes nothing: the dropless model's losses and
+// gradients, padded to capacity (every expert's rows at a fixed place, zeros after) or compact.
+TEST(MoeCapacityGradients, AnUnreachedCapacityGivesTheDroplessStep) {
+  const std::string dir = test::data_dir() + "/qwen3vlmoe-tiny";
+  const Golden golden(dir);
+  auto backend = make_cpu_backend();
+  const ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
+  auto params = load_weights(*backend, cfg, dir);
+  TrainLimits limits;
+  limits.max_seq_len = 128;
+  limits.max_patches = 256;
+  limits.max_images = 4;
+  const TrainSample sample = test::golden_sample(golden);
+  auto step = [&](const MoeCapacity& rule) {
+    TrainLimits l = limits;
+    l.moe_capacity = rule;
+    TrainableQwen3VL m(*backend, cfg, *params, l);
+    const LossStats loss = m.forward_backward({&sample}, 1.0f);
+    EXPECT_EQ(m.take_moe_drops().first, 0);
+    return std::pair{loss.loss_sum, test::all_grads(m)};
+  };
+  const auto [want_loss, want] = step({});
+  // E / k: a capacity of every token.
+  const double every = double(cfg.text.num_experts) / cfg.text.num_experts_per_tok;
+  for (const MoeCapacity rule :
+       {MoeCapacity{every, true, MoeDropPolicy::probs}, MoeCapacity{every, false, MoeDropPolicy::position}}) {
+    const auto [loss, grads] = step(rule);
+    EXPECT_NEAR(loss, want_loss, 1e-6 * std::fabs(want_loss));
+    ASSERT_EQ(grads.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_LE(relative_l2(grads[i], want[i]), 1e-6) << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, MoeEqualExperts, ::testing::Bool(),

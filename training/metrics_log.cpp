@@ -92,6 +92,9 @@ std::string tick_label(double v, double step) {
 nlohmann::json maybe(bool known, double v) {
   return known ? nlohmann::json(v) : nlohmann::json(nullptr);
 }
+nlohmann::json maybe(bool known, int64_t v) {
+  return known ? nlohmann::json(v) : nlohmann::json(nullptr);
+}
 
 // Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, at boost clock. Matched in
 // order against the device name, the more specific names first: "GH200" contains "H200", and
@@ -475,6 +478,8 @@ nlohmann::json step_metrics_json(const StepMetrics& m, int64_t ranks, double pea
           {"lr", m.learning_rate},
           {"grad_norm", m.grad_norm},
           {"moe_aux_loss", maybe(m.moe_aux_runs > 0, m.moe_aux_loss)},
+          {"moe_dropped_slots", maybe(m.moe_routed_slots > 0, m.moe_dropped_slots)},
+          {"moe_routed_slots", maybe(m.moe_routed_slots > 0, m.moe_routed_slots)},
           {"labelled_tokens", m.labelled_tokens},
           {"tokens", m.tokens},
           {"samples", m.samples},
@@ -527,6 +532,8 @@ bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m) {
     m.moe_aux_loss = j["moe_aux_loss"].get<double>();
     m.moe_aux_runs = 1;
   }
+  m.moe_dropped_slots = integer("moe_dropped_slots");
+  m.moe_routed_slots = integer("moe_routed_slots");
   m.labelled_tokens = integer("labelled_tokens");
   m.tokens = integer("tokens");
   m.samples = integer("samples");
@@ -563,7 +570,14 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
   const std::string rest =
       str_cat(" | loss ", fmt("%.6f", m.loss), " | lr ", fmt("%.3e", m.learning_rate),
               " | grad norm ", fmt("%.4f", m.grad_norm),
-              m.moe_aux_runs > 0 ? str_cat(" | aux loss ", fmt("%.4f", m.moe_aux_loss)) : "", " | ",
+              m.moe_aux_runs > 0 ? str_cat(" | aux loss ", fmt("%.4f", m.moe_aux_loss)) : "",
+              m.moe_routed_slots > 0
+                  ? str_cat(" | dropped ",
+                            fmt("%.2f", 100.0 * static_cast<double>(m.moe_dropped_slots) /
+                                            static_cast<double>(m.moe_routed_slots)),
+                            "%")
+                  : "",
+              " | ",
               fmt("%.1f", m.tokens_per_second()), " tok/s | ", fmt("%.2f", m.samples_per_second()),
               " samples/s | ", fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ",
               human_bytes(m.memory_bytes));

@@ -65,6 +65,11 @@ struct StepMetrics {
   // over the interval's micro-batches; moe_aux_runs 0 (a dense model): none.
   double moe_aux_loss = 0;
   int64_t moe_aux_runs = 0;
+  // Under a static expert capacity (model.moe_expert_capacity_factor): the slots (token, expert
+  // choice, sparse layer) the interval's training micro-batches dropped, of those they routed;
+  // moe_routed_slots 0: dropless.
+  int64_t moe_dropped_slots = 0;
+  int64_t moe_routed_slots = 0;
   int64_t labelled_tokens = 0;
   int64_t tokens = 0;  // every input token of the interval, all ranks
   int64_t samples = 0;

@@ -80,6 +80,19 @@ std::vector<Field> fields(Recipe& r) {
        {},
        true},
       {"model.init_seed", &m.init_seed, "seed of the random initialisation"},
+      {"model.moe_expert_capacity_factor", &m.moe_expert_capacity_factor,
+       "MoE models: in training each expert takes at most ceil(tokens x experts_per_token / "
+       "experts x factor) slots of a micro-batch (tokens: the micro-batch's rows, padding "
+       "included) and drops the rest as Megatron does, counted in the log and metrics.jsonl; "
+       "0: dropless, as HF (iris generate never drops)"},
+      {"model.moe_pad_expert_input_to_capacity", &m.moe_pad_expert_input_to_capacity,
+       "with model.moe_expert_capacity_factor: every expert computes exactly its capacity's rows "
+       "(zeros past its tokens), the static shapes the 'moe' graph module needs"},
+      {"model.moe_token_drop_policy",
+       &m.moe_token_drop_policy,
+       "with model.moe_expert_capacity_factor, which slots over an expert's capacity drop: "
+       "probs (those of the lowest routing weights) or position (the micro-batch's last)",
+       {"probs", "position"}},
       {"data.train_files",
        &d.config.train_files,
        "training JSONL files: HF messages, ms-swift/LLaMA-Factory, ShareGPT or LLaVA lines "
@@ -954,6 +967,19 @@ int64_t positive(int64_t v, const char* key, int64_t min = 1) {
 }
 
 void validate(Recipe& r) {
+  // --- model: Megatron's capacity rules
+  const ModelRecipe& mr = r.model;
+  IRIS_CHECK(std::isfinite(mr.moe_expert_capacity_factor) && mr.moe_expert_capacity_factor >= 0.0,
+             "recipe: model.moe_expert_capacity_factor must be >= 0 (0: dropless), got ",
+             mr.moe_expert_capacity_factor);
+  IRIS_CHECK(!mr.moe_pad_expert_input_to_capacity || mr.moe_expert_capacity_factor > 0.0,
+             "recipe: model.moe_pad_expert_input_to_capacity needs a capacity to pad to; set "
+             "model.moe_expert_capacity_factor (e.g. 1.0)");
+  IRIS_CHECK(mr.moe_token_drop_policy == "probs" || mr.moe_expert_capacity_factor > 0.0,
+             "recipe: model.moe_token_drop_policy is ", mr.moe_token_drop_policy,
+             ", but nothing drops without model.moe_expert_capacity_factor; set it or leave the "
+             "policy out");
+
   // --- train
   TrainRecipe& t = r.train;
   positive(t.micro_batch_size, "train.micro_batch_size");
@@ -1175,7 +1201,16 @@ void validate(Recipe& r) {
     } catch (const Error& e) {
       IRIS_FAIL("recipe: ", e.what());
     }
+    const double factor = r.model.moe_expert_capacity_factor;
+    IRIS_CHECK(factor == 0.0 || mc.text.any_sparse_layer(),
+               "recipe: model.moe_expert_capacity_factor is ", factor,
+               ", but the model has no MoE layers; leave it 0");
     GraphModelTraits traits;
+    traits.has_moe = mc.text.any_sparse_layer();
+    traits.has_dense_mlp = false;
+    for (int l = 0; l < mc.text.num_hidden_layers; ++l)
+      traits.has_dense_mlp = traits.has_dense_mlp || !mc.text.sparse_layer(l);
+    traits.moe_static_capacity = factor > 0.0 && r.model.moe_pad_expert_input_to_capacity;
     traits.has_deepstack = !mc.vision.deepstack_visual_indexes.empty();
     traits.spatial_merge_size = mc.vision.spatial_merge_size;
     // The largest encoder call of a micro-batch is what the trainer plans its memory for.

@@ -37,6 +37,11 @@ struct ModelRecipe {
   std::string config_json;  // inline config serialised to JSON; empty when config_path is used
   std::string tokenizer;    // tokenizer.json; empty: hf_dir/tokenizer.json
   int64_t init_seed = 0;
+  // Megatron's static expert capacity for MoE training (language/decoder.h MoeCapacity); 0:
+  // dropless.
+  double moe_expert_capacity_factor = 0.0;
+  bool moe_pad_expert_input_to_capacity = false;
+  std::string moe_token_drop_policy = "probs";
 };
 
 struct DataRecipe {

@@ -332,17 +332,24 @@ void RunLog::describe_start(const std::string& resume_dir, const TrainerState& s
 
 double RunLog::read_losses(int64_t it, const std::string& last_checkpoint) {
   double loss_sum = 0;
-  double aux_sum = 0, aux_runs = 0;
+  double aux_sum = 0, aux_runs = 0, dropped = 0, routed = 0;
   for (auto& m : rank_.models()) {
     loss_sum += m->take_loss_sum();
     const auto [aux, runs] = m->take_moe_aux_loss();
     aux_sum += aux;
     aux_runs += static_cast<double>(runs);
+    const auto [d, r] = m->take_moe_drops();
+    dropped += static_cast<double>(d);
+    routed += static_cast<double>(r);
   }
   loss_sum = dp_.global_loss_sum(loss_sum);
   if (rank_.config().text.any_sparse_layer()) {
     interval_aux_sum_ += dp_.global_loss_sum(aux_sum);
     interval_aux_runs_ += static_cast<int64_t>(dp_.global_loss_sum(aux_runs));
+  }
+  if (rank_.limits().moe_capacity.drops()) {
+    interval_dropped_slots_ += static_cast<int64_t>(dp_.global_loss_sum(dropped));
+    interval_routed_slots_ += static_cast<int64_t>(dp_.global_loss_sum(routed));
   }
   const std::vector<float> norms = rank_.optimizer().take_grad_norms();
   const int64_t first = it - static_cast<int64_t>(norms.size()) + 1;
@@ -378,6 +385,8 @@ void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
   interval.learning_rate = lr;
   interval.grad_norm = rank_.optimizer().last_grad_norm();
   interval.moe_aux_runs = interval_aux_runs_;
+  interval.moe_dropped_slots = interval_dropped_slots_;
+  interval.moe_routed_slots = interval_routed_slots_;
   interval.moe_aux_loss =
       interval_aux_runs_ > 0 ? interval_aux_sum_ / static_cast<double>(interval_aux_runs_) : 0.0;
   interval.wall_seconds = seconds_since(interval_start_);
@@ -398,6 +407,8 @@ void RunLog::end_interval(int64_t it, float lr, double device_seconds) {
   interval_loss_sum_ = 0;
   interval_aux_sum_ = 0;
   interval_aux_runs_ = 0;
+  interval_dropped_slots_ = 0;
+  interval_routed_slots_ = 0;
 }
 
 void RunLog::write_summary(const std::string& status, int64_t final_iteration, int stop_signal) {

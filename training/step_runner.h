@@ -121,6 +121,8 @@ class RunLog {
   double interval_loss_sum_ = 0;
   double interval_aux_sum_ = 0;  // load-balancing losses of the interval's micro-batches, all ranks
   int64_t interval_aux_runs_ = 0;
+  // Slots dropped over the experts' capacity, of those routed, all ranks (metrics_log.h).
+  int64_t interval_dropped_slots_ = 0, interval_routed_slots_ = 0;
   int64_t unread_labels_ = 0;  // labelled tokens of the steps whose loss is still on the device
   std::chrono::steady_clock::time_point interval_start_;
 };

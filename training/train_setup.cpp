@@ -31,6 +31,10 @@ TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   // that pass is most of a small model's step, so the chunk covers a micro-batch's labels.
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(r.train.recompute);
+  limits.moe_capacity.factor = r.model.moe_expert_capacity_factor;
+  limits.moe_capacity.pad = r.model.moe_pad_expert_input_to_capacity;
+  limits.moe_capacity.policy =
+      r.model.moe_token_drop_policy == "position" ? MoeDropPolicy::position : MoeDropPolicy::probs;
   limits.vision_tower_frozen = r.train.freeze_vision_tower;
   limits.frozen = recipe_frozen_parts(r);
   if (graphs_on) {
