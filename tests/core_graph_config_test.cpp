@@ -382,8 +382,35 @@ TEST(GraphConfigReject, MoeModulesOnModelWithoutMoe) {
     expect_mentions(finalize_error(input, dense_model()),
                     {"cuda_graph_modules", "'moe", "no", "MoE", "attn, mlp"});
     GraphConfigs cfg = parse_graph_configs(input);
-    EXPECT_NO_THROW(finalize_graph_configs(cfg, moe_model())) << modules;
+    GraphModelTraits padded = moe_model();
+    padded.moe_static_capacity = true;
+    EXPECT_NO_THROW(finalize_graph_configs(cfg, padded)) << modules;
   }
+}
+
+// Megatron's rule: the whole MoE layer is capturable only with drop-and-pad.
+TEST(GraphConfigReject, MoeWithoutAStaticCapacity) {
+  const GraphConfigInput input = {{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,moe"}};
+  expect_mentions(finalize_error(input, moe_model()),
+                  {"cuda_graph_modules", "'moe'", "model.moe_expert_capacity_factor",
+                   "model.moe_pad_expert_input_to_capacity", "moe_router,moe_preprocess"});
+  for (const char* dropless : {"moe_router", "moe_router,moe_preprocess", "attn,mlp"}) {
+    GraphConfigs cfg =
+        parse_graph_configs({{"cuda_graph_impl", "local"}, {"cuda_graph_modules", dropless}});
+    EXPECT_NO_THROW(finalize_graph_configs(cfg, moe_model())) << dropless;
+  }
+}
+
+// And the dense MLP module of a model whose every layer is MoE would graph nothing.
+TEST(GraphConfigReject, MlpWhenEveryLayerIsMoe) {
+  GraphModelTraits all_moe = moe_model();
+  all_moe.has_dense_mlp = false;
+  expect_mentions(
+      finalize_error({{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,mlp"}}, all_moe),
+      {"cuda_graph_modules", "'mlp'", "every decoder layer", "moe_router,moe_preprocess"});
+  GraphConfigs cfg =
+      parse_graph_configs({{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,moe_router"}});
+  EXPECT_NO_THROW(finalize_graph_configs(cfg, all_moe));
 }
 
 TEST(GraphConfigReject, Mamba) {

@@ -341,6 +341,55 @@ TEST_F(RecipeTest, WrongTypesNameTheKeyAndTheExpectedType) {
   EXPECT_HAS(msg, "train.seed expects an integer, got '[1]' (r.yaml line 12)");
 }
 
+// Megatron's capacity keys: they reach the trainer's limits, the 'moe' graph module needs them
+// with padding, and each is refused where it would do nothing.
+TEST_F(RecipeTest, MoeCapacityKeysAreMegatronsAndRefusedWhereTheyWouldDoNothing) {
+  const std::string moe = "model.config=" + test::data_dir() + "/qwen3vlmoe-tiny/config.json";
+  const Recipe r = load_recipe_text(
+      tiny_recipe(), "r.yaml",
+      {moe, "model.moe_expert_capacity_factor=1.25", "model.moe_pad_expert_input_to_capacity=true",
+       "model.moe_token_drop_policy=position", "cuda_graph.cuda_graph_impl=local",
+       "cuda_graph.cuda_graph_modules=[attn,moe]"});
+  EXPECT_EQ(r.model.moe_expert_capacity_factor, 1.25);
+  EXPECT_TRUE(r.model.moe_pad_expert_input_to_capacity);
+  EXPECT_EQ(r.model.moe_token_drop_policy, "position");
+  // Dropless MoE graphs the router and the permutation, not the whole layer.
+  std::string msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {moe, "cuda_graph.cuda_graph_impl=local", "cuda_graph.cuda_graph_modules=[moe]"});
+  });
+  EXPECT_HAS(msg, "model.moe_pad_expert_input_to_capacity=true");
+  msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {moe, "model.moe_expert_capacity_factor=1", "cuda_graph.cuda_graph_impl=local",
+                      "cuda_graph.cuda_graph_modules=[moe]"});
+  });
+  EXPECT_HAS(msg, "moe_router,moe_preprocess");
+  EXPECT_NO_THROW(load_recipe_text(tiny_recipe(), "r.yaml",
+                                   {moe, "cuda_graph.cuda_graph_impl=local",
+                                    "cuda_graph.cuda_graph_modules=[moe_router,moe_preprocess]"}));
+  // Nothing to pad to, no policy without drops, no capacity without experts, no negative one.
+  msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {moe, "model.moe_pad_expert_input_to_capacity=true"});
+  });
+  EXPECT_HAS(msg, "set model.moe_expert_capacity_factor");
+  msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {moe, "model.moe_token_drop_policy=position"});
+  });
+  EXPECT_HAS(msg, "nothing drops");
+  msg = error_of(
+      [&] { load_recipe_text(tiny_recipe(), "r.yaml", {"model.moe_expert_capacity_factor=1"}); });
+  EXPECT_HAS(msg, "has no MoE layers");
+  msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {moe, "model.moe_expert_capacity_factor=-1"});
+  });
+  EXPECT_HAS(msg, "must be >= 0");
+  msg = error_of([&] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {moe, "model.moe_token_drop_policy=random"});
+  });
+  EXPECT_HAS(msg, "probs");
+}
+
 TEST_F(RecipeTest, CudaGraphSectionIsValidatedOnTheCpu) {
   // Model-independent: full_iteration takes no module list.
   std::string msg = error_of([] {
