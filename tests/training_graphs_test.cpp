@@ -229,6 +229,8 @@ class TrainingGraphs : public ::testing::Test {
     }
   }
 
+  void expect_moe_modules_replay_eager();
+
   std::unique_ptr<Backend> be_;
   ModelConfig cfg_;
   std::unique_ptr<ModelWeights> params_;
@@ -333,6 +335,16 @@ TEST_F(TrainingGraphs, Qwen3VLMoePadsAndReplaysEagerBitForBit) {
 // dropped slots as eager does.
 TEST_F(TrainingGraphs, Qwen3VLMoeGraphModulesReplayEagerBitForBit) {
   load(make_cpu_backend(), test::data_dir() + "/qwen3vlmoe-tiny");
+  expect_moe_modules_replay_eager();
+}
+
+TEST_F(TrainingGraphs, CudaMoeGraphModulesReplayEagerBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  load(make_cuda_backend(0), test::data_dir() + "/qwen3vlmoe-tiny");
+  expect_moe_modules_replay_eager();
+}
+
+void TrainingGraphs::expect_moe_modules_replay_eager() {
   using M = GraphModule;
   const Mode router{"moe_router", GraphImpl::local, false, {M::moe_router}};
   const Mode preprocess{"attn + moe_router + moe_preprocess + vision",
