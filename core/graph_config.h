@@ -93,8 +93,8 @@ GraphConfigInput graph_config_input_from_flags(
     const std::vector<std::pair<std::string, std::string>>& flags);
 
 struct GraphModelTraits {
-  bool has_moe = false;        // language decoder has MoE layers
-  bool has_dense_mlp = true;   // some decoder layer has a dense MLP (the 'mlp' module's)
+  bool has_moe = false;       // language decoder has MoE layers
+  bool has_dense_mlp = true;  // some decoder layer has a dense MLP (the 'mlp' module's)
   // Training pads every expert to a static capacity (model.moe_expert_capacity_factor and
   // moe_pad_expert_input_to_capacity), which the 'moe' module needs.
   bool moe_static_capacity = false;

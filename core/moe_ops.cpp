@@ -86,6 +86,15 @@ void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Ten
   IRIS_CHECK(y.data != x.data, "moe_grouped_linear: y aliases x");
 }
 
+void check_moe_rows_per_expert(const Tensor& x, const Tensor& w, int64_t rows_per_expert,
+                               const char* op) {
+  IRIS_CHECK(rows_per_expert >= 0, op, ": rows_per_expert ", rows_per_expert,
+             " should be 0 (rows from offsets) or each expert's padded rows");
+  if (rows_per_expert > 0)
+    IRIS_CHECK(x.rows() == w.shape[0] * rows_per_expert, op, ": x ", x.shape_str(), " should have ",
+               w.shape[0], " experts x ", rows_per_expert, " rows (rows_per_expert)");
+}
+
 namespace {
 // The combine's shapes, whatever the dtypes (its backward's dy may be f32 beside bf16 rows).
 void check_combine_dims(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
@@ -128,8 +137,9 @@ void check_moe_dispatch_backward_shapes(const Tensor& dx, const Tensor& dx_sorte
              " should be i32 [tokens, k]");
   IRIS_CHECK(dx.ndim == 2 && dx.rows() == slot_rows.rows(), "moe_dispatch_backward: dx ",
              dx.shape_str(), " should have ", slot_rows.rows(), " rows");
-  IRIS_CHECK(dx_sorted.ndim == 2 && dx_sorted.cols() == dx.cols(), "moe_dispatch_backward: dx_sorted ",
-             dx_sorted.shape_str(), " should be [rows, ", dx.cols(), "]");
+  IRIS_CHECK(dx_sorted.ndim == 2 && dx_sorted.cols() == dx.cols(),
+             "moe_dispatch_backward: dx_sorted ", dx_sorted.shape_str(), " should be [rows, ",
+             dx.cols(), "]");
 }
 
 void check_moe_route_backward_shapes(const Tensor& dlogits, const Tensor& dweights,

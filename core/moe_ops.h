@@ -22,6 +22,9 @@ void check_moe_dispatch_shapes(const Tensor& x_sorted, const Tensor& offsets,
                                int64_t padded_capacity);
 void check_moe_grouped_linear_shapes(const Tensor& y, const Tensor& x, const Tensor& w,
                                      const Tensor& offsets);
+// rows_per_expert > 0: the experts' x [E * rows_per_expert, K].
+void check_moe_rows_per_expert(const Tensor& x, const Tensor& w, int64_t rows_per_expert,
+                               const char* op);
 void check_moe_combine_shapes(const Tensor& y, const Tensor& y_sorted, const Tensor& slot_rows,
                               const Tensor& weights);
 void check_moe_combine_backward_shapes(const Tensor& dy_sorted, const Tensor& dweights,

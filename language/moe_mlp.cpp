@@ -90,11 +90,16 @@ void moe_preprocess_forward(Backend& be, const DecoderLayerBuffers& b) {
                   drops && m.capacity_rule.pad ? m.capacity : 0);
 }
 
+// Each expert's rows when they are padded to its capacity, else 0 (read from the offsets).
+int64_t padded_rows(const MoeBuffers& m) {
+  return m.capacity > 0 && m.capacity_rule.pad ? m.capacity : 0;
+}
+
 void moe_experts_forward(Backend& be, const DecoderLayerWeights& w, const DecoderLayerBuffers& b) {
   const MoeBuffers& m = b.moe;
-  be.moe_grouped_linear(m.gate_up, m.x_sorted, w.experts_gate_up_w, m.offsets);
+  be.moe_grouped_linear(m.gate_up, m.x_sorted, w.experts_gate_up_w, m.offsets, padded_rows(m));
   be.swiglu(m.act, m.gate_up);
-  be.moe_grouped_linear(m.y_sorted, m.act, w.experts_down_w, m.offsets);
+  be.moe_grouped_linear(m.y_sorted, m.act, w.experts_down_w, m.offsets, padded_rows(m));
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.moe_combine(b.x_out, m.y_sorted, m.slot_rows, m.weights, true);
 }
@@ -117,10 +122,10 @@ void moe_experts_backward(Backend& be, const DecoderLayerWeights& w, DecoderLaye
   // The combine reads the f32 residual gradient itself.
   be.moe_combine_backward(d.dy_sorted, d.dweights, s.dres, m.y_sorted, m.slot_rows, m.weights);
   be.moe_grouped_linear_backward(d.dact, grad(&DecoderLayerWeights::experts_down_w), d.dy_sorted,
-                                 m.act, w.experts_down_w, m.offsets);
+                                 m.act, w.experts_down_w, m.offsets, padded_rows(m));
   be.swiglu_backward(d.dgu, d.dact, m.gate_up);
   be.moe_grouped_linear_backward(d.dx_sorted, grad(&DecoderLayerWeights::experts_gate_up_w), d.dgu,
-                                 m.x_sorted, w.experts_gate_up_w, m.offsets);
+                                 m.x_sorted, w.experts_gate_up_w, m.offsets, padded_rows(m));
 }
 
 void moe_preprocess_backward(Backend& be, const DecoderLayerBuffers& b,

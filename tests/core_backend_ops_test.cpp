@@ -1024,7 +1024,7 @@ TEST_F(BackendOps, MoeDispatchGroupedLinearCombine) {
       be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids, 0);
       Tensor wt = s.make(Kind::act, {c.E, c.H, c.N}, w);
       Tensor y_sorted = s.make(Kind::act, {slots, c.N}, std::vector<float>(slots * c.N, 0.f));
-      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
+      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets, 0);
       Tensor out = s.make(Kind::act, {c.T, c.N}, std::vector<float>(c.T * c.N, 1.f));
       be->moe_combine(out, y_sorted, slot_rows, weights, true);
       off[side].resize(static_cast<size_t>(c.E + 1));
@@ -1090,6 +1090,12 @@ TEST_F(BackendOps, MoeCapacityDropAndPaddedDispatch) {
     for (float& f : x) f = round_bf16(f);
     std::vector<int32_t> kept[2], count[2], off[2], srows[2];
     std::vector<float> xs[2];
+    // The padded experts' projection, forward and backward (one batched GEMM on CUDA).
+    const int64_t N = 24;
+    std::vector<float> w = rng.normal(c.E * c.H * N, 0.f, 0.2f), dy = rng.normal(rows * N);
+    for (std::vector<float>* v : {&w, &dy})
+      for (float& f : *v) f = round_bf16(f);
+    std::vector<std::vector<float>> proj[2];
     int side = 0;
     for (Backend* be : {cpu_.get(), gpu_.get()}) {
       Side s(*be);
@@ -1103,8 +1109,18 @@ TEST_F(BackendOps, MoeCapacityDropAndPaddedDispatch) {
       Tensor offsets = s.make_i32({c.E + 1}, std::vector<int32_t>(c.E + 1, 0));
       Tensor slot_rows = s.make_i32({c.T, c.k}, std::vector<int32_t>(ids.size(), 0));
       be->moe_dispatch(x_sorted, offsets, slot_rows, xt, kt, c.capacity);
-      for (auto [dst, src] : {std::pair{&kept[side], &kt}, {&count[side], &dropped},
-                              {&off[side], &offsets}, {&srows[side], &slot_rows}}) {
+      Tensor proj_w = s.make(Kind::act, {c.E, c.H, N}, w);
+      Tensor y = s.make(Kind::act, {rows, N}, std::vector<float>(rows * N, 0.f));
+      be->moe_grouped_linear(y, x_sorted, proj_w, offsets, c.capacity);
+      Tensor dyt = s.make(Kind::act, {rows, N}, dy);
+      Tensor dx = s.make(Kind::act, {rows, c.H}, std::vector<float>(rows * c.H, 0.f));
+      Tensor dw = s.make(Kind::f32, {c.E, c.H, N}, std::vector<float>(c.E * c.H * N, 0.25f));
+      be->moe_grouped_linear_backward(dx, dw, dyt, x_sorted, proj_w, offsets, c.capacity);
+      proj[side] = {s.get(y), s.get(dx), s.get(dw)};
+      for (auto [dst, src] : {std::pair{&kept[side], &kt},
+                              {&count[side], &dropped},
+                              {&off[side], &offsets},
+                              {&srows[side], &slot_rows}}) {
         dst->resize(static_cast<size_t>(src->numel()));
         be->read(dst->data(), DType::i32, *src);
       }
@@ -1117,6 +1133,9 @@ TEST_F(BackendOps, MoeCapacityDropAndPaddedDispatch) {
     EXPECT_EQ(off[1], off[0]);
     EXPECT_EQ(srows[1], srows[0]);
     EXPECT_TRUE(matches(xs[1], xs[0], kExact));
+    EXPECT_TRUE(matches(proj[1][0], proj[0][0], kElementwise)) << "y";
+    EXPECT_TRUE(matches(proj[1][1], proj[0][1], kElementwise)) << "dx";
+    EXPECT_TRUE(matches(proj[1][2], proj[0][2], kChained)) << "dw";
     // The oracle's own count: what each expert holds over the capacity.
     std::vector<int64_t> per_expert(static_cast<size_t>(c.E), 0);
     for (int32_t e : ids)
@@ -1160,7 +1179,7 @@ TEST_F(BackendOps, MoeBackward) {
       be->moe_dispatch(x_sorted, offsets, slot_rows, xt, ids, 0);
       Tensor wt = s.make(Kind::act, {E, H, N}, w);
       Tensor y_sorted = s.make(Kind::act, {slots, N}, std::vector<float>(slots * N, 0.f));
-      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets);
+      be->moe_grouped_linear(y_sorted, x_sorted, wt, offsets, 0);
       // The residual stream's gradient is f32 on both backends.
       Tensor dy = s.make(Kind::f32, {T, N}, dout);
       Tensor dy_sorted = s.make(Kind::act, {slots, N}, std::vector<float>(slots * N, 0.f));
@@ -1168,7 +1187,7 @@ TEST_F(BackendOps, MoeBackward) {
       be->moe_combine_backward(dy_sorted, dweights, dy, y_sorted, slot_rows, weights);
       Tensor dxs = s.make(Kind::act, {slots, H}, std::vector<float>(slots * H, 0.f));
       Tensor dw = s.make(Kind::f32, {E, H, N}, std::vector<float>(E * H * N, 0.5f));
-      be->moe_grouped_linear_backward(dxs, dw, dy_sorted, x_sorted, wt, offsets);
+      be->moe_grouped_linear_backward(dxs, dw, dy_sorted, x_sorted, wt, offsets, 0);
       Tensor gs = s.make(Kind::act, {slots, H}, gsort);
       Tensor dx = s.make(Kind::f32, {T, H}, std::vector<float>(T * H, 1.f));
       be->moe_dispatch_backward(dx, gs, slot_rows);
@@ -1565,7 +1584,7 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
   // Expert 0 reads column 0, expert 1 column 1, expert 2 their sum (w [E, K, N]).
   Tensor w = s.make(Kind::act, {3, 2, 1}, {1, 0, 0, 1, 1, 1});
   Tensor y_sorted = s.make(Kind::act, {6, 1}, std::vector<float>(6, 7.f));
-  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets);
+  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets, 0);
   EXPECT_EQ(s.get(y_sorted), (std::vector<float>{1, 3, 6, 3, 11, 7}));
 
   Tensor weights = s.make(Kind::act, {3, 2}, {0.5f, 0.25f, 1.f, 0.f, 0.75f, 0.25f});
@@ -1580,7 +1599,7 @@ TEST(MoeDispatchOnTheCpu, SortsSlotsProjectsPerExpertAndCombines) {
   Tensor bad = s.make_i32({3, 2}, {2, 0, 0, 3, 2, 1});
   EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, bad, 0), Error);
   Tensor w4 = s.make(Kind::act, {4, 2, 1}, std::vector<float>(8, 1.f));
-  EXPECT_THROW(cpu->moe_grouped_linear(y_sorted, x_sorted, w4, offsets), Error);
+  EXPECT_THROW(cpu->moe_grouped_linear(y_sorted, x_sorted, w4, offsets, 0), Error);
 }
 
 // Megatron's drop over a static capacity, worked by hand: per expert, the slots of the largest
@@ -1635,6 +1654,16 @@ TEST(MoeCapacityOnTheCpu, DropsOverCapacityAndPadsEachExpertsRows) {
   EXPECT_EQ(s.get(y), (std::vector<float>{.6f * 1 + .4f * 1, .5f * 2, .7f * 3, .8f * 4, 0.f}));
   EXPECT_TRUE(s.guards_intact());
 
+  // The padded experts' projection: expert e's weight [1, 1] is e + 1, so each row is scaled by
+  // its expert's; rows_per_expert must be the segments dispatch made.
+  Tensor w3 = s.make(Kind::act, {3, 1, 1}, {1, 2, 3});
+  Tensor y3 = s.make(Kind::act, {6, 1}, std::vector<float>(6, 9.f));
+  cpu->moe_grouped_linear(y3, x_sorted, w3, offsets, 2);
+  EXPECT_EQ(s.get(y3), (std::vector<float>{1, 3, 2, 8, 6, 0}));
+  EXPECT_THROW(cpu->moe_grouped_linear(y3, x_sorted, w3, offsets, 3), Error);
+  Tensor compact = s.make_i32({4}, {0, 2, 4, 5});
+  EXPECT_THROW(cpu->moe_grouped_linear(y3, x_sorted, w3, compact, 2), Error);
+
   // Undropped routing does not fit the padded segments; the wrong rows are refused.
   EXPECT_THROW(cpu->moe_dispatch(x_sorted, offsets, slot_rows, x, ids, 2), Error);
   Tensor short_sorted = s.make(Kind::act, {5, 1}, std::vector<float>(5, 0.f));
@@ -1687,18 +1716,18 @@ TEST(MoeBackwardOnTheCpu, EachBackwardIsItsForwardsAdjoint) {
   const std::vector<float> wv = rng.normal(E * H * N);
   Tensor w = s.make(Kind::act, {E, H, N}, wv);
   Tensor y_sorted = s.make(Kind::act, {T * k, N}, std::vector<float>(T * k * N, 0.f));
-  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets);
+  cpu->moe_grouped_linear(y_sorted, x_sorted, w, offsets, 0);
   const std::vector<float> dyv = rng.normal(T * k * N);
   Tensor dy = s.make(Kind::act, {T * k, N}, dyv);
   Tensor dxs = s.make(Kind::act, {T * k, H}, std::vector<float>(T * k * H, 0.f));
   Tensor dw = s.make(Kind::f32, {E, H, N}, std::vector<float>(E * H * N, 0.f));
-  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets);
+  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets, 0);
   const std::vector<float> ys = s.get(y_sorted.slice(0, R)), dys(dyv.begin(), dyv.begin() + R * N);
   const double forward = dot(dys, ys);
   EXPECT_NEAR(dot(s.get(dxs.slice(0, R)), xs), forward, 1e-4 * std::fabs(forward));
   EXPECT_NEAR(dot(s.get(dw), wv), forward, 1e-4 * std::fabs(forward));
   // dw accumulates.
-  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets);
+  cpu->moe_grouped_linear_backward(dxs, dw, dy, x_sorted, w, offsets, 0);
   EXPECT_NEAR(dot(s.get(dw), wv), 2 * forward, 2e-4 * std::fabs(forward));
 
   // Combine: <dout, combine(y_sorted, weights)> = <dy_sorted, y_sorted> = <dweights, weights>.

@@ -408,8 +408,8 @@ TEST(GraphConfigReject, MlpWhenEveryLayerIsMoe) {
   expect_mentions(
       finalize_error({{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,mlp"}}, all_moe),
       {"cuda_graph_modules", "'mlp'", "every decoder layer", "moe_router,moe_preprocess"});
-  GraphConfigs cfg =
-      parse_graph_configs({{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,moe_router"}});
+  GraphConfigs cfg = parse_graph_configs(
+      {{"cuda_graph_impl", "local"}, {"cuda_graph_modules", "attn,moe_router"}});
   EXPECT_NO_THROW(finalize_graph_configs(cfg, all_moe));
 }
 

@@ -15,8 +15,8 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <tuple>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "core/fs.h"
 #include "core/splitmix.h"
@@ -352,8 +352,8 @@ TEST(MoeCapacityGradients, AnUnreachedCapacityGivesTheDroplessStep) {
   const auto [want_loss, want] = step({});
   // E / k: a capacity of every token.
   const double every = double(cfg.text.num_experts) / cfg.text.num_experts_per_tok;
-  for (const MoeCapacity rule :
-       {MoeCapacity{every, true, MoeDropPolicy::probs}, MoeCapacity{every, false, MoeDropPolicy::position}}) {
+  for (const MoeCapacity rule : {MoeCapacity{every, true, MoeDropPolicy::probs},
+                                 MoeCapacity{every, false, MoeDropPolicy::position}}) {
     const auto [loss, grads] = step(rule);
     EXPECT_NEAR(loss, want_loss, 1e-6 * std::fabs(want_loss));
     ASSERT_EQ(grads.size(), want.size());

@@ -355,8 +355,9 @@ TEST_F(RecipeTest, MoeCapacityKeysAreMegatronsAndRefusedWhereTheyWouldDoNothing)
   EXPECT_EQ(r.model.moe_token_drop_policy, "position");
   // Dropless MoE graphs the router and the permutation, not the whole layer.
   std::string msg = error_of([&] {
-    load_recipe_text(tiny_recipe(), "r.yaml",
-                     {moe, "cuda_graph.cuda_graph_impl=local", "cuda_graph.cuda_graph_modules=[moe]"});
+    load_recipe_text(
+        tiny_recipe(), "r.yaml",
+        {moe, "cuda_graph.cuda_graph_impl=local", "cuda_graph.cuda_graph_modules=[moe]"});
   });
   EXPECT_HAS(msg, "model.moe_pad_expert_input_to_capacity=true");
   msg = error_of([&] {

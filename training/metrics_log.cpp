@@ -577,10 +577,9 @@ std::string format_log_line(const StepMetrics& m, int64_t total, int64_t ranks, 
                                             static_cast<double>(m.moe_routed_slots)),
                             "%")
                   : "",
-              " | ",
-              fmt("%.1f", m.tokens_per_second()), " tok/s | ", fmt("%.2f", m.samples_per_second()),
-              " samples/s | ", fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ",
-              human_bytes(m.memory_bytes));
+              " | ", fmt("%.1f", m.tokens_per_second()), " tok/s | ",
+              fmt("%.2f", m.samples_per_second()), " samples/s | ",
+              fmt("%.4g", m.tflops_per_second()), " TFLOP/s | mem ", human_bytes(m.memory_bytes));
   std::string line = str_cat(head, rest);
   if (peak > 0)
     line += str_cat(" | MFU ", fmt("%.1f", 100 * m.tflops_per_second() * 1e12 / ranks / peak), "%");

@@ -1098,13 +1098,13 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
     return std::find(graphs.decoder_modules.begin(), graphs.decoder_modules.end(), m) !=
            graphs.decoder_modules.end();
   };
-  const bool moe_modules =
-      named(GraphModule::moe) || named(GraphModule::moe_router) || named(GraphModule::moe_preprocess);
+  const bool moe_modules = named(GraphModule::moe) || named(GraphModule::moe_router) ||
+                           named(GraphModule::moe_preprocess);
   IRIS_CHECK(!moe_modules || moe_layers_ > 0,
-             "cuda_graph.cuda_graph_modules names MoE modules, but this model (or pipeline stage) has no MoE layers; valid "
+             "cuda_graph.cuda_graph_modules names MoE modules, but this model (or pipeline stage) "
+             "has no MoE layers; valid "
              "values for it: attn, mlp");
-  IRIS_CHECK(!named(GraphModule::moe) ||
-                 (limits_.moe_capacity.drops() && limits_.moe_capacity.pad),
+  IRIS_CHECK(!named(GraphModule::moe) || (limits_.moe_capacity.drops() && limits_.moe_capacity.pad),
              "cuda_graph.cuda_graph_modules 'moe' graphs the whole MoE layer, which needs a static "
              "capacity per expert: set model.moe_expert_capacity_factor (e.g. 1.0) and "
              "model.moe_pad_expert_input_to_capacity=true, or graph moe_router,moe_preprocess "

@@ -49,6 +49,14 @@ void check_offsets(const Tensor& offsets, int64_t rows, const char* op) {
     IRIS_CHECK(off[0] == 0 && off[e] <= off[e + 1] && off[E] <= rows, op,
                ": offsets are not ascending within the ", rows, " rows");
 }
+// The experts' segments moe_dispatch pads to rows_per_expert (when it is not 0).
+void check_padded_offsets(const Tensor& offsets, int64_t rows_per_expert, const char* op) {
+  if (rows_per_expert == 0) return;
+  const int32_t* off = offsets.as<int32_t>();
+  for (int64_t e = 0; e < offsets.numel(); ++e)
+    IRIS_CHECK(off[e] == e * rows_per_expert, op, ": offsets[", e, "] is ", off[e], ", not ", e,
+               " x rows_per_expert ", rows_per_expert);
+}
 void check_slot_rows(const Tensor& slot_rows, int64_t rows, const char* op) {
   const int32_t* r = slot_rows.as<int32_t>();
   for (int64_t s = 0; s < slot_rows.numel(); ++s)
@@ -505,10 +513,9 @@ class CpuBackend final : public Backend {
     check_f32(weights, "moe_capacity_drop weights");
     check_moe_capacity_drop_shapes(kept_ids, dropped, ids, weights, experts, capacity, policy);
     if (dropped.defined()) check_i32(dropped, "moe_capacity_drop dropped");
-    const int64_t n =
-        cpu::moe_capacity_drop(kept_ids.as<int32_t>(), ids.as<int32_t>(), weights.as<float>(),
-                               ids.numel(), experts, capacity,
-                               policy == static_cast<int>(MoeDropPolicy::probs));
+    const int64_t n = cpu::moe_capacity_drop(kept_ids.as<int32_t>(), ids.as<int32_t>(),
+                                             weights.as<float>(), ids.numel(), experts, capacity,
+                                             policy == static_cast<int>(MoeDropPolicy::probs));
     if (dropped.defined()) dropped.as<int32_t>()[0] += static_cast<int32_t>(n);
   }
 
@@ -525,14 +532,16 @@ class CpuBackend final : public Backend {
                       offsets.numel() - 1, x.cols(), padded_capacity);
   }
 
-  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,
-                          const Tensor& offsets) override {
+  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                          int64_t rows_per_expert) override {
     check_f32(y, "moe_grouped_linear y");
     check_f32(x, "moe_grouped_linear x");
     check_f32(w, "moe_grouped_linear w");
     check_i32(offsets, "moe_grouped_linear offsets");
     check_moe_grouped_linear_shapes(y, x, w, offsets);
     check_offsets(offsets, x.rows(), "moe_grouped_linear");
+    check_moe_rows_per_expert(x, w, rows_per_expert, "moe_grouped_linear");
+    check_padded_offsets(offsets, rows_per_expert, "moe_grouped_linear");
     cpu::moe_grouped_linear(y.as<float>(), x.as<float>(), w.as<float>(), offsets.as<int32_t>(),
                             w.shape[0], w.shape[2], w.shape[1]);
   }
@@ -567,8 +576,8 @@ class CpuBackend final : public Backend {
   }
 
   void moe_grouped_linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
-                                   const Tensor& x, const Tensor& w,
-                                   const Tensor& offsets) override {
+                                   const Tensor& x, const Tensor& w, const Tensor& offsets,
+                                   int64_t rows_per_expert) override {
     check_f32(dx, "moe_grouped_linear_backward dx");
     check_f32(dy, "moe_grouped_linear_backward dy");
     check_f32(x, "moe_grouped_linear_backward x");
@@ -583,6 +592,8 @@ class CpuBackend final : public Backend {
                  " should be shaped as w ", w.shape_str());
     }
     check_offsets(offsets, x.rows(), "moe_grouped_linear_backward");
+    check_moe_rows_per_expert(x, w, rows_per_expert, "moe_grouped_linear_backward");
+    check_padded_offsets(offsets, rows_per_expert, "moe_grouped_linear_backward");
     cpu::moe_grouped_linear_backward(dx.as<float>(), dw.defined() ? dw.as<float>() : nullptr,
                                      dy.as<float>(), x.as<float>(), w.as<float>(),
                                      offsets.as<int32_t>(), w.shape[0], w.shape[1], w.shape[2]);

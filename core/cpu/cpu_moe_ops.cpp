@@ -89,11 +89,11 @@ void moe_dispatch(float* x_sorted, int32_t* offsets, int32_t* slot_rows, const f
   offsets[0] = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t c = count[static_cast<size_t>(e)];
-    IRIS_CHECK(padded_capacity == 0 || c <= padded_capacity, "moe_dispatch: expert ", e, " has ",
-               c, " slots, more than padded_capacity ", padded_capacity,
+    IRIS_CHECK(padded_capacity == 0 || c <= padded_capacity, "moe_dispatch: expert ", e, " has ", c,
+               " slots, more than padded_capacity ", padded_capacity,
                " (drop them first with moe_capacity_drop)");
-    offsets[e + 1] = static_cast<int32_t>(padded_capacity > 0 ? (e + 1) * padded_capacity
-                                                              : offsets[e] + c);
+    offsets[e + 1] =
+        static_cast<int32_t>(padded_capacity > 0 ? (e + 1) * padded_capacity : offsets[e] + c);
   }
   std::vector<int64_t> next(offsets, offsets + E);
   for (int64_t s = 0; s < slots; ++s) {

@@ -24,6 +24,7 @@
 #include "core/cuda/launch.cuh"
 #include "core/cuda/logits/logits.h"
 #include "core/cuda/moe/moe.h"
+#include "core/cuda/moe/moe_batched_gemm.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
 #include "core/cuda/rows/rows.h"
@@ -131,6 +132,8 @@ class CudaBackend final : public Backend {
     side_gemm_ = std::make_unique<cuda::LtGemm>(side_workspace_.get(), kGemmWorkspaceBytes,
                                                 tune_scratch_.get(), kGemmTuneScratchBytes,
                                                 tuning_cache_.get());
+    // On the main stream only, between its GEMMs: it shares their workspace.
+    moe_gemm_ = std::make_unique<cuda::MoeBatchedGemm>(workspace_.get(), kGemmWorkspaceBytes);
     const int64_t rows = kDecodeScratchRows;
     scratch_.partial_max = static_cast<float*>(decode_buffer_.get());
     scratch_.partial_sum = scratch_.partial_max + rows;
@@ -748,15 +751,23 @@ class CudaBackend final : public Backend {
                               padded_capacity, stream());
   }
 
-  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w,
-                          const Tensor& offsets) override {
+  void moe_grouped_linear(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                          int64_t rows_per_expert) override {
     bind();
     check_act(y, "moe_grouped_linear", "y");
     check_act(x, "moe_grouped_linear", "x");
     check_act(w, "moe_grouped_linear", "w");
     check_index(offsets, "moe_grouped_linear", "offsets");
     check_moe_grouped_linear_shapes(y, x, w, offsets);
+    check_moe_rows_per_expert(x, w, rows_per_expert, "moe_grouped_linear");
     const int64_t E = w.shape[0];
+    // Padded experts are one batched GEMM on tensor cores.
+    if (rows_per_expert > 0) {
+      IRIS_CHECK(!on_side_, "moe_grouped_linear: padded experts run on the main stream only");
+      moe_gemm_->forward(bf(y), cbf(x), cbf(w), E, rows_per_expert, w.shape[1], w.shape[2],
+                         stream());
+      return;
+    }
     IRIS_CHECK((x.rows() + 63) / 64 + E <= 65535, "moe_grouped_linear: ", x.rows(), " rows over ",
                E, " experts need more row tiles than one launch holds");
     cuda::launch_moe_grouped_linear(bf(y), cbf(x), cbf(w), ci32(offsets), x.rows(),
@@ -829,8 +840,8 @@ class CudaBackend final : public Backend {
   }
 
   void moe_grouped_linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy,
-                                   const Tensor& x, const Tensor& w,
-                                   const Tensor& offsets) override {
+                                   const Tensor& x, const Tensor& w, const Tensor& offsets,
+                                   int64_t rows_per_expert) override {
     bind();
     check_act(dx, "moe_grouped_linear_backward", "dx");
     check_act(dy, "moe_grouped_linear_backward", "dy");
@@ -845,7 +856,18 @@ class CudaBackend final : public Backend {
       IRIS_CHECK(dw.numel() == w.numel(), "moe_grouped_linear_backward: dw ", dw.shape_str(),
                  " should be shaped as w ", w.shape_str());
     }
+    check_moe_rows_per_expert(x, w, rows_per_expert, "moe_grouped_linear_backward");
     const int64_t E = w.shape[0];
+    if (rows_per_expert > 0) {
+      IRIS_CHECK(!on_side_,
+                 "moe_grouped_linear_backward: padded experts run on the main stream "
+                 "only");
+      const int64_t K = w.shape[1], N = w.shape[2];
+      moe_gemm_->backward_input(bf(dx), cbf(dy), cbf(w), E, rows_per_expert, K, N, stream());
+      if (dw.defined())
+        moe_gemm_->backward_weight(f32(dw), cbf(x), cbf(dy), E, rows_per_expert, K, N, stream());
+      return;
+    }
     IRIS_CHECK((x.rows() + 63) / 64 + E <= 65535 && E <= 65535,
                "moe_grouped_linear_backward: ", x.rows(), " rows over ", E,
                " experts need more row tiles than one launch holds");
@@ -1542,6 +1564,7 @@ class CudaBackend final : public Backend {
   // Destroyed before the workspaces they use.
   std::unique_ptr<cuda::LtGemm> gemm_;
   std::unique_ptr<cuda::LtGemm> side_gemm_;
+  std::unique_ptr<cuda::MoeBatchedGemm> moe_gemm_;
   // Last, so that its thread is joined first when the backend goes.
   std::unique_ptr<cuda::HeuristicsWarmup> heuristics_warmup_;
 };
