@@ -1,10 +1,14 @@
 // The experts' projections over the rows moe_dispatch sorted (core/backend_ops.inc:
 // moe_grouped_linear): up to 16 rows (a decode step) a kernel that streams each row's expert
-// weights once; beyond, a plain shared-memory tiled GEMM with f32 accumulation whose blocks find
-// their expert and row tile from the offsets on the device, so that a graph captured for one
-// routing replays correctly for any other. The grid covers the most row tiles any split of R rows
-// over E experts can have (R / 64 + E); blocks past the split's tiles exit at once.
+// weights once; beyond, tensor-core tiles (WMMA) with f32 accumulation whose blocks find their
+// expert and row tile from the offsets on the device, so that a graph captured for one routing
+// replays correctly for any other. The grid covers the most row tiles any split of R rows over E
+// experts can have (R / 128 + E); blocks past the split's tiles exit at once.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
+
+#include <type_traits>
 
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
@@ -13,20 +17,77 @@
 namespace iris::cuda {
 namespace {
 
-constexpr int kTile = 64;   // rows and columns of y a block computes
-constexpr int kDepth = 16;  // the K slice a block stages at a time
-constexpr int kThreads = 256;
+namespace wmma = nvcuda::wmma;
 
-// y[r, n] = sum over i < K of x[r, i] * w[e][i * in_stride + n * out_stride]: the forward with
-// w[e] [K, N] (in_stride N, out_stride 1), the input gradient with its transpose. kNContiguous:
-// the weights are staged with consecutive threads on consecutive n (the forward's contiguous
-// axis), else on consecutive i (the transpose's), so that each warp's loads are coalesced.
-template <bool kNContiguous>
-__global__ void moe_grouped_linear_kernel(uint16_t* __restrict__ y, const uint16_t* __restrict__ x,
-                                          const uint16_t* __restrict__ w,
-                                          const int32_t* __restrict__ offsets, int E, int64_t N,
-                                          int64_t K, int64_t in_stride, int64_t out_stride) {
-  // This block's expert and row tile: tile blockIdx.y of the experts' tiles laid end to end.
+// Tensor-core tiles (WMMA, bf16 in, f32 accumulators): a block computes a 128 x 128 tile of the
+// output with 8 warps of 64 x 32 each, staging 32-deep slices of both operands in shared memory.
+constexpr int kTile = 128;
+constexpr int kDepth = 32;
+constexpr int kThreads = 256;
+constexpr int kPad = 8;  // bf16 per staged row: keeps fragment rows 32-byte aligned, spreads banks
+constexpr int kDeepLd = kDepth + kPad;  // a staged [128, 32] slice's row length
+constexpr int kWideLd = kTile + kPad;   // a staged [32, 128] slice's row length
+using Frag16 = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// Copies `count` (<= 8) consecutive bf16 from src into dst, zeros after them: one 16-byte load
+// when all 8 are there and both sides are 16-byte aligned.
+__device__ __forceinline__ void stage8(uint16_t* dst, const uint16_t* src, int64_t count) {
+  if (count >= 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = i < count ? src[i] : uint16_t{0};
+}
+
+// A [128 rows, 32 columns] slice of a row-major matrix (row length ld) into smem rows of kDeepLd,
+// rows from `rows` on and columns from `cols` on as zeros.
+__device__ __forceinline__ void stage_deep(uint16_t* smem, const uint16_t* src, int64_t ld,
+                                           int64_t rows, int64_t cols) {
+  for (int i = static_cast<int>(threadIdx.x); i < kTile * (kDepth / 8); i += kThreads) {
+    const int r = i / (kDepth / 8), c = (i % (kDepth / 8)) * 8;
+    stage8(smem + r * kDeepLd + c, src + r * ld + c, r < rows ? cols - c : 0);
+  }
+}
+
+// A [32 rows, 128 columns] slice into smem rows of kWideLd, likewise.
+__device__ __forceinline__ void stage_wide(uint16_t* smem, const uint16_t* src, int64_t ld,
+                                           int64_t rows, int64_t cols) {
+  for (int i = static_cast<int>(threadIdx.x); i < kDepth * (kTile / 8); i += kThreads) {
+    const int r = i / (kTile / 8), c = (i % (kTile / 8)) * 8;
+    stage8(smem + r * kWideLd + c, src + r * ld + c, r < rows ? cols - c : 0);
+  }
+}
+
+// Each warp's 4 x 2 accumulators out through a 16 x 16 staging square: out(row, col) gets the
+// value for the tile's rows below `rows` and columns below `cols`.
+template <class Out>
+__device__ __forceinline__ void drain(Frag16 (&acc)[4][2], float* stage, int warp_row, int warp_col,
+                                      int64_t rows, int64_t cols, Out out) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::store_matrix_sync(stage, acc[i][j], 16, wmma::mem_row_major);
+      __syncwarp();
+      for (int v = lane; v < 256; v += 32) {
+        const int r = warp_row + i * 16 + v / 16, c = warp_col + j * 16 + v % 16;
+        if (r < rows && c < cols) out(r, c, stage[v]);
+      }
+      __syncwarp();
+    }
+}
+
+// y[r, o] = sum over c < C of a[r, c] * B[c, o] for the rows r of one expert: the forward
+// (a = x [R, K], B = w[e] [K, N] as stored) and, kBTransposed, the input gradient (a = dy [R, N],
+// B = w[e]^T, w[e] [K, N] read along its rows). The block's expert and row tile: tile blockIdx.y
+// of the experts' tiles laid end to end.
+template <bool kBTransposed>
+__global__ void __launch_bounds__(kThreads)
+    moe_grouped_mma_kernel(uint16_t* __restrict__ y, const uint16_t* __restrict__ a,
+                           const uint16_t* __restrict__ w, const int32_t* __restrict__ offsets,
+                           int E, int64_t O, int64_t C) {
   int64_t tile = blockIdx.y;
   int e = 0;
   int64_t row0 = 0, rows = 0;
@@ -42,46 +103,51 @@ __global__ void moe_grouped_linear_kernel(uint16_t* __restrict__ y, const uint16
   }
   if (e == E) return;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const uint16_t* we = w + static_cast<int64_t>(e) * N * K;
-  __shared__ float xs[kDepth][kTile + 1];
-  __shared__ float ws[kDepth][kTile + 1];
-  const int tx = static_cast<int>(threadIdx.x % 16), ty = static_cast<int>(threadIdx.x / 16);
-  float acc[4][4] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-    for (int i = static_cast<int>(threadIdx.x); i < kDepth * kTile; i += kThreads) {
-      const int r = i / kDepth, kk = i % kDepth;
-      const int64_t kg = k0 + kk;
-      xs[kk][r] = r < rows && kg < K ? bf16_to_float(x[(row0 + r) * K + kg]) : 0.0f;
-      const int c = kNContiguous ? i % kTile : r, kw = kNContiguous ? i / kTile : kk;
-      const int64_t n = col0 + c, kgw = k0 + kw;
-      ws[kw][c] = n < N && kgw < K ? bf16_to_float(we[kgw * in_stride + n * out_stride]) : 0.0f;
-    }
+  const uint16_t* we = w + static_cast<int64_t>(e) * O * C;
+  __shared__ __align__(32) uint16_t as[kTile * kDeepLd];
+  __shared__ __align__(32)
+      uint16_t bs[kTile * kDeepLd > kDepth * kWideLd ? kTile * kDeepLd : kDepth * kWideLd];
+  __shared__ __align__(32) float stage[kThreads / 32][256];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int warp_row = (warp / 4) * 64, warp_col = (warp % 4) * 32;
+  Frag16 acc[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  using BLayout = std::conditional_t<kBTransposed, wmma::col_major, wmma::row_major>;
+  for (int64_t c0 = 0; c0 < C; c0 += kDepth) {
+    stage_deep(as, a + row0 * C + c0, C, rows, C - c0);
+    if constexpr (kBTransposed)  // B[c, o] = w[o * C + c]: rows of w[e] are the tile's columns
+      stage_deep(bs, we + col0 * C + c0, C, O - col0, C - c0);
+    else
+      stage_wide(bs, we + c0 * O + col0, O, C - c0, O - col0);
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < kDepth; ++kk) {
-      float a[4], b[4];
+    for (int kk = 0; kk < kDepth; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[4];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, BLayout> fb[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        a[i] = xs[kk][ty + 16 * i];
-        b[i] = ws[kk][tx + 16 * i];
+      for (int i = 0; i < 4; ++i)
+        wmma::load_matrix_sync(
+            fa[i], reinterpret_cast<const __nv_bfloat16*>(as + (warp_row + i * 16) * kDeepLd + kk),
+            kDeepLd);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint16_t* p = kBTransposed ? bs + (warp_col + j * 16) * kDeepLd + kk
+                                         : bs + kk * kWideLd + warp_col + j * 16;
+        wmma::load_matrix_sync(fb[j], reinterpret_cast<const __nv_bfloat16*>(p),
+                               kBTransposed ? kDeepLd : kWideLd);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = ty + 16 * i;
-    if (r >= rows) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = col0 + tx + 16 * j;
-      if (n < N) y[(row0 + r) * N + n] = float_to_bf16(acc[i][j]);
-    }
-  }
+  drain(acc, stage[warp], warp_row, warp_col, rows, O - col0,
+        [&](int r, int c, float v) { y[(row0 + r) * O + col0 + c] = float_to_bf16(v); });
 }
 
 // The few-rows path (a decode step's k slots, each row most often its own expert): what bounds it
@@ -144,56 +210,56 @@ __global__ void __launch_bounds__(kFewRowsWarps * 32)
   }
 }
 
-// dw[e] [K, N] += x[rows of e]^T . dy[rows of e]: one block a 64 x 64 tile of one expert's
-// gradient, its rows taken 16 at a time in order, so each element has one owner and one order.
-__global__ void moe_grouped_weight_grad_kernel(float* __restrict__ dw,
-                                               const uint16_t* __restrict__ dy,
-                                               const uint16_t* __restrict__ x,
-                                               const int32_t* __restrict__ offsets, int64_t K,
-                                               int64_t N) {
+// dw[e] [K, N] += x[rows of e]^T . dy[rows of e]: one block a 128 x 128 tile of one expert's
+// gradient, the expert's rows taken 32 at a time in order, so each element has one owner and one
+// order. x's slice is staged as [rows, K columns] and read as the column-major x^T.
+__global__ void __launch_bounds__(kThreads)
+    moe_grouped_weight_grad_kernel(float* __restrict__ dw, const uint16_t* __restrict__ dy,
+                                   const uint16_t* __restrict__ x,
+                                   const int32_t* __restrict__ offsets, int64_t K, int64_t N) {
   const int e = static_cast<int>(blockIdx.z);
   const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
   if (rows <= 0) return;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTile,
                 k0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  __shared__ float xs[kDepth][kTile + 1];
-  __shared__ float gs[kDepth][kTile + 1];
-  const int tx = static_cast<int>(threadIdx.x % 16), ty = static_cast<int>(threadIdx.x / 16);
-  float acc[4][4] = {};
+  __shared__ __align__(32) uint16_t xs[kDepth * kWideLd];
+  __shared__ __align__(32) uint16_t gs[kDepth * kWideLd];
+  __shared__ __align__(32) float stage[kThreads / 32][256];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int warp_row = (warp / 4) * 64, warp_col = (warp % 4) * 32;
+  Frag16 acc[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
   for (int64_t r0 = 0; r0 < rows; r0 += kDepth) {
-    for (int i = static_cast<int>(threadIdx.x); i < kDepth * kTile; i += kThreads) {
-      const int c = i % kTile, rr = i / kTile;
-      const int64_t r = r0 + rr;
-      xs[rr][c] = r < rows && k0 + c < K ? bf16_to_float(x[(begin + r) * K + k0 + c]) : 0.0f;
-      gs[rr][c] = r < rows && n0 + c < N ? bf16_to_float(dy[(begin + r) * N + n0 + c]) : 0.0f;
-    }
+    stage_wide(xs, x + (begin + r0) * K + k0, K, rows - r0, K - k0);
+    stage_wide(gs, dy + (begin + r0) * N + n0, N, rows - r0, N - n0);
     __syncthreads();
 #pragma unroll
-    for (int rr = 0; rr < kDepth; ++rr) {
-      float a[4], b[4];
+    for (int kk = 0; kk < kDepth; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa[4];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        a[i] = xs[rr][ty + 16 * i];
-        b[i] = gs[rr][tx + 16 * i];
-      }
+      for (int i = 0; i < 4; ++i)
+        wmma::load_matrix_sync(
+            fa[i], reinterpret_cast<const __nv_bfloat16*>(xs + kk * kWideLd + warp_row + i * 16),
+            kWideLd);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::load_matrix_sync(
+            fb[j], reinterpret_cast<const __nv_bfloat16*>(gs + kk * kWideLd + warp_col + j * 16),
+            kWideLd);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
     __syncthreads();
   }
   float* out = dw + static_cast<int64_t>(e) * K * N;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t k = k0 + ty + 16 * i;
-    if (k >= K) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n = n0 + tx + 16 * j;
-      if (n < N) out[k * N + n] += acc[i][j];
-    }
-  }
+  drain(acc, stage[warp], warp_row, warp_col, K - k0, N - n0,
+        [&](int r, int c, float v) { out[(k0 + r) * N + n0 + c] += v; });
 }
 
 }  // namespace
@@ -218,7 +284,7 @@ void launch_moe_grouped_linear(uint16_t* y, const uint16_t* x, const uint16_t* w
   }
   const dim3 grid(static_cast<unsigned>((N + kTile - 1) / kTile),
                   static_cast<unsigned>((R + kTile - 1) / kTile + E));
-  moe_grouped_linear_kernel<true><<<grid, kThreads, 0, s>>>(y, x, w, offsets, E, N, K, N, 1);
+  moe_grouped_mma_kernel<false><<<grid, kThreads, 0, s>>>(y, x, w, offsets, E, N, K);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
@@ -230,7 +296,7 @@ void launch_moe_grouped_linear_backward(uint16_t* dx, float* dw, const uint16_t*
   // dx [R, K] = dy [R, N] . w[e]^T: the forward's kernel reading w[e] transposed.
   const dim3 grid(static_cast<unsigned>((K + kTile - 1) / kTile),
                   static_cast<unsigned>((R + kTile - 1) / kTile + E));
-  moe_grouped_linear_kernel<false><<<grid, kThreads, 0, s>>>(dx, dy, w, offsets, E, K, N, 1, N);
+  moe_grouped_mma_kernel<true><<<grid, kThreads, 0, s>>>(dx, dy, w, offsets, E, K, N);
   IRIS_CUDA_LAUNCH_CHECK();
   if (dw == nullptr) return;
   const dim3 wgrid(static_cast<unsigned>((N + kTile - 1) / kTile),
