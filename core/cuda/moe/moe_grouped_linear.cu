@@ -20,44 +20,57 @@ namespace {
 namespace wmma = nvcuda::wmma;
 
 // Tensor-core tiles (WMMA, bf16 in, f32 accumulators): a block computes a 128 x 128 tile of the
-// output with 8 warps of 64 x 32 each, staging 32-deep slices of both operands in shared memory.
+// output with 8 warps of 64 x 32 each, staging 64-deep slices of both operands in shared memory;
+// each thread fetches the next slice into registers while the warps multiply the current one.
 constexpr int kTile = 128;
-constexpr int kDepth = 32;
+constexpr int kDepth = 64;
 constexpr int kThreads = 256;
 constexpr int kPad = 8;  // bf16 per staged row: keeps fragment rows 32-byte aligned, spreads banks
-constexpr int kDeepLd = kDepth + kPad;  // a staged [128, 32] slice's row length
-constexpr int kWideLd = kTile + kPad;   // a staged [32, 128] slice's row length
+constexpr int kDeepLd = kDepth + kPad;                  // a staged [128, 64] slice's row length
+constexpr int kWideLd = kTile + kPad;                   // a staged [64, 128] slice's row length
+constexpr int kChunks = kTile * kDepth / 8 / kThreads;  // 16-byte chunks a thread moves a slice
 using Frag16 = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-// Copies `count` (<= 8) consecutive bf16 from src into dst, zeros after them: one 16-byte load
-// when all 8 are there and both sides are 16-byte aligned.
-__device__ __forceinline__ void stage8(uint16_t* dst, const uint16_t* src, int64_t count) {
-  if (count >= 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    return;
-  }
+// `count` (<= 8) consecutive bf16 from src, zeros after them: one 16-byte load when all 8 are
+// there and src is 16-byte aligned.
+__device__ __forceinline__ uint4 load8(const uint16_t* src, int64_t count) {
+  if (count >= 8 && (reinterpret_cast<uintptr_t>(src) & 15) == 0)
+    return *reinterpret_cast<const uint4*>(src);
+  uint16_t v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = i < count ? src[i] : uint16_t{0};
+  for (int i = 0; i < 8; ++i) v[i] = i < count ? src[i] : uint16_t{0};
+  uint4 out;
+  memcpy(&out, v, sizeof(out));
+  return out;
 }
 
-// A [128 rows, 32 columns] slice of a row-major matrix (row length ld) into smem rows of kDeepLd,
-// rows from `rows` on and columns from `cols` on as zeros.
-__device__ __forceinline__ void stage_deep(uint16_t* smem, const uint16_t* src, int64_t ld,
-                                           int64_t rows, int64_t cols) {
-  for (int i = static_cast<int>(threadIdx.x); i < kTile * (kDepth / 8); i += kThreads) {
-    const int r = i / (kDepth / 8), c = (i % (kDepth / 8)) * 8;
-    stage8(smem + r * kDeepLd + c, src + r * ld + c, r < rows ? cols - c : 0);
+// A slice of a row-major matrix (row length ld) whose rows from `rows` on and columns from
+// `cols` on read as zeros: kDeep, [128 rows, 64 columns] into smem rows of kDeepLd; else [64
+// rows, 128 columns] into rows of kWideLd. fetch() loads this thread's chunks into registers,
+// put() stores them.
+template <bool kDeep>
+struct Slice {
+  static constexpr int kCols = kDeep ? kDepth : kTile;
+  static constexpr int kLd = kDeep ? kDeepLd : kWideLd;
+  uint4 v[kChunks];
+  __device__ __forceinline__ void fetch(const uint16_t* src, int64_t ld, int64_t rows,
+                                        int64_t cols) {
+#pragma unroll
+    for (int q = 0; q < kChunks; ++q) {
+      const int i = static_cast<int>(threadIdx.x) + q * kThreads;
+      const int r = i / (kCols / 8), c = (i % (kCols / 8)) * 8;
+      v[q] = load8(src + r * ld + c, r < rows ? cols - c : 0);
+    }
   }
-}
-
-// A [32 rows, 128 columns] slice into smem rows of kWideLd, likewise.
-__device__ __forceinline__ void stage_wide(uint16_t* smem, const uint16_t* src, int64_t ld,
-                                           int64_t rows, int64_t cols) {
-  for (int i = static_cast<int>(threadIdx.x); i < kDepth * (kTile / 8); i += kThreads) {
-    const int r = i / (kTile / 8), c = (i % (kTile / 8)) * 8;
-    stage8(smem + r * kWideLd + c, src + r * ld + c, r < rows ? cols - c : 0);
+  __device__ __forceinline__ void put(uint16_t* smem) const {
+#pragma unroll
+    for (int q = 0; q < kChunks; ++q) {
+      const int i = static_cast<int>(threadIdx.x) + q * kThreads;
+      const int r = i / (kCols / 8), c = (i % (kCols / 8)) * 8;
+      *reinterpret_cast<uint4*>(smem + r * kLd + c) = v[q];
+    }
   }
-}
+};
 
 // Each warp's 4 x 2 accumulators out through a 16 x 16 staging square: out(row, col) gets the
 // value for the tile's rows below `rows` and columns below `cols`.
@@ -116,13 +129,22 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
   using BLayout = std::conditional_t<kBTransposed, wmma::col_major, wmma::row_major>;
-  for (int64_t c0 = 0; c0 < C; c0 += kDepth) {
-    stage_deep(as, a + row0 * C + c0, C, rows, C - c0);
-    if constexpr (kBTransposed)  // B[c, o] = w[o * C + c]: rows of w[e] are the tile's columns
-      stage_deep(bs, we + col0 * C + c0, C, O - col0, C - c0);
+  Slice<true> sa;
+  Slice<kBTransposed> sb;
+  // B[c, o] = w[o * C + c] when transposed: rows of w[e] are the tile's columns.
+  auto fetch = [&](int64_t c0) {
+    sa.fetch(a + row0 * C + c0, C, rows, C - c0);
+    if constexpr (kBTransposed)
+      sb.fetch(we + col0 * C + c0, C, O - col0, C - c0);
     else
-      stage_wide(bs, we + c0 * O + col0, O, C - c0, O - col0);
+      sb.fetch(we + c0 * O + col0, O, C - c0, O - col0);
+  };
+  fetch(0);
+  for (int64_t c0 = 0; c0 < C; c0 += kDepth) {
+    sa.put(as);
+    sb.put(bs);
     __syncthreads();
+    if (c0 + kDepth < C) fetch(c0 + kDepth);
 #pragma unroll
     for (int kk = 0; kk < kDepth; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[4];
@@ -211,7 +233,7 @@ __global__ void __launch_bounds__(kFewRowsWarps * 32)
 }
 
 // dw[e] [K, N] += x[rows of e]^T . dy[rows of e]: one block a 128 x 128 tile of one expert's
-// gradient, the expert's rows taken 32 at a time in order, so each element has one owner and one
+// gradient, the expert's rows taken 64 at a time in order, so each element has one owner and one
 // order. x's slice is staged as [rows, K columns] and read as the column-major x^T.
 __global__ void __launch_bounds__(kThreads)
     moe_grouped_weight_grad_kernel(float* __restrict__ dw, const uint16_t* __restrict__ dy,
@@ -232,10 +254,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  Slice<false> sx, sg;
+  auto fetch = [&](int64_t r0) {
+    sx.fetch(x + (begin + r0) * K + k0, K, rows - r0, K - k0);
+    sg.fetch(dy + (begin + r0) * N + n0, N, rows - r0, N - n0);
+  };
+  fetch(0);
   for (int64_t r0 = 0; r0 < rows; r0 += kDepth) {
-    stage_wide(xs, x + (begin + r0) * K + k0, K, rows - r0, K - k0);
-    stage_wide(gs, dy + (begin + r0) * N + n0, N, rows - r0, N - n0);
+    sx.put(xs);
+    sg.put(gs);
     __syncthreads();
+    if (r0 + kDepth < rows) fetch(r0 + kDepth);
 #pragma unroll
     for (int kk = 0; kk < kDepth; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa[4];
