@@ -239,6 +239,30 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
     EXPECT_NE(dry.output.find(resolved), std::string::npos) << resolved << " in\n" << dry.output;
 }
 
+// The MoE flags on a mixture-of-experts config: Megatron's drop-and-pad and the 'moe' module.
+TEST_F(PerfScriptsTest, MoeCapacityFlagsSetTheModelsCapacityKeys) {
+  std::vector<std::string> args = tiny_run_args();
+  for (const std::string& a :
+       {std::string("--print-command"), std::string("--moe-expert-capacity-factor"),
+        std::string("1.5"), std::string("--moe-pad-expert-input-to-capacity"), std::string("true"),
+        std::string("--moe-token-drop-policy"), std::string("position"),
+        std::string("--cuda-graph-impl"), std::string("local"), std::string("--cuda-graph-modules"),
+        std::string("attn,moe"),
+        "model.config=" + std::string(IRIS_SOURCE_DIR) + "/tests/data/qwen3vlmoe-tiny/config.json",
+        std::string("--out"), (root_ / "run").string()})
+    args.push_back(a);
+  const Exit printed = sh("run.sh", args);
+  ASSERT_EQ(printed.code, 0) << printed.output;
+  std::string command = printed.output;
+  while (!command.empty() && command.back() == '\n') command.pop_back();
+  const Exit dry = run({"bash", "-c", command + " --dry-run"}, (root_ / "dry.txt").string());
+  ASSERT_EQ(dry.code, 0) << command << "\n" << dry.output;
+  for (const char* resolved :
+       {"moe_expert_capacity_factor: 1.5", "moe_pad_expert_input_to_capacity: true",
+        "moe_token_drop_policy: position", "cuda_graph_modules: [attn, moe]"})
+    EXPECT_NE(dry.output.find(resolved), std::string::npos) << resolved << " in\n" << dry.output;
+}
+
 TEST_F(PerfScriptsTest, LaunchersPutTheProcessCountAndOverridesInTheirCommand) {
   const std::vector<std::string> common{"--recipe",
                                         "qwen3vl_tiny_shapes",

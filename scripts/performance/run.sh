@@ -38,6 +38,9 @@
 #   --max-vision-graph-seq-len N   cuda_graph.max_vision_cuda_graph_seq_length
 #   --vision-buckets LIST          cuda_graph.vision_cuda_graph_buckets (comma list of patch counts)
 #   --graph-warmup-steps N         cuda_graph.cuda_graph_warmup_steps
+#   --moe-expert-capacity-factor F model.moe_expert_capacity_factor (MoE: Megatron's drop; 0 dropless)
+#   --moe-pad-expert-input-to-capacity true|false  model.moe_pad_expert_input_to_capacity
+#   --moe-token-drop-policy probs|position          model.moe_token_drop_policy
 #   --print-command                print the command instead of running it
 #   --quiet                        the training log goes to DIR/train.log only
 #   section.key=value              any recipe override, applied after the flags' (iris train
@@ -78,13 +81,17 @@ declare -A key_of=(
   [--max-vision-graph-seq-len]=cuda_graph.max_vision_cuda_graph_seq_length
   [--vision-buckets]=cuda_graph.vision_cuda_graph_buckets
   [--graph-warmup-steps]=cuda_graph.cuda_graph_warmup_steps
+  [--moe-expert-capacity-factor]=model.moe_expert_capacity_factor
+  [--moe-pad-expert-input-to-capacity]=model.moe_pad_expert_input_to_capacity
+  [--moe-token-drop-policy]=model.moe_token_drop_policy
 )
 declare -A is_list=([--cuda-graph-modules]=1 [--vision-cuda-graph-modules]=1 [--vision-buckets]=1)
 # The order overrides are written in, so that the command reads like the table above.
 key_flags=(--iters --log-interval --host-probe-steps --device --micro-batch-size --global-batch-size --seq-length
   --recompute --data-parallel-size --pipeline-parallel-size --cuda-graph-impl --cuda-graph-modules
   --vision-cuda-graph-impl --vision-cuda-graph-modules --max-vision-graph-seq-len --vision-buckets
-  --graph-warmup-steps)
+  --graph-warmup-steps --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
+  --moe-token-drop-policy)
 
 declare -A value=([--iters]=20 [--log-interval]=1)
 recipe="" out="" label="" iris="" launcher=direct gpus=1 nodes=1 launcher_args=""
