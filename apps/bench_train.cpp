@@ -13,6 +13,7 @@
 #include "bridge/hf_weights.h"
 #include "bridge/random_weights.h"
 #include "core/fs.h"
+#include "core/op_profile.h"
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
 #include "training/param_spec.h"
@@ -91,8 +92,10 @@ int run_bench_train(int argc, char** argv) {
   app.add_flag("--freeze-language-model", freeze_llm, "train.freeze_language_model");
   app.add_option("--json", json_out, "also write the results as JSON to this file");
   app.add_flag("--profile", profile,
-               "after the timed steps, bracket one more step for a profiler started with its "
-               "collection off (ncu --profile-from-start off)");
+               "after the timed steps, run one more step op by op and print where its device time "
+               "goes by op family, each against its floor (GEMMs at the measured GEMM rate, the "
+               "rest's tensors at the measured copy rate); the step is also bracketed for a "
+               "profiler started with its collection off (ncu --profile-from-start off)");
   app.add_option("--peer", peer,
                  "command printing the same figures as JSON, e.g. 'python3 "
                  "bench/peers/hf_transformers_train.py --config bench/configs/qwen3vl_2b.json "
@@ -134,12 +137,15 @@ int run_bench_train(int argc, char** argv) {
       if (master->bindings[i].allocated())
         be->convert(master->bindings[i].tensor(), working->bindings[i].tensor());
   }
-  TrainableQwen3VL model(*be, cfg, *working, limits);
+  // The model and the optimizer issue their ops through the profile, which only times them while
+  // it records (--profile).
+  ProfilingBackend ops(*be);
+  TrainableQwen3VL model(ops, cfg, *working, limits);
   AdamWConfig ac;
   ac.beta2 = 0.95f;
   ac.weight_decay = 0.1f;
   ac.clip_grad_norm = 1.0f;
-  AdamW opt(*be, cfg, master ? *master : *working, model.grads(), ac,
+  AdamW opt(ops, cfg, master ? *master : *working, model.grads(), ac,
             master ? working.get() : nullptr);
 
   const std::vector<const TrainSample*> mb(static_cast<size_t>(micro), &sample);
@@ -164,10 +170,15 @@ int run_bench_train(int argc, char** argv) {
   IRIS_CHECK(std::isfinite(loss) && std::isfinite(norms.back()), "the benchmark's loss (", loss,
              ") or gradient norm (", norms.back(), ") is not finite");
 
+  std::vector<OpFamilyTotal> families;
+  double profiled_ms = 0;
   if (profile) {
     be->profiler_collect(true);
+    ops.start();
     step();
+    families = totals_by_family(ops.stop());
     be->profiler_collect(false);
+    for (const OpFamilyTotal& f : families) profiled_ms += f.ms;
   }
 
   const TrainedParts parts{!freeze_vision, !freeze_merger, !freeze_llm};
@@ -231,6 +242,36 @@ int run_bench_train(int argc, char** argv) {
           "  vs peer memory         iris %.1f GiB (all in use)  peer %.1f GiB (torch peak "
           "allocated)\n",
           mem_mib / 1024, p["peak_memory_gib"].get<double>());
+  }
+  if (profile) {
+    std::printf(
+        "  step profile: one step op by op, %.1f ms of device time in its ops against the timed "
+        "step's %.1f ms\n  (each op runs alone, so this is the ops' own time; the rest of the "
+        "timed step is gaps between them)\n",
+        profiled_ms, 1e3 * step_s);
+    std::printf("    %-22s %10s %7s %8s %26s\n", "family", "ms", "share", "calls",
+                "rate (of its floor)");
+    json rows = json::array();
+    for (const OpFamilyTotal& f : families) {
+      const double s = f.ms / 1e3;
+      char rate[64] = "";
+      // GEMM families against the GEMM rate; the rest's tensors against the copy rate.
+      if (f.flops > 0 && s > 0) {
+        const double t = f.flops / s / 1e12;
+        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s (%.0f%%)", t, 100 * t / hw.gemm_tflops);
+      } else if (f.bytes > 0 && s > 0 && hw.copy_gbps > 0) {
+        const double g = f.bytes / s / 1e9;
+        std::snprintf(rate, sizeof(rate), "%.0f GB/s (%.0f%%)", g, 100 * g / hw.copy_gbps);
+      }
+      std::printf("    %-22s %10.2f %6.1f%% %8lld %26s\n", f.family.c_str(), f.ms,
+                  100 * f.ms / profiled_ms, static_cast<long long>(f.calls), rate);
+      rows.push_back({{"family", f.family},
+                      {"ms", f.ms},
+                      {"calls", f.calls},
+                      {"flops", f.flops},
+                      {"bytes", f.bytes}});
+    }
+    results["profile"] = {{"ops_ms", profiled_ms}, {"families", rows}};
   }
   if (!json_out.empty()) write_file_atomic(json_out, results.dump(2) + "\n");
   return 0;

@@ -602,10 +602,21 @@ TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
             "--device",       "cpu",     "--image",  "64",
             "--seq",          "96",      "--micro",  "2",
             "--accumulation", "2",       "--steps",  "1",
-            "--recompute",    "full",    "--json",   out});
+            "--recompute",    "full",    "--json",   out,
+            "--profile"});
   ASSERT_EQ(e.code, 0) << e.output;
   EXPECT_NE(e.output.find("MFU of measured GEMM"), std::string::npos) << e.output;
   const nlohmann::json j = nlohmann::json::parse(std::ifstream(out));
+  // --profile: the extra step's ops by family, their shares adding to the ops' time.
+  EXPECT_NE(e.output.find("step profile: one step op by op"), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("GEMM weight gradient"), std::string::npos) << e.output;
+  double family_ms = 0;
+  for (const auto& f : j["profile"]["families"]) {
+    EXPECT_NE(f["family"].get<std::string>(), "other");
+    EXPECT_GT(f["calls"].get<int64_t>(), 0);
+    family_ms += f["ms"].get<double>();
+  }
+  EXPECT_NEAR(family_ms, j["profile"]["ops_ms"].get<double>(), 1e-6 * family_ms);
   EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
   EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
   EXPECT_GT(j["gemm_tflops_measured"].get<double>(), 0.0);

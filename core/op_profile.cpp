@@ -1,0 +1,153 @@
+#include "core/op_profile.h"
+
+#include <algorithm>
+#include <map>
+#include <string_view>
+
+#include "core/error.h"
+
+namespace iris {
+namespace {
+
+double rows(const Tensor* t) {
+  return t->defined() ? static_cast<double>(t->rows()) : 0.0;
+}
+double cols(const Tensor* t) {
+  return t->defined() ? static_cast<double>(t->cols()) : 0.0;
+}
+
+// 2 M N K of the GEMM ops, from the tensors' shapes (the ops' signatures, core/backend_ops.inc);
+// 0 for the rest. t: the op's tensor arguments in order.
+double gemm_flops(std::string_view op, const std::vector<const Tensor*>& t) {
+  if (op == "linear" || op == "linear_gelu_tanh")  // y [M, N], x [M, K]
+    return 2 * rows(t[1]) * cols(t[1]) * cols(t[0]);
+  if (op == "rms_norm_linear")  // y [M, N], xn, x [M, K]
+    return 2 * rows(t[2]) * cols(t[2]) * cols(t[0]);
+  if (op == "linear_backward_input")  // dx [M, K], dy [M, N]
+    return 2 * rows(t[1]) * cols(t[1]) * cols(t[0]);
+  if (op == "linear_backward_weight")  // dw, db, dy [M, N], x [M, K]
+    return t[0]->defined() ? 2 * rows(t[2]) * cols(t[2]) * cols(t[3]) : 0.0;
+  if (op == "moe_grouped_linear")  // y [R, N], x [R, K]
+    return 2 * rows(t[1]) * cols(t[1]) * cols(t[0]);
+  if (op == "moe_grouped_linear_backward")  // dx [R, K], dw, dy [R, N]: dx, and dw when defined
+    return 2 * rows(t[2]) * cols(t[2]) * cols(t[0]) * (t[1]->defined() ? 2 : 1);
+  if (op == "lm_head_loss") {  // loss, dx, dw, x [M, H], w [V, H]: logits, dx, dw
+    const double pass = 2 * rows(t[3]) * cols(t[3]) * rows(t[4]);
+    return pass * (1 + (t[1]->defined() ? 1 : 0) + (t[2]->defined() ? 1 : 0));
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string op_family(const std::string& op) {
+  static const std::map<std::string, std::string, std::less<>> kFamilies = {
+      {"linear", "GEMM forward"},
+      {"linear_gelu_tanh", "GEMM forward"},
+      {"rms_norm_linear", "GEMM forward"},
+      {"linear_backward_input", "GEMM input gradient"},
+      {"linear_backward_weight", "GEMM weight gradient"},
+      {"moe_grouped_linear", "MoE experts"},
+      {"moe_grouped_linear_backward", "MoE experts"},
+      {"moe_route", "MoE routing"},
+      {"moe_capacity_drop", "MoE routing"},
+      {"moe_dispatch", "MoE routing"},
+      {"moe_combine", "MoE routing"},
+      {"moe_combine_backward", "MoE routing"},
+      {"moe_dispatch_backward", "MoE routing"},
+      {"moe_route_backward", "MoE routing"},
+      {"moe_route_stats", "MoE routing"},
+      {"moe_aux_loss", "MoE routing"},
+      {"attention_segments", "attention"},
+      {"attention_causal", "attention"},
+      {"attention_train", "attention"},
+      {"attention_backward", "attention"},
+      {"kv_store", "attention"},
+      {"layer_norm", "norms and RoPE"},
+      {"rms_norm", "norms and RoPE"},
+      {"layer_norm_train", "norms and RoPE"},
+      {"rms_norm_train", "norms and RoPE"},
+      {"layer_norm_backward", "norms and RoPE"},
+      {"rms_norm_backward", "norms and RoPE"},
+      {"qkv_norm_rope", "norms and RoPE"},
+      {"qkv_norm_rope_kv_store", "norms and RoPE"},
+      {"qkv_norm_rope_train", "norms and RoPE"},
+      {"qkv_norm_rope_backward", "norms and RoPE"},
+      {"vision_tables", "norms and RoPE"},
+      {"text_rope_tables", "norms and RoPE"},
+      {"add", "activations"},
+      {"gelu_tanh", "activations"},
+      {"gelu_erf", "activations"},
+      {"quick_gelu", "activations"},
+      {"swiglu", "activations"},
+      {"gelu_tanh_backward", "activations"},
+      {"gelu_erf_backward", "activations"},
+      {"quick_gelu_backward", "activations"},
+      {"swiglu_backward", "activations"},
+      {"lm_head_loss", "loss"},
+      {"argmax_rows", "loss"},
+      {"grad_norm_clip", "optimizer"},
+      {"grad_sum_squares", "optimizer"},
+      {"adamw_step", "optimizer"},
+      {"copy", "copies and gathers"},
+      {"fill_zero", "copies and gathers"},
+      {"convert", "copies and gathers"},
+      {"embedding", "copies and gathers"},
+      {"embedding_backward", "copies and gathers"},
+      {"scatter_rows", "copies and gathers"},
+      {"gather_rows", "copies and gathers"},
+      {"add_interpolated_rows", "copies and gathers"},
+      {"add_interpolated_rows_backward", "copies and gathers"},
+  };
+  const auto it = kFamilies.find(op);
+  return it == kFamilies.end() ? "other" : it->second;
+}
+
+std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records) {
+  std::vector<OpFamilyTotal> out;
+  for (const OpRecord& r : records) {
+    const std::string family = op_family(r.op);
+    auto it = std::find_if(out.begin(), out.end(),
+                           [&](const OpFamilyTotal& f) { return f.family == family; });
+    if (it == out.end()) it = out.insert(out.end(), OpFamilyTotal{family});
+    it->ms += r.ms;
+    it->flops += r.flops;
+    it->bytes += r.bytes;
+    ++it->calls;
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const OpFamilyTotal& a, const OpFamilyTotal& b) { return a.ms > b.ms; });
+  return out;
+}
+
+void ProfilingBackend::start() {
+  IRIS_CHECK(!recording_, "the op profile is already recording");
+  // The work queued before the start is not the profiled stretch's.
+  in_.synchronize();
+  records_.clear();
+  recording_ = true;
+}
+
+std::vector<OpRecord> ProfilingBackend::stop() {
+  IRIS_CHECK(recording_, "the op profile is not recording");
+  recording_ = false;
+  return std::move(records_);
+}
+
+bool ProfilingBackend::structural(const char* op) {
+  const std::string_view o = op;
+  return o == "begin_side_work" || o == "end_side_work" || o == "join_side_work";
+}
+
+void ProfilingBackend::record(const char* op, const std::vector<const Tensor*>& tensors,
+                              const std::function<void()>& run) {
+  OpRecord r;
+  r.op = op;
+  r.flops = gemm_flops(r.op, tensors);
+  for (const Tensor* t : tensors)
+    if (t->defined()) r.bytes += static_cast<double>(t->nbytes());
+  r.ms = in_.device_span_ms(run);
+  records_.push_back(std::move(r));
+}
+
+}  // namespace iris

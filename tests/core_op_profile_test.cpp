@@ -1,0 +1,79 @@
+// The op profile (core/op_profile.h): what it records of the ops it runs and the families a
+// step's time is reported by (a whole training step through it: training_step_profile_test).
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/error.h"
+#include "core/op_profile.h"
+
+namespace iris {
+namespace {
+
+// Every op of the interface has a family: an op added without one would be reported as "other".
+TEST(OpProfile, EveryBackendOpHasAFamily) {
+  std::vector<std::string> ops;
+#define IRIS_BACKEND_OP(name, params, args) ops.push_back(#name);
+#define IRIS_BACKEND_OP_WITH_DEFAULT IRIS_BACKEND_OP
+#include "core/backend_ops.inc"
+#undef IRIS_BACKEND_OP
+#undef IRIS_BACKEND_OP_WITH_DEFAULT
+  const std::set<std::string> structural = {"begin_side_work", "end_side_work", "join_side_work"};
+  EXPECT_GT(ops.size(), 50u);  // the list expanded here
+  for (const std::string& op : ops)
+    if (!structural.count(op)) EXPECT_NE(op_family(op), "other") << op;
+}
+
+// Ops between start and stop are recorded in order, with a GEMM's 2 M N K and the bytes of the
+// tensors each names; ops outside are run and not recorded.
+TEST(OpProfile, RecordsEachOpsTimeFlopsAndBytes) {
+  auto cpu = make_cpu_backend();
+  ProfilingBackend prof(*cpu);
+  Arena a(prof, size_t(1) << 16);
+  const int64_t M = 8, K = 16, N = 4;
+  const Tensor x = a.alloc(DType::f32, {M, K}), w = a.alloc(DType::f32, {N, K}),
+               y = a.alloc(DType::f32, {M, N}), norm_w = a.alloc(DType::f32, {K}),
+               xn = a.alloc(DType::f32, {M, K});
+  std::vector<float> ones(static_cast<size_t>(M * K), 1.0f);
+  prof.write(x, ones.data(), DType::f32);
+  prof.write(w, ones.data(), DType::f32);
+  prof.write(norm_w, ones.data(), DType::f32);
+  prof.copy(xn, x);  // before the start: not recorded
+  prof.start();
+  EXPECT_THROW(prof.start(), Error);
+  prof.linear(y, x, w, Tensor(), false);
+  prof.rms_norm(xn, x, norm_w, 1e-6f);
+  const std::vector<OpRecord> r = prof.stop();
+  EXPECT_THROW(prof.stop(), Error);
+  // The ops ran: y = x . w^T over ones is K everywhere.
+  std::vector<float> got(static_cast<size_t>(M * N));
+  cpu->read(got.data(), DType::f32, y);
+  EXPECT_EQ(got, std::vector<float>(got.size(), static_cast<float>(K)));
+  prof.fill_zero(y);  // after the stop: run, not recorded
+  cpu->read(got.data(), DType::f32, y);
+  EXPECT_EQ(got, std::vector<float>(got.size(), 0.0f));
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].op, "linear");
+  EXPECT_EQ(r[0].flops, 2.0 * M * N * K);
+  EXPECT_EQ(r[0].bytes, 4.0 * (M * N + M * K + N * K));
+  EXPECT_EQ(r[1].op, "rms_norm");
+  EXPECT_EQ(r[1].flops, 0.0);
+  EXPECT_EQ(r[1].bytes, 4.0 * (2 * M * K + K));
+  for (const OpRecord& o : r) EXPECT_GE(o.ms, 0.0);
+
+  const std::vector<OpFamilyTotal> t =
+      totals_by_family({{"linear", 2.0, 10, 1}, {"rms_norm", 1.0, 0, 5}, {"linear", 3.0, 20, 2}});
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[0].family, "GEMM forward");
+  EXPECT_EQ(t[0].ms, 5.0);
+  EXPECT_EQ(t[0].flops, 30.0);
+  EXPECT_EQ(t[0].bytes, 3.0);
+  EXPECT_EQ(t[0].calls, 2);
+  EXPECT_EQ(t[1].family, "norms and RoPE");
+}
+
+}  // namespace
+}  // namespace iris
