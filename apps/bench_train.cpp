@@ -3,6 +3,7 @@
 // weights), beside the GEMM rate measured in the same run and, optionally, a peer's figures
 // (bench/peers/hf_transformers_train.py) on the same geometry.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -43,7 +44,13 @@ TrainSample mock_sample(const ModelConfig& cfg, int64_t image_side, int64_t seq_
   IRIS_CHECK(text >= 2, "--seq ", seq_tokens, " leaves no room for text beside the image's ", pads,
              " tokens; raise --seq or lower --image");
   std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::uniform_int_distribution<int32_t> tok(0, 150000);
+  // Ordinary text: below the vocabulary's end and its vision tokens (a small test vocabulary's
+  // sit inside it).
+  const int64_t below =
+      std::min<int64_t>({150001, cfg.text.vocab_size, cfg.image_token_id, cfg.video_token_id,
+                         cfg.vision_start_token_id, cfg.vision_end_token_id});
+  IRIS_CHECK(below > 1, "the geometry leaves no ordinary text token below its vision tokens");
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(below - 1));
   TrainSample s;
   for (int64_t i = 0; i < text / 2; ++i) s.ids.push_back(tok(rng));
   s.ids.push_back(cfg.vision_start_token_id);
@@ -90,6 +97,15 @@ int run_bench_train(int argc, char** argv) {
   app.add_flag("--freeze-vision-tower", freeze_vision, "train.freeze_vision_tower");
   app.add_flag("--freeze-merger", freeze_merger, "train.freeze_merger");
   app.add_flag("--freeze-language-model", freeze_llm, "train.freeze_language_model");
+  double capacity_factor = 0;
+  bool pad_to_capacity = false;
+  app.add_option("--moe-expert-capacity-factor", capacity_factor,
+                 "model.moe_expert_capacity_factor: MoE geometries drop over each expert's "
+                 "capacity, as Megatron does; 0: dropless")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--moe-pad-expert-input-to-capacity", pad_to_capacity,
+               "model.moe_pad_expert_input_to_capacity (needs --moe-expert-capacity-factor)");
   app.add_option("--json", json_out, "also write the results as JSON to this file");
   app.add_flag("--profile", profile,
                "after the timed steps, run one more step op by op and print where its device time "
@@ -113,6 +129,11 @@ int run_bench_train(int argc, char** argv) {
   const bool on_gpu = be->device() == Device::cuda;
   config_path = find_bench_config(config_path);
   const ModelConfig cfg = ModelConfig::from_file(config_path);
+  IRIS_USAGE_CHECK(capacity_factor == 0 || cfg.text.any_sparse_layer(),
+                   "--moe-expert-capacity-factor applies to MoE geometries; ", config_path,
+                   " has no MoE layers");
+  IRIS_USAGE_CHECK(!pad_to_capacity || capacity_factor > 0,
+                   "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
   const HardwareLimits hw = measure_limits(*be, !on_gpu, 5);
 
   const TrainSample sample = mock_sample(cfg, image, seq, 7);
@@ -126,6 +147,8 @@ int run_bench_train(int argc, char** argv) {
   limits.recompute = parse_recompute(recompute);
   limits.vision_tower_frozen = freeze_vision;
   limits.frozen = FreezeSpec{freeze_vision, freeze_merger, freeze_llm};
+  limits.moe_capacity.factor = capacity_factor;
+  limits.moe_capacity.pad = pad_to_capacity;
 
   // The weights the model reads, and the f32 master copy of the trainable ones (on the CPU with
   // nothing frozen, the weights themselves), as the trainer holds them.
@@ -160,6 +183,7 @@ int run_bench_train(int argc, char** argv) {
   for (int i = 0; i < warmup; ++i) step();
   be->synchronize();
   (void)model.take_loss_sum();
+  (void)model.take_moe_drops();
   (void)opt.take_grad_norms();
   const auto t0 = Clock::now();
   for (int i = 0; i < steps; ++i) step();
@@ -167,6 +191,7 @@ int run_bench_train(int argc, char** argv) {
   const double loss = model.take_loss_sum() / double(labels_per_step * steps);
   const std::vector<float> norms = opt.take_grad_norms();
   const double step_s = seconds_since(t0) / steps;
+  const auto [dropped, routed] = model.take_moe_drops();
   IRIS_CHECK(std::isfinite(loss) && std::isfinite(norms.back()), "the benchmark's loss (", loss,
              ") or gradient norm (", norms.back(), ") is not finite");
 
@@ -208,6 +233,11 @@ int run_bench_train(int argc, char** argv) {
                {on_gpu ? "device_memory_in_use_mib" : "peak_host_memory_mib", mem_mib},
                {"activation_mib", double(model.activation_bytes()) / (1 << 20)}};
   if (on_gpu) results["mfu_of_989"] = tflops / kHopperBf16PeakTflops;
+  if (routed > 0) {
+    results["moe_expert_capacity_factor"] = capacity_factor;
+    results["moe_pad_expert_input_to_capacity"] = pad_to_capacity;
+    results["moe_dropped_share"] = double(dropped) / double(routed);
+  }
 
   std::printf(
       "iris bench --train: %s on %s, one %lldx%lld image per sample, %lld tokens per sample, "
@@ -231,6 +261,11 @@ int run_bench_train(int argc, char** argv) {
               on_gpu ? "device memory in use" : "peak host memory", mem_mib,
               double(model.activation_bytes()) / (1 << 20));
   std::printf("  mean loss              %10.4f\n", loss);
+  if (routed > 0)
+    std::printf(
+        "  MoE slots dropped      %9.2f%%     (capacity factor %.3g%s; of the timed steps)\n",
+        100.0 * double(dropped) / double(routed), capacity_factor,
+        pad_to_capacity ? ", padded" : "");
   if (!peer_results.is_null()) {
     const json& p = peer_results;
     results["peer"] = p;

@@ -626,6 +626,24 @@ TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
                          "--device", "cpu", "--image", "64", "--seq", "5"});
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.output.find("--seq 5 leaves no room"), std::string::npos) << bad.output;
+  // A MoE geometry under a capacity reports the share of slots it dropped; a dense one refuses it.
+  const std::string moe_out = (root_ / "bench_moe.json").string();
+  const Exit moe =
+      iris({"bench", "--train", "--config", test::data_dir() + "/qwen3vlmoe-tiny/config.json",
+            "--device", "cpu", "--image", "64", "--seq", "96", "--accumulation", "1", "--steps",
+            "1", "--moe-expert-capacity-factor", "0.5", "--json", moe_out});
+  ASSERT_EQ(moe.code, 0) << moe.output;
+  EXPECT_NE(moe.output.find("MoE slots dropped"), std::string::npos) << moe.output;
+  const double share =
+      nlohmann::json::parse(std::ifstream(moe_out))["moe_dropped_share"].get<double>();
+  EXPECT_GT(share, 0.0);
+  EXPECT_LT(share, 1.0);
+  const Exit dense_capacity =
+      iris({"bench", "--train", "--config", test::fixture_dir() + "/config.json", "--device", "cpu",
+            "--moe-expert-capacity-factor", "1"});
+  EXPECT_EQ(dense_capacity.code, 2) << dense_capacity.output;
+  EXPECT_NE(dense_capacity.output.find("applies to MoE geometries"), std::string::npos)
+      << dense_capacity.output;
 }
 
 TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {
