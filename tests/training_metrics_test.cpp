@@ -634,6 +634,11 @@ TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
   fs::create_directories(graphs);
   write_file_atomic((eager / "run_summary.json").string(), run_summary_json(r));
   r.intervals = {interval(1, 1, 4, 2), interval(3, 2, 0.5), interval(4, 1, 0.2)};
+  // A MoE run under an expert capacity: its drops summed over the run's intervals.
+  r.intervals[0].moe_dropped_slots = 10;
+  r.intervals[0].moe_routed_slots = 400;
+  r.intervals[1].moe_dropped_slots = 30;
+  r.intervals[1].moe_routed_slots = 800;
   r.intervals.back().probed_steps = 1;
   r.intervals.back().probe_queue_full = 1;
   r.decoder_graphs = "local";
@@ -664,6 +669,14 @@ TEST_F(MetricsFileTest, ReportsAndTheSweepTableReadTheRunSummary) {
   EXPECT_NE(t.text.find("0.1000 full"), std::string::npos) << t.text;
   EXPECT_NE(format_report(b).find("host, device held     0.1000 s per step"), std::string::npos)
       << format_report(b);
+  // 40 of 1200 routed slots dropped; the dropless run has no such line and a dash in the table.
+  EXPECT_NE(format_report(b).find("MoE slots dropped     3.33% (40 of 1200 routed slots"),
+            std::string::npos)
+      << format_report(b);
+  EXPECT_EQ(text.find("MoE slots dropped"), std::string::npos) << text;
+  EXPECT_TRUE(t.json.at("rows")[0].at("moe_dropped_share").is_null());
+  EXPECT_DOUBLE_EQ(t.json.at("rows")[1].at("moe_dropped_share").get<double>(), 40.0 / 1200);
+  EXPECT_NE(t.text.find("3.33%"), std::string::npos) << t.text;
 
   // A summary without a field reports use is an error naming it.
   nlohmann::json broken =

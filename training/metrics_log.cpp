@@ -290,6 +290,8 @@ std::string run_summary_json(const RunSummary& r) {
     sum.checkpoint_seconds += m.checkpoint_seconds;
     sum.evaluations += m.evaluations;
     sum.checkpoints += m.checkpoints;
+    sum.moe_dropped_slots += m.moe_dropped_slots;
+    sum.moe_routed_slots += m.moe_routed_slots;
   }
   const bool logged = !r.intervals.empty();
   const auto loss_at = [&](const StepMetrics* m) {
@@ -308,6 +310,8 @@ std::string run_summary_json(const RunSummary& r) {
               {"evaluations", sum.evaluations},
               {"checkpoints", sum.checkpoints},
               {"tokens_per_s", maybe(sum.seconds > 0, sum.tokens / sum.seconds)},
+              {"moe_dropped_slots", maybe(sum.moe_routed_slots > 0, sum.moe_dropped_slots)},
+              {"moe_routed_slots", maybe(sum.moe_routed_slots > 0, sum.moe_routed_slots)},
               {"first_loss", loss_at(logged ? &r.intervals.front() : nullptr)},
               {"last_loss", loss_at(logged ? &r.intervals.back() : nullptr)}};
   json stretches = json::array();

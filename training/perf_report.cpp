@@ -137,6 +137,18 @@ std::string percent_of(int64_t part, int64_t whole) {
   return whole > 0 ? fmt("%.1f%%", 100.0 * static_cast<double>(part) / whole) : "-";
 }
 
+// The share of a MoE run's routed slots dropped over the experts' capacity, the whole run (the
+// summary's totals; absent in summaries from before the capacity, null for a dropless run): null
+// when nothing was routed under a capacity.
+json dropped_share(const json& r) {
+  const json totals = r.value("totals", json::object());
+  const json routed = totals.value("moe_routed_slots", json());
+  const json dropped = totals.value("moe_dropped_slots", json());
+  if (!routed.is_number_integer() || !dropped.is_number_integer() || routed.get<int64_t>() <= 0)
+    return nullptr;
+  return static_cast<double>(dropped.get<int64_t>()) / static_cast<double>(routed.get<int64_t>());
+}
+
 }  // namespace
 
 json make_report(const std::string& run_dir, const std::string& label, const std::string& command) {
@@ -247,6 +259,14 @@ std::string format_report(const json& r) {
                 padded_patches = p.at("padded_patches").get<int64_t>();
   const int64_t labels = p.at("labels").get<int64_t>(),
                 label_slots = p.at("label_slots").get<int64_t>();
+  const json dropped = dropped_share(r);
+  if (!dropped.is_null()) {
+    const json& totals = r.at("totals");
+    line("MoE slots dropped",
+         str_cat(num(dropped, "%.2f%%", 100), " (", totals.at("moe_dropped_slots").get<int64_t>(),
+                 " of ", totals.at("moe_routed_slots").get<int64_t>(),
+                 " routed slots over the experts' capacity, the whole run)"));
+  }
   line("padding",
        str_cat("tokens ", tokens, " real of ", padded, " run (", percent_of(tokens, padded),
                "), patches ", patches, " real of ", padded_patches, " run (",
@@ -260,9 +280,9 @@ SweepTable sweep_table(const std::vector<json>& reports) {
   SweepTable t;
   const json& ref_step = at(reports.front(), "/steady_state/step_seconds");
   const std::vector<std::string> header{
-      "variant",     "step s",      "tok/s/GPU",     "TFLOP/s/GPU",     "MFU",
-      "speed-up",    "peak mem",    "graph mem",     "graphs",          "capture ms",
-      "host s/step", "wait s/step", "device s/step", "held host s/step"};
+      "variant",     "step s",      "tok/s/GPU",     "TFLOP/s/GPU",      "MFU",
+      "speed-up",    "peak mem",    "graph mem",     "graphs",           "capture ms",
+      "host s/step", "wait s/step", "device s/step", "held host s/step", "MoE dropped"};
   std::vector<std::vector<std::string>> cells{header};
   t.json = {{"reference", reports.front().at("label")}, {"rows", json::array()}};
   for (const json& r : reports) {
@@ -288,7 +308,8 @@ SweepTable sweep_table(const std::vector<json>& reports) {
                      num(st.at("host_enqueue_seconds_per_step"), "%.4f"),
                      num(st.value("host_wait_seconds_per_step", json()), "%.4f"),
                      num(st.at("device_seconds_per_step"), "%.4f"),
-                     queue_full ? num(held_host, "%.4f") + " full" : num(held_host, "%.4f")});
+                     queue_full ? num(held_host, "%.4f") + " full" : num(held_host, "%.4f"),
+                     num(dropped_share(r), "%.2f%%", 100)});
     t.json["rows"].push_back(
         {{"variant", r.at("label")},
          {"run_dir", r.at("run_dir")},
@@ -309,6 +330,7 @@ SweepTable sweep_table(const std::vector<json>& reports) {
          {"device_seconds_per_step", st.at("device_seconds_per_step")},
          {"held_host_enqueue_seconds_per_step", held_host},
          {"held_queue_full", queue_full},
+         {"moe_dropped_share", dropped_share(r)},
          {"padding", r.at("padding")}});
   }
   std::vector<size_t> width(header.size(), 0);
