@@ -1086,6 +1086,12 @@ void TrainableQwen3VL::maybe_graphed(bool as_graph, const std::string& key,
     body();
 }
 
+namespace {
+bool has_module(const std::vector<GraphModule>& modules, GraphModule m) {
+  return std::find(modules.begin(), modules.end(), m) != modules.end();
+}
+}  // namespace
+
 void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
   IRIS_CHECK(!limits_.text_buckets.empty(),
              "training graphs need bucket padding: plan the model with TrainLimits.text_buckets");
@@ -1094,10 +1100,7 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
     IRIS_CHECK(m == GraphModule::attn || m == GraphModule::mlp,
                "cuda_graph.vision_cuda_graph_modules holds '", to_string(m),
                "': the vision encoder has attn and mlp modules only");
-  const auto named = [&](GraphModule m) {
-    return std::find(graphs.decoder_modules.begin(), graphs.decoder_modules.end(), m) !=
-           graphs.decoder_modules.end();
-  };
+  const auto named = [&](GraphModule m) { return has_module(graphs.decoder_modules, m); };
   const bool moe_modules = named(GraphModule::moe) || named(GraphModule::moe_router) ||
                            named(GraphModule::moe_preprocess);
   IRIS_CHECK(!moe_modules || moe_layers_ > 0,
@@ -1109,10 +1112,6 @@ void TrainableQwen3VL::use_graphs(GraphApi& api, const TrainGraphs& graphs) {
              "capacity per expert: set model.moe_expert_capacity_factor (e.g. 1.0) and "
              "model.moe_pad_expert_input_to_capacity=true, or graph moe_router,moe_preprocess "
              "instead (dropless)");
-  IRIS_CHECK(!named(GraphModule::moe_preprocess) || named(GraphModule::moe_router),
-             "cuda_graph.cuda_graph_modules 'moe_preprocess' needs 'moe_router' beside it");
-  IRIS_CHECK(!(named(GraphModule::moe) && named(GraphModule::moe_router)),
-             "cuda_graph.cuda_graph_modules holds both 'moe' and 'moe_router': keep one");
   IRIS_CHECK(graphs.decoder_modules.empty() || graphs.decoder == GraphImpl::local,
              "cuda_graph.cuda_graph_modules applies to cuda_graph_impl local (full_iteration "
              "captures the whole micro-batch): leave it empty");
@@ -1196,9 +1195,6 @@ VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
 }
 
 namespace {
-bool has_module(const std::vector<GraphModule>& modules, GraphModule m) {
-  return std::find(modules.begin(), modules.end(), m) != modules.end();
-}
 
 // Which parts of a block or layer replay graphs of their own (Megatron's modules): attn, the
 // dense MLP (mlp), a sparse layer's router (moe_router), with its routing metadata and
@@ -1437,41 +1433,38 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
       if (sparse && count_drops_) b.moe.dropped = m.moe_dropped_;
       const DecoderAttention at = m.text_attention();
       auto attention = [&m, &t, &w, b, at] { decoder_attention_forward(m.be_, t, w, b, at); };
-      if (!sparse) {
-        auto mlp = [&m, &t, &w, b] { decoder_mlp_forward(m.be_, t, w, b); };
-        if (whole_) {
-          m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
-            attention();
-            mlp();
-          });
-          return;
-        }
-        m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn fwd", shape_), attention);
-        m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp fwd", shape_), mlp);
-        return;
+      // A dense layer's MLP, or a sparse layer's, in the three parts that Megatron's modules name.
+      std::function<void()> router, preprocess, experts, mlp;
+      if (sparse) {
+        router = [&m, &t, &w, b] {
+          moe_router_forward(m.be_, t, w, b);
+          // The routing's statistics, for the load-balancing loss after the last layer.
+          m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
+        };
+        preprocess = [&m, b] { moe_preprocess_forward(m.be_, b); };
+        experts = [&m, &w, b] { moe_experts_forward(m.be_, w, b); };
+        mlp = [router, preprocess, experts] {
+          router();
+          preprocess();
+          experts();
+        };
+      } else {
+        mlp = [&m, &t, &w, b] { decoder_mlp_forward(m.be_, t, w, b); };
       }
-      auto router = [&m, &t, &w, b] {
-        moe_router_forward(m.be_, t, w, b);
-        // The routing's statistics, for the load-balancing loss after the last layer.
-        m.be_.moe_route_stats(m.moe_load_, m.moe_prob_sum_, b.moe.ids, b.moe.probs);
-      };
-      auto preprocess = [&m, b] { moe_preprocess_forward(m.be_, b); };
-      auto experts = [&m, &w, b] { moe_experts_forward(m.be_, w, b); };
-      auto moe = [router, preprocess, experts] {
-        router();
-        preprocess();
-        experts();
-      };
       if (whole_) {
-        m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, moe] {
+        m.graphed(str_cat("layer ", l, " fwd", shape_), [attention, mlp] {
           attention();
-          moe();
+          mlp();
         });
         return;
       }
       m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn fwd", shape_), attention);
+      if (!sparse) {
+        m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp fwd", shape_), mlp);
+        return;
+      }
       if (halves_.moe) {
-        m.graphed(str_cat("layer ", l, " moe fwd", shape_), moe);
+        m.graphed(str_cat("layer ", l, " moe fwd", shape_), mlp);
         return;
       }
       if (halves_.moe_preprocess) {
@@ -1618,58 +1611,53 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       auto attention = [&m, &t, &w, gl, b, at, scratch] {
         decoder_attention_backward(m.be_, t, w, gl, b, at, scratch);
       };
-      if (!b.moe.ids.defined()) {
-        auto mlp = [recompute, &m, &w, gl, b, scratch] {
-          recompute();
-          decoder_mlp_backward(m.be_, w, gl, b, scratch);
-        };
-        if (whole_) {
-          m.graphed(str_cat("layer ", l, " bwd", shape_), [mlp, attention] {
-            mlp();
-            attention();
-          });
-        } else {
-          m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp bwd", shape_), mlp);
-          m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
-        }
-      } else {
-        // A sparse layer's parts backward: the experts, then the permutation's and the router's,
-        // which Megatron's moe_preprocess and moe_router graphs hold.
-        auto experts = [recompute, &m, &w, gl, b, scratch] {
+      // The forward's parts backward: a sparse layer's experts, then the permutation's and the
+      // router's, which Megatron's moe_preprocess and moe_router graphs hold.
+      const bool sparse = b.moe.ids.defined();
+      std::function<void()> experts, preprocess, router, mlp;
+      if (sparse) {
+        experts = [recompute, &m, &w, gl, b, scratch] {
           recompute();
           moe_experts_backward(m.be_, w, gl, b, scratch);
         };
-        auto preprocess = [&m, b, scratch] { moe_preprocess_backward(m.be_, b, scratch); };
-        auto router = [&m, &w, gl, b, scratch] { moe_router_backward(m.be_, w, gl, b, scratch); };
-        auto moe = [experts, preprocess, router] {
+        preprocess = [&m, b, scratch] { moe_preprocess_backward(m.be_, b, scratch); };
+        router = [&m, &w, gl, b, scratch] { moe_router_backward(m.be_, w, gl, b, scratch); };
+        mlp = [experts, preprocess, router] {
           experts();
           preprocess();
           router();
         };
-        if (whole_) {
-          m.graphed(str_cat("layer ", l, " bwd", shape_), [moe, attention] {
-            moe();
-            attention();
-          });
+      } else {
+        mlp = [recompute, &m, &w, gl, b, scratch] {
+          recompute();
+          decoder_mlp_backward(m.be_, w, gl, b, scratch);
+        };
+      }
+      if (whole_) {
+        m.graphed(str_cat("layer ", l, " bwd", shape_), [mlp, attention] {
+          mlp();
+          attention();
+        });
+      } else {
+        if (!sparse) {
+          m.maybe_graphed(halves_.mlp, str_cat("layer ", l, " mlp bwd", shape_), mlp);
+        } else if (halves_.moe) {
+          m.graphed(str_cat("layer ", l, " moe bwd", shape_), mlp);
         } else {
-          if (halves_.moe) {
-            m.graphed(str_cat("layer ", l, " moe bwd", shape_), moe);
+          experts();
+          if (halves_.moe_preprocess) {
+            m.graphed(str_cat("layer ", l, " moe_router+moe_preprocess bwd", shape_),
+                      [preprocess, router] {
+                        preprocess();
+                        router();
+                      });
           } else {
-            experts();
-            if (halves_.moe_preprocess) {
-              m.graphed(str_cat("layer ", l, " moe_router+moe_preprocess bwd", shape_),
-                        [preprocess, router] {
-                          preprocess();
-                          router();
-                        });
-            } else {
-              preprocess();
-              m.maybe_graphed(halves_.moe_router, str_cat("layer ", l, " moe_router bwd", shape_),
-                              router);
-            }
+            preprocess();
+            m.maybe_graphed(halves_.moe_router, str_cat("layer ", l, " moe_router bwd", shape_),
+                            router);
           }
-          m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
         }
+        m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
       }
       each_tensor(m.grads_->text.layers[l], [&m](const Tensor& x) { m.gradient_final(x); });
     }
