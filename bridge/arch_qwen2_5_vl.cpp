@@ -74,6 +74,8 @@ class Qwen25VL final : public Qwen2FamilyArchitecture {
       t.norm(pre + "norm2", b.norm2_w, nullptr, D);
       t.linear(pre + "attn.qkv", b.qkv_w, b.qkv_b, 3 * D, D);
       t.linear(pre + "attn.proj", b.proj_w, b.proj_b, D, D);
+      t.lora(cfg.lora, pre + "attn.", {{"qkv", 3 * D}}, D, b.qkv_lora);
+      t.lora(cfg.lora, pre + "attn.", {{"proj", D}}, D, b.proj_lora);
       // gate_proj and up_proj stacked, as the decoder's gate_up (the tower's swiglu reads it).
       t.add_stacked(b.fc1_w, {2 * I, D});
       t.part(pre + "mlp.gate_proj.weight", {I, D}, b.fc1_w, 0);

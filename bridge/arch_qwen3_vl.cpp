@@ -86,6 +86,8 @@ void Qwen3FamilyArchitecture::declare_weights(const ModelConfig& cfg, ModelWeigh
     t.norm(pre + "norm2", b.norm2_w, &b.norm2_b, D);
     t.linear(pre + "attn.qkv", b.qkv_w, b.qkv_b, 3 * D, D);
     t.linear(pre + "attn.proj", b.proj_w, b.proj_b, D, D);
+    t.lora(cfg.lora, pre + "attn.", {{"qkv", 3 * D}}, D, b.qkv_lora);
+    t.lora(cfg.lora, pre + "attn.", {{"proj", D}}, D, b.proj_lora);
     t.linear(pre + "mlp.linear_fc1", b.fc1_w, b.fc1_b, I, D);
     t.linear(pre + "mlp.linear_fc2", b.fc2_w, b.fc2_b, D, I);
   }

@@ -16,6 +16,8 @@
 
 namespace iris {
 
+struct LoraAdapters;
+struct LoraConfig;
 struct ModelConfig;
 struct ModelWeights;
 struct PreprocessorConfig;
@@ -41,6 +43,12 @@ class WeightTable {
   void linear(const std::string& prefix, Tensor& w, Tensor& b, int64_t n, int64_t k);
   // prefix.weight [n] and, where the norm has one (b not null), prefix.bias [n].
   void norm(const std::string& prefix, Tensor& w, Tensor* b, int64_t n);
+  // The LoRA adapters (cfg.lora) of a projection of `in` inputs that fuses the HF modules
+  // prefix + name, each with its rows, in order: prefix + name + ".lora_A.weight" [r, in] and
+  // ".lora_B.weight" [rows, r] for each module cfg.lora adapts; none for the others.
+  void lora(const LoraConfig& lora, const std::string& prefix,
+            const std::vector<std::pair<std::string, int64_t>>& modules, int64_t in,
+            LoraAdapters& dst);
 
   const std::vector<std::pair<Tensor*, std::vector<int64_t>>>& planned() const { return planned_; }
 

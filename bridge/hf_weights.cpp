@@ -6,6 +6,7 @@
 #include <set>
 
 #include "bridge/architecture.h"
+#include "bridge/peft.h"
 #include "core/json_read.h"
 
 namespace iris {
@@ -37,6 +38,27 @@ void WeightTable::norm(const std::string& prefix, Tensor& w, Tensor* b, int64_t 
   if (b != nullptr) add(prefix + ".bias", *b, {n});
 }
 
+void WeightTable::lora(const LoraConfig& lora, const std::string& prefix,
+                       const std::vector<std::pair<std::string, int64_t>>& modules, int64_t in,
+                       LoraAdapters& dst) {
+  if (!lora.enabled()) return;
+  int64_t offset = 0, adapted = 0;
+  for (const auto& [name, rows] : modules) adapted += lora.adapts(prefix + name);
+  // The parts are bound by address: sized once, before any binding.
+  dst.parts.assign(static_cast<size_t>(adapted), LoraAdapter{});
+  dst.scale = lora.scale();
+  size_t k = 0;
+  for (const auto& [name, rows] : modules) {
+    if (lora.adapts(prefix + name)) {
+      LoraAdapter& p = dst.parts[k++];
+      p.out_offset = offset;
+      add(prefix + name + ".lora_A.weight", p.a, {lora.rank, in});
+      add(prefix + name + ".lora_B.weight", p.b, {rows, lora.rank});
+    }
+    offset += rows;
+  }
+}
+
 void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
                      const std::string& prefix, DecoderTensors kind) {
   const TextConfig& tc = cfg.text;
@@ -60,6 +82,9 @@ void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
       t.part(pre + "self_attn.v_proj.bias", {kvw}, L.qkv_b, qw + kvw);
     }
     t.add(pre + "self_attn.o_proj.weight", L.o_w, {H, qw});
+    t.lora(cfg.lora, pre + "self_attn.", {{"q_proj", qw}, {"k_proj", kvw}, {"v_proj", kvw}}, H,
+           L.qkv_lora);
+    t.lora(cfg.lora, pre + "self_attn.", {{"o_proj", H}}, qw, L.o_lora);
     if (kind == DecoderTensors::qwen3) {
       t.norm(pre + "self_attn.q_norm", L.q_norm_w, nullptr, hd);
       t.norm(pre + "self_attn.k_norm", L.k_norm_w, nullptr, hd);
@@ -77,6 +102,8 @@ void declare_decoder(const ModelConfig& cfg, ModelWeights& w, WeightTable& t,
     t.part(pre + "mlp.gate_proj.weight", {It, H}, L.gate_up_w, 0);
     t.part(pre + "mlp.up_proj.weight", {It, H}, L.gate_up_w, It);
     t.add(pre + "mlp.down_proj.weight", L.down_w, {H, It});
+    t.lora(cfg.lora, pre + "mlp.", {{"gate_proj", It}, {"up_proj", It}}, H, L.gate_up_lora);
+    t.lora(cfg.lora, pre + "mlp.", {{"down_proj", H}}, It, L.down_lora);
   }
   t.norm(prefix + "norm", tw.norm_w, nullptr, H);
   if (!cfg.tie_word_embeddings) t.add("lm_head.weight", tw.lm_head, {V, H});
@@ -177,6 +204,12 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
         e = &ckpt.at(n);
         break;
       }
+    // LoRA adapters come from a training run's own checkpoints; a base model has none, and they
+    // start at zero (no change to the model) until initialised or loaded from an adapter.
+    if (e == nullptr && is_lora_tensor(b.hf_name)) {
+      sources.push_back(nullptr);
+      continue;
+    }
     IRIS_CHECK(e != nullptr, "checkpoint ", dir, " is missing tensor '", b.hf_name,
                "' (expected shape ", shape_text(b.hf_shape), "); is this a ",
                cfg.arch->display_name(),
@@ -208,6 +241,10 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
   std::vector<float> host;
   for (size_t i = 0; i < w->bindings.size(); ++i) {
     const WeightBinding& b = w->bindings[i];
+    if (sources[i] == nullptr) {
+      backend.fill_zero(b.tensor());
+      continue;
+    }
     const SafetensorsEntry& e = *sources[i];
     const auto t0 = Clock::now();
     // A NaN or Inf weight otherwise surfaces only as NaN logits, far from its cause. The backend

@@ -17,6 +17,22 @@ namespace iris {
 class Architecture;
 const Architecture& qwen3_vl_architecture();
 
+// LoRA adapters the model carries (Hugging Face PEFT's LoraConfig; bridge/peft.h): none when rank
+// is 0. Their tensors join the weight table under PEFT's module names (q_proj.lora_A.weight, ...).
+struct LoraConfig {
+  int rank = 0;
+  double alpha = 0.0;
+  bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  // Iris's target names (bridge/peft.h: lora_target_names), or, when `modules` is not empty,
+  // exactly those HF modules (an adapter read from a file adapts the modules it has).
+  std::vector<std::string> target_modules;
+  std::vector<std::string> modules;
+  bool enabled() const { return rank > 0; }
+  float scale() const;
+  // Whether the HF module `module` (e.g. model.language_model.layers.3.self_attn.q_proj) has one.
+  bool adapts(const std::string& module) const;
+};
+
 struct ModelConfig {
   std::string model_type = "qwen3_vl";
   const Architecture* arch = &qwen3_vl_architecture();
@@ -27,6 +43,7 @@ struct ModelConfig {
   int vision_start_token_id = 151652;
   int vision_end_token_id = 151653;
   bool tie_word_embeddings = false;
+  LoraConfig lora;
 
   // Reads config.json with the architecture its model_type names (nested or flat layout;
   // rope_parameters or legacy rope_scaling + rope_theta). Errors name the file and the field.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "bridge/peft.h"
 #include "core/splitmix.h"
 
 namespace iris {
@@ -17,6 +18,9 @@ void fill_random_weights(Backend& backend, ModelWeights& weights, const RandomIn
   }
   std::vector<float> host;
   for (const WeightBinding& b : weights.bindings) {
+    // Adapters start as PEFT starts them, from a stream of their own (below), so that a model's
+    // base weights are the same draws with adapters or without.
+    if (is_lora_tensor(b.hf_name)) continue;
     int64_t n = 1;
     for (int64_t d : b.hf_shape) n *= d;
     host.assign(static_cast<size_t>(n), 0.0f);
@@ -49,7 +53,7 @@ void fill_random_weights(Backend& backend, ModelWeights& weights, const RandomIn
     backend.write(b.target->slice(b.row_offset, b.row_offset + b.hf_shape[0]), host.data(),
                   DType::f32);
   }
-  backend.synchronize();
+  init_lora_weights(backend, weights, init.seed);
 }
 
 std::unique_ptr<ModelWeights> random_weights(Backend& backend, const ModelConfig& cfg,

@@ -192,6 +192,18 @@ inline Tensor in_compute_dtype(Backend& be, const Tensor& src, const Tensor& cop
   return copy;
 }
 
+// add_column_block's shape rules, which every backend checks the same way.
+inline void check_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src,
+                               int64_t src_col, int64_t cols) {
+  IRIS_CHECK(dst.ndim == 2 && src.ndim == 2 && dst.rows() == src.rows(), "add_column_block: dst ",
+             dst.shape_str(), " and src ", src.shape_str(), " must be matrices with the same rows");
+  IRIS_CHECK(cols >= 0 && dst_col >= 0 && src_col >= 0 && dst_col + cols <= dst.cols() &&
+                 src_col + cols <= src.cols(),
+             "add_column_block: columns [", src_col, ", ", src_col + cols, ") of ", src.shape_str(),
+             " to [", dst_col, ", ", dst_col + cols, ") of ", dst.shape_str(), " are out of range");
+  IRIS_CHECK(dst.data != src.data, "add_column_block: dst and src must not overlap");
+}
+
 // Side work for a scope: begun on construction (when `active`), ended on destruction, also when
 // an op inside throws, so that a failed call does not leave later ops on the side stream.
 class SideWorkScope {

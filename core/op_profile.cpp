@@ -76,6 +76,7 @@ std::string op_family(const std::string& op) {
       {"vision_tables", "norms and RoPE"},
       {"text_rope_tables", "norms and RoPE"},
       {"add", "activations"},
+      {"add_column_block", "copies and gathers"},
       {"gelu_tanh", "activations"},
       {"gelu_erf", "activations"},
       {"quick_gelu", "activations"},

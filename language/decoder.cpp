@@ -21,6 +21,7 @@ void decoder_attention_forward(Backend& be, const TextConfig& cfg, const Decoder
   if (b.saves()) {
     be.rms_norm_train(b.rms1, b.rstd1, b.x_in, w.input_norm_w, eps);
     be.linear(b.qkv_lin, b.rms1, w.qkv_w, w.qkv_b, false);
+    lora_forward(be, w.qkv_lora, b.qkv_lin, b.rms1, b.lora);
     be.qkv_norm_rope_train(b.qkv, qk_rstd(w, b), b.qkv_lin, w.q_norm_w, w.k_norm_w, eps, at.cos,
                            at.sin, nq, nkv, hd, true);
     be.attention_train(b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments, nq, nkv, hd, scale, true,
@@ -28,12 +29,14 @@ void decoder_attention_forward(Backend& be, const TextConfig& cfg, const Decoder
   } else {
     // The norms are fused into the projections that read them (one kernel per decode step).
     be.rms_norm_linear(b.qkv, b.rms1, b.x_in, w.input_norm_w, eps, w.qkv_w, w.qkv_b, Tensor());
+    lora_forward(be, w.qkv_lora, b.qkv, b.rms1, b.lora);
     be.qkv_norm_rope_kv_store(b.qkv, w.q_norm_w, w.k_norm_w, eps, at.cos, at.sin, nq, nkv, hd, true,
                               at.k_cache, at.v_cache, at.past_len);
     be.attention_causal(b.attn, b.qkv, at.k_cache, at.v_cache, at.past_len, nq, nkv, hd, scale);
   }
   if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
   be.linear(b.x_mid, b.attn, w.o_w, Tensor(), true);
+  lora_forward(be, w.o_lora, b.x_mid, b.attn, b.lora);
 }
 
 void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
@@ -47,13 +50,21 @@ void decoder_mlp_forward(Backend& be, const TextConfig& cfg, const DecoderLayerW
   if (b.saves()) {
     be.rms_norm_train(b.rms2, b.rstd2, b.x_mid, w.post_norm_w, eps);
     be.linear(b.gate_up, b.rms2, w.gate_up_w, Tensor(), false);
+    lora_forward(be, w.gate_up_lora, b.gate_up, b.rms2, b.lora);
     be.swiglu(b.act, b.gate_up);
-  } else {
+  } else if (w.gate_up_lora.empty()) {
     be.rms_norm_linear(b.gate_up, b.rms2, b.x_mid, w.post_norm_w, eps, w.gate_up_w, Tensor(),
                        b.act);
+  } else {
+    // The adapters' rows join gate_up before the activation reads it.
+    be.rms_norm_linear(b.gate_up, b.rms2, b.x_mid, w.post_norm_w, eps, w.gate_up_w, Tensor(),
+                       Tensor());
+    lora_forward(be, w.gate_up_lora, b.gate_up, b.rms2, b.lora);
+    be.swiglu(b.act, b.gate_up);
   }
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.down_w, Tensor(), true);
+  lora_forward(be, w.down_lora, b.x_out, b.act, b.lora);
 }
 
 void decoder_layer_forward(Backend& be, const TextConfig& cfg, const DecoderLayerWeights& w,
@@ -93,11 +104,18 @@ void decoder_mlp_backward(Backend& be, const DecoderLayerWeights& w, DecoderLaye
   const auto grad = [&](Tensor DecoderLayerWeights::*m) { return g ? g->*m : Tensor(); };
   // Overwrites dact, dgu and dtmp; accumulates down/gate_up and post-norm gradients and dres.
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
+  const auto adapters_grad = [&](LoraAdapters DecoderLayerWeights::*m) {
+    return g ? &(g->*m) : nullptr;
+  };
   be.linear_backward_input(s.dact, dy, w.down_w, false);
   if (g) be.linear_backward_weight(g->down_w, Tensor(), dy, b.act);
+  lora_backward(be, w.down_lora, adapters_grad(&DecoderLayerWeights::down_lora), s.dact, dy, b.act,
+                s.lora);
   be.swiglu_backward(s.dgu, s.dact, b.gate_up);
   be.linear_backward_input(s.dtmp, s.dgu, w.gate_up_w, false);
   if (g) be.linear_backward_weight(g->gate_up_w, Tensor(), s.dgu, b.rms2);
+  lora_backward(be, w.gate_up_lora, adapters_grad(&DecoderLayerWeights::gate_up_lora), s.dtmp,
+                s.dgu, b.rms2, s.lora);
   be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::post_norm_w), s.dtmp, b.x_mid, b.rstd2,
                        w.post_norm_w);
 }
@@ -111,8 +129,13 @@ void decoder_attention_backward(Backend& be, const TextConfig& cfg, const Decode
   // Overwrites dattn, dqkv and dtmp; accumulates o/qkv, q/k-norm and input-norm gradients and
   // dres.
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
+  const auto adapters_grad = [&](LoraAdapters DecoderLayerWeights::*m) {
+    return g ? &(g->*m) : nullptr;
+  };
   be.linear_backward_input(s.dattn, dy, w.o_w, false);
   if (g) be.linear_backward_weight(g->o_w, Tensor(), dy, b.attn);
+  lora_backward(be, w.o_lora, adapters_grad(&DecoderLayerWeights::o_lora), s.dattn, dy, b.attn,
+                s.lora);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, at.cu_seqlens, at.n_segments,
                         nq, nkv, hd, scale, true, Tensor());
   be.qkv_norm_rope_backward(s.dqkv, grad(&DecoderLayerWeights::q_norm_w),
@@ -120,6 +143,8 @@ void decoder_attention_backward(Backend& be, const TextConfig& cfg, const Decode
                             w.q_norm_w, w.k_norm_w, at.cos, at.sin, nq, nkv, hd, true);
   be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
   if (g) be.linear_backward_weight(g->qkv_w, g->qkv_b, s.dqkv, b.rms1);
+  lora_backward(be, w.qkv_lora, adapters_grad(&DecoderLayerWeights::qkv_lora), s.dtmp, s.dqkv,
+                b.rms1, s.lora);
   be.rms_norm_backward(s.dres, grad(&DecoderLayerWeights::input_norm_w), s.dtmp, b.x_in, b.rstd1,
                        w.input_norm_w);
 }
@@ -164,6 +189,11 @@ void TextDecoder::allocate(Arena& a) {
   }
   if (cfg_.any_sparse_layer()) moe_ = allocate_moe_buffers(a, dt, cfg_, T, false);
   normed_ = a.alloc(dt, {T, H});
+  LoraScratchSize lora;
+  for (const DecoderLayerWeights& w : w_.layers)
+    for (const LoraAdapters* ad : {&w.qkv_lora, &w.o_lora, &w.gate_up_lora, &w.down_lora})
+      lora.cover(*ad);
+  lora_ = allocate_lora_scratch(a, dt, T, lora);
   logits_ = a.alloc(dt, {limits_.max_logit_rows, cfg_.vocab_size});
   next_ = a.alloc(DType::i32, {limits_.max_logit_rows});
   k_cache_.clear();
@@ -197,6 +227,7 @@ void TextDecoder::layer(int l, int64_t T) {
   b.rms1 = b.rms2 = xn_.slice(0, T);
   b.qkv_lin = b.qkv = qkv_.slice(0, T);
   b.attn = attn_.slice(0, T);
+  b.lora = lora_;
   if (cfg_.sparse_layer(l)) {
     b.moe = moe_rows(moe_, cfg_, T);
   } else {

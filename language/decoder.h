@@ -9,6 +9,7 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/lora.h"
 #include "core/moe_ops.h"
 #include "core/recompute.h"
 #include "language/text_config.h"
@@ -31,6 +32,9 @@ struct DecoderLayerWeights {
   Tensor router_w;           // [E, H]: mlp.gate
   Tensor experts_gate_up_w;  // [E, H, 2I]: each expert's gate columns, then its up columns
   Tensor experts_down_w;     // [E, I, H]
+  // LoRA adapters (core/lora.h) on the HF modules each fused projection holds: q/k/v, o, gate/up
+  // and down; empty where none is adapted (a sparse layer's experts never are).
+  LoraAdapters qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
 struct DecoderWeights {
@@ -91,6 +95,7 @@ struct DecoderLayerBuffers {
   Tensor x_in, rms1, rstd1, qkv_lin, qk_rstd, qkv, lse, attn, x_mid, rms2, rstd2, gate_up, act,
       x_out;
   MoeBuffers moe;
+  LoraScratch lora;  // where the layer has adapters
   bool saves() const { return lse.defined(); }
 };
 // Where a layer's attention looks. Training: causal segments of one packed sequence
@@ -127,6 +132,7 @@ struct MoeGradScratch {
 struct DecoderGradScratch {
   Tensor dres, dres_c, dtmp, dact, dgu, dattn, dqkv, dsum;
   MoeGradScratch moe;
+  LoraScratch lora;
 };
 // dres holds d(x_out) and becomes d(x_in); g (null: frozen) receives the layer's weight
 // gradients (+=).
@@ -186,7 +192,8 @@ class TextDecoder {
   // Activations and caches.
   Tensor x_, xn_, qkv_, attn_, gate_up_, mlp_, normed_, logits_, next_;
   std::vector<Tensor> k_cache_, v_cache_;
-  MoeBuffers moe_;  // one set for every sparse layer: a layer's routing is used within it
+  MoeBuffers moe_;    // one set for every sparse layer: a layer's routing is used within it
+  LoraScratch lora_;  // where the layers have adapters
 };
 
 }  // namespace iris

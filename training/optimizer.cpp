@@ -525,10 +525,7 @@ void AdamW::sharded_norm() {
 }
 
 void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
-  if (!hyper_written_ || frozen.vision_tower != hyper_frozen_.vision_tower ||
-      frozen.merger != hyper_frozen_.merger ||
-      frozen.language_model != hyper_frozen_.language_model)
-    write_hyper(frozen);
+  if (!hyper_written_ || !(frozen == hyper_frozen_)) write_hyper(frozen);
   if (unread_norms_ == kNormHistory) read_norm_history();
   be_.write(lr_, &scheduled_lr, DType::f32);
   if (exchange_) {

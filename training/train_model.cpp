@@ -6,6 +6,7 @@
 #include <set>
 
 #include "bridge/joined_model.h"
+#include "bridge/peft.h"
 #include "bridge/rope_index.h"
 #include "core/thread_cpu_clock.h"
 #include "core/vision_tables.h"
@@ -69,6 +70,13 @@ bool stage_holds(const PipelineStage& st, bool tied_embeddings, const std::strin
 }
 
 bool FreezeSpec::frozen(const std::string& name) const {
+  if (is_lora_tensor(name)) return false;
+  // PEFT matches a module to save by its path or by its last components.
+  for (const std::string& m : modules_to_save)
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
+      const std::string module = name.substr(0, dot);
+      if (module == m || (module.size() > m.size() && module.ends_with("." + m))) return false;
+    }
   switch (model_part(name)) {
     case ModelPart::vision_tower:
       return vision_tower;
@@ -310,6 +318,16 @@ void TrainableQwen3VL::allocate(Arena& a) {
       ds_[k].out = a.alloc(A, {Sm_all, out});
   }
 
+  // One adapter scratch per tower, shared by its layers' forwards and backwards.
+  LoraScratchSize t_lora, v_lora;
+  for (const DecoderLayerWeights& w : params_.text.layers)
+    for (const LoraAdapters* ad : {&w.qkv_lora, &w.o_lora, &w.gate_up_lora, &w.down_lora})
+      t_lora.cover(*ad);
+  for (const VisionBlockWeights& w : params_.vision.blocks)
+    for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) v_lora.cover(*ad);
+  t_lora_ = allocate_lora_scratch(a, A, L, t_lora);
+  v_lora_ = allocate_lora_scratch(a, A, S, v_lora);
+
   tx_.assign(static_cast<size_t>(t.num_hidden_layers) + 1, Tensor());
   for (int l = st.first_layer; l <= st.end_layer; ++l) tx_[l] = a.alloc(A, {Ls, H});
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
@@ -449,12 +467,28 @@ void TrainableQwen3VL::set_frozen(bool vision_tower, bool merger, bool language_
              "this model's memory was planned with the vision tower frozen (it keeps no block "
              "activations), so the tower cannot be unfrozen; plan it with "
              "TrainLimits.vision_tower_frozen = false");
-  const FreezeSpec wanted{vision_tower, merger, language_model};
+  const FreezeSpec wanted{vision_tower, merger, language_model, limits_.frozen.modules_to_save};
   for (const WeightBinding& b : grads_->bindings)
     IRIS_CHECK(wanted.frozen(b.hf_name) || b.allocated(), "'", b.hf_name,
                "' belongs to a part this model was planned with frozen (TrainLimits.frozen), "
                "which holds no gradient; plan the model with that part trainable to train it");
   frozen_ = wanted;
+  // A part trains when any of its tensors does: its own weights, a module to save or an adapter.
+  trains_lm_ = trains_tower_ = trains_merger_ = false;
+  for (const WeightBinding& b : grads_->bindings) {
+    if (!b.allocated() || frozen_.frozen(b.hf_name)) continue;
+    switch (model_part(b.hf_name)) {
+      case ModelPart::language_model:
+        trains_lm_ = true;
+        break;
+      case ModelPart::vision_tower:
+        trains_tower_ = true;
+        break;
+      case ModelPart::merger:
+        trains_merger_ = true;
+        break;
+    }
+  }
   // Graph keys name the frozen parts, so graphs of the old setting are simply never replayed;
   // freeing them keeps memory from growing with every change.
   delete_graphs();
@@ -527,12 +561,12 @@ int64_t TrainableQwen3VL::queue_step(
   bool one_shape = first.padded;
   for (size_t i = 0; i < n && one_shape; ++i)
     one_shape = slots_[i].shape == first && slots_[i].n_label_real > 0;
-  const bool lm = !frozen_.language_model;
-  const bool vision_grads = first.S > 0 && (!frozen_.vision_tower || !frozen_.merger);
+  const bool lm = trains_lm_;
+  const bool vision_grads = first.S > 0 && (trains_tower_ || trains_merger_);
   if (one_shape && (lm || vision_grads)) {
     graphed(str_cat("step of ", n, " micro-batches fwd+bwd L", first.L, " S", first.S, " labels ",
-                    first.n_label, " frozen ", int(frozen_.vision_tower), int(frozen_.merger),
-                    int(frozen_.language_model)),
+                    first.n_label, " frozen ", int(!trains_tower_), int(!trains_merger_),
+                    int(!trains_lm_)),
             [this, n, vision_grads] {
               for (size_t i = 0; i < n; ++i) {
                 use_slot(i);
@@ -845,8 +879,8 @@ void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool ba
 }
 
 void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
-  const bool lm = !frozen_.language_model;
-  const bool vision_grads = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
+  const bool lm = trains_lm_;
+  const bool vision_grads = S_ > 0 && (trains_tower_ || trains_merger_);
   backward = backward && n_label_real_ > 0 && (lm || vision_grads);
   if (moe_layers_ > 0 && backward) {
     ++moe_aux_runs_;
@@ -860,9 +894,8 @@ void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   }
   // A key names every host value its body passes to an op: the shapes (bucket lengths, merged
   // rows), the phase and what is frozen. Everything else the body reads is in device memory.
-  const std::string shape =
-      str_cat("L", L_, " S", S_, " labels ", n_label_, " frozen ", int(frozen_.vision_tower),
-              int(frozen_.merger), int(frozen_.language_model));
+  const std::string shape = str_cat("L", L_, " S", S_, " labels ", n_label_, " frozen ",
+                                    int(!trains_tower_), int(!trains_merger_), int(!trains_lm_));
   if (graphs_.decoder == GraphImpl::full_iteration) {
     graphed(str_cat("micro-batch ", backward ? "fwd+bwd " : "fwd ", shape),
             [this, backward, vision_grads, loss_out] {
@@ -886,8 +919,7 @@ void TrainableQwen3VL::forward_part(bool backward, const Tensor& loss_out, bool 
                              graphs_.decoder != GraphImpl::full_iteration;
   const bool whole_encoder = vision_graphs && graphs_.vision_modules.empty();
   const bool vision_modules = vision_graphs && !graphs_.vision_modules.empty();
-  const std::string vkey =
-      str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
+  const std::string vkey = str_cat("S", S_, " frozen ", int(!trains_tower_), int(!trains_merger_));
   if (S_ > 0 && limits_.stage.has_vision)
     maybe_graphed(whole_encoder, str_cat("vision fwd ", vkey),
                   [this, vision_modules] { vision_forward(vision_modules); });
@@ -899,8 +931,7 @@ void TrainableQwen3VL::backward_part(bool vision_grads, bool layer_graphs) {
                              graphs_.decoder != GraphImpl::full_iteration;
   const bool whole_encoder = vision_graphs && graphs_.vision_modules.empty();
   const bool vision_modules = vision_graphs && !graphs_.vision_modules.empty();
-  const std::string vkey =
-      str_cat("S", S_, " frozen ", int(frozen_.vision_tower), int(frozen_.merger));
+  const std::string vkey = str_cat("S", S_, " frozen ", int(!trains_tower_), int(!trains_merger_));
   text_backward(layer_graphs);
   if (vision_grads && limits_.stage.has_vision) {
     maybe_graphed(whole_encoder, str_cat("vision bwd ", vkey),
@@ -920,17 +951,27 @@ namespace {
 // Every tensor of a layer's, block's or merger's weights (a gradient the backward of that part
 // writes).
 template <class F>
+void each_tensor(const LoraAdapters& adapters, F f) {
+  for (const LoraAdapter& p : adapters.parts) {
+    f(p.a);
+    f(p.b);
+  }
+}
+template <class F>
 void each_tensor(const DecoderLayerWeights& w, F f) {
   for (const Tensor* t :
-       {&w.input_norm_w, &w.qkv_w, &w.q_norm_w, &w.k_norm_w, &w.o_w, &w.post_norm_w, &w.gate_up_w,
-        &w.down_w, &w.router_w, &w.experts_gate_up_w, &w.experts_down_w})
+       {&w.input_norm_w, &w.qkv_w, &w.qkv_b, &w.q_norm_w, &w.k_norm_w, &w.o_w, &w.post_norm_w,
+        &w.gate_up_w, &w.down_w, &w.router_w, &w.experts_gate_up_w, &w.experts_down_w})
     f(*t);
+  for (const LoraAdapters* ad : {&w.qkv_lora, &w.o_lora, &w.gate_up_lora, &w.down_lora})
+    each_tensor(*ad, f);
 }
 template <class F>
 void each_tensor(const VisionBlockWeights& w, F f) {
   for (const Tensor* t : {&w.norm1_w, &w.norm1_b, &w.qkv_w, &w.qkv_b, &w.proj_w, &w.proj_b,
                           &w.norm2_w, &w.norm2_b, &w.fc1_w, &w.fc1_b, &w.fc2_w, &w.fc2_b})
     f(*t);
+  for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) each_tensor(*ad, f);
 }
 template <class F>
 void each_tensor(const PatchMergerWeights& w, F f) {
@@ -951,9 +992,9 @@ void TrainableQwen3VL::vision_gradients_final() {
 int64_t TrainableQwen3VL::stage_prepare(const std::vector<const TrainSample*>& batch,
                                         float grad_scale, bool forward_only) {
   prepare(batch);
-  const bool lm = !frozen_.language_model;
+  const bool lm = trains_lm_;
   stage_forward_only_ = forward_only;
-  stage_vision_grads_ = S_ > 0 && (!frozen_.vision_tower || !frozen_.merger);
+  stage_vision_grads_ = S_ > 0 && (trains_tower_ || trains_merger_);
   stage_backward_ = !forward_only && n_label_real_ > 0 && (lm || stage_vision_grads_);
   be_.write(grad_scale_, &grad_scale, DType::f32);
   return n_label_real_;
@@ -982,10 +1023,10 @@ void TrainableQwen3VL::stage_forward() {
   if (graphs && graphs_full_iteration(graphs_)) {
     // The exchange with the neighbouring stages splits the micro-batch: its forward and its
     // backward are a graph each.
-    graphed(str_cat("stage fwd", stage_backward_ ? "+loss grad " : " ", "L", L_, " S", S_,
-                    " labels ", n_label_, " frozen ", int(frozen_.vision_tower),
-                    int(frozen_.merger), int(frozen_.language_model)),
-            [this] { forward_part(stage_backward_, loss_total_, false); });
+    graphed(
+        str_cat("stage fwd", stage_backward_ ? "+loss grad " : " ", "L", L_, " S", S_, " labels ",
+                n_label_, " frozen ", int(!trains_tower_), int(!trains_merger_), int(!trains_lm_)),
+        [this] { forward_part(stage_backward_, loss_total_, false); });
     return;
   }
   forward_part(stage_backward_, loss_total_, graphs && graphs_.decoder == GraphImpl::local);
@@ -997,7 +1038,7 @@ void TrainableQwen3VL::stage_backward(bool last_of_step) {
   const bool graphs = graph_api_ != nullptr && padded_;
   if (graphs && graphs_full_iteration(graphs_)) {
     graphed(str_cat("stage bwd L", L_, " S", S_, " labels ", n_label_, " frozen ",
-                    int(frozen_.vision_tower), int(frozen_.merger), int(frozen_.language_model)),
+                    int(!trains_tower_), int(!trains_merger_), int(!trains_lm_)),
             [this] { backward_part(stage_vision_grads_, false); });
     return;
   }
@@ -1163,6 +1204,7 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
                           {&b.act, &p.act},
                           {&b.x_out, &p.x_out}})
     *dst = src->slice(0, S);
+  b.lora = v_lora_;
   return b;
 }
 
@@ -1191,7 +1233,8 @@ VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
                            v_dqkv_.slice(0, S),
                            v_dsum_.slice(0, S),
                            m_da_,
-                           m_dln_};
+                           m_dln_,
+                           v_lora_};
 }
 
 namespace {
@@ -1271,7 +1314,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
    public:
     Steps(TrainableQwen3VL& m, bool module_graphs)
         : m_(m), seg_(m.vision_segments()), scratch_(m.vision_grad_scratch()) {
-      tower_ = !m.frozen_.vision_tower;
+      tower_ = m.trains_tower_;
       dres_ = tower_ ? scratch_.dres : Tensor();
       halves_ = half_graphs(module_graphs, m.graphs_.vision_modules);
       shape_ = str_cat(" S", m.S_, " segments ", m.n_segments_);
@@ -1323,6 +1366,8 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
       TrainableQwen3VL& m = m_;
       VisionWeights& g = m.grads_->vision;
       const int64_t S = m.S_;
+      // A tower trained through its adapters alone leaves its embedding frozen.
+      if (!g.pos_embed.defined() && !g.patch_w.defined() && !g.patch_b.defined()) return;
       m.cfg_.vision.tower->embed_backward(m.be_, g, dres_, scratch_.dres_c, m.pixels_.slice(0, S),
                                           m.pos_index_.slice(0, S), m.pos_weight_.slice(0, S));
       for (const Tensor* t : {&g.pos_embed, &g.patch_w, &g.patch_b})
@@ -1332,7 +1377,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
 
    private:
     PatchMergerWeights* merger_grads(PatchMergerWeights& g) const {
-      return m_.frozen_.merger ? nullptr : &g;
+      return !m_.trains_merger_ ? nullptr : &g;
     }
     void mark(const PatchMergerWeights& w) {
       each_tensor(w, [this](const Tensor& t) { m_.gradient_final(t); });
@@ -1373,6 +1418,7 @@ DecoderLayerBuffers TrainableQwen3VL::text_layer(int l) const {
                           {&b.act, &p.act},
                           {&b.x_out, &p.x_out}})
     if (src->defined()) *dst = src->slice(0, L);
+  b.lora = t_lora_;
   if (cfg_.text.sparse_layer(l)) {
     b.moe = moe_rows(p.moe, cfg_.text, L);
     b.moe.real_rows = text_real_rows_;
@@ -1522,7 +1568,7 @@ void TrainableQwen3VL::loss(bool backward, const Tensor& loss_out) {
   if (n_label_ == 0) return;
   const Tensor xlab = xlab_.slice(0, n_label_);
   be_.gather_rows(xlab, final_.slice(0, L_ + sink_rows()), label_rows_.slice(0, n_label_));
-  const bool lm = !frozen_.language_model;
+  const bool lm = trains_lm_;
   // Overwrites dxlab; accumulates the lm_head's gradient (the embedding's, when tied).
   be_.lm_head_loss(loss_out, backward ? dxlab_.slice(0, n_label_) : Tensor(),
                    backward ? g_or_none(grads_->text.lm_head, lm) : Tensor(), xlab,
@@ -1553,15 +1599,21 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
    public:
     Steps(TrainableQwen3VL& m, bool layer_graphs) : m_(m) {
       const int64_t L = m.L_;
-      scratch_ =
-          DecoderGradScratch{m.t_dres_.slice(0, L), m.t_dres_c_.slice(0, L), m.t_dtmp_.slice(0, L),
-                             m.t_dact_.slice(0, L), m.t_dgu_.slice(0, L),    m.t_dattn_.slice(0, L),
-                             m.t_dqkv_.slice(0, L), m.t_dsum_.slice(0, L),   {}};
+      scratch_ = DecoderGradScratch{m.t_dres_.slice(0, L),
+                                    m.t_dres_c_.slice(0, L),
+                                    m.t_dtmp_.slice(0, L),
+                                    m.t_dact_.slice(0, L),
+                                    m.t_dgu_.slice(0, L),
+                                    m.t_dattn_.slice(0, L),
+                                    m.t_dqkv_.slice(0, L),
+                                    m.t_dsum_.slice(0, L),
+                                    {},
+                                    m.t_lora_};
       if (m.moe_layers_ > 0)
         scratch_.moe = moe_grad_rows(m.t_moe_, m.cfg_.text, m.limits_.moe_capacity, L);
       // With the sink row, which padding's gathers read as zero.
       dres_sink_ = m.t_dres_.slice(0, L + m.sink_rows());
-      lm_ = !m.frozen_.language_model;
+      lm_ = m.trains_lm_;
       const auto& modules = m.graphs_.decoder_modules;
       whole_ = layer_graphs && modules.empty();
       halves_ = half_graphs(layer_graphs, modules);
@@ -1666,7 +1718,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
     void embed() override {
       TrainableQwen3VL& m = m_;
       DecoderWeights& g = m.grads_->text;
-      if (lm_)
+      if (lm_ && g.embed.defined())
         m.be_.embedding_backward(g.embed, scratch_.dres, m.ids_.slice(0, m.L_),
                                  m.cfg_.image_token_id);
       m.gradient_final(g.embed);

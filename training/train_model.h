@@ -80,8 +80,13 @@ struct FreezeSpec {
   bool vision_tower = false;
   bool merger = false;
   bool language_model = false;
-  // Whether the HF tensor `hf_name` belongs to a frozen part (unknown names are an error).
+  // PEFT's modules_to_save: modules trained in full though their part is frozen, named as PEFT
+  // matches them (a module's path or its last components: merger, lm_head, embed_tokens).
+  std::vector<std::string> modules_to_save;
+  // Whether the HF tensor `hf_name` is frozen: it belongs to a frozen part and to no module to
+  // save. LoRA adapters never are (unknown names are an error).
   bool frozen(const std::string& hf_name) const;
+  bool operator==(const FreezeSpec&) const = default;
 };
 
 // The largest micro-batch the model is planned for (all its samples together).
@@ -361,6 +366,9 @@ class TrainableQwen3VL {
   bool stage_backward_ = false;
   bool stage_vision_grads_ = false;
   bool stage_forward_only_ = false;
+  // Whether each part has a trainable tensor (set_frozen): its backward then runs.
+  bool trains_lm_ = false, trains_tower_ = false, trains_merger_ = false;
+  LoraScratch t_lora_, v_lora_;  // where the model has adapters (core/lora.h)
   FreezeSpec frozen_;
   Arena arena_;
   size_t activation_bytes_ = 0;

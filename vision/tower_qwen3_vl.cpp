@@ -47,7 +47,8 @@ class Qwen3VLTower final : public VisionTower {
   void embed_backward(Backend& be, VisionWeights& g, const Tensor& dres, const Tensor& dres_c,
                       const Tensor& pixels, const Tensor& pos_index,
                       const Tensor& pos_weight) const override {
-    be.add_interpolated_rows_backward(g.pos_embed, dres, pos_index, pos_weight);
+    if (g.pos_embed.defined())
+      be.add_interpolated_rows_backward(g.pos_embed, dres, pos_index, pos_weight);
     be.linear_backward_weight(g.patch_w, g.patch_b, in_compute_dtype(be, dres, dres_c), pixels);
   }
 };

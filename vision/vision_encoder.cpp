@@ -32,6 +32,7 @@ void vision_attention_forward(Backend& be, const VisionConfig& cfg, const Vision
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cfg.tower->norm(be, cfg, b.ln1, b.mean1, b.rstd1, b.x_in, w.norm1_w, w.norm1_b);
   be.linear(b.qkv, b.ln1, w.qkv_w, w.qkv_b, false);
+  lora_forward(be, w.qkv_lora, b.qkv, b.ln1, b.lora);
   // No q/k norm in the tower: the rotation runs in place, and its backward needs only the tables.
   be.qkv_norm_rope(b.qkv, Tensor(), Tensor(), 0.0f, seg.cos, seg.sin, nh, nh, hd, false);
   if (b.saves()) {
@@ -43,6 +44,7 @@ void vision_attention_forward(Backend& be, const VisionConfig& cfg, const Vision
   }
   if (b.x_mid.data != b.x_in.data) be.copy(b.x_mid, b.x_in);
   be.linear(b.x_mid, b.attn, w.proj_w, w.proj_b, true);
+  lora_forward(be, w.proj_lora, b.x_mid, b.attn, b.lora);
 }
 
 void vision_mlp_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -142,12 +144,14 @@ void vision_attention_backward(Backend& be, const VisionConfig& cfg, const Visio
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dattn, dy, w.proj_w, false);
   be.linear_backward_weight(g.proj_w, g.proj_b, dy, b.attn);
+  lora_backward(be, w.proj_lora, &g.proj_lora, s.dattn, dy, b.attn, s.lora);
   be.attention_backward(s.dqkv, s.dsum, s.dattn, b.attn, b.lse, b.qkv, seg.cu_seqlens,
                         seg.n_segments, nh, nh, hd, scale, false, seg.real_rows);
   be.qkv_norm_rope_backward(s.dqkv, Tensor(), Tensor(), s.dqkv, Tensor(), Tensor(), Tensor(),
                             Tensor(), seg.cos, seg.sin, nh, nh, hd, false);
   be.linear_backward_input(s.dtmp, s.dqkv, w.qkv_w, false);
   be.linear_backward_weight(g.qkv_w, g.qkv_b, s.dqkv, b.ln1);
+  lora_backward(be, w.qkv_lora, &g.qkv_lora, s.dtmp, s.dqkv, b.ln1, s.lora);
   cfg.tower->norm_backward(be, s.dres, g.norm1_w, g.norm1_b, s.dtmp, b.x_in, b.mean1, b.rstd1,
                            w.norm1_w);
 }
@@ -313,6 +317,10 @@ void VisionEncoder::allocate(Arena& a) {
   deepstack_.clear();
   for (size_t i = 0; i < cfg_.deepstack_visual_indexes.size(); ++i)
     deepstack_.push_back(a.alloc(dt, {Sm, cfg_.out_hidden_size}));
+  LoraScratchSize lora;
+  for (const VisionBlockWeights& w : w_.blocks)
+    for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) lora.cover(*ad);
+  lora_ = allocate_lora_scratch(a, dt, S, lora);
 }
 
 VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
@@ -404,6 +412,7 @@ void VisionEncoder::run_block(int l, int64_t S, int n_segments) {
   b.attn = attn_.slice(0, S);
   b.fc1 = mlp_.slice(0, S);
   b.act = act_.slice(0, S);
+  b.lora = lora_;
   VisionSegments seg{cos_.slice(0, S), sin_.slice(0, S), cu_seqlens_, n_segments, real_rows_};
   seg.window_cu = window_cu_;
   seg.n_windows = n_windows_;

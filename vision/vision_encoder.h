@@ -14,6 +14,7 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/lora.h"
 #include "core/recompute.h"
 #include "vision/vision_config.h"
 #include "vision/vision_tower.h"
@@ -30,6 +31,8 @@ struct VisionBlockWeights {
   Tensor norm2_w, norm2_b;  // [D]
   Tensor fc1_w, fc1_b;      // [U, D], [U]: U = VisionTower::mlp_up_width (gate then up if gated)
   Tensor fc2_w, fc2_b;      // [D, I], [D]
+  // LoRA adapters (core/lora.h) on attn.qkv and attn.proj; empty where not adapted.
+  LoraAdapters qkv_lora, proj_lora;
 };
 
 struct PatchMergerWeights {
@@ -105,6 +108,7 @@ void to_window_order(const VisionConfig& cfg, const std::vector<int32_t>& unit_o
 // reads.
 struct VisionBlockBuffers {
   Tensor x_in, ln1, mean1, rstd1, qkv, lse, attn, x_mid, ln2, mean2, rstd2, fc1, act, x_out;
+  LoraScratch lora;  // where the block has adapters
   bool saves() const { return lse.defined(); }
 };
 struct VisionSegments {
@@ -150,6 +154,7 @@ void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeigh
 // (mlp_up_width wide; dfc itself where the widths agree).
 struct VisionGradScratch {
   Tensor dres, dres_c, dtmp, dfc, dup, dattn, dqkv, dsum, m_da, m_dln;
+  LoraScratch lora;
 };
 // dres holds d(x_out) and becomes d(x_in); g receives the block's weight gradients (+=).
 void vision_block_backward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -238,6 +243,7 @@ class VisionEncoder {
   // output in window order.
   Tensor x_, xn_, qkv_, attn_, mlp_, act_, merged_norm_, merger_hidden_, embeds_, windowed_embeds_;
   std::vector<Tensor> deepstack_;
+  LoraScratch lora_;                  // where the blocks have adapters
   std::vector<float> inv_freq_;       // the 2D RoPE frequencies, a kernel argument of the tables
   std::vector<int32_t> grids_host_;   // staging for grids_, sized once
   std::vector<float> window_pixels_;  // staging for window-ordered pixel rows, sized once

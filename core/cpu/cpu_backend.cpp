@@ -219,6 +219,23 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) yp[i] = ap[i] + bp[i];
   }
 
+  void add_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col,
+                        int64_t cols, float scale, bool accumulate) override {
+    check_f32(dst, "add_column_block destination");
+    check_f32(src, "add_column_block source");
+    check_column_block(dst, dst_col, src, src_col, cols);
+    const int64_t R = dst.rows(), dc = dst.cols(), sc = src.cols();
+    float* d = dst.as<float>();
+    const float* s = src.as<float>();
+#pragma omp parallel for schedule(static) if (R * cols > kParallelGrain)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        float& out = d[r * dc + dst_col + c];
+        const float v = scale * s[r * sc + src_col + c];
+        out = accumulate ? out + v : v;
+      }
+  }
+
   void gelu_tanh(const Tensor& y, const Tensor& x) override {
     unary(y, x, gelu_tanh_f);
   }

@@ -475,6 +475,17 @@ class CudaBackend final : public Backend {
     cuda::launch_rms_norm(bf(y), cbf(x), cbf(w), x.rows(), x.cols(), eps, stream());
   }
 
+  void add_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col,
+                        int64_t cols, float scale, bool accumulate) override {
+    bind();
+    check_act_or_f32(dst, "add_column_block", "dst");
+    check_act_or_f32(src, "add_column_block", "src");
+    check_column_block(dst, dst_col, src, src_col, cols);
+    cuda::launch_add_column_block(dst.data, dst.dtype == DType::f32, dst.cols(), dst_col, src.data,
+                                  src.dtype == DType::f32, src.cols(), src_col, dst.rows(), cols,
+                                  scale, accumulate, stream());
+  }
+
   void add(const Tensor& y, const Tensor& a, const Tensor& b) override {
     bind();
     if (y.dtype == DType::f32) {

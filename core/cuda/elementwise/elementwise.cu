@@ -117,6 +117,31 @@ __global__ void add_f32_kernel(float* y, const float* a, const float* b, int64_t
     y[i] = __fadd_rn(a[i], b[i]);
 }
 
+// One thread per element of the block; the columns are few (an adapter's output rows), so no
+// vector loads: the GEMMs around it dominate.
+template <typename TD, typename TS>
+__global__ void add_column_block_kernel(TD* dst, int64_t dst_ld, int64_t dst_col, const TS* src,
+                                        int64_t src_ld, int64_t src_col, int64_t rows, int64_t cols,
+                                        float scale, bool accumulate) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const int64_t d = r * dst_ld + dst_col + c;
+    const float v = __fmul_rn(scale, ld(src, r * src_ld + src_col + c));
+    st(dst, d, accumulate ? __fadd_rn(ld(dst, d), v) : v);
+  }
+}
+
+template <typename TD, typename TS>
+void launch_column_block_t(TD* dst, int64_t dst_ld, int64_t dst_col, const TS* src, int64_t src_ld,
+                           int64_t src_col, int64_t rows, int64_t cols, float scale,
+                           bool accumulate, cudaStream_t s) {
+  add_column_block_kernel<TD, TS><<<grid_for(rows * cols), kThreads, 0, s>>>(
+      dst, dst_ld, dst_col, src, src_ld, src_col, rows, cols, scale, accumulate);
+  IRIS_CUDA_LAUNCH_CHECK();
+}
+
 // ---- conversion -----------------------------------------------------------------------------
 
 template <typename TD, typename TS>
@@ -244,6 +269,29 @@ void launch_add_f32(float* y, const float* a, const float* b, int64_t n, cudaStr
   if (n == 0) return;
   add_f32_kernel<<<grid_for(n), kThreads, 0, s>>>(y, a, b, n);
   IRIS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_add_column_block(void* dst, bool dst_f32, int64_t dst_ld, int64_t dst_col,
+                             const void* src, bool src_f32, int64_t src_ld, int64_t src_col,
+                             int64_t rows, int64_t cols, float scale, bool accumulate,
+                             cudaStream_t s) {
+  if (rows == 0 || cols == 0) return;
+  auto* df = static_cast<float*>(dst);
+  auto* db = static_cast<uint16_t*>(dst);
+  const auto* sf = static_cast<const float*>(src);
+  const auto* sb = static_cast<const uint16_t*>(src);
+  if (dst_f32 && src_f32)
+    launch_column_block_t(df, dst_ld, dst_col, sf, src_ld, src_col, rows, cols, scale, accumulate,
+                          s);
+  else if (dst_f32)
+    launch_column_block_t(df, dst_ld, dst_col, sb, src_ld, src_col, rows, cols, scale, accumulate,
+                          s);
+  else if (src_f32)
+    launch_column_block_t(db, dst_ld, dst_col, sf, src_ld, src_col, rows, cols, scale, accumulate,
+                          s);
+  else
+    launch_column_block_t(db, dst_ld, dst_col, sb, src_ld, src_col, rows, cols, scale, accumulate,
+                          s);
 }
 
 void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {

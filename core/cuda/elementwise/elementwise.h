@@ -18,6 +18,13 @@ void launch_quick_gelu(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s
 void launch_swiglu(uint16_t* y, const uint16_t* gate_up, int64_t rows, int64_t inter,
                    cudaStream_t s);
 
+// dst[:, dst_col + c] = scale * src[:, src_col + c] (+ dst when accumulate), c < cols, rows
+// rows; dst_ld and src_ld are the matrices' widths; f32 math, one rounding.
+void launch_add_column_block(void* dst, bool dst_f32, int64_t dst_ld, int64_t dst_col,
+                             const void* src, bool src_f32, int64_t src_ld, int64_t src_col,
+                             int64_t rows, int64_t cols, float scale, bool accumulate,
+                             cudaStream_t s);
+
 // ---- conversion ----
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
 void launch_convert_bf16_to_f32(float* dst, const uint16_t* src, int64_t n, cudaStream_t s);

@@ -1,0 +1,333 @@
+// LoRA adapters (core/lora.h, bridge/peft.h) checked without a golden: an adapted projection
+// is the frozen weight plus scale * B A, so a model with adapters must give the logits of the
+// model with the adapters merged into its weights, and its adapter gradients must follow from the
+// merged model's weight gradient G by the chain rule: dB = scale G A^T, dA = scale B^T G.
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "bridge/hf_weights.h"
+#include "bridge/peft.h"
+#include "bridge/qwen3vl_model.h"
+#include "core/splitmix.h"
+#include "model_test_util.h"
+#include "test_util.h"
+#include "training/train_model.h"
+#include "training_test_util.h"
+
+namespace iris {
+namespace {
+
+using test::Golden;
+
+const std::vector<std::string> kAllTargets = {"q_proj",    "k_proj",    "v_proj",
+                                              "o_proj",    "gate_proj", "up_proj",
+                                              "down_proj", "attn.qkv",  "attn.proj"};
+
+ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8) {
+  ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  cfg.lora.rank = rank;
+  cfg.lora.alpha = alpha;
+  cfg.lora.target_modules = targets;
+  return cfg;
+}
+
+const WeightBinding& binding(const ModelWeights& w, const std::string& name) {
+  for (const WeightBinding& b : w.bindings)
+    if (b.hf_name == name) return b;
+  ADD_FAILURE() << "no tensor " << name;
+  return w.bindings.front();
+}
+
+std::vector<float> read(Backend& be, const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  be.read(v.data(), DType::f32, t);
+  return v;
+}
+
+// Fills every adapter with small random values (a fresh adapter's B is zero, which would test
+// nothing of B's path).
+void randomize_adapters(Backend& be, ModelWeights& w, uint64_t seed) {
+  SplitMix64 rng(seed);
+  for (const WeightBinding& b : w.bindings) {
+    if (!is_lora_tensor(b.hf_name)) continue;
+    std::vector<float> v(static_cast<size_t>(b.tensor().numel()));
+    for (float& x : v) x = static_cast<float>(rng.normal() * 0.05);
+    be.write(b.tensor(), v.data(), DType::f32);
+  }
+}
+
+// W += scale * B A for every adapter of `adapted`, into the base weights of `merged`.
+void merge_into(Backend& be, const ModelWeights& adapted, float scale, ModelWeights& merged) {
+  for (const WeightBinding& b : adapted.bindings) {
+    if (!b.hf_name.ends_with(".lora_A.weight")) continue;
+    const std::string module = lora_module(b.hf_name);
+    const std::vector<float> A = read(be, b.tensor());
+    const std::vector<float> B = read(be, binding(adapted, module + ".lora_B.weight").tensor());
+    const WeightBinding& base = binding(merged, module + ".weight");
+    std::vector<float> W = read(be, base.tensor());
+    const int64_t out = base.hf_shape[0], in = base.hf_shape[1], r = b.hf_shape[0];
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) {
+        double d = 0;
+        for (int64_t k = 0; k < r; ++k) d += double(B[o * r + k]) * A[k * in + i];
+        W[o * in + i] += static_cast<float>(scale * d);
+      }
+    be.write(base.tensor(), W.data(), DType::f32);
+  }
+}
+
+double rel_l2(const std::vector<float>& got, const std::vector<double>& want) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    d += (got[i] - want[i]) * (got[i] - want[i]);
+    n += want[i] * want[i];
+  }
+  return std::sqrt(d / std::max(n, 1e-30));
+}
+
+TEST(LoraOnTheCpu, AdaptersOnQAndVLeaveTheKColumnsUntouched) {
+  auto be = make_cpu_backend();
+  const int64_t T = 3, in = 5, q = 4, k = 2, v = 2, r = 2;
+  Arena arena(*be, 4096 * sizeof(float));
+  auto random = [&](std::vector<int64_t> shape, uint64_t seed) {
+    Tensor t = arena.alloc(DType::f32, shape);
+    SplitMix64 rng(seed);
+    std::vector<float> h(static_cast<size_t>(t.numel()));
+    for (float& x : h) x = static_cast<float>(rng.normal());
+    be->write(t, h.data(), DType::f32);
+    return t;
+  };
+  LoraAdapters ad;
+  ad.scale = 1.5f;
+  ad.parts = {{random({r, in}, 1), random({q, r}, 2), 0},
+              {random({r, in}, 3), random({v, r}, 4), q + k}};
+  const Tensor x = random({T, in}, 5), y = random({T, q + k + v}, 6);
+  const std::vector<float> before = read(*be, y);
+  LoraScratchSize size;
+  size.cover(ad);
+  const LoraScratch s = allocate_lora_scratch(arena, DType::f32, T, size);
+  lora_forward(*be, ad, y, x, s);
+  const std::vector<float> after = read(*be, y);
+  const std::vector<float> X = read(*be, x);
+  for (size_t p = 0; p < ad.parts.size(); ++p) {
+    const std::vector<float> A = read(*be, ad.parts[p].a), B = read(*be, ad.parts[p].b);
+    const int64_t out = ad.parts[p].b.rows(), off = ad.parts[p].out_offset;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < out; ++o) {
+        double d = 0;
+        for (int64_t j = 0; j < r; ++j) {
+          double low = 0;
+          for (int64_t i = 0; i < in; ++i) low += double(X[t * in + i]) * A[j * in + i];
+          d += low * B[o * r + j];
+        }
+        const size_t at = static_cast<size_t>(t * (q + k + v) + off + o);
+        EXPECT_NEAR(after[at], before[at] + ad.scale * d, 1e-5) << "part " << p;
+      }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = q; c < q + k; ++c) {
+      const size_t at = static_cast<size_t>(t * (q + k + v) + c);
+      EXPECT_EQ(after[at], before[at]) << "k column " << c << " changed";
+    }
+}
+
+TEST(LoraOnTheCpu, EveryTargetMatchesAModuleOrIsAnError) {
+  EXPECT_THROW(check_lora_targets({"q_proj", "qkv_proj"}, "recipe"), Error);
+  EXPECT_THROW(check_lora_targets({}, "recipe"), Error);
+  check_lora_targets(kAllTargets, "recipe");
+  ModelConfig cfg = lora_config({"q_proj", "attn.qkv"});
+  auto be = make_cpu_backend();
+  const auto layout =
+      allocate_weights(*be, cfg, DType::f32, [](const std::string&) { return false; });
+  check_lora_matches(cfg, *layout, "recipe");
+  int adapters = 0;
+  for (const WeightBinding& b : layout->bindings) adapters += is_lora_tensor(b.hf_name);
+  // q_proj in every decoder layer and attn.qkv in every vision block, A and B each.
+  EXPECT_EQ(adapters, 2 * (cfg.text.num_hidden_layers + cfg.vision.depth));
+  EXPECT_EQ(peft_key("model.language_model.layers.0.self_attn.q_proj.lora_A.weight"),
+            "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight");
+  EXPECT_EQ(hf_name_of_peft_key("base_model.model.model.visual.blocks.1.attn.qkv.lora_B.weight"),
+            "model.visual.blocks.1.attn.qkv.lora_B.weight");
+  EXPECT_EQ(hf_name_of_peft_key("base_model.model.lm_head.weight"), "");
+}
+
+TEST(LoraOnTheCpu, AdapterConfigNamesExactlyTheAdaptedModules) {
+  const ModelConfig cfg = lora_config({"q_proj", "v_proj", "down_proj", "attn.qkv"}, 8, 16);
+  auto be = make_cpu_backend();
+  const auto layout =
+      allocate_weights(*be, cfg, DType::f32, [](const std::string&) { return false; });
+  const nlohmann::json j =
+      nlohmann::json::parse(peft_adapter_config(cfg, *layout, {0.05, {"merger"}, "Qwen/X"}));
+  EXPECT_EQ(j["peft_type"], "LORA");
+  EXPECT_EQ(j["r"], 8);
+  EXPECT_EQ(j["lora_alpha"], 16.0);
+  EXPECT_EQ(j["lora_dropout"], 0.05);
+  EXPECT_EQ(j["modules_to_save"], nlohmann::json::array({"merger"}));
+  EXPECT_EQ(j["base_model_name_or_path"], "Qwen/X");
+  const std::regex target(j["target_modules"].get<std::string>());
+  for (const char* m :
+       {"model.language_model.layers.0.self_attn.q_proj",
+        "model.language_model.layers.1.self_attn.v_proj",
+        "model.language_model.layers.1.mlp.down_proj", "model.visual.blocks.0.attn.qkv"})
+    EXPECT_TRUE(std::regex_match(m, target)) << m;
+  for (const char* m :
+       {"model.language_model.layers.0.self_attn.k_proj",
+        "model.language_model.layers.0.mlp.gate_proj", "model.visual.blocks.0.attn.proj",
+        "model.visual.merger.linear_fc1", "model.language_model.layers.0.self_attn.q_proj.lora_A"})
+    EXPECT_FALSE(std::regex_match(m, target)) << m;
+}
+
+TEST(LoraOnTheCpu, AFreshAdapterLeavesTheLogitsAsTheyWere) {
+  auto be = make_cpu_backend();
+  const ModelConfig cfg = lora_config(kAllTargets);
+  auto weights = load_weights(*be, cfg, test::fixture_dir());
+  init_lora_weights(*be, *weights, 7);
+  // lora_A drawn, lora_B zero.
+  const WeightBinding& a =
+      binding(*weights, "model.language_model.layers.0.self_attn.q_proj.lora_A.weight");
+  const WeightBinding& b =
+      binding(*weights, "model.language_model.layers.0.self_attn.q_proj.lora_B.weight");
+  const std::vector<float> av = read(*be, a.tensor()), bv = read(*be, b.tensor());
+  const float bound = 1.0f / std::sqrt(static_cast<float>(a.hf_shape[1]));
+  double sq = 0;
+  for (float x : av) {
+    EXPECT_LE(std::abs(x), bound);
+    sq += double(x) * x;
+  }
+  EXPECT_GT(sq, 0.0);
+  for (float x : bv) EXPECT_EQ(x, 0.0f);
+
+  ModelLimits limits;
+  limits.max_context = 256;
+  limits.max_step_tokens = 128;
+  limits.max_vision_patches = 1024;
+  limits.max_images = 4;
+  limits.all_logits = true;
+  const Golden golden;
+  const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
+  const HostTensor pv = golden.tensor("pixel_values");
+  auto logits_of = [&](const ModelConfig& c, std::unique_ptr<ModelWeights> w) {
+    Qwen3VLModel model(*be, c, std::move(w), limits);
+    model.encode_images(pv.data<float>(), test::grids_of(golden.tensor("image_grid_thw")));
+    model.prefill(ids);
+    return model.prompt_logits();
+  };
+  const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  const std::vector<float> base =
+      logits_of(base_cfg, load_weights(*be, base_cfg, test::fixture_dir()));
+  const std::vector<float> fresh = logits_of(cfg, std::move(weights));
+  ASSERT_EQ(base.size(), fresh.size());
+  for (size_t i = 0; i < base.size(); ++i) ASSERT_EQ(base[i], fresh[i]) << i;
+}
+
+// Inference with adapters gives the merged model's logits.
+TEST(LoraOnTheCpu, InferenceWithAdaptersGivesTheMergedModelsLogits) {
+  auto be = make_cpu_backend();
+  const ModelConfig cfg = lora_config(kAllTargets);
+  const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto adapted = load_weights(*be, cfg, test::fixture_dir());
+  randomize_adapters(*be, *adapted, 11);
+  auto merged = load_weights(*be, base_cfg, test::fixture_dir());
+  merge_into(*be, *adapted, cfg.lora.scale(), *merged);
+
+  ModelLimits limits;
+  limits.max_context = 256;
+  limits.max_step_tokens = 128;
+  limits.max_vision_patches = 1024;
+  limits.max_images = 4;
+  limits.all_logits = true;
+  const Golden golden;
+  const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
+  const HostTensor pv = golden.tensor("pixel_values");
+  auto logits_of = [&](const ModelConfig& c, std::unique_ptr<ModelWeights> w) {
+    Qwen3VLModel model(*be, c, std::move(w), limits);
+    model.encode_images(pv.data<float>(), test::grids_of(golden.tensor("image_grid_thw")));
+    model.prefill(ids);
+    std::vector<float> all = model.prompt_logits();
+    // And one decode step, which runs the adapters on a single row.
+    model.decode(ids.back());
+    const std::vector<float> last = model.last_logits();
+    all.insert(all.end(), last.begin(), last.end());
+    return all;
+  };
+  const std::vector<float> want = logits_of(base_cfg, std::move(merged));
+  const std::vector<float> got = logits_of(cfg, std::move(adapted));
+  ASSERT_EQ(got.size(), want.size());
+  double d = 0, n = 0, changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    d += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    n += double(want[i]) * want[i];
+  }
+  EXPECT_LE(std::sqrt(d / n), 1e-5);
+  // The adapters do change the model (a test of a no-op would pass the check above too).
+  const std::vector<float> base =
+      logits_of(base_cfg, load_weights(*be, base_cfg, test::fixture_dir()));
+  for (size_t i = 0; i < got.size(); ++i) changed += std::abs(double(got[i]) - base[i]);
+  EXPECT_GT(changed / double(got.size()), 1e-4);
+}
+
+// Training: the adapted model's loss is the merged model's, and each adapter's gradients follow
+// from the merged weight's: dB = scale G A^T, dA = scale B^T G. The base holds no gradient.
+TEST(LoraOnTheCpu, AdapterGradientsFollowFromTheMergedWeightsGradient) {
+  auto be = make_cpu_backend();
+  const ModelConfig cfg = lora_config(kAllTargets);
+  const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto adapted = load_weights(*be, cfg, test::fixture_dir());
+  randomize_adapters(*be, *adapted, 13);
+  auto merged = load_weights(*be, base_cfg, test::fixture_dir());
+  merge_into(*be, *adapted, cfg.lora.scale(), *merged);
+
+  TrainLimits limits;
+  limits.max_seq_len = 256;
+  limits.max_patches = 1024;
+  limits.max_images = 4;
+  limits.loss_chunk_rows = 16;
+  TrainLimits lora_limits = limits;
+  lora_limits.frozen = {true, true, true, {}};
+  const TrainSample sample = test::golden_sample(Golden());
+  const float scale_loss = 1.0f / static_cast<float>(labelled_positions(sample.labels));
+  TrainableQwen3VL lora_model(*be, cfg, *adapted, lora_limits);
+  TrainableQwen3VL full_model(*be, base_cfg, *merged, limits);
+  lora_model.zero_grads();
+  full_model.zero_grads();
+  const LossStats lora_loss = lora_model.forward_backward(sample, scale_loss);
+  const LossStats full_loss = full_model.forward_backward(sample, scale_loss);
+  EXPECT_NEAR(lora_loss.loss_sum, full_loss.loss_sum, 1e-5 * std::abs(full_loss.loss_sum));
+
+  const float scale = cfg.lora.scale();
+  int checked = 0;
+  for (const WeightBinding& g : lora_model.grads().bindings) {
+    if (!is_lora_tensor(g.hf_name)) {
+      EXPECT_FALSE(g.allocated()) << g.hf_name << " is frozen but holds a gradient";
+      continue;
+    }
+    if (!g.hf_name.ends_with(".lora_A.weight")) continue;
+    const std::string module = lora_module(g.hf_name);
+    const WeightBinding& wa = binding(*adapted, g.hf_name);
+    const std::vector<float> A = read(*be, wa.tensor());
+    const std::vector<float> B = read(*be, binding(*adapted, module + ".lora_B.weight").tensor());
+    const std::vector<float> G =
+        read(*be, binding(full_model.grads(), module + ".weight").tensor());
+    const std::vector<float> dA = read(*be, g.tensor());
+    const std::vector<float> dB =
+        read(*be, binding(lora_model.grads(), module + ".lora_B.weight").tensor());
+    const int64_t r = wa.hf_shape[0], in = wa.hf_shape[1], out = int64_t(B.size()) / r;
+    std::vector<double> wantA(A.size(), 0.0), wantB(B.size(), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) {
+        const double gi = G[o * in + i];
+        for (int64_t k = 0; k < r; ++k) {
+          wantB[o * r + k] += scale * gi * A[k * in + i];
+          wantA[k * in + i] += scale * B[o * r + k] * gi;
+        }
+      }
+    EXPECT_LE(rel_l2(dA, wantA), 1e-4) << g.hf_name;
+    EXPECT_LE(rel_l2(dB, wantB), 1e-4) << module << ".lora_B.weight";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 7 * cfg.text.num_hidden_layers + 2 * cfg.vision.depth);
+}
+
+}  // namespace
+}  // namespace iris
