@@ -374,6 +374,75 @@ TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
   EXPECT_EQ(steps(embed), 4);
 }
 
+// LoRA: the base stays as it was drawn (bit for bit), the adapters train, the optimizer holds
+// state for them alone, the checkpoint says what they are (adapter_config.json), and a run
+// stopped at step 2 and resumed ends with the uninterrupted run's losses and weights.
+TEST_F(AppTrainTest, LoraTrainsTheAdaptersAloneAndResumesExactly) {
+  const std::string recipe = write_recipe(4);
+  const std::vector<std::string> lora = {"peft.type=lora", "peft.rank=4", "peft.alpha=8",
+                                         "peft.target_modules=[q_proj,v_proj,down_proj,attn.qkv]",
+                                         "schedule.decay_iters=4"};
+  auto train = [&](const std::string& run, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"train", "--recipe", recipe, "checkpoint.dir=" + run};
+    args.insert(args.end(), lora.begin(), lora.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    return iris(args);
+  };
+  const std::string straight = (root_ / "straight").string(), split = (root_ / "split").string();
+  const Exit a = train(straight, {});
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b1 = train(split, {"train.train_iters=2"});
+  ASSERT_EQ(b1.code, 0) << b1.output;
+  const Exit b2 = train(split, {});
+  ASSERT_EQ(b2.code, 0) << b2.output;
+  const auto la = losses(straight), lb = losses(split);
+  ASSERT_EQ(la.size(), 4u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i].second, lb[i].second) << i;
+  EXPECT_EQ(read_text_file((fs::path(straight) / "step_0000004/model.safetensors").string()),
+            read_text_file((fs::path(split) / "step_0000004/model.safetensors").string()));
+
+  SafetensorsFile first((fs::path(straight) / "step_0000002/model.safetensors").string());
+  SafetensorsFile last((fs::path(straight) / "step_0000004/model.safetensors").string());
+  SafetensorsFile state((fs::path(straight) / "step_0000004/optimizer.safetensors").string());
+  int adapters = 0;
+  for (const auto& [name, e] : last.entries()) {
+    const bool adapter = name.find(".lora_") != std::string::npos;
+    EXPECT_EQ(state.contains("exp_avg." + name), adapter) << name;
+    const std::string bytes(static_cast<const char*>(e.data), e.nbytes);
+    const SafetensorsEntry& f = first.at(name);
+    const std::string before(static_cast<const char*>(f.data), f.nbytes);
+    if (!adapter) {
+      EXPECT_EQ(bytes, before) << name << " is frozen but changed";
+      continue;
+    }
+    ++adapters;
+    EXPECT_NE(bytes, before) << name << " did not train";
+  }
+  // q_proj, v_proj, down_proj in each decoder layer and attn.qkv in each block, A and B each.
+  const nlohmann::json cfg = nlohmann::json::parse(
+      read_text_file((fs::path(test::fixture_dir()) / "config.json").string()));
+  EXPECT_EQ(adapters, 2 * (3 * cfg["text_config"]["num_hidden_layers"].get<int>() +
+                           cfg["vision_config"]["depth"].get<int>()));
+  const nlohmann::json adapter = nlohmann::json::parse(
+      read_text_file((fs::path(straight) / "step_0000004/adapter_config.json").string()));
+  EXPECT_EQ(adapter["peft_type"], "LORA");
+  EXPECT_EQ(adapter["r"], 4);
+  EXPECT_EQ(adapter["lora_alpha"], 8.0);
+
+  // A setting LoRA would ignore, and a target that names nothing Iris adapts, are refused.
+  const Exit freeze = train(root_ / "bad", {"train.freeze_merger=true"});
+  EXPECT_NE(freeze.code, 0);
+  EXPECT_NE(freeze.output.find("peft.type=lora"), std::string::npos) << freeze.output;
+  const Exit rank = iris({"train", "--recipe", recipe, "peft.rank=8", "--dry-run"});
+  EXPECT_NE(rank.code, 0);
+  EXPECT_NE(rank.output.find("peft.rank is set but peft.type is none"), std::string::npos)
+      << rank.output;
+  const Exit target = train(root_ / "bad2", {"peft.target_modules=[qkv_proj]"});
+  EXPECT_NE(target.code, 0);
+  EXPECT_NE(target.output.find("'qkv_proj'"), std::string::npos) << target.output;
+}
+
 // Every file under `dir` (recursively) with its size, modification time and contents.
 std::map<std::string, std::string> snapshot(const fs::path& dir) {
   std::map<std::string, std::string> files;

@@ -17,12 +17,15 @@
 #include <type_traits>
 #include <variant>
 
+#include "bridge/hf_weights.h"
+#include "bridge/peft.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_read.h"
 #include "training/checkpoint.h"
 #include "training/lr_schedule.h"
 #include "training/pipeline_parallel.h"
+#include "training/train_model.h"
 
 namespace iris {
 namespace {
@@ -44,9 +47,9 @@ struct Field {
 };
 
 const std::vector<std::string>& section_names() {
-  static const std::vector<std::string> s{"model",     "data",       "train",
-                                          "optimizer", "schedule",   "checkpoint",
-                                          "logging",   "cuda_graph", "parallel"};
+  static const std::vector<std::string> s{"model",      "data",     "train",      "peft",
+                                          "optimizer",  "schedule", "checkpoint", "logging",
+                                          "cuda_graph", "parallel"};
   return s;
 }
 
@@ -62,6 +65,7 @@ std::vector<Field> fields(Recipe& r) {
   CheckpointRecipe& c = r.checkpoint;
   LoggingRecipe& l = r.logging;
   ParallelRecipe& p = r.parallel;
+  PeftRecipe& pe = r.peft;
   return {
       {"model.init",
        &m.init,
@@ -178,6 +182,22 @@ std::vector<Field> fields(Recipe& r) {
        "GiB of memory per GPU the run's memory plan must fit (iris train --dry-run prints the "
        "plan; a run whose plan exceeds it is refused before anything is allocated); 0: the GPU's "
        "own memory"},
+      {"peft.type",
+       &pe.type,
+       "none: train the unfrozen parts in full; lora: freeze the whole base model (no f32 state "
+       "for it) and train low-rank adapters on peft.target_modules",
+       {"none", "lora"}},
+      {"peft.rank", &pe.rank, "LoRA rank r (PEFT's r)"},
+      {"peft.alpha", &pe.alpha, "LoRA alpha: the adapters' output is scaled by alpha / rank"},
+      {"peft.dropout", &pe.dropout,
+       "dropout on each adapter's input (PEFT's lora_dropout); Iris supports 0 only for now"},
+      {"peft.use_rslora", &pe.use_rslora, "scale by alpha / sqrt(rank) (rsLoRA)"},
+      {"peft.target_modules", &pe.target_modules,
+       "modules that get adapters: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
+       "(language model) and attn.qkv, attn.proj (vision blocks)"},
+      {"peft.modules_to_save", &pe.modules_to_save,
+       "modules trained in full beside the adapters, named as PEFT names them (merger, lm_head, "
+       "embed_tokens, or a module path)"},
       {"optimizer.lr", &o.lr, "peak learning rate"},
       {"optimizer.min_lr", &o.min_lr, "learning rate at the end of the cosine decay"},
       {"optimizer.vision_lr", &o.vision_lr,
@@ -966,6 +986,71 @@ int64_t positive(int64_t v, const char* key, int64_t min = 1) {
   return v;
 }
 
+// peft.*: refused where set without peft.type=lora (a setting would be silently ignored); with
+// it, checked against the model, whose config then carries the adapters.
+void validate_peft(Recipe& r) {
+  const PeftRecipe& pe = r.peft;
+  const PeftRecipe defaults;
+  if (!pe.lora()) {
+    for (const auto& [set, key] :
+         {std::pair{pe.rank != defaults.rank, "peft.rank"},
+          {pe.alpha != defaults.alpha, "peft.alpha"},
+          {pe.dropout != defaults.dropout, "peft.dropout"},
+          {pe.use_rslora != defaults.use_rslora, "peft.use_rslora"},
+          {pe.target_modules != defaults.target_modules, "peft.target_modules"},
+          {!pe.modules_to_save.empty(), "peft.modules_to_save"}})
+      IRIS_CHECK(!set, "recipe: ", key,
+                 " is set but peft.type is none; set peft.type=lora to "
+                 "train adapters, or drop ",
+                 key);
+    return;
+  }
+  IRIS_CHECK(pe.rank >= 1 && pe.rank <= 65536, "recipe: peft.rank must be in [1, 65536], got ",
+             pe.rank);
+  IRIS_CHECK(pe.alpha > 0 && std::isfinite(pe.alpha), "recipe: peft.alpha must be positive, got ",
+             pe.alpha);
+  IRIS_CHECK(pe.dropout == 0.0, "recipe: peft.dropout is ", pe.dropout,
+             "; Iris trains adapters without dropout so far: set peft.dropout=0");
+  check_lora_targets(pe.target_modules, "recipe");
+  const TrainRecipe& t = r.train;
+  for (const auto& [set, key] : {std::pair{t.freeze_vision_tower, "train.freeze_vision_tower"},
+                                 {t.freeze_merger, "train.freeze_merger"},
+                                 {t.freeze_language_model, "train.freeze_language_model"}})
+    IRIS_CHECK(!set, "recipe: ", key,
+               " is true, but with peft.type=lora the whole base model is frozen already; drop "
+               "it (peft.target_modules picks the adapted modules, peft.modules_to_save the ones "
+               "trained in full)");
+  if (!r.has_model_config) return;
+  r.model_config.lora = recipe_lora(pe);
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  const auto layout =
+      allocate_weights(*cpu, r.model_config, DType::f32, [](const std::string&) { return false; });
+  check_lora_matches(r.model_config, *layout, "recipe");
+  for (const std::string& m : pe.modules_to_save) {
+    const FreezeSpec only{true, true, true, {m}};
+    bool matched = false;
+    for (const WeightBinding& b : layout->bindings)
+      matched = matched || (!is_lora_tensor(b.hf_name) && !only.frozen(b.hf_name));
+    IRIS_CHECK(matched, "recipe: peft.modules_to_save has '", m,
+               "', which names no module of the model (e.g. merger, lm_head, embed_tokens, or a "
+               "path such as model.visual.merger)");
+  }
+}
+
+}  // namespace
+
+LoraConfig recipe_lora(const PeftRecipe& pe) {
+  LoraConfig l;
+  if (!pe.lora()) return l;
+  l.rank = static_cast<int>(pe.rank);
+  l.alpha = pe.alpha;
+  l.rslora = pe.use_rslora;
+  l.target_modules = pe.target_modules;
+  return l;
+}
+
+namespace {
+
 void validate(Recipe& r) {
   // --- model: Megatron's capacity rules
   const ModelRecipe& mr = r.model;
@@ -1189,6 +1274,7 @@ void validate(Recipe& r) {
   IRIS_CHECK(t.max_vision_patches % unit == 0, "recipe: train.max_vision_patches ",
              t.max_vision_patches, " must be a multiple of ", unit, " (whole merge windows); use ",
              t.max_vision_patches / unit * unit + unit);
+  validate_peft(r);
   if (r.has_model_config) {
     const ModelConfig& mc = r.model_config;
     IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",

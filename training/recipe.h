@@ -81,6 +81,22 @@ struct TrainRecipe {
   double device_memory_gib = 0;
 };
 
+// LoRA fine-tuning, with Hugging Face PEFT's LoraConfig names and Megatron-Bridge's defaults: the
+// base model stays in its compute dtype with no f32 state, the adapters keep f32 master weights
+// and moments (bridge/peft.h says which modules each target adapts).
+struct PeftRecipe {
+  std::string type = "none";  // none | lora
+  int64_t rank = 32;
+  double alpha = 32;
+  double dropout = 0.0;
+  bool use_rslora = false;
+  std::vector<std::string> target_modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                             "gate_proj", "up_proj", "down_proj"};
+  // Modules trained in full beside the adapters (e.g. merger), named as PEFT names them.
+  std::vector<std::string> modules_to_save;
+  bool lora() const { return type == "lora"; }
+};
+
 struct OptimizerRecipe {
   double lr = 1e-4;
   double min_lr = 0.0;
@@ -151,6 +167,7 @@ struct Recipe {
   ModelRecipe model;
   DataRecipe data;
   TrainRecipe train;
+  PeftRecipe peft;
   OptimizerRecipe optimizer;
   ScheduleRecipe schedule;
   CheckpointRecipe checkpoint;
@@ -202,6 +219,9 @@ std::string find_recipe(const std::string& name_or_path);
 // The same from YAML text; `source` names it in messages and is the base of model.config paths.
 Recipe load_recipe_text(const std::string& yaml_text, const std::string& source,
                         const std::vector<std::string>& overrides = {});
+
+// The model's LoRA adapters as the peft section describes them (none unless peft.type is lora).
+LoraConfig recipe_lora(const PeftRecipe& peft);
 
 // The resolved recipe as YAML: every key, defaults included, paths absolute. Loading it back
 // gives the same Recipe.

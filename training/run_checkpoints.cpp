@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "bridge/hf_weights.h"
+#include "bridge/peft.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/safetensors.h"
@@ -123,6 +125,17 @@ SideFiles side_files(const Recipe& r, const Tokenizer& tok, const PreprocessorCo
   // inference looks for first, so an export is prompted as it was trained.
   if (chat.has_template()) s.files.emplace_back("chat_template.jinja", chat.template_text());
   s.files.emplace_back("preprocessor_config.json", preprocessor_json(pp).dump(2) + "\n");
+  // A LoRA run's checkpoints say what their adapter tensors are, as PEFT would (iris export
+  // --peft writes this file beside the adapters).
+  if (r.peft.lora() && r.has_model_config) {
+    const std::unique_ptr<Backend> cpu = make_cpu_backend();
+    const auto layout = allocate_weights(*cpu, r.model_config, DType::f32,
+                                         [](const std::string&) { return false; });
+    s.files.emplace_back(
+        "adapter_config.json",
+        peft_adapter_config(r.model_config, *layout,
+                            {r.peft.dropout, r.peft.modules_to_save, r.model.hf_dir}));
+  }
   const fs::path gen = fs::path(r.model.hf_dir) / "generation_config.json";
   s.files.emplace_back("generation_config.json", !r.model.hf_dir.empty() && fs::is_regular_file(gen)
                                                      ? read_text_file(gen.string())

@@ -7,6 +7,7 @@
 
 #include <omp.h>
 
+#include "bridge/peft.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "training/memory_plan.h"
@@ -239,6 +240,8 @@ ModelSource model_source(const Recipe& r, const std::string& resume_dir) {
       check_same_model_geometry(r.model_config, m.cfg, "the recipe's model", cj,
                                 "the checkpoint belongs to another model; use another "
                                 "checkpoint.dir or set checkpoint.resume=never");
+    // The adapters are the run's, as its checkpoints hold them; config.json is the base model's.
+    m.cfg.lora = recipe_lora(r.peft);
     m.weights_dir = resume_dir;
   } else {
     IRIS_CHECK(r.model.init == "random" || !r.model.hf_dir.empty(),
@@ -323,6 +326,9 @@ void RankTraining::load_weights_on_host(const Recipe& r, const ModelSource& sour
                         static_cast<uint64_t>(r.model.init_seed));
   } else {
     params_ = load_weights(*cpu_, cfg_, source.weights_dir);
+    // A fresh run's adapters start as PEFT starts them; a resumed run's come from its checkpoint.
+    if (cfg_.lora.enabled() && source.weights_dir == r.model.hf_dir)
+      init_lora_weights(*cpu_, *params_, static_cast<uint64_t>(r.model.init_seed));
   }
 }
 
@@ -437,7 +443,8 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
                                  written_through_,
                                  sharded_ ? dp.data_parallel_communicator() : nullptr,
                                  int64_t(1) << 25, pipelined() ? &stage_tensors_ : nullptr);
-  tied_across_ = pipelined() && cfg_.tie_word_embeddings && !frozen_.language_model &&
+  tied_across_ = pipelined() && cfg_.tie_word_embeddings &&
+                 !frozen_.frozen("model.language_model.embed_tokens.weight") &&
                  (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
   if (tied_across_) {
     const int64_t n = dp.tied_scratch_elements(first.grads().text.embed.numel());

@@ -4,12 +4,15 @@
 
 #include "core/error.h"
 #include "training/metrics_log.h"
+#include "training/param_spec.h"
 #include "training/pipeline_parallel.h"
 
 namespace iris {
 
 FreezeSpec recipe_frozen_parts(const Recipe& r) {
-  return {r.train.freeze_vision_tower, r.train.freeze_merger, r.train.freeze_language_model};
+  // LoRA freezes the whole base model but the modules to save; the adapters train.
+  if (r.peft.lora()) return {true, true, true, r.peft.modules_to_save};
+  return {r.train.freeze_vision_tower, r.train.freeze_merger, r.train.freeze_language_model, {}};
 }
 
 TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
@@ -35,8 +38,16 @@ TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   limits.moe_capacity.pad = r.model.moe_pad_expert_input_to_capacity;
   limits.moe_capacity.policy =
       r.model.moe_token_drop_policy == "position" ? MoeDropPolicy::position : MoeDropPolicy::probs;
-  limits.vision_tower_frozen = r.train.freeze_vision_tower;
   limits.frozen = recipe_frozen_parts(r);
+  // A tower with nothing to train keeps no block activations; under LoRA it trains only where
+  // it has adapters or a module to save.
+  limits.vision_tower_frozen = r.train.freeze_vision_tower;
+  if (r.peft.lora() && r.has_model_config) {
+    bool tower_trains = false;
+    for (const ParamSpec& s : ParamSpecs(r.model_config, limits.frozen, DType::f32).all())
+      tower_trains = tower_trains || (s.trainable && s.part == ModelPart::vision_tower);
+    limits.vision_tower_frozen = !tower_trains;
+  }
   if (graphs_on) {
     // Text buckets: powers of two from 256 below the planned maximum, then the maximum, so that a
     // micro-batch pads by less than half; the vision buckets are the graph config's.
