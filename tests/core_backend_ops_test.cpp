@@ -521,6 +521,38 @@ TEST_F(BackendOps, AddAndGelu) {
   }
 }
 
+// A column block into and out of a wider matrix, in every dtype pairing the adapters use.
+TEST_F(BackendOps, AddColumnBlock) {
+  const int64_t rows = 37, wide = 48, narrow = 12, at = 20;
+  for (bool accumulate : {true, false}) {
+    for (Kind dst_kind : {Kind::act, Kind::f32}) {
+      const std::string tag = std::string(accumulate ? "accumulate" : "overwrite") +
+                              (dst_kind == Kind::f32 ? " f32" : "");
+      compare("add_column_block into " + tag, kElementwise, [&](Side& s) {
+        Rng rng(140);
+        Tensor dst = s.make(dst_kind, {rows, wide}, rng.normal(rows * wide));
+        Tensor src = s.make(Kind::act, {rows, narrow}, rng.normal(rows * narrow));
+        s.be().add_column_block(dst, at, src, 0, narrow, 1.75f, accumulate);
+        return std::vector<Tensor>{dst};
+      });
+      compare("add_column_block out of " + tag, kElementwise, [&](Side& s) {
+        Rng rng(141);
+        Tensor src = s.make(Kind::act, {rows, wide}, rng.normal(rows * wide));
+        Tensor dst = s.make(dst_kind, {rows, narrow}, rng.normal(rows * narrow));
+        s.be().add_column_block(dst, 0, src, at, narrow, -0.5f, accumulate);
+        return std::vector<Tensor>{dst};
+      });
+    }
+  }
+  // Out of range and overlapping blocks are refused by every backend.
+  for (Backend* be : {cpu_.get(), gpu_.get()}) {
+    Arena a(*be, 1 << 16);
+    Tensor x = a.alloc(be->compute_dtype(), {4, 8}), y = a.alloc(be->compute_dtype(), {4, 4});
+    EXPECT_THROW(be->add_column_block(x, 6, y, 0, 4, 1.0f, true), Error);
+    EXPECT_THROW(be->add_column_block(x, 0, x, 4, 4, 1.0f, true), Error);
+  }
+}
+
 TEST_F(BackendOps, SwiGlu) {
   const std::pair<int64_t, int64_t> shapes[] = {{5, 48}, {9, 3072}, {3, 37}, {1, 6144}};
   for (const auto& shape : shapes) {
