@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "bridge/hf_weights.h"
+#include "bridge/peft.h"
 #include "core/graph_capture.h"
+#include "core/splitmix.h"
 #include "test_util.h"
 #include "training/pipeline_parallel.h"
 #include "training/train_model.h"
@@ -79,12 +81,66 @@ std::vector<std::vector<const TrainSample*>> schedule(const Samples& s) {
 
 class TrainingGraphs : public ::testing::Test {
  protected:
-  void load(std::unique_ptr<Backend> be, const std::string& dir = test::fixture_dir()) {
+  void load(std::unique_ptr<Backend> be, const std::string& dir = test::fixture_dir(),
+            const LoraConfig& lora = {}) {
     be_ = std::move(be);
     be_->set_gemm_autotune(false);
     cfg_ = ModelConfig::from_file(dir + "/config.json");
+    cfg_.lora = lora;
     params_ = load_weights(*be_, cfg_, dir);
     samples_ = std::make_unique<Samples>(cfg_, dir);
+    // Adapters of small random values, B included (a fresh B of zeros leaves A no gradient).
+    SplitMix64 rng(5);
+    for (const WeightBinding& b : params_->bindings) {
+      if (!is_lora_tensor(b.hf_name)) continue;
+      std::vector<float> v(static_cast<size_t>(b.tensor().numel()));
+      for (float& x : v) x = static_cast<float>(rng.normal() * 0.05);
+      be_->write(b.tensor(), v.data(), DType::f32);
+    }
+  }
+
+  // LoRA on every language projection and the vision attention: the base frozen from the start,
+  // every graph setting against eager, bit for bit.
+  void expect_lora_graphs_replay_eager() {
+    load(std::move(be_), test::fixture_dir(),
+         LoraConfig{4,
+                    8.0,
+                    false,
+                    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "attn.qkv", "attn.proj"},
+                    {}});
+    TrainLimits limits = padded_limits(*samples_);
+    limits.frozen = {true, true, true, {}};
+    TrainableQwen3VL eager(*be_, cfg_, *params_, limits);
+    const Trace want = run(eager);
+    for (const Mode& mode : all_modes()) {
+      SCOPED_TRACE(mode.name);
+      auto api = make_graph_api(*be_);
+      TrainableQwen3VL m(*be_, cfg_, *params_, limits);
+      TrainGraphs g;
+      g.decoder = mode.decoder;
+      g.vision = mode.vision;
+      g.decoder_modules = mode.decoder_modules;
+      g.vision_modules = mode.vision_modules;
+      g.warmup_runs = 1;
+      m.use_graphs(*api, g);
+      const Trace got = run(m);
+      ASSERT_EQ(got.losses.size(), want.losses.size());
+      int adapters = 0;
+      for (size_t i = 0; i < got.losses.size(); ++i) {
+        EXPECT_EQ(got.losses[i], want.losses[i]) << "micro-batch " << i;
+        for (size_t k = 0; k < got.grads[i].size(); ++k) {
+          const WeightBinding& b = m.grads().bindings[k];
+          ASSERT_EQ(b.allocated(), is_lora_tensor(b.hf_name)) << b.hf_name;
+          if (!b.allocated()) continue;
+          adapters += i == 0;
+          ASSERT_EQ(got.grads[i][k], want.grads[i][k]) << "micro-batch " << i << ": " << b.hf_name;
+        }
+      }
+      EXPECT_EQ(adapters, 2 * (7 * cfg_.text.num_hidden_layers + 2 * cfg_.vision.depth));
+      EXPECT_TRUE(m.graphs_created());
+      m.delete_graphs();
+    }
   }
 
   // Runs the schedule, a step at a time (grads zeroed per step), and returns per step the loss
@@ -382,6 +438,17 @@ void TrainingGraphs::expect_moe_modules_replay_eager() {
   expect_graphs_replay_eager(false, {preprocess, whole}, full, &drops);
   // Experts 0 and 1 take every token and keep a quarter of the bucket's rows each (k / E = 1/4).
   EXPECT_GT(drops.first, drops.second / 4);
+}
+
+TEST_F(TrainingGraphs, LoraAdaptersReplayEagerBitForBit) {
+  be_ = make_cpu_backend();
+  expect_lora_graphs_replay_eager();
+}
+
+TEST_F(TrainingGraphs, CudaLoraAdaptersReplayEagerBitForBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  be_ = make_cuda_backend(0);
+  expect_lora_graphs_replay_eager();
 }
 
 TEST_F(TrainingGraphs, FrozenTowerGraphsReplayEagerBitForBit) {
