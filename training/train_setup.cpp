@@ -44,7 +44,8 @@ TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   limits.vision_tower_frozen = r.train.freeze_vision_tower;
   if (r.peft.lora() && r.has_model_config) {
     bool tower_trains = false;
-    for (const ParamSpec& s : ParamSpecs(r.model_config, limits.frozen, DType::f32).all())
+    const ParamSpecs specs(r.model_config, limits.frozen, DType::f32);
+    for (const ParamSpec& s : specs.all())
       tower_trains = tower_trains || (s.trainable && s.part == ModelPart::vision_tower);
     limits.vision_tower_frozen = !tower_trains;
   }
