@@ -17,8 +17,10 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "test_util.h"
+#include "training/memory_plan.h"
 #include "training/pipeline_parallel.h"
 #include "training/recipe.h"
+#include "training/train_setup.h"
 
 namespace iris {
 namespace {
@@ -131,6 +133,26 @@ TEST_F(RecipeTest, SftRecipesShipTheReleasedGeometries) {
     for (const std::string& n : r.notes) noted |= n.find("model.hf_dir") != std::string::npos;
     EXPECT_TRUE(noted);
   }
+}
+
+// The LoRA recipes: the base frozen whole, adapters of rank 32 on the language projections, and
+// the plan of the 8B recipe fits one 80 GiB GPU (adapters' f32 state under 1.5 GiB).
+TEST_F(RecipeTest, LoraRecipesAdaptTheLanguageModelAndFitOneGpu) {
+  for (const char* name : {"recipes/qwen3vl_2b_lora.yaml", "recipes/qwen3vl_8b_lora.yaml"}) {
+    SCOPED_TRACE(name);
+    const Recipe r = load_recipe(name);
+    EXPECT_TRUE(r.peft.lora());
+    EXPECT_EQ(r.model_config.lora.rank, 32);
+    EXPECT_FLOAT_EQ(r.model_config.lora.scale(), 1.0f);
+    EXPECT_TRUE(r.model_config.lora.adapts("model.language_model.layers.3.mlp.down_proj"));
+    EXPECT_FALSE(r.model_config.lora.adapts("model.visual.blocks.3.attn.qkv"));
+    const FreezeSpec frozen = recipe_frozen_parts(r);
+    EXPECT_TRUE(frozen.frozen("model.language_model.layers.0.self_attn.q_proj.weight"));
+    EXPECT_FALSE(frozen.frozen("model.language_model.layers.0.self_attn.q_proj.lora_A.weight"));
+  }
+  const Recipe r = load_recipe("recipes/qwen3vl_8b_lora.yaml");
+  const MemoryPlan plan = plan_training_memory(r, r.model_config, true, int64_t(80) << 30);
+  EXPECT_TRUE(plan.fits()) << plan.describe();
 }
 
 TEST_F(RecipeTest, UnknownKeysNameTheClosestValidKey) {
