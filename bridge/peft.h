@@ -52,3 +52,49 @@ std::string peft_key(const std::string& hf_name);
 std::string hf_name_of_peft_key(const std::string& key);
 
 }  // namespace iris
+
+namespace iris {
+
+// adapter_config.json of a LoRA adapter, as far as it decides what the adapter computes.
+struct PeftAdapterConfig {
+  int rank = 0;
+  double alpha = 0.0;
+  bool rslora = false;
+  std::vector<std::string> modules_to_save;
+  // lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora: what B A is multiplied by.
+  float scale() const;
+};
+// Reads an adapter_config.json. A setting under which PEFT computes something other than
+// W x + scale B A x (use_dora, rank_pattern or alpha_pattern, bias other than "none", lora_bias,
+// fan_in_fan_out, a peft_type other than LORA) is an error naming the file and the field, rather
+// than an adapter run differently from how it was trained.
+PeftAdapterConfig read_peft_adapter_config(const std::string& path);
+
+// Whether the HF tensor `hf_name` lies in a module that PEFT's modules_to_save names: PEFT matches
+// a module by its whole path or by its last components (merger matches model.visual.merger).
+bool in_modules_to_save(const std::string& hf_name, const std::vector<std::string>& modules);
+
+// W += scale * (B A) for w [out, in], a [r, in] and b [out, r], row-major f32: B A is formed
+// first and then scaled and added, the order of PEFT's merge, so that the merged weight rounds
+// as PEFT's does.
+void merge_lora_delta(float* w, const float* a, const float* b, int64_t out, int64_t in, int64_t r,
+                      float scale);
+
+// The base model of `base_dir` (an HF checkpoint) with the LoRA adapter of `adapter_dir`
+// (adapter_config.json and adapter_model.safetensors, as iris export --peft and PEFT's
+// save_pretrained write them) applied, its scale times `extra_scale`. Every key of the adapter
+// file must be an adapter of a module this model can adapt, or a tensor of the base model (a
+// module PEFT saved whole, modules_to_save, which replaces it), with the shape the model has:
+// anything else is an error naming the key, never an adapter silently left out.
+// merge = false: cfg gets the adapters (cfg.lora: r, alpha, use_rslora and the modules the file
+// adapts), and the weights hold them beside the base, which keeps its exact bits; the model then
+// computes what the adapter was trained to. merge = true: cfg is left as it is and the adapters
+// are merged into the base weights, W + scale B A formed in f32 from the checkpoint's W (then
+// rounded to the backend's dtype).
+std::unique_ptr<ModelWeights> load_weights_with_adapter(Backend& backend, ModelConfig& cfg,
+                                                        const std::string& base_dir,
+                                                        const std::string& adapter_dir,
+                                                        float extra_scale, bool merge,
+                                                        WeightLoadTimes* times = nullptr);
+
+}  // namespace iris
