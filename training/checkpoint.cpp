@@ -12,7 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 
+#include "bridge/peft.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/json_read.h"
@@ -472,7 +474,6 @@ TrainerState load_trainer_state(const std::string& path) {
 
 namespace {
 
-// Writes the exported files of checkpoint `src` into the (new, empty) directory `tmp`.
 volatile std::sig_atomic_t g_export_signal = 0;
 extern "C" void on_export_signal(int sig) {
   g_export_signal = sig;
@@ -514,8 +515,49 @@ class ExportSignals {
   struct sigaction old_term_ {};
 };
 
-void export_into(const std::string& src, const fs::path& tmp, DType dtype,
-                 const std::function<void()>& check_stop) {
+// An export's tensors, each converted to the export's dtype and kept until the file is written.
+class ExportTensors {
+ public:
+  explicit ExportTensors(DType dtype) : dtype_(dtype) {}
+  void add(const std::string& name, const std::vector<int64_t>& shape,
+           const std::vector<float>& f32) {
+    storage_.emplace_back((f32.size() * dtype_size(dtype_) + 7) / 8);
+    if (dtype_ == DType::f32) {
+      std::memcpy(storage_.back().data(), f32.data(), f32.size() * 4);
+    } else {
+      auto* dst = reinterpret_cast<uint16_t*>(storage_.back().data());
+      for (size_t i = 0; i < f32.size(); ++i)
+        dst[i] = dtype_ == DType::bf16 ? f32_to_bf16(f32[i]) : f32_to_f16(f32[i]);
+    }
+    items_.push_back({name, dtype_, shape, storage_.back().data()});
+  }
+  void write(const fs::path& path) const {
+    write_safetensors(path.string(), items_, {{"format", "pt"}});
+  }
+
+ private:
+  DType dtype_;
+  std::vector<std::vector<uint64_t>> storage_;  // a moved vector keeps its buffer: items_ point in
+  std::vector<SafetensorsWriteItem> items_;
+};
+
+std::vector<float> tensor_f32(const SafetensorsEntry& e) {
+  int64_t n = 1;
+  for (int64_t d : e.shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  convert_to_f32(e, v.data());
+  return v;
+}
+
+std::string shape_string(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// config.json with the export's dtype, and the files beside the weights that HF and iris generate
+// read.
+void export_model_files(const std::string& src, const fs::path& tmp, DType dtype) {
   const std::string config_path = (fs::path(src) / "config.json").string();
   json config = read_json_file(config_path, "checkpoint config");
   IRIS_CHECK(config.is_object(), config_path, " must hold a JSON object");
@@ -525,44 +567,141 @@ void export_into(const std::string& src, const fs::path& tmp, DType dtype,
   config["dtype"] = dtype_text;
   if (config.contains("torch_dtype")) config["torch_dtype"] = dtype_text;
   write_file_atomic((tmp / "config.json").string(), config.dump(2) + "\n");
-
-  {
-    // One file, or the shards of a pipelined run with their index: exported as one file.
-    const SafetensorsCheckpoint weights(src);
-    const std::vector<std::string> names = weights.names();
-    std::vector<std::vector<uint64_t>> storage;
-    std::vector<SafetensorsWriteItem> items;
-    storage.reserve(names.size());
-    std::vector<float> f32;
-    for (const std::string& name : names) {
-      const SafetensorsEntry& e = weights.at(name);
-      int64_t n = 1;
-      for (int64_t d : e.shape) n *= d;
-      f32.resize(static_cast<size_t>(n));
-      convert_to_f32(e, f32.data());
-      storage.emplace_back((static_cast<size_t>(n) * dtype_size(dtype) + 7) / 8);
-      if (dtype == DType::f32) {
-        std::memcpy(storage.back().data(), f32.data(), f32.size() * 4);
-      } else {
-        auto* dst = reinterpret_cast<uint16_t*>(storage.back().data());
-        for (size_t i = 0; i < f32.size(); ++i)
-          dst[i] = dtype == DType::bf16 ? f32_to_bf16(f32[i]) : f32_to_f16(f32[i]);
-      }
-      items.push_back({name, dtype, e.shape, storage.back().data()});
-      check_stop();
-    }
-    write_safetensors((tmp / "model.safetensors").string(), items, {{"format", "pt"}});
-    check_stop();
-  }
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                         "preprocessor_config.json", "generation_config.json"})
     if (fs::is_regular_file(fs::path(src) / f)) copy_file_durably(fs::path(src) / f, tmp / f);
+}
+
+// Every tensor as it is (one file, or the shards of a pipelined run with their index: exported as
+// one file).
+void export_full(const SafetensorsCheckpoint& weights, const fs::path& tmp, DType dtype,
+                 const std::function<void()>& check_stop) {
+  ExportTensors out(dtype);
+  for (const std::string& name : weights.names()) {
+    const SafetensorsEntry& e = weights.at(name);
+    out.add(name, e.shape, tensor_f32(e));
+    check_stop();
+  }
+  out.write(tmp / "model.safetensors");
+}
+
+// Every base tensor, an adapted module's weight with its adapter merged in; no adapter tensors.
+void export_merged(const std::string& src, const SafetensorsCheckpoint& weights,
+                   const PeftAdapterConfig& adapter, const fs::path& tmp, DType dtype,
+                   const std::function<void()>& check_stop) {
+  const float scale = adapter.scale();
+  const int64_t r = adapter.rank;
+  std::set<std::string> merged;
+  ExportTensors out(dtype);
+  for (const std::string& name : weights.names()) {
+    if (is_lora_tensor(name)) continue;
+    const SafetensorsEntry& e = weights.at(name);
+    std::vector<float> v = tensor_f32(e);
+    const std::string module = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : "";
+    const std::string a = module + ".lora_A.weight", b = module + ".lora_B.weight";
+    if (!module.empty() && (weights.contains(a) || weights.contains(b))) {
+      IRIS_CHECK(weights.contains(a) && weights.contains(b), "checkpoint ", src, " holds ",
+                 weights.contains(a) ? a : b, " without ", weights.contains(a) ? b : a,
+                 "; the checkpoint is damaged");
+      const SafetensorsEntry &ea = weights.at(a), &eb = weights.at(b);
+      const bool fits = e.shape.size() == 2 && ea.shape == std::vector<int64_t>{r, e.shape[1]} &&
+                        eb.shape == std::vector<int64_t>{e.shape[0], r};
+      IRIS_CHECK(fits, "checkpoint ", src, ": the adapter of ", module, " has lora_A ",
+                 shape_string(ea.shape), " and lora_B ", shape_string(eb.shape),
+                 ", which do not fit its weight ", shape_string(e.shape), " with r = ", r,
+                 " from adapter_config.json; the checkpoint and its adapter_config.json disagree");
+      merge_lora_delta(v.data(), tensor_f32(ea).data(), tensor_f32(eb).data(), e.shape[0],
+                       e.shape[1], r, scale);
+      merged.insert(module);
+    }
+    out.add(name, e.shape, v);
+    check_stop();
+  }
+  for (const std::string& name : weights.names())
+    IRIS_CHECK(!is_lora_tensor(name) || merged.count(lora_module(name)), "checkpoint ", src,
+               " holds ", name, " but no ", lora_module(name),
+               ".weight to merge it into; the checkpoint is damaged");
+  out.write(tmp / "model.safetensors");
+}
+
+// The adapter as PEFT's save_pretrained writes it: adapter_config.json, and the adapter tensors
+// with the tensors of the modules saved whole (modules_to_save), under base_model.model.<name>.
+// (PEFT holds its trained copy of such a module as <module>.modules_to_save.default.<param> and
+// saves it under <module>.<param>, the name of the tensor it replaces.)
+void export_peft(const std::string& src, const SafetensorsCheckpoint& weights,
+                 const PeftAdapterConfig& adapter, const fs::path& tmp, DType dtype,
+                 const std::function<void()>& check_stop) {
+  copy_file_durably(fs::path(src) / "adapter_config.json", tmp / "adapter_config.json");
+  ExportTensors out(dtype);
+  std::set<std::string> saved;
+  for (const std::string& name : weights.names()) {
+    const bool whole = in_modules_to_save(name, adapter.modules_to_save);
+    if (!is_lora_tensor(name) && !whole) continue;
+    for (const std::string& m : adapter.modules_to_save)
+      if (in_modules_to_save(name, {m})) saved.insert(m);
+    const SafetensorsEntry& e = weights.at(name);
+    out.add(peft_key(name), e.shape, tensor_f32(e));
+    check_stop();
+  }
+  for (const std::string& m : adapter.modules_to_save)
+    IRIS_CHECK(saved.count(m), "checkpoint ", src, ": adapter_config.json lists '", m,
+               "' in modules_to_save, but no tensor of the checkpoint lies in such a module");
+  out.write(tmp / "adapter_model.safetensors");
+}
+
+// Writes the exported files of checkpoint `src` into the (new, empty) directory `tmp`.
+void export_into(const std::string& src, const SafetensorsCheckpoint& weights,
+                 const PeftAdapterConfig& adapter, const fs::path& tmp, DType dtype,
+                 ExportKind kind, const std::function<void()>& check_stop) {
+  switch (kind) {
+    case ExportKind::full:
+      export_full(weights, tmp, dtype, check_stop);
+      break;
+    case ExportKind::merge:
+      export_merged(src, weights, adapter, tmp, dtype, check_stop);
+      break;
+    case ExportKind::peft:
+      export_peft(src, weights, adapter, tmp, dtype, check_stop);
+      break;
+  }
+  check_stop();
+  if (kind != ExportKind::peft) export_model_files(src, tmp, dtype);
   fsync_dir(tmp);
+}
+
+// The LoRA adapters of the checkpoint checked against what the export is asked to make of them,
+// before anything is written; for --peft and --merge, their adapter_config.json.
+PeftAdapterConfig check_export_kind(const std::string& src, const SafetensorsCheckpoint& weights,
+                                    ExportKind kind) {
+  int64_t adapters = 0;
+  std::string example;
+  for (const std::string& name : weights.names())
+    if (is_lora_tensor(name) && adapters++ == 0) example = name;
+  if (kind == ExportKind::full) {
+    IRIS_CHECK(adapters == 0, "checkpoint ", src, " holds LoRA adapters (", adapters,
+               " tensors such as ", example,
+               "), which a Hugging Face model loader does not know: pass --peft to export the "
+               "adapter as PEFT saves it (adapter_config.json and adapter_model.safetensors, for "
+               "PeftModel.from_pretrained or iris generate --lora), or --merge to merge it into "
+               "the weights of a plain model");
+    return {};
+  }
+  const char* flag = kind == ExportKind::peft ? "--peft" : "--merge";
+  IRIS_CHECK(adapters > 0, "checkpoint ", src,
+             " holds no LoRA adapters (it was not trained with peft.type: lora); export it "
+             "without ",
+             flag);
+  const fs::path config = fs::path(src) / "adapter_config.json";
+  IRIS_CHECK(fs::is_regular_file(config), "checkpoint ", src,
+             " holds LoRA adapters but no adapter_config.json, which gives their r and "
+             "lora_alpha; it was not written by iris train");
+  return read_peft_adapter_config(config.string());
 }
 
 }  // namespace
 
-void export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype) {
+void export_checkpoint(const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                       ExportKind kind) {
   IRIS_CHECK(dtype == DType::bf16 || dtype == DType::f32 || dtype == DType::f16,
              "export dtype must be bf16, f16 or f32");
   std::string src = checkpoint;
@@ -583,6 +722,9 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
              "checkpoint ", src,
              " lacks model.safetensors (or a pipelined run's model.safetensors.index.json); it "
              "was not written by iris train");
+  // Opening maps the files and reads their headers only.
+  const SafetensorsCheckpoint weights(src);
+  const PeftAdapterConfig adapter = check_export_kind(src, weights, kind);
   IRIS_CHECK(!out_dir.empty(), "the export directory is empty; name a directory to create");
   fs::path out = fs::path(out_dir).lexically_normal();
   if (out.filename().empty()) out = out.parent_path();  // "dir/" names dir
@@ -602,7 +744,7 @@ void export_checkpoint(const std::string& checkpoint, const std::string& out_dir
   const ExportSignals signals;
   OwnedTempDir tmp(out.string());
   const auto check_stop = [&] { signals.check(out.string()); };
-  export_into(src, tmp.path(), dtype, check_stop);
+  export_into(src, weights, adapter, tmp.path(), dtype, kind, check_stop);
   check_stop();
   tmp.commit();
 }

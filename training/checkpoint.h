@@ -148,13 +148,27 @@ struct TrainerState {
 void save_trainer_state(const std::string& path, const TrainerState& s);
 TrainerState load_trainer_state(const std::string& path);
 
+// What an export makes of a checkpoint.
+enum class ExportKind {
+  // The model as it is. A checkpoint holding LoRA adapters is refused: an HF loader does not know
+  // their tensors.
+  full,
+  // A LoRA run's adapter as PEFT saves it: adapter_config.json (the checkpoint's) and
+  // adapter_model.safetensors with the adapter tensors and the modules_to_save modules' tensors,
+  // under PEFT's keys (base_model.model.<HF name>). Refused for a checkpoint without adapters.
+  peft,
+  // The full model with every adapter merged into its weight, W + scale B A formed in f32 (scale
+  // from adapter_config.json), and no adapter tensors: a plain HF model.
+  merge,
+};
+
 // Makes an HF model directory from a checkpoint (or from a run directory: its latest one):
 // config.json, model.safetensors in `dtype` (bf16 by default, as HF ships Qwen3-VL), tokenizer
-// files, preprocessor_config.json, generation_config.json. out_dir must not exist; it is written
-// under a temporary name (an OwnedTempDir) and renamed when complete. SIGINT or SIGTERM meanwhile
-// ends it with an error once the temporary is removed; what a killed export left beside out_dir
-// is removed first.
+// files, preprocessor_config.json, generation_config.json; or a PEFT adapter directory (`kind`).
+// out_dir must not exist; it is written under a temporary name (an OwnedTempDir) and renamed when
+// complete. SIGINT or SIGTERM meanwhile ends it with an error once the temporary is removed; what
+// a killed export left beside out_dir is removed first.
 void export_checkpoint(const std::string& checkpoint, const std::string& out_dir,
-                       DType dtype = DType::bf16);
+                       DType dtype = DType::bf16, ExportKind kind = ExportKind::full);
 
 }  // namespace iris
