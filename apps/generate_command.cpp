@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "bridge/chat_prompt.h"
 #include "bridge/chat_session.h"
 #include "bridge/generator.h"
+#include "bridge/peft.h"
 #include "bridge/pipeline_stage.h"
 #include "bridge/vision_cuda_graph_helper.h"
 #include "core/fs.h"
@@ -42,6 +44,9 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 struct GenerateOptions {
   std::string model_dir;
+  std::string lora_dir;     // --lora: a PEFT adapter on the model of -m
+  float lora_scale = 1.0f;  // multiplies the adapter's own scale
+  bool lora_merge = false;  // merge the adapter into the weights at load
   std::vector<std::string> images;
   std::vector<std::string> videos;
   std::vector<ChatPart::Kind> media_order;  // --image and --video in the order given
@@ -83,14 +88,18 @@ struct GenerateOptions {
 // --logits-out names a file to create or replace; it must not be one of the files this run reads
 // (a typo such as -m DIR --logits-out DIR/model.safetensors would destroy the checkpoint).
 void check_logits_out(const std::string& out, const std::string& model_dir,
-                      const std::vector<std::string>& images) {
+                      const std::string& adapter_dir, const std::vector<std::string>& images) {
   namespace fs = std::filesystem;
   std::error_code ec;
   IRIS_CHECK(!fs::is_directory(out, ec), "--logits-out ", out, " is a directory; name a file");
   if (!fs::exists(out, ec)) return;
-  for (const auto& entry : fs::directory_iterator(model_dir, ec))
-    IRIS_CHECK(!same_file(out, entry.path().string()), "--logits-out ", out, " is ",
-               entry.path().string(), ", a file of the model directory; choose another path");
+  for (const auto& [dir, what] : {std::pair{model_dir, "model"}, {adapter_dir, "adapter"}}) {
+    if (dir.empty()) continue;
+    for (const auto& entry : fs::directory_iterator(dir, ec))
+      IRIS_CHECK(!same_file(out, entry.path().string()), "--logits-out ", out, " is ",
+                 entry.path().string(), ", a file of the ", what,
+                 " directory; choose another path");
+  }
   for (const std::string& image : images)
     IRIS_CHECK(!same_file(out, image), "--logits-out ", out, " is the input image ", image,
                "; choose another path");
@@ -876,6 +885,13 @@ int run_generate_command(int argc, char** argv) {
   app.add_option("-m,--model", o.model_dir, "Hugging Face checkpoint directory")
       ->type_name("DIR")
       ->required();
+  auto* lora_opt = app.add_option("--lora", o.lora_dir, "a PEFT LoRA adapter on -m, run unmerged")
+                       ->type_name("DIR");
+  auto* lora_scale_opt =
+      app.add_option("--lora-scale", o.lora_scale, "multiplies the adapter's alpha / r")
+          ->capture_default_str();
+  auto* lora_merge_opt =
+      app.add_flag("--lora-merge", o.lora_merge, "merge it at load: faster, bf16-rounded on a GPU");
   app.add_option("--image", o.images, "formats below; placed at <__media__>, else first")
       ->type_name("FILE");
   app.add_option("--video", o.videos, "repeatable; placed as --image files are")->type_name("FILE");
@@ -1058,6 +1074,14 @@ int run_generate_command(int argc, char** argv) {
     o.prompt = read_text_file(o.prompt_file, "prompt file (-f)");
     if (!o.prompt.empty() && o.prompt.back() == '\n') o.prompt.pop_back();
   }
+  IRIS_USAGE_CHECK(lora_opt->count() == 0 || !o.lora_dir.empty(),
+                   "--lora needs the adapter's directory (adapter_config.json and "
+                   "adapter_model.safetensors)");
+  IRIS_USAGE_CHECK(!o.lora_dir.empty() || (lora_scale_opt->count() == 0 && !o.lora_merge),
+                   lora_merge_opt->count() > 0 ? "--lora-merge" : "--lora-scale",
+                   " applies to an adapter: give it with --lora DIR");
+  IRIS_USAGE_CHECK(std::isfinite(o.lora_scale), "--lora-scale must be a finite number, got ",
+                   o.lora_scale);
   // The logits after "the prompt" name one prompt; a chat has one per turn.
   IRIS_USAGE_CHECK(!chat || o.logits_out.empty(),
                    "--logits-out needs a one-shot prompt (-p TEXT or -f FILE, without "
@@ -1132,7 +1156,7 @@ int run_generate_command(int argc, char** argv) {
   if (!o.logits_out.empty()) {
     std::vector<std::string> inputs = o.images;
     inputs.insert(inputs.end(), o.videos.begin(), o.videos.end());
-    check_logits_out(o.logits_out, o.model_dir, inputs);
+    check_logits_out(o.logits_out, o.model_dir, o.lora_dir, inputs);
   }
   const auto t_device = std::chrono::steady_clock::now();
   std::unique_ptr<Backend> backend = make_backend(device);
@@ -1265,7 +1289,19 @@ int run_generate_command(int argc, char** argv) {
   // Graph buffers are sized only where graphs run: on the CPU the configs were only checked.
   if (on_gpu && !o.no_cuda_graphs && graphs.vision.impl != VisionGraphImpl::none)
     limits.max_vision_patches = std::max(limits.max_vision_patches, graphs.vision.max_seq_length);
-  Qwen3VLModel model(*backend, o.model_dir, limits);
+  // With --lora the base loads as it would without, then the adapter goes into it (or into its
+  // weights, with --lora-merge); cfg stays the base's, which every other part here reads.
+  WeightLoadTimes adapter_load;
+  std::unique_ptr<Qwen3VLModel> loaded;
+  if (o.lora_dir.empty()) {
+    loaded = std::make_unique<Qwen3VLModel>(*backend, o.model_dir, limits);
+  } else {
+    ModelConfig adapted = cfg;
+    auto weights = load_weights_with_adapter(*backend, adapted, o.model_dir, o.lora_dir,
+                                             o.lora_scale, o.lora_merge, &adapter_load);
+    loaded = std::make_unique<Qwen3VLModel>(*backend, adapted, std::move(weights), limits);
+  }
+  Qwen3VLModel& model = *loaded;
   std::unique_ptr<VisionCudaGraphHelper> graph_helper;
   if (on_gpu && !o.no_cuda_graphs &&
       (graphs.language.impl != GraphImpl::none || graphs.vision.impl != VisionGraphImpl::none)) {
@@ -1282,7 +1318,7 @@ int run_generate_command(int argc, char** argv) {
                          cfg.vision_start_token_id, cfg.vision_end_token_id,
                          (fs::path(o.model_dir) / "config.json").string());
   load.total_ms = ms_since(t_load) - preprocess_ms;
-  load.weights = model.weight_load_times();
+  load.weights = o.lora_dir.empty() ? model.weight_load_times() : adapter_load;
 
   GenerationRequest req;
   // -1: as many as the context holds (a chat clamps each turn to the room left).
