@@ -12,6 +12,7 @@
 #include "bridge/peft.h"
 #include "bridge/qwen3vl_model.h"
 #include "core/splitmix.h"
+#include "lora_test_util.h"
 #include "model_test_util.h"
 #include "test_util.h"
 #include "training/optimizer.h"
@@ -22,7 +23,11 @@
 namespace iris {
 namespace {
 
+using test::binding;
 using test::Golden;
+using test::merge_into;
+using test::randomize_adapters;
+using test::read;
 
 const std::vector<std::string> kAllTargets = {"q_proj",    "k_proj",    "v_proj",
                                               "o_proj",    "gate_proj", "up_proj",
@@ -34,51 +39,6 @@ ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, d
   cfg.lora.alpha = alpha;
   cfg.lora.target_modules = targets;
   return cfg;
-}
-
-const WeightBinding& binding(const ModelWeights& w, const std::string& name) {
-  for (const WeightBinding& b : w.bindings)
-    if (b.hf_name == name) return b;
-  ADD_FAILURE() << "no tensor " << name;
-  return w.bindings.front();
-}
-
-std::vector<float> read(Backend& be, const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  be.read(v.data(), DType::f32, t);
-  return v;
-}
-
-// Fills every adapter with small random values (a fresh adapter's B is zero, which would test
-// nothing of B's path).
-void randomize_adapters(Backend& be, ModelWeights& w, uint64_t seed) {
-  SplitMix64 rng(seed);
-  for (const WeightBinding& b : w.bindings) {
-    if (!is_lora_tensor(b.hf_name)) continue;
-    std::vector<float> v(static_cast<size_t>(b.tensor().numel()));
-    for (float& x : v) x = static_cast<float>(rng.normal() * 0.05);
-    be.write(b.tensor(), v.data(), DType::f32);
-  }
-}
-
-// W += scale * B A for every adapter of `adapted`, into the base weights of `merged`.
-void merge_into(Backend& be, const ModelWeights& adapted, float scale, ModelWeights& merged) {
-  for (const WeightBinding& b : adapted.bindings) {
-    if (!b.hf_name.ends_with(".lora_A.weight")) continue;
-    const std::string module = lora_module(b.hf_name);
-    const std::vector<float> A = read(be, b.tensor());
-    const std::vector<float> B = read(be, binding(adapted, module + ".lora_B.weight").tensor());
-    const WeightBinding& base = binding(merged, module + ".weight");
-    std::vector<float> W = read(be, base.tensor());
-    const int64_t out = base.hf_shape[0], in = base.hf_shape[1], r = b.hf_shape[0];
-    for (int64_t o = 0; o < out; ++o)
-      for (int64_t i = 0; i < in; ++i) {
-        double d = 0;
-        for (int64_t k = 0; k < r; ++k) d += double(B[o * r + k]) * A[k * in + i];
-        W[o * in + i] += static_cast<float>(scale * d);
-      }
-    be.write(base.tensor(), W.data(), DType::f32);
-  }
 }
 
 double rel_l2(const std::vector<float>& got, const std::vector<double>& want) {
