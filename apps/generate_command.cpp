@@ -1144,6 +1144,28 @@ int run_generate_command(int argc, char** argv) {
              "safetensors, tokenizer.json), not a GGUF file");
   IRIS_CHECK(fs::is_directory(o.model_dir), "model directory '", o.model_dir,
              "' does not exist (pass -m with a Hugging Face checkpoint directory)");
+  // An adapter where the model belongs, or a LoRA run's checkpoint (adapters beside the base
+  // weights), would otherwise fail on a missing config.json or on tensors config.json does not
+  // describe; what to do instead is known.
+  if (fs::is_regular_file(fs::path(o.model_dir) / "adapter_config.json")) {
+    IRIS_CHECK(fs::is_regular_file(fs::path(o.model_dir) / "config.json"), "-m ", o.model_dir,
+               " holds a PEFT adapter (adapter_config.json), not a model: pass the base model "
+               "with -m and the adapter with --lora ",
+               o.model_dir);
+    bool adapters = false;
+    if (o.lora_dir.empty() &&
+        (fs::is_regular_file(fs::path(o.model_dir) / "model.safetensors") ||
+         fs::is_regular_file(fs::path(o.model_dir) / "model.safetensors.index.json")))
+      for (const std::string& name : SafetensorsCheckpoint(o.model_dir).names())
+        adapters = adapters || is_lora_tensor(name);
+    IRIS_CHECK(!adapters, "-m ", o.model_dir,
+               " is a LoRA run's checkpoint (LoRA adapters beside the base weights): export its "
+               "adapter with iris export ",
+               o.model_dir,
+               " OUT --peft and run -m BASE --lora OUT, or export the merged model "
+               "with iris export ",
+               o.model_dir, " OUT --merge and run -m OUT");
+  }
   if (mmproj_opt->count() > 0) {
     IRIS_CHECK(has_vision_weights(o.model_dir), "--mmproj ", o.mmproj,
                ": iris reads the vision encoder from the checkpoint given with -m, and ",

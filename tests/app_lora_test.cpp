@@ -383,6 +383,11 @@ TEST_F(AppLoraTest, GenerateWithLoraGivesTheMergedModelsLogits) {
                  {"--lora-scale", "--lora DIR"});
   expect_failure(iris({"generate", "-m", base, "-p", "hi", "--lora-merge"}), 2,
                  {"--lora-merge", "--lora DIR"});
+  // The run's checkpoint or the adapter given as the model: what to run instead.
+  expect_failure(iris({"generate", "-m", ckpt, "-p", "hi", "--device", "cpu"}), 1,
+                 {"is a LoRA run's checkpoint", "OUT --peft", "--lora OUT", "OUT --merge"});
+  expect_failure(iris({"generate", "-m", adapter, "-p", "hi", "--device", "cpu"}), 1,
+                 {"holds a PEFT adapter", "--lora " + adapter});
 }
 
 // Every key of an adapter file is applied, or the adapter is refused with the key named.
