@@ -79,6 +79,15 @@ TEST(TrainingFlops, MatchesAMatmulByMatmulCount) {
   EXPECT_NEAR(lm_only, f.vision_w + f.vision_att + f.merger_w + 3 * (f.text_w + f.text_att),
               1e-9 * all);
 
+  // LoRA on the language model: its frozen weights get no weight gradient, but the gradient flows
+  // through them (input gradients), as through the merger's and a LoRA tower's.
+  const double lm_lora = training_flops(cfg, shape, {false, false, false, false, true});
+  EXPECT_NEAR(lm_lora, f.vision_w + f.vision_att + f.merger_w + 2 * f.text_w + 3 * f.text_att,
+              1e-9 * all);
+  const double all_lora = training_flops(cfg, shape, {false, false, false, true, true});
+  EXPECT_NEAR(all_lora, 2 * (f.vision_w + f.merger_w + f.text_w) + 3 * (f.vision_att + f.text_att),
+              1e-9 * all);
+
   // Text only: no vision work at all.
   const double text = training_flops(cfg, SampleShape{40, 7, {}}, {true, true, true});
   EXPECT_NEAR(text, 3 * (f.text_w + f.text_att), 1e-9 * text);

@@ -452,9 +452,9 @@ double training_flops(const ModelConfig& cfg, const SampleShape& shape, const Tr
                                           static_cast<double>(shape.logit_rows));
   const double lm_w = text.gemm, lm_att = text.attention;
 
-  const bool vis_flow = parts.vision_tower;
+  const bool vis_flow = parts.vision_tower || parts.vision_tower_adapters;
   const bool merge_flow = vis_flow || parts.merger;
-  const bool lm_flow = merge_flow || parts.language_model;
+  const bool lm_flow = merge_flow || parts.language_model || parts.language_model_adapters;
   auto part = [](double w, double att, bool flow, bool trained) {
     double f = w + att;
     if (flow) f += w + 2 * att;  // input gradients (both operands of the attention products)

@@ -17,10 +17,15 @@
 namespace iris {
 
 // Which parts receive gradients; decides how much backward work each part costs.
+// Which parts' weights train (their weight gradients are computed), and where LoRA adapters let
+// the gradient flow through frozen weights (input gradients without weight gradients; the
+// adapters' own products, under 1% of a layer's at rank 32, are not counted).
 struct TrainedParts {
   bool vision_tower = true;
   bool merger = true;  // the final merger and the DeepStack mergers
   bool language_model = true;
+  bool vision_tower_adapters = false;
+  bool language_model_adapters = false;
 };
 
 // The shape of one training sequence: its real token count (no padding), the rows whose logits

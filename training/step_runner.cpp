@@ -13,6 +13,7 @@
 #include "core/fs.h"
 #include "core/usable_cores.h"
 #include "training/pipeline_parallel.h"
+#include "training/train_setup.h"
 
 namespace iris {
 namespace {
@@ -78,7 +79,7 @@ StepRunner::StepRunner(const Recipe& r, RankTraining& rank, DataParallel& dp, Da
       rank_(rank),
       dp_(dp),
       train_data_(train_data),
-      parts_{!r.train.freeze_vision_tower, !r.train.freeze_merger, !r.train.freeze_language_model},
+      parts_(recipe_trained_parts(r)),
       step_timer_(rank.backend()) {
   batch_.reserve(static_cast<size_t>(r.train.global_batch_size));
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "bridge/peft.h"
 #include "core/error.h"
 #include "training/metrics_log.h"
 #include "training/param_spec.h"
@@ -13,6 +14,30 @@ FreezeSpec recipe_frozen_parts(const Recipe& r) {
   // LoRA freezes the whole base model but the modules to save; the adapters train.
   if (r.peft.lora()) return {true, true, true, r.peft.modules_to_save};
   return {r.train.freeze_vision_tower, r.train.freeze_merger, r.train.freeze_language_model, {}};
+}
+
+TrainedParts recipe_trained_parts(const Recipe& r) {
+  if (!r.peft.lora() || !r.has_model_config)
+    return {!r.train.freeze_vision_tower, !r.train.freeze_merger, !r.train.freeze_language_model,
+            false, false};
+  TrainedParts t{false, false, false, false, false};
+  const ParamSpecs specs(r.model_config, recipe_frozen_parts(r), DType::f32);
+  for (const ParamSpec& s : specs.all()) {
+    if (!s.trainable) continue;
+    const bool adapter = is_lora_tensor(s.hf_name);
+    switch (s.part) {
+      case ModelPart::vision_tower:
+        (adapter ? t.vision_tower_adapters : t.vision_tower) = true;
+        break;
+      case ModelPart::merger:
+        t.merger = true;
+        break;
+      case ModelPart::language_model:
+        (adapter ? t.language_model_adapters : t.language_model) = true;
+        break;
+    }
+  }
+  return t;
 }
 
 TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
@@ -73,8 +98,7 @@ std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelCo
     whole.end_layer = cfg.text.num_hidden_layers;
     return {whole};
   }
-  const TrainedParts trained{!r.train.freeze_vision_tower, !r.train.freeze_merger,
-                             !r.train.freeze_language_model};
+  const TrainedParts trained = recipe_trained_parts(r);
   const int64_t T = limits.max_seq_len;
   std::vector<GridTHW> image;
   if (limits.max_patches > 0) image.push_back({1, 1, limits.max_patches});

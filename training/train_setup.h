@@ -7,6 +7,7 @@
 
 #include "bridge/model_config.h"
 #include "bridge/pipeline_stage.h"
+#include "training/metrics_log.h"
 #include "training/recipe.h"
 #include "training/train_model.h"
 
@@ -23,6 +24,9 @@ std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelCo
 
 // The freeze settings of the recipe.
 FreezeSpec recipe_frozen_parts(const Recipe& r);
+// What the throughput's FLOP count takes as trained (training/metrics_log.h): the parts whose
+// weights train, and under LoRA the parts the adapters let the gradient through.
+TrainedParts recipe_trained_parts(const Recipe& r);
 
 // Models a rank of `stage` keeps, one per micro-batch whose activations it holds at once (1F1B on
 // a pipeline; one otherwise).
