@@ -47,11 +47,16 @@ void WeightTable::lora(const LoraConfig& lora, const std::string& prefix,
   // The parts are bound by address: sized once, before any binding.
   dst.parts.assign(static_cast<size_t>(adapted), LoraAdapter{});
   dst.scale = lora.scale();
+  dst.dropout = static_cast<float>(lora.dropout);
   size_t k = 0;
   for (const auto& [name, rows] : modules) {
     if (lora.adapts(prefix + name)) {
       LoraAdapter& p = dst.parts[k++];
       p.out_offset = offset;
+      // Each module its own mask, the same in every process: FNV-1a of its name.
+      p.dropout_stream = 1469598103934665603ULL;
+      for (const char c : prefix + name)
+        p.dropout_stream = (p.dropout_stream ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
       add(prefix + name + ".lora_A.weight", p.a, {lora.rank, in});
       add(prefix + name + ".lora_B.weight", p.b, {rows, lora.rank});
     }

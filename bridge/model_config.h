@@ -22,7 +22,8 @@ const Architecture& qwen3_vl_architecture();
 struct LoraConfig {
   int rank = 0;
   double alpha = 0.0;
-  bool rslora = false;  // scale alpha / sqrt(r) instead of alpha / r
+  bool rslora = false;   // scale alpha / sqrt(r) instead of alpha / r
+  double dropout = 0.0;  // on each adapter's input, in training only
   // Iris's target names (bridge/peft.h: lora_target_names), or, when `modules` is not empty,
   // exactly those HF modules (an adapter read from a file adapts the modules it has).
   std::vector<std::string> target_modules;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dropout_draw.h"
 #include "core/tensor.h"
 #include "core/tuning_cache.h"
 
@@ -190,6 +191,12 @@ inline Tensor in_compute_dtype(Backend& be, const Tensor& src, const Tensor& cop
   if (copy.data == src.data) return src;
   be.convert(copy, src);
   return copy;
+}
+
+// The draws below which an element is dropped, for a probability p in [0, 1).
+inline uint32_t dropout_threshold(float p) {
+  IRIS_CHECK(p >= 0.0f && p < 1.0f, "dropout probability ", p, " outside [0, 1)");
+  return static_cast<uint32_t>(static_cast<double>(p) * 4294967296.0);
 }
 
 // add_column_block's shape rules, which every backend checks the same way.

@@ -18,7 +18,9 @@ void LoraScratchSize::cover(const LoraAdapters& adapters) {
   for (const LoraAdapter& p : adapters.parts) {
     rank = std::max(rank, p.a.rows());
     out = std::max(out, p.b.rows());
+    in = std::max(in, p.a.cols());
   }
+  dropout = dropout || (!adapters.empty() && adapters.dropout > 0.0f);
 }
 
 LoraScratch allocate_lora_scratch(Arena& a, DType dtype, int64_t rows,
@@ -28,8 +30,22 @@ LoraScratch allocate_lora_scratch(Arena& a, DType dtype, int64_t rows,
   s.low = a.alloc(dtype, {rows * size.rank});
   s.dlow = a.alloc(dtype, {rows * size.rank});
   s.wide = a.alloc(dtype, {rows * size.out});
+  if (size.dropout) s.dropped = a.alloc(dtype, {rows * size.in});
   return s;
 }
+
+namespace {
+
+// The adapter's input as it reads it: x, or x with dropout applied (into the scratch).
+Tensor adapter_input(Backend& be, const LoraAdapters& adapters, const LoraAdapter& p,
+                     const Tensor& x, const LoraScratch& s) {
+  if (adapters.dropout <= 0.0f || !s.seed.defined()) return x;
+  const Tensor dropped = as_matrix(s.dropped, x.rows(), x.cols());
+  be.dropout(dropped, x, adapters.dropout, s.seed, p.dropout_stream);
+  return dropped;
+}
+
+}  // namespace
 
 void lora_forward(Backend& be, const LoraAdapters& adapters, const Tensor& y, const Tensor& x,
                   const LoraScratch& s) {
@@ -37,7 +53,7 @@ void lora_forward(Backend& be, const LoraAdapters& adapters, const Tensor& y, co
   for (const LoraAdapter& p : adapters.parts) {
     const int64_t r = p.a.rows(), out = p.b.rows();
     const Tensor low = as_matrix(s.low, T, r), wide = as_matrix(s.wide, T, out);
-    be.linear(low, x, p.a, Tensor(), false);
+    be.linear(low, adapter_input(be, adapters, p, x, s), p.a, Tensor(), false);
     be.linear(wide, low, p.b, Tensor(), false);
     be.add_column_block(y, p.out_offset, wide, 0, out, adapters.scale, true);
   }
@@ -55,14 +71,25 @@ void lora_backward(Backend& be, const LoraAdapters& adapters, const LoraAdapters
     // d(x A^T B^T) scaled, the adapter's rows of dy.
     be.add_column_block(dwide, 0, dy, p.out_offset, out, adapters.scale, false);
     const bool dB = gp != nullptr && gp->b.defined(), dA = gp != nullptr && gp->a.defined();
+    const bool dropout = adapters.dropout > 0.0f && s.seed.defined();
+    const Tensor xin = dB || dA ? adapter_input(be, adapters, p, x, s) : x;
     if (dB) {
-      be.linear(low, x, p.a, Tensor(), false);
+      be.linear(low, xin, p.a, Tensor(), false);
       be.linear_backward_weight(gp->b, Tensor(), dwide, low);
     }
     if (!dA && !dx.defined()) continue;
     be.linear_backward_input(dlow, dwide, p.b, false);
-    if (dA) be.linear_backward_weight(gp->a, Tensor(), dlow, x);
-    if (dx.defined()) be.linear_backward_input(dx, dlow, p.a, true);
+    if (dA) be.linear_backward_weight(gp->a, Tensor(), dlow, xin);
+    if (!dx.defined()) continue;
+    if (!dropout) {
+      be.linear_backward_input(dx, dlow, p.a, true);
+      continue;
+    }
+    // Through the dropout: the same mask on the input's gradient.
+    const Tensor dxin = as_matrix(s.dropped, T, p.a.cols());
+    be.linear_backward_input(dxin, dlow, p.a, false);
+    be.dropout(dxin, dxin, adapters.dropout, s.seed, p.dropout_stream);
+    be.add_column_block(dx, 0, dxin, 0, p.a.cols(), 1.0f, true);
   }
 }
 

@@ -77,6 +77,7 @@ std::string op_family(const std::string& op) {
       {"text_rope_tables", "norms and RoPE"},
       {"add", "activations"},
       {"add_column_block", "copies and gathers"},
+      {"dropout", "activations"},
       {"gelu_tanh", "activations"},
       {"gelu_erf", "activations"},
       {"quick_gelu", "activations"},

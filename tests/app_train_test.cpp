@@ -376,10 +376,14 @@ TEST_F(AppTrainTest, AResumeThatUnfreezesAPartStartsItsMomentsAtZero) {
 
 // LoRA: the base stays as it was drawn (bit for bit), the adapters train, the optimizer holds
 // state for them alone, the checkpoint says what they are (adapter_config.json), and a run
-// stopped at step 2 and resumed ends with the uninterrupted run's losses and weights.
+// stopped at step 2 and resumed ends with the uninterrupted run's losses and weights, its
+// adapter dropout's masks included.
 TEST_F(AppTrainTest, LoraTrainsTheAdaptersAloneAndResumesExactly) {
   const std::string recipe = write_recipe(4);
-  const std::vector<std::string> lora = {"peft.type=lora", "peft.rank=4", "peft.alpha=8",
+  const std::vector<std::string> lora = {"peft.type=lora",
+                                         "peft.rank=4",
+                                         "peft.alpha=8",
+                                         "peft.dropout=0.2",
                                          "peft.target_modules=[q_proj,v_proj,down_proj,attn.qkv]",
                                          "schedule.decay_iters=4"};
   auto train = [&](const std::string& run, std::vector<std::string> extra) {
@@ -429,6 +433,16 @@ TEST_F(AppTrainTest, LoraTrainsTheAdaptersAloneAndResumesExactly) {
   EXPECT_EQ(adapter["peft_type"], "LORA");
   EXPECT_EQ(adapter["r"], 4);
   EXPECT_EQ(adapter["lora_alpha"], 8.0);
+  EXPECT_EQ(adapter["lora_dropout"], 0.2);
+
+  // The dropout does act: without it the adapters, zero at step 1, train to other losses.
+  const std::string plain = (root_ / "plain").string();
+  const Exit c = train(plain, {"peft.dropout=0"});
+  ASSERT_EQ(c.code, 0) << c.output;
+  const auto lc = losses(plain);
+  ASSERT_EQ(lc.size(), 4u);
+  EXPECT_EQ(lc[0].second, la[0].second);
+  EXPECT_NE(lc[3].second, la[3].second);
 
   // A setting LoRA would ignore, and a target that names nothing Iris adapts, are refused.
   const Exit freeze = train(root_ / "bad", {"train.freeze_merger=true"});

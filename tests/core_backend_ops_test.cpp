@@ -113,6 +113,11 @@ class Side {
     if (n > 0) be_.write(t, values.data(), DType::f32);
     return t;
   }
+  Tensor make_i64_scalar(int64_t value) {
+    Tensor t = guarded(DType::i64, {1});
+    be_.write(t, &value, DType::i64);
+    return t;
+  }
   Tensor make_i32(const std::vector<int64_t>& dims, const std::vector<int32_t>& values) {
     const int64_t n = product(dims);
     EXPECT_EQ(static_cast<int64_t>(values.size()), n) << "test bug: value count";
@@ -517,6 +522,25 @@ TEST_F(BackendOps, AddAndGelu) {
         s.be().gelu_erf(y, x);
         return std::vector<Tensor>{y};
       });
+    }
+  }
+}
+
+// Dropout keeps and drops the same elements on both backends (the draw is integer arithmetic), in
+// place and out of place, and a negative seed copies.
+TEST_F(BackendOps, Dropout) {
+  for (int64_t seed : {int64_t{987654321}, int64_t{-1}}) {
+    for (bool in_place : {false, true}) {
+      compare("dropout seed " + std::to_string(seed) + (in_place ? " in place" : ""), kElementwise,
+              [&](Side& s) {
+                Rng rng(150);
+                const int64_t n = 100003;
+                Tensor x = s.make(Kind::act, {n}, rng.normal(n));
+                Tensor y = in_place ? x : s.make(Kind::act, {n}, rng.normal(n));
+                Tensor sd = s.make_i64_scalar(seed);
+                s.be().dropout(y, x, 0.1f, sd, 5);
+                return std::vector<Tensor>{y};
+              });
     }
   }
 }

@@ -33,8 +33,9 @@ const std::vector<std::string> kAllTargets = {"q_proj",    "k_proj",    "v_proj"
                                               "o_proj",    "gate_proj", "up_proj",
                                               "down_proj", "attn.qkv",  "attn.proj"};
 
-ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8) {
-  ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8,
+                        const std::string& dir = test::fixture_dir()) {
+  ModelConfig cfg = ModelConfig::from_file(dir + "/config.json");
   cfg.lora.rank = rank;
   cfg.lora.alpha = alpha;
   cfg.lora.target_modules = targets;
@@ -94,6 +95,96 @@ TEST(LoraOnTheCpu, AdaptersOnQAndVLeaveTheKColumnsUntouched) {
       const size_t at = static_cast<size_t>(t * (q + k + v) + c);
       EXPECT_EQ(after[at], before[at]) << "k column " << c << " changed";
     }
+}
+
+// Dropout on the adapter's input (PEFT's lora_B(lora_A(dropout(x)))): the forward and every
+// gradient against the same sums written out on the host with the op's mask, which drops about p
+// of the inputs, scales the rest by 1 / (1 - p), and is off for a negative seed.
+TEST(LoraOnTheCpu, DropoutMasksTheAdapterInputInTheForwardAndTheBackward) {
+  auto be = make_cpu_backend();
+  const int64_t T = 6, in = 40, out = 5, r = 3;
+  const float p = 0.25f;
+  Arena arena(*be, 1 << 20);
+  auto random = [&](std::vector<int64_t> shape, uint64_t seed) {
+    Tensor t = arena.alloc(DType::f32, shape);
+    SplitMix64 rng(seed);
+    std::vector<float> h(static_cast<size_t>(t.numel()));
+    for (float& v : h) v = static_cast<float>(rng.normal());
+    be->write(t, h.data(), DType::f32);
+    return t;
+  };
+  LoraAdapters ad;
+  ad.scale = 2.0f;
+  ad.dropout = p;
+  ad.parts = {{random({r, in}, 1), random({out, r}, 2), 0, 77}};
+  LoraAdapters g;
+  g.parts = {{arena.alloc(DType::f32, {r, in}), arena.alloc(DType::f32, {out, r}), 0, 77}};
+  be->fill_zero(g.parts[0].a);
+  be->fill_zero(g.parts[0].b);
+  const Tensor x = random({T, in}, 3), dy = random({T, out}, 4);
+  const Tensor y = arena.alloc(DType::f32, {T, out}), dx = arena.alloc(DType::f32, {T, in});
+  be->fill_zero(y);
+  be->fill_zero(dx);
+  LoraScratchSize size;
+  size.cover(ad);
+  LoraScratch s = allocate_lora_scratch(arena, DType::f32, T, size);
+  ASSERT_TRUE(s.dropped.defined());
+  s.seed = arena.alloc(DType::i64, {1});
+  const int64_t seed = 12345;
+  be->write(s.seed, &seed, DType::i64);
+  lora_forward(*be, ad, y, x, s);
+  lora_backward(*be, ad, &g, dx, dy, x, s);
+
+  const std::vector<float> X = read(*be, x), A = read(*be, ad.parts[0].a),
+                           B = read(*be, ad.parts[0].b), DY = read(*be, dy);
+  const uint32_t threshold = dropout_threshold(p);
+  std::vector<double> xd(X.size());
+  int64_t dropped = 0;
+  for (size_t i = 0; i < X.size(); ++i) {
+    const bool keep = dropout_draw(seed, 77, i) >= threshold;
+    dropped += !keep;
+    xd[i] = keep ? X[i] / (1.0 - p) : 0.0;
+  }
+  EXPECT_NEAR(double(dropped) / double(X.size()), p, 0.1);
+  std::vector<double> low(T * r, 0.0), y_want(T * out, 0.0), dlow(T * r, 0.0);
+  std::vector<double> dA(r * in, 0.0), dB(out * r, 0.0), dx_want(T * in, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t i = 0; i < in; ++i) low[t * r + j] += xd[t * in + i] * A[j * in + i];
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t j = 0; j < r; ++j) {
+        y_want[t * out + o] += ad.scale * low[t * r + j] * B[o * r + j];
+        dB[o * r + j] += ad.scale * DY[t * out + o] * low[t * r + j];
+        dlow[t * r + j] += ad.scale * DY[t * out + o] * B[o * r + j];
+      }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t j = 0; j < r; ++j) {
+        dA[j * in + i] += dlow[t * r + j] * xd[t * in + i];
+        // d(xd)/dx is the mask over (1 - p): zero where xd was dropped.
+        if (xd[t * in + i] != 0.0 || X[t * in + i] == 0.0)
+          dx_want[t * in + i] += dlow[t * r + j] * A[j * in + i] / (1.0 - p);
+      }
+  EXPECT_LE(rel_l2(read(*be, y), y_want), 1e-5);
+  EXPECT_LE(rel_l2(read(*be, g.parts[0].a), dA), 1e-5);
+  EXPECT_LE(rel_l2(read(*be, g.parts[0].b), dB), 1e-5);
+  EXPECT_LE(rel_l2(read(*be, dx), dx_want), 1e-5);
+
+  // A negative seed (evaluation) turns it off: the forward reads x itself.
+  const int64_t off = -1;
+  be->write(s.seed, &off, DType::i64);
+  be->fill_zero(y);
+  lora_forward(*be, ad, y, x, s);
+  std::vector<double> y_off(T * out, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t j = 0; j < r; ++j) {
+        double l = 0;
+        for (int64_t i = 0; i < in; ++i) l += double(X[t * in + i]) * A[j * in + i];
+        y_off[t * out + o] += ad.scale * l * B[o * r + j];
+      }
+  EXPECT_LE(rel_l2(read(*be, y), y_off), 1e-5);
 }
 
 TEST(LoraOnTheCpu, EveryTargetMatchesAModuleOrIsAnError) {
@@ -186,12 +277,13 @@ TEST(LoraOnTheCpu, AFreshAdapterLeavesTheLogitsAsTheyWere) {
 }
 
 // Inference with adapters gives the merged model's logits (relative L2 within `tol`).
-void inference_matches_the_merged_model(std::unique_ptr<Backend> be, double tol) {
-  const ModelConfig cfg = lora_config(kAllTargets);
-  const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
-  auto adapted = load_weights(*be, cfg, test::fixture_dir());
+void inference_matches_the_merged_model(std::unique_ptr<Backend> be, double tol,
+                                        const std::string& dir = test::fixture_dir()) {
+  const ModelConfig cfg = lora_config(kAllTargets, 4, 8, dir);
+  const ModelConfig base_cfg = ModelConfig::from_file(dir + "/config.json");
+  auto adapted = load_weights(*be, cfg, dir);
   randomize_adapters(*be, *adapted, 11);
-  auto merged = load_weights(*be, base_cfg, test::fixture_dir());
+  auto merged = load_weights(*be, base_cfg, dir);
   merge_into(*be, *adapted, cfg.lora.scale(), *merged);
 
   ModelLimits limits;
@@ -200,7 +292,7 @@ void inference_matches_the_merged_model(std::unique_ptr<Backend> be, double tol)
   limits.max_vision_patches = 1024;
   limits.max_images = 4;
   limits.all_logits = true;
-  const Golden golden;
+  const Golden golden(dir);
   const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
   const HostTensor pv = golden.tensor("pixel_values");
   auto logits_of = [&](const ModelConfig& c, std::unique_ptr<ModelWeights> w) {
@@ -225,14 +317,21 @@ void inference_matches_the_merged_model(std::unique_ptr<Backend> be, double tol)
   std::printf("  logits: relative L2 to the merged model %.3g\n", std::sqrt(d / n));
   EXPECT_LE(std::sqrt(d / n), tol);
   // The adapters do change the model (a test of a no-op would pass the check above too).
-  const std::vector<float> base =
-      logits_of(base_cfg, load_weights(*be, base_cfg, test::fixture_dir()));
+  const std::vector<float> base = logits_of(base_cfg, load_weights(*be, base_cfg, dir));
   for (size_t i = 0; i < got.size(); ++i) changed += std::abs(double(got[i]) - base[i]);
   EXPECT_GT(changed / double(got.size()), 1e-4);
 }
 
 TEST(LoraOnTheCpu, InferenceWithAdaptersGivesTheMergedModelsLogits) {
   inference_matches_the_merged_model(make_cpu_backend(), 1e-5);
+}
+// The other families through the same declarations: Qwen2's biased q/k/v, Qwen2.5-VL's windowed
+// tower, and a MoE model, whose adapters are its attention's (its MLPs are experts).
+TEST(LoraOnTheCpu, EveryFamilyWithAdaptersGivesItsMergedModelsLogits) {
+  for (const char* family : {"qwen25vl-tiny", "qwen2vl-tiny", "qwen3vlmoe-tiny"}) {
+    SCOPED_TRACE(family);
+    inference_matches_the_merged_model(make_cpu_backend(), 1e-5, test::data_dir() + "/" + family);
+  }
 }
 // bf16: the merged weight is rounded once more than the base and adapter the unmerged model reads.
 TEST(LoraOnCuda, InferenceWithAdaptersGivesTheMergedModelsLogits) {

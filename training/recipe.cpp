@@ -190,7 +190,8 @@ std::vector<Field> fields(Recipe& r) {
       {"peft.rank", &pe.rank, "LoRA rank r (PEFT's r)"},
       {"peft.alpha", &pe.alpha, "LoRA alpha: the adapters' output is scaled by alpha / rank"},
       {"peft.dropout", &pe.dropout,
-       "dropout on each adapter's input (PEFT's lora_dropout); Iris supports 0 only for now"},
+       "dropout on each adapter's input in training (PEFT's lora_dropout): its masks follow "
+       "train.seed, the step and the micro-batch, so a resumed run repeats them"},
       {"peft.use_rslora", &pe.use_rslora, "scale by alpha / sqrt(rank) (rsLoRA)"},
       {"peft.target_modules", &pe.target_modules,
        "modules that get adapters: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
@@ -1009,8 +1010,8 @@ void validate_peft(Recipe& r) {
              pe.rank);
   IRIS_CHECK(pe.alpha > 0 && std::isfinite(pe.alpha), "recipe: peft.alpha must be positive, got ",
              pe.alpha);
-  IRIS_CHECK(pe.dropout == 0.0, "recipe: peft.dropout is ", pe.dropout,
-             "; Iris trains adapters without dropout so far: set peft.dropout=0");
+  IRIS_CHECK(pe.dropout >= 0.0 && pe.dropout < 1.0, "recipe: peft.dropout must be in [0, 1), got ",
+             pe.dropout);
   check_lora_targets(pe.target_modules, "recipe");
   const TrainRecipe& t = r.train;
   for (const auto& [set, key] : {std::pair{t.freeze_vision_tower, "train.freeze_vision_tower"},
@@ -1045,6 +1046,7 @@ LoraConfig recipe_lora(const PeftRecipe& pe) {
   l.rank = static_cast<int>(pe.rank);
   l.alpha = pe.alpha;
   l.rslora = pe.use_rslora;
+  l.dropout = pe.dropout;
   l.target_modules = pe.target_modules;
   return l;
 }

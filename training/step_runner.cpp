@@ -126,6 +126,9 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   for (auto& m : models) m->take_host_seconds();
   step_timer_.begin_step();
   model.zero_grads();
+  for (auto& m : models)
+    m->set_dropout_step(
+        static_cast<uint64_t>(r_.train.seed) ^ (static_cast<uint64_t>(dp_.rank()) << 40), it);
   const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
   // This rank's micro-batches (all of them for a single process).
   micro_batches_.clear();

@@ -8,6 +8,7 @@
 #include "bridge/joined_model.h"
 #include "bridge/peft.h"
 #include "bridge/rope_index.h"
+#include "core/splitmix.h"
 #include "core/thread_cpu_clock.h"
 #include "core/vision_tables.h"
 #include "language/moe_mlp.h"
@@ -22,6 +23,28 @@ constexpr int32_t kIgnoreIndex = -100;
 // A gradient tensor, or none when its part is frozen (which also skips the weight-gradient work).
 Tensor g_or_none(const Tensor& t, bool trainable) {
   return trainable ? t : Tensor();
+}
+
+// Each tower's adapter scratch, from the config's weight table: the memory plan's pass has the
+// config but no weights.
+std::pair<LoraScratchSize, LoraScratchSize> lora_scratch_sizes(const ModelConfig& cfg) {
+  LoraScratchSize text, vision;
+  if (!cfg.lora.enabled()) return {text, vision};
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  const auto layout =
+      allocate_weights(*cpu, cfg, DType::f32, [](const std::string&) { return false; });
+  for (const WeightBinding& b : layout->bindings) {
+    if (!is_lora_tensor(b.hf_name)) continue;
+    LoraScratchSize& size = b.hf_name.starts_with("model.visual.") ? vision : text;
+    if (b.hf_name.ends_with(".lora_A.weight")) {
+      size.rank = std::max(size.rank, b.hf_shape[0]);
+      size.in = std::max(size.in, b.hf_shape[1]);
+    } else {
+      size.out = std::max(size.out, b.hf_shape[0]);
+    }
+    size.dropout = cfg.lora.dropout > 0.0;
+  }
+  return {text, vision};
 }
 
 bool starts_with(const std::string& s, const char* prefix) {
@@ -319,14 +342,10 @@ void TrainableQwen3VL::allocate(Arena& a) {
   }
 
   // One adapter scratch per tower, shared by its layers' forwards and backwards.
-  LoraScratchSize t_lora, v_lora;
-  for (const DecoderLayerWeights& w : params_.text.layers)
-    for (const LoraAdapters* ad : {&w.qkv_lora, &w.o_lora, &w.gate_up_lora, &w.down_lora})
-      t_lora.cover(*ad);
-  for (const VisionBlockWeights& w : params_.vision.blocks)
-    for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) v_lora.cover(*ad);
+  const auto [t_lora, v_lora] = lora_scratch_sizes(cfg_);
   t_lora_ = allocate_lora_scratch(a, A, L, t_lora);
   v_lora_ = allocate_lora_scratch(a, A, S, v_lora);
+  lora_seed_ = t_lora.dropout || v_lora.dropout ? a.alloc(DType::i64, {1}) : Tensor();
 
   tx_.assign(static_cast<size_t>(t.num_hidden_layers) + 1, Tensor());
   for (int l = st.first_layer; l <= st.end_layer; ++l) tx_[l] = a.alloc(A, {Ls, H});
@@ -432,7 +451,8 @@ TrainableQwen3VL::input_members() {
       &TrainableQwen3VL::label_rows_, &TrainableQwen3VL::targets_,
       &TrainableQwen3VL::positions_,  &TrainableQwen3VL::text_cu_,
       &TrainableQwen3VL::grad_scale_, &TrainableQwen3VL::pixels_,
-      &TrainableQwen3VL::v_grids_,    &TrainableQwen3VL::text_real_rows_};
+      &TrainableQwen3VL::v_grids_,    &TrainableQwen3VL::text_real_rows_,
+      &TrainableQwen3VL::lora_seed_};
   return members;
 }
 
@@ -549,7 +569,7 @@ int64_t TrainableQwen3VL::queue_step(
   for (size_t i = 0; i < n; ++i) {
     use_slot(i);
     prepare(micro_batches[i]);
-    be_.write(grad_scale_, &grad_scale, DType::f32);
+    write_step_values(grad_scale, true);
     slots_[i].shape = shape();
     slots_[i].n_label_real = n_label_real_;
     slots_[i].n_text_real = n_text_real_;
@@ -592,8 +612,8 @@ void TrainableQwen3VL::move_into_own_inputs(size_t i) {
     InputSlot& own = slots_[0];
     // The rows of each input (in input_members' order) that prepare() wrote; -1: all of it.
     const BatchShape& b = s.shape;
-    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label, b.n_label,        b.L,
-                                   -1,  -1,      b.S,       b.S > 0 ? -1 : 0, -1};
+    const int64_t rows[kInputs] = {b.L, b.n_pad, b.n_label,        b.n_label, b.L, -1,
+                                   -1,  b.S,     b.S > 0 ? -1 : 0, -1,        -1};
     for (size_t k = 0; k < kInputs; ++k) {
       if (!own.inputs[k].defined()) continue;  // an input this model does not have
       if (rows[k] < 0)
@@ -627,6 +647,24 @@ void TrainableQwen3VL::plan_input_slots(int n) {
   // As the model's own arena: rows a padded micro-batch gathers but never writes are finite.
   be_.fill_zero(Tensor(slot_arena_.base(), DType::f32, be_.device(),
                        {static_cast<int64_t>(slot_arena_.capacity() / sizeof(float))}));
+}
+
+void TrainableQwen3VL::set_dropout_step(uint64_t seed, int64_t step) {
+  SplitMix64 mix(seed ^ (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL));
+  dropout_base_ = mix.next();
+  dropout_micro_batches_ = 0;
+}
+
+void TrainableQwen3VL::write_step_values(float grad_scale, bool training) {
+  be_.write(grad_scale_, &grad_scale, DType::f32);
+  if (!lora_seed_.defined()) return;
+  // Each training micro-batch its own masks; evaluation none (a negative seed).
+  int64_t seed = -1;
+  if (training) {
+    SplitMix64 mix(dropout_base_ + static_cast<uint64_t>(dropout_micro_batches_++));
+    seed = static_cast<int64_t>(mix.next() >> 1);
+  }
+  be_.write(lora_seed_, &seed, DType::i64);
 }
 
 void TrainableQwen3VL::use_slot(size_t i) {
@@ -874,7 +912,7 @@ void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool ba
              " holds part of the model: run it with stage_prepare, stage_forward and "
              "stage_backward, its neighbours' tensors handed over between them");
   prepare(batch);
-  be_.write(grad_scale_, &grad_scale, DType::f32);
+  write_step_values(grad_scale, backward);
   run_prepared(backward, loss_out);
 }
 
@@ -996,7 +1034,7 @@ int64_t TrainableQwen3VL::stage_prepare(const std::vector<const TrainSample*>& b
   stage_forward_only_ = forward_only;
   stage_vision_grads_ = S_ > 0 && (trains_tower_ || trains_merger_);
   stage_backward_ = !forward_only && n_label_real_ > 0 && (lm || stage_vision_grads_);
-  be_.write(grad_scale_, &grad_scale, DType::f32);
+  write_step_values(grad_scale, !forward_only);
   return n_label_real_;
 }
 
@@ -1205,6 +1243,7 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
                           {&b.x_out, &p.x_out}})
     *dst = src->slice(0, S);
   b.lora = v_lora_;
+  b.lora.seed = lora_seed_;
   return b;
 }
 
@@ -1224,17 +1263,19 @@ VisionSegments TrainableQwen3VL::vision_segments() const {
 
 VisionGradScratch TrainableQwen3VL::vision_grad_scratch() const {
   const int64_t S = S_;
-  return VisionGradScratch{v_dres_.slice(0, S),
-                           v_dres_c_.slice(0, S),
-                           v_dtmp_.slice(0, S),
-                           v_dfc_.slice(0, S),
-                           v_dup_.slice(0, S),
-                           v_dattn_.slice(0, S),
-                           v_dqkv_.slice(0, S),
-                           v_dsum_.slice(0, S),
-                           m_da_,
-                           m_dln_,
-                           v_lora_};
+  VisionGradScratch s{v_dres_.slice(0, S),
+                      v_dres_c_.slice(0, S),
+                      v_dtmp_.slice(0, S),
+                      v_dfc_.slice(0, S),
+                      v_dup_.slice(0, S),
+                      v_dattn_.slice(0, S),
+                      v_dqkv_.slice(0, S),
+                      v_dsum_.slice(0, S),
+                      m_da_,
+                      m_dln_,
+                      v_lora_};
+  if (v_lora_.defined()) s.lora.seed = lora_seed_;
+  return s;
 }
 
 namespace {
@@ -1419,6 +1460,7 @@ DecoderLayerBuffers TrainableQwen3VL::text_layer(int l) const {
                           {&b.x_out, &p.x_out}})
     if (src->defined()) *dst = src->slice(0, L);
   b.lora = t_lora_;
+  b.lora.seed = lora_seed_;
   if (cfg_.text.sparse_layer(l)) {
     b.moe = moe_rows(p.moe, cfg_.text, L);
     b.moe.real_rows = text_real_rows_;
@@ -1609,6 +1651,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
                                     m.t_dsum_.slice(0, L),
                                     {},
                                     m.t_lora_};
+      scratch_.lora.seed = m.lora_seed_;
       if (m.moe_layers_ > 0)
         scratch_.moe = moe_grad_rows(m.t_moe_, m.cfg_.text, m.limits_.moe_capacity, L);
       // With the sink row, which padding's gathers read as zero.

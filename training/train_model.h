@@ -275,6 +275,10 @@ class TrainableQwen3VL {
   // gradient; one planned frozen, TrainLimits::frozen, has none); backpropagation still runs
   // through a frozen part when a trainable part lies before it.
   void set_frozen(bool vision_tower, bool merger, bool language_model);
+  // LoRA dropout's masks for the training step `step` of a run seeded `seed` (the trainer mixes in
+  // its data-parallel rank): each micro-batch prepared after this gets its own, in order, so a
+  // resumed run draws the same ones. Without a call the base is 0.
+  void set_dropout_step(uint64_t seed, int64_t step);
   const FreezeSpec& frozen() const { return frozen_; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -369,6 +373,12 @@ class TrainableQwen3VL {
   // Whether each part has a trainable tensor (set_frozen): its backward then runs.
   bool trains_lm_ = false, trains_tower_ = false, trains_merger_ = false;
   LoraScratch t_lora_, v_lora_;  // where the model has adapters (core/lora.h)
+  // LoRA dropout: the micro-batch's seed (i64 [1], an input of its slot), drawn from the step's
+  // base and the micro-batches prepared in the step so far.
+  Tensor lora_seed_;
+  uint64_t dropout_base_ = 0;
+  int64_t dropout_micro_batches_ = 0;
+  void write_step_values(float grad_scale, bool training);
   FreezeSpec frozen_;
   Arena arena_;
   size_t activation_bytes_ = 0;
@@ -402,7 +412,7 @@ class TrainableQwen3VL {
   BatchShape shape() const;
   void set_shape(const BatchShape& shape);
   // The tensors prepare() writes, in one order.
-  static constexpr size_t kInputs = 10;
+  static constexpr size_t kInputs = 11;
   static const std::array<Tensor TrainableQwen3VL::*, kInputs>& input_members();
   // A step's micro-batches as queue_step holds them: the inputs prepare() wrote and the shape it
   // set, per micro-batch. Slot 0 holds the model's own inputs; use_slot points the inputs and the

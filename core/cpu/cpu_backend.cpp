@@ -219,6 +219,29 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) yp[i] = ap[i] + bp[i];
   }
 
+  void dropout(const Tensor& y, const Tensor& x, float p, const Tensor& seed,
+               uint64_t stream) override {
+    check_f32(y, "dropout output");
+    check_f32(x, "dropout input");
+    IRIS_CHECK(y.numel() == x.numel(), "dropout: ", x.shape_str(), " -> ", y.shape_str());
+    IRIS_CHECK(seed.dtype == DType::i64 && seed.numel() == 1, "dropout: seed must be i64 [1], got ",
+               seed.shape_str());
+    const uint32_t threshold = dropout_threshold(p);
+    const int64_t s = seed.as<int64_t>()[0], n = x.numel();
+    const float* xp = x.as<float>();
+    float* yp = y.as<float>();
+    if (s < 0) {
+      if (yp != xp) std::copy(xp, xp + n, yp);
+      return;
+    }
+    const float scale = 1.0f / (1.0f - p);
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+    for (int64_t i = 0; i < n; ++i)
+      yp[i] = dropout_draw(static_cast<uint64_t>(s), stream, static_cast<uint64_t>(i)) >= threshold
+                  ? xp[i] * scale
+                  : 0.0f;
+  }
+
   void add_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col,
                         int64_t cols, float scale, bool accumulate) override {
     check_f32(dst, "add_column_block destination");

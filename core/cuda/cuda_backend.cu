@@ -475,6 +475,21 @@ class CudaBackend final : public Backend {
     cuda::launch_rms_norm(bf(y), cbf(x), cbf(w), x.rows(), x.cols(), eps, stream());
   }
 
+  void dropout(const Tensor& y, const Tensor& x, float p, const Tensor& seed,
+               uint64_t stream) override {
+    bind();
+    check_act_or_f32(y, "dropout", "y");
+    check_act_or_f32(x, "dropout", "x");
+    IRIS_CHECK(y.dtype == x.dtype && y.numel() == x.numel(), "dropout: ", x.shape_str(), " -> ",
+               y.shape_str());
+    check_device(seed, "dropout");
+    IRIS_CHECK(seed.dtype == DType::i64 && seed.numel() == 1, "dropout: seed must be i64 [1], got ",
+               seed.shape_str());
+    cuda::launch_dropout(y.data, x.data, x.dtype == DType::f32, x.numel(), dropout_threshold(p),
+                         1.0f / (1.0f - p), static_cast<const int64_t*>(seed.data), stream,
+                         stream());
+  }
+
   void add_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col,
                         int64_t cols, float scale, bool accumulate) override {
     bind();

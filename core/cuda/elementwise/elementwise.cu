@@ -7,6 +7,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/elementwise/elementwise.h"
+#include "core/dropout_draw.h"
 
 namespace iris::cuda {
 namespace {
@@ -115,6 +116,19 @@ __global__ void add_f32_kernel(float* y, const float* a, const float* b, int64_t
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __fadd_rn(a[i], b[i]);
+}
+
+template <typename T>
+__global__ void dropout_kernel(T* y, const T* x, int64_t n, uint32_t threshold, float scale,
+                               const int64_t* seed, uint64_t stream) {
+  const int64_t s = *seed;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = ld(x, i);
+    const bool keep = s < 0 || iris::dropout_draw(static_cast<uint64_t>(s), stream,
+                                                  static_cast<uint64_t>(i)) >= threshold;
+    st(y, i, keep ? (s < 0 ? v : __fmul_rn(v, scale)) : 0.0f);
+  }
 }
 
 // One thread per element of the block; the columns are few (an adapter's output rows), so no
@@ -292,6 +306,19 @@ void launch_add_column_block(void* dst, bool dst_f32, int64_t dst_ld, int64_t ds
   else
     launch_column_block_t(db, dst_ld, dst_col, sb, src_ld, src_col, rows, cols, scale, accumulate,
                           s);
+}
+
+void launch_dropout(void* y, const void* x, bool f32, int64_t n, uint32_t threshold, float scale,
+                    const int64_t* seed, uint64_t stream, cudaStream_t s) {
+  if (n == 0) return;
+  if (f32)
+    dropout_kernel<<<grid_for(n), kThreads, 0, s>>>(
+        static_cast<float*>(y), static_cast<const float*>(x), n, threshold, scale, seed, stream);
+  else
+    dropout_kernel<<<grid_for(n), kThreads, 0, s>>>(static_cast<uint16_t*>(y),
+                                                    static_cast<const uint16_t*>(x), n, threshold,
+                                                    scale, seed, stream);
+  IRIS_CUDA_LAUNCH_CHECK();
 }
 
 void launch_gelu_tanh(uint16_t* y, const uint16_t* x, int64_t n, cudaStream_t s) {

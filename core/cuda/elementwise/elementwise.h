@@ -25,6 +25,10 @@ void launch_add_column_block(void* dst, bool dst_f32, int64_t dst_ld, int64_t ds
                              int64_t rows, int64_t cols, float scale, bool accumulate,
                              cudaStream_t s);
 
+// y = x / (1 - p) where dropout_draw(*seed, stream, i) >= threshold, else 0; *seed < 0: y = x.
+void launch_dropout(void* y, const void* x, bool f32, int64_t n, uint32_t threshold, float scale,
+                    const int64_t* seed, uint64_t stream, cudaStream_t s);
+
 // ---- conversion ----
 void launch_convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n, cudaStream_t s);
 void launch_convert_bf16_to_f32(float* dst, const uint16_t* src, int64_t n, cudaStream_t s);
