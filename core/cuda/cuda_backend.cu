@@ -476,7 +476,7 @@ class CudaBackend final : public Backend {
   }
 
   void dropout(const Tensor& y, const Tensor& x, float p, const Tensor& seed,
-               uint64_t stream) override {
+               uint64_t mask_stream) override {
     bind();
     check_act_or_f32(y, "dropout", "y");
     check_act_or_f32(x, "dropout", "x");
@@ -486,7 +486,7 @@ class CudaBackend final : public Backend {
     IRIS_CHECK(seed.dtype == DType::i64 && seed.numel() == 1, "dropout: seed must be i64 [1], got ",
                seed.shape_str());
     cuda::launch_dropout(y.data, x.data, x.dtype == DType::f32, x.numel(), dropout_threshold(p),
-                         1.0f / (1.0f - p), static_cast<const int64_t*>(seed.data), stream,
+                         1.0f / (1.0f - p), static_cast<const int64_t*>(seed.data), mask_stream,
                          stream());
   }
 
