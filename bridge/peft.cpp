@@ -229,14 +229,6 @@ void write_adapter_tensor(Backend& backend, const Tensor& dst, const AdapterKey&
              "); the adapter is corrupt");
 }
 
-std::vector<float> entry_f32(const SafetensorsEntry& e) {
-  int64_t n = 1;
-  for (int64_t d : e.shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  convert_to_f32(e, v.data());
-  return v;
-}
-
 }  // namespace
 
 float PeftAdapterConfig::scale() const {
@@ -460,8 +452,8 @@ std::unique_ptr<ModelWeights> load_weights_with_adapter(Backend& backend, ModelC
       IRIS_CHECK(we != nullptr, "checkpoint ", base_dir, " has no tensor ", weight,
                  " to merge the adapter into");
       const auto& [a, b] = pairs.at(module);
-      std::vector<float> W = entry_f32(*we);
-      const std::vector<float> A = entry_f32(*a->entry), B = entry_f32(*b->entry);
+      std::vector<float> W = to_f32(*we);
+      const std::vector<float> A = to_f32(*a->entry), B = to_f32(*b->entry);
       const int64_t out = b->entry->shape[0], in = a->entry->shape[1];
       merge_lora_delta(W.data(), A.data(), B.data(), out, in, ac.rank, scale);
       const int64_t bad = backend.write_finite(bound.at(weight)->tensor(), W.data(), DType::f32);

@@ -180,6 +180,14 @@ const SafetensorsEntry& SafetensorsFile::at(const std::string& name) const {
   return it->second;
 }
 
+std::vector<float> to_f32(const SafetensorsEntry& e) {
+  int64_t n = 1;
+  for (int64_t d : e.shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  convert_to_f32(e, v.data());
+  return v;
+}
+
 void convert_to_f32(const SafetensorsEntry& e, float* dst) {
   const size_t n = e.nbytes / dtype_size(e.dtype);
   switch (e.dtype) {

@@ -63,6 +63,8 @@ class SafetensorsCheckpoint {
 
 // Converts an entry's elements to f32 into dst (numel floats). Integer dtypes are rejected.
 void convert_to_f32(const SafetensorsEntry& e, float* dst);
+// The same into a vector of the entry's element count.
+std::vector<float> to_f32(const SafetensorsEntry& e);
 // The index of the first NaN or Inf element of a floating-point entry, or -1 when all are
 // finite. Reads the raw bits (no conversion) on every thread: a checkpoint in the compute dtype
 // is checked at the speed of memory, and its pages are mapped in on the way.

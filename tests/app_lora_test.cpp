@@ -36,39 +36,14 @@ namespace fs = std::filesystem;
 constexpr const char* kQA =
     "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight";
 
-// The whole of a model's logits on the golden prompt (image included, so the vision adapters and
-// the merger count) and one decode step after it, which runs the adapters on a single row.
-std::vector<float> golden_logits(Qwen3VLModel& model) {
-  const test::Golden golden;
-  const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
-  const HostTensor pv = golden.tensor("pixel_values");
-  model.encode_images(pv.data<float>(), test::grids_of(golden.tensor("image_grid_thw")));
-  model.prefill(ids);
-  std::vector<float> all = model.prompt_logits();
-  model.decode(ids.back());
-  const std::vector<float> last = model.last_logits();
-  all.insert(all.end(), last.begin(), last.end());
-  return all;
-}
-
-ModelLimits golden_limits() {
-  ModelLimits limits;
-  limits.max_context = 256;
-  limits.max_step_tokens = 128;
-  limits.max_vision_patches = 1024;
-  limits.max_images = 4;
-  limits.all_logits = true;
-  return limits;
-}
-
 std::vector<float> logits_of(Backend& be, const ModelConfig& cfg, std::unique_ptr<ModelWeights> w) {
-  Qwen3VLModel model(be, cfg, std::move(w), golden_limits());
-  return golden_logits(model);
+  Qwen3VLModel model(be, cfg, std::move(w), test::golden_limits());
+  return test::golden_logits(model);
 }
 
 std::vector<float> logits_of_dir(Backend& be, const std::string& dir) {
-  Qwen3VLModel model(be, dir, golden_limits());
-  return golden_logits(model);
+  Qwen3VLModel model(be, dir, test::golden_limits());
+  return test::golden_logits(model);
 }
 
 std::vector<float> logits_file(const std::string& path) {

@@ -9,10 +9,50 @@
 
 #include "bridge/hf_weights.h"
 #include "bridge/peft.h"
+#include "bridge/qwen3vl_model.h"
 #include "core/backend.h"
 #include "core/splitmix.h"
+#include "model_test_util.h"
+#include "test_util.h"
 
 namespace iris::test {
+
+// A model's logits on a fixture's golden prompt (image included, so the vision adapters and the
+// mergers count) and one decode step after it, which runs the adapters on a single row.
+inline std::vector<float> golden_logits(Qwen3VLModel& model,
+                                        const std::string& dir = fixture_dir()) {
+  const Golden golden(dir);
+  const std::vector<int32_t> ids = ids_of(golden.tensor("input_ids"));
+  const HostTensor pv = golden.tensor("pixel_values");
+  model.encode_images(pv.data<float>(), grids_of(golden.tensor("image_grid_thw")));
+  model.prefill(ids);
+  std::vector<float> all = model.prompt_logits();
+  model.decode(ids.back());
+  const std::vector<float> last = model.last_logits();
+  all.insert(all.end(), last.begin(), last.end());
+  return all;
+}
+
+inline ModelLimits golden_limits() {
+  ModelLimits limits;
+  limits.max_context = 256;
+  limits.max_step_tokens = 128;
+  limits.max_vision_patches = 1024;
+  limits.max_images = 4;
+  limits.all_logits = true;
+  return limits;
+}
+
+// A [shape] f32 tensor of N(0, 1) draws from `seed`, in `arena`.
+inline Tensor random_tensor(Backend& be, Arena& arena, const std::vector<int64_t>& shape,
+                            uint64_t seed) {
+  Tensor t = arena.alloc(DType::f32, shape);
+  SplitMix64 rng(seed);
+  std::vector<float> h(static_cast<size_t>(t.numel()));
+  for (float& v : h) v = static_cast<float>(rng.normal());
+  be.write(t, h.data(), DType::f32);
+  return t;
+}
 
 inline const WeightBinding& binding(const ModelWeights& w, const std::string& name) {
   for (const WeightBinding& b : w.bindings)

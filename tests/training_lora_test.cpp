@@ -55,13 +55,8 @@ TEST(LoraOnTheCpu, AdaptersOnQAndVLeaveTheKColumnsUntouched) {
   auto be = make_cpu_backend();
   const int64_t T = 3, in = 5, q = 4, k = 2, v = 2, r = 2;
   Arena arena(*be, 4096 * sizeof(float));
-  auto random = [&](std::vector<int64_t> shape, uint64_t seed) {
-    Tensor t = arena.alloc(DType::f32, shape);
-    SplitMix64 rng(seed);
-    std::vector<float> h(static_cast<size_t>(t.numel()));
-    for (float& x : h) x = static_cast<float>(rng.normal());
-    be->write(t, h.data(), DType::f32);
-    return t;
+  auto random = [&](const std::vector<int64_t>& shape, uint64_t seed) {
+    return test::random_tensor(*be, arena, shape, seed);
   };
   LoraAdapters ad;
   ad.scale = 1.5f;
@@ -105,13 +100,8 @@ TEST(LoraOnTheCpu, DropoutMasksTheAdapterInputInTheForwardAndTheBackward) {
   const int64_t T = 6, in = 40, out = 5, r = 3;
   const float p = 0.25f;
   Arena arena(*be, 1 << 20);
-  auto random = [&](std::vector<int64_t> shape, uint64_t seed) {
-    Tensor t = arena.alloc(DType::f32, shape);
-    SplitMix64 rng(seed);
-    std::vector<float> h(static_cast<size_t>(t.numel()));
-    for (float& v : h) v = static_cast<float>(rng.normal());
-    be->write(t, h.data(), DType::f32);
-    return t;
+  auto random = [&](const std::vector<int64_t>& shape, uint64_t seed) {
+    return test::random_tensor(*be, arena, shape, seed);
   };
   LoraAdapters ad;
   ad.scale = 2.0f;
@@ -253,20 +243,9 @@ TEST(LoraOnTheCpu, AFreshAdapterLeavesTheLogitsAsTheyWere) {
   EXPECT_GT(sq, 0.0);
   for (float x : bv) EXPECT_EQ(x, 0.0f);
 
-  ModelLimits limits;
-  limits.max_context = 256;
-  limits.max_step_tokens = 128;
-  limits.max_vision_patches = 1024;
-  limits.max_images = 4;
-  limits.all_logits = true;
-  const Golden golden;
-  const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
-  const HostTensor pv = golden.tensor("pixel_values");
   auto logits_of = [&](const ModelConfig& c, std::unique_ptr<ModelWeights> w) {
-    Qwen3VLModel model(*be, c, std::move(w), limits);
-    model.encode_images(pv.data<float>(), test::grids_of(golden.tensor("image_grid_thw")));
-    model.prefill(ids);
-    return model.prompt_logits();
+    Qwen3VLModel model(*be, c, std::move(w), test::golden_limits());
+    return test::golden_logits(model);
   };
   const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
   const std::vector<float> base =
@@ -286,25 +265,9 @@ void inference_matches_the_merged_model(std::unique_ptr<Backend> be, double tol,
   auto merged = load_weights(*be, base_cfg, dir);
   merge_into(*be, *adapted, cfg.lora.scale(), *merged);
 
-  ModelLimits limits;
-  limits.max_context = 256;
-  limits.max_step_tokens = 128;
-  limits.max_vision_patches = 1024;
-  limits.max_images = 4;
-  limits.all_logits = true;
-  const Golden golden(dir);
-  const std::vector<int32_t> ids = test::ids_of(golden.tensor("input_ids"));
-  const HostTensor pv = golden.tensor("pixel_values");
   auto logits_of = [&](const ModelConfig& c, std::unique_ptr<ModelWeights> w) {
-    Qwen3VLModel model(*be, c, std::move(w), limits);
-    model.encode_images(pv.data<float>(), test::grids_of(golden.tensor("image_grid_thw")));
-    model.prefill(ids);
-    std::vector<float> all = model.prompt_logits();
-    // And one decode step, which runs the adapters on a single row.
-    model.decode(ids.back());
-    const std::vector<float> last = model.last_logits();
-    all.insert(all.end(), last.begin(), last.end());
-    return all;
+    Qwen3VLModel model(*be, c, std::move(w), test::golden_limits());
+    return test::golden_logits(model, dir);
   };
   const std::vector<float> want = logits_of(base_cfg, std::move(merged));
   const std::vector<float> got = logits_of(cfg, std::move(adapted));
@@ -442,12 +405,7 @@ TEST(LoraOnTheCpu, MatchesTorchLogitsGradientsAndOneAdamWStep) {
   };
   const auto base_before = base_bits(*params);
 
-  ModelLimits infer;
-  infer.max_context = 256;
-  infer.max_step_tokens = 128;
-  infer.max_vision_patches = 1024;
-  infer.max_images = 4;
-  infer.all_logits = true;
+  const ModelLimits infer = test::golden_limits();
   const Golden sample_golden;
   const TrainSample sample = test::golden_sample(sample_golden);
   // An inference model of the base with `adapters`' adapter values.

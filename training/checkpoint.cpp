@@ -541,14 +541,6 @@ class ExportTensors {
   std::vector<SafetensorsWriteItem> items_;
 };
 
-std::vector<float> tensor_f32(const SafetensorsEntry& e) {
-  int64_t n = 1;
-  for (int64_t d : e.shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  convert_to_f32(e, v.data());
-  return v;
-}
-
 std::string shape_string(const std::vector<int64_t>& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -579,7 +571,7 @@ void export_full(const SafetensorsCheckpoint& weights, const fs::path& tmp, DTyp
   ExportTensors out(dtype);
   for (const std::string& name : weights.names()) {
     const SafetensorsEntry& e = weights.at(name);
-    out.add(name, e.shape, tensor_f32(e));
+    out.add(name, e.shape, to_f32(e));
     check_stop();
   }
   out.write(tmp / "model.safetensors");
@@ -596,7 +588,7 @@ void export_merged(const std::string& src, const SafetensorsCheckpoint& weights,
   for (const std::string& name : weights.names()) {
     if (is_lora_tensor(name)) continue;
     const SafetensorsEntry& e = weights.at(name);
-    std::vector<float> v = tensor_f32(e);
+    std::vector<float> v = to_f32(e);
     const std::string module = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : "";
     const std::string a = module + ".lora_A.weight", b = module + ".lora_B.weight";
     if (!module.empty() && (weights.contains(a) || weights.contains(b))) {
@@ -610,8 +602,8 @@ void export_merged(const std::string& src, const SafetensorsCheckpoint& weights,
                  shape_string(ea.shape), " and lora_B ", shape_string(eb.shape),
                  ", which do not fit its weight ", shape_string(e.shape), " with r = ", r,
                  " from adapter_config.json; the checkpoint and its adapter_config.json disagree");
-      merge_lora_delta(v.data(), tensor_f32(ea).data(), tensor_f32(eb).data(), e.shape[0],
-                       e.shape[1], r, scale);
+      merge_lora_delta(v.data(), to_f32(ea).data(), to_f32(eb).data(), e.shape[0], e.shape[1], r,
+                       scale);
       merged.insert(module);
     }
     out.add(name, e.shape, v);
@@ -640,7 +632,7 @@ void export_peft(const std::string& src, const SafetensorsCheckpoint& weights,
     for (const std::string& m : adapter.modules_to_save)
       if (in_modules_to_save(name, {m})) saved.insert(m);
     const SafetensorsEntry& e = weights.at(name);
-    out.add(peft_key(name), e.shape, tensor_f32(e));
+    out.add(peft_key(name), e.shape, to_f32(e));
     check_stop();
   }
   for (const std::string& m : adapter.modules_to_save)
