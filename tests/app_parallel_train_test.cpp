@@ -174,6 +174,31 @@ TEST_F(AppParallelTrainTest, FrozenPartsShardNothingAndGiveTheUnshardedRunBitFor
   EXPECT_NE(a.output.find("f32 master weights "), std::string::npos) << a.output;
 }
 
+// LoRA with adapter dropout: each micro-batch's masks follow its place in the global batch, so two
+// ranks, sharded or not, give the losses and adapters of one process with two replicas bit for bit.
+TEST_F(AppParallelTrainTest, LoraWithDropoutGivesOneProcessBitForBit) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> lora{"peft.type=lora", "peft.rank=4", "peft.alpha=8",
+                                      "peft.dropout=0.3",
+                                      "peft.target_modules=[q_proj,v_proj,down_proj,attn.qkv]"};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), lora.begin(), lora.end());
+    return args;
+  };
+  const fs::path single = root_ / "single", dp = root_ / "dp", sharded = root_ / "sharded";
+  const Exit a =
+      iris(with({"train", "--recipe", recipe, "checkpoint.dir=" + single.string()}), "2");
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b = mpirun(2, with({"train", "--recipe", recipe, "checkpoint.dir=" + dp.string(),
+                                 "parallel.data_parallel_size=2"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  expect_same_three_steps(single, dp, b.output);
+  const Exit c = mpirun(2, with({"train", "--recipe", recipe, "checkpoint.dir=" + sharded.string(),
+                                 "parallel.data_parallel_size=2", "optimizer.distributed=true"}));
+  ASSERT_EQ(c.code, 0) << c.output;
+  expect_same_three_steps(single, sharded, c.output);
+}
+
 // A checkpoint does not depend on the data-parallel size or the sharding: a run stopped at step 2
 // continues under another layout to the losses, weights and moments of a run never stopped. One
 // process with 2 threads has the reduction structure of 2 ranks of one thread each.

@@ -126,20 +126,32 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   for (auto& m : models) m->take_host_seconds();
   step_timer_.begin_step();
   model.zero_grads();
-  for (auto& m : models)
-    m->set_dropout_step(
-        static_cast<uint64_t>(r_.train.seed) ^ (static_cast<uint64_t>(dp_.rank()) << 40), it);
   const float grad_scale = static_cast<float>(1.0 / static_cast<double>(batch_labels));
   // This rank's micro-batches (all of them for a single process).
   micro_batches_.clear();
+  std::vector<int64_t> global_ids;
   int64_t share_labels = 0;
   for (size_t i = 0; i < batch_.size(); i += static_cast<size_t>(micro)) {
     if (!dp_.owns(static_cast<int64_t>(i) / micro)) continue;
+    global_ids.push_back(static_cast<int64_t>(i) / micro);
     micro_batches_.emplace_back();
     for (size_t j = i; j < i + static_cast<size_t>(micro); ++j) {
       micro_batches_.back().push_back(&batch_[j]);
       share_labels += labelled_positions(batch_[j].labels);
     }
+  }
+  // LoRA dropout draws each micro-batch's masks from its place in the global batch. Micro-batch i
+  // runs on replica i % n_replicas (run_on_replicas); a pipeline stage's models take theirs as
+  // 1F1B hands them out, so there each model counts its own, its rank mixed into the seed.
+  const auto seed = static_cast<uint64_t>(r_.train.seed);
+  for (size_t k = 0; k < models.size(); ++k) {
+    if (rank_.pipelined()) {
+      models[k]->set_dropout_step(seed ^ (static_cast<uint64_t>(dp_.rank()) << 40), it);
+      continue;
+    }
+    std::vector<int64_t> ids;
+    for (size_t i = k; i < global_ids.size(); i += models.size()) ids.push_back(global_ids[i]);
+    models[k]->set_dropout_step(seed, it, std::move(ids));
   }
   // Micro-batch i runs on replica i % n_replicas, each replica's in order, and the replicas are
   // summed in order: the result depends on the thread count but not on timing.

@@ -649,10 +649,12 @@ void TrainableQwen3VL::plan_input_slots(int n) {
                        {static_cast<int64_t>(slot_arena_.capacity() / sizeof(float))}));
 }
 
-void TrainableQwen3VL::set_dropout_step(uint64_t seed, int64_t step) {
+void TrainableQwen3VL::set_dropout_step(uint64_t seed, int64_t step,
+                                        std::vector<int64_t> micro_batch_ids) {
   SplitMix64 mix(seed ^ (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL));
   dropout_base_ = mix.next();
   dropout_micro_batches_ = 0;
+  dropout_ids_ = std::move(micro_batch_ids);
 }
 
 void TrainableQwen3VL::write_step_values(float grad_scale, bool training) {
@@ -661,7 +663,9 @@ void TrainableQwen3VL::write_step_values(float grad_scale, bool training) {
   // Each training micro-batch its own masks; evaluation none (a negative seed).
   int64_t seed = -1;
   if (training) {
-    SplitMix64 mix(dropout_base_ + static_cast<uint64_t>(dropout_micro_batches_++));
+    const int64_t k = dropout_micro_batches_++;
+    const int64_t id = k < static_cast<int64_t>(dropout_ids_.size()) ? dropout_ids_[size_t(k)] : k;
+    SplitMix64 mix(dropout_base_ + static_cast<uint64_t>(id));
     seed = static_cast<int64_t>(mix.next() >> 1);
   }
   be_.write(lora_seed_, &seed, DType::i64);

@@ -275,10 +275,11 @@ class TrainableQwen3VL {
   // gradient; one planned frozen, TrainLimits::frozen, has none); backpropagation still runs
   // through a frozen part when a trainable part lies before it.
   void set_frozen(bool vision_tower, bool merger, bool language_model);
-  // LoRA dropout's masks for the training step `step` of a run seeded `seed` (the trainer mixes in
-  // its data-parallel rank): each micro-batch prepared after this gets its own, in order, so a
-  // resumed run draws the same ones. Without a call the base is 0.
-  void set_dropout_step(uint64_t seed, int64_t step);
+  // LoRA dropout's masks for the training step `step` of a run seeded `seed`: the k-th training
+  // micro-batch prepared after this draws its masks from micro_batch_ids[k], its place in the
+  // global batch (so that ranks and replicas together draw what one process draws), or from k
+  // where the list is shorter. A resumed run draws the same ones. Without a call the base is 0.
+  void set_dropout_step(uint64_t seed, int64_t step, std::vector<int64_t> micro_batch_ids = {});
   const FreezeSpec& frozen() const { return frozen_; }
 
   const ModelConfig& config() const { return cfg_; }
@@ -378,6 +379,7 @@ class TrainableQwen3VL {
   Tensor lora_seed_;
   uint64_t dropout_base_ = 0;
   int64_t dropout_micro_batches_ = 0;
+  std::vector<int64_t> dropout_ids_;
   void write_step_values(float grad_scale, bool training);
   FreezeSpec frozen_;
   Arena arena_;
