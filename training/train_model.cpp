@@ -93,13 +93,7 @@ bool stage_holds(const PipelineStage& st, bool tied_embeddings, const std::strin
 }
 
 bool FreezeSpec::frozen(const std::string& name) const {
-  if (is_lora_tensor(name)) return false;
-  // PEFT matches a module to save by its path or by its last components.
-  for (const std::string& m : modules_to_save)
-    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
-      const std::string module = name.substr(0, dot);
-      if (module == m || (module.size() > m.size() && module.ends_with("." + m))) return false;
-    }
+  if (is_lora_tensor(name) || in_modules_to_save(name, modules_to_save)) return false;
   switch (model_part(name)) {
     case ModelPart::vision_tower:
       return vision_tower;
