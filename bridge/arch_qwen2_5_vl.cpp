@@ -84,6 +84,8 @@ class Qwen25VL final : public Qwen2FamilyArchitecture {
       t.part(pre + "mlp.gate_proj.bias", {I}, b.fc1_b, 0);
       t.part(pre + "mlp.up_proj.bias", {I}, b.fc1_b, I);
       t.linear(pre + "mlp.down_proj", b.fc2_w, b.fc2_b, D, I);
+      t.lora(cfg.lora, pre + "mlp.", {{"gate_proj", I}, {"up_proj", I}}, D, b.fc1_lora);
+      t.lora(cfg.lora, pre + "mlp.", {{"down_proj", D}}, I, b.fc2_lora);
     }
     t.norm(vis + "merger.ln_q", vw.merger.norm_w, nullptr, D);
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);

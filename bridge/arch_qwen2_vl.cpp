@@ -70,6 +70,8 @@ class Qwen2VL final : public Qwen2FamilyArchitecture {
       t.lora(cfg.lora, pre + "attn.", {{"proj", D}}, D, b.proj_lora);
       t.linear(pre + "mlp.fc1", b.fc1_w, b.fc1_b, I, D);
       t.linear(pre + "mlp.fc2", b.fc2_w, b.fc2_b, D, I);
+      t.lora(cfg.lora, pre + "mlp.", {{"fc1", I}}, D, b.fc1_lora);
+      t.lora(cfg.lora, pre + "mlp.", {{"fc2", D}}, I, b.fc2_lora);
     }
     t.norm(vis + "merger.ln_q", vw.merger.norm_w, &vw.merger.norm_b, D);
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);

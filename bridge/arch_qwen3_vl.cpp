@@ -90,6 +90,8 @@ void Qwen3FamilyArchitecture::declare_weights(const ModelConfig& cfg, ModelWeigh
     t.lora(cfg.lora, pre + "attn.", {{"proj", D}}, D, b.proj_lora);
     t.linear(pre + "mlp.linear_fc1", b.fc1_w, b.fc1_b, I, D);
     t.linear(pre + "mlp.linear_fc2", b.fc2_w, b.fc2_b, D, I);
+    t.lora(cfg.lora, pre + "mlp.", {{"linear_fc1", I}}, D, b.fc1_lora);
+    t.lora(cfg.lora, pre + "mlp.", {{"linear_fc2", D}}, I, b.fc2_lora);
   }
   auto merger = [&](const std::string& pre, PatchMergerWeights& m, int64_t norm_dim) {
     t.norm(pre + "norm", m.norm_w, &m.norm_b, norm_dim);

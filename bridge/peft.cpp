@@ -27,7 +27,7 @@ bool starts_with(const std::string& s, const std::string& prefix) {
 
 // Where a target name applies: the language model's layers or the vision tower's blocks.
 bool in_domain(const std::string& target, const std::string& module) {
-  const bool vision = starts_with(target, "attn.");
+  const bool vision = starts_with(target, "attn.") || starts_with(target, "mlp.");
   return vision ? starts_with(module, "model.visual.blocks.")
                 : starts_with(module, "model.language_model.layers.") ||
                       starts_with(module, "model.layers.");
@@ -49,9 +49,10 @@ bool LoraConfig::adapts(const std::string& module) const {
 }
 
 const std::vector<std::string>& lora_target_names() {
-  static const std::vector<std::string> kNames = {"q_proj",    "k_proj",    "v_proj",
-                                                  "o_proj",    "gate_proj", "up_proj",
-                                                  "down_proj", "attn.qkv",  "attn.proj"};
+  static const std::vector<std::string> kNames = {
+      "q_proj",    "k_proj",        "v_proj",      "o_proj",         "gate_proj",      "up_proj",
+      "down_proj", "attn.qkv",      "attn.proj",   "mlp.linear_fc1", "mlp.linear_fc2", "mlp.fc1",
+      "mlp.fc2",   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
   return kNames;
 }
 

@@ -14,7 +14,9 @@ namespace iris {
 
 // The target names peft.target_modules accepts, each with the modules it adapts: the language
 // model's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj (dense layers; a
-// sparse layer's experts are never adapted), and the vision blocks' attn.qkv and attn.proj.
+// sparse layer's experts are never adapted), and the vision blocks' attn.qkv, attn.proj and MLP
+// projections under their family's names (mlp.linear_fc1/2 for Qwen3-VL, mlp.gate_proj, up_proj,
+// down_proj for Qwen2.5-VL, mlp.fc1/2 for Qwen2-VL).
 const std::vector<std::string>& lora_target_names();
 // An error naming the accepted names unless every one of `targets` is one of them.
 void check_lora_targets(const std::vector<std::string>& targets, const std::string& where);

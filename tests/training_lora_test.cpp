@@ -29,9 +29,11 @@ using test::merge_into;
 using test::randomize_adapters;
 using test::read;
 
-const std::vector<std::string> kAllTargets = {"q_proj",    "k_proj",    "v_proj",
-                                              "o_proj",    "gate_proj", "up_proj",
-                                              "down_proj", "attn.qkv",  "attn.proj"};
+// Every target name: the families' vision MLP names each match their own fixture's modules.
+const std::vector<std::string> kAllTargets = {
+    "q_proj",    "k_proj",        "v_proj",      "o_proj",         "gate_proj",      "up_proj",
+    "down_proj", "attn.qkv",      "attn.proj",   "mlp.linear_fc1", "mlp.linear_fc2", "mlp.fc1",
+    "mlp.fc2",   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
 
 ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8,
                         const std::string& dir = test::fixture_dir()) {
@@ -305,12 +307,13 @@ TEST(LoraOnCuda, InferenceWithAdaptersGivesTheMergedModelsLogits) {
 // Training: the adapted model's loss is the merged model's, and each adapter's gradients follow
 // from the merged weight's: dB = scale G A^T, dA = scale B^T G. The base holds no gradient.
 void gradients_follow_from_the_merged_weights(std::unique_ptr<Backend> be, double loss_tol,
-                                              double grad_tol) {
-  const ModelConfig cfg = lora_config(kAllTargets);
-  const ModelConfig base_cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
-  auto adapted = load_weights(*be, cfg, test::fixture_dir());
+                                              double grad_tol,
+                                              const std::string& dir = test::fixture_dir()) {
+  const ModelConfig cfg = lora_config(kAllTargets, 4, 8, dir);
+  const ModelConfig base_cfg = ModelConfig::from_file(dir + "/config.json");
+  auto adapted = load_weights(*be, cfg, dir);
   randomize_adapters(*be, *adapted, 13);
-  auto merged = load_weights(*be, base_cfg, test::fixture_dir());
+  auto merged = load_weights(*be, base_cfg, dir);
   merge_into(*be, *adapted, cfg.lora.scale(), *merged);
 
   TrainLimits limits;
@@ -320,7 +323,7 @@ void gradients_follow_from_the_merged_weights(std::unique_ptr<Backend> be, doubl
   limits.loss_chunk_rows = 16;
   TrainLimits lora_limits = limits;
   lora_limits.frozen = {true, true, true, {}};
-  const TrainSample sample = test::golden_sample(Golden());
+  const TrainSample sample = test::golden_sample(Golden(dir));
   const float scale_loss = 1.0f / static_cast<float>(labelled_positions(sample.labels));
   TrainableQwen3VL lora_model(*be, cfg, *adapted, lora_limits);
   TrainableQwen3VL full_model(*be, base_cfg, *merged, limits);
@@ -364,11 +367,22 @@ void gradients_follow_from_the_merged_weights(std::unique_ptr<Backend> be, doubl
     ++checked;
   }
   std::printf("  adapter gradients: worst relative L2 to the chain rule %.3g\n", worst);
-  EXPECT_EQ(checked, 7 * cfg.text.num_hidden_layers + 2 * cfg.vision.depth);
+  // Per decoder layer q, k, v, o, gate, up, down (a sparse layer: q, k, v, o); per block qkv,
+  // proj and the MLP's (Qwen2.5-VL: gate, up, down).
+  int dense = 0;
+  for (int l = 0; l < cfg.text.num_hidden_layers; ++l) dense += !cfg.text.sparse_layer(l);
+  const int block_mlp = cfg.model_type == "qwen2_5_vl" ? 3 : 2;
+  EXPECT_EQ(checked,
+            4 * cfg.text.num_hidden_layers + 3 * dense + (2 + block_mlp) * cfg.vision.depth);
 }
 
 TEST(LoraOnTheCpu, AdapterGradientsFollowFromTheMergedWeightsGradient) {
   gradients_follow_from_the_merged_weights(make_cpu_backend(), 1e-5, 1e-4);
+  for (const char* family : {"qwen25vl-tiny", "qwen2vl-tiny", "qwen3vlmoe-tiny"}) {
+    SCOPED_TRACE(family);
+    gradients_follow_from_the_merged_weights(make_cpu_backend(), 1e-5, 1e-4,
+                                             test::data_dir() + "/" + family);
+  }
 }
 // bf16 activations and weights, f32 gradients: the FamilyGradients bound for CUDA.
 TEST(LoraOnCuda, AdapterGradientsFollowFromTheMergedWeightsGradient) {

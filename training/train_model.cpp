@@ -1007,7 +1007,8 @@ void each_tensor(const VisionBlockWeights& w, F f) {
   for (const Tensor* t : {&w.norm1_w, &w.norm1_b, &w.qkv_w, &w.qkv_b, &w.proj_w, &w.proj_b,
                           &w.norm2_w, &w.norm2_b, &w.fc1_w, &w.fc1_b, &w.fc2_w, &w.fc2_b})
     f(*t);
-  for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) each_tensor(*ad, f);
+  for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora, &w.fc1_lora, &w.fc2_lora})
+    each_tensor(*ad, f);
 }
 template <class F>
 void each_tensor(const PatchMergerWeights& w, F f) {

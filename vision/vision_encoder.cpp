@@ -50,9 +50,17 @@ void vision_attention_forward(Backend& be, const VisionConfig& cfg, const Vision
 void vision_mlp_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
                         const VisionBlockBuffers& b) {
   cfg.tower->norm(be, cfg, b.ln2, b.mean2, b.rstd2, b.x_mid, w.norm2_w, w.norm2_b);
-  cfg.tower->mlp_up(be, w, b.fc1, b.act, b.ln2);
+  if (w.fc1_lora.empty()) {
+    cfg.tower->mlp_up(be, w, b.fc1, b.act, b.ln2);
+  } else {
+    // The adapters' rows join fc1's output before the activation reads it.
+    be.linear(b.fc1, b.ln2, w.fc1_w, w.fc1_b, false);
+    lora_forward(be, w.fc1_lora, b.fc1, b.ln2, b.lora);
+    cfg.tower->mlp_activation(be, b.act, b.fc1);
+  }
   if (b.x_out.data != b.x_mid.data) be.copy(b.x_out, b.x_mid);
   be.linear(b.x_out, b.act, w.fc2_w, w.fc2_b, true);
+  lora_forward(be, w.fc2_lora, b.x_out, b.act, b.lora);
 }
 
 void vision_block_forward(Backend& be, const VisionConfig& cfg, const VisionBlockWeights& w,
@@ -128,9 +136,11 @@ void vision_mlp_backward(Backend& be, const VisionConfig& cfg, const VisionBlock
   const Tensor dy = in_compute_dtype(be, s.dres, s.dres_c);
   be.linear_backward_input(s.dfc, dy, w.fc2_w, false);
   be.linear_backward_weight(g.fc2_w, g.fc2_b, dy, b.act);
+  lora_backward(be, w.fc2_lora, &g.fc2_lora, s.dfc, dy, b.act, s.lora);
   cfg.tower->mlp_activation_backward(be, s.dup, s.dfc, b.fc1);
   be.linear_backward_input(s.dtmp, s.dup, w.fc1_w, false);
   be.linear_backward_weight(g.fc1_w, g.fc1_b, s.dup, b.ln2);
+  lora_backward(be, w.fc1_lora, &g.fc1_lora, s.dtmp, s.dup, b.ln2, s.lora);
   cfg.tower->norm_backward(be, s.dres, g.norm2_w, g.norm2_b, s.dtmp, b.x_mid, b.mean2, b.rstd2,
                            w.norm2_w);
 }
@@ -319,7 +329,8 @@ void VisionEncoder::allocate(Arena& a) {
     deepstack_.push_back(a.alloc(dt, {Sm, cfg_.out_hidden_size}));
   LoraScratchSize lora;
   for (const VisionBlockWeights& w : w_.blocks)
-    for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora}) lora.cover(*ad);
+    for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora, &w.fc1_lora, &w.fc2_lora})
+      lora.cover(*ad);
   lora_ = allocate_lora_scratch(a, dt, S, lora);
 }
 

@@ -31,8 +31,9 @@ struct VisionBlockWeights {
   Tensor norm2_w, norm2_b;  // [D]
   Tensor fc1_w, fc1_b;      // [U, D], [U]: U = VisionTower::mlp_up_width (gate then up if gated)
   Tensor fc2_w, fc2_b;      // [D, I], [D]
-  // LoRA adapters (core/lora.h) on attn.qkv and attn.proj; empty where not adapted.
-  LoraAdapters qkv_lora, proj_lora;
+  // LoRA adapters (core/lora.h) on attn.qkv, attn.proj and the MLP's two projections (fc1's
+  // HF modules, gate and up where they are stacked); empty where not adapted.
+  LoraAdapters qkv_lora, proj_lora, fc1_lora, fc2_lora;
 };
 
 struct PatchMergerWeights {
