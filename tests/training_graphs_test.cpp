@@ -124,13 +124,7 @@ class TrainingGraphs : public ::testing::Test {
       SCOPED_TRACE(mode.name);
       auto api = make_graph_api(*be_);
       TrainableQwen3VL m(*be_, cfg_, *params_, limits);
-      TrainGraphs g;
-      g.decoder = mode.decoder;
-      g.vision = mode.vision;
-      g.decoder_modules = mode.decoder_modules;
-      g.vision_modules = mode.vision_modules;
-      g.warmup_runs = 1;
-      m.use_graphs(*api, g);
+      m.use_graphs(*api, graphs_of(mode));
       const Trace got = run(m);
       ASSERT_EQ(got.losses.size(), want.losses.size());
       int adapters = 0;
@@ -186,6 +180,17 @@ class TrainingGraphs : public ::testing::Test {
                  true,
                  {M::attn, M::mlp},
                  {M::attn, M::mlp}}};
+  }
+
+  // The graph settings of `mode`, warmed up by one eager run per shape.
+  static TrainGraphs graphs_of(const Mode& mode) {
+    TrainGraphs g;
+    g.decoder = mode.decoder;
+    g.vision = mode.vision;
+    g.decoder_modules = mode.decoder_modules;
+    g.vision_modules = mode.vision_modules;
+    g.warmup_runs = 1;
+    return g;
   }
 
   // What the graph keys of `mode` must and must not contain.
@@ -254,13 +259,7 @@ class TrainingGraphs : public ::testing::Test {
       TrainLimits planned = limits;
       planned.frozen.vision_tower = tower_frozen;
       TrainableQwen3VL m(*be_, cfg_, *params_, planned);
-      TrainGraphs g;
-      g.decoder = mode.decoder;
-      g.vision = mode.vision;
-      g.decoder_modules = mode.decoder_modules;
-      g.vision_modules = mode.vision_modules;
-      g.warmup_runs = 1;
-      m.use_graphs(*api, g);
+      m.use_graphs(*api, graphs_of(mode));
       const Trace got = run(m);
       ASSERT_EQ(got.losses.size(), want.losses.size());
       for (size_t i = 0; i < got.losses.size(); ++i) {
