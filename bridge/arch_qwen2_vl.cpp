@@ -76,6 +76,8 @@ class Qwen2VL final : public Qwen2FamilyArchitecture {
     t.norm(vis + "merger.ln_q", vw.merger.norm_w, &vw.merger.norm_b, D);
     t.linear(vis + "merger.mlp.0", vw.merger.fc1_w, vw.merger.fc1_b, M, M);
     t.linear(vis + "merger.mlp.2", vw.merger.fc2_w, vw.merger.fc2_b, out, M);
+    t.lora(cfg.lora, vis + "merger.", {{"mlp.0", M}}, M, vw.merger.fc1_lora);
+    t.lora(cfg.lora, vis + "merger.", {{"mlp.2", out}}, M, vw.merger.fc2_lora);
     declare_decoder(cfg, w, t, "model.language_model.", DecoderTensors::qwen2);
   }
 

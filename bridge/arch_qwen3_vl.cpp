@@ -99,6 +99,10 @@ void Qwen3FamilyArchitecture::declare_weights(const ModelConfig& cfg, ModelWeigh
     t.linear(pre + "linear_fc2", m.fc2_w, m.fc2_b, out, M);
   };
   merger(vis + "merger.", vw.merger, D);
+  // The main merger takes adapters; the DeepStack mergers, whose GEMMs run beside the tower's
+  // layers at inference, do not.
+  t.lora(cfg.lora, vis + "merger.", {{"linear_fc1", M}}, M, vw.merger.fc1_lora);
+  t.lora(cfg.lora, vis + "merger.", {{"linear_fc2", out}}, M, vw.merger.fc2_lora);
   vw.deepstack_mergers.resize(v.deepstack_visual_indexes.size());
   for (size_t k = 0; k < vw.deepstack_mergers.size(); ++k)
     merger(vis + "deepstack_merger_list." + std::to_string(k) + ".", vw.deepstack_mergers[k], M);

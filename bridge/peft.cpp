@@ -27,6 +27,7 @@ bool starts_with(const std::string& s, const std::string& prefix) {
 
 // Where a target name applies: the language model's layers or the vision tower's blocks.
 bool in_domain(const std::string& target, const std::string& module) {
+  if (starts_with(target, "merger.")) return starts_with(module, "model.visual.merger.");
   const bool vision = starts_with(target, "attn.") || starts_with(target, "mlp.");
   return vision ? starts_with(module, "model.visual.blocks.")
                 : starts_with(module, "model.language_model.layers.") ||
@@ -49,10 +50,26 @@ bool LoraConfig::adapts(const std::string& module) const {
 }
 
 const std::vector<std::string>& lora_target_names() {
-  static const std::vector<std::string> kNames = {
-      "q_proj",    "k_proj",        "v_proj",      "o_proj",         "gate_proj",      "up_proj",
-      "down_proj", "attn.qkv",      "attn.proj",   "mlp.linear_fc1", "mlp.linear_fc2", "mlp.fc1",
-      "mlp.fc2",   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+  static const std::vector<std::string> kNames = {"q_proj",
+                                                  "k_proj",
+                                                  "v_proj",
+                                                  "o_proj",
+                                                  "gate_proj",
+                                                  "up_proj",
+                                                  "down_proj",
+                                                  "attn.qkv",
+                                                  "attn.proj",
+                                                  "mlp.linear_fc1",
+                                                  "mlp.linear_fc2",
+                                                  "mlp.fc1",
+                                                  "mlp.fc2",
+                                                  "mlp.gate_proj",
+                                                  "mlp.up_proj",
+                                                  "mlp.down_proj",
+                                                  "merger.linear_fc1",
+                                                  "merger.linear_fc2",
+                                                  "merger.mlp.0",
+                                                  "merger.mlp.2"};
   return kNames;
 }
 
@@ -65,7 +82,7 @@ void check_lora_targets(const std::vector<std::string>& targets, const std::stri
   for (const std::string& t : targets)
     IRIS_CHECK(std::find(names.begin(), names.end(), t) != names.end(), where,
                ": peft.target_modules has '", t, "', which Iris cannot adapt; the names are ", list,
-               " (the vision merger is trained in full with peft.modules_to_save: [merger])");
+               " (or train a module in full with peft.modules_to_save)");
 }
 
 bool is_lora_tensor(const std::string& hf_name) {
@@ -113,14 +130,16 @@ std::string peft_adapter_config(const ModelConfig& cfg, const ModelWeights& layo
   // Adapted modules grouped by where they sit: a layer or block prefix (its index replaced by a
   // digit pattern) and the module names under it.
   std::map<std::string, std::set<std::string>> groups;
+  std::set<std::string> singles;
   static const std::regex kIndexed(R"(^(.*\.(?:layers|blocks))\.\d+\.(.*)$)");
   for (const WeightBinding& b : layout.bindings) {
     if (!is_lora_tensor(b.hf_name)) continue;
     const std::string module = lora_module(b.hf_name);
     std::smatch m;
-    IRIS_CHECK(std::regex_match(module, m, kIndexed), "adapter module '", module,
-               "' is not inside a layer or block");
-    groups[m[1].str()].insert(m[2].str());
+    if (std::regex_match(module, m, kIndexed))
+      groups[m[1].str()].insert(m[2].str());
+    else
+      singles.insert(module);  // one module of its own, such as the merger's
   }
   const auto escape = [](const std::string& s) {
     std::string out;
@@ -137,6 +156,8 @@ std::string peft_adapter_config(const ModelConfig& cfg, const ModelWeights& layo
     alternatives +=
         (alternatives.empty() ? "" : "|") + escape(prefix) + "\\.\\d+\\.(" + inner + ")";
   }
+  for (const std::string& module : singles)
+    alternatives += (alternatives.empty() ? "" : "|") + escape(module);
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";

@@ -16,7 +16,9 @@ namespace iris {
 // model's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj (dense layers; a
 // sparse layer's experts are never adapted), and the vision blocks' attn.qkv, attn.proj and MLP
 // projections under their family's names (mlp.linear_fc1/2 for Qwen3-VL, mlp.gate_proj, up_proj,
-// down_proj for Qwen2.5-VL, mlp.fc1/2 for Qwen2-VL).
+// down_proj for Qwen2.5-VL, mlp.fc1/2 for Qwen2-VL), and the main merger's two projections
+// (merger.linear_fc1/2 for Qwen3-VL, merger.mlp.0/2 for the Qwen2 families; DeepStack mergers are
+// not adapted).
 const std::vector<std::string>& lora_target_names();
 // An error naming the accepted names unless every one of `targets` is one of them.
 void check_lora_targets(const std::vector<std::string>& targets, const std::string& where);

@@ -30,10 +30,26 @@ using test::randomize_adapters;
 using test::read;
 
 // Every target name: the families' vision MLP names each match their own fixture's modules.
-const std::vector<std::string> kAllTargets = {
-    "q_proj",    "k_proj",        "v_proj",      "o_proj",         "gate_proj",      "up_proj",
-    "down_proj", "attn.qkv",      "attn.proj",   "mlp.linear_fc1", "mlp.linear_fc2", "mlp.fc1",
-    "mlp.fc2",   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+const std::vector<std::string> kAllTargets = {"q_proj",
+                                              "k_proj",
+                                              "v_proj",
+                                              "o_proj",
+                                              "gate_proj",
+                                              "up_proj",
+                                              "down_proj",
+                                              "attn.qkv",
+                                              "attn.proj",
+                                              "mlp.linear_fc1",
+                                              "mlp.linear_fc2",
+                                              "mlp.fc1",
+                                              "mlp.fc2",
+                                              "mlp.gate_proj",
+                                              "mlp.up_proj",
+                                              "mlp.down_proj",
+                                              "merger.linear_fc1",
+                                              "merger.linear_fc2",
+                                              "merger.mlp.0",
+                                              "merger.mlp.2"};
 
 ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8,
                         const std::string& dir = test::fixture_dir()) {
@@ -200,7 +216,8 @@ TEST(LoraOnTheCpu, EveryTargetMatchesAModuleOrIsAnError) {
 }
 
 TEST(LoraOnTheCpu, AdapterConfigNamesExactlyTheAdaptedModules) {
-  const ModelConfig cfg = lora_config({"q_proj", "v_proj", "down_proj", "attn.qkv"}, 8, 16);
+  const ModelConfig cfg =
+      lora_config({"q_proj", "v_proj", "down_proj", "attn.qkv", "merger.linear_fc1"}, 8, 16);
   auto be = make_cpu_backend();
   const auto layout =
       allocate_weights(*be, cfg, DType::f32, [](const std::string&) { return false; });
@@ -213,15 +230,16 @@ TEST(LoraOnTheCpu, AdapterConfigNamesExactlyTheAdaptedModules) {
   EXPECT_EQ(j["modules_to_save"], nlohmann::json::array({"merger"}));
   EXPECT_EQ(j["base_model_name_or_path"], "Qwen/X");
   const std::regex target(j["target_modules"].get<std::string>());
-  for (const char* m :
-       {"model.language_model.layers.0.self_attn.q_proj",
-        "model.language_model.layers.1.self_attn.v_proj",
-        "model.language_model.layers.1.mlp.down_proj", "model.visual.blocks.0.attn.qkv"})
+  for (const char* m : {"model.language_model.layers.0.self_attn.q_proj",
+                        "model.language_model.layers.1.self_attn.v_proj",
+                        "model.language_model.layers.1.mlp.down_proj",
+                        "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc1"})
     EXPECT_TRUE(std::regex_match(m, target)) << m;
   for (const char* m :
        {"model.language_model.layers.0.self_attn.k_proj",
         "model.language_model.layers.0.mlp.gate_proj", "model.visual.blocks.0.attn.proj",
-        "model.visual.merger.linear_fc1", "model.language_model.layers.0.self_attn.q_proj.lora_A"})
+        "model.visual.merger.linear_fc2", "model.visual.deepstack_merger_list.0.linear_fc1",
+        "model.language_model.layers.0.self_attn.q_proj.lora_A"})
     EXPECT_FALSE(std::regex_match(m, target)) << m;
 }
 
@@ -368,12 +386,12 @@ void gradients_follow_from_the_merged_weights(std::unique_ptr<Backend> be, doubl
   }
   std::printf("  adapter gradients: worst relative L2 to the chain rule %.3g\n", worst);
   // Per decoder layer q, k, v, o, gate, up, down (a sparse layer: q, k, v, o); per block qkv,
-  // proj and the MLP's (Qwen2.5-VL: gate, up, down).
+  // proj and the MLP's (Qwen2.5-VL: gate, up, down); the merger's two.
   int dense = 0;
   for (int l = 0; l < cfg.text.num_hidden_layers; ++l) dense += !cfg.text.sparse_layer(l);
   const int block_mlp = cfg.model_type == "qwen2_5_vl" ? 3 : 2;
   EXPECT_EQ(checked,
-            4 * cfg.text.num_hidden_layers + 3 * dense + (2 + block_mlp) * cfg.vision.depth);
+            4 * cfg.text.num_hidden_layers + 3 * dense + (2 + block_mlp) * cfg.vision.depth + 2);
 }
 
 TEST(LoraOnTheCpu, AdapterGradientsFollowFromTheMergedWeightsGradient) {

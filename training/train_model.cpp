@@ -27,15 +27,20 @@ Tensor g_or_none(const Tensor& t, bool trainable) {
 
 // Each tower's adapter scratch, from the config's weight table: the memory plan's pass has the
 // config but no weights.
-std::pair<LoraScratchSize, LoraScratchSize> lora_scratch_sizes(const ModelConfig& cfg) {
-  LoraScratchSize text, vision;
-  if (!cfg.lora.enabled()) return {text, vision};
+struct LoraScratchSizes {
+  LoraScratchSize text, vision, merger;
+};
+LoraScratchSizes lora_scratch_sizes(const ModelConfig& cfg) {
+  LoraScratchSizes sizes;
+  if (!cfg.lora.enabled()) return sizes;
   const std::unique_ptr<Backend> cpu = make_cpu_backend();
   const auto layout =
       allocate_weights(*cpu, cfg, DType::f32, [](const std::string&) { return false; });
   for (const WeightBinding& b : layout->bindings) {
     if (!is_lora_tensor(b.hf_name)) continue;
-    LoraScratchSize& size = b.hf_name.starts_with("model.visual.") ? vision : text;
+    LoraScratchSize& size = b.hf_name.starts_with("model.visual.merger.") ? sizes.merger
+                            : b.hf_name.starts_with("model.visual.")      ? sizes.vision
+                                                                          : sizes.text;
     if (b.hf_name.ends_with(".lora_A.weight")) {
       size.rank = std::max(size.rank, b.hf_shape[0]);
       size.in = std::max(size.in, b.hf_shape[1]);
@@ -44,7 +49,7 @@ std::pair<LoraScratchSize, LoraScratchSize> lora_scratch_sizes(const ModelConfig
     }
     size.dropout = cfg.lora.dropout > 0.0;
   }
-  return {text, vision};
+  return sizes;
 }
 
 bool starts_with(const std::string& s, const char* prefix) {
@@ -336,10 +341,13 @@ void TrainableQwen3VL::allocate(Arena& a) {
   }
 
   // One adapter scratch per tower, shared by its layers' forwards and backwards.
-  const auto [t_lora, v_lora] = lora_scratch_sizes(cfg_);
-  t_lora_ = allocate_lora_scratch(a, A, L, t_lora);
-  v_lora_ = allocate_lora_scratch(a, A, S, v_lora);
-  lora_seed_ = t_lora.dropout || v_lora.dropout ? a.alloc(DType::i64, {1}) : Tensor();
+  const LoraScratchSizes lora = lora_scratch_sizes(cfg_);
+  t_lora_ = allocate_lora_scratch(a, A, L, lora.text);
+  v_lora_ = allocate_lora_scratch(a, A, S, lora.vision);
+  merger_.lora = allocate_lora_scratch(a, A, Sm, lora.merger);
+  lora_seed_ = lora.text.dropout || lora.vision.dropout || lora.merger.dropout
+                   ? a.alloc(DType::i64, {1})
+                   : Tensor();
 
   tx_.assign(static_cast<size_t>(t.num_hidden_layers) + 1, Tensor());
   for (int l = st.first_layer; l <= st.end_layer; ++l) tx_[l] = a.alloc(A, {Ls, H});
@@ -1013,6 +1021,7 @@ void each_tensor(const VisionBlockWeights& w, F f) {
 template <class F>
 void each_tensor(const PatchMergerWeights& w, F f) {
   for (const Tensor* t : {&w.norm_w, &w.norm_b, &w.fc1_w, &w.fc1_b, &w.fc2_w, &w.fc2_b}) f(*t);
+  for (const LoraAdapters* ad : {&w.fc1_lora, &w.fc2_lora}) each_tensor(*ad, f);
 }
 
 }  // namespace
@@ -1246,6 +1255,12 @@ VisionBlockBuffers TrainableQwen3VL::vision_block(int l) const {
   return b;
 }
 
+MergerBuffers TrainableQwen3VL::merger_buffers() const {
+  MergerBuffers b = merger_;
+  b.lora.seed = lora_seed_;  // the micro-batch's, which use_slot may have switched
+  return b;
+}
+
 VisionSegments TrainableQwen3VL::vision_segments() const {
   VisionSegments seg{v_cos_.slice(0, S_), v_sin_.slice(0, S_), v_cu_, n_segments_,
                      padded_ ? v_real_rows_ : Tensor()};
@@ -1333,8 +1348,8 @@ void TrainableQwen3VL::vision_forward(bool module_graphs) {
     }
     void merger() override {
       const VisionConfig& v = m_.cfg_.vision;
-      merger_forward(m_.be_, v, m_.params_.vision.merger, m_.merger_, m_.vx_[v.depth], m_.S_,
-                     false);
+      merger_forward(m_.be_, v, m_.params_.vision.merger, m_.merger_buffers(), m_.vx_[v.depth],
+                     m_.S_, false);
     }
 
    private:
@@ -1364,7 +1379,7 @@ void TrainableQwen3VL::vision_backward(bool module_graphs) {
       const VisionConfig& v = m.cfg_.vision;
       VisionWeights& g = m.grads_->vision;
       if (tower_) m.be_.fill_zero(dres_);
-      merger_backward(m.be_, v, m.params_.vision.merger, merger_grads(g.merger), m.merger_,
+      merger_backward(m.be_, v, m.params_.vision.merger, merger_grads(g.merger), m.merger_buffers(),
                       m.vx_[v.depth], m.S_, false, m.d_embeds_, dres_, scratch_);
       mark(g.merger);
     }

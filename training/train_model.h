@@ -344,6 +344,8 @@ class TrainableQwen3VL {
   // Block l's saved activations over the current micro-batch's rows.
   VisionBlockBuffers vision_block(int l) const;
   VisionSegments vision_segments() const;
+  // The main merger's buffers with the micro-batch's LoRA dropout seed.
+  MergerBuffers merger_buffers() const;
   // The stage's part of the joined forward (bridge/joined_model.h), the loss as its head.
   void text_forward(bool layer_graphs, bool backward, const Tensor& loss_out);
   // Layer l's saved activations over the current micro-batch's tokens.

@@ -100,8 +100,10 @@ void merger_forward(Backend& be, const VisionConfig& cfg, const PatchMergerWeigh
   // image they are weight-streaming GEMMs beside latency-bound layers.
   const SideWorkScope side(be, gemms_beside);
   be.linear(b.fc1.slice(0, Sm), b.ln.slice(0, Sm), w.fc1_w, w.fc1_b, false);
+  lora_forward(be, w.fc1_lora, b.fc1.slice(0, Sm), b.ln.slice(0, Sm), b.lora);
   be.gelu_erf(b.act.slice(0, Sm), b.fc1.slice(0, Sm));
   be.linear(b.out.slice(0, Sm), b.act.slice(0, Sm), w.fc2_w, w.fc2_b, false);
+  lora_forward(be, w.fc2_lora, b.out.slice(0, Sm), b.act.slice(0, Sm), b.lora);
 }
 
 void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeights& w,
@@ -114,10 +116,12 @@ void merger_backward(Backend& be, const VisionConfig& cfg, const PatchMergerWeig
   // Overwrites da; accumulates fc2's weight and bias gradients.
   be.linear_backward_input(da, dy, w.fc2_w, false);
   if (g) be.linear_backward_weight(g->fc2_w, g->fc2_b, dy, b.act.slice(0, Sm));
+  lora_backward(be, w.fc2_lora, g ? &g->fc2_lora : nullptr, da, dy, b.act.slice(0, Sm), b.lora);
   be.gelu_erf_backward(da, da, b.fc1.slice(0, Sm));
   // Overwrites dln; accumulates fc1's gradients.
   be.linear_backward_input(dln, da, w.fc1_w, false);
   if (g) be.linear_backward_weight(g->fc1_w, g->fc1_b, da, b.ln.slice(0, Sm));
+  lora_backward(be, w.fc1_lora, g ? &g->fc1_lora : nullptr, dln, da, b.ln.slice(0, Sm), b.lora);
   // Accumulates into dx (the residual gradient) and the norm's gradients.
   const Tensor dnw = g ? g->norm_w : Tensor(), dnb = g ? g->norm_b : Tensor();
   const int64_t norm_rows = post_shuffle ? Sm : rows;
@@ -332,6 +336,9 @@ void VisionEncoder::allocate(Arena& a) {
     for (const LoraAdapters* ad : {&w.qkv_lora, &w.proj_lora, &w.fc1_lora, &w.fc2_lora})
       lora.cover(*ad);
   lora_ = allocate_lora_scratch(a, dt, S, lora);
+  LoraScratchSize merger_lora;
+  for (const LoraAdapters* ad : {&w_.merger.fc1_lora, &w_.merger.fc2_lora}) merger_lora.cover(*ad);
+  merger_lora_ = allocate_lora_scratch(a, dt, Sm, merger_lora);
 }
 
 VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
@@ -371,6 +378,7 @@ void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int
   b.ln = merged_norm_;
   b.fc1 = b.act = merger_hidden_;
   b.out = out;
+  b.lora = merger_lora_;
   merger_forward(backend_, cfg_, m, b, x, rows, post_shuffle, beside_layers);
 }
 

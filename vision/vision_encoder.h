@@ -40,6 +40,7 @@ struct PatchMergerWeights {
   Tensor norm_w, norm_b;  // [D] for the main merger (pre-shuffle), [4D] for DeepStack (post)
   Tensor fc1_w, fc1_b;    // [4D, 4D], [4D]
   Tensor fc2_w, fc2_b;    // [out, 4D], [out]
+  LoraAdapters fc1_lora, fc2_lora;  // the main merger's LoRA adapters; empty where not adapted
 };
 
 struct VisionWeights {
@@ -141,6 +142,7 @@ void vision_block_recompute(Backend& be, const VisionConfig& cfg, const VisionBl
 // same sharing rules as VisionBlockBuffers (inference: fc1 and act one tensor, no statistics).
 struct MergerBuffers {
   Tensor ln, mean, rstd, fc1, act, out;
+  LoraScratch lora;  // where the merger has adapters (the mergers run one at a time)
   bool saves() const { return mean.defined(); }
 };
 // gemms_beside: the two GEMMs run as side work (Backend::begin_side_work), joined by the next
@@ -244,7 +246,7 @@ class VisionEncoder {
   // output in window order.
   Tensor x_, xn_, qkv_, attn_, mlp_, act_, merged_norm_, merger_hidden_, embeds_, windowed_embeds_;
   std::vector<Tensor> deepstack_;
-  LoraScratch lora_;                  // where the blocks have adapters
+  LoraScratch lora_, merger_lora_;    // where the blocks, the merger have adapters
   std::vector<float> inv_freq_;       // the 2D RoPE frequencies, a kernel argument of the tables
   std::vector<int32_t> grids_host_;   // staging for grids_, sized once
   std::vector<float> window_pixels_;  // staging for window-ordered pixel rows, sized once
