@@ -29,27 +29,9 @@ using test::merge_into;
 using test::randomize_adapters;
 using test::read;
 
-// Every target name: the families' vision MLP names each match their own fixture's modules.
-const std::vector<std::string> kAllTargets = {"q_proj",
-                                              "k_proj",
-                                              "v_proj",
-                                              "o_proj",
-                                              "gate_proj",
-                                              "up_proj",
-                                              "down_proj",
-                                              "attn.qkv",
-                                              "attn.proj",
-                                              "mlp.linear_fc1",
-                                              "mlp.linear_fc2",
-                                              "mlp.fc1",
-                                              "mlp.fc2",
-                                              "mlp.gate_proj",
-                                              "mlp.up_proj",
-                                              "mlp.down_proj",
-                                              "merger.linear_fc1",
-                                              "merger.linear_fc2",
-                                              "merger.mlp.0",
-                                              "merger.mlp.2"};
+// Every target name: the families' vision MLP and merger names each match their own fixture's
+// modules.
+const std::vector<std::string>& kAllTargets = lora_target_names();
 
 ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, double alpha = 8,
                         const std::string& dir = test::fixture_dir()) {
