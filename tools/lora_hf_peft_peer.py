@@ -1,6 +1,7 @@
 """Run on the GPU machine (torch, transformers, peft). HF PEFT LoRA training peer for Qwen3-VL-8B geometry (random bf16 weights, sdpa): one 896x896
-image and text to 4096 tokens per sample, micro-batch 1, rank 32, alpha 32 on q/k/v/o and
-gate/up/down, AdamW on the adapters. Prints tokens/s over the timed steps and peak memory."""
+image (784 tokens) and text to 3,800 tokens per sample, micro-batch 1, rank 32, alpha 32 on q/k/v/o and
+gate/up/down, AdamW on the adapters. Prints tokens/s over the timed steps and peak memory.
+argv: config.json steps samples_per_step"""
 import json, sys, time
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration

@@ -1,5 +1,6 @@
 """Run on the GPU machine (torch, transformers, peft). Iris LoRA adapters against Hugging Face PEFT on the tiny fixture (fp32, TF32 off).
-argv: fixture iris_adapter_dir iris_logits.safetensors peft_adapter_out prompt_tokens
+argv: fixture iris_adapter_dir iris_logits.safetensors peft_adapter_out prompt_text
+(iris_logits: `iris generate -m fixture --lora iris_adapter_dir -p prompt_text --logits-out ...`)
 1. PEFT loads Iris's exported adapter (every adapter weight must be loaded, none missing or left
    over); its last-row logits of the prompt are compared with iris generate --lora's.
 2. PEFT saves an adapter of its own (random, B not zero) for iris generate --lora to read."""
