@@ -11,6 +11,10 @@
 #     (the lm_head GEMMs then have other row counts, so cuBLAS may pick other kernels).
 #  2. EXIT_RUNS (20) consecutive runs of the tiny shapes recipe with vision and decoder graphs on,
 #     each under a timeout, to catch a hang at exit.
+# RECIPE (recipes/qwen3vl_2b_sft.yaml), SIDE (448), TEXT (128), SEQ (1024) and EXTRA (overrides;
+# train.freeze_vision_tower=false) pick the run of part 1, ONLY (e.g. "eager (padded),vision +
+# decoder per-layer") its variants; e.g. the 8B LoRA recipe: RECIPE=recipes/qwen3vl_8b_lora.yaml
+# SIDE=896 TEXT=3000 SEQ=4096 EXTRA= EXIT_RUNS=0.
 # Results go to $OUT (or out/). Carry .deps and tests/data/qwen3vl-tiny/tokenizer.json.
 source "$(dirname "$0")/gpu_env.sh"
 if [ ! -x build-gpu/iris ]; then
@@ -18,13 +22,17 @@ if [ ! -x build-gpu/iris ]; then
 fi
 steps=${STEPS:-50}
 tok=tests/data/qwen3vl-tiny/tokenizer.json
-data=/tmp/graphs_448
+recipe=${RECIPE:-recipes/qwen3vl_2b_sft.yaml}
+side=${SIDE:-448}
+text=${TEXT:-128}
+read -r -a extra <<<"${EXTRA-train.freeze_vision_tower=false}"
+data=/tmp/graphs_${side}_$text
 if [ ! -f $data/train.jsonl ]; then
-  python3 tools/make_sft_data.py --out $data --n 64 --side 448 --text 128 --tokenizer $tok
+  python3 tools/make_sft_data.py --out $data --n 64 --side "$side" --text "$text" --tokenizer $tok
 fi
-common=(--recipe recipes/qwen3vl_2b_sft.yaml model.init=random model.tokenizer=$tok
+common=(--recipe "$recipe" model.init=random model.tokenizer=$tok
   "data.train_files=[$data/train.jsonl]" train.train_iters=$steps train.micro_batch_size=1
-  train.global_batch_size=4 train.seq_length=1024 train.freeze_vision_tower=false
+  train.global_batch_size=4 train.seq_length=${SEQ:-1024} "${extra[@]}"
   schedule.warmup_iters=5 checkpoint.save_interval=0 checkpoint.save_final=false
   logging.log_interval=1 train.device=cuda)
 # name|overrides|reference: a row with no reference becomes one, under its own name
@@ -39,7 +47,7 @@ variants=(
   "attn,mlp modules (both)|cuda_graph.cuda_graph_impl=local cuda_graph.cuda_graph_modules=[attn,mlp] cuda_graph.vision_cuda_graph_impl=local cuda_graph.vision_cuda_graph_modules=[attn,mlp]|eager (padded)"
 )
 if [ "${EXIT_ONLY:-0}" != 1 ]; then
-echo "== $steps steps of the 2B geometry, 448x448 + ~128 tokens, micro-batch 1, 4 per step"
+echo "== $steps steps of $recipe (random init), ${side}x$side + ~$text tokens, micro-batch 1, 4 per step"
 declare -A refs
 first_ref=""
 max_rel_diff() {
@@ -48,6 +56,7 @@ print("%.3g" % max((abs(x-y)/abs(y) for x,y in zip(a,b)), default=float("nan")))
 }
 for v in "${variants[@]}"; do
   IFS='|' read -r name overrides against <<<"$v"
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
   read -r -a over <<<"$overrides"
   dir=/tmp/graphs_run_$(echo "$name" | tr -c 'a-z0-9' '_')
   rm -rf "$dir"
@@ -80,6 +89,7 @@ echo "first and last losses of $first_ref: $(echo "${refs[$first_ref]}" | awk '{
 fi
 
 runs=${EXIT_RUNS:-20}
+[ "$runs" -gt 0 ] || exit 0
 echo "== $runs consecutive runs with graphs on (tiny shapes recipe, CUDA), each under a 120 s timeout"
 shapes=/tmp/iris_shapes_exit
 build-gpu/iris data shapes --out $shapes --n 2000 --seed 1 --force >/dev/null
