@@ -12,6 +12,7 @@
 #include "apps/cli.h"
 #include "apps/commands.h"
 #include "bridge/hf_weights.h"
+#include "bridge/peft.h"
 #include "bridge/random_weights.h"
 #include "core/fs.h"
 #include "core/op_profile.h"
@@ -19,6 +20,7 @@
 #include "training/optimizer.h"
 #include "training/param_spec.h"
 #include "training/train_model.h"
+#include "training/train_setup.h"
 
 namespace iris {
 namespace {
@@ -106,6 +108,19 @@ int run_bench_train(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--moe-pad-expert-input-to-capacity", pad_to_capacity,
                "model.moe_pad_expert_input_to_capacity (needs --moe-expert-capacity-factor)");
+  int lora_rank = 0;
+  double lora_alpha = 0;
+  std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                           "gate_proj", "up_proj", "down_proj"};
+  app.add_option("--lora-rank", lora_rank,
+                 "peft.rank: train LoRA adapters of this rank on --lora-targets with the rest "
+                 "frozen, as a recipe's peft section does (0: no adapters)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--lora-alpha", lora_alpha, "peft.alpha (default: the rank)");
+  app.add_option("--lora-targets", lora_targets, "peft.target_modules (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--json", json_out, "also write the results as JSON to this file");
   app.add_flag("--profile", profile,
                "after the timed steps, run one more step op by op and print where its device time "
@@ -128,7 +143,16 @@ int run_bench_train(int argc, char** argv) {
   be->set_gemm_tuning(GemmTuning::heuristic);
   const bool on_gpu = be->device() == Device::cuda;
   config_path = find_bench_config(config_path);
-  const ModelConfig cfg = ModelConfig::from_file(config_path);
+  ModelConfig cfg = ModelConfig::from_file(config_path);
+  const bool lora = lora_rank > 0;
+  if (lora) {
+    cfg.lora.rank = lora_rank;
+    cfg.lora.alpha = lora_alpha > 0 ? lora_alpha : lora_rank;
+    cfg.lora.target_modules = lora_targets;
+    check_lora_targets(lora_targets, "--lora-targets");
+    // PEFT's base: everything frozen but the adapters.
+    freeze_vision = freeze_merger = freeze_llm = true;
+  }
   IRIS_USAGE_CHECK(capacity_factor == 0 || cfg.text.any_sparse_layer(),
                    "--moe-expert-capacity-factor applies to MoE geometries; ", config_path,
                    " has no MoE layers");
@@ -206,7 +230,7 @@ int run_bench_train(int argc, char** argv) {
     for (const OpFamilyTotal& f : families) profiled_ms += f.ms;
   }
 
-  const TrainedParts parts{!freeze_vision, !freeze_merger, !freeze_llm};
+  const TrainedParts parts = trained_parts(cfg, limits.frozen);
   const double sample_flops = training_flops(
       cfg, {static_cast<int64_t>(sample.ids.size()), labels_per_sample, sample.grids}, parts);
   const double samples_per_step = double(micro * accumulation);
@@ -238,6 +262,11 @@ int run_bench_train(int argc, char** argv) {
     results["moe_pad_expert_input_to_capacity"] = pad_to_capacity;
     results["moe_dropped_share"] = double(dropped) / double(routed);
   }
+  if (lora) {
+    results["lora_rank"] = cfg.lora.rank;
+    results["lora_alpha"] = cfg.lora.alpha;
+    results["lora_targets"] = cfg.lora.target_modules;
+  }
 
   std::printf(
       "iris bench --train: %s on %s, one %lldx%lld image per sample, %lld tokens per sample, "
@@ -245,6 +274,13 @@ int run_bench_train(int argc, char** argv) {
       config_path.c_str(), be->name().c_str(), static_cast<long long>(image),
       static_cast<long long>(image), static_cast<long long>(seq), static_cast<long long>(micro),
       static_cast<long long>(accumulation), recompute.c_str());
+  if (lora) {
+    std::string targets;
+    for (const std::string& t : cfg.lora.target_modules)
+      targets += (targets.empty() ? "" : ",") + t;
+    std::printf("  LoRA rank %d, alpha %g, on %s; the rest frozen\n", cfg.lora.rank, cfg.lora.alpha,
+                targets.c_str());
+  }
   std::printf("  step time              %10.3f s   (mean of %d steps after %d warm-up)\n", step_s,
               steps, warmup);
   std::printf("  tokens/s               %10.0f\n", tokens_per_s);

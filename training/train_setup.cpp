@@ -20,8 +20,12 @@ TrainedParts recipe_trained_parts(const Recipe& r) {
   if (!r.peft.lora() || !r.has_model_config)
     return {!r.train.freeze_vision_tower, !r.train.freeze_merger, !r.train.freeze_language_model,
             false, false};
+  return trained_parts(r.model_config, recipe_frozen_parts(r));
+}
+
+TrainedParts trained_parts(const ModelConfig& cfg, const FreezeSpec& frozen) {
   TrainedParts t{false, false, false, false, false};
-  const ParamSpecs specs(r.model_config, recipe_frozen_parts(r), DType::f32);
+  const ParamSpecs specs(cfg, frozen, DType::f32);
   for (const ParamSpec& s : specs.all()) {
     if (!s.trainable) continue;
     const bool adapter = is_lora_tensor(s.hf_name);

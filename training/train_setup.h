@@ -27,6 +27,8 @@ FreezeSpec recipe_frozen_parts(const Recipe& r);
 // What the throughput's FLOP count takes as trained (training/metrics_log.h): the parts whose
 // weights train, and under LoRA the parts the adapters let the gradient through.
 TrainedParts recipe_trained_parts(const Recipe& r);
+// The same for a model and its freeze settings, from the parameter specs (adapters included).
+TrainedParts trained_parts(const ModelConfig& cfg, const FreezeSpec& frozen);
 
 // Models a rank of `stage` keeps, one per micro-batch whose activations it holds at once (1F1B on
 // a pipeline; one otherwise).
