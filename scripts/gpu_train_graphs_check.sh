@@ -64,7 +64,10 @@ for v in "${variants[@]}"; do
   build-gpu/iris train "${common[@]}" "${over[@]}" checkpoint.dir="$dir" >"$dir.log" 2>&1
   rc=$?
   secs=$((SECONDS - start))
-  losses=$(python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if "\"loss\"" in l and "eval" not in l))' "$dir/metrics.jsonl" 2>/dev/null)
+  # Training records only (kind "train", or no kind): every record names "evaluations", so the
+  # kind, not a substring, tells them from evaluation records.
+  losses=$(python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]
+print(" ".join(repr(x["loss"]) for x in r if x.get("kind", "train") == "train" and "loss" in x))' "$dir/metrics.jsonl" 2>/dev/null)
   n=$(echo "$losses" | wc -w)
   if [ -z "$against" ]; then
     refs[$name]=$losses
