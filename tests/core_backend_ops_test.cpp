@@ -547,27 +547,30 @@ TEST_F(BackendOps, Dropout) {
 
 // A column block into and out of a wider matrix, in every dtype pairing the adapters use.
 TEST_F(BackendOps, AddColumnBlock) {
-  const int64_t rows = 37, wide = 48, narrow = 12, at = 20;
-  for (bool accumulate : {true, false}) {
-    for (Kind dst_kind : {Kind::act, Kind::f32}) {
-      const std::string tag = std::string(accumulate ? "accumulate" : "overwrite") +
-                              (dst_kind == Kind::f32 ? " f32" : "");
-      compare("add_column_block into " + tag, kElementwise, [&](Side& s) {
-        Rng rng(140);
-        Tensor dst = s.make(dst_kind, {rows, wide}, rng.normal(rows * wide));
-        Tensor src = s.make(Kind::act, {rows, narrow}, rng.normal(rows * narrow));
-        s.be().add_column_block(dst, at, src, 0, narrow, 1.75f, accumulate);
-        return std::vector<Tensor>{dst};
-      });
-      compare("add_column_block out of " + tag, kElementwise, [&](Side& s) {
-        Rng rng(141);
-        Tensor src = s.make(Kind::act, {rows, wide}, rng.normal(rows * wide));
-        Tensor dst = s.make(dst_kind, {rows, narrow}, rng.normal(rows * narrow));
-        s.be().add_column_block(dst, 0, src, at, narrow, -0.5f, accumulate);
-        return std::vector<Tensor>{dst};
-      });
+  // A block of 12 at 20 takes the CUDA kernel's element path, 24 at 16 its 8-wide path.
+  const int64_t rows = 37, wide = 48;
+  for (const auto [narrow, at] : {std::pair<int64_t, int64_t>{12, 20}, {24, 16}})
+    for (bool accumulate : {true, false}) {
+      for (Kind dst_kind : {Kind::act, Kind::f32}) {
+        const std::string tag = std::string(accumulate ? "accumulate" : "overwrite") +
+                                (dst_kind == Kind::f32 ? " f32 " : " ") + std::to_string(narrow) +
+                                " at " + std::to_string(at);
+        compare("add_column_block into " + tag, kElementwise, [&](Side& s) {
+          Rng rng(140);
+          Tensor dst = s.make(dst_kind, {rows, wide}, rng.normal(rows * wide));
+          Tensor src = s.make(Kind::act, {rows, narrow}, rng.normal(rows * narrow));
+          s.be().add_column_block(dst, at, src, 0, narrow, 1.75f, accumulate);
+          return std::vector<Tensor>{dst};
+        });
+        compare("add_column_block out of " + tag, kElementwise, [&](Side& s) {
+          Rng rng(141);
+          Tensor src = s.make(Kind::act, {rows, wide}, rng.normal(rows * wide));
+          Tensor dst = s.make(dst_kind, {rows, narrow}, rng.normal(rows * narrow));
+          s.be().add_column_block(dst, 0, src, at, narrow, -0.5f, accumulate);
+          return std::vector<Tensor>{dst};
+        });
+      }
     }
-  }
   // Out of range and overlapping blocks are refused by every backend.
   for (Backend* be : {cpu_.get(), gpu_.get()}) {
     Arena a(*be, 1 << 16);
