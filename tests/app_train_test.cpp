@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "bridge/peft.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -455,6 +456,49 @@ TEST_F(AppTrainTest, LoraTrainsTheAdaptersAloneAndResumesExactly) {
   const Exit target = train(root_ / "bad2", {"peft.target_modules=[qkv_proj]"});
   EXPECT_NE(target.code, 0);
   EXPECT_NE(target.output.find("'qkv_proj'"), std::string::npos) << target.output;
+}
+
+// On the GPU a LoRA run's checkpoint holds the frozen base as the bf16 weights the model reads
+// (half the bytes of f32, the same values) and the adapters as their f32 master weights, and a
+// resume from it continues bit for bit.
+TEST_F(AppTrainTest, LoraOnCudaSavesTheFrozenBaseInBf16AndResumesExactly) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  const std::string recipe = write_recipe(4);
+  auto train = [&](const fs::path& run, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"train",
+                                     "--recipe",
+                                     recipe,
+                                     "checkpoint.dir=" + run.string(),
+                                     "train.device=cuda",
+                                     "peft.type=lora",
+                                     "peft.rank=4",
+                                     "peft.target_modules=[q_proj,v_proj,down_proj,attn.qkv]",
+                                     "schedule.decay_iters=4"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return iris(args);
+  };
+  const fs::path straight = root_ / "cuda_straight", split = root_ / "cuda_split";
+  const Exit a = train(straight, {});
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b1 = train(split, {"train.train_iters=2"});
+  ASSERT_EQ(b1.code, 0) << b1.output;
+  const Exit b2 = train(split, {});
+  ASSERT_EQ(b2.code, 0) << b2.output;
+  const auto la = losses(straight), lb = losses(split);
+  ASSERT_EQ(la.size(), 4u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i].second, lb[i].second) << i;
+  const std::string model = "step_0000004/model.safetensors";
+  EXPECT_EQ(read_text_file((straight / model).string()), read_text_file((split / model).string()));
+  SafetensorsFile saved((straight / model).string());
+  int adapters = 0, base = 0;
+  for (const auto& [name, e] : saved.entries()) {
+    const bool adapter = is_lora_tensor(name);
+    (adapter ? adapters : base)++;
+    EXPECT_EQ(e.dtype, adapter ? DType::f32 : DType::bf16) << name;
+  }
+  EXPECT_GT(adapters, 0);
+  EXPECT_GT(base, adapters);
 }
 
 // Every file under `dir` (recursively) with its size, modification time and contents.
