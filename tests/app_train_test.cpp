@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -108,8 +109,23 @@ class AppTrainTest : public ::testing::Test {
       EXPECT_EQ(la[i].first, lb[i].first);
       EXPECT_EQ(la[i].second, lb[i].second) << "iteration " << la[i].first;  // bit-identical
     }
-    EXPECT_EQ(read_text_file((straight / "step_0000010/model.safetensors").string()),
-              read_text_file((resumed / "step_0000010/model.safetensors").string()));
+    const fs::path last = fs::path(checkpoint_name(iters)) / "model.safetensors";
+    EXPECT_EQ(read_text_file((straight / last).string()),
+              read_text_file((resumed / last).string()));
+  }
+
+  // `train` run straight through, and stopped after half its iterations and resumed, into the
+  // two directories: the same run (expect_same_run).
+  using TrainCall = std::function<Exit(const fs::path&, const std::vector<std::string>&)>;
+  static void expect_split_run_resumes_exactly(const TrainCall& train, const fs::path& straight,
+                                               const fs::path& split, int iters) {
+    const Exit a = train(straight, {});
+    ASSERT_EQ(a.code, 0) << a.output;
+    const Exit b1 = train(split, {"train.train_iters=" + std::to_string(iters / 2)});
+    ASSERT_EQ(b1.code, 0) << b1.output;
+    const Exit b2 = train(split, {});
+    ASSERT_EQ(b2.code, 0) << b2.output;
+    expect_same_run(straight, split, iters);
   }
 
   fs::path root_;
@@ -387,25 +403,15 @@ TEST_F(AppTrainTest, LoraTrainsTheAdaptersAloneAndResumesExactly) {
                                          "peft.dropout=0.2",
                                          "peft.target_modules=[q_proj,v_proj,down_proj,attn.qkv]",
                                          "schedule.decay_iters=4"};
-  auto train = [&](const std::string& run, std::vector<std::string> extra) {
-    std::vector<std::string> args = {"train", "--recipe", recipe, "checkpoint.dir=" + run};
+  auto train = [&](const fs::path& run, const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"train", "--recipe", recipe, "checkpoint.dir=" + run.string()};
     args.insert(args.end(), lora.begin(), lora.end());
     args.insert(args.end(), extra.begin(), extra.end());
     return iris(args);
   };
-  const std::string straight = (root_ / "straight").string(), split = (root_ / "split").string();
-  const Exit a = train(straight, {});
-  ASSERT_EQ(a.code, 0) << a.output;
-  const Exit b1 = train(split, {"train.train_iters=2"});
-  ASSERT_EQ(b1.code, 0) << b1.output;
-  const Exit b2 = train(split, {});
-  ASSERT_EQ(b2.code, 0) << b2.output;
-  const auto la = losses(straight), lb = losses(split);
-  ASSERT_EQ(la.size(), 4u);
-  ASSERT_EQ(lb.size(), la.size());
-  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i].second, lb[i].second) << i;
-  EXPECT_EQ(read_text_file((fs::path(straight) / "step_0000004/model.safetensors").string()),
-            read_text_file((fs::path(split) / "step_0000004/model.safetensors").string()));
+  const fs::path straight = root_ / "straight", split = root_ / "split";
+  expect_split_run_resumes_exactly(train, straight, split, 4);
+  const auto la = losses(straight);
 
   SafetensorsFile first((fs::path(straight) / "step_0000002/model.safetensors").string());
   SafetensorsFile last((fs::path(straight) / "step_0000004/model.safetensors").string());
@@ -478,19 +484,8 @@ TEST_F(AppTrainTest, LoraOnCudaSavesTheFrozenBaseInBf16AndResumesExactly) {
     return iris(args);
   };
   const fs::path straight = root_ / "cuda_straight", split = root_ / "cuda_split";
-  const Exit a = train(straight, {});
-  ASSERT_EQ(a.code, 0) << a.output;
-  const Exit b1 = train(split, {"train.train_iters=2"});
-  ASSERT_EQ(b1.code, 0) << b1.output;
-  const Exit b2 = train(split, {});
-  ASSERT_EQ(b2.code, 0) << b2.output;
-  const auto la = losses(straight), lb = losses(split);
-  ASSERT_EQ(la.size(), 4u);
-  ASSERT_EQ(lb.size(), la.size());
-  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i].second, lb[i].second) << i;
-  const std::string model = "step_0000004/model.safetensors";
-  EXPECT_EQ(read_text_file((straight / model).string()), read_text_file((split / model).string()));
-  SafetensorsFile saved((straight / model).string());
+  expect_split_run_resumes_exactly(train, straight, split, 4);
+  SafetensorsFile saved((straight / "step_0000004/model.safetensors").string());
   int adapters = 0, base = 0;
   for (const auto& [name, e] : saved.entries()) {
     const bool adapter = is_lora_tensor(name);

@@ -42,6 +42,17 @@ ModelConfig lora_config(const std::vector<std::string>& targets, int rank = 4, d
   return cfg;
 }
 
+// The golden sample's limits; `frozen`: the base frozen, as under peft.type=lora.
+TrainLimits golden_train_limits(bool frozen) {
+  TrainLimits limits;
+  limits.max_seq_len = 256;
+  limits.max_patches = 1024;
+  limits.max_images = 4;
+  limits.loss_chunk_rows = 16;
+  if (frozen) limits.frozen = {true, true, true, {}};
+  return limits;
+}
+
 double rel_l2(const std::vector<float>& got, const std::vector<double>& want) {
   double d = 0, n = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -316,13 +327,7 @@ void gradients_follow_from_the_merged_weights(std::unique_ptr<Backend> be, doubl
   auto merged = load_weights(*be, base_cfg, dir);
   merge_into(*be, *adapted, cfg.lora.scale(), *merged);
 
-  TrainLimits limits;
-  limits.max_seq_len = 256;
-  limits.max_patches = 1024;
-  limits.max_images = 4;
-  limits.loss_chunk_rows = 16;
-  TrainLimits lora_limits = limits;
-  lora_limits.frozen = {true, true, true, {}};
+  const TrainLimits limits = golden_train_limits(false), lora_limits = golden_train_limits(true);
   const TrainSample sample = test::golden_sample(Golden(dir));
   const float scale_loss = 1.0f / static_cast<float>(labelled_positions(sample.labels));
   TrainableQwen3VL lora_model(*be, cfg, *adapted, lora_limits);
@@ -394,12 +399,7 @@ TEST(LoraOnTheCpu, AdapterGradientsFollowFromTheMergedWeightsGradient) {
 TEST(LoraOnCuda, AdapterGradientsMatchTheCpuOracle) {
   if (!cuda_available()) GTEST_SKIP() << "no GPU";
   const ModelConfig cfg = lora_config(kAllTargets);
-  TrainLimits limits;
-  limits.max_seq_len = 256;
-  limits.max_patches = 1024;
-  limits.max_images = 4;
-  limits.loss_chunk_rows = 16;
-  limits.frozen = {true, true, true, {}};
+  const TrainLimits limits = golden_train_limits(true);
   const TrainSample sample = test::golden_sample(Golden(test::fixture_dir()));
   const float scale_loss = 1.0f / static_cast<float>(labelled_positions(sample.labels));
   struct Run {
@@ -485,12 +485,7 @@ TEST(LoraOnTheCpu, MatchesTorchLogitsGradientsAndOneAdamWStep) {
   };
   check_logits(*params, "before");
 
-  TrainLimits limits;
-  limits.max_seq_len = 256;
-  limits.max_patches = 1024;
-  limits.max_images = 4;
-  limits.loss_chunk_rows = 16;
-  limits.frozen = {true, true, true, {}};
+  const TrainLimits limits = golden_train_limits(true);
   TrainableQwen3VL model(*be, cfg, *params, limits);
   model.zero_grads();
   const LossStats stats =
