@@ -149,7 +149,11 @@ int run_bench_train(int argc, char** argv) {
     cfg.lora.rank = lora_rank;
     cfg.lora.alpha = lora_alpha > 0 ? lora_alpha : lora_rank;
     cfg.lora.target_modules = lora_targets;
-    check_lora_targets(lora_targets, "--lora-targets");
+    try {
+      check_lora_targets(lora_targets, "--lora-targets");
+    } catch (const Error& e) {
+      throw UsageError(e.what());  // a flag's value: exit 2, as for every usage error
+    }
     // PEFT's base: everything frozen but the adapters.
     freeze_vision = freeze_merger = freeze_llm = true;
   }
@@ -169,8 +173,11 @@ int run_bench_train(int argc, char** argv) {
   limits.max_images = static_cast<int>(micro);
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(recompute);
-  limits.vision_tower_frozen = freeze_vision;
   limits.frozen = FreezeSpec{freeze_vision, freeze_merger, freeze_llm};
+  // What trains, for the FLOP count; a tower keeps its block activations where anything in it
+  // trains (under LoRA, its adapters), as the trainer plans it.
+  const TrainedParts parts = trained_parts(cfg, limits.frozen);
+  limits.vision_tower_frozen = !parts.vision_tower && !parts.vision_tower_adapters;
   limits.moe_capacity.factor = capacity_factor;
   limits.moe_capacity.pad = pad_to_capacity;
 
@@ -230,7 +237,6 @@ int run_bench_train(int argc, char** argv) {
     for (const OpFamilyTotal& f : families) profiled_ms += f.ms;
   }
 
-  const TrainedParts parts = trained_parts(cfg, limits.frozen);
   const double sample_flops = training_flops(
       cfg, {static_cast<int64_t>(sample.ids.size()), labels_per_sample, sample.grids}, parts);
   const double samples_per_step = double(micro * accumulation);

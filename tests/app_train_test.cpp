@@ -766,6 +766,38 @@ TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
   EXPECT_EQ(dense_capacity.code, 2) << dense_capacity.output;
   EXPECT_NE(dense_capacity.output.find("applies to MoE geometries"), std::string::npos)
       << dense_capacity.output;
+  // A LoRA step: adapters on the targets, everything else frozen. It counts fewer FLOPs than the
+  // full step (no base weight gradients), and a target Iris cannot adapt is a usage error.
+  const std::string lora_out = (root_ / "bench_lora.json").string();
+  const Exit lora = iris({"bench",          "--train",
+                          "--config",       test::fixture_dir() + "/config.json",
+                          "--device",       "cpu",
+                          "--image",        "64",
+                          "--seq",          "96",
+                          "--micro",        "2",
+                          "--accumulation", "2",
+                          "--steps",        "1",
+                          "--recompute",    "full",
+                          "--lora-rank",    "4",
+                          "--lora-targets", "q_proj,v_proj,attn.qkv",
+                          "--json",         lora_out});
+  ASSERT_EQ(lora.code, 0) << lora.output;
+  EXPECT_NE(lora.output.find("LoRA rank 4, alpha 4, on q_proj,v_proj,attn.qkv; the rest frozen"),
+            std::string::npos)
+      << lora.output;
+  const nlohmann::json jl = nlohmann::json::parse(std::ifstream(lora_out));
+  EXPECT_EQ(jl["lora_rank"].get<int>(), 4);
+  EXPECT_EQ(jl["lora_targets"].get<std::vector<std::string>>(),
+            (std::vector<std::string>{"q_proj", "v_proj", "attn.qkv"}));
+  const double full_flops = j["model_tflops"].get<double>() * j["step_s"].get<double>(),
+               lora_flops = jl["model_tflops"].get<double>() * jl["step_s"].get<double>();
+  EXPECT_GT(lora_flops, 0.0);
+  EXPECT_LT(lora_flops, full_flops);
+  const Exit bad_target =
+      iris({"bench", "--train", "--config", test::fixture_dir() + "/config.json", "--device", "cpu",
+            "--lora-rank", "4", "--lora-targets", "q_prj"});
+  EXPECT_EQ(bad_target.code, 2) << bad_target.output;
+  EXPECT_NE(bad_target.output.find("'q_prj'"), std::string::npos) << bad_target.output;
 }
 
 TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {

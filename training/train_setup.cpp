@@ -72,11 +72,8 @@ TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   // it has adapters or a module to save.
   limits.vision_tower_frozen = r.train.freeze_vision_tower;
   if (r.peft.lora() && r.has_model_config) {
-    bool tower_trains = false;
-    const ParamSpecs specs(r.model_config, limits.frozen, DType::f32);
-    for (const ParamSpec& s : specs.all())
-      tower_trains = tower_trains || (s.trainable && s.part == ModelPart::vision_tower);
-    limits.vision_tower_frozen = !tower_trains;
+    const TrainedParts t = trained_parts(r.model_config, limits.frozen);
+    limits.vision_tower_frozen = !t.vision_tower && !t.vision_tower_adapters;
   }
   if (graphs_on) {
     // Text buckets: powers of two from 256 below the planned maximum, then the maximum, so that a
