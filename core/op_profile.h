@@ -25,8 +25,9 @@ struct OpRecord {
 };
 
 // What an op is for, in the families a step's time is reported by: "GEMM forward", "GEMM input
-// gradient", "GEMM weight gradient", "MoE experts", "MoE routing", "attention", "norms and
-// RoPE", "activations", "loss", "optimizer", "copies and gathers", "other".
+// gradient", "GEMM weight gradient", "MoE experts", "MoE routing", "attention forward",
+// "attention backward", "norms and RoPE", "activations", "loss", "optimizer", "copies and
+// gathers", "other".
 std::string op_family(const std::string& op);
 
 // Per family: its ops' summed time, calls, FLOPs and bytes, largest time first.

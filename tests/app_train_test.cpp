@@ -739,6 +739,11 @@ TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
     family_ms += f["ms"].get<double>();
   }
   EXPECT_NEAR(family_ms, j["profile"]["ops_ms"].get<double>(), 1e-6 * family_ms);
+  // With the idle time between the ops, the rows add up to the profiled step's time.
+  EXPECT_GE(j["profile"]["idle_ms"].get<double>(), 0.0);
+  EXPECT_NEAR(family_ms + j["profile"]["idle_ms"].get<double>(),
+              j["profile"]["step_ms"].get<double>(), 1e-6 * family_ms);
+  EXPECT_NE(e.output.find("attention backward"), std::string::npos) << e.output;
   EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
   EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
   EXPECT_GT(j["gemm_tflops_measured"].get<double>(), 0.0);

@@ -48,8 +48,9 @@ TEST(OpProfile, AMoeTrainingStepsOpsAllHaveFamilies) {
     ms += r.ms;
   }
   EXPECT_EQ(families.count("other"), 0u);
-  for (const char* f : {"GEMM forward", "GEMM input gradient", "GEMM weight gradient",
-                        "MoE experts", "MoE routing", "attention", "norms and RoPE", "loss"})
+  for (const char* f :
+       {"GEMM forward", "GEMM input gradient", "GEMM weight gradient", "MoE experts", "MoE routing",
+        "attention forward", "attention backward", "norms and RoPE", "loss"})
     EXPECT_EQ(families.count(f), 1u) << f;
   EXPECT_GT(ms, 0.0);
   EXPECT_LE(ms, wall_ms);
