@@ -226,18 +226,16 @@ int run_bench_train(int argc, char** argv) {
   IRIS_CHECK(std::isfinite(loss) && std::isfinite(norms.back()), "the benchmark's loss (", loss,
              ") or gradient norm (", norms.back(), ") is not finite");
 
-  std::vector<OpFamilyTotal> families;
-  double profiled_ms = 0, profiled_step_ms = 0;
+  StepProfile step_prof;
   if (profile) {
     be->profiler_collect(true);
     ops.start();  // waits for the work before it
     const auto p0 = Clock::now();
     step();
     be->synchronize();
-    profiled_step_ms = 1e3 * seconds_since(p0);
-    families = totals_by_family(ops.stop());
+    const double wall_ms = 1e3 * seconds_since(p0);
+    step_prof = step_profile(ops.stop(), wall_ms);
     be->profiler_collect(false);
-    for (const OpFamilyTotal& f : families) profiled_ms += f.ms;
   }
 
   const double sample_flops = training_flops(
@@ -324,41 +322,15 @@ int run_bench_train(int argc, char** argv) {
           mem_mib / 1024, p["peak_memory_gib"].get<double>());
   }
   if (profile) {
-    // The profiled step's time is its ops' own time and the idle time between them (launches,
-    // the profile's own waits), so the rows add up to it; the timed steps overlap what this one
-    // runs apart.
-    const double idle_ms = std::max(0.0, profiled_step_ms - profiled_ms);
-    const double total_ms = profiled_ms + idle_ms;
+    // The profiled step's rows (its ops' own time, each op run alone, and the idle time between
+    // them) add up to its time; the timed steps overlap what it runs apart.
     std::printf(
         "  step profile: one step op by op, %.1f ms of device time in its ops and %.1f ms idle "
-        "between them (the timed step: %.1f ms)\n  (each op runs alone, so this is the ops' own "
-        "time; shares are of the profiled step's %.1f ms)\n",
-        profiled_ms, idle_ms, 1e3 * step_s, total_ms);
-    std::printf("    %-22s %10s %7s %8s %26s\n", "family", "ms", "share", "calls",
-                "rate (of its floor)");
-    json rows = json::array();
-    for (const OpFamilyTotal& f : families) {
-      const double s = f.ms / 1e3;
-      char rate[64] = "";
-      // GEMM families against the GEMM rate; the rest's tensors against the copy rate.
-      if (f.flops > 0 && s > 0) {
-        const double t = f.flops / s / 1e12;
-        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s (%.0f%%)", t, 100 * t / hw.gemm_tflops);
-      } else if (f.bytes > 0 && s > 0 && hw.copy_gbps > 0) {
-        const double g = f.bytes / s / 1e9;
-        std::snprintf(rate, sizeof(rate), "%.0f GB/s (%.0f%%)", g, 100 * g / hw.copy_gbps);
-      }
-      std::printf("    %-22s %10.2f %6.1f%% %8lld %26s\n", f.family.c_str(), f.ms,
-                  100 * f.ms / total_ms, static_cast<long long>(f.calls), rate);
-      rows.push_back({{"family", f.family},
-                      {"ms", f.ms},
-                      {"calls", f.calls},
-                      {"flops", f.flops},
-                      {"bytes", f.bytes}});
-    }
-    std::printf("    %-22s %10.2f %6.1f%%\n", "idle", idle_ms, 100 * idle_ms / total_ms);
-    results["profile"] = {
-        {"ops_ms", profiled_ms}, {"idle_ms", idle_ms}, {"step_ms", total_ms}, {"families", rows}};
+        "between them (the timed step: %.1f ms)\n",
+        step_prof.ops_ms, step_prof.idle_ms, 1e3 * step_s);
+    for (const std::string& line : step_profile_table(step_prof, hw.gemm_tflops, hw.copy_gbps))
+      std::printf("    %s\n", line.c_str());
+    results["profile"] = step_profile_json(step_prof);
   }
   if (!json_out.empty()) write_file_atomic(json_out, results.dump(2) + "\n");
   return 0;

@@ -1,6 +1,7 @@
 #include "core/op_profile.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <string_view>
 
@@ -120,6 +121,60 @@ std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records
   std::stable_sort(out.begin(), out.end(),
                    [](const OpFamilyTotal& a, const OpFamilyTotal& b) { return a.ms > b.ms; });
   return out;
+}
+
+StepProfile step_profile(const std::vector<OpRecord>& records, double wall_ms) {
+  StepProfile p;
+  p.families = totals_by_family(records);
+  for (const OpFamilyTotal& f : p.families) p.ops_ms += f.ms;
+  p.idle_ms = std::max(0.0, wall_ms - p.ops_ms);
+  return p;
+}
+
+std::vector<std::string> step_profile_table(const StepProfile& p, double gemm_tflops,
+                                            double copy_gbps) {
+  std::vector<std::string> lines;
+  char line[160];
+  const double total = std::max(p.step_ms(), 1e-12);
+  std::snprintf(line, sizeof(line), "%-22s %10s %7s %8s %26s", "family", "ms", "share", "calls",
+                "rate (of its floor)");
+  lines.emplace_back(line);
+  for (const OpFamilyTotal& f : p.families) {
+    const double s = f.ms / 1e3;
+    char rate[64] = "";
+    if (f.flops > 0 && s > 0) {
+      const double t = f.flops / s / 1e12;
+      if (gemm_tflops > 0)
+        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s (%.0f%%)", t, 100 * t / gemm_tflops);
+      else
+        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s", t);
+    } else if (f.bytes > 0 && s > 0) {
+      const double g = f.bytes / s / 1e9;
+      if (copy_gbps > 0)
+        std::snprintf(rate, sizeof(rate), "%.0f GB/s (%.0f%%)", g, 100 * g / copy_gbps);
+      else
+        std::snprintf(rate, sizeof(rate), "%.0f GB/s", g);
+    }
+    std::snprintf(line, sizeof(line), "%-22s %10.2f %6.1f%% %8lld %26s", f.family.c_str(), f.ms,
+                  100 * f.ms / total, static_cast<long long>(f.calls), rate);
+    lines.emplace_back(line);
+  }
+  std::snprintf(line, sizeof(line), "%-22s %10.2f %6.1f%%", "idle", p.idle_ms,
+                100 * p.idle_ms / total);
+  lines.emplace_back(line);
+  return lines;
+}
+
+nlohmann::json step_profile_json(const StepProfile& p) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const OpFamilyTotal& f : p.families)
+    rows.push_back({{"family", f.family},
+                    {"ms", f.ms},
+                    {"calls", f.calls},
+                    {"flops", f.flops},
+                    {"bytes", f.bytes}});
+  return {
+      {"ops_ms", p.ops_ms}, {"idle_ms", p.idle_ms}, {"step_ms", p.step_ms()}, {"families", rows}};
 }
 
 void ProfilingBackend::start() {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -37,6 +38,22 @@ struct OpFamilyTotal {
   int64_t calls = 0;
 };
 std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records);
+
+// One step through the profile: its families, the ops' own time, and the idle time between them
+// (the step's wall time less the ops'), which add up to the profiled step's time.
+struct StepProfile {
+  std::vector<OpFamilyTotal> families;
+  double ops_ms = 0, idle_ms = 0;
+  double step_ms() const { return ops_ms + idle_ms; }
+};
+StepProfile step_profile(const std::vector<OpRecord>& records, double wall_ms);
+// The profile as a table, one line per family (ms, share of the step, calls, and its rate
+// against its own floor: a GEMM family's FLOPs at gemm_tflops, the others' tensor bytes at
+// copy_gbps; a rate of 0 leaves that floor out), then the idle line.
+std::vector<std::string> step_profile_table(const StepProfile& p, double gemm_tflops,
+                                            double copy_gbps);
+// {"ops_ms", "idle_ms", "step_ms", "families": [{"family", "ms", "calls", "flops", "bytes"}]}.
+nlohmann::json step_profile_json(const StepProfile& p);
 
 class ProfilingBackend final : public Backend {
  public:
