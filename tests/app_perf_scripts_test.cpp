@@ -186,7 +186,8 @@ TEST_F(PerfScriptsTest, SweepPrintsOneRowPerVariantAgainstTheFirst) {
 }
 
 TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
-  std::vector<std::string> args = tiny_run_args();
+  const std::vector<std::string> tiny = tiny_run_args();
+  std::vector<std::string> args = tiny;
   const std::vector<std::string> flags{"--print-command",
                                        "--iters",
                                        "7",
@@ -237,6 +238,19 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
         "max_vision_cuda_graph_seq_length: 512", "vision_cuda_graph_buckets: [256, 512]",
         "cuda_graph_warmup_steps: 2", "save_final: false", "eval_interval: 0"})
     EXPECT_NE(dry.output.find(resolved), std::string::npos) << resolved << " in\n" << dry.output;
+  // The step profile runs eagerly, so it is given apart from the graph flags.
+  std::vector<std::string> profiled = tiny;
+  for (const char* a : {"--print-command", "--op-profile-step", "2", "--out"})
+    profiled.push_back(a);
+  profiled.push_back((root_ / "profiled").string());
+  const Exit printed_profile = sh("run.sh", profiled);
+  ASSERT_EQ(printed_profile.code, 0) << printed_profile.output;
+  std::string profile_command = printed_profile.output;
+  while (!profile_command.empty() && profile_command.back() == '\n') profile_command.pop_back();
+  const Exit dry_profile =
+      run({"bash", "-c", profile_command + " --dry-run"}, (root_ / "dry_profile.txt").string());
+  ASSERT_EQ(dry_profile.code, 0) << profile_command << "\n" << dry_profile.output;
+  EXPECT_NE(dry_profile.output.find("op_profile_step: 2"), std::string::npos) << dry_profile.output;
 }
 
 // The MoE flags on a mixture-of-experts config: Megatron's drop-and-pad and the 'moe' module.

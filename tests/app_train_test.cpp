@@ -805,6 +805,38 @@ TEST_F(AppTrainTest, BenchTrainReportsThroughputAgainstTheMeasuredGemmRate) {
   EXPECT_NE(bad_target.output.find("'q_prj'"), std::string::npos) << bad_target.output;
 }
 
+// logging.op_profile_step: that iteration runs op by op, its table of device time by op family
+// goes to the log, and the step is an interval of its own, kept out of the steady state. Graphs
+// (a replay is one launch) and an iteration past the run are refused.
+TEST_F(AppTrainTest, OpProfileStepLogsWhereTheStepsDeviceTimeGoes) {
+  const std::string recipe = write_recipe(4);
+  const fs::path run = root_ / "profiled";
+  const Exit e = iris({"train", "--recipe", recipe, "checkpoint.dir=" + run.string(),
+                       "logging.op_profile_step=3", "logging.log_interval=2"});
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("step profile of iteration 3: "), std::string::npos) << e.output;
+  for (const char* family : {"GEMM forward", "GEMM weight gradient", "attention forward",
+                             "attention backward", "loss", "optimizer", "idle"})
+    EXPECT_NE(e.output.find("  " + std::string(family) + " "), std::string::npos) << family;
+  std::ifstream f(run / "metrics.jsonl");
+  std::vector<int64_t> profiled;
+  for (std::string line; std::getline(f, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("op_profiled_steps", int64_t{0}) > 0) profiled.push_back(j["iteration"]);
+  }
+  EXPECT_EQ(profiled, std::vector<int64_t>{3});
+  const Exit graphs = iris({"train", "--recipe", recipe, "--dry-run", "logging.op_profile_step=2",
+                            "cuda_graph.cuda_graph_impl=local"});
+  EXPECT_NE(graphs.code, 0);
+  EXPECT_NE(graphs.output.find("cuda_graph.cuda_graph_impl=none"), std::string::npos)
+      << graphs.output;
+  const Exit past = iris({"train", "--recipe", recipe, "--dry-run", "logging.op_profile_step=9"});
+  EXPECT_NE(past.code, 0);
+  EXPECT_NE(past.output.find("logging.op_profile_step 9 is past train.train_iters 4"),
+            std::string::npos)
+      << past.output;
+}
+
 TEST_F(AppTrainTest, ExportGeneratesLikeItsCheckpoint) {
   const std::string recipe = write_recipe(2);
   const fs::path run = root_ / "run";

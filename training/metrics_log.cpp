@@ -218,8 +218,11 @@ SteadyState steady_state(const std::vector<StepMetrics>& intervals) {
   size_t begin = 1;
   for (size_t i = 0; i < intervals.size(); ++i)
     if (intervals[i].graphs_captured > 0) begin = std::max(begin, i + 1);
-  // A probed step waited for the device to be held and released: not a steady step.
-  return mean_of(intervals, begin, [](const StepMetrics& m) { return m.probed_steps == 0; });
+  // A probed step waited for the device to be held and released, a profiled one ran op by op:
+  // neither is a steady step.
+  return mean_of(intervals, begin, [](const StepMetrics& m) {
+    return m.probed_steps == 0 && m.op_profiled_steps == 0;
+  });
 }
 
 SteadyState host_probe(const std::vector<StepMetrics>& intervals) {
@@ -513,7 +516,8 @@ nlohmann::json step_metrics_json(const StepMetrics& m, int64_t ranks, double pea
           {"mfu", maybe(peak > 0, flops_per_gpu / peak)},
           {"graphs_captured", m.graphs_captured},
           {"probed_steps", m.probed_steps},
-          {"probe_queue_full", m.probe_queue_full}};
+          {"probe_queue_full", m.probe_queue_full},
+          {"op_profiled_steps", m.op_profiled_steps}};
 }
 
 bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m) {
@@ -554,6 +558,7 @@ bool step_metrics_from_json(const nlohmann::json& j, StepMetrics& m) {
   m.graphs_captured = integer("graphs_captured");
   m.probed_steps = integer("probed_steps");
   m.probe_queue_full = integer("probe_queue_full");
+  m.op_profiled_steps = integer("op_profiled_steps");
   // Per-step figures are null when an interval had no steps; the totals follow from them.
   const auto total = [&](const char* key) { return number(key) * static_cast<double>(m.steps); };
   m.data_seconds = total("data_s_per_step");

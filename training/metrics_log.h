@@ -115,6 +115,8 @@ struct StepMetrics {
   // the launch queue before the host was done (their host figure then includes that wait).
   int64_t probed_steps = 0;
   int64_t probe_queue_full = 0;
+  // Steps run op by op through the step profile (logging.op_profile_step): not steady steps.
+  int64_t op_profiled_steps = 0;
 
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
   double samples_per_second() const { return seconds > 0 ? samples / seconds : 0; }

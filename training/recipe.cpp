@@ -243,6 +243,10 @@ std::vector<Field> fields(Recipe& r) {
        "so that their host enqueue time is the host's own work, not time blocked behind a busy "
        "device; reported apart from the steady state (run_summary.json host_probe, report.txt); "
        "0: off"},
+      {"logging.op_profile_step", &l.op_profile_step,
+       "the iteration to run op by op and log where its device time goes by op family, each "
+       "against its floor (as iris bench --train --profile); that step runs slower; needs graphs "
+       "off; 0: none"},
       {"logging.metrics_file", &l.metrics_file,
        "JSONL metrics, a file inside the run directory (a relative path without '..'); empty: off"},
       {"logging.plot", &l.plot,
@@ -1161,6 +1165,15 @@ void validate(Recipe& r) {
   IRIS_CHECK(r.logging.host_probe_steps < t.train_iters, "recipe: logging.host_probe_steps ",
              r.logging.host_probe_steps, " must be below train.train_iters ", t.train_iters,
              " (the probed steps are the run's last ones, outside its steady state)");
+  positive(r.logging.op_profile_step, "logging.op_profile_step", 0);
+  IRIS_CHECK(r.logging.op_profile_step <= t.train_iters, "recipe: logging.op_profile_step ",
+             r.logging.op_profile_step, " is past train.train_iters ", t.train_iters,
+             "; pick an iteration of the run (after the first few, which warm up)");
+  IRIS_CHECK(r.logging.op_profile_step == 0 || (r.cuda_graph.language.impl == GraphImpl::none &&
+                                                r.cuda_graph.vision.impl == VisionGraphImpl::none),
+             "recipe: logging.op_profile_step times each op on its own, and a replayed CUDA graph "
+             "runs its ops as one launch; set cuda_graph.cuda_graph_impl=none and "
+             "cuda_graph.vision_cuda_graph_impl=none for the profiled run");
   // Outputs named relative to the run directory stay inside it, apart from each other and from
   // what the run keeps there itself.
   for (const auto& [key, value] :

@@ -281,8 +281,14 @@ RankTraining::RankTraining(const Recipe& r, const ModelSource& source,
     // algorithm decides the rounding, and a run resumed in a new process (after someone filled
     // the cache, or on a newer cache) must continue bit for bit.
     gpu_->set_gemm_tuning(GemmTuning::heuristic);
-    plan_memory(r);
   }
+  if (r.logging.op_profile_step > 0) {
+    // Measured before the run's memory is allocated (the operands are freed on return).
+    Backend& device = on_gpu ? *gpu_ : *cpu_;
+    floors_ = measure_limits(device, /*quick=*/!on_gpu, 5);
+    profile_ = std::make_unique<ProfilingBackend>(device);
+  }
+  if (on_gpu) plan_memory(r);
   load_weights_on_host(r, source);
   frozen_ = recipe_frozen_parts(r);
   limits_ = recipe_train_limits(r, on_gpu);
@@ -304,6 +310,11 @@ RankTraining::RankTraining(const Recipe& r, const ModelSource& source,
 }
 
 RankTraining::~RankTraining() = default;
+
+Backend& RankTraining::compute() const {
+  if (profile_) return *profile_;
+  return gpu_ ? *gpu_ : *cpu_;
+}
 
 void RankTraining::plan_memory(const Recipe& r) {
   // The run's memory per GPU, planned before anything of it is allocated (or the weights read).
@@ -353,9 +364,9 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
     // The host copy served the load (or the random draw) only: checkpoints read the device.
     params_.reset();
     weights_ = working_.get();
-    replicas_.push_back(std::make_unique<TrainableQwen3VL>(*gpu_, cfg_, *working_, limits_));
+    replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_));
     for (int k = 1; k < slots; ++k)
-      replicas_.push_back(std::make_unique<TrainableQwen3VL>(*gpu_, cfg_, *working_, limits_,
+      replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_,
                                                              &replicas_[0]->grads()));
   } else {
     if (frozen_.vision_tower || frozen_.merger || frozen_.language_model) {
@@ -371,18 +382,19 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
     constexpr int64_t kReplicaGradientBudget = int64_t(1) << 30;
     // Of a multi-process run, each rank is one replica (data_parallel.h): the ranks' gradients
     // are then summed as a single process sums its replicas'.
+    // The step profile times one op at a time, so a profiled run keeps one replica.
     n_replicas_ = n_params_ * int64_t(sizeof(float)) <= kReplicaGradientBudget && dp.world() == 1 &&
-                          !graphs_on_
+                          !graphs_on_ && !profile_
                       ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
                       : 1;
     if (pipelined()) {
-      replicas_.push_back(std::make_unique<TrainableQwen3VL>(*cpu_, cfg_, *params_, limits_));
+      replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_));
       for (int k = 1; k < slots; ++k)
-        replicas_.push_back(std::make_unique<TrainableQwen3VL>(*cpu_, cfg_, *params_, limits_,
+        replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_,
                                                                &replicas_[0]->grads()));
     } else {
       for (int k = 0; k < n_replicas_; ++k)
-        replicas_.push_back(std::make_unique<TrainableQwen3VL>(*cpu_, cfg_, *params_, limits_));
+        replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_));
     }
   }
   master_weights_ = master_ ? master_.get() : weights_;

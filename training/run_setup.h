@@ -14,6 +14,8 @@
 #include "core/arena.h"
 #include "core/backend.h"
 #include "core/graph_capture.h"
+#include "core/hardware_limits.h"
+#include "core/op_profile.h"
 #include "training/checkpoint.h"
 #include "training/data_parallel.h"
 #include "training/optimizer.h"
@@ -90,6 +92,11 @@ class RankTraining {
   Backend& backend() const { return model().backend(); }
   Backend* gpu() const { return gpu_.get(); }
   AdamW& optimizer() const { return *opt_; }
+  // With logging.op_profile_step: the step profile the models and the optimizer issue their ops
+  // through (it times them only while it records), and the GEMM and copy rates measured at set-up
+  // that its table holds each op family against; else null.
+  ProfilingBackend* op_profile() const { return profile_.get(); }
+  const HardwareLimits& floors() const { return floors_; }
   // The weights the model reads (every parameter) and the master weights the optimizer updates
   // (the trainable ones; on the CPU with nothing frozen, the weights themselves).
   ModelWeights& weights() const { return *weights_; }
@@ -127,6 +134,10 @@ class RankTraining {
   std::vector<PipelineStage> stages_;
 
   std::unique_ptr<Backend> cpu_, gpu_;
+  std::unique_ptr<ProfilingBackend> profile_;
+  HardwareLimits floors_;
+  // Where the models and the optimizer issue their ops: the profile, else the device's backend.
+  Backend& compute() const;
   std::unique_ptr<ModelWeights> params_;  // f32 on the host; on the GPU released after upload
   std::unique_ptr<ModelWeights> master_, working_;
   ModelWeights* weights_ = nullptr;

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/hardware_limits.h"
 #include "core/usable_cores.h"
 #include "training/pipeline_parallel.h"
 #include "training/train_setup.h"
@@ -21,10 +22,6 @@ namespace {
 // How long a probed step may hold the device (logging.host_probe_steps): far above any step's
 // enqueue, so that a hold that ends by itself means the host filled the launch queue.
 constexpr double kHostProbeHoldSeconds = 5.0;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 TrainSample to_train_sample(Sample&& s) {
   TrainSample t;
@@ -120,6 +117,9 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
     be.synchronize();
     be.hold_device(kHostProbeHoldSeconds);
   }
+  // The profiled step runs op by op (each op timed alone on the device) from an idle device.
+  ProfilingBackend* const profile = it == r_.logging.op_profile_step ? rank_.op_profile() : nullptr;
+  if (profile != nullptr) profile->start();
   const auto step_start = std::chrono::steady_clock::now();
   // Waits and host times outside the step (an evaluation, a checkpoint) are not the step's.
   be.take_write_wait_seconds();
@@ -186,6 +186,11 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   interval.host_seconds += seconds_since(step_start) - waited;
   step_timer_.end_step();
   ++interval.steps;
+  if (profile != nullptr) {
+    be.synchronize();
+    op_profile_ = step_profile(profile->stop(), 1e3 * seconds_since(step_start));
+    ++interval.op_profiled_steps;
+  }
   if (probed) {
     ++interval.probed_steps;
     if (be.release_device()) ++interval.probe_queue_full;

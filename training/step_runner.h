@@ -9,9 +9,12 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "core/op_profile.h"
 #include "training/data_parallel.h"
 #include "training/dataset.h"
 #include "training/metrics_log.h"
@@ -42,6 +45,8 @@ class StepRunner {
   void on_skips(std::function<void(Dataset&)> report) { report_skips_ = std::move(report); }
   // Device seconds of the steps since the last call.
   double take_device_seconds() { return step_timer_.take_seconds(); }
+  // The step profile of the step logging.op_profile_step names, once it has run (then empty).
+  std::optional<StepProfile> take_op_profile() { return std::exchange(op_profile_, std::nullopt); }
 
  private:
   const Recipe& r_;
@@ -54,6 +59,7 @@ class StepRunner {
   std::function<void(Dataset&)> report_skips_;
   std::vector<TrainSample> batch_;
   std::vector<std::vector<const TrainSample*>> micro_batches_;
+  std::optional<StepProfile> op_profile_;
 };
 
 // Runs `work` once the device has finished what was queued before it, and returns its wall time:

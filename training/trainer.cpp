@@ -260,6 +260,15 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
     const bool probed = it > r.train.train_iters - r.logging.host_probe_steps;
     const float lr = schedule.at(it - 1);
     const int64_t batch_labels = steps.run(it, lr, probed, run_log.interval());
+    if (const std::optional<StepProfile> p = steps.take_op_profile()) {
+      log.message(str_cat("step profile of iteration ", it, ": ", p->ops_ms,
+                          " ms of device time in its ops, each run alone, and ", p->idle_ms,
+                          " ms idle between them (the step ran op by op, so it is slower than "
+                          "the others and kept out of the steady state)"));
+      for (const std::string& line :
+           step_profile_table(*p, rank.floors().gemm_tflops, rank.floors().copy_gbps))
+        log.message("  " + line);
+    }
     state.iteration = it;
     state.consumed_samples += r.train.global_batch_size;
     for (const TrainSample& s : steps.batch())
@@ -275,11 +284,12 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
                         result.stop_signal != 0;
     // Intervals end at multiples of log_interval and at every checkpoint, so that a resume
     // continues the run's record (run_summary.json, metrics) from a closed interval; after a
-    // resume the first one starts at the checkpoint. A probed step is an interval of its own,
-    // kept out of the steady state.
+    // resume the first one starts at the checkpoint. A probed step, and the profiled one, is an
+    // interval of its own, kept out of the steady state.
     const bool interval_ends = it % r.logging.log_interval == 0 || it == r.train.train_iters ||
                                probed || it == r.train.train_iters - r.logging.host_probe_steps ||
-                               saving;
+                               it == r.logging.op_profile_step ||
+                               it + 1 == r.logging.op_profile_step || saving;
     if (interval_ends) result.last_loss = run_log.read_losses(it, result.last_checkpoint);
     // Both are timed apart from the steps, and the interval's line (after them) gives their time.
     if (data.eval && it % r.train.eval_interval == 0)

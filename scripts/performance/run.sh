@@ -24,6 +24,10 @@
 #   --host-probe-steps N           logging.host_probe_steps: the last N steps are queued while the
 #                                  GPU is held, which gives the host's own enqueue time (the
 #                                  report's "host, device held"; not part of the steady state)
+#   --op-profile-step N            logging.op_profile_step: iteration N runs op by op and the log
+#                                  gets its device time by op family, each against its floor (run
+#                                  it with the graphs off; that step is not part of the steady
+#                                  state)
 #   --device cpu|cuda              train.device
 #   --micro-batch-size N           train.micro_batch_size
 #   --global-batch-size N          train.global_batch_size
@@ -67,6 +71,7 @@ declare -A key_of=(
   [--iters]=train.train_iters
   [--log-interval]=logging.log_interval
   [--host-probe-steps]=logging.host_probe_steps
+  [--op-profile-step]=logging.op_profile_step
   [--device]=train.device
   [--micro-batch-size]=train.micro_batch_size
   [--global-batch-size]=train.global_batch_size
@@ -87,7 +92,7 @@ declare -A key_of=(
 )
 declare -A is_list=([--cuda-graph-modules]=1 [--vision-cuda-graph-modules]=1 [--vision-buckets]=1)
 # The order overrides are written in, so that the command reads like the table above.
-key_flags=(--iters --log-interval --host-probe-steps --device --micro-batch-size --global-batch-size --seq-length
+key_flags=(--iters --log-interval --host-probe-steps --op-profile-step --device --micro-batch-size --global-batch-size --seq-length
   --recompute --data-parallel-size --pipeline-parallel-size --cuda-graph-impl --cuda-graph-modules
   --vision-cuda-graph-impl --vision-cuda-graph-modules --max-vision-graph-seq-len --vision-buckets
   --graph-warmup-steps --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
