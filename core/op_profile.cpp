@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <string_view>
 
@@ -196,11 +197,42 @@ bool ProfilingBackend::structural(const char* op) {
   return o == "begin_side_work" || o == "end_side_work" || o == "join_side_work";
 }
 
+double ProfilingBackend::segment_flops(const Tensor& cu_seqlens, int n_segments, int n_q_heads,
+                                       int head_dim, bool causal, const Tensor& real_rows) {
+  if (n_segments <= 0) return 0;
+  // Small device values, read while the profile synchronises every op anyway.
+  std::vector<int32_t> cu(static_cast<size_t>(n_segments) + 1);
+  in_.read(cu.data(), DType::i32, cu_seqlens.slice(0, n_segments + 1));
+  int32_t real = std::numeric_limits<int32_t>::max();
+  if (real_rows.defined()) in_.read(&real, DType::i32, real_rows);
+  double flops = 0;
+  for (int s = 0; s < n_segments; ++s) {
+    if (cu[static_cast<size_t>(s)] >= real) continue;  // padding: written as zeros
+    const double L = cu[static_cast<size_t>(s) + 1] - cu[static_cast<size_t>(s)];
+    flops += 4.0 * L * L * head_dim * n_q_heads * (causal ? 0.5 : 1.0);
+  }
+  return flops;
+}
+
+double ProfilingBackend::attention_flops(const Tensor&, const Tensor&, const Tensor&,
+                                         const Tensor& cu_seqlens, int n_segments, int n_q_heads,
+                                         int, int head_dim, float, bool causal,
+                                         const Tensor& real_rows) {
+  return segment_flops(cu_seqlens, n_segments, n_q_heads, head_dim, causal, real_rows);
+}
+
+double ProfilingBackend::attention_flops(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                         const Tensor&, const Tensor&, const Tensor& cu_seqlens,
+                                         int n_segments, int n_q_heads, int, int head_dim, float,
+                                         bool causal, const Tensor& real_rows) {
+  return 2.5 * segment_flops(cu_seqlens, n_segments, n_q_heads, head_dim, causal, real_rows);
+}
+
 void ProfilingBackend::record(const char* op, const std::vector<const Tensor*>& tensors,
-                              const std::function<void()>& run) {
+                              const std::function<void()>& run, double extra_flops) {
   OpRecord r;
   r.op = op;
-  r.flops = gemm_flops(r.op, tensors);
+  r.flops = gemm_flops(r.op, tensors) + extra_flops;
   for (const Tensor* t : tensors)
     if (t->defined()) r.bytes += static_cast<double>(t->nbytes());
   r.ms = in_.device_span_ms(run);

@@ -3,7 +3,8 @@
 // the op runs alone, after the one before has finished, so its time is its own and the sum is the
 // device's busy time, not the overlap of concurrent work). Each record keeps the op's FLOPs where
 // it is a GEMM (from its tensors' shapes; a grouped expert GEMM counts every sorted row, its upper
-// bound) and the bytes of the tensors it names (each counted once: a floor on its traffic).
+// bound) or a training attention op (from its segments), and the bytes of the tensors it names
+// (each counted once: a floor on its traffic).
 // Recording synchronises after every op, so profile a step apart from the timed ones, eagerly:
 // a captured graph's replay is one launch, not its ops.
 #pragma once
@@ -108,13 +109,14 @@ class ProfilingBackend final : public Backend {
   }
 
   // Every op: run on the inner backend, timed while recording.
-#define IRIS_BACKEND_OP(name, params, args)                 \
-  void name params override {                               \
-    if (!recording_ || structural(#name)) {                 \
-      in_.name args;                                        \
-      return;                                               \
-    }                                                       \
-    record(#name, tensors_of args, [&] { in_.name args; }); \
+#define IRIS_BACKEND_OP(name, params, args)                                    \
+  void name params override {                                                  \
+    if (!recording_ || structural(#name)) {                                    \
+      in_.name args;                                                           \
+      return;                                                                  \
+    }                                                                          \
+    record(                                                                    \
+        #name, tensors_of args, [&] { in_.name args; }, attention_flops args); \
   }
 #define IRIS_BACKEND_OP_WITH_DEFAULT IRIS_BACKEND_OP
 #include "core/backend_ops.inc"
@@ -135,8 +137,24 @@ class ProfilingBackend final : public Backend {
   }
   // The side-work brackets order work rather than do it.
   static bool structural(const char* op);
+  // The FLOPs of a training attention op (the QK^T and PV products over its real segments, read
+  // from cu_seqlens and real_rows: 4 L^2 D per head and segment of L rows, half that causal; the
+  // backward 2.5 times the forward, as FlashAttention counts it); 0 for every other op.
+  double attention_flops(const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                         const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
+                         int head_dim, float scale, bool causal, const Tensor& real_rows);
+  double attention_flops(const Tensor& dqkv, const Tensor& dsum, const Tensor& dout,
+                         const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                         const Tensor& cu_seqlens, int n_segments, int n_q_heads, int n_kv_heads,
+                         int head_dim, float scale, bool causal, const Tensor& real_rows);
+  template <class... A>
+  double attention_flops(const A&...) {
+    return 0;
+  }
+  double segment_flops(const Tensor& cu_seqlens, int n_segments, int n_q_heads, int head_dim,
+                       bool causal, const Tensor& real_rows);
   void record(const char* op, const std::vector<const Tensor*>& tensors,
-              const std::function<void()>& run);
+              const std::function<void()>& run, double extra_flops);
 
   Backend& in_;
   bool recording_ = false;

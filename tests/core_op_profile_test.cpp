@@ -75,5 +75,39 @@ TEST(OpProfile, RecordsEachOpsTimeFlopsAndBytes) {
   EXPECT_EQ(t[1].family, "norms and RoPE");
 }
 
+// A training attention op counts the QK^T and PV products of its real segments: 4 L^2 D per head
+// and segment of L rows, half of it causal, the backward 2.5 times its forward; segments that
+// start at or past real_rows are padding and count nothing.
+TEST(OpProfile, AttentionCountsTheProductsOfItsRealSegments) {
+  auto cpu = make_cpu_backend();
+  ProfilingBackend prof(*cpu);
+  Arena a(prof, size_t(1) << 16);
+  const int n_q = 2, n_kv = 1, hd = 4;
+  const int64_t T = 8, width = (n_q + 2 * n_kv) * hd;
+  const Tensor qkv = a.alloc(DType::f32, {T, width}), out = a.alloc(DType::f32, {T, n_q * hd}),
+               lse = a.alloc(DType::f32, {T, n_q}), cu = a.alloc(DType::i32, {3}),
+               real = a.alloc(DType::i32, {1}), dqkv = a.alloc(DType::f32, {T, width}),
+               dsum = a.alloc(DType::f32, {T, n_q}), dout = a.alloc(DType::f32, {T, n_q * hd});
+  std::vector<float> v(static_cast<size_t>(T * width), 0.5f);
+  prof.write(qkv, v.data(), DType::f32);
+  prof.write(dout, v.data(), DType::f32);
+  const int32_t bounds[3] = {0, 3, 8}, three = 3;
+  prof.write(cu, bounds, DType::i32);
+  prof.write(real, &three, DType::i32);
+  prof.start();
+  prof.attention_train(out, lse, qkv, cu, 2, n_q, n_kv, hd, 0.5f, true, Tensor());
+  prof.attention_backward(dqkv, dsum, dout, out, lse, qkv, cu, 2, n_q, n_kv, hd, 0.5f, true,
+                          Tensor());
+  prof.attention_train(out, lse, qkv, cu, 2, n_q, n_kv, hd, 0.5f, false, real);
+  const std::vector<OpRecord> r = prof.stop();
+  ASSERT_EQ(r.size(), 3u);
+  const double causal = 4.0 * (3 * 3 + 5 * 5) * hd * n_q * 0.5;
+  EXPECT_EQ(r[0].flops, causal);
+  EXPECT_EQ(r[1].flops, 2.5 * causal);
+  EXPECT_EQ(r[2].flops, 4.0 * 3 * 3 * hd * n_q);  // the second segment is padding
+  EXPECT_EQ(op_family(r[0].op), "attention forward");
+  EXPECT_EQ(op_family(r[1].op), "attention backward");
+}
+
 }  // namespace
 }  // namespace iris
