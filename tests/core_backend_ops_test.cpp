@@ -549,8 +549,10 @@ TEST_F(BackendOps, Dropout) {
 TEST_F(BackendOps, AddColumnBlock) {
   // A block of 12 at 20 takes the CUDA kernel's element path, 24 at 16 its 8-wide path.
   const int64_t rows = 37, wide = 48;
-  for (const auto [narrow, at] : {std::pair<int64_t, int64_t>{12, 20}, {24, 16}})
+  for (const auto& block : {std::pair<int64_t, int64_t>{12, 20}, {24, 16}})
     for (bool accumulate : {true, false}) {
+      // Plain locals: clang before 16 does not let a lambda capture a structured binding.
+      const int64_t narrow = block.first, at = block.second;
       for (Kind dst_kind : {Kind::act, Kind::f32}) {
         const std::string tag = std::string(accumulate ? "accumulate" : "overwrite") +
                                 (dst_kind == Kind::f32 ? " f32 " : " ") + std::to_string(narrow) +
