@@ -19,6 +19,7 @@
 #include "training/metrics_log.h"
 #include "training/optimizer.h"
 #include "training/param_spec.h"
+#include "training/recipe.h"
 #include "training/train_model.h"
 #include "training/train_setup.h"
 
@@ -110,8 +111,7 @@ int run_bench_train(int argc, char** argv) {
                "model.moe_pad_expert_input_to_capacity (needs --moe-expert-capacity-factor)");
   int lora_rank = 0;
   double lora_alpha = 0;
-  std::vector<std::string> lora_targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"};
+  std::vector<std::string> lora_targets = PeftRecipe{}.target_modules;  // the recipe's default
   app.add_option("--lora-rank", lora_rank,
                  "peft.rank: train LoRA adapters of this rank on --lora-targets with the rest "
                  "frozen, as a recipe's peft section does (0: no adapters)")

@@ -134,7 +134,7 @@ struct LoggingRecipe {
   int64_t log_interval = 10;
   int64_t host_probe_steps = 0;  // the run's last steps, each queued behind a held device
   // The iteration run op by op through the step profile (core/op_profile.h), whose table of
-  // device time by op family goes to the log and run_summary.json; 0: none.
+  // device time by op family goes to the log; 0: none.
   int64_t op_profile_step = 0;
   std::string metrics_file = "metrics.jsonl";
   std::string plot = "training_curves.svg";
