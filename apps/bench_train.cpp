@@ -199,7 +199,7 @@ int run_bench_train(int argc, char** argv) {
   ac.beta2 = 0.95f;
   ac.weight_decay = 0.1f;
   ac.clip_grad_norm = 1.0f;
-  AdamW opt(ops, cfg, master ? *master : *working, model.grads(), ac,
+  AdamW opt(ops, cfg, master ? master.get() : working.get(), model.grads(), ac,
             master ? working.get() : nullptr);
 
   const std::vector<const TrainSample*> mb(static_cast<size_t>(micro), &sample);

@@ -18,7 +18,8 @@ ShardExchange::ShardExchange(Backend& be, Communicator& comm, const Tensor& grad
                              const Tensor& weights, int64_t bucket_elements)
     : be_(be), comm_(comm) {
   IRIS_CHECK(grads.dtype == DType::f32 && grads.device == comm.device() &&
-                 weights.device == comm.device() && grads.numel() == weights.numel(),
+                 (!weights.defined() ||
+                  (weights.device == comm.device() && grads.numel() == weights.numel())),
              "ShardExchange: f32 gradients and weights of as many elements on the communicator's "
              "device, got ",
              grads.shape_str(), " and ", weights.shape_str());
@@ -29,7 +30,7 @@ ShardExchange::ShardExchange(Backend& be, Communicator& comm, const Tensor& grad
              dtype_name(weights.dtype));
   n_ = grads.numel();
   grads_ = grads.view({n_});
-  weights_ = weights.view({n_});
+  if (weights.defined()) weights_ = weights.view({n_});
   const int64_t w = comm.size();
   shard_ = n_ / w;
   chunk_ = std::min(shard_, std::max<int64_t>(1, bucket_elements / w));
@@ -69,6 +70,7 @@ void ShardExchange::reduce_scatter() {
 }
 
 void ShardExchange::all_gather() {
+  IRIS_CHECK(weights_.defined(), "ShardExchange::all_gather: made without weights to gather");
   const int64_t w = comm_.size(), r = comm_.rank();
   if (n_buckets_ == 1) {
     comm_.all_gather(weights_.slice(0, w * shard_), weights_.slice(r * shard_, (r + 1) * shard_));

@@ -26,7 +26,8 @@ namespace iris {
 class ShardExchange {
  public:
   // grads: flat f32 gradients; weights: the flat weights the model reads (any dtype, the same
-  // element layout as grads). bucket_elements: the most elements one exchange moves.
+  // element layout as grads), or an undefined Tensor where nothing is gathered (all_gather is
+  // then an error). bucket_elements: the most elements one exchange moves.
   ShardExchange(Backend& be, Communicator& comm, const Tensor& grads, const Tensor& weights,
                 int64_t bucket_elements);
 

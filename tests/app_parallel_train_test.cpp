@@ -3,8 +3,9 @@
 // with N micro-batch replicas, one thread each, is the structure N ranks reproduce:
 // training/data_parallel.h); a data_parallel_size that disagrees with the launcher is an error
 // naming both; and a rank that fails ends every rank of the job with a non-zero status. The
-// sharded optimizer (optimizer.distributed) gives the unsharded run bit for bit with half the
-// moments per rank, and checkpoints resume under another data-parallel size and sharding.
+// sharded optimizer (parallel.sharding=optimizer, or optimizer.distributed) gives the unsharded run
+// bit for bit with half the moments per rank, and checkpoints resume under another data-parallel
+// size and sharding.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -114,7 +115,7 @@ TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAF
   const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
   ASSERT_EQ(a.code, 0) << a.output;
   const Exit b =
-      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "optimizer.distributed=true"}));
+      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=optimizer"}));
   ASSERT_EQ(b.code, 0) << b.output;
   const std::vector<double> la = losses(plain), lb = losses(sharded);
   ASSERT_EQ(la.size(), 3u);
@@ -133,8 +134,17 @@ TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAF
   const int full = moments_mib(a.output), half = moments_mib(b.output);
   EXPECT_GT(full, 0) << a.output;
   EXPECT_EQ(half, full / 2) << b.output;
-  EXPECT_NE(b.output.find("this rank's 1/2 (optimizer.distributed)"), std::string::npos)
+  EXPECT_NE(b.output.find("this rank's 1/2 (parallel.sharding=optimizer)"), std::string::npos)
       << b.output;
+  // And half of the f32 master weights, which the unsharded CPU run has none of apart from the
+  // weights the model reads (whole on every rank in both).
+  auto master_mib = [](const std::string& out) {
+    const size_t at = out.find("f32 master weights ");
+    return at == std::string::npos ? -1 : std::stoi(out.substr(at + 19));
+  };
+  EXPECT_EQ(master_mib(a.output), -1) << a.output;
+  // Two moments per master weight: a quarter of the unsharded moments, give or take the rounding.
+  EXPECT_NEAR(master_mib(b.output), full / 4, 1) << b.output;
 }
 
 // Frozen parts hold no optimizer state (training/param_spec.h): the sharded optimizer shards the

@@ -189,7 +189,7 @@ TEST_F(AppPipelineTrainTest, ShardedOptimizerOverStagesTimesReplicasGivesTheUnsh
   EXPECT_NE(b.output.find("2 stages x 2 data-parallel replicas (rank = stage x 2 + replica)"),
             std::string::npos)
       << b.output;
-  EXPECT_NE(b.output.find("this rank's 1/2 of its stage's (optimizer.distributed)"),
+  EXPECT_NE(b.output.find("this rank's 1/2 of its stage's (parallel.sharding=optimizer)"),
             std::string::npos)
       << b.output;
   EXPECT_NE(b.output.find("gradient reduce-scatter over each stage's 2 replicas"),

@@ -511,7 +511,7 @@ TEST(LoraOnTheCpu, MatchesTorchLogitsGradientsAndOneAdamWStep) {
   for (size_t i = 0; i < master->bindings.size(); ++i)
     if (master->bindings[i].allocated())
       be->copy(master->bindings[i].tensor(), params->bindings[i].tensor());
-  AdamW opt(*be, cfg, *master, model.grads(), ac, params.get());
+  AdamW opt(*be, cfg, master.get(), model.grads(), ac, params.get());
   opt.step(opt_cfg["lr"].get<float>(), model.frozen());
   for (const WeightBinding& b : params->bindings) {
     if (!is_lora_tensor(b.hf_name)) continue;

@@ -1,6 +1,6 @@
 // The memory plan of a training run (training/memory_plan.h) against counts made here from the
 // config's fields, against the arena a CPU model really allocates, across data parallelism with
-// and without optimizer.distributed and pipeline stages, and its refusal with the settings that
+// and without optimizer sharding and pipeline stages, and its refusal with the settings that
 // make a run fit.
 #include <gtest/gtest.h>
 
@@ -120,11 +120,11 @@ TEST(MemoryPlan, ActivationsAndWorkspaceAreWhatTheModelAllocates) {
                 .bytes);
 }
 
-TEST(MemoryPlan, DataParallelShardsTheMomentsWithTheDistributedOptimizer) {
+TEST(MemoryPlan, DataParallelShardsTheMomentsAndMasterWeightsWithTheOptimizerSharding) {
   const Counts c = count_parameters(tiny_recipe().model_config);
   const Recipe whole = tiny_recipe({"parallel.data_parallel_size=4"});
   const Recipe sharded =
-      tiny_recipe({"parallel.data_parallel_size=4", "optimizer.distributed=true"});
+      tiny_recipe({"parallel.data_parallel_size=4", "parallel.sharding=optimizer"});
   const MemoryPlan whole_plan = plan_training_memory(whole, whole.model_config, true, 0);
   const MemoryPlan sharded_plan = plan_training_memory(sharded, sharded.model_config, true, 0);
   const StageMemory& w = whole_plan.per_stage[0];
@@ -132,7 +132,8 @@ TEST(MemoryPlan, DataParallelShardsTheMomentsWithTheDistributedOptimizer) {
   EXPECT_EQ(item(w, "AdamW moments").bytes, c.all() * 8);
   // The last rank's shard takes the remainder.
   EXPECT_EQ(item(s, "AdamW moments").bytes, (c.all() / 4 + c.all() % 4) * 8);
-  EXPECT_EQ(item(s, "master weights").bytes, c.all() * 4);  // whole on every rank for now
+  EXPECT_EQ(item(w, "master weights").bytes, c.all() * 4);
+  EXPECT_EQ(item(s, "master weights").bytes, (c.all() / 4 + c.all() % 4) * 4);
   EXPECT_EQ(item(s, "gradients").bytes, c.all() * 4);
   // The gradient all-reduce's scratch: one bucket (the whole gradients here), padded to 4 pieces.
   EXPECT_EQ(item(w, "communication").bytes, (c.all() + 3) / 4 * 4 * 4);
@@ -206,7 +207,7 @@ TEST(MemoryPlan, ARunOverTheDeviceIsRefusedWithTheSettingsThatFit) {
       four_fit);
   const std::string more = memory_refusal(
       one_gpu, r.model_config, plan_training_memory(one_gpu, r.model_config, true, four_fit));
-  EXPECT_NE(more.find("with more GPUs: parallel.data_parallel_size=4 optimizer.distributed=true"),
+  EXPECT_NE(more.find("with more GPUs: parallel.data_parallel_size=4 parallel.sharding=optimizer"),
             std::string::npos)
       << more;
   // The recipe key gives the device memory.

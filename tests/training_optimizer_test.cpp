@@ -121,7 +121,7 @@ TEST_F(TinyModel, ThreeAdamWStepsReproduceTorch) {
   TrainableQwen3VL model(*backend_, *cfg_, *params, limits());
   float lr = 0;
   const AdamWConfig ac = golden_adamw(&lr);
-  AdamW opt(*backend_, *cfg_, *params, model.grads(), ac);
+  AdamW opt(*backend_, *cfg_, params.get(), model.grads(), ac);
   const auto& want_losses = golden_->json()["adamw_losses"];
   ASSERT_EQ(want_losses.size(), 3u);
   double worst_loss = 0;
@@ -202,7 +202,7 @@ TEST_F(TinyModel, FrozenPartsStayBitIdenticalAndTrainablePartsMatchTheFullBackwa
     TrainableQwen3VL model(*backend_, *cfg_, *params, limits());
     model.set_frozen(c[0], c[1], c[2]);
     float lr = 0;
-    AdamW opt(*backend_, *cfg_, *params, model.grads(), golden_adamw(&lr));
+    AdamW opt(*backend_, *cfg_, params.get(), model.grads(), golden_adamw(&lr));
     model.zero_grads();
     model.forward_backward(*sample_, scale);
     const auto grads = snapshot(model.grads());
@@ -265,7 +265,7 @@ TEST_F(TinyModel, FrozenPartsHoldNoF32StateAndTrainAsWithWholeModelBuffers) {
     if (master->bindings[i].allocated())
       std::memcpy(bound(master->bindings[i]).data, bound(params->bindings[i]).data,
                   size_t(bound(params->bindings[i]).numel()) * sizeof(float));
-  AdamW opt(*backend_, *cfg_, *master, model.grads(), ac, params.get());
+  AdamW opt(*backend_, *cfg_, master.get(), model.grads(), ac, params.get());
   for (const ModelWeights* w : {&model.grads(), master.get(), &opt.exp_avg(), &opt.exp_avg_sq()}) {
     for (const WeightBinding& b : w->bindings)
       EXPECT_EQ(b.allocated(), model_part(b.hf_name) == ModelPart::language_model) << b.hf_name;
@@ -282,7 +282,7 @@ TEST_F(TinyModel, FrozenPartsHoldNoF32StateAndTrainAsWithWholeModelBuffers) {
   auto ref_params = fresh_params();
   TrainableQwen3VL ref(*backend_, *cfg_, *ref_params, limits());
   ref.set_frozen(true, true, false);
-  AdamW ref_opt(*backend_, *cfg_, *ref_params, ref.grads(), ac);
+  AdamW ref_opt(*backend_, *cfg_, ref_params.get(), ref.grads(), ac);
   for (int step = 0; step < 2; ++step) {
     model.zero_grads();
     ref.zero_grads();
@@ -316,7 +316,7 @@ TEST_F(TinyModel, FrozenPartsHoldNoF32StateAndTrainAsWithWholeModelBuffers) {
   }
   auto all_params_again = fresh_params();
   TrainableQwen3VL whole(*backend_, *cfg_, *all_params_again, limits());
-  AdamW resumed(*backend_, *cfg_, *all_params_again, whole.grads(), ac);
+  AdamW resumed(*backend_, *cfg_, all_params_again.get(), whole.grads(), ac);
   resumed.load(path);
   EXPECT_EQ(resumed.reinitialised_parts(), (std::vector<std::string>{"vision_tower", "merger"}));
   const auto rm = snapshot(resumed.exp_avg());
@@ -334,7 +334,7 @@ TEST_F(TinyModel, FrozenPartsHoldNoF32StateAndTrainAsWithWholeModelBuffers) {
   TrainableQwen3VL merger_only(*backend_, *cfg_, *lm_params, lm_frozen);
   auto merger_master =
       allocate_state(*backend_, *cfg_, ParamSpecs(*cfg_, lm_frozen.frozen, DType::f32));
-  AdamW merger_opt(*backend_, *cfg_, *merger_master, merger_only.grads(), ac, lm_params.get());
+  AdamW merger_opt(*backend_, *cfg_, merger_master.get(), merger_only.grads(), ac, lm_params.get());
   merger_opt.load(path);
   EXPECT_EQ(merger_opt.reinitialised_parts(), std::vector<std::string>{"merger"});
   std::filesystem::remove(path);
@@ -350,7 +350,7 @@ TEST_F(TinyModel, EachPartStepsWithItsOwnLearningRate) {
     AdamWConfig ac = golden_adamw(&lr);
     ac.vision_tower_lr_scale = vision_scale;
     ac.merger_lr_scale = merger_scale;
-    AdamW opt(*backend_, *cfg_, *params, model.grads(), ac);
+    AdamW opt(*backend_, *cfg_, params.get(), model.grads(), ac);
     model.zero_grads();
     model.forward_backward(*sample_, 1.0f / float(labelled_positions(sample_->labels)));
     opt.step(lr * lr_factor);
@@ -385,7 +385,7 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
   // Run A: two steps, save, a third step.
   auto pa = fresh_params();
   TrainableQwen3VL ma(*backend_, *cfg_, *pa, limits());
-  AdamW oa(*backend_, *cfg_, *pa, ma.grads(), ac);
+  AdamW oa(*backend_, *cfg_, pa.get(), ma.grads(), ac);
   train_step(ma, oa, lr);
   train_step(ma, oa, 0.5f * lr);
   oa.save(path);
@@ -398,7 +398,7 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
     std::memcpy(bound(pb->bindings[i]).data, saved_params[i].data(),
                 saved_params[i].size() * sizeof(float));
   TrainableQwen3VL mb(*backend_, *cfg_, *pb, limits());
-  AdamW ob(*backend_, *cfg_, *pb, mb.grads(), ac);
+  AdamW ob(*backend_, *cfg_, pb.get(), mb.grads(), ac);
   ob.load(path);
   EXPECT_EQ(ob.steps(), 2);
   const double loss_b = train_step(mb, ob, 0.25f * lr);
@@ -474,7 +474,7 @@ TEST_F(TinyModel, OptimizerStateSaveLoadResumesBitExactly) {
   auto po = allocate_weights(*backend_, other);
   auto go = allocate_weights(*backend_, other);
   for (const WeightBinding& wb : po->bindings) backend_->fill_zero(bound(wb));
-  AdamW oo(*backend_, other, *po, *go, ac);
+  AdamW oo(*backend_, other, po.get(), *go, ac);
   oa.save(path);
   EXPECT_NO_THROW(oo.save(path + ".other"));
   EXPECT_THROW(oa.load(path + ".other"), Error);
@@ -501,7 +501,7 @@ TEST(AdamW, ClipsToTheGlobalNormAndReturnsThePreClipNorm) {
   }
   AdamWConfig ac;
   ac.clip_grad_norm = 1.0f;
-  AdamW opt(*be, cfg, *params, *grads, ac);
+  AdamW opt(*be, cfg, params.get(), *grads, ac);
   opt.step(1e-3f);
   const std::vector<float> norms = opt.take_grad_norms();
   ASSERT_EQ(norms.size(), 1u);
@@ -541,7 +541,7 @@ void expect_non_finite_step_changes_nothing(Backend& be) {
     for (float& x : v) x = nd(rng) * 1e-2f;
     be.write(grads->bindings[i].tensor(), v.data(), DType::f32);
   }
-  AdamW opt(be, cfg, *params, *grads, AdamWConfig{}, working.get());
+  AdamW opt(be, cfg, params.get(), *grads, AdamWConfig{}, working.get());
   const Tensor p0 = params->bindings[0].tensor(), g0 = grads->bindings[0].tensor().slice(0, 1);
   const Tensor m0 = opt.exp_avg().bindings[0].tensor();
   auto read = [&](const Tensor& t) {

@@ -490,7 +490,18 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   const Recipe zero = load_recipe_text(
       tiny_recipe(), "r.yaml", {"parallel.pipeline_parallel_size=2", "optimizer.distributed=true"});
   EXPECT_TRUE(zero.optimizer.distributed);
+  EXPECT_EQ(zero.parallel.sharding, "optimizer");
   EXPECT_EQ(zero.parallel.pipeline_parallel_size, 2);
+  // parallel.sharding is Megatron-FSDP's name for it; the stronger modes are refused, by name.
+  const Recipe named = load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer"});
+  EXPECT_TRUE(named.optimizer.distributed);
+  EXPECT_FALSE(load_recipe_text(tiny_recipe(), "r.yaml", {}).optimizer.distributed);
+  msg = error_of(
+      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads"}); });
+  EXPECT_HAS(msg, "parallel.sharding=optimizer_grads");
+  EXPECT_HAS(msg, "use parallel.sharding=optimizer");
+  msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=zero3"}); });
+  EXPECT_HAS(msg, "parallel.sharding");
   // Data parallelism is the launcher's business (checked when the run starts, against it).
   const Recipe r = load_recipe_text(
       tiny_recipe(), "r.yaml",

@@ -151,10 +151,6 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         str_cat(count(all), " parameters x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",
                 "); every frozen part keeps these and nothing else",
                 pipelined ? "; every stage holds the whole model's" : ""));
-    const bool own_master = on_gpu || any_frozen;
-    add("master weights", own_master ? trainable * 4 : 0,
-        own_master ? str_cat(count(trainable), " trainable parameters x 4 B (f32)")
-                   : std::string("none: on the CPU the f32 weights are the master weights"));
     add("gradients", trainable * 4,
         str_cat(count(trainable), " trainable parameters x 4 B (f32)",
                 pipelined ? "; one buffer for all micro-batches in flight" : ""));
@@ -175,11 +171,22 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         if (all_specs[size_t(i)].trainable) span += all_specs[size_t(i)].numel();
     }
     const int64_t moment_elements = sharded ? span / replicas + span % replicas : span;
+    // The f32 master weights: sharded, the optimizer's shard of the span, as the moments; else
+    // every trainable parameter (on the CPU with nothing frozen, the weights themselves).
+    const bool own_master = on_gpu || any_frozen;
+    if (sharded)
+      add("master weights", moment_elements * 4,
+          str_cat(count(moment_elements), " elements x 4 B (f32), the optimizer's shard, 1/",
+                  replicas, " per rank (parallel.sharding=optimizer)"));
+    else
+      add("master weights", own_master ? trainable * 4 : 0,
+          own_master ? str_cat(count(trainable), " trainable parameters x 4 B (f32)")
+                     : std::string("none: on the CPU the f32 weights are the master weights"));
     add("AdamW moments", moment_elements * 8,
         str_cat(count(moment_elements), " elements x 2 x 4 B",
                 pipelined ? str_cat(" (the stage's span of ", count(span), ")") : "",
-                sharded        ? str_cat(", 1/", replicas, " per rank (optimizer.distributed)")
-                : replicas > 1 ? ", whole on every rank (optimizer.distributed off)"
+                sharded ? str_cat(", 1/", replicas, " per rank (parallel.sharding=optimizer)")
+                : replicas > 1 ? ", whole on every rank (parallel.sharding=none)"
                                : ""));
 
     TrainLimits stage_limits = limits;
@@ -294,10 +301,11 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          x.train.recompute = "full";
          return true;
        }},
-      {"optimizer.distributed=true",
+      {"parallel.sharding=optimizer",
        [](Recipe& x) {
          if (x.optimizer.distributed || x.parallel.data_parallel_size < 2) return false;
          x.optimizer.distributed = true;
+         x.parallel.sharding = "optimizer";
          return true;
        }},
       {"train.micro_batch_size=1",
@@ -352,28 +360,26 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
         Recipe x = *base;
         x.parallel.data_parallel_size = n;
         x.optimizer.distributed = true;
+        x.parallel.sharding = "optimizer";
         const int64_t p = peak_with(x);
         if (p <= plan.device_bytes)
           more_gpus =
               str_cat(*settings, settings->empty() ? "" : " ", "parallel.data_parallel_size=", n,
-                      " optimizer.distributed=true (", gib(p), " per GPU)");
+                      " parallel.sharding=optimizer (", gib(p), " per GPU)");
       }
-    // What every GPU holds whole today whatever the layout: the weights, master weights and
-    // gradients of the model.
+    // What every GPU holds whole today whatever the layout: the weights and gradients of the
+    // model.
     int64_t whole = 0;
     for (const MemoryItem& i : plan.per_stage[0].items)
-      if (i.name == "weights" || i.name == "master weights" || i.name == "gradients")
-        whole += i.bytes;
-    advice = !more_gpus.empty()
-                 ? "no setting of this layout makes it fit; with more GPUs: " + more_gpus
-                 : str_cat(
-                       "no setting makes it fit: the weights, master weights and gradients "
-                       "alone take ",
-                       gib(whole),
-                       " on every GPU, which no data-parallel or pipeline layout divides; "
-                       "freeze parts (train.freeze_vision_tower, train.freeze_merger, "
-                       "train.freeze_language_model), shorten train.seq_length or use GPUs "
-                       "with more memory");
+      if (i.name == "weights" || i.name == "gradients") whole += i.bytes;
+    advice =
+        !more_gpus.empty()
+            ? "no setting of this layout makes it fit; with more GPUs: " + more_gpus
+            : str_cat("no setting makes it fit: the weights and gradients alone take ", gib(whole),
+                      " on every GPU, which no data-parallel or pipeline layout divides; "
+                      "freeze parts (train.freeze_vision_tower, train.freeze_merger, "
+                      "train.freeze_language_model), shorten train.seq_length or use GPUs "
+                      "with more memory");
   }
   return str_cat(plan.describe(), "the plan needs ", gib(plan.peak()), " per GPU but ",
                  r.train.device_memory_gib > 0

@@ -115,10 +115,20 @@ Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
 
 }  // namespace
 
-AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
-             const AdamWConfig& config, ModelWeights* working, Communicator* shard_over,
-             int64_t bucket_elements, const StageTensors* pipeline)
-    : be_(backend), config_(config), master_(master), grads_(grads), working_(working) {
+AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weights,
+             ModelWeights& grads, const AdamWConfig& config, ModelWeights* working,
+             Communicator* shard_over, int64_t bucket_elements, const StageTensors* pipeline)
+    : be_(backend),
+      config_(config),
+      layout_(master_weights != nullptr ? *master_weights : grads),
+      master_(master_weights),
+      grads_(grads),
+      working_(working) {
+  IRIS_CHECK(master_weights != nullptr || (shard_over != nullptr && working != nullptr),
+             "AdamW: without master weights of its caller's the optimizer keeps its shard of them "
+             "itself, which needs a communicator to shard over and working weights to write");
+  // The master weights' layout is the gradients' (checked below when they are given).
+  const ModelWeights& master = layout_;
   IRIS_CHECK(
       config.beta1 >= 0.0f && config.beta1 < 1.0f && config.beta2 >= 0.0f && config.beta2 < 1.0f,
       "AdamW betas must lie in [0, 1), got ", config.beta1, ", ", config.beta2);
@@ -139,7 +149,7 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
     IRIS_CHECK(working->text.embed.dtype == backend.compute_dtype(),
                "AdamW: the working weights must be in the backend's compute dtype");
   }
-  flat_master_ = flat(be_, master, DType::f32);
+  if (master_ != nullptr) flat_master_ = flat(be_, master, DType::f32);
   flat_grads_ = flat(be_, grads, DType::f32);
   if (working) flat_working_ = flat(be_, *working, backend.compute_dtype());
 
@@ -235,37 +245,105 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, Mod
 
 AdamW::~AdamW() = default;
 
+void AdamW::init_master(const ModelWeights& source) {
+  IRIS_CHECK(master_ == nullptr, "AdamW::init_master: the master weights are the caller's");
+  IRIS_CHECK(source.bindings.size() == layout_.bindings.size(),
+             "AdamW::init_master: the source holds ", source.bindings.size(),
+             " tensors, the model ", layout_.bindings.size());
+  // Writes rank q's shard into `into` (its elements from shard q's first on); rows of tensors only,
+  // the gaps between them are never read.
+  auto fill = [&](const std::vector<Row>& rows, int64_t shard_begin, const Tensor& into) {
+    for (const Row& row : rows) {
+      const auto i = static_cast<size_t>(row.tensor);
+      const Tensor src = source.bindings[i].tensor();
+      IRIS_CHECK(src.dtype == DType::f32 && src.device == Device::cpu, "AdamW::init_master: '",
+                 source.bindings[i].hf_name, "' must be f32 on the host");
+      const int64_t into_tensor = row.flat_begin - offset_in(layout_, layout_.bindings[i].tensor());
+      const int64_t at = row.flat_begin - shard_begin;
+      be_.write(into.slice(at, at + row.length), static_cast<const float*>(src.data) + into_tensor,
+                DType::f32);
+    }
+  };
+  // Rank 0's copy is the truth, as the working weights' broadcast makes it (data_parallel.h): it
+  // fills every rank's shard and sends it through the gradients, which the first step zeroes.
+  const int world = comm_->size(), me = comm_->rank();
+  const int64_t n = full_grads_.numel();
+  if (me != 0) {
+    comm_->recv(flat_master_, 0);
+    be_.synchronize();
+    return;
+  }
+  for (int q = world - 1; q >= 0; --q) {
+    const int64_t b = span_begin_ + ShardExchange::begin(n, world, q);
+    const int64_t e = span_begin_ + ShardExchange::end(n, world, q);
+    const auto& rows = rows_[rows_base_ + static_cast<size_t>(q)];
+    if (q == 0) {
+      fill(rows, b, flat_master_);
+    } else {
+      const Tensor stage = full_grads_.slice(0, e - b);
+      fill(rows, b, stage);
+      comm_->send(stage, q);
+      // The next shard reuses the staging memory.
+      be_.synchronize();
+    }
+  }
+  be_.synchronize();
+}
+
+bool AdamW::trains(size_t tensor) const {
+  return layout_.bindings[tensor].allocated();
+}
+
+void AdamW::read_master(size_t tensor, float* out) const {
+  const WeightBinding& b = layout_.bindings[tensor];
+  IRIS_CHECK(b.allocated(), "AdamW::read_master: '", b.hf_name, "' is frozen (no master weights)");
+  if (master_ != nullptr) {
+    be_.read(out, DType::f32, b.tensor());
+    return;
+  }
+  IRIS_CHECK(comm_->rank() == 0 && !gathered_master_.empty(),
+             "AdamW::read_master: the sharded master weights are read on rank 0 after every "
+             "rank's gather_state()");
+  const int64_t at = offset_in(layout_, b.tensor()) - span_begin_;
+  std::memcpy(out, gathered_master_.data() + at,
+              static_cast<size_t>(b.tensor().numel()) * sizeof(float));
+}
+
+size_t AdamW::master_bytes() const {
+  return master_shard_.capacity();
+}
+
 void AdamW::check_pipeline(const StageTensors& pipeline) const {
   IRIS_CHECK(pipeline.held.size() == size_t(pipeline.stages->size()), "AdamW: the pipeline lists ",
              pipeline.held.size(), " stages but its communicator has ", pipeline.stages->size());
   IRIS_CHECK(pipeline.stages->device() == be_.device(), "AdamW: the pipeline's ",
              pipeline.stages->name(), " communicator is not on the optimizer's device");
   for (size_t q = 0; q < pipeline.held.size(); ++q)
-    IRIS_CHECK(pipeline.held[q].size() == master_.bindings.size(), "AdamW: stage ", q, " lists ",
-               pipeline.held[q].size(), " tensors, the model has ", master_.bindings.size());
+    IRIS_CHECK(pipeline.held[q].size() == layout_.bindings.size(), "AdamW: stage ", q, " lists ",
+               pipeline.held[q].size(), " tensors, the model has ", layout_.bindings.size());
 }
 
 void AdamW::read_stage_tensors(const StageTensors& pipeline) {
-  const size_t n = master_.bindings.size();
+  const size_t n = layout_.bindings.size();
   norm_comm_ = pipeline.stages;
   owner_.resize(n);
   held_.resize(n);
   for (size_t i = 0; i < n; ++i) {
     // A tensor without state (frozen) is no stage's to update or save.
-    const bool has_state = master_.bindings[i].allocated();
+    const bool has_state = layout_.bindings[i].allocated();
     owner_[i] = has_state ? pipeline.owner(i) : -1;
     held_[i] = has_state && pipeline.held[size_t(norm_comm_->rank())][i];
   }
 }
 
 void AdamW::setup_pipeline(const StageTensors& pipeline) {
-  const size_t n = master_.bindings.size();
+  const size_t n = layout_.bindings.size();
   read_stage_tensors(pipeline);
   const int stages = norm_comm_->size();
   rows_.assign(static_cast<size_t>(stages), {});
   for (int q = 0; q < stages; ++q)
     for (size_t i = 0; i < n; ++i)
-      if (pipeline.held[size_t(q)][i] && master_.bindings[i].allocated())
+      if (pipeline.held[size_t(q)][i] && layout_.bindings[i].allocated())
         rows_[size_t(q)].push_back({static_cast<int64_t>(i), 0, 0});
   rows_max_ = 1;
   for (const auto& r : rows_) rows_max_ = std::max<int64_t>(rows_max_, int64_t(r.size()));
@@ -294,12 +372,12 @@ void AdamW::plan_row_sums(int64_t groups) {
 }
 
 bool AdamW::saves(size_t tensor) const {
-  if (!master_.bindings[tensor].allocated()) return false;
+  if (!layout_.bindings[tensor].allocated()) return false;
   return owner_.empty() || owner_[tensor] == norm_comm_->rank();
 }
 
 bool AdamW::loads(size_t tensor) const {
-  if (!master_.bindings[tensor].allocated()) return false;
+  if (!layout_.bindings[tensor].allocated()) return false;
   return held_.empty() || held_[tensor];
 }
 
@@ -329,28 +407,38 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   const int world = comm.size();
   // The ranges the shards tile: the whole flat buffers, or each stage's span, which the stage's
   // replicas shard as a data-parallel run shards the whole (every stage's, for the norm's table).
-  std::vector<std::pair<int64_t, int64_t>> spans{{0, flat_master_.numel()}};
+  std::vector<std::pair<int64_t, int64_t>> spans{{0, flat_grads_.numel()}};
   int stage = 0;
   if (pipeline != nullptr) {
     read_stage_tensors(*pipeline);
     stage = pipeline->stages->rank();
     spans.clear();
-    for (const std::vector<bool>& held : pipeline->held) spans.push_back(stage_span(master_, held));
+    for (const std::vector<bool>& held : pipeline->held) spans.push_back(stage_span(layout_, held));
     rows_base_ = static_cast<size_t>(stage) * static_cast<size_t>(world);
   }
   const auto [span_begin, span_end] = spans[static_cast<size_t>(stage)];
   span_begin_ = span_begin;
-  full_master_ = flat_master_.slice(span_begin, span_end);
   full_grads_ = flat_grads_.slice(span_begin, span_end);
+  if (master_ != nullptr) full_master_ = flat_master_.slice(span_begin, span_end);
   exchange_ =
       std::make_unique<ShardExchange>(be_, comm, full_grads_, full_master_, bucket_elements);
   shard_begin_ = span_begin + exchange_->begin();
   shard_end_ = span_begin + exchange_->end();
-  flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
+  if (master_ != nullptr) {
+    flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
+  } else {
+    // The master weights of this rank's shard only, filled by init_master().
+    Arena planning;
+    planning.alloc(DType::f32, {std::max<int64_t>(1, shard_end_ - shard_begin_)});
+    master_shard_ = Arena(be_, planning.used());
+    flat_master_ =
+        master_shard_.alloc(DType::f32, {std::max<int64_t>(1, shard_end_ - shard_begin_)})
+            .slice(0, shard_end_ - shard_begin_);
+  }
   flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
   rows_.clear();
   for (size_t q = 0; q < spans.size(); ++q) {
-    auto rows = shard_rows(master_, spans[q].first, spans[q].second - spans[q].first, world,
+    auto rows = shard_rows(layout_, spans[q].first, spans[q].second - spans[q].first, world,
                            pipeline != nullptr ? &pipeline->held[q] : nullptr);
     rows_.insert(rows_.end(), rows.begin(), rows.end());
   }
@@ -372,7 +460,7 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   // replicas only (a tied embedding's other stage holds the same sum), in replica order.
   const auto groups = static_cast<int64_t>(rows_.size());
   plan_row_sums(groups);
-  norm_order_.assign(master_.bindings.size(), {});
+  norm_order_.assign(layout_.bindings.size(), {});
   for (int64_t g = 0; g < groups; ++g)
     for (size_t k = 0; k < rows_[static_cast<size_t>(g)].size(); ++k) {
       const auto i = static_cast<size_t>(rows_[static_cast<size_t>(g)][k].tensor);
@@ -389,13 +477,13 @@ void AdamW::plan_working_gather() {
   // of a shard boundary grows with it. Rank 0's range starts at 0 and the last one's ends at the
   // arena's end, so that the ranges tile the arena, gaps included.
   const int world = comm_->size();
-  const size_t n = master_.bindings.size();
+  const size_t n = layout_.bindings.size();
   // Frozen tensors have no master weights; their working copy lies in the gaps between the ranges
   // of trainable ones and is gathered with them, unchanged (every rank holds the same).
   std::vector<std::pair<int64_t, size_t>> order;  // master offset, tensor
   for (size_t i = 0; i < n; ++i)
-    if (master_.bindings[i].allocated())
-      order.push_back({offset_in(master_, master_.bindings[i].tensor()), i});
+    if (layout_.bindings[i].allocated())
+      order.push_back({offset_in(layout_, layout_.bindings[i].tensor()), i});
   std::sort(order.begin(), order.end());
   int64_t last = -1;
   for (const auto& [off, i] : order) {
@@ -403,7 +491,7 @@ void AdamW::plan_working_gather() {
     IRIS_CHECK(w > last,
                "AdamW: the working weights lie in another tensor order than the master "
                "weights ('",
-               master_.bindings[i].hf_name,
+               layout_.bindings[i].hf_name,
                "'); allocate both with allocate_weights from one config");
     last = w;
   }
@@ -412,7 +500,7 @@ void AdamW::plan_working_gather() {
   // in its working copy, elsewhere where the next tensor starts.
   auto to_working = [&](int64_t x) {
     for (const auto& [off, i] : order) {
-      const int64_t len = master_.bindings[i].tensor().numel();
+      const int64_t len = layout_.bindings[i].tensor().numel();
       if (x < off + len)
         return offset_in(*working_, working_->bindings[i].tensor()) + std::max<int64_t>(0, x - off);
     }
@@ -420,9 +508,9 @@ void AdamW::plan_working_gather() {
   };
   // A pipeline stage's ranges tile the working copy of its span instead, from its first
   // tensor's working offset to where the tensor after its last starts.
-  const int64_t nm = full_master_.numel();
+  const int64_t nm = full_grads_.numel();
   const bool whole =
-      span_begin_ == 0 && nm == static_cast<int64_t>(master_.arena.capacity() / sizeof(float));
+      span_begin_ == 0 && nm == static_cast<int64_t>(layout_.arena.capacity() / sizeof(float));
   working_ranges_.clear();
   for (int q = 0; q < world; ++q) {
     const int64_t b =
@@ -485,7 +573,7 @@ void AdamW::write_hyper(const FreezeSpec& frozen) {
   // A rank without rows keeps its one table row inert: no elements, lr scale 0 (frozen).
   std::vector<float> hyper(static_cast<size_t>(2 * hyper_.rows()), 0.0f);
   for (size_t k = 0; k < my_rows_.size(); ++k) {
-    const WeightBinding& b = master_.bindings[static_cast<size_t>(my_rows_[k].tensor)];
+    const WeightBinding& b = layout_.bindings[static_cast<size_t>(my_rows_[k].tensor)];
     // Rows exist for tensors with master weights only, so a part without state stays frozen.
     hyper[2 * k] = b.hf_shape.size() >= 2 ? config_.weight_decay : 0.0f;
     hyper[2 * k + 1] = frozen.frozen(b.hf_name) ? 0.0f : config_.lr_scale(model_part(b.hf_name));
@@ -541,8 +629,8 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
-  // With a working copy only it is gathered; the f32 master outside the shard goes stale until
-  // gather_state() (a checkpoint) gathers it.
+  // With a working copy only it is gathered; a master outside the shard, where the caller holds
+  // one, goes stale until gather_state() (a checkpoint) gathers it.
   if (exchange_ && working_ != nullptr)
     gather_working();
   else if (exchange_)
@@ -569,20 +657,23 @@ std::vector<float> AdamW::take_grad_norms() {
 void AdamW::gather_state() {
   if (comm_ == nullptr) return;
   const int world = comm_->size();
-  // The checkpoint reads the whole f32 master on rank 0.
-  if (working_ != nullptr) exchange_->all_gather();
+  // The checkpoint reads the whole f32 master on rank 0: the caller's, gathered in place, or the
+  // shards this optimizer keeps, gathered to the host below.
+  if (working_ != nullptr && master_ != nullptr) exchange_->all_gather();
   if (comm_->rank() != 0) {
     comm_->send(flat_m_, 0);
     comm_->send(flat_v_, 0);
+    if (master_ == nullptr) comm_->send(flat_master_, 0);
     comm_->send(steps_dev_, 0);
     return;
   }
   // Host memory for the whole state (a pipeline stage's: its span), as the unsharded save reads
   // it back; released by save().
-  const int64_t n = full_master_.numel();
+  const int64_t n = full_grads_.numel();
   gathered_m_.assign(static_cast<size_t>(n), 0.0f);
   gathered_v_.assign(static_cast<size_t>(n), 0.0f);
-  gathered_steps_.assign(master_.bindings.size(), -1);
+  if (master_ == nullptr) gathered_master_.assign(static_cast<size_t>(n), 0.0f);
+  gathered_steps_.assign(layout_.bindings.size(), -1);
   std::vector<int64_t> row_steps;
   for (int q = 0; q < world; ++q) {
     const int64_t b = ShardExchange::begin(n, world, q), e = ShardExchange::end(n, world, q);
@@ -591,11 +682,14 @@ void AdamW::gather_state() {
     if (q == 0) {
       be_.read(gathered_m_.data() + b, DType::f32, flat_m_);
       be_.read(gathered_v_.data() + b, DType::f32, flat_v_);
+      if (master_ == nullptr) be_.read(gathered_master_.data() + b, DType::f32, flat_master_);
       be_.read(row_steps.data(), DType::i64, steps_dev_);
     } else if (comm_->device() == Device::cpu) {
       // The MPI communicator moves host memory.
       comm_->recv(Tensor(gathered_m_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(gathered_v_.data() + b, DType::f32, Device::cpu, {e - b}), q);
+      if (master_ == nullptr)
+        comm_->recv(Tensor(gathered_master_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(row_steps.data(), DType::i64, Device::cpu,
                          {static_cast<int64_t>(row_steps.size())}),
                   q);
@@ -607,6 +701,10 @@ void AdamW::gather_state() {
       be_.read(gathered_m_.data() + b, DType::f32, stage);
       comm_->recv(stage, q);
       be_.read(gathered_v_.data() + b, DType::f32, stage);
+      if (master_ == nullptr) {
+        comm_->recv(stage, q);
+        be_.read(gathered_master_.data() + b, DType::f32, stage);
+      }
       const Tensor steps(full_grads_.data, DType::i64, full_grads_.device,
                          {static_cast<int64_t>(row_steps.size())});
       comm_->recv(steps, q);
@@ -615,7 +713,7 @@ void AdamW::gather_state() {
     for (size_t k = 0; k < rows.size(); ++k) {
       int64_t& s = gathered_steps_[static_cast<size_t>(rows[k].tensor)];
       IRIS_CHECK(s < 0 || s == row_steps[k], "AdamW: the ranks disagree on the step count of '",
-                 master_.bindings[static_cast<size_t>(rows[k].tensor)].hf_name, "' (", s, " and ",
+                 layout_.bindings[static_cast<size_t>(rows[k].tensor)].hf_name, "' (", s, " and ",
                  row_steps[k], ")");
       s = row_steps[k];
     }
@@ -624,18 +722,18 @@ void AdamW::gather_state() {
 }
 
 void AdamW::save(const std::string& path) const {
-  const size_t n = master_.bindings.size();
+  const size_t n = layout_.bindings.size();
   // Host copies of the device state, written in one pass.
   std::vector<float> m, v;
   std::vector<int64_t> param_steps(n);
   if (comm_ != nullptr) {
-    IRIS_CHECK(
-        comm_->rank() == 0 && gathered_m_.size() == static_cast<size_t>(full_master_.numel()),
-        "AdamW::save: a sharded optimizer is saved by rank 0 after every rank's "
-        "gather_state()");
+    IRIS_CHECK(comm_->rank() == 0 && gathered_m_.size() == static_cast<size_t>(full_grads_.numel()),
+               "AdamW::save: a sharded optimizer is saved by rank 0 after every rank's "
+               "gather_state()");
     m.swap(gathered_m_);
     v.swap(gathered_v_);
     param_steps.swap(gathered_steps_);
+    std::vector<float>().swap(gathered_master_);
   } else {
     m.resize(static_cast<size_t>(flat_m_.numel()));
     v.resize(m.size());
@@ -651,10 +749,10 @@ void AdamW::save(const std::string& path) const {
   items.reserve(3 * n);
   for (size_t i = 0; i < n; ++i) {
     if (!saves(i)) continue;
-    const WeightBinding& b = master_.bindings[i];
+    const WeightBinding& b = layout_.bindings[i];
     // The host copy starts at the stage's first element (sharded: gathered from its span's).
     const int64_t off =
-        offset_in(master_, b.tensor()) - (comm_ != nullptr ? span_begin_ : shard_begin_);
+        offset_in(layout_, b.tensor()) - (comm_ != nullptr ? span_begin_ : shard_begin_);
     items.push_back({"exp_avg." + b.hf_name, DType::f32, b.hf_shape, m.data() + off});
     items.push_back({"exp_avg_sq." + b.hf_name, DType::f32, b.hf_shape, v.data() + off});
     items.push_back({"step." + b.hf_name, DType::i64, {1}, &param_steps[i]});
@@ -666,7 +764,7 @@ void AdamW::save(const std::string& path) const {
                      {"beta2", std::to_string(config_.beta2)},
                      {"eps", std::to_string(config_.eps)},
                      {"weight_decay", std::to_string(config_.weight_decay)},
-                     {"stateless_parts", stateless_parts(master_)}});
+                     {"stateless_parts", stateless_parts(layout_)}});
 }
 
 namespace {
@@ -742,8 +840,8 @@ void AdamW::load(const std::vector<std::string>& paths) {
   const std::string file_stateless = sl != meta.end() ? "," + sl->second + "," : ",";
   reinitialised_parts_.clear();
   std::vector<const void*> src;
-  for (size_t i = 0; i < master_.bindings.size(); ++i) {
-    const WeightBinding& b = master_.bindings[i];
+  for (size_t i = 0; i < layout_.bindings.size(); ++i) {
+    const WeightBinding& b = layout_.bindings[i];
     const std::string part = part_name(model_part(b.hf_name));
     if (!loads(i) || file_stateless.find("," + part + ",") != std::string::npos) {
       if (loads(i) && std::find(reinitialised_parts_.begin(), reinitialised_parts_.end(), part) ==
@@ -773,7 +871,7 @@ void AdamW::load(const std::vector<std::string>& paths) {
       continue;  // row_steps[k] stays 0
     }
     const auto into =
-        static_cast<size_t>(row.flat_begin - offset_in(master_, master_.bindings[i].tensor())) *
+        static_cast<size_t>(row.flat_begin - offset_in(layout_, layout_.bindings[i].tensor())) *
         sizeof(float);
     const int64_t at = row.flat_begin - shard_begin_;
     be_.write(flat_m_.slice(at, at + row.length), static_cast<const char*>(src[3 * i]) + into,

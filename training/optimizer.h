@@ -81,12 +81,25 @@ class AdamW {
   // master and grads: f32 ModelWeights on `backend` built from `cfg` (same bindings). working:
   // the compute-dtype weights the model reads, or null where they are `master` itself.
   // shard_over: shard the state over this communicator's ranks (null: every rank holds it all);
-  // its exchanges move at most bucket_elements elements at a time.
-  AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights& master, ModelWeights& grads,
+  // its exchanges move at most bucket_elements elements at a time. master null (sharded, with
+  // working weights): the optimizer keeps the f32 master weights of its shard only, 1/world of
+  // them, which init_master() fills; the caller holds none.
+  AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
         Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
         const StageTensors* pipeline = nullptr);
   ~AdamW();
+
+  // Sharded master weights: every rank calls it with its f32 host copy of the whole model (the
+  // same binding table, any layout); rank 0's values fill every rank's shard.
+  void init_master(const ModelWeights& source);
+  // Whether tensor i has master weights (it is trainable).
+  bool trains(size_t tensor) const;
+  // Tensor i's f32 master weights into `out` (host, numel floats). Sharded master weights are
+  // read on rank 0 after every rank's gather_state(), until save().
+  void read_master(size_t tensor, float* out) const;
+  // Bytes of the master weights the optimizer keeps itself (0: they are the caller's).
+  size_t master_bytes() const;
 
   // Clips the gradients to config.clip_grad_norm (torch.nn.utils.clip_grad_norm_: scale by
   // max_norm / (norm + 1e-6) when that is below 1), then updates every parameter that is not
@@ -165,7 +178,9 @@ class AdamW {
 
   Backend& be_;
   AdamWConfig config_;
-  ModelWeights& master_;
+  // The f32 state's layout (the master weights', which the gradients share).
+  const ModelWeights& layout_;
+  ModelWeights* master_;  // null: the optimizer keeps its shard of them (master_shard_)
   ModelWeights& grads_;
   ModelWeights* working_;
   std::unique_ptr<ModelWeights> m_, v_;
@@ -210,6 +225,8 @@ class AdamW {
   void plan_row_sums(int64_t groups);
   std::vector<double> host_row_sums_;
   mutable std::vector<float> gathered_m_, gathered_v_;  // rank 0, from gather_state to save
+  mutable std::vector<float> gathered_master_;          // the same, of a sharded master
+  Arena master_shard_;
   mutable std::vector<int64_t> gathered_steps_;
   std::vector<std::string> reinitialised_parts_;
 };

@@ -210,8 +210,8 @@ std::vector<Field> fields(Recipe& r) {
       {"optimizer.weight_decay", &o.weight_decay, "decoupled weight decay"},
       {"optimizer.clip_grad", &o.clip_grad, "clip the global gradient L2 norm to this; 0: off"},
       {"optimizer.distributed", &o.distributed,
-       "shard the AdamW moments over the data-parallel ranks (ZeRO-1): each rank keeps and updates "
-       "1/data_parallel_size of them, the same losses as unsharded"},
+       "shard the AdamW moments and f32 master weights over the data-parallel ranks (ZeRO-1; "
+       "the same as parallel.sharding=optimizer)"},
       {"schedule.kind", &s.kind, "learning-rate schedule after warmup", {"constant", "cosine"}},
       {"schedule.warmup_iters", &s.warmup_iters, "linear warmup steps from 0 to optimizer.lr"},
       {"schedule.decay_iters", &s.decay_iters,
@@ -274,6 +274,13 @@ std::vector<Field> fields(Recipe& r) {
        "with full_iteration graphs it runs after the step); the same bits either way"},
       {"parallel.grad_bucket_elements", &p.grad_bucket_elements,
        "f32 elements per gradient all-reduce bucket (the scratch is one bucket)"},
+      {"parallel.sharding",
+       &p.sharding,
+       "what the data-parallel ranks shard (Megatron-FSDP's names): none; optimizer (ZeRO-1: "
+       "each rank keeps and updates 1/data_parallel_size of the AdamW moments and f32 master "
+       "weights, the same losses as unsharded); optimizer_grads and optimizer_grads_params "
+       "(ZeRO-2 and ZeRO-3) are not available yet",
+       {"none", "optimizer", "optimizer_grads", "optimizer_grads_params"}},
   };
 }
 
@@ -1107,6 +1114,15 @@ void validate(Recipe& r) {
 
   positive(p.timeout_seconds, "parallel.timeout_seconds");
   positive(p.grad_bucket_elements, "parallel.grad_bucket_elements");
+  // optimizer.distributed is Megatron-LM's switch for what Megatron-FSDP calls optimizer
+  // sharding: either key turns it on, and the resolved config shows both.
+  if (r.optimizer.distributed && p.sharding == "none") p.sharding = "optimizer";
+  IRIS_CHECK(p.sharding == "none" || p.sharding == "optimizer",
+             "recipe: parallel.sharding=", p.sharding,
+             ": sharding the gradients (optimizer_grads) and the weights (optimizer_grads_params) "
+             "is not available yet; use parallel.sharding=optimizer, which shards the AdamW "
+             "moments and the f32 master weights, or add data-parallel ranks");
+  r.optimizer.distributed = p.sharding != "none";
   IRIS_CHECK(p.tensor_parallel_size == 1,
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
              ": tensor parallelism is not supported yet (set it to 1 and use "

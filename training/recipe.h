@@ -108,7 +108,8 @@ struct OptimizerRecipe {
   double eps = 1e-8;
   double weight_decay = 0.0;
   double clip_grad = 1.0;  // global L2 norm; 0 disables clipping
-  // Shard the AdamW state over the data-parallel ranks (ZeRO-1).
+  // Shard the AdamW state over the data-parallel ranks (ZeRO-1): parallel.sharding=optimizer,
+  // which validation sets it from (and it, when true, sets parallel.sharding).
   bool distributed = false;
 };
 
@@ -162,6 +163,10 @@ struct ParallelRecipe {
   // Elements per gradient bucket (f32): smaller buckets start earlier and cost less scratch,
   // larger ones make fewer calls.
   int64_t grad_bucket_elements = int64_t(1) << 25;
+  // What the data-parallel ranks shard, in Megatron-FSDP's names: none, optimizer (the AdamW
+  // moments and the f32 master weights; optimizer.distributed=true is its synonym),
+  // optimizer_grads (and the f32 gradients), optimizer_grads_params (and the weights).
+  std::string sharding = "none";
 };
 
 struct Recipe {

@@ -63,7 +63,8 @@ json generation_json(const Tokenizer& tok) {
 // checkpoints such as the released ones, and what the model has trained against otherwise). Held
 // as bf16 they are saved as bf16: the same values at half the bytes, which for a LoRA run, whose
 // base is all frozen, halves the checkpoint and its write time.
-void save_model_weights(Backend& be, const ModelWeights& master, const ModelWeights& weights,
+// The master weights are the optimizer's to read: sharded, rank 0 holds them after gather_state.
+void save_model_weights(Backend& be, const AdamW& opt, const ModelWeights& weights,
                         const std::string& path,
                         const std::function<bool(const std::string&)>& keep = {}) {
   std::vector<std::vector<uint8_t>> storage;
@@ -72,11 +73,13 @@ void save_model_weights(Backend& be, const ModelWeights& master, const ModelWeig
   for (size_t i = 0; i < weights.bindings.size(); ++i) {
     const WeightBinding& b = weights.bindings[i];
     if (keep && !keep(b.hf_name)) continue;
-    const bool trained = master.bindings[i].allocated();
-    const WeightBinding& from = trained ? master.bindings[i] : b;
-    const DType dtype = trained || from.tensor().dtype != DType::bf16 ? DType::f32 : DType::bf16;
-    storage.emplace_back(static_cast<size_t>(from.tensor().numel()) * dtype_size(dtype));
-    be.read(storage.back().data(), dtype, from.tensor());
+    const bool trained = opt.trains(i);
+    const DType dtype = trained || b.tensor().dtype != DType::bf16 ? DType::f32 : DType::bf16;
+    storage.emplace_back(static_cast<size_t>(b.tensor().numel()) * dtype_size(dtype));
+    if (trained)
+      opt.read_master(i, reinterpret_cast<float*>(storage.back().data()));
+    else
+      be.read(storage.back().data(), dtype, b.tensor());
     items.push_back({b.hf_name, dtype, b.hf_shape, storage.back().data()});
   }
   write_safetensors(path, items, {{"format", "pt"}});
@@ -202,7 +205,7 @@ void Checkpoints::write_common_files(const std::string& dir) const {
 void Checkpoints::write_whole(int64_t iteration, TrainerState& state) {
   const std::string tmp = begin_checkpoint(run_dir_, iteration);
   const fs::path d(tmp);
-  save_model_weights(rank_.backend(), rank_.master_weights(), rank_.weights(),
+  save_model_weights(rank_.backend(), rank_.optimizer(), rank_.weights(),
                      (d / "model.safetensors").string());
   rank_.optimizer().save((d / kOptimizerFile).string());
   write_common_files(tmp);
@@ -226,7 +229,7 @@ void Checkpoints::write_pipelined(int64_t iteration, TrainerState& state,
     std::set<std::string> mine;
     for (size_t i = 0; i < owner.size(); ++i)
       if (owner[i] == me) mine.insert(weights.bindings[i].hf_name);
-    save_model_weights(rank_.backend(), rank_.master_weights(), weights,
+    save_model_weights(rank_.backend(), rank_.optimizer(), weights,
                        (d / stage_file("model", me, P)).string(),
                        [&](const std::string& name) { return mine.count(name) > 0; });
     rank_.optimizer().save((d / stage_file("optimizer", me, P)).string());

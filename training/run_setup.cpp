@@ -355,21 +355,30 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
   const int slots = pipelined() ? pipeline_slots(dp.stage(), dp.stages(),
                                                  static_cast<int>(n_micro / dp.replicas()))
                                 : 1;
+  // ZeRO-1 (parallel.sharding=optimizer): each rank keeps the moments and f32 master weights of
+  // its shard only, inside the optimizer, which fills them from the host copy in connect() and
+  // writes the weights the model reads through (on the CPU too, so that CI runs the GPU's path).
+  // A pipeline stage's replicas shard the stage's tensors; with one replica there is nothing to
+  // shard them over.
+  sharded_ = r.optimizer.distributed && dp.replicas() > 1;
   if (on_gpu()) {
-    const ParamSpecs specs(*params_, frozen_, gpu_->compute_dtype());
-    master_ = allocate_state(*gpu_, cfg_, specs);
+    if (!sharded_) {
+      const ParamSpecs specs(*params_, frozen_, gpu_->compute_dtype());
+      master_ = allocate_state(*gpu_, cfg_, specs);
+      upload_weights(*gpu_, *master_, *params_);
+    }
     working_ = allocate_weights(*gpu_, cfg_);
-    upload_weights(*gpu_, *master_, *params_);
     upload_weights(*gpu_, *working_, *params_);
     // The host copy served the load (or the random draw) only: checkpoints read the device.
-    params_.reset();
+    // Sharded, the optimizer takes its master weights from it first.
+    if (!sharded_) params_.reset();
     weights_ = working_.get();
     replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_));
     for (int k = 1; k < slots; ++k)
       replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_,
                                                              &replicas_[0]->grads()));
   } else {
-    if (frozen_.vision_tower || frozen_.merger || frozen_.language_model) {
+    if (!sharded_ && (frozen_.vision_tower || frozen_.merger || frozen_.language_model)) {
       master_ = allocate_state(*cpu_, cfg_, ParamSpecs(*params_, frozen_, cpu_->compute_dtype()));
       upload_weights(*cpu_, *master_, *params_);
     }
@@ -397,8 +406,8 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
         replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_));
     }
   }
-  master_weights_ = master_ ? master_.get() : weights_;
-  written_through_ = master_ ? weights_ : nullptr;
+  master_weights_ = master_ ? master_.get() : sharded_ ? nullptr : weights_;
+  written_through_ = master_ || sharded_ ? weights_ : nullptr;
 }
 
 void RankTraining::use_graphs(const Recipe& r, DataParallel& dp) {
@@ -427,11 +436,7 @@ void RankTraining::use_graphs(const Recipe& r, DataParallel& dp) {
 void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string& resume_dir) {
   Backend& be = backend();
   TrainableQwen3VL& first = model();
-  // ZeRO-1: each rank keeps the optimizer state of its shard (on the GPU with the f32 master
-  // weights of the shard; the bf16 weights the model reads are gathered whole every step). A
-  // pipeline stage's replicas shard the stage's tensors; with one replica there is nothing to
-  // shard them over.
-  sharded_ = r.optimizer.distributed && dp.replicas() > 1;
+  // Sharded (make_models), the weights the model reads are gathered whole every step.
   const std::vector<std::pair<int64_t, int64_t>> reduce_ranges =
       pipelined() ? stage_reduce_ranges(first, first.grads())
                   : std::vector<std::pair<int64_t, int64_t>>{};
@@ -451,10 +456,15 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
         stage_tensors_.held.back().push_back(stage_holds(st, cfg_.tie_word_embeddings, b.hf_name));
     }
   }
-  opt_ = std::make_unique<AdamW>(be, cfg_, *master_weights_, first.grads(), adamw_config(r),
+  opt_ = std::make_unique<AdamW>(be, cfg_, master_weights_, first.grads(), adamw_config(r),
                                  written_through_,
                                  sharded_ ? dp.data_parallel_communicator() : nullptr,
                                  int64_t(1) << 25, pipelined() ? &stage_tensors_ : nullptr);
+  if (sharded_) {
+    opt_->init_master(*params_);
+    // On the CPU the host copy is the weights the model reads; on the GPU it has served.
+    if (on_gpu()) params_.reset();
+  }
   tied_across_ = pipelined() && cfg_.tie_word_embeddings &&
                  !frozen_.frozen("model.language_model.embed_tokens.weight") &&
                  (dp.stage() == 0 || dp.stage() == dp.stages() - 1);
@@ -494,15 +504,19 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   std::string plan =
       str_cat("memory on ", backend().name(), ": weights ", mib(weights_->arena.capacity()));
   if (master_) plan += str_cat(", f32 master weights ", mib(master_->arena.capacity()));
+  if (opt_->master_bytes() > 0)
+    plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
+                    opt_->shards(), ")");
   plan += str_cat(
       ", gradients ", mib(m.grads().arena.capacity()), " x ", n_replicas_, ", AdamW moments ",
       mib(opt_->state_bytes()), ", activations ", mib(m.activation_bytes()), " (train.recompute ",
       r.train.recompute, ") and workspace ", mib(m.arena_bytes() - m.activation_bytes()), " x ",
       replicas_.size(), pipelined() ? " (this stage's parts, per micro-batch in flight)" : "");
   if (opt_->shards() > 1)
-    plan += str_cat("; the AdamW moments are this rank's 1/", opt_->shards(),
-                    pipelined() ? " of its stage's" : "",
-                    " (optimizer.distributed), exchange scratch ", mib(opt_->exchange_bytes()));
+    plan +=
+        str_cat("; the AdamW moments are this rank's 1/", opt_->shards(),
+                pipelined() ? " of its stage's" : "",
+                " (parallel.sharding=optimizer), exchange scratch ", mib(opt_->exchange_bytes()));
   else if (r.optimizer.distributed && pipelined())
     plan +=
         "; optimizer.distributed has no replicas to shard a stage's moments over "

@@ -78,7 +78,7 @@ class RankTraining {
   bool on_gpu() const { return gpu_ != nullptr; }
   bool graphs_on() const { return graphs_on_; }
   bool pipelined() const { return stages_.size() > 1; }
-  // optimizer.distributed with replicas to shard over.
+  // parallel.sharding=optimizer (optimizer.distributed) with replicas to shard over.
   bool sharded() const { return sharded_; }
   int micro_batch_threads() const { return n_replicas_; }
   int64_t parameters() const { return n_params_; }
@@ -97,10 +97,8 @@ class RankTraining {
   // that its table holds each op family against; else null.
   ProfilingBackend* op_profile() const { return profile_.get(); }
   const HardwareLimits& floors() const { return floors_; }
-  // The weights the model reads (every parameter) and the master weights the optimizer updates
-  // (the trainable ones; on the CPU with nothing frozen, the weights themselves).
+  // The weights the model reads (every parameter); the optimizer reads the master weights.
   ModelWeights& weights() const { return *weights_; }
-  ModelWeights& master_weights() const { return *master_weights_; }
   const StageTensors& stage_tensors() const { return stage_tensors_; }
 
   // After the step's backwards: the micro-batch threads' gradients into the first model's, the
@@ -141,7 +139,7 @@ class RankTraining {
   std::unique_ptr<ModelWeights> params_;  // f32 on the host; on the GPU released after upload
   std::unique_ptr<ModelWeights> master_, working_;
   ModelWeights* weights_ = nullptr;
-  ModelWeights* master_weights_ = nullptr;
+  ModelWeights* master_weights_ = nullptr;   // null: sharded, the optimizer keeps them
   ModelWeights* written_through_ = nullptr;  // the copy the optimizer writes through to, if any
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas_;
   std::unique_ptr<GraphApi> graph_api_;
