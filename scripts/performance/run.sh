@@ -35,6 +35,8 @@
 #   --recompute none|selective|full train.recompute
 #   --data-parallel-size N         parallel.data_parallel_size (default GPUS*NODES/PP when > 1)
 #   --pipeline-parallel-size N     parallel.pipeline_parallel_size
+#   --sharding none|optimizer      parallel.sharding (what the data-parallel ranks shard; see
+#                                  docs/parallel-training.md)
 #   --cuda-graph-impl none|local|full_iteration  cuda_graph.cuda_graph_impl
 #   --cuda-graph-modules LIST      cuda_graph.cuda_graph_modules (comma list: attn,mlp)
 #   --vision-cuda-graph-impl none|local          cuda_graph.vision_cuda_graph_impl
@@ -79,6 +81,7 @@ declare -A key_of=(
   [--recompute]=train.recompute
   [--pipeline-parallel-size]=parallel.pipeline_parallel_size
   [--data-parallel-size]=parallel.data_parallel_size
+  [--sharding]=parallel.sharding
   [--cuda-graph-impl]=cuda_graph.cuda_graph_impl
   [--cuda-graph-modules]=cuda_graph.cuda_graph_modules
   [--vision-cuda-graph-impl]=cuda_graph.vision_cuda_graph_impl
@@ -93,7 +96,7 @@ declare -A key_of=(
 declare -A is_list=([--cuda-graph-modules]=1 [--vision-cuda-graph-modules]=1 [--vision-buckets]=1)
 # The order overrides are written in, so that the command reads like the table above.
 key_flags=(--iters --log-interval --host-probe-steps --op-profile-step --device --micro-batch-size --global-batch-size --seq-length
-  --recompute --data-parallel-size --pipeline-parallel-size --cuda-graph-impl --cuda-graph-modules
+  --recompute --data-parallel-size --pipeline-parallel-size --sharding --cuda-graph-impl --cuda-graph-modules
   --vision-cuda-graph-impl --vision-cuda-graph-modules --max-vision-graph-seq-len --vision-buckets
   --graph-warmup-steps --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
   --moe-token-drop-policy)
