@@ -124,9 +124,12 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weig
       master_(master_weights),
       grads_(grads),
       working_(working) {
-  IRIS_CHECK(master_weights != nullptr || (shard_over != nullptr && working != nullptr),
-             "AdamW: without master weights of its caller's the optimizer keeps its shard of them "
-             "itself, which needs a communicator to shard over and working weights to write");
+  // Sharded, the optimizer keeps the master weights of its shard itself and writes the working
+  // weights through; unsharded, they are the caller's.
+  IRIS_CHECK((master_weights == nullptr) == (shard_over != nullptr) &&
+                 (shard_over == nullptr || working != nullptr),
+             "AdamW: sharded, the optimizer keeps its shard of the master weights itself (pass "
+             "none) and needs working weights to write; unsharded, pass the master weights");
   // The master weights' layout is the gradients' (checked below when they are given).
   const ModelWeights& master = layout_;
   IRIS_CHECK(
@@ -419,22 +422,10 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   const auto [span_begin, span_end] = spans[static_cast<size_t>(stage)];
   span_begin_ = span_begin;
   full_grads_ = flat_grads_.slice(span_begin, span_end);
-  if (master_ != nullptr) full_master_ = flat_master_.slice(span_begin, span_end);
-  exchange_ =
-      std::make_unique<ShardExchange>(be_, comm, full_grads_, full_master_, bucket_elements);
+  // Only the gradients are exchanged here; the working weights are gathered by rank ranges.
+  exchange_ = std::make_unique<ShardExchange>(be_, comm, full_grads_, Tensor(), bucket_elements);
   shard_begin_ = span_begin + exchange_->begin();
   shard_end_ = span_begin + exchange_->end();
-  if (master_ != nullptr) {
-    flat_master_ = flat_master_.slice(shard_begin_, shard_end_);
-  } else {
-    // The master weights of this rank's shard only, filled by init_master().
-    Arena planning;
-    planning.alloc(DType::f32, {std::max<int64_t>(1, shard_end_ - shard_begin_)});
-    master_shard_ = Arena(be_, planning.used());
-    flat_master_ =
-        master_shard_.alloc(DType::f32, {std::max<int64_t>(1, shard_end_ - shard_begin_)})
-            .slice(0, shard_end_ - shard_begin_);
-  }
   flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
   rows_.clear();
   for (size_t q = 0; q < spans.size(); ++q) {
@@ -456,6 +447,11 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   plan(shard_state_);
   flat_m_ = flat_m_.slice(0, shard_end_ - shard_begin_);
   flat_v_ = flat_v_.slice(0, shard_end_ - shard_begin_);
+  // The master weights of this rank's shard only, filled by init_master().
+  Arena master_plan;
+  master_plan.alloc(DType::f32, {len});
+  master_shard_ = Arena(be_, master_plan.used());
+  flat_master_ = master_shard_.alloc(DType::f32, {len}).slice(0, shard_end_ - shard_begin_);
   // Rows by world rank (stage x replicas + replica); a tensor's parts from its owning stage's
   // replicas only (a tied embedding's other stage holds the same sum), in replica order.
   const auto groups = static_cast<int64_t>(rows_.size());
@@ -629,12 +625,7 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
-  // With a working copy only it is gathered; a master outside the shard, where the caller holds
-  // one, goes stale until gather_state() (a checkpoint) gathers it.
-  if (exchange_ && working_ != nullptr)
-    gather_working();
-  else if (exchange_)
-    exchange_->all_gather();
+  if (exchange_) gather_working();
   ++steps_;
 }
 
@@ -657,13 +648,11 @@ std::vector<float> AdamW::take_grad_norms() {
 void AdamW::gather_state() {
   if (comm_ == nullptr) return;
   const int world = comm_->size();
-  // The checkpoint reads the whole f32 master on rank 0: the caller's, gathered in place, or the
-  // shards this optimizer keeps, gathered to the host below.
-  if (working_ != nullptr && master_ != nullptr) exchange_->all_gather();
+  // The checkpoint reads the whole f32 master on rank 0: every shard, gathered to its host below.
   if (comm_->rank() != 0) {
     comm_->send(flat_m_, 0);
     comm_->send(flat_v_, 0);
-    if (master_ == nullptr) comm_->send(flat_master_, 0);
+    comm_->send(flat_master_, 0);
     comm_->send(steps_dev_, 0);
     return;
   }
@@ -672,7 +661,7 @@ void AdamW::gather_state() {
   const int64_t n = full_grads_.numel();
   gathered_m_.assign(static_cast<size_t>(n), 0.0f);
   gathered_v_.assign(static_cast<size_t>(n), 0.0f);
-  if (master_ == nullptr) gathered_master_.assign(static_cast<size_t>(n), 0.0f);
+  gathered_master_.assign(static_cast<size_t>(n), 0.0f);
   gathered_steps_.assign(layout_.bindings.size(), -1);
   std::vector<int64_t> row_steps;
   for (int q = 0; q < world; ++q) {
@@ -682,14 +671,13 @@ void AdamW::gather_state() {
     if (q == 0) {
       be_.read(gathered_m_.data() + b, DType::f32, flat_m_);
       be_.read(gathered_v_.data() + b, DType::f32, flat_v_);
-      if (master_ == nullptr) be_.read(gathered_master_.data() + b, DType::f32, flat_master_);
+      be_.read(gathered_master_.data() + b, DType::f32, flat_master_);
       be_.read(row_steps.data(), DType::i64, steps_dev_);
     } else if (comm_->device() == Device::cpu) {
       // The MPI communicator moves host memory.
       comm_->recv(Tensor(gathered_m_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(gathered_v_.data() + b, DType::f32, Device::cpu, {e - b}), q);
-      if (master_ == nullptr)
-        comm_->recv(Tensor(gathered_master_.data() + b, DType::f32, Device::cpu, {e - b}), q);
+      comm_->recv(Tensor(gathered_master_.data() + b, DType::f32, Device::cpu, {e - b}), q);
       comm_->recv(Tensor(row_steps.data(), DType::i64, Device::cpu,
                          {static_cast<int64_t>(row_steps.size())}),
                   q);
@@ -701,10 +689,8 @@ void AdamW::gather_state() {
       be_.read(gathered_m_.data() + b, DType::f32, stage);
       comm_->recv(stage, q);
       be_.read(gathered_v_.data() + b, DType::f32, stage);
-      if (master_ == nullptr) {
-        comm_->recv(stage, q);
-        be_.read(gathered_master_.data() + b, DType::f32, stage);
-      }
+      comm_->recv(stage, q);
+      be_.read(gathered_master_.data() + b, DType::f32, stage);
       const Tensor steps(full_grads_.data, DType::i64, full_grads_.device,
                          {static_cast<int64_t>(row_steps.size())});
       comm_->recv(steps, q);

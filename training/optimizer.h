@@ -61,12 +61,12 @@ double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 // order: the unsharded norm bit for bit wherever no tensor is split, and otherwise an f64 sum of
 // squares that may differ in its last bits (a split tensor's two partial sums are rounded apart),
 // which reaches the f32 norm, and so the clip and the weights, only when it sits that close to an
-// f32 rounding boundary. With a working copy (CUDA) each rank keeps its shard of the f32 master
-// weights up to date, rewrites the working copy of its shard, and the ranks gather the working
-// copy (its own layout: each shard's elements are one range of the working arena); the master
-// weights outside the shard go stale until gather_state() gathers them for a checkpoint.
-// Checkpoints hold the unsharded state: gather_state() brings every shard to
-// rank 0, and load() takes each rank's shard of any file, whatever world size wrote it.
+// f32 rounding boundary. Each rank holds the f32 master weights of its shard only (init_master
+// fills them), rewrites the working copy of its shard (bf16 on CUDA, the f32 weights on the CPU),
+// and the ranks gather the working copy (its own layout: each shard's elements are one range of
+// the working arena). Checkpoints hold the unsharded state: gather_state() brings every shard of
+// the master weights and moments to rank 0, and load() takes each rank's shard of any file,
+// whatever world size wrote it.
 //
 // Sharded and pipelined (shard_over the stage's data-parallel group, pipeline its stages): each
 // stage shards its span of the flat buffers (its first to its last held tensor) over its replicas
@@ -81,9 +81,9 @@ class AdamW {
   // master and grads: f32 ModelWeights on `backend` built from `cfg` (same bindings). working:
   // the compute-dtype weights the model reads, or null where they are `master` itself.
   // shard_over: shard the state over this communicator's ranks (null: every rank holds it all);
-  // its exchanges move at most bucket_elements elements at a time. master null (sharded, with
-  // working weights): the optimizer keeps the f32 master weights of its shard only, 1/world of
-  // them, which init_master() fills; the caller holds none.
+  // its exchanges move at most bucket_elements elements at a time. Sharded, master is null and
+  // working given: the optimizer keeps the f32 master weights of its shard only, 1/world of them,
+  // which init_master() fills.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
         Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
@@ -180,7 +180,7 @@ class AdamW {
   AdamWConfig config_;
   // The f32 state's layout (the master weights', which the gradients share).
   const ModelWeights& layout_;
-  ModelWeights* master_;  // null: the optimizer keeps its shard of them (master_shard_)
+  ModelWeights* master_;  // null: sharded, the optimizer keeps its shard of them (master_shard_)
   ModelWeights& grads_;
   ModelWeights* working_;
   std::unique_ptr<ModelWeights> m_, v_;
@@ -199,16 +199,17 @@ class AdamW {
   std::vector<Row> my_rows_;
 
   // Sharded state: this rank's shard [shard_begin_, shard_end_) of the flat buffers, which
-  // flat_master_ and flat_grads_ view; full_* are the whole buffers the exchanges move.
+  // flat_grads_ views and flat_master_ (master_shard_) holds; full_grads_ is what the exchange
+  // reduce-scatters.
   Communicator* comm_ = nullptr;
   // The ranks the norm's sums of squares are gathered from: comm_ when sharded, the pipeline's
   // stages when pipelined (sharded too: each stage's part gathered over comm_ first).
   Communicator* norm_comm_ = nullptr;
   std::vector<int> owner_;  // pipelined: each tensor's owning stage
   std::vector<bool> held_;  // pipelined: whether this stage holds each tensor
-  // Sharded: the range of the flat buffers the shards tile, [span_begin_, span_begin_ +
-  // full_master_.numel()): all of them, or a pipeline stage's span.
-  Tensor full_master_, full_grads_;
+  // Sharded: the range of the flat gradients the shards tile, [span_begin_, span_begin_ +
+  // full_grads_.numel()): all of them, or a pipeline stage's span.
+  Tensor full_grads_;
   int64_t span_begin_ = 0;
   // Sharded and pipelined: rows_ holds every stage's replicas' rows, this stage's from here.
   size_t rows_base_ = 0;

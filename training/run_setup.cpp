@@ -503,8 +503,9 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   TrainableQwen3VL& m = model();
   std::string plan =
       str_cat("memory on ", backend().name(), ": weights ", mib(weights_->arena.capacity()));
-  if (master_) plan += str_cat(", f32 master weights ", mib(master_->arena.capacity()));
-  if (opt_->master_bytes() > 0)
+  if (master_)
+    plan += str_cat(", f32 master weights ", mib(master_->arena.capacity()));
+  else if (opt_->master_bytes() > 0)
     plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
                     opt_->shards(), ")");
   plan += str_cat(
