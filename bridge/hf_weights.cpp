@@ -192,6 +192,50 @@ std::unique_ptr<ModelWeights> allocate_weights(
   return w;
 }
 
+std::unique_ptr<ModelWeights> reserve_weights(Device device, const ModelConfig& cfg, DType dtype,
+                                              const std::function<bool(const std::string&)>& keep) {
+  auto w = std::make_unique<ModelWeights>();
+  Planner p;
+  declare(cfg, *w, p);
+  std::set<const Tensor*> kept;
+  for (const WeightBinding& b : w->bindings)
+    if (!keep || keep(b.hf_name)) kept.insert(b.target);
+  Arena plan;
+  for (auto& [t, dims] : p.tensors)
+    if (kept.count(t)) plan.alloc(dtype, dims);
+  w->arena = Arena::addresses_only(device, plan.used());
+  for (auto& [t, dims] : p.tensors)
+    if (kept.count(t)) *t = w->arena.alloc(dtype, dims);
+  if (w->tied_lm_head) w->text.lm_head = w->text.embed;
+  return w;
+}
+
+std::unique_ptr<ModelWeights> allocate_weights_placed(
+    Backend& backend, const ModelConfig& cfg, DType dtype,
+    const std::function<bool(const std::string&)>& keep, size_t capacity,
+    const std::function<size_t(size_t offset)>& place) {
+  auto w = std::make_unique<ModelWeights>();
+  Planner p;
+  declare(cfg, *w, p);
+  std::set<const Tensor*> kept;
+  for (const WeightBinding& b : w->bindings)
+    if (!keep || keep(b.hf_name)) kept.insert(b.target);
+  if (capacity > 0) w->arena = Arena(backend, capacity);
+  Arena plan;
+  for (auto& [t, dims] : p.tensors) {
+    if (!kept.count(t)) continue;
+    const size_t offset = plan.used();
+    Tensor placed = plan.alloc(dtype, dims);
+    const size_t at = place(offset);
+    IRIS_CHECK(at + placed.nbytes() <= capacity, "allocate_weights_placed: a tensor placed at ", at,
+               " (", placed.nbytes(), " bytes) leaves the arena of ", capacity, " bytes");
+    placed.data = static_cast<char*>(w->arena.base()) + at;
+    *t = placed;
+  }
+  if (w->tied_lm_head) w->text.lm_head = w->text.embed;
+  return w;
+}
+
 std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
                                            const std::string& dir, WeightLoadTimes* times) {
   SafetensorsCheckpoint ckpt(dir);

@@ -60,6 +60,19 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
                                                DType dtype,
                                                const std::function<bool(const std::string&)>& keep);
 
+// The layout allocate_weights(backend, cfg, dtype, keep) gives, in address space that holds no
+// memory (Arena::addresses_only) with tensors on `device`: the offsets of a buffer that no rank
+// holds whole, such as the f32 gradients a sharded optimizer keeps only its shard of.
+std::unique_ptr<ModelWeights> reserve_weights(Device device, const ModelConfig& cfg, DType dtype,
+                                              const std::function<bool(const std::string&)>& keep);
+// The tensors allocate_weights(backend, cfg, dtype, keep) holds, each at place(offset) in one
+// arena of `capacity` bytes instead, where offset is its byte offset in that layout: buffers
+// whose tensors share memory (gradients of layers that take turns in a few slots).
+std::unique_ptr<ModelWeights> allocate_weights_placed(
+    Backend& backend, const ModelConfig& cfg, DType dtype,
+    const std::function<bool(const std::string&)>& keep, size_t capacity,
+    const std::function<size_t(size_t offset)>& place);
+
 // Where a load's time went: reading the files through the page cache into the backend (with the
 // finiteness check and any dtype conversion; on CUDA the staging copy, whose uploads overlap it),
 // and the wait for the last uploads after that.

@@ -16,6 +16,10 @@ class Arena {
   Arena() = default;
   // A real arena of exactly `capacity` bytes on the backend.
   Arena(Backend& backend, size_t capacity);
+  // Addresses only: `capacity` bytes of address space that hold no memory (reserved, never
+  // readable), whose tensors say `device`. For the layout of a buffer no rank holds whole (a
+  // sharded optimizer's f32 gradients): the offsets of its tensors, with nothing behind them.
+  static Arena addresses_only(Device device, size_t capacity);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -23,7 +27,7 @@ class Arena {
   Arena& operator=(Arena&& other) noexcept;
 
   Tensor alloc(DType dtype, const std::vector<int64_t>& dims);
-  bool planning() const { return backend_ == nullptr; }
+  bool planning() const { return backend_ == nullptr && !reserved_; }
   size_t used() const { return used_; }
   size_t capacity() const { return capacity_; }
   // The first byte of the allocation (null while planning), for flat views over all tensors.
@@ -36,6 +40,8 @@ class Arena {
  private:
   void release();
   Backend* backend_ = nullptr;
+  bool reserved_ = false;
+  Device device_ = Device::cpu;
   char* base_ = nullptr;
   size_t capacity_ = 0;
   size_t used_ = 0;

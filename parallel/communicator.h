@@ -56,8 +56,11 @@ class Communicator {
   virtual void exchange(std::span<const Transfer> sends, std::span<const Transfer> recvs,
                         const char* what) = 0;
   // Local: out[n] (f32) = ((pieces[0] + pieces[1]) + ...) + pieces[size() - 1] over the size()
-  // pieces of pieces[size() * n] (f32). out must not overlap pieces.
-  virtual void sum_pieces(const Tensor& out, const Tensor& pieces) = 0;
+  // pieces of pieces[size() * n] (f32); accumulate: out[n] += that sum (one add after the rank-
+  // order sum, so that summing micro-batch after micro-batch is a fixed order too). out must not
+  // overlap pieces.
+  virtual void sum_pieces(const Tensor& out, const Tensor& pieces, bool accumulate) = 0;
+  void sum_pieces(const Tensor& out, const Tensor& pieces) { sum_pieces(out, pieces, false); }
 
   // Fixed-order sums of f32 tensors (see the top of this file).
   // out[n] = sum over ranks in rank order of their in's piece rank() (in [size() * n]); scratch
@@ -76,6 +79,13 @@ class Communicator {
   // nothing to do.
   virtual void begin_detached() {}
   virtual void end_detached() {}
+  // Finer than end_detached(): mark_point(k) notes the calls made so far, and wait_point(k) makes
+  // the backend's later work wait for those only (the last mark of k; none yet: no wait), so a
+  // buffer the calls read can be written again while later calls still run. k < kPoints. MPI
+  // completes each call on the host: nothing to do.
+  static constexpr int kPoints = 4;
+  virtual void mark_point(int /*k*/) {}
+  virtual void wait_point(int /*k*/) {}
 };
 
 // NCCL waits on the GPU with no timeout: a peer that stops responding leaves this rank's kernels

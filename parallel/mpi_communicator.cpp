@@ -64,7 +64,8 @@ class MpiCommunicator final : public Communicator {
     if (!sends.empty() || !recvs.empty())
       s_.exchange(s, static_cast<int>(sends.size()), r, static_cast<int>(recvs.size()), what);
   }
-  void sum_pieces(const Tensor& out, const Tensor& pieces) override {
+  using Communicator::sum_pieces;
+  void sum_pieces(const Tensor& out, const Tensor& pieces, bool accumulate) override {
     check(out, "sum_pieces");
     check(pieces, "sum_pieces");
     const int64_t n = out.numel(), w = size();
@@ -77,7 +78,7 @@ class MpiCommunicator final : public Communicator {
     for (int64_t i = 0; i < n; ++i) {
       float s = p[i];
       for (int64_t r = 1; r < w; ++r) s += p[r * n + i];
-      o[i] = s;
+      o[i] = accumulate ? o[i] + s : s;
     }
   }
 

@@ -40,12 +40,13 @@ namespace {
 
 // Each output element is its pieces added in rank order, one rounding per addition, as the CPU
 // communicator adds them (plain float adds; nothing to contract into an FMA).
-__global__ void sum_pieces_kernel(float* out, const float* pieces, int64_t n, int world) {
+__global__ void sum_pieces_kernel(float* out, const float* pieces, int64_t n, int world,
+                                  bool accumulate) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     float s = pieces[i];
     for (int r = 1; r < world; ++r) s += pieces[r * n + i];
-    out[i] = s;
+    out[i] = accumulate ? out[i] + s : s;
   }
 }
 
@@ -142,6 +143,17 @@ class NcclCommunicator final : public Communicator {
         IRIS_NCCL_CHECK(ncclSend(x.t.data, x.t.nbytes(), ncclUint8, x.peer, comm_, stream_->get()));
     IRIS_NCCL_CHECK(ncclGroupEnd());
   }
+  void mark_point(int k) override {
+    IRIS_CHECK(k >= 0 && k < kPoints, "mark_point: point ", k, " of ", kPoints);
+    if (!points_[k]) points_[k] = std::make_unique<cuda::Event>();
+    IRIS_CUDA_CHECK(cudaEventRecord(points_[k]->get(), stream_->get()));
+  }
+  void wait_point(int k) override {
+    IRIS_CHECK(k >= 0 && k < kPoints, "wait_point: point ", k, " of ", kPoints);
+    if (!points_[k]) return;
+    IRIS_CUDA_CHECK(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(be_.native_stream()), points_[k]->get(), 0));
+  }
   void begin_detached() override { detached_ = true; }
   void end_detached() override {
     if (!detached_) return;
@@ -151,7 +163,8 @@ class NcclCommunicator final : public Communicator {
     IRIS_CUDA_CHECK(
         cudaStreamWaitEvent(static_cast<cudaStream_t>(be_.native_stream()), after_->get(), 0));
   }
-  void sum_pieces(const Tensor& out, const Tensor& pieces) override {
+  using Communicator::sum_pieces;
+  void sum_pieces(const Tensor& out, const Tensor& pieces, bool accumulate) override {
     check(out, "sum_pieces");
     check(pieces, "sum_pieces");
     const int64_t n = out.numel();
@@ -164,7 +177,7 @@ class NcclCommunicator final : public Communicator {
     const int threads = 256;
     const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 4096));
     sum_pieces_kernel<<<blocks, threads, 0, stream_->get()>>>(out.as<float>(), pieces.as<float>(),
-                                                              n, world_);
+                                                              n, world_, accumulate);
     IRIS_CUDA_LAUNCH_CHECK();
   }
 
@@ -200,6 +213,7 @@ class NcclCommunicator final : public Communicator {
   // Made in the constructor once the checks and the id broadcast have passed.
   std::unique_ptr<cuda::Stream> stream_;
   std::unique_ptr<cuda::Event> before_, after_;
+  std::array<std::unique_ptr<cuda::Event>, kPoints> points_;
   bool detached_ = false;
 };
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -145,6 +146,75 @@ TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAF
   EXPECT_EQ(master_mib(a.output), -1) << a.output;
   // Two moments per master weight: a quarter of the unsharded moments, give or take the rounding.
   EXPECT_NEAR(master_mib(b.output), full / 4, 1) << b.output;
+}
+
+// Gradient sharding (parallel.sharding=optimizer_grads, training/sharded_gradients.h): with one
+// micro-batch per rank, data parallel 2 and 4 give the unsharded run's losses, weights and
+// optimizer state bit for bit, while each rank holds the tensors outside the decoder layers, two
+// layers' slots and its shard of the sums instead of every gradient. With two micro-batches per
+// rank the layers' sums are added micro-batch after micro-batch (the unsharded run adds each
+// rank's first), which changes f32 roundings only.
+TEST_F(AppParallelTrainTest,
+       GradientShardingGivesTheUnshardedRunBitForBitWithOneMicroBatchPerRank) {
+  const std::string recipe = write_recipe();
+  auto gradients_mib = [](const std::string& out) {
+    const size_t at = out.find(", gradients ");
+    return at == std::string::npos ? -1 : std::stoi(out.substr(at + 12));
+  };
+  for (const int np : {2, 4}) {
+    SCOPED_TRACE("mpirun -np " + std::to_string(np));
+    const std::vector<std::string> common{"train", "--recipe", recipe,
+                                          "parallel.data_parallel_size=" + std::to_string(np),
+                                          "train.global_batch_size=" + std::to_string(np),
+                                          "optimizer.weight_decay=0.1", "optimizer.clip_grad=1.0",
+                                          // Several chunks per layer and shard boundaries inside
+                                          // layers.
+                                          "parallel.grad_bucket_elements=5003"};
+    auto with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> a = common;
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    const fs::path plain = root_ / ("plain_" + std::to_string(np)),
+                   sharded = root_ / ("grads_" + std::to_string(np));
+    const Exit a = mpirun(np, with({"checkpoint.dir=" + plain.string()}));
+    ASSERT_EQ(a.code, 0) << a.output;
+    const Exit b = mpirun(
+        np, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=optimizer_grads"}));
+    ASSERT_EQ(b.code, 0) << b.output;
+    const std::vector<double> la = losses(plain), lb = losses(sharded);
+    ASSERT_EQ(la.size(), 3u);
+    ASSERT_EQ(lb.size(), la.size()) << b.output;
+    for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "iteration " << i + 1;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text_file((plain / "step_0000003" / file).string()),
+                read_text_file((sharded / "step_0000003" / file).string()))
+          << file;
+    EXPECT_NE(b.output.find("(this rank's shard of the sums"), std::string::npos) << b.output;
+    const int whole = gradients_mib(a.output), held = gradients_mib(b.output);
+    EXPECT_GT(whole, 0) << a.output;
+    EXPECT_GE(held, 0) << b.output;
+    EXPECT_LT(held, whole) << b.output;
+  }
+  // Two micro-batches per rank: the same run up to f32 rounding.
+  const fs::path plain = root_ / "plain_two", sharded = root_ / "grads_two";
+  const std::vector<std::string> common{"train", "--recipe", recipe,
+                                        "parallel.data_parallel_size=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b =
+      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=optimizer_grads"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  const std::vector<double> la = losses(plain), lb = losses(sharded);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), la.size()) << b.output;
+  EXPECT_EQ(la[0], lb[0]);  // the first step's loss comes before any update
+  for (size_t i = 1; i < la.size(); ++i) EXPECT_NEAR(la[i], lb[i], 1e-5 * std::abs(la[i]));
 }
 
 // Frozen parts hold no optimizer state (training/param_spec.h): the sharded optimizer shards the

@@ -252,8 +252,9 @@ class RecordingCommunicator final : public Communicator {
                 const char* what) override {
     inner_.exchange(sends, recvs, what);
   }
-  void sum_pieces(const Tensor& out, const Tensor& pieces) override {
-    inner_.sum_pieces(out, pieces);
+  using Communicator::sum_pieces;
+  void sum_pieces(const Tensor& out, const Tensor& pieces, bool accumulate) override {
+    inner_.sum_pieces(out, pieces, accumulate);
   }
   void begin_detached() override { ++detached; }
   void end_detached() override { ++attached; }

@@ -496,10 +496,27 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   const Recipe named = load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer"});
   EXPECT_TRUE(named.optimizer.distributed);
   EXPECT_FALSE(load_recipe_text(tiny_recipe(), "r.yaml", {}).optimizer.distributed);
-  msg = error_of(
-      [] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads"}); });
-  EXPECT_HAS(msg, "parallel.sharding=optimizer_grads");
-  EXPECT_HAS(msg, "use parallel.sharding=optimizer");
+  const Recipe grads =
+      load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads"});
+  EXPECT_TRUE(grads.optimizer.distributed);
+  EXPECT_EQ(grads.parallel.sharding, "optimizer_grads");
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads_params"});
+  });
+  EXPECT_HAS(msg, "parallel.sharding=optimizer_grads_params");
+  EXPECT_HAS(msg, "use parallel.sharding=optimizer_grads");
+  // Gradient sharding sums each layer between the layers' graphs, on one stage.
+  msg = error_of([] {
+    load_recipe_text(tiny_recipe(), "r.yaml",
+                     {"parallel.sharding=optimizer_grads", "parallel.pipeline_parallel_size=2"});
+  });
+  EXPECT_HAS(msg, "does not run on pipeline stages yet; use parallel.sharding=optimizer");
+  msg = error_of([] {
+    load_recipe_text(
+        tiny_recipe(), "r.yaml",
+        {"parallel.sharding=optimizer_grads", "cuda_graph.cuda_graph_impl=full_iteration"});
+  });
+  EXPECT_HAS(msg, "use cuda_graph_impl=local (per-layer graphs)");
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=zero3"}); });
   EXPECT_HAS(msg, "parallel.sharding");
   // Data parallelism is the launcher's business (checked when the run starts, against it).

@@ -117,6 +117,7 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
   const ParamSpecs specs(cfg, frozen, compute);
   const int64_t all = specs.parameters(), trainable = specs.trainable_parameters();
   const bool sharded = r.optimizer.distributed && replicas > 1;
+  const bool sharded_grads = sharded && r.parallel.sharding == "optimizer_grads";
 
   TrainLimits limits = recipe_train_limits(r, on_gpu);
   const std::vector<PipelineStage> stages = recipe_pipeline_stages(r, cfg, limits);
@@ -151,10 +152,6 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         str_cat(count(all), " parameters x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",
                 "); every frozen part keeps these and nothing else",
                 pipelined ? "; every stage holds the whole model's" : ""));
-    add("gradients", trainable * 4,
-        str_cat(count(trainable), " trainable parameters x 4 B (f32)",
-                pipelined ? "; one buffer for all micro-batches in flight" : ""));
-
     // The moments: the trainable tensors from the stage's first to its last in the flat layout
     // (a pipeline stage's span), sharded over the replicas with optimizer.distributed; the last
     // rank's shard takes the remainder.
@@ -171,13 +168,35 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         if (all_specs[size_t(i)].trainable) span += all_specs[size_t(i)].numel();
     }
     const int64_t moment_elements = sharded ? span / replicas + span % replicas : span;
+    if (sharded_grads) {
+      // training/sharded_gradients.h: the tensors outside the decoder layers whole, two layers'
+      // slots and this rank's shard of the sums.
+      static const std::string kLayers = "model.language_model.layers.";
+      std::vector<int64_t> per_layer(static_cast<size_t>(cfg.text.num_hidden_layers), 0);
+      int64_t layers = 0;
+      for (const ParamSpec& p : specs.all())
+        if (p.trainable && p.hf_name.compare(0, kLayers.size(), kLayers) == 0) {
+          per_layer[static_cast<size_t>(std::stoi(p.hf_name.substr(kLayers.size())))] += p.numel();
+          layers += p.numel();
+        }
+      const int64_t slot = *std::max_element(per_layer.begin(), per_layer.end());
+      const int64_t held = trainable - layers + 2 * slot + moment_elements;
+      add("gradients", held * 4,
+          str_cat(count(trainable - layers), " outside the decoder layers + 2 layer slots of ",
+                  count(slot), " + this rank's 1/", replicas, " shard of the sums ",
+                  count(moment_elements), ", x 4 B (f32; parallel.sharding=optimizer_grads)"));
+    } else {
+      add("gradients", trainable * 4,
+          str_cat(count(trainable), " trainable parameters x 4 B (f32)",
+                  pipelined ? "; one buffer for all micro-batches in flight" : ""));
+    }
     // The f32 master weights: sharded, the optimizer's shard of the span, as the moments; else
     // every trainable parameter (on the CPU with nothing frozen, the weights themselves).
     const bool own_master = on_gpu || any_frozen;
     if (sharded)
       add("master weights", moment_elements * 4,
           str_cat(count(moment_elements), " elements x 4 B (f32), the optimizer's shard, 1/",
-                  replicas, " per rank (parallel.sharding=optimizer)"));
+                  replicas, " per rank (parallel.sharding=", r.parallel.sharding, ")"));
     else
       add("master weights", own_master ? trainable * 4 : 0,
           own_master ? str_cat(count(trainable), " trainable parameters x 4 B (f32)")
@@ -185,7 +204,8 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     add("AdamW moments", moment_elements * 8,
         str_cat(count(moment_elements), " elements x 2 x 4 B",
                 pipelined ? str_cat(" (the stage's span of ", count(span), ")") : "",
-                sharded ? str_cat(", 1/", replicas, " per rank (parallel.sharding=optimizer)")
+                sharded        ? str_cat(", 1/", replicas,
+                                         " per rank (parallel.sharding=", r.parallel.sharding, ")")
                 : replicas > 1 ? ", whole on every rank (parallel.sharding=none)"
                                : ""));
 
@@ -235,7 +255,11 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
       comm += all_reduce_scratch_elements(std::min(step, held), replicas) * 4;
       comm_how = "gradient all-reduce scratch of one bucket";
     }
-    if (sharded) {
+    if (sharded_grads) {
+      // ShardSum: one chunk's pieces from every rank.
+      comm += replicas * std::max<int64_t>(1, r.parallel.grad_bucket_elements / replicas) * 4;
+      comm_how = "gradient shards' exchange scratch of one bucket";
+    } else if (sharded) {
       // ShardExchange: the reduce-scatter's receive pieces and, with more than one bucket, its
       // send staging.
       const int64_t shard = span / replicas;
@@ -357,15 +381,22 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          {std::pair{&same_training, &same_training_settings}, {&together, &together_settings}})
       for (int64_t n = std::max<int64_t>(2, r.parallel.data_parallel_size * 2);
            n <= 64 && more_gpus.empty(); n *= 2) {
-        Recipe x = *base;
-        x.parallel.data_parallel_size = n;
-        x.optimizer.distributed = true;
-        x.parallel.sharding = "optimizer";
-        const int64_t p = peak_with(x);
-        if (p <= plan.device_bytes)
-          more_gpus =
-              str_cat(*settings, settings->empty() ? "" : " ", "parallel.data_parallel_size=", n,
-                      " parallel.sharding=optimizer (", gib(p), " per GPU)");
+        // Gradient sharding runs without pipeline stages and full_iteration graphs only.
+        const bool grads_too = r.parallel.pipeline_parallel_size == 1 &&
+                               r.cuda_graph.language.impl != GraphImpl::full_iteration;
+        for (const char* sharding : {"optimizer", "optimizer_grads"}) {
+          if (!more_gpus.empty() || (!grads_too && std::string(sharding) == "optimizer_grads"))
+            continue;
+          Recipe x = *base;
+          x.parallel.data_parallel_size = n;
+          x.optimizer.distributed = true;
+          x.parallel.sharding = sharding;
+          const int64_t p = peak_with(x);
+          if (p <= plan.device_bytes)
+            more_gpus =
+                str_cat(*settings, settings->empty() ? "" : " ", "parallel.data_parallel_size=", n,
+                        " parallel.sharding=", sharding, " (", gib(p), " per GPU)");
+        }
       }
     // What every GPU holds whole today whatever the layout: the weights and gradients of the
     // model.

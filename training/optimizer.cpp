@@ -117,13 +117,17 @@ Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
 
 AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weights,
              ModelWeights& grads, const AdamWConfig& config, ModelWeights* working,
-             Communicator* shard_over, int64_t bucket_elements, const StageTensors* pipeline)
+             Communicator* shard_over, int64_t bucket_elements, const StageTensors* pipeline,
+             ShardSum* grad_shard)
     : be_(backend),
       config_(config),
       layout_(master_weights != nullptr ? *master_weights : grads),
       master_(master_weights),
       grads_(grads),
-      working_(working) {
+      working_(working),
+      grad_shard_(grad_shard) {
+  IRIS_CHECK(grad_shard == nullptr || (shard_over != nullptr && pipeline == nullptr),
+             "AdamW: gradients summed into shards need a sharded optimizer without a pipeline");
   // Sharded, the optimizer keeps the master weights of its shard itself and writes the working
   // weights through; unsharded, they are the caller's.
   IRIS_CHECK((master_weights == nullptr) == (shard_over != nullptr) &&
@@ -283,7 +287,7 @@ void AdamW::init_master(const ModelWeights& source) {
     if (q == 0) {
       fill(rows, b, flat_master_);
     } else {
-      const Tensor stage = full_grads_.slice(0, e - b);
+      const Tensor stage = staging_.slice(0, e - b);
       fill(rows, b, stage);
       comm_->send(stage, q);
       // The next shard reuses the staging memory.
@@ -422,11 +426,23 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   const auto [span_begin, span_end] = spans[static_cast<size_t>(stage)];
   span_begin_ = span_begin;
   full_grads_ = flat_grads_.slice(span_begin, span_end);
-  // Only the gradients are exchanged here; the working weights are gathered by rank ranges.
-  exchange_ = std::make_unique<ShardExchange>(be_, comm, full_grads_, Tensor(), bucket_elements);
-  shard_begin_ = span_begin + exchange_->begin();
-  shard_end_ = span_begin + exchange_->end();
-  flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+  if (grad_shard_ != nullptr) {
+    // Summed as the backward wrote them; full_grads_ spans addresses with no memory behind them.
+    shard_begin_ = ShardExchange::begin(full_grads_.numel(), world, comm.rank());
+    shard_end_ = ShardExchange::end(full_grads_.numel(), world, comm.rank());
+    IRIS_CHECK(grad_shard_->begin() == shard_begin_ && grad_shard_->end() == shard_end_,
+               "AdamW: the gradients' shard [", grad_shard_->begin(), ", ", grad_shard_->end(),
+               ") is not the optimizer's [", shard_begin_, ", ", shard_end_, ")");
+    flat_grads_ = grad_shard_->sums();
+    staging_ = grad_shard_->accumulator();
+  } else {
+    // Only the gradients are exchanged here; the working weights are gathered by rank ranges.
+    exchange_ = std::make_unique<ShardExchange>(be_, comm, full_grads_, Tensor(), bucket_elements);
+    shard_begin_ = span_begin + exchange_->begin();
+    shard_end_ = span_begin + exchange_->end();
+    flat_grads_ = flat_grads_.slice(shard_begin_, shard_end_);
+    staging_ = full_grads_;
+  }
   rows_.clear();
   for (size_t q = 0; q < spans.size(); ++q) {
     auto rows = shard_rows(layout_, spans[q].first, spans[q].second - spans[q].first, world,
@@ -538,7 +554,8 @@ size_t AdamW::state_bytes() const {
 }
 
 size_t AdamW::exchange_bytes() const {
-  return exchange_ ? exchange_->scratch_bytes() + shard_tables_.capacity() : 0;
+  if (comm_ == nullptr) return 0;
+  return (exchange_ ? exchange_->scratch_bytes() : 0) + shard_tables_.capacity();
 }
 
 ModelWeights& AdamW::exp_avg() {
@@ -612,8 +629,8 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   if (!hyper_written_ || !(frozen == hyper_frozen_)) write_hyper(frozen);
   if (unread_norms_ == kNormHistory) read_norm_history();
   be_.write(lr_, &scheduled_lr, DType::f32);
-  if (exchange_) {
-    exchange_->reduce_scatter();
+  if (comm_ != nullptr) {
+    if (exchange_) exchange_->reduce_scatter();
     sharded_norm();
   } else if (norm_comm_ != nullptr) {
     sharded_norm();
@@ -625,7 +642,7 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                  steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
-  if (exchange_) gather_working();
+  if (comm_ != nullptr) gather_working();
   ++steps_;
 }
 
@@ -684,14 +701,14 @@ void AdamW::gather_state() {
     } else {
       // NCCL moves device memory: each piece lands in the gradients, which are spent until the
       // next step zeroes them (no buffer of its own), and is read from there.
-      const Tensor stage = full_grads_.slice(0, e - b);
+      const Tensor stage = staging_.slice(0, e - b);
       comm_->recv(stage, q);
       be_.read(gathered_m_.data() + b, DType::f32, stage);
       comm_->recv(stage, q);
       be_.read(gathered_v_.data() + b, DType::f32, stage);
       comm_->recv(stage, q);
       be_.read(gathered_master_.data() + b, DType::f32, stage);
-      const Tensor steps(full_grads_.data, DType::i64, full_grads_.device,
+      const Tensor steps(staging_.data, DType::i64, staging_.device,
                          {static_cast<int64_t>(row_steps.size())});
       comm_->recv(steps, q);
       be_.read(row_steps.data(), DType::i64, steps);

@@ -15,6 +15,7 @@
 #include "bridge/model_config.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_exchange.h"
+#include "parallel/shard_sum.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -83,11 +84,13 @@ class AdamW {
   // shard_over: shard the state over this communicator's ranks (null: every rank holds it all);
   // its exchanges move at most bucket_elements elements at a time. Sharded, master is null and
   // working given: the optimizer keeps the f32 master weights of its shard only, 1/world of them,
-  // which init_master() fills.
+  // which init_master() fills. grad_shard (sharded, no pipeline): the gradients arrive summed in
+  // this rank's shard of them (parallel.sharding=optimizer_grads, training/sharded_gradients.h)
+  // and `grads` is their layout only, which no rank holds whole; the step exchanges no gradients.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
         Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
-        const StageTensors* pipeline = nullptr);
+        const StageTensors* pipeline = nullptr, ShardSum* grad_shard = nullptr);
   ~AdamW();
 
   // Sharded master weights: every rank calls it with its f32 host copy of the whole model (the
@@ -216,6 +219,10 @@ class AdamW {
   // Per tensor, where its rows' sums of squares sit in all_row_sums_, in rank order.
   std::vector<std::vector<int64_t>> norm_order_;
   std::unique_ptr<ShardExchange> exchange_;
+  ShardSum* grad_shard_ = nullptr;
+  // Device memory of at least the longest shard, free between steps, through which init_master
+  // and gather_state move shards: the gradients (or their shard's accumulator).
+  Tensor staging_;
   std::vector<std::pair<int64_t, int64_t>> working_ranges_;  // [rank]: begin, end
   std::vector<Communicator::Transfer> working_sends_, working_recvs_;
   Arena shard_state_, shard_tables_;

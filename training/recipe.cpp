@@ -278,8 +278,9 @@ std::vector<Field> fields(Recipe& r) {
        &p.sharding,
        "what the data-parallel ranks shard (Megatron-FSDP's names): none; optimizer (ZeRO-1: "
        "each rank keeps and updates 1/data_parallel_size of the AdamW moments and f32 master "
-       "weights, the same losses as unsharded); optimizer_grads and optimizer_grads_params "
-       "(ZeRO-2 and ZeRO-3) are not available yet",
+       "weights, the same losses as unsharded); optimizer_grads (ZeRO-2: also the f32 "
+       "gradients, each decoder layer's summed into its owners' shards as the backward writes "
+       "it); optimizer_grads_params (ZeRO-3) is not available yet",
        {"none", "optimizer", "optimizer_grads", "optimizer_grads_params"}},
   };
 }
@@ -1117,11 +1118,15 @@ void validate(Recipe& r) {
   // optimizer.distributed is Megatron-LM's switch for what Megatron-FSDP calls optimizer
   // sharding: either key turns it on, and the resolved config shows both.
   if (r.optimizer.distributed && p.sharding == "none") p.sharding = "optimizer";
-  IRIS_CHECK(p.sharding == "none" || p.sharding == "optimizer",
-             "recipe: parallel.sharding=", p.sharding,
-             ": sharding the gradients (optimizer_grads) and the weights (optimizer_grads_params) "
-             "is not available yet; use parallel.sharding=optimizer, which shards the AdamW "
-             "moments and the f32 master weights, or add data-parallel ranks");
+  IRIS_CHECK(p.sharding != "optimizer_grads_params",
+             "recipe: parallel.sharding=optimizer_grads_params: sharding the weights is not "
+             "available yet; use parallel.sharding=optimizer_grads, which shards the AdamW "
+             "moments, the f32 master weights and the f32 gradients, or add data-parallel ranks");
+  IRIS_CHECK(p.sharding != "optimizer_grads" || p.pipeline_parallel_size == 1,
+             "recipe: parallel.sharding=optimizer_grads with parallel.pipeline_parallel_size=",
+             p.pipeline_parallel_size,
+             ": gradient sharding does not run on pipeline stages yet; use "
+             "parallel.sharding=optimizer there");
   r.optimizer.distributed = p.sharding != "none";
   IRIS_CHECK(p.tensor_parallel_size == 1,
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
@@ -1346,6 +1351,12 @@ void validate(Recipe& r) {
              "cuda_graph.cuda_graph_impl local; with cuda_graph_impl ",
              cg.language.impl == GraphImpl::none ? "none" : "full_iteration",
              " it would do nothing: leave it empty or set cuda_graph_impl=local");
+  IRIS_CHECK(
+      r.parallel.sharding != "optimizer_grads" || cg.language.impl != GraphImpl::full_iteration,
+      "recipe: parallel.sharding=optimizer_grads sums each decoder layer's gradients "
+      "between the layers' graphs, which cuda_graph.cuda_graph_impl=full_iteration "
+      "captures as one; use cuda_graph_impl=local (per-layer graphs) or "
+      "parallel.sharding=optimizer");
   IRIS_CHECK(cg.vision.modules.empty() || cg.vision.impl == VisionGraphImpl::local,
              "recipe: cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
              "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "

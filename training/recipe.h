@@ -165,7 +165,8 @@ struct ParallelRecipe {
   int64_t grad_bucket_elements = int64_t(1) << 25;
   // What the data-parallel ranks shard, in Megatron-FSDP's names: none, optimizer (the AdamW
   // moments and the f32 master weights; optimizer.distributed=true is its synonym),
-  // optimizer_grads (and the f32 gradients), optimizer_grads_params (and the weights).
+  // optimizer_grads (and the f32 gradients: training/sharded_gradients.h; not with pipeline
+  // stages or full_iteration graphs yet), optimizer_grads_params (and the weights: refused).
   std::string sharding = "none";
 };
 

@@ -361,6 +361,14 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
   // A pipeline stage's replicas shard the stage's tensors; with one replica there is nothing to
   // shard them over.
   sharded_ = r.optimizer.distributed && dp.replicas() > 1;
+  // ZeRO-2 (parallel.sharding=optimizer_grads): the models write the layers' gradients into two
+  // slots, and each rank keeps its shard of the sums (training/sharded_gradients.h).
+  if (sharded_ && r.parallel.sharding == "optimizer_grads") {
+    IRIS_CHECK(!pipelined(), "parallel.sharding=optimizer_grads does not run on pipeline stages");
+    sharded_grads_ = std::make_unique<ShardedGradients>(
+        compute(), cfg_, ParamSpecs(*params_, frozen_, compute().compute_dtype()));
+  }
+  ModelWeights* const shared_grads = sharded_grads_ ? &sharded_grads_->grads() : nullptr;
   if (on_gpu()) {
     if (!sharded_) {
       const ParamSpecs specs(*params_, frozen_, gpu_->compute_dtype());
@@ -373,7 +381,8 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
     // Sharded, the optimizer takes its master weights from it first.
     if (!sharded_) params_.reset();
     weights_ = working_.get();
-    replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_));
+    replicas_.push_back(
+        std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_, shared_grads));
     for (int k = 1; k < slots; ++k)
       replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *working_, limits_,
                                                              &replicas_[0]->grads()));
@@ -402,8 +411,11 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
         replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_,
                                                                &replicas_[0]->grads()));
     } else {
+      IRIS_CHECK(shared_grads == nullptr || n_replicas_ == 1,
+                 "sharded gradients need one model per rank");
       for (int k = 0; k < n_replicas_; ++k)
-        replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_));
+        replicas_.push_back(
+            std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_, shared_grads));
     }
   }
   master_weights_ = master_ ? master_.get() : sharded_ ? nullptr : weights_;
@@ -456,10 +468,21 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
         stage_tensors_.held.back().push_back(stage_holds(st, cfg_.tie_word_embeddings, b.hf_name));
     }
   }
-  opt_ = std::make_unique<AdamW>(be, cfg_, master_weights_, first.grads(), adamw_config(r),
-                                 written_through_,
-                                 sharded_ ? dp.data_parallel_communicator() : nullptr,
-                                 int64_t(1) << 25, pipelined() ? &stage_tensors_ : nullptr);
+  if (sharded_grads_) {
+    sharded_grads_->connect(be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements);
+    for (auto& m : replicas_)
+      m->on_layer_gradients([sg = sharded_grads_.get()](int layer, bool begin) {
+        if (layer < 0)
+          sg->micro_batch_done();
+        else
+          sg->layer(layer, begin);
+      });
+  }
+  opt_ = std::make_unique<AdamW>(
+      be, cfg_, master_weights_, sharded_grads_ ? sharded_grads_->layout() : first.grads(),
+      adamw_config(r), written_through_, sharded_ ? dp.data_parallel_communicator() : nullptr,
+      int64_t(1) << 25, pipelined() ? &stage_tensors_ : nullptr,
+      sharded_grads_ ? &sharded_grads_->shard() : nullptr);
   if (sharded_) {
     opt_->init_master(*params_);
     // On the CPU the host copy is the weights the model reads; on the GPU it has served.
@@ -481,6 +504,7 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
 void RankTraining::sum_gradients(DataParallel& dp) {
   for (int k = 1; k < n_replicas_; ++k) replicas_[static_cast<size_t>(k)]->move_grads_into(model());
   dp.reduce_gradients();
+  if (sharded_grads_) sharded_grads_->step_done();
   if (tied_across_)
     dp.sum_tied_gradient(backend(), model().grads().text.embed, tied_scratch_, sharded_);
 }
@@ -508,16 +532,23 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   else if (opt_->master_bytes() > 0)
     plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
                     opt_->shards(), ")");
-  plan += str_cat(
-      ", gradients ", mib(m.grads().arena.capacity()), " x ", n_replicas_, ", AdamW moments ",
-      mib(opt_->state_bytes()), ", activations ", mib(m.activation_bytes()), " (train.recompute ",
-      r.train.recompute, ") and workspace ", mib(m.arena_bytes() - m.activation_bytes()), " x ",
-      replicas_.size(), pipelined() ? " (this stage's parts, per micro-batch in flight)" : "");
+  if (sharded_grads_)
+    plan += str_cat(", gradients ", mib(sharded_grads_->local_bytes()),
+                    " (outside the decoder layers, and 2 layer slots) + ",
+                    mib(sharded_grads_->shard_bytes()),
+                    " (this rank's shard of the sums and one bucket's exchange scratch)");
+  else
+    plan += str_cat(", gradients ", mib(m.grads().arena.capacity()), " x ", n_replicas_);
+  plan += str_cat(", AdamW moments ", mib(opt_->state_bytes()), ", activations ",
+                  mib(m.activation_bytes()), " (train.recompute ", r.train.recompute,
+                  ") and workspace ", mib(m.arena_bytes() - m.activation_bytes()), " x ",
+                  replicas_.size(),
+                  pipelined() ? " (this stage's parts, per micro-batch in flight)" : "");
   if (opt_->shards() > 1)
     plan +=
         str_cat("; the AdamW moments are this rank's 1/", opt_->shards(),
-                pipelined() ? " of its stage's" : "",
-                " (parallel.sharding=optimizer), exchange scratch ", mib(opt_->exchange_bytes()));
+                pipelined() ? " of its stage's" : "", " (parallel.sharding=", r.parallel.sharding,
+                "), exchange scratch ", mib(opt_->exchange_bytes()));
   else if (r.optimizer.distributed && pipelined())
     plan +=
         "; optimizer.distributed has no replicas to shard a stage's moments over "

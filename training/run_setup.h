@@ -20,6 +20,7 @@
 #include "training/data_parallel.h"
 #include "training/optimizer.h"
 #include "training/recipe.h"
+#include "training/sharded_gradients.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -80,6 +81,8 @@ class RankTraining {
   bool pipelined() const { return stages_.size() > 1; }
   // parallel.sharding=optimizer (optimizer.distributed) with replicas to shard over.
   bool sharded() const { return sharded_; }
+  // parallel.sharding=optimizer_grads as well: the gradients are sharded too.
+  bool gradients_sharded() const { return sharded_grads_ != nullptr; }
   int micro_batch_threads() const { return n_replicas_; }
   int64_t parameters() const { return n_params_; }
   const ModelConfig& config() const { return cfg_; }
@@ -141,6 +144,8 @@ class RankTraining {
   ModelWeights* weights_ = nullptr;
   ModelWeights* master_weights_ = nullptr;   // null: sharded, the optimizer keeps them
   ModelWeights* written_through_ = nullptr;  // the copy the optimizer writes through to, if any
+  // parallel.sharding=optimizer_grads: the gradients the models write, and their shard.
+  std::unique_ptr<ShardedGradients> sharded_grads_;
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas_;
   std::unique_ptr<GraphApi> graph_api_;
   // The graphs go before the API that destroys them, also when the set-up fails half way.

@@ -923,6 +923,19 @@ void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool ba
 }
 
 void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
+  run_prepared_micro_batch(backward, loss_out);
+  if (backward && layer_gradients_) layer_gradients_(-1, false);
+}
+
+void TrainableQwen3VL::layer_gradients(int layer, bool begin) {
+  if (!layer_gradients_) return;
+  IRIS_CHECK(graph_bodies_ == 0,
+             "gradient sharding sums each decoder layer's gradients between graphs; it cannot run "
+             "inside a full_iteration graph");
+  layer_gradients_(layer, begin);
+}
+
+void TrainableQwen3VL::run_prepared_micro_batch(bool backward, const Tensor& loss_out) {
   const bool lm = trains_lm_;
   const bool vision_grads = S_ > 0 && (trains_tower_ || trains_merger_);
   backward = backward && n_label_real_ > 0 && (lm || vision_grads);
@@ -1706,6 +1719,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       const TextConfig& t = m.cfg_.text;
       const DecoderLayerWeights& w = m.params_.text.layers[l];
       DecoderLayerWeights* gl = lm_ ? &m.grads_->text.layers[l] : nullptr;
+      if (lm_) m.layer_gradients(l, true);
       const DecoderLayerBuffers b = m.text_layer(l);
       const DecoderAttention at = m.text_attention();
       const DecoderGradScratch scratch = scratch_;
@@ -1769,6 +1783,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
         m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
       }
       each_tensor(m.grads_->text.layers[l], [&m](const Tensor& x) { m.gradient_final(x); });
+      if (lm_) m.layer_gradients(l, false);
     }
     // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
     // tower, not to the pad token's embedding row.
