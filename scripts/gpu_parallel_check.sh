@@ -8,6 +8,10 @@
 #                            (parallel.overlap_grad_reduce=false) and against dp2's one bucket:
 #                            bit-identical; the summary row says how many started early
 #   zero1 dp2 vs dp2         optimizer.distributed=true against the unsharded dp2 run
+#   zero2 dp2                parallel.sharding=optimizer_grads: with one micro-batch per rank
+#                            (global batch 2) against the unsharded dp2 run of that batch, eager
+#                            and with graphs (bit-identical), and with the recipe's batch against
+#                            zero1 (close: the layers' sums add micro-batch after micro-batch)
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
 #   pp2 x dp2 vs 1 GPU       4 GPUs only; also with optimizer.distributed (each stage's state
@@ -31,7 +35,7 @@
 # Results go to $OUT (or out/): one log and metrics file per run, summary.txt. Carry .deps
 # (scripts/fetch_gpu_deps.sh) and tests/data/qwen3vl-tiny/tokenizer.json.
 # Knobs: STEPS (20), TOL (1e-2), CASE_TIMEOUT (300 s per run), STALL_TIMEOUT (30 s:
-# parallel.timeout_seconds of the stall and kill cases), SKIP_BUILD=1 (use build-gpu as it is), ONLY=stall.
+# parallel.timeout_seconds of the stall and kill cases), SKIP_BUILD=1 (use build-gpu as it is), ONLY=stall or ONLY=zero2.
 source "$(dirname "$0")/gpu_env.sh"
 set -u
 steps=${STEPS:-20}
@@ -138,6 +142,27 @@ print(row.format(name, result, expect, f"{rel:.3e}", "yes" if ident else "no",
 EOF
 }
 row() { printf '%-30s %-6s %-6s %-10s %-9s %-8s %s\n' "$1" "$2" - - - - "$3" >>"$summary"; }
+# ONLY=zero2: just the gradient-sharding cases.
+zero2_cases() {
+  local one=(parallel.data_parallel_size=2 train.micro_batch_size=1 train.global_batch_size=2
+    parallel.grad_bucket_elements=65536)
+  run dp2_one 2 "${one[@]}"
+  run zero2_dp2_one 2 "${one[@]}" parallel.sharding=optimizer_grads
+  run dp2_one_graphs 2 "${one[@]}" "${graphs[@]}"
+  run zero2_dp2_one_graphs 2 "${one[@]}" parallel.sharding=optimizer_grads "${graphs[@]}"
+  run zero1_dp2_recipe 2 parallel.data_parallel_size=2 parallel.sharding=optimizer
+  run zero2_dp2_recipe 2 parallel.data_parallel_size=2 parallel.sharding=optimizer_grads
+  compare "zero2 vs dp2, 1 micro/rank" zero2_dp2_one dp2_one yes exact
+  compare "zero2 vs dp2, graphs" zero2_dp2_one_graphs dp2_one_graphs yes exact
+  compare "zero2 graphs vs zero2 eager" zero2_dp2_one_graphs zero2_dp2_one yes exact
+  compare "zero2 vs zero1, recipe batch" zero2_dp2_recipe zero1_dp2_recipe yes
+}
+if [ "${ONLY:-}" = zero2 ]; then
+  [ "$ngpu" -ge 2 ] && zero2_cases
+  echo "== summary (max_rel: largest |a - b| / |b| over the logged losses; TOL $tol)"
+  cat "$summary"
+  exit 0
+fi
 # ONLY=stall: just the stall and kill cases (a fix of the watchdog, without the rest).
 if [ "${ONLY:-}" != stall ]; then
 if [ $nccl_rc -eq 0 ] && ! grep -q SKIPPED "$out/training_nccl_test.txt"; then
@@ -159,6 +184,7 @@ if [ "$ngpu" -ge 2 ]; then
   run gpu1_graphs 1 "${graphs[@]}"
   run dp2_graphs 2 parallel.data_parallel_size=2 parallel.grad_bucket_elements=65536 "${graphs[@]}"
   run pp2_graphs 2 parallel.pipeline_parallel_size=2 "parallel.pipeline_layers=[1,3]" "${graphs[@]}"
+  zero2_cases
   compare "dp2 vs 1 GPU" dp2 gpu1 no
   compare "zero1 dp2 vs dp2" zero1_dp2 dp2 yes exact
   compare "dp2 overlap vs after bwd" dp2_buckets dp2_after yes exact
