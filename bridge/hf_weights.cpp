@@ -230,6 +230,7 @@ std::unique_ptr<ModelWeights> allocate_weights_placed(
     IRIS_CHECK(at + placed.nbytes() <= capacity, "allocate_weights_placed: a tensor placed at ", at,
                " (", placed.nbytes(), " bytes) leaves the arena of ", capacity, " bytes");
     placed.data = static_cast<char*>(w->arena.base()) + at;
+    placed.device = backend.device();
     *t = placed;
   }
   if (w->tied_lm_head) w->text.lm_head = w->text.embed;
