@@ -140,6 +140,28 @@ TEST(MemoryPlan, DataParallelShardsTheMomentsAndMasterWeightsWithTheOptimizerSha
   EXPECT_GT(item(s, "communication").bytes, 0);
 }
 
+// Gradient sharding (parallel.sharding=optimizer_grads): a rank holds the gradients outside the
+// decoder layers, two layers' slots and its shard of the sums, plus one bucket's exchange
+// scratch.
+TEST(MemoryPlan, GradientShardingHoldsTwoLayerSlotsAndTheShard) {
+  const Counts c = count_parameters(tiny_recipe().model_config);
+  const Recipe r =
+      tiny_recipe({"parallel.data_parallel_size=4", "parallel.sharding=optimizer_grads",
+                   "parallel.grad_bucket_elements=1000"});
+  const TextConfig& t = r.model_config.text;
+  const int64_t H = t.hidden_size, hd = t.head_dim;
+  const int64_t q = int64_t(t.num_attention_heads) * hd, kv = int64_t(t.num_key_value_heads) * hd;
+  const int64_t layer = 2 * H + (q + 2 * kv) * H + 2 * hd + q * H + 3 * H * t.intermediate_size;
+  const MemoryPlan plan = plan_training_memory(r, r.model_config, true, 0);
+  const StageMemory& s = plan.per_stage[0];
+  const int64_t shard = c.all() / 4 + c.all() % 4;
+  EXPECT_EQ(item(s, "gradients").bytes,
+            (c.all() - t.num_hidden_layers * layer + 2 * layer + shard) * 4);
+  EXPECT_EQ(item(s, "AdamW moments").bytes, shard * 8);
+  EXPECT_EQ(item(s, "master weights").bytes, shard * 4);
+  EXPECT_EQ(item(s, "communication").bytes, 4 * (1000 / 4) * 4);
+}
+
 TEST(MemoryPlan, PipelineStagesHoldTheirOwnMomentsAndActivationsInFlight) {
   const Recipe r = tiny_recipe({"parallel.pipeline_parallel_size=2"});
   const Counts c = count_parameters(r.model_config);
