@@ -5,7 +5,8 @@
 // naming both; and a rank that fails ends every rank of the job with a non-zero status. The
 // sharded optimizer (parallel.sharding=optimizer, or optimizer.distributed) gives the unsharded run
 // bit for bit with half the moments per rank, and checkpoints resume under another data-parallel
-// size and sharding.
+// size and sharding; gradient sharding (parallel.sharding=optimizer_grads) too, with one
+// micro-batch per rank.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -316,6 +317,44 @@ TEST_F(AppParallelTrainTest, ResumesUnderAnotherDataParallelSizeBitForBit) {
     const Exit first = train(dir, c.first, 2);
     ASSERT_EQ(first.code, 0) << first.output;
     const Exit second = train(dir, c.second, 4);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+    const std::vector<double> got = losses(dir);
+    ASSERT_EQ(got.size(), 4u) << second.output;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "iteration " << i + 1;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_EQ(read_text_file((whole / "step_0000004" / file).string()),
+                read_text_file((dir / "step_0000004" / file).string()))
+          << file;
+  }
+}
+
+// Checkpoints of a gradient-sharded run are the ordinary ones: a run resumes into and out of
+// parallel.sharding=optimizer_grads (one micro-batch per rank) with the uninterrupted run's bits.
+TEST_F(AppParallelTrainTest, ResumesIntoAndOutOfGradientShardingBitForBit) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> fixed{"schedule.decay_iters=4", "checkpoint.save_interval=2",
+                                       "train.global_batch_size=2"};
+  auto train = [&](const fs::path& dir, bool sharded, int iters) {
+    std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                                  "train.train_iters=" + std::to_string(iters)};
+    args.insert(args.end(), fixed.begin(), fixed.end());
+    if (!sharded) return iris(args, "2");
+    args.push_back("parallel.data_parallel_size=2");
+    args.push_back("parallel.sharding=optimizer_grads");
+    return mpirun(2, args);
+  };
+  const fs::path whole = root_ / "whole";
+  const Exit u = train(whole, false, 4);
+  ASSERT_EQ(u.code, 0) << u.output;
+  const std::vector<double> want = losses(whole);
+  ASSERT_EQ(want.size(), 4u);
+  for (const bool sharded_first : {true, false}) {
+    SCOPED_TRACE(sharded_first ? "optimizer_grads dp2 -> one process" : "one process -> dp2");
+    const fs::path dir = root_ / (sharded_first ? "from_sharded" : "to_sharded");
+    const Exit first = train(dir, sharded_first, 2);
+    ASSERT_EQ(first.code, 0) << first.output;
+    const Exit second = train(dir, !sharded_first, 4);
     ASSERT_EQ(second.code, 0) << second.output;
     EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
     const std::vector<double> got = losses(dir);
