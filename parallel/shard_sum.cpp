@@ -21,7 +21,8 @@ ShardSum::ShardSum(Backend& be, Communicator& comm, int64_t n, int64_t bucket_el
   chunk_ = std::max<int64_t>(1, bucket_elements / world);
   auto plan = [&](Arena& a) {
     acc_ = a.alloc(DType::f32, {std::max<int64_t>(1, longest)});
-    scratch_ = a.alloc(DType::f32, {world * chunk_});
+    // A rank's piece of a chunk lies in its shard.
+    scratch_ = a.alloc(DType::f32, {world * std::max<int64_t>(1, std::min(chunk_, longest))});
   };
   Arena planning;
   plan(planning);

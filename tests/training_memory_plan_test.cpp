@@ -232,6 +232,20 @@ TEST(MemoryPlan, ARunOverTheDeviceIsRefusedWithTheSettingsThatFit) {
   EXPECT_NE(more.find("with more GPUs: parallel.data_parallel_size=4 parallel.sharding=optimizer"),
             std::string::npos)
       << more;
+  // Data parallel with the moments sharded: sharding the gradients too is offered where it fits
+  // (a deeper model with a small vocabulary, whose layers outweigh its embedding).
+  ModelConfig deep = r.model_config;
+  deep.text.num_hidden_layers = 24;
+  deep.text.vocab_size = 512;
+  const Recipe zero1 = with({"parallel.data_parallel_size=4", "parallel.sharding=optimizer"});
+  const Recipe zero2 = with({"parallel.data_parallel_size=4", "parallel.sharding=optimizer_grads"});
+  const int64_t zero1_need = plan_training_memory(zero1, deep, true, 0).peak();
+  const int64_t zero2_need = plan_training_memory(zero2, deep, true, 0).peak();
+  ASSERT_LT(zero2_need, zero1_need);
+  const std::string grads =
+      memory_refusal(zero1, deep, plan_training_memory(zero1, deep, true, zero2_need));
+  EXPECT_NE(grads.find("any of these fits: parallel.sharding=optimizer_grads"), std::string::npos)
+      << grads;
   // The recipe key gives the device memory.
   const Recipe keyed = tiny_recipe({"train.device_memory_gib=80"});
   EXPECT_EQ(planned_device_bytes(keyed, 0), int64_t(80) << 30);

@@ -257,7 +257,9 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     }
     if (sharded_grads) {
       // ShardSum: one chunk's pieces from every rank.
-      comm += replicas * std::max<int64_t>(1, r.parallel.grad_bucket_elements / replicas) * 4;
+      // A rank's piece of a chunk lies in its shard.
+      const int64_t chunk = std::max<int64_t>(1, r.parallel.grad_bucket_elements / replicas);
+      comm += replicas * std::max<int64_t>(1, std::min(chunk, moment_elements)) * 4;
       comm_how = "gradient shards' exchange scratch of one bucket";
     } else if (sharded) {
       // ShardExchange: the reduce-scatter's receive pieces and, with more than one bucket, its
@@ -330,6 +332,17 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          if (x.optimizer.distributed || x.parallel.data_parallel_size < 2) return false;
          x.optimizer.distributed = true;
          x.parallel.sharding = "optimizer";
+         return true;
+       }},
+      {"parallel.sharding=optimizer_grads",
+       [](Recipe& x) {
+         // Gradient sharding runs without pipeline stages and full_iteration graphs only.
+         if (x.parallel.sharding == "optimizer_grads" || x.parallel.data_parallel_size < 2 ||
+             x.parallel.pipeline_parallel_size > 1 ||
+             x.cuda_graph.language.impl == GraphImpl::full_iteration)
+           return false;
+         x.optimizer.distributed = true;
+         x.parallel.sharding = "optimizer_grads";
          return true;
        }},
       {"train.micro_batch_size=1",
