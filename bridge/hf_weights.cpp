@@ -173,68 +173,73 @@ std::unique_ptr<ModelWeights> allocate_weights(Backend& backend, const ModelConf
   return allocate_weights(backend, cfg, dtype, {});
 }
 
-std::unique_ptr<ModelWeights> allocate_weights(
-    Backend& backend, const ModelConfig& cfg, DType dtype,
-    const std::function<bool(const std::string&)>& keep) {
+namespace {
+
+// Declares cfg's weights and places each tensor `keep` accepts: make_arena(bytes) makes the
+// arena for allocate_weights' layout of `bytes`, and place(offset) gives the byte offset in it of
+// the tensor at `offset` of that layout.
+std::unique_ptr<ModelWeights> lay_out_weights(const ModelConfig& cfg, DType dtype,
+                                              const std::function<bool(const std::string&)>& keep,
+                                              Device device,
+                                              const std::function<Arena(size_t bytes)>& make_arena,
+                                              const std::function<size_t(size_t)>& place) {
   auto w = std::make_unique<ModelWeights>();
   Planner p;
   declare(cfg, *w, p);
   std::set<const Tensor*> kept;
   for (const WeightBinding& b : w->bindings)
     if (!keep || keep(b.hf_name)) kept.insert(b.target);
+  std::vector<std::pair<Tensor*, Tensor>> planned;  // target, its tensor at its layout offset
   Arena plan;
-  for (auto& [t, dims] : p.tensors)
-    if (kept.count(t)) plan.alloc(dtype, dims);
-  if (plan.used() > 0) w->arena = Arena(backend, plan.used());
-  for (auto& [t, dims] : p.tensors)
-    if (kept.count(t)) *t = w->arena.alloc(dtype, dims);
+  for (auto& [t, dims] : p.tensors) {
+    if (!kept.count(t)) continue;
+    const size_t offset = plan.used();
+    Tensor x = plan.alloc(dtype, dims);
+    x.data = reinterpret_cast<void*>(offset);
+    planned.push_back({t, x});
+  }
+  w->arena = make_arena(plan.used());
+  for (auto& [t, x] : planned) {
+    const size_t at = place(reinterpret_cast<size_t>(x.data));
+    IRIS_CHECK(at + x.nbytes() <= w->arena.capacity(), "weights: a tensor placed at ", at, " (",
+               x.nbytes(), " bytes) leaves the arena of ", w->arena.capacity(), " bytes");
+    x.data = static_cast<char*>(w->arena.base()) + at;
+    x.device = device;
+    *t = x;
+  }
   if (w->tied_lm_head) w->text.lm_head = w->text.embed;
   return w;
 }
 
+size_t same_place(size_t offset) {
+  return offset;
+}
+
+}  // namespace
+
+std::unique_ptr<ModelWeights> allocate_weights(
+    Backend& backend, const ModelConfig& cfg, DType dtype,
+    const std::function<bool(const std::string&)>& keep) {
+  return lay_out_weights(
+      cfg, dtype, keep, backend.device(),
+      [&backend](size_t bytes) { return bytes > 0 ? Arena(backend, bytes) : Arena(); }, same_place);
+}
+
 std::unique_ptr<ModelWeights> reserve_weights(Device device, const ModelConfig& cfg, DType dtype,
                                               const std::function<bool(const std::string&)>& keep) {
-  auto w = std::make_unique<ModelWeights>();
-  Planner p;
-  declare(cfg, *w, p);
-  std::set<const Tensor*> kept;
-  for (const WeightBinding& b : w->bindings)
-    if (!keep || keep(b.hf_name)) kept.insert(b.target);
-  Arena plan;
-  for (auto& [t, dims] : p.tensors)
-    if (kept.count(t)) plan.alloc(dtype, dims);
-  w->arena = Arena::addresses_only(device, plan.used());
-  for (auto& [t, dims] : p.tensors)
-    if (kept.count(t)) *t = w->arena.alloc(dtype, dims);
-  if (w->tied_lm_head) w->text.lm_head = w->text.embed;
-  return w;
+  return lay_out_weights(
+      cfg, dtype, keep, device,
+      [device](size_t bytes) { return Arena::addresses_only(device, bytes); }, same_place);
 }
 
 std::unique_ptr<ModelWeights> allocate_weights_placed(
     Backend& backend, const ModelConfig& cfg, DType dtype,
     const std::function<bool(const std::string&)>& keep, size_t capacity,
     const std::function<size_t(size_t offset)>& place) {
-  auto w = std::make_unique<ModelWeights>();
-  Planner p;
-  declare(cfg, *w, p);
-  std::set<const Tensor*> kept;
-  for (const WeightBinding& b : w->bindings)
-    if (!keep || keep(b.hf_name)) kept.insert(b.target);
-  if (capacity > 0) w->arena = Arena(backend, capacity);
-  Arena plan;
-  for (auto& [t, dims] : p.tensors) {
-    if (!kept.count(t)) continue;
-    const size_t offset = plan.used();
-    Tensor placed = plan.alloc(dtype, dims);
-    const size_t at = place(offset);
-    IRIS_CHECK(at + placed.nbytes() <= capacity, "allocate_weights_placed: a tensor placed at ", at,
-               " (", placed.nbytes(), " bytes) leaves the arena of ", capacity, " bytes");
-    placed.data = static_cast<char*>(w->arena.base()) + at;
-    placed.device = backend.device();
-    *t = placed;
-  }
-  if (w->tied_lm_head) w->text.lm_head = w->text.embed;
-  return w;
+  return lay_out_weights(
+      cfg, dtype, keep, backend.device(),
+      [&backend, capacity](size_t) { return capacity > 0 ? Arena(backend, capacity) : Arena(); },
+      place);
 }
 
 std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& cfg,
