@@ -171,12 +171,11 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     if (sharded_grads) {
       // training/sharded_gradients.h: the tensors outside the decoder layers whole, two layers'
       // slots and this rank's shard of the sums.
-      static const std::string kLayers = "model.language_model.layers.";
       std::vector<int64_t> per_layer(static_cast<size_t>(cfg.text.num_hidden_layers), 0);
       int64_t layers = 0;
       for (const ParamSpec& p : specs.all())
-        if (p.trainable && p.hf_name.compare(0, kLayers.size(), kLayers) == 0) {
-          per_layer[static_cast<size_t>(std::stoi(p.hf_name.substr(kLayers.size())))] += p.numel();
+        if (const int l = decoder_layer(p.hf_name); p.trainable && l >= 0) {
+          per_layer[static_cast<size_t>(l)] += p.numel();
           layers += p.numel();
         }
       const int64_t slot = *std::max_element(per_layer.begin(), per_layer.end());

@@ -1,24 +1,17 @@
 #include "training/sharded_gradients.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <string>
 
 #include "core/error.h"
+#include "training/train_model.h"
 
 namespace iris {
 
 namespace {
 
 constexpr int kSlots = 2;
-
-// The decoder layer an HF name belongs to, or -1.
-int decoder_layer(const std::string& name) {
-  static const std::string kLayers = "model.language_model.layers.";
-  if (name.compare(0, kLayers.size(), kLayers) != 0) return -1;
-  return std::stoi(name.substr(kLayers.size()));
-}
 
 int64_t elements_at(const ModelWeights& w, const Tensor& t) {
   return (static_cast<const char*>(t.data) - static_cast<const char*>(w.arena.base())) /

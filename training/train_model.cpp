@@ -84,13 +84,15 @@ ModelPart model_part(const std::string& name) {
             "model.language_model.* or lm_head.*)");
 }
 
+int decoder_layer(const std::string& name) {
+  static const std::string kLayers = "model.language_model.layers.";
+  if (!starts_with(name, kLayers.c_str())) return -1;
+  return std::stoi(name.substr(kLayers.size()));
+}
+
 bool stage_holds(const PipelineStage& st, bool tied_embeddings, const std::string& name) {
   if (model_part(name) != ModelPart::language_model) return st.has_vision;
-  static const std::string kLayers = "model.language_model.layers.";
-  if (starts_with(name, kLayers.c_str())) {
-    const int l = std::stoi(name.substr(kLayers.size()));
-    return l >= st.first_layer && l < st.end_layer;
-  }
+  if (const int l = decoder_layer(name); l >= 0) return l >= st.first_layer && l < st.end_layer;
   if (starts_with(name, "model.language_model.embed_tokens."))
     return st.has_embed() || (st.has_head && tied_embeddings);
   // The final norm and lm_head.

@@ -70,6 +70,8 @@ enum class ModelPart { vision_tower, merger, language_model };
 
 // The part the HF tensor `hf_name` belongs to (unknown names are an error).
 ModelPart model_part(const std::string& hf_name);
+// The decoder layer the HF tensor `hf_name` belongs to (model.language_model.layers.N.*), or -1.
+int decoder_layer(const std::string& hf_name);
 
 // Whether pipeline stage `stage` computes (and so updates) the HF tensor `hf_name`: its decoder
 // layers, the vision encoder, mergers and embedding on stage 0, the final norm and lm_head on the
