@@ -5,8 +5,8 @@
 // naming both; and a rank that fails ends every rank of the job with a non-zero status. The
 // sharded optimizer (parallel.sharding=optimizer, or optimizer.distributed) gives the unsharded run
 // bit for bit with half the moments per rank, and checkpoints resume under another data-parallel
-// size and sharding; gradient sharding (parallel.sharding=optimizer_grads) too, with one
-// micro-batch per rank.
+// size and sharding; sharding by layer (parallel.sharding=optimizer_grads and
+// optimizer_grads_params) too, with one micro-batch per rank.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -164,15 +164,16 @@ TEST_F(AppParallelTrainTest, ShardedOptimizerGivesTheUnshardedRunBitForBitWithAF
 // Gradient sharding (parallel.sharding=optimizer_grads, training/sharded_gradients.h): with one
 // micro-batch per rank, data parallel 2 and 4 give the unsharded run's losses, weights and
 // optimizer state bit for bit, while each rank holds the tensors outside the decoder layers, two
-// layers' slots and its shard of the sums instead of every gradient. With two micro-batches per
-// rank the layers' sums are added micro-batch after micro-batch (the unsharded run adds each
-// rank's first), which changes f32 roundings only.
-TEST_F(AppParallelTrainTest,
-       GradientShardingGivesTheUnshardedRunBitForBitWithOneMicroBatchPerRank) {
+// layers' slots and its shard of the sums instead of every gradient; weight sharding too
+// (optimizer_grads_params, training/sharded_weights.h), each rank holding two layers' weights
+// and its shard of them instead of every layer's. With two micro-batches per rank the layers'
+// sums are added micro-batch after micro-batch (the unsharded run adds each rank's first), which
+// changes f32 roundings only, and weight sharding gives gradient sharding's bits.
+TEST_F(AppParallelTrainTest, ShardingByLayerGivesTheUnshardedRunBitForBitWithOneMicroBatchPerRank) {
   const std::string recipe = write_recipe();
-  auto gradients_mib = [](const std::string& out) {
-    const size_t at = out.find(", gradients ");
-    return at == std::string::npos ? -1 : std::stoi(out.substr(at + 12));
+  auto mib_after = [](const std::string& out, const std::string& what) {
+    const size_t at = out.find(what);
+    return at == std::string::npos ? -1 : std::stoi(out.substr(at + what.size()));
   };
   for (const int np : {2, 4}) {
     SCOPED_TRACE("mpirun -np " + std::to_string(np));
@@ -188,22 +189,31 @@ TEST_F(AppParallelTrainTest,
       a.insert(a.end(), extra.begin(), extra.end());
       return a;
     };
-    const fs::path plain = root_ / ("plain_" + std::to_string(np)),
-                   sharded = root_ / ("grads_" + std::to_string(np));
+    const fs::path plain = root_ / ("plain_" + std::to_string(np));
     const Exit a = mpirun(np, with({"checkpoint.dir=" + plain.string()}));
     ASSERT_EQ(a.code, 0) << a.output;
-    const Exit b = mpirun(
-        np, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=optimizer_grads"}));
-    ASSERT_EQ(b.code, 0) << b.output;
-    expect_same_three_steps(plain, sharded, b.output, /*with_optimizer=*/true);
-    EXPECT_NE(b.output.find("(this rank's shard of the sums"), std::string::npos) << b.output;
-    const int whole = gradients_mib(a.output), held = gradients_mib(b.output);
-    EXPECT_GT(whole, 0) << a.output;
-    EXPECT_GE(held, 0) << b.output;
-    EXPECT_LT(held, whole) << b.output;
+    for (const std::string mode : {"optimizer_grads", "optimizer_grads_params"}) {
+      SCOPED_TRACE(mode);
+      const fs::path sharded = root_ / (mode + "_" + std::to_string(np));
+      const Exit b =
+          mpirun(np, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=" + mode}));
+      ASSERT_EQ(b.code, 0) << b.output;
+      expect_same_three_steps(plain, sharded, b.output, /*with_optimizer=*/true);
+      EXPECT_NE(b.output.find("(this rank's shard of the sums"), std::string::npos) << b.output;
+      const int whole = mib_after(a.output, ", gradients "),
+                held = mib_after(b.output, ", gradients ");
+      EXPECT_GT(whole, 0) << a.output;
+      EXPECT_GE(held, 0) << b.output;
+      EXPECT_LT(held, whole) << b.output;
+      if (mode == "optimizer_grads_params") {
+        EXPECT_NE(b.output.find("(this rank's shard of the layers)"), std::string::npos)
+            << b.output;
+        EXPECT_LT(mib_after(b.output, ": weights "), mib_after(a.output, ": weights ")) << b.output;
+      }
+    }
   }
-  // Two micro-batches per rank: the same run up to f32 rounding.
-  const fs::path plain = root_ / "plain_two", sharded = root_ / "grads_two";
+  // Two micro-batches per rank: the same run up to f32 rounding, and weight sharding gives
+  // gradient sharding's bits.
   const std::vector<std::string> common{"train", "--recipe", recipe,
                                         "parallel.data_parallel_size=2"};
   auto with = [&](std::vector<std::string> extra) {
@@ -211,16 +221,53 @@ TEST_F(AppParallelTrainTest,
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
+  const fs::path plain = root_ / "plain_two";
   const Exit a = mpirun(2, with({"checkpoint.dir=" + plain.string()}));
   ASSERT_EQ(a.code, 0) << a.output;
-  const Exit b =
-      mpirun(2, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=optimizer_grads"}));
-  ASSERT_EQ(b.code, 0) << b.output;
-  const std::vector<double> la = losses(plain), lb = losses(sharded);
+  const std::vector<double> la = losses(plain);
   ASSERT_EQ(la.size(), 3u);
-  ASSERT_EQ(lb.size(), la.size()) << b.output;
-  EXPECT_EQ(la[0], lb[0]);  // the first step's loss comes before any update
-  for (size_t i = 1; i < la.size(); ++i) EXPECT_NEAR(la[i], lb[i], 1e-5 * std::abs(la[i]));
+  for (const std::string mode : {"optimizer_grads", "optimizer_grads_params"}) {
+    SCOPED_TRACE(mode);
+    const fs::path sharded = root_ / (mode + "_two");
+    const Exit b =
+        mpirun(2, with({"checkpoint.dir=" + sharded.string(), "parallel.sharding=" + mode}));
+    ASSERT_EQ(b.code, 0) << b.output;
+    const std::vector<double> lb = losses(sharded);
+    ASSERT_EQ(lb.size(), la.size()) << b.output;
+    EXPECT_EQ(la[0], lb[0]);  // the first step's loss comes before any update
+    for (size_t i = 1; i < la.size(); ++i) EXPECT_NEAR(la[i], lb[i], 1e-5 * std::abs(la[i]));
+  }
+  expect_same_three_steps(root_ / "optimizer_grads_two", root_ / "optimizer_grads_params_two", "",
+                          /*with_optimizer=*/true);
+}
+
+// Weight sharding with per-layer decoder graphs and vision graphs (through the recording stand-in
+// on the CPU): each layer's graphs are captured against its slot and replayed while the layers
+// take turns in it, with eager's losses and checkpoints bit for bit (Megatron-LM PR #4232's test:
+// the loss difference is zero).
+TEST_F(AppParallelTrainTest, WeightShardingWithLayerGraphsGivesEagerBitForBit) {
+  const std::string recipe = write_recipe();
+  const std::vector<std::string> common{"train",
+                                        "--recipe",
+                                        recipe,
+                                        "parallel.data_parallel_size=2",
+                                        "train.global_batch_size=2",
+                                        "parallel.sharding=optimizer_grads_params"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const fs::path eager = root_ / "eager", graphs = root_ / "graphs";
+  const Exit a = mpirun(2, with({"checkpoint.dir=" + eager.string()}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  const Exit b = mpirun(
+      2, with({"checkpoint.dir=" + graphs.string(), "cuda_graph.cuda_graph_impl=local",
+               "cuda_graph.vision_cuda_graph_impl=local", "cuda_graph.cuda_graph_warmup_steps=1"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_NE(b.output.find("graphs: decoder local, vision local"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find(" captured in "), std::string::npos) << b.output;
+  expect_same_three_steps(eager, graphs, b.output, /*with_optimizer=*/true);
 }
 
 // Frozen parts hold no optimizer state (training/param_spec.h): the sharded optimizer shards the
@@ -327,32 +374,41 @@ TEST_F(AppParallelTrainTest, ResumesUnderAnotherDataParallelSizeBitForBit) {
   }
 }
 
-// Checkpoints of a gradient-sharded run are the ordinary ones: a run resumes into and out of
-// parallel.sharding=optimizer_grads (one micro-batch per rank) with the uninterrupted run's bits.
-TEST_F(AppParallelTrainTest, ResumesIntoAndOutOfGradientShardingBitForBit) {
+// Checkpoints of a run sharded by layer are the ordinary ones: a run resumes into and out of
+// parallel.sharding=optimizer_grads and optimizer_grads_params (one micro-batch per rank), and
+// from one into the other, with the uninterrupted run's bits.
+TEST_F(AppParallelTrainTest, ResumesIntoAndOutOfShardingByLayerBitForBit) {
   const std::string recipe = write_recipe();
   const std::vector<std::string> fixed{"schedule.decay_iters=4", "checkpoint.save_interval=2",
                                        "train.global_batch_size=2"};
-  auto train = [&](const fs::path& dir, bool sharded, int iters) {
+  auto train = [&](const fs::path& dir, const std::string& mode, int iters) {
     std::vector<std::string> args{"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
                                   "train.train_iters=" + std::to_string(iters)};
     args.insert(args.end(), fixed.begin(), fixed.end());
-    if (!sharded) return iris(args, "2");
+    if (mode.empty()) return iris(args, "2");
     args.push_back("parallel.data_parallel_size=2");
-    args.push_back("parallel.sharding=optimizer_grads");
+    args.push_back("parallel.sharding=" + mode);
     return mpirun(2, args);
   };
   const fs::path whole = root_ / "whole";
-  const Exit u = train(whole, false, 4);
+  const Exit u = train(whole, "", 4);
   ASSERT_EQ(u.code, 0) << u.output;
   const std::vector<double> want = losses(whole);
   ASSERT_EQ(want.size(), 4u);
-  for (const bool sharded_first : {true, false}) {
-    SCOPED_TRACE(sharded_first ? "optimizer_grads dp2 -> one process" : "one process -> dp2");
-    const fs::path dir = root_ / (sharded_first ? "from_sharded" : "to_sharded");
-    const Exit first = train(dir, sharded_first, 2);
+  // Into and out of each mode, and from one mode into the other.
+  const std::vector<std::pair<std::string, std::string>> legs{
+      {"optimizer_grads", ""},
+      {"", "optimizer_grads"},
+      {"optimizer_grads_params", ""},
+      {"", "optimizer_grads_params"},
+      {"optimizer_grads", "optimizer_grads_params"}};
+  for (const auto& [first_mode, second_mode] : legs) {
+    auto name = [](const std::string& m) { return m.empty() ? std::string("one") : m; };
+    SCOPED_TRACE(name(first_mode) + " -> " + name(second_mode));
+    const fs::path dir = root_ / (name(first_mode) + "_to_" + name(second_mode));
+    const Exit first = train(dir, first_mode, 2);
     ASSERT_EQ(first.code, 0) << first.output;
-    const Exit second = train(dir, !sharded_first, 4);
+    const Exit second = train(dir, second_mode, 4);
     ASSERT_EQ(second.code, 0) << second.output;
     expect_resumed_as_whole(whole, dir, second.output);
   }

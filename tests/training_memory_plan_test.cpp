@@ -4,6 +4,7 @@
 // make a run fit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,30 @@ TEST(MemoryPlan, GradientShardingHoldsTwoLayerSlotsAndTheShard) {
   EXPECT_EQ(item(s, "AdamW moments").bytes, shard * 8);
   EXPECT_EQ(item(s, "master weights").bytes, shard * 4);
   EXPECT_EQ(item(s, "communication").bytes, 4 * (1000 / 4) * 4);
+}
+
+// Weight sharding (training/sharded_weights.h): the bf16 weights outside the decoder layers, two
+// layers' slots and the rank's part of the layers, the largest of any rank's: at least a quarter
+// of the layers and at most its shard of the optimizer's.
+TEST(MemoryPlan, WeightShardingHoldsTwoLayerSlotsAndItsPartOfTheLayers) {
+  const Counts c = count_parameters(tiny_recipe().model_config);
+  const Recipe r =
+      tiny_recipe({"parallel.data_parallel_size=4", "parallel.sharding=optimizer_grads_params"});
+  const TextConfig& t = r.model_config.text;
+  const int64_t H = t.hidden_size, hd = t.head_dim;
+  const int64_t q = int64_t(t.num_attention_heads) * hd, kv = int64_t(t.num_key_value_heads) * hd;
+  const int64_t layer = 2 * H + (q + 2 * kv) * H + 2 * hd + q * H + 3 * H * t.intermediate_size;
+  const int64_t layers = t.num_hidden_layers * layer;
+  const MemoryPlan plan = plan_training_memory(r, r.model_config, true, 0);
+  const StageMemory& s = plan.per_stage[0];
+  const int64_t shard = c.all() / 4 + c.all() % 4;
+  const int64_t weights = item(s, "weights").bytes, fixed = (c.all() - layers + 2 * layer) * 2;
+  EXPECT_GE(weights, fixed + (layers + 3) / 4 * 2);
+  EXPECT_LE(weights, fixed + std::min(layers, shard) * 2);
+  EXPECT_NE(item(s, "weights").how.find("this rank's shard of the layers"), std::string::npos);
+  // The gradients are sharded as with optimizer_grads.
+  EXPECT_EQ(item(s, "gradients").bytes, (c.all() - layers + 2 * layer + shard) * 4);
+  EXPECT_EQ(item(s, "AdamW moments").bytes, shard * 8);
 }
 
 TEST(MemoryPlan, PipelineStagesHoldTheirOwnMomentsAndActivationsInFlight) {

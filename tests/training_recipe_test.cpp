@@ -492,7 +492,7 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   EXPECT_TRUE(zero.optimizer.distributed);
   EXPECT_EQ(zero.parallel.sharding, "optimizer");
   EXPECT_EQ(zero.parallel.pipeline_parallel_size, 2);
-  // parallel.sharding is Megatron-FSDP's name for it; the stronger modes are refused, by name.
+  // parallel.sharding is Megatron-FSDP's name for it.
   const Recipe named = load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer"});
   EXPECT_TRUE(named.optimizer.distributed);
   EXPECT_FALSE(load_recipe_text(tiny_recipe(), "r.yaml", {}).optimizer.distributed);
@@ -500,23 +500,31 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
       load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads"});
   EXPECT_TRUE(grads.optimizer.distributed);
   EXPECT_EQ(grads.parallel.sharding, "optimizer_grads");
-  msg = error_of([] {
-    load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads_params"});
-  });
-  EXPECT_HAS(msg, "parallel.sharding=optimizer_grads_params");
-  EXPECT_HAS(msg, "use parallel.sharding=optimizer_grads");
-  // Gradient sharding sums each layer between the layers' graphs, on one stage.
-  msg = error_of([] {
-    load_recipe_text(tiny_recipe(), "r.yaml",
-                     {"parallel.sharding=optimizer_grads", "parallel.pipeline_parallel_size=2"});
-  });
-  EXPECT_HAS(msg, "does not run on pipeline stages yet; use parallel.sharding=optimizer");
-  msg = error_of([] {
-    load_recipe_text(
-        tiny_recipe(), "r.yaml",
-        {"parallel.sharding=optimizer_grads", "cuda_graph.cuda_graph_impl=full_iteration"});
-  });
-  EXPECT_HAS(msg, "use cuda_graph_impl=local (per-layer graphs)");
+  const Recipe params =
+      load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=optimizer_grads_params"});
+  EXPECT_TRUE(params.optimizer.distributed);
+  // Weight sharding shards the layers' trainable weights: frozen ones are refused, by name.
+  for (const char* freeze : {"train.freeze_language_model=true", "peft.type=lora"}) {
+    msg = error_of([freeze] {
+      load_recipe_text(tiny_recipe(), "r.yaml",
+                       {"parallel.sharding=optimizer_grads_params", freeze});
+    });
+    EXPECT_HAS(msg, std::string(freeze).substr(0, std::string(freeze).find('=')));
+    EXPECT_HAS(msg, "use parallel.sharding=optimizer_grads");
+  }
+  // Sharding by layer exchanges each layer between the layers' graphs, on one stage.
+  for (const char* mode :
+       {"parallel.sharding=optimizer_grads", "parallel.sharding=optimizer_grads_params"}) {
+    msg = error_of([mode] {
+      load_recipe_text(tiny_recipe(), "r.yaml", {mode, "parallel.pipeline_parallel_size=2"});
+    });
+    EXPECT_HAS(msg, "does not run on pipeline stages yet; use parallel.sharding=optimizer");
+    msg = error_of([mode] {
+      load_recipe_text(tiny_recipe(), "r.yaml",
+                       {mode, "cuda_graph.cuda_graph_impl=full_iteration"});
+    });
+    EXPECT_HAS(msg, "use cuda_graph_impl=local (per-layer graphs)");
+  }
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=zero3"}); });
   EXPECT_HAS(msg, "parallel.sharding");
   // Data parallelism is the launcher's business (checked when the run starts, against it).

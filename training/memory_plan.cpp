@@ -117,7 +117,21 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
   const ParamSpecs specs(cfg, frozen, compute);
   const int64_t all = specs.parameters(), trainable = specs.trainable_parameters();
   const bool sharded = r.optimizer.distributed && replicas > 1;
-  const bool sharded_grads = sharded && r.parallel.sharding == "optimizer_grads";
+  const bool sharded_weights = sharded && r.parallel.sharding == "optimizer_grads_params";
+  const bool sharded_grads =
+      sharded && (r.parallel.sharding == "optimizer_grads" || sharded_weights);
+  // The decoder layers' elements (trainable: gradient sharding slots those only; weight sharding
+  // refuses frozen ones), and the longest layer, which sizes a slot.
+  int64_t layer_elements = 0, slot_elements = 0;
+  {
+    std::vector<int64_t> per_layer(static_cast<size_t>(cfg.text.num_hidden_layers), 0);
+    for (const ParamSpec& p : specs.all())
+      if (const int l = decoder_layer(p.hf_name); p.trainable && l >= 0) {
+        per_layer[static_cast<size_t>(l)] += p.numel();
+        layer_elements += p.numel();
+      }
+    if (!per_layer.empty()) slot_elements = *std::max_element(per_layer.begin(), per_layer.end());
+  }
 
   TrainLimits limits = recipe_train_limits(r, on_gpu);
   const std::vector<PipelineStage> stages = recipe_pipeline_stages(r, cfg, limits);
@@ -148,10 +162,6 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     auto add = [&sm](std::string name, int64_t bytes, std::string how) {
       sm.items.push_back({std::move(name), bytes, std::move(how)});
     };
-    add("weights", all * weight_bytes,
-        str_cat(count(all), " parameters x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",
-                "); every frozen part keeps these and nothing else",
-                pipelined ? "; every stage holds the whole model's" : ""));
     // The moments: the trainable tensors from the stage's first to its last in the flat layout
     // (a pipeline stage's span), sharded over the replicas with optimizer.distributed; the last
     // rank's shard takes the remainder.
@@ -168,22 +178,44 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         if (all_specs[size_t(i)].trainable) span += all_specs[size_t(i)].numel();
     }
     const int64_t moment_elements = sharded ? span / replicas + span % replicas : span;
+    const int64_t layers = layer_elements, slot = slot_elements;
+    if (sharded_weights) {
+      // training/sharded_weights.h: the tensors outside the decoder layers whole, two layers'
+      // slots and this rank's shard of the layers (its part of the optimizer's shard).
+      // The optimizer's shards tile the trainable tensors in layout order; a rank keeps the
+      // layers' part of its own, and the largest such part is every rank's plan.
+      int64_t shard = 0;
+      for (int q = 0; q < replicas; ++q) {
+        const int64_t b = span / replicas * q, e = q + 1 == replicas ? span : b + span / replicas;
+        int64_t at = 0, in_layers = 0;
+        for (const ParamSpec& p : specs.all()) {
+          if (!p.trainable) continue;
+          if (decoder_layer(p.hf_name) >= 0)
+            in_layers += std::max<int64_t>(0, std::min(e, at + p.numel()) - std::max(b, at));
+          at += p.numel();
+        }
+        shard = std::max(shard, in_layers);
+      }
+      add("weights", (all - layers + 2 * slot + shard) * weight_bytes,
+          str_cat(count(all - layers), " outside the decoder layers + 2 layer slots of ",
+                  count(slot), " + this rank's shard of the layers ", count(shard), ", x ",
+                  weight_bytes, " B (", on_gpu ? "bf16" : "f32",
+                  "; parallel.sharding=optimizer_grads_params)"));
+    } else {
+      add("weights", all * weight_bytes,
+          str_cat(count(all), " parameters x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",
+                  "); every frozen part keeps these and nothing else",
+                  pipelined ? "; every stage holds the whole model's" : ""));
+    }
     if (sharded_grads) {
       // training/sharded_gradients.h: the tensors outside the decoder layers whole, two layers'
       // slots and this rank's shard of the sums.
-      std::vector<int64_t> per_layer(static_cast<size_t>(cfg.text.num_hidden_layers), 0);
-      int64_t layers = 0;
-      for (const ParamSpec& p : specs.all())
-        if (const int l = decoder_layer(p.hf_name); p.trainable && l >= 0) {
-          per_layer[static_cast<size_t>(l)] += p.numel();
-          layers += p.numel();
-        }
-      const int64_t slot = *std::max_element(per_layer.begin(), per_layer.end());
       const int64_t held = trainable - layers + 2 * slot + moment_elements;
       add("gradients", held * 4,
           str_cat(count(trainable - layers), " outside the decoder layers + 2 layer slots of ",
                   count(slot), " + this rank's 1/", replicas, " shard of the sums ",
-                  count(moment_elements), ", x 4 B (f32; parallel.sharding=optimizer_grads)"));
+                  count(moment_elements), ", x 4 B (f32; parallel.sharding=", r.parallel.sharding,
+                  ")"));
     } else {
       add("gradients", trainable * 4,
           str_cat(count(trainable), " trainable parameters x 4 B (f32)",
@@ -344,6 +376,18 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          x.parallel.sharding = "optimizer_grads";
          return true;
        }},
+      {"parallel.sharding=optimizer_grads_params",
+       [](Recipe& x) {
+         // Weight sharding also needs the layers' weights trainable.
+         if (x.parallel.sharding == "optimizer_grads_params" || x.parallel.data_parallel_size < 2 ||
+             x.parallel.pipeline_parallel_size > 1 ||
+             x.cuda_graph.language.impl == GraphImpl::full_iteration ||
+             x.train.freeze_language_model || x.peft.lora())
+           return false;
+         x.optimizer.distributed = true;
+         x.parallel.sharding = "optimizer_grads_params";
+         return true;
+       }},
       {"train.micro_batch_size=1",
        [](Recipe& x) {
          if (x.train.micro_batch_size == 1) return false;
@@ -396,8 +440,12 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
         // Gradient sharding runs without pipeline stages and full_iteration graphs only.
         const bool grads_too = r.parallel.pipeline_parallel_size == 1 &&
                                r.cuda_graph.language.impl != GraphImpl::full_iteration;
-        for (const char* sharding : {"optimizer", "optimizer_grads"}) {
-          if (!more_gpus.empty() || (!grads_too && std::string(sharding) == "optimizer_grads"))
+        const bool params_too =
+            grads_too && !base->train.freeze_language_model && !base->peft.lora();
+        for (const char* sharding : {"optimizer", "optimizer_grads", "optimizer_grads_params"}) {
+          const std::string mode = sharding;
+          if (!more_gpus.empty() || (!grads_too && mode == "optimizer_grads") ||
+              (!params_too && mode == "optimizer_grads_params"))
             continue;
           Recipe x = *base;
           x.parallel.data_parallel_size = n;

@@ -118,14 +118,19 @@ Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
 AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weights,
              ModelWeights& grads, const AdamWConfig& config, ModelWeights* working,
              Communicator* shard_over, int64_t bucket_elements, const StageTensors* pipeline,
-             ShardSum* grad_shard)
+             ShardSum* grad_shard, ShardedWeights* weight_shard)
     : be_(backend),
       config_(config),
       layout_(master_weights != nullptr ? *master_weights : grads),
       master_(master_weights),
       grads_(grads),
       working_(working),
-      grad_shard_(grad_shard) {
+      grad_shard_(grad_shard),
+      weight_shard_(weight_shard) {
+  IRIS_CHECK(weight_shard == nullptr || (shard_over != nullptr && pipeline == nullptr &&
+                                         working == &weight_shard->layout()),
+             "AdamW: sharded weights need a sharded optimizer without a pipeline, their layout "
+             "as the working weights");
   IRIS_CHECK(grad_shard == nullptr || (shard_over != nullptr && pipeline == nullptr),
              "AdamW: gradients summed into shards need a sharded optimizer without a pipeline");
   // Sharded, the optimizer keeps the master weights of its shard itself and writes the working
@@ -243,6 +248,15 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weig
     spans[3 * k + 1] = row.length;
     spans[3 * k + 2] =
         working ? offset_in(*working, working->bindings[i].tensor()) + into_tensor : 0;
+    if (weight_shard_ != nullptr) {
+      const ShardedWeights::Place p = weight_shard_->place(spans[3 * k + 2]);
+      spans[3 * k + 2] = p.offset;
+      const auto row = static_cast<int64_t>(k);
+      if (working_groups_.empty() || working_groups_.back().buffer != p.buffer)
+        working_groups_.push_back({row, row + 1, p.buffer});
+      else
+        working_groups_.back().end = row + 1;
+    }
   }
   be_.write(spans_, spans.data(), DType::i64);
   const std::vector<int64_t> zeros(static_cast<size_t>(nt), 0);
@@ -531,6 +545,10 @@ void AdamW::plan_working_gather() {
         q == world - 1 && whole ? nw : to_working(span_begin_ + ShardExchange::end(nm, world, q));
     working_ranges_.push_back({b, e});
   }
+  if (weight_shard_ != nullptr) {
+    weight_shard_->connect(*comm_, working_ranges_);
+    return;
+  }
   // Every rank's range to every other rank, in place, as one grouped exchange: the ranges differ
   // in length, which an all-gather cannot take, and the bytes moved are an all-gather's.
   const int me = comm_->rank();
@@ -544,6 +562,10 @@ void AdamW::plan_working_gather() {
 }
 
 void AdamW::gather_working() {
+  if (weight_shard_ != nullptr) {
+    weight_shard_->step_done();
+    return;
+  }
   if (!working_sends_.empty())
     comm_->exchange(working_sends_, working_recvs_, "the sharded optimizer's weight gather");
 }
@@ -639,8 +661,14 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
   }
   be_.copy(norm_history_.slice(unread_norms_, unread_norms_ + 1), grad_stats_.slice(0, 1));
   ++unread_norms_;
-  be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
-                 steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
+  if (weight_shard_ == nullptr)
+    be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
+                   steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
+  for (const WorkingGroup& g : working_groups_)
+    be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, weight_shard_->buffer(g.buffer),
+                   spans_.slice(g.begin, g.end), hyper_.slice(g.begin, g.end),
+                   steps_dev_.slice(g.begin, g.end), lr_, grad_stats_, config_.beta1, config_.beta2,
+                   config_.eps);
   // A skipped step (non-finite norm) changed no shard: the gather then hands back the same bits.
   if (comm_ != nullptr) gather_working();
   ++steps_;

@@ -16,6 +16,7 @@
 #include "parallel/communicator.h"
 #include "parallel/shard_exchange.h"
 #include "parallel/shard_sum.h"
+#include "training/sharded_weights.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -87,10 +88,15 @@ class AdamW {
   // which init_master() fills. grad_shard (sharded, no pipeline): the gradients arrive summed in
   // this rank's shard of them (parallel.sharding=optimizer_grads, training/sharded_gradients.h)
   // and `grads` is their layout only, which no rank holds whole; the step exchanges no gradients.
+  // weight_shard (sharded, no pipeline; parallel.sharding=optimizer_grads_params,
+  // training/sharded_weights.h): `working` is its layout, which no rank holds whole; the update
+  // writes each element of this rank's working range where weight_shard places it, and
+  // weight_shard gathers what the model reads.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
         Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
-        const StageTensors* pipeline = nullptr, ShardSum* grad_shard = nullptr);
+        const StageTensors* pipeline = nullptr, ShardSum* grad_shard = nullptr,
+        ShardedWeights* weight_shard = nullptr);
   ~AdamW();
 
   // Sharded master weights: every rank calls it with its f32 host copy of the whole model (the
@@ -220,6 +226,14 @@ class AdamW {
   std::vector<std::vector<int64_t>> norm_order_;
   std::unique_ptr<ShardExchange> exchange_;
   ShardSum* grad_shard_ = nullptr;
+  ShardedWeights* weight_shard_ = nullptr;
+  // With weight_shard_: the update's calls, each over rows [begin, end) of the tables, writing
+  // into weight_shard_->buffer(buffer).
+  struct WorkingGroup {
+    int64_t begin = 0, end = 0;
+    int buffer = 0;
+  };
+  std::vector<WorkingGroup> working_groups_;
   // Device memory of at least the longest shard, free between steps, through which init_master
   // and gather_state move shards: the gradients (or their shard's accumulator).
   Tensor staging_;

@@ -280,7 +280,8 @@ std::vector<Field> fields(Recipe& r) {
        "each rank keeps and updates 1/data_parallel_size of the AdamW moments and f32 master "
        "weights, the same losses as unsharded); optimizer_grads (ZeRO-2: also the f32 "
        "gradients, each decoder layer's summed into its owners' shards as the backward writes "
-       "it); optimizer_grads_params (ZeRO-3) is not available yet",
+       "it); optimizer_grads_params (ZeRO-3, FSDP: also the bf16 weights of the decoder "
+       "layers, each gathered into one of two slots before its forward and its backward)",
        {"none", "optimizer", "optimizer_grads", "optimizer_grads_params"}},
   };
 }
@@ -1118,15 +1119,17 @@ void validate(Recipe& r) {
   // optimizer.distributed is Megatron-LM's switch for what Megatron-FSDP calls optimizer
   // sharding: either key turns it on, and the resolved config shows both.
   if (r.optimizer.distributed && p.sharding == "none") p.sharding = "optimizer";
-  IRIS_CHECK(p.sharding != "optimizer_grads_params",
-             "recipe: parallel.sharding=optimizer_grads_params: sharding the weights is not "
-             "available yet; use parallel.sharding=optimizer_grads, which shards the AdamW "
-             "moments, the f32 master weights and the f32 gradients, or add data-parallel ranks");
-  IRIS_CHECK(p.sharding != "optimizer_grads" || p.pipeline_parallel_size == 1,
-             "recipe: parallel.sharding=optimizer_grads with parallel.pipeline_parallel_size=",
-             p.pipeline_parallel_size,
-             ": gradient sharding does not run on pipeline stages yet; use "
+  const bool by_layer = p.sharding == "optimizer_grads" || p.sharding == "optimizer_grads_params";
+  IRIS_CHECK(!by_layer || p.pipeline_parallel_size == 1, "recipe: parallel.sharding=", p.sharding,
+             " with parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
+             ": sharding by layer does not run on pipeline stages yet; use "
              "parallel.sharding=optimizer there");
+  IRIS_CHECK(p.sharding != "optimizer_grads_params" || (!t.freeze_language_model && !r.peft.lora()),
+             "recipe: parallel.sharding=optimizer_grads_params shards the decoder layers' "
+             "trainable weights, but ",
+             r.peft.lora() ? "peft.type=lora" : "train.freeze_language_model=true",
+             " freezes them (a frozen weight has no owner among the optimizer's shards); use "
+             "parallel.sharding=optimizer_grads");
   r.optimizer.distributed = p.sharding != "none";
   IRIS_CHECK(p.tensor_parallel_size == 1,
              "recipe: parallel.tensor_parallel_size=", p.tensor_parallel_size,
@@ -1351,12 +1354,13 @@ void validate(Recipe& r) {
              "cuda_graph.cuda_graph_impl local; with cuda_graph_impl ",
              cg.language.impl == GraphImpl::none ? "none" : "full_iteration",
              " it would do nothing: leave it empty or set cuda_graph_impl=local");
-  IRIS_CHECK(
-      r.parallel.sharding != "optimizer_grads" || cg.language.impl != GraphImpl::full_iteration,
-      "recipe: parallel.sharding=optimizer_grads sums each decoder layer's gradients "
-      "between the layers' graphs, which cuda_graph.cuda_graph_impl=full_iteration "
-      "captures as one; use cuda_graph_impl=local (per-layer graphs) or "
-      "parallel.sharding=optimizer");
+  IRIS_CHECK((r.parallel.sharding != "optimizer_grads" &&
+              r.parallel.sharding != "optimizer_grads_params") ||
+                 cg.language.impl != GraphImpl::full_iteration,
+             "recipe: parallel.sharding=", r.parallel.sharding,
+             " exchanges each decoder layer's gradients (and weights) between the layers' "
+             "graphs, which cuda_graph.cuda_graph_impl=full_iteration captures as one; use "
+             "cuda_graph_impl=local (per-layer graphs) or parallel.sharding=optimizer");
   IRIS_CHECK(cg.vision.modules.empty() || cg.vision.impl == VisionGraphImpl::local,
              "recipe: cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
              "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "

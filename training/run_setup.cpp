@@ -362,14 +362,26 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
   // shard them over.
   sharded_ = r.optimizer.distributed && dp.replicas() > 1;
   // ZeRO-2 (parallel.sharding=optimizer_grads): the models write the layers' gradients into two
-  // slots, and each rank keeps its shard of the sums (training/sharded_gradients.h).
-  if (sharded_ && r.parallel.sharding == "optimizer_grads") {
-    IRIS_CHECK(!pipelined(), "parallel.sharding=optimizer_grads does not run on pipeline stages");
-    sharded_grads_ = std::make_unique<ShardedGradients>(
-        compute(), cfg_, ParamSpecs(*params_, frozen_, compute().compute_dtype()));
+  // slots, and each rank keeps its shard of the sums (training/sharded_gradients.h). ZeRO-3
+  // (optimizer_grads_params) also reads the layers' weights from two slots, each rank keeping
+  // its shard of them (training/sharded_weights.h).
+  const bool shard_weights = sharded_ && r.parallel.sharding == "optimizer_grads_params";
+  if (sharded_ && (r.parallel.sharding == "optimizer_grads" || shard_weights)) {
+    IRIS_CHECK(!pipelined(), "parallel.sharding=", r.parallel.sharding,
+               " does not run on pipeline stages");
+    const ParamSpecs specs(*params_, frozen_, compute().compute_dtype());
+    sharded_grads_ = std::make_unique<ShardedGradients>(compute(), cfg_, specs);
+    if (shard_weights) sharded_weights_ = std::make_unique<ShardedWeights>(compute(), cfg_, specs);
   }
   ModelWeights* const shared_grads = sharded_grads_ ? &sharded_grads_->grads() : nullptr;
-  if (on_gpu()) {
+  if (sharded_weights_) {
+    // The optimizer fills the weights in connect(), once it has sharded them; on the GPU the host
+    // copy is released after that.
+    weights_ = &sharded_weights_->weights();
+    sharded_weights_->fill_whole(*params_);
+    replicas_.push_back(
+        std::make_unique<TrainableQwen3VL>(compute(), cfg_, *weights_, limits_, shared_grads));
+  } else if (on_gpu()) {
     if (!sharded_) {
       const ParamSpecs specs(*params_, frozen_, gpu_->compute_dtype());
       master_ = allocate_state(*gpu_, cfg_, specs);
@@ -470,23 +482,37 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
   }
   if (sharded_grads_) {
     sharded_grads_->connect(be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements);
+    // One hook for both, in one order on every rank: the gradients' sum, then the weights'
+    // gather, around each layer.
+    using Pass = TrainableQwen3VL::LayerPass;
     for (auto& m : replicas_)
-      m->on_layer_gradients([sg = sharded_grads_.get()](int layer, bool begin) {
-        if (layer < 0)
-          sg->micro_batch_done();
-        else
-          sg->layer(layer, begin);
+      m->on_layer([sg = sharded_grads_.get(), sw = sharded_weights_.get()](int layer, Pass pass,
+                                                                           bool begin) {
+        const bool backward = pass == Pass::backward;
+        if (layer < 0) {
+          if (sw == nullptr) {
+            sg->micro_batch_done();
+          } else {
+            sg->micro_batch_done([sw](int l, bool b) { sw->layer(l, true, b); });
+          }
+          return;
+        }
+        if (backward) sg->layer(layer, begin);
+        if (sw != nullptr) sw->layer(layer, backward, begin);
       });
   }
   opt_ = std::make_unique<AdamW>(
       be, cfg_, master_weights_, sharded_grads_ ? sharded_grads_->layout() : first.grads(),
-      adamw_config(r), written_through_, sharded_ ? dp.data_parallel_communicator() : nullptr,
-      int64_t(1) << 25, pipelined() ? &stage_tensors_ : nullptr,
-      sharded_grads_ ? &sharded_grads_->shard() : nullptr);
+      adamw_config(r), sharded_weights_ ? &sharded_weights_->layout() : written_through_,
+      sharded_ ? dp.data_parallel_communicator() : nullptr, int64_t(1) << 25,
+      pipelined() ? &stage_tensors_ : nullptr, sharded_grads_ ? &sharded_grads_->shard() : nullptr,
+      sharded_weights_.get());
+  if (sharded_weights_) sharded_weights_->fill_shards(*params_);
   if (sharded_) {
     opt_->init_master(*params_);
-    // On the CPU the host copy is the weights the model reads; on the GPU it has served.
-    if (on_gpu()) params_.reset();
+    // On the CPU the host copy is the weights the model reads (unless they are sharded); on the
+    // GPU it has served.
+    if (on_gpu() || sharded_weights_) params_.reset();
   }
   tied_across_ = pipelined() && cfg_.tie_word_embeddings &&
                  !frozen_.frozen("model.language_model.embed_tokens.weight") &&
@@ -532,6 +558,9 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   else if (opt_->master_bytes() > 0)
     plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
                     opt_->shards(), ")");
+  if (sharded_weights_)
+    plan += str_cat(" (outside the decoder layers, and 2 layer slots) + ",
+                    mib(sharded_weights_->shard_bytes()), " (this rank's shard of the layers)");
   if (sharded_grads_)
     plan += str_cat(", gradients ", mib(sharded_grads_->local_bytes()),
                     " (outside the decoder layers, and 2 layer slots) + ",

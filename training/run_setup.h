@@ -21,6 +21,7 @@
 #include "training/optimizer.h"
 #include "training/recipe.h"
 #include "training/sharded_gradients.h"
+#include "training/sharded_weights.h"
 #include "training/train_model.h"
 
 namespace iris {
@@ -146,6 +147,7 @@ class RankTraining {
   ModelWeights* written_through_ = nullptr;  // the copy the optimizer writes through to, if any
   // parallel.sharding=optimizer_grads: the gradients the models write, and their shard.
   std::unique_ptr<ShardedGradients> sharded_grads_;
+  std::unique_ptr<ShardedWeights> sharded_weights_;
   std::vector<std::unique_ptr<TrainableQwen3VL>> replicas_;
   std::unique_ptr<GraphApi> graph_api_;
   // The graphs go before the API that destroys them, also when the set-up fails half way.

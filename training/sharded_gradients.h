@@ -10,7 +10,7 @@
 // are 90% of the gradients, so a rank holds the other 10%, two layers and its 1/N shard instead
 // of all of them.
 //
-// Per micro-batch, around each layer's backward (TrainableQwen3VL::on_layer_gradients): before
+// Per micro-batch, around each layer's backward (TrainableQwen3VL::on_layer): before
 // it writes, the backend waits for the exchange that last read the slot (Communicator::
 // wait_point) and zeroes the slot; after it, the layer's range is summed into the owners'
 // shards while the backward goes on (on CUDA the exchanges run on the communicator's stream,
@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "bridge/model_config.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_sum.h"
+#include "training/layer_slots.h"
 #include "training/param_spec.h"
 
 namespace iris {
@@ -55,27 +57,25 @@ class ShardedGradients {
 
   // The model's hook: layer l's backward begins (it will write the slot) or has ended.
   void layer(int l, bool begin);
-  // After each training micro-batch's backward (or in its place).
-  void micro_batch_done();
+  // After each training micro-batch's backward (or in its place). The layers a skipped backward
+  // did not reach are summed as zeros, in the backward's order, each between around(l, true)
+  // and around(l, false) as a backward calls the hooks of everything else that runs by layer
+  // (sharded weights), so that every rank posts the same exchanges in the same order.
+  void micro_batch_done(const std::function<void(int layer, bool begin)>& around = {});
   // After the step's last micro-batch: sums the other tensors and orders the backend's later
   // work (the optimizer) after every exchange of the step.
   void step_done();
 
  private:
-  struct Layer {
-    int64_t begin = 0, end = 0;  // in the layout, elements
-    bool summed = false;         // in the current micro-batch
-  };
   Tensor slot_view(int l) const;
 
   Backend* be_ = nullptr;
   Communicator* comm_ = nullptr;
   std::unique_ptr<ModelWeights> layout_, grads_;
   int64_t n_ = 0;
-  // The layers' block [layers_begin_, layers_end_) of the layout, and each slot's elements.
-  int64_t layers_begin_ = 0, layers_end_ = 0, slot_ = 0;
-  std::vector<Layer> layers_;  // by layer index; begin == end: no trainable tensor
-  int micro_batches_ = 0;      // of this step, done
+  std::unique_ptr<LayerSlots> slots_;
+  std::vector<bool> summed_;  // by layer, in the current micro-batch
+  int micro_batches_ = 0;     // of this step, done
   std::unique_ptr<ShardSum> sum_;
 };
 

@@ -926,15 +926,15 @@ void TrainableQwen3VL::run(const std::vector<const TrainSample*>& batch, bool ba
 
 void TrainableQwen3VL::run_prepared(bool backward, const Tensor& loss_out) {
   run_prepared_micro_batch(backward, loss_out);
-  if (backward && layer_gradients_) layer_gradients_(-1, false);
+  if (backward && layer_hook_) layer_hook_(-1, LayerPass::backward, false);
 }
 
-void TrainableQwen3VL::layer_gradients(int layer, bool begin) {
-  if (!layer_gradients_) return;
+void TrainableQwen3VL::layer_event(int layer, LayerPass pass, bool begin) {
+  if (!layer_hook_) return;
   IRIS_CHECK(graph_bodies_ == 0,
-             "gradient sharding sums each decoder layer's gradients between graphs; it cannot run "
-             "inside a full_iteration graph");
-  layer_gradients_(layer, begin);
+             "sharding by layer gathers each decoder layer's weights and sums its gradients "
+             "between graphs; it cannot run inside a full_iteration graph");
+  layer_hook_(layer, pass, begin);
 }
 
 void TrainableQwen3VL::run_prepared_micro_batch(bool backward, const Tensor& loss_out) {
@@ -1542,6 +1542,11 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
                             false);
     }
     void layer(int l) override {
+      m_.layer_event(l, LayerPass::forward, true);
+      layer_body(l);
+      m_.layer_event(l, LayerPass::forward, false);
+    }
+    void layer_body(int l) {
       TrainableQwen3VL& m = m_;
       const TextConfig& t = m.cfg_.text;
       const DecoderLayerWeights& w = m.params_.text.layers[l];
@@ -1721,7 +1726,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       const TextConfig& t = m.cfg_.text;
       const DecoderLayerWeights& w = m.params_.text.layers[l];
       DecoderLayerWeights* gl = lm_ ? &m.grads_->text.layers[l] : nullptr;
-      if (lm_) m.layer_gradients(l, true);
+      if (lm_) m.layer_event(l, LayerPass::backward, true);
       const DecoderLayerBuffers b = m.text_layer(l);
       const DecoderAttention at = m.text_attention();
       const DecoderGradScratch scratch = scratch_;
@@ -1785,7 +1790,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
         m.maybe_graphed(halves_.attn, str_cat("layer ", l, " attn bwd", shape_), attention);
       }
       each_tensor(m.grads_->text.layers[l], [&m](const Tensor& x) { m.gradient_final(x); });
-      if (lm_) m.layer_gradients(l, false);
+      if (lm_) m.layer_event(l, LayerPass::backward, false);
     }
     // Image-pad rows were overwritten by the vision scatter: their gradient goes to the vision
     // tower, not to the pad token's embedding row.

@@ -264,12 +264,16 @@ class TrainableQwen3VL {
   // this step (a frozen part, no images) is still named where it would be. Empty: none.
   using GradientsFinal = std::function<void(const Tensor& grad)>;
   void on_gradients_final(GradientsFinal hook) { gradients_final_ = std::move(hook); }
-  // Gradient sharding (training/sharded_gradients.h): called with (l, true) before decoder layer
-  // l's backward writes its gradients and (l, false) once they are queued, in every micro-batch
-  // (outside any graph: refused with full_iteration graphs), and with (-1, false) after each
-  // training micro-batch, whether or not its backward ran. Empty: none.
-  using LayerGradients = std::function<void(int layer, bool begin)>;
-  void on_layer_gradients(LayerGradients hook) { layer_gradients_ = std::move(hook); }
+  // Sharding by layer (training/sharded_gradients.h, training/sharded_weights.h): called with
+  // (l, forward, true) before decoder layer l's forward reads its weights and (l, forward, false)
+  // once it is queued, in every forward (training and evaluation); with (l, backward, true)
+  // before layer l's backward reads its weights and writes its gradients and (l, backward,
+  // false) once it is queued, where the language model trains; and with (-1, backward, false)
+  // after each training micro-batch, whether or not its backward ran. Always outside any graph
+  // (refused with full_iteration graphs). Empty: none.
+  enum class LayerPass { forward, backward };
+  using LayerHook = std::function<void(int layer, LayerPass pass, bool begin)>;
+  void on_layer(LayerHook hook) { layer_hook_ = std::move(hook); }
 
   ModelWeights& grads() { return *grads_; }
   ModelWeights& params() { return params_; }
@@ -331,7 +335,7 @@ class TrainableQwen3VL {
   // The graphs or eager work of the micro-batch prepare() set up.
   void run_prepared(bool backward, const Tensor& loss_out);
   void run_prepared_micro_batch(bool backward, const Tensor& loss_out);
-  void layer_gradients(int layer, bool begin);
+  void layer_event(int layer, LayerPass pass, bool begin);
   // Replays the graph called `key`, or runs `body` (warm-up, or graphs off), or captures it.
   void graphed(const std::string& key, const std::function<void()>& body);
   // graphed(key, body) when `as_graph`, else body() (eagerly, or inside an enclosing capture).
@@ -404,7 +408,7 @@ class TrainableQwen3VL {
     int64_t memory_bytes = 0;
   };
   GradientsFinal gradients_final_;
-  LayerGradients layer_gradients_;
+  LayerHook layer_hook_;
   bool last_backward_ = false;  // the backward running is the step's last
   int graph_bodies_ = 0;        // graph bodies running (graphed() nests in captures)
   GraphApi* graph_api_ = nullptr;

@@ -1,0 +1,210 @@
+#include "training/sharded_weights.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "core/error.h"
+#include "training/train_model.h"
+
+namespace iris {
+
+namespace {
+
+// The communicator's points 0 and 1 are the gradient slots' (training/sharded_gradients.cpp).
+constexpr int kFirstPoint = 2;
+static_assert(kFirstPoint + LayerSlots::kSlots <= Communicator::kPoints);
+
+auto keep_all() {
+  return [](const std::string&) { return true; };
+}
+
+}  // namespace
+
+ShardedWeights::ShardedWeights(Backend& be, const ModelConfig& cfg, const ParamSpecs& specs)
+    : be_(&be), dtype_(be.compute_dtype()) {
+  for (const ParamSpec& p : specs.all())
+    IRIS_CHECK(p.trainable || decoder_layer(p.hf_name) < 0, "parallel.sharding=",
+               "optimizer_grads_params shards the decoder layers' trainable weights, but '",
+               p.hf_name,
+               "' is frozen (train.freeze_language_model or peft.type=lora): use "
+               "parallel.sharding=optimizer_grads");
+  const size_t element = dtype_size(dtype_);
+  layout_ = reserve_weights(be.device(), cfg, dtype_, keep_all());
+  slots_ = std::make_unique<LayerSlots>(*layout_, cfg.text.num_hidden_layers, element);
+  weights_ = allocate_weights_placed(
+      be, cfg, dtype_, keep_all(), static_cast<size_t>(slots_->local_elements()) * element,
+      [this, element](size_t offset) {
+        return static_cast<size_t>(slots_->local(static_cast<int64_t>(offset / element))) * element;
+      });
+}
+
+void ShardedWeights::connect(Communicator& comm, std::vector<std::pair<int64_t, int64_t>> ranges) {
+  IRIS_CHECK(comm.device() == be_->device() && static_cast<int>(ranges.size()) == comm.size(),
+             "sharded weights: one working range per rank of the communicator, on its device");
+  comm_ = &comm;
+  ranges_ = std::move(ranges);
+  const int me = comm.rank();
+  const int64_t lb = slots_->block_begin(), le = slots_->block_end();
+  auto shard_of = [&](int q) {
+    const int64_t b = std::clamp(ranges_[static_cast<size_t>(q)].first, lb, le);
+    return std::pair{b, std::clamp(ranges_[static_cast<size_t>(q)].second, b, le)};
+  };
+  std::tie(shard_begin_, shard_end_) = shard_of(me);
+  int64_t longest = 1;
+  for (int q = 0; q < comm.size(); ++q)
+    longest = std::max(longest, shard_of(q).second - shard_of(q).first);
+  Arena planning;
+  planning.alloc(dtype_, {longest});
+  shard_arena_ = Arena(*be_, planning.used());
+  staging_ = shard_arena_.alloc(dtype_, {longest});
+  // The alignment gaps between tensors are gathered too: zero, not whatever the memory held.
+  be_->fill_zero(staging_);
+  shard_ = staging_.slice(0, shard_end_ - shard_begin_);
+  // The whole tensors' pieces of every rank's range, before the layers and after them, in the
+  // weights the model reads.
+  const Tensor flat = buffer(0);
+  auto pieces = [&](int q, std::vector<Communicator::Transfer>& out) {
+    const auto [b, e] = ranges_[static_cast<size_t>(q)];
+    for (const auto& [lo, hi] : {std::pair{int64_t{0}, lb}, std::pair{le, slots_->elements()}}) {
+      const int64_t p0 = std::max(b, lo), p1 = std::min(e, hi);
+      if (p0 < p1) out.push_back({flat.slice(slots_->local(p0), slots_->local(p0) + p1 - p0), q});
+    }
+  };
+  for (int q = 0; q < comm.size(); ++q) {
+    if (q == me) continue;
+    std::vector<Communicator::Transfer> mine;
+    pieces(me, mine);
+    for (Communicator::Transfer& t : mine) whole_sends_.push_back({t.t, q});
+    pieces(q, whole_recvs_);
+  }
+}
+
+ShardedWeights::Place ShardedWeights::place(int64_t o) const {
+  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() first");
+  if (o < slots_->block_begin() || o >= slots_->block_end()) return {0, slots_->local(o)};
+  IRIS_CHECK(o >= shard_begin_ && o < shard_end_, "sharded weights: layout element ", o,
+             " is not in this rank's shard [", shard_begin_, ", ", shard_end_, ")");
+  return {1, o - shard_begin_};
+}
+
+Tensor ShardedWeights::buffer(int k) const {
+  if (k == 1) return shard_;
+  return Tensor(weights_->arena.base(), dtype_, be_->device(), {slots_->local_elements()});
+}
+
+int64_t ShardedWeights::layout_offset(size_t tensor) const {
+  const Tensor at = layout_->bindings[tensor].tensor();
+  return (static_cast<const char*>(at.data) - static_cast<const char*>(layout_->arena.base())) /
+         static_cast<int64_t>(dtype_size(dtype_));
+}
+
+static void check_source(const ModelWeights& source, const ModelWeights& layout) {
+  IRIS_CHECK(source.bindings.size() == layout.bindings.size(), "sharded weights: the source holds ",
+             source.bindings.size(), " tensors, the model ", layout.bindings.size());
+  for (const WeightBinding& b : source.bindings)
+    IRIS_CHECK(b.tensor().dtype == DType::f32 && b.tensor().device == Device::cpu,
+               "sharded weights: '", b.hf_name, "' must be f32 on the host");
+}
+
+void ShardedWeights::fill_whole(const ModelWeights& source) {
+  check_source(source, *layout_);
+  for (size_t i = 0; i < source.bindings.size(); ++i)
+    if (decoder_layer(source.bindings[i].hf_name) < 0)
+      be_->write(weights_->bindings[i].tensor(), source.bindings[i].tensor().data, DType::f32);
+}
+
+void ShardedWeights::fill_shards(const ModelWeights& source) {
+  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before fill_shards()");
+  check_source(source, *layout_);
+  in_slot_[0] = in_slot_[1] = -1;
+  const int me = comm_->rank();
+  if (me != 0) {
+    comm_->recv(shard_, 0);
+    be_->synchronize();
+    return;
+  }
+  const int64_t lb = slots_->block_begin(), le = slots_->block_end();
+  for (int q = comm_->size() - 1; q >= 0; --q) {
+    const int64_t b = std::clamp(ranges_[static_cast<size_t>(q)].first, lb, le);
+    const int64_t e = std::clamp(ranges_[static_cast<size_t>(q)].second, b, le);
+    const Tensor into = staging_.slice(0, e - b);
+    for (size_t i = 0; i < source.bindings.size(); ++i) {
+      if (decoder_layer(source.bindings[i].hf_name) < 0) continue;
+      const int64_t o = layout_offset(i), n = source.bindings[i].tensor().numel();
+      const int64_t p0 = std::max(o, b), p1 = std::min(o + n, e);
+      if (p0 < p1)
+        be_->write(into.slice(p0 - b, p1 - b),
+                   static_cast<const float*>(source.bindings[i].tensor().data) + (p0 - o),
+                   DType::f32);
+    }
+    if (q != 0) {
+      comm_->send(into, q);
+      // The next rank's shard reuses the memory.
+      be_->synchronize();
+    }
+  }
+  be_->synchronize();
+}
+
+void ShardedWeights::gather(int l) {
+  const LayerSlots::Range& r = slots_->layer(l);
+  const Tensor slot =
+      buffer(0).slice(slots_->slot_begin(l), slots_->slot_begin(l) + r.end - r.begin);
+  const int me = comm_->rank();
+  sends_.clear();
+  recvs_.clear();
+  for (int q = 0; q < comm_->size(); ++q) {
+    const auto [b, e] = ranges_[static_cast<size_t>(q)];
+    const int64_t p0 = std::max(b, r.begin), p1 = std::min(e, r.end);
+    if (p0 >= p1) continue;
+    const Tensor into = slot.slice(p0 - r.begin, p1 - r.begin);
+    if (q == me) {
+      be_->copy(into, shard_.slice(p0 - shard_begin_, p1 - shard_begin_));
+      continue;
+    }
+    recvs_.push_back({into, q});
+  }
+  const int64_t m0 = std::max(shard_begin_, r.begin), m1 = std::min(shard_end_, r.end);
+  if (m0 < m1)
+    for (int q = 0; q < comm_->size(); ++q)
+      if (q != me) sends_.push_back({shard_.slice(m0 - shard_begin_, m1 - shard_begin_), q});
+  comm_->begin_detached();
+  comm_->exchange(sends_, recvs_, "the sharded weights' gather of a decoder layer");
+  comm_->mark_point(kFirstPoint + l % LayerSlots::kSlots);
+  in_slot_[l % LayerSlots::kSlots] = l;
+}
+
+void ShardedWeights::ensure(int l) {
+  if (in_slot_[l % LayerSlots::kSlots] != l) gather(l);
+  comm_->wait_point(kFirstPoint + l % LayerSlots::kSlots);
+}
+
+void ShardedWeights::prefetch(int l) {
+  if (in_slot_[l % LayerSlots::kSlots] != l) gather(l);
+}
+
+void ShardedWeights::layer(int l, bool backward, bool begin) {
+  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before the first step");
+  IRIS_CHECK(l >= 0 && l < slots_->layers(), "sharded weights: layer ", l);
+  if (!begin || !slots_->holds(l)) return;
+  ensure(l);
+  // The next layer goes into the other slot, whose last reader (the layer before this one) is
+  // queued: the gather starts once it is done, while this layer computes.
+  const int next = backward ? l - 1 : l + 1;
+  if (next >= 0 && next < slots_->layers() && slots_->holds(next)) {
+    prefetch(next);
+  } else if (!backward) {
+    // The forward's last gather is waited for: an evaluation leaves nothing detached behind it
+    // (a checkpoint's exchanges may follow).
+    comm_->end_detached();
+  }
+}
+
+void ShardedWeights::step_done() {
+  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before the first step");
+  if (!whole_sends_.empty() || !whole_recvs_.empty())
+    comm_->exchange(whole_sends_, whole_recvs_, "the sharded weights' gather after an update");
+  in_slot_[0] = in_slot_[1] = -1;
+}
+
+}  // namespace iris

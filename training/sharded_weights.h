@@ -1,0 +1,109 @@
+// parallel.sharding=optimizer_grads_params (ZeRO-3, FSDP): the weights the model reads are
+// sharded too. The decoder layers' weights live whole only in two slots (training/layer_slots.h:
+// layer l in slot l % 2), each rank keeps its shard of them, and a layer is gathered from every
+// rank's shard into its slot before its forward and again before its backward, one layer ahead
+// of the compute on the communicator's stream. The tensors outside the layers (the vision tower,
+// the mergers, the embedding, the final norm, the lm_head) stay whole on every rank, as they
+// are with parallel.sharding=optimizer: they are units of other sizes, used once per micro-batch
+// at its two ends, and for Qwen3-VL-8B the layers are 80% of the weights.
+//
+// Why slots at fixed addresses (Megatron-FSDP's double buffers, Megatron-LM PR #4232): a layer's
+// graphs, forward and backward, are captured against its slot, and the gathers run between the
+// graphs, outside them, joined to them by events (Communicator::mark_point / wait_point): so
+// per-layer graphs keep working, and the gathers overlap the previous layer's compute. A
+// full_iteration graph would hold the collectives inside it; it is refused with this sharding.
+//
+// The shards are the optimizer's (AdamW::connect_weights): rank r's update writes the working
+// copy of one range of the whole layout (layout(), addresses only), and of that range it keeps
+// the part inside the layers' block in a buffer of its own (its shard) and the rest in the
+// weights the model reads, which are gathered whole after every update as the sharded optimizer
+// gathers them. A gathered layer holds the bits each owner's update wrote, so a run gives the
+// losses and gradients of parallel.sharding=optimizer_grads bit for bit.
+//
+// Every rank must run the same hooks in the same order (the gathers are exchanges): forwards
+// and backwards are the same on every rank, and a training micro-batch whose backward did not run
+// gathers what its backward would have (ShardedGradients::micro_batch_done's `around`).
+// Frozen decoder-layer weights have no owner in the optimizer's layout: a recipe that freezes
+// the language model or trains adapters (LoRA) is refused with this sharding.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "bridge/hf_weights.h"
+#include "bridge/model_config.h"
+#include "core/arena.h"
+#include "parallel/communicator.h"
+#include "training/layer_slots.h"
+#include "training/param_spec.h"
+
+namespace iris {
+
+class ShardedWeights {
+ public:
+  // The weights of `specs` in `be`'s compute dtype, laid out as above. Fails where a decoder
+  // layer's tensor is frozen.
+  ShardedWeights(Backend& be, const ModelConfig& cfg, const ParamSpecs& specs);
+
+  // What the models read (the layers' tensors share the slots).
+  ModelWeights& weights() { return *weights_; }
+  // The whole layout the optimizer's working ranges refer to (addresses only, no memory).
+  ModelWeights& layout() { return *layout_; }
+  // Bytes the weights take on this rank: the whole tensors and the two slots; and its shard.
+  size_t local_bytes() const { return weights_->arena.capacity(); }
+  size_t shard_bytes() const { return shard_arena_.capacity(); }
+
+  // From the optimizer, once it has sharded its state (before the first step): rank r's update
+  // writes the working copy of elements ranges[r] of layout(); the ranges tile it in rank order.
+  void connect(Communicator& comm, std::vector<std::pair<int64_t, int64_t>> ranges);
+  // Where the update writes layout element o of this rank's range: buffer(k), element offset.
+  struct Place {
+    int buffer = 0;
+    int64_t offset = 0;
+  };
+  Place place(int64_t o) const;
+  // 0: the weights the model reads, flat; 1: this rank's shard of the layers.
+  Tensor buffer(int k) const;
+  // From `source` (f32 on the host, the whole model's bindings): the whole tensors, and (every
+  // rank calls it, after connect) every rank's shard from rank 0's source, which is the truth as
+  // the weights' broadcast makes it (training/data_parallel.h).
+  void fill_whole(const ModelWeights& source);
+  void fill_shards(const ModelWeights& source);
+
+  // The model's hook (TrainableQwen3VL::on_layer): layer l's forward or backward begins (its
+  // weights must be in its slot) or has been queued.
+  void layer(int l, bool backward, bool begin);
+  // After the optimizer's update: gathers the whole tensors from their owners; the slots' layers
+  // are stale.
+  void step_done();
+
+ private:
+  // Where tensor i starts in layout(), elements.
+  int64_t layout_offset(size_t tensor) const;
+  // Layer l into its slot: this rank's piece copied, every other rank's received, detached.
+  void gather(int l);
+  // Layer l is in its slot (gathered now if not), and the backend's later work waits for it.
+  void ensure(int l);
+  // Layer l's gather started where its slot is free and it is not there yet.
+  void prefetch(int l);
+
+  Backend* be_ = nullptr;
+  Communicator* comm_ = nullptr;
+  DType dtype_;
+  std::unique_ptr<ModelWeights> layout_, weights_;
+  std::unique_ptr<LayerSlots> slots_;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // by rank, of the layout
+  // This rank's shard: elements [shard_begin_, shard_end_) of the layout, inside the layers'.
+  int64_t shard_begin_ = 0, shard_end_ = 0;
+  Arena shard_arena_;
+  Tensor shard_;
+  Tensor staging_;  // the shard's memory, as long as the longest rank's (fill_shards)
+  int in_slot_[LayerSlots::kSlots] = {-1, -1};
+  // The whole tensors' gather after an update: this rank's pieces to every other rank, theirs in.
+  std::vector<Communicator::Transfer> whole_sends_, whole_recvs_;
+  std::vector<Communicator::Transfer> sends_, recvs_;
+};
+
+}  // namespace iris
