@@ -12,6 +12,8 @@
 #                            (global batch 2) against the unsharded dp2 run of that batch, eager
 #                            and with graphs (bit-identical), and with the recipe's batch against
 #                            zero1 (close: the layers' sums add micro-batch after micro-batch)
+#   zero3 dp2                parallel.sharding=optimizer_grads_params: the same cases against
+#                            zero2 (bit-identical: the gathered layers hold the same bits)
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
 #   pp2 x dp2 vs 1 GPU       4 GPUs only; also with optimizer.distributed (each stage's state
@@ -35,7 +37,8 @@
 # Results go to $OUT (or out/): one log and metrics file per run, summary.txt. Carry .deps
 # (scripts/fetch_gpu_deps.sh) and tests/data/qwen3vl-tiny/tokenizer.json.
 # Knobs: STEPS (20), TOL (1e-2), CASE_TIMEOUT (300 s per run), STALL_TIMEOUT (30 s:
-# parallel.timeout_seconds of the stall and kill cases), SKIP_BUILD=1 (use build-gpu as it is), ONLY=stall or ONLY=zero2.
+# parallel.timeout_seconds of the stall and kill cases), SKIP_BUILD=1 (use build-gpu as it is), ONLY=stall or ONLY=zero2 (sharding
+# by layer: zero2 and zero3).
 source "$(dirname "$0")/gpu_env.sh"
 set -u
 steps=${STEPS:-20}
@@ -142,7 +145,7 @@ print(row.format(name, result, expect, f"{rel:.3e}", "yes" if ident else "no",
 EOF
 }
 row() { printf '%-30s %-6s %-6s %-10s %-9s %-8s %s\n' "$1" "$2" - - - - "$3" >>"$summary"; }
-# ONLY=zero2: just the gradient-sharding cases.
+# ONLY=zero2: just the cases of sharding by layer (gradients, and weights too).
 zero2_cases() {
   local one=(parallel.data_parallel_size=2 train.micro_batch_size=1 train.global_batch_size=2
     parallel.grad_bucket_elements=65536)
@@ -156,6 +159,12 @@ zero2_cases() {
   compare "zero2 vs dp2, graphs" zero2_dp2_one_graphs dp2_one_graphs yes exact
   compare "zero2 graphs vs zero2 eager" zero2_dp2_one_graphs zero2_dp2_one yes exact
   compare "zero2 vs zero1, recipe batch" zero2_dp2_recipe zero1_dp2_recipe yes
+  run zero3_dp2_one 2 "${one[@]}" parallel.sharding=optimizer_grads_params
+  run zero3_dp2_one_graphs 2 "${one[@]}" parallel.sharding=optimizer_grads_params "${graphs[@]}"
+  run zero3_dp2_recipe 2 parallel.data_parallel_size=2 parallel.sharding=optimizer_grads_params
+  compare "zero3 vs dp2, 1 micro/rank" zero3_dp2_one dp2_one yes exact
+  compare "zero3 graphs vs zero3 eager" zero3_dp2_one_graphs zero3_dp2_one yes exact
+  compare "zero3 vs zero2, recipe batch" zero3_dp2_recipe zero2_dp2_recipe yes exact
 }
 if [ "${ONLY:-}" = zero2 ]; then
   [ "$ngpu" -ge 2 ] && zero2_cases

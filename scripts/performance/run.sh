@@ -35,8 +35,9 @@
 #   --recompute none|selective|full train.recompute
 #   --data-parallel-size N         parallel.data_parallel_size (default GPUS*NODES/PP when > 1)
 #   --pipeline-parallel-size N     parallel.pipeline_parallel_size
-#   --sharding none|optimizer|optimizer_grads  parallel.sharding (what the data-parallel ranks shard; see
-#                                  docs/parallel-training.md)
+#   --sharding MODE                parallel.sharding: none|optimizer|optimizer_grads|
+#                                  optimizer_grads_params (what the data-parallel ranks shard;
+#                                  see docs/parallel-training.md)
 #   --cuda-graph-impl none|local|full_iteration  cuda_graph.cuda_graph_impl
 #   --cuda-graph-modules LIST      cuda_graph.cuda_graph_modules (comma list: attn,mlp)
 #   --vision-cuda-graph-impl none|local          cuda_graph.vision_cuda_graph_impl
