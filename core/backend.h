@@ -13,8 +13,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -134,6 +137,22 @@ class Backend {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  // Activation offload (training/train_model.h): host memory that stays put for the run (pinned
+  // on CUDA, so that copies to and from it are asynchronous DMA), allocated once up front, and
+  // copies between it and this backend's tensors on a copy stream of the backend's own. A copy
+  // starts after the work queued before it and the backend's later work does not wait for it;
+  // mark_copies(k) notes the copies queued so far and wait_copies(k) makes the backend's later
+  // work wait for them (the last mark of k; none yet: no wait). Outside graph captures only.
+  // Where the backend runs on the host (the CPU) the copies are made at once into memory of its
+  // own, so that the same path runs in CI.
+  static constexpr int kCopyPoints = 4;
+  virtual void* allocate_host(size_t bytes);
+  virtual void free_host(void* ptr);
+  virtual void copy_to_host_async(void* host_dst, const Tensor& src);
+  virtual void copy_from_host_async(const Tensor& dst, const void* host_src);
+  virtual void mark_copies(int k) { (void)k; }
+  virtual void wait_copies(int k) { (void)k; }
+
   // The ops: core/backend_ops.inc lists them and says what each computes.
 #define IRIS_BACKEND_OP(name, params, args) virtual void name params = 0;
 #define IRIS_BACKEND_OP_WITH_DEFAULT(name, params, args) virtual void name params;
@@ -157,6 +176,26 @@ class Backend {
 
 // The defaults of the ops that have one (core/backend_ops.inc): side work runs in order where a
 // backend has no second stream, and a fused op is the sequence it fuses.
+inline void* Backend::allocate_host(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+inline void Backend::free_host(void* ptr) {
+  std::free(ptr);
+}
+inline void Backend::copy_to_host_async(void* host_dst, const Tensor& src) {
+  IRIS_CHECK(src.device == Device::cpu, "copy_to_host_async: ", name(),
+             " keeps its tensors off the host and must make the copy itself");
+  if (src.nbytes() > 0) std::memcpy(host_dst, src.data, src.nbytes());
+}
+inline void Backend::copy_from_host_async(const Tensor& dst, const void* host_src) {
+  IRIS_CHECK(dst.device == Device::cpu, "copy_from_host_async: ", name(),
+             " keeps its tensors off the host and must make the copy itself");
+  if (dst.nbytes() > 0) std::memcpy(dst.data, host_src, dst.nbytes());
+}
+
 inline void Backend::begin_side_work() {}
 inline void Backend::end_side_work() {}
 inline void Backend::join_side_work() {}

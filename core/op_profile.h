@@ -88,6 +88,16 @@ class ProfilingBackend final : public Backend {
   void synchronize() override { in_.synchronize(); }
   void* native_stream() override { return in_.native_stream(); }
   void finish_background_startup() override { in_.finish_background_startup(); }
+  void* allocate_host(size_t bytes) override { return in_.allocate_host(bytes); }
+  void free_host(void* ptr) override { in_.free_host(ptr); }
+  void copy_to_host_async(void* host_dst, const Tensor& src) override {
+    in_.copy_to_host_async(host_dst, src);
+  }
+  void copy_from_host_async(const Tensor& dst, const void* host_src) override {
+    in_.copy_from_host_async(dst, host_src);
+  }
+  void mark_copies(int k) override { in_.mark_copies(k); }
+  void wait_copies(int k) override { in_.wait_copies(k); }
   void set_gemm_tuning(GemmTuning mode) override { in_.set_gemm_tuning(mode); }
   bool save_gemm_tuning() override { return in_.save_gemm_tuning(); }
   GemmTuningReport gemm_tuning_report() override { return in_.gemm_tuning_report(); }

@@ -512,6 +512,51 @@ std::map<std::string, std::string> snapshot(const fs::path& dir) {
 
 // A finished run started again has nothing to do: it says so, with how to train further, and
 // leaves every file of its folder as it was (the lock, the summary and the metrics included).
+// train.offload_activations: the named activations of every decoder layer go to a host arena in
+// the forward and come back one layer ahead in the backward, while the device keeps two layers'
+// slots of them; on the CPU the same path copies into memory of its own. Every recompute mode's
+// offloadable set, a list, and per-layer graphs (through the recording stand-in) give the run that
+// keeps them bit for bit.
+TEST_F(AppTrainTest, OffloadedActivationsGiveTheKeptOnesBitForBit) {
+  const std::string recipe = write_recipe(4);
+  auto train = [&](const std::string& name, const std::vector<std::string>& extra) {
+    std::vector<std::string> args{"train", "--recipe", recipe,
+                                  "checkpoint.dir=" + (root_ / name).string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return iris(args);
+  };
+  for (const std::string recompute : {"none", "selective", "full"}) {
+    SCOPED_TRACE("train.recompute=" + recompute);
+    const std::string kept = "kept_" + recompute;
+    const Exit a = train(kept, {"train.recompute=" + recompute});
+    ASSERT_EQ(a.code, 0) << a.output;
+    std::vector<std::vector<std::string>> cases{{"train.offload_activations=all"}};
+    if (recompute == "none") {
+      cases.push_back({"train.offload_activations=[act, x_in, lse]"});
+      cases.push_back({"train.offload_activations=all", "cuda_graph.cuda_graph_impl=local",
+                       "cuda_graph.cuda_graph_warmup_steps=1"});
+    }
+    for (size_t c = 0; c < cases.size(); ++c) {
+      std::vector<std::string> extra = cases[c];
+      SCOPED_TRACE(extra[0] + (extra.size() > 1 ? " with layer graphs" : ""));
+      extra.push_back("train.recompute=" + recompute);
+      const std::string name = "offload_" + recompute + "_" + std::to_string(c);
+      const Exit b = train(name, extra);
+      ASSERT_EQ(b.code, 0) << b.output;
+      EXPECT_NE(b.output.find("offloaded to host"), std::string::npos) << b.output;
+      expect_same_run(root_ / kept, root_ / name, 4);
+    }
+  }
+  // Names the recompute mode does not keep per layer are refused, with the ones it keeps.
+  const Exit wrong =
+      train("wrong", {"train.recompute=full", "train.offload_activations=[x_in, act]"});
+  EXPECT_EQ(wrong.code, 1) << wrong.output;
+  EXPECT_NE(wrong.output.find("'act', which is not an activation the decoder layers keep with "
+                              "train.recompute=full; those are: x_in"),
+            std::string::npos)
+      << wrong.output;
+}
+
 TEST_F(AppTrainTest, AFinishedRunRunAgainSaysSoAndChangesNoFile) {
   const std::string recipe = write_recipe(4);
   const fs::path run = root_ / "run";

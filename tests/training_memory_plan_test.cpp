@@ -82,7 +82,7 @@ TEST(MemoryPlan, ParameterBuffersAreTheConfigsCountsTimesTheirBytes) {
   EXPECT_EQ(item(s, "offloaded to host").bytes, 0);
   EXPECT_EQ(item(s, "communication").bytes, 0);  // one rank
   int64_t sum = 0;
-  for (const MemoryItem& i : s.items) sum += i.bytes;
+  for (const MemoryItem& i : s.items) sum += i.on_host ? 0 : i.bytes;
   EXPECT_EQ(s.total(), sum);
   EXPECT_EQ(plan.peak(), sum);
   // Unknown device memory: no verdict, and the total line says how to give it.
@@ -119,6 +119,33 @@ TEST(MemoryPlan, ActivationsAndWorkspaceAreWhatTheModelAllocates) {
                 .bytes,
             item(plan_training_memory(none, none.model_config, true, 0).per_stage[0], "activations")
                 .bytes);
+}
+
+// Activation offload: the device keeps two layers' slots of each offloaded activation and the
+// host every layer's; the plan's lines are the CPU model's own allocation, and the host's memory
+// is shown but not in the GPU's total.
+TEST(MemoryPlan, OffloadedActivationsMoveToTheHostLineAndOutOfTheTotal) {
+  const Recipe kept = tiny_recipe({"train.device=cpu", "train.recompute=none"});
+  const int64_t kept_total = plan_training_memory(kept, kept.model_config, false, 0).peak();
+  const int64_t kept_activations =
+      item(plan_training_memory(kept, kept.model_config, false, 0).per_stage[0], "activations")
+          .bytes;
+  const Recipe r =
+      tiny_recipe({"train.device=cpu", "train.recompute=none", "train.offload_activations=all"});
+  const MemoryPlan plan = plan_training_memory(r, r.model_config, false, 0);
+  const StageMemory& s = plan.per_stage[0];
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
+  auto params = allocate_weights(*cpu, r.model_config);
+  TrainableQwen3VL model(*cpu, r.model_config, *params, recipe_train_limits(r, false));
+  EXPECT_EQ(item(s, "activations").bytes, int64_t(model.activation_bytes()));
+  EXPECT_EQ(item(s, "offloaded to host").bytes, int64_t(model.offloaded_bytes()));
+  EXPECT_TRUE(item(s, "offloaded to host").on_host);
+  // The tiny model has 3 layers: two slots hold less than the three layers' tensors.
+  const int64_t moved = kept_activations - item(s, "activations").bytes;
+  EXPECT_GT(moved, 0);
+  EXPECT_GT(item(s, "offloaded to host").bytes, moved);
+  EXPECT_EQ(plan.peak(), kept_total - moved);
+  EXPECT_NE(item(s, "offloaded to host").how.find("x_in, rms1"), std::string::npos);
 }
 
 TEST(MemoryPlan, DataParallelShardsTheMomentsAndMasterWeightsWithTheOptimizerSharding) {
@@ -236,7 +263,8 @@ TEST(MemoryPlan, ARunOverTheDeviceIsRefusedWithTheSettingsThatFit) {
   // Where only more GPUs fit, the smallest data-parallel count that does is named: the moments
   // shard over it. This recipe has no other setting left to change.
   const std::vector<std::string> lean{"train.recompute=full", "train.micro_batch_size=1",
-                                      "train.freeze_vision_tower=true", "train.freeze_merger=true"};
+                                      "train.freeze_vision_tower=true", "train.freeze_merger=true",
+                                      "train.offload_activations=all"};
   auto with = [&](std::vector<std::string> more) {
     std::vector<std::string> all = lean;
     all.insert(all.end(), more.begin(), more.end());

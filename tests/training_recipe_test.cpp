@@ -525,6 +525,29 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
     });
     EXPECT_HAS(msg, "use cuda_graph_impl=local (per-layer graphs)");
   }
+  // Activation offload: none or all alone, or names the recompute mode keeps per layer; not on
+  // pipeline stages or under a full_iteration graph, by name.
+  EXPECT_TRUE(recipe_offloaded_activations(load_recipe_text(tiny_recipe(), "r.yaml", {})).empty());
+  EXPECT_EQ(
+      recipe_offloaded_activations(load_recipe_text(
+          tiny_recipe(), "r.yaml", {"train.recompute=full", "train.offload_activations=all"})),
+      std::vector<std::string>{"x_in"});
+  EXPECT_EQ(recipe_offloaded_activations(load_recipe_text(
+                tiny_recipe(), "r.yaml", {"train.offload_activations=[act, x_in]"})),
+            (std::vector<std::string>{"act", "x_in"}));
+  for (const auto& [overrides, want] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"train.offload_activations=[all, act]"}, "none, all, or a list"},
+           {{"train.offload_activations=[act, act]"}, "names 'act' twice"},
+           {{"train.recompute=selective", "train.offload_activations=[act]"},
+            "keep with train.recompute=selective; those are: x_in, rstd1"},
+           {{"train.offload_activations=all", "parallel.pipeline_parallel_size=2"},
+            "not implemented yet; set train.offload_activations=none"},
+           {{"train.offload_activations=all", "cuda_graph.cuda_graph_impl=full_iteration"},
+            "use cuda_graph_impl=local (per-layer graphs) or train.offload_activations=none"}}) {
+    msg = error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", overrides); });
+    EXPECT_HAS(msg, want);
+  }
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=zero3"}); });
   EXPECT_HAS(msg, "parallel.sharding");
   // Data parallelism is the launcher's business (checked when the run starts, against it).

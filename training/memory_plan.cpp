@@ -87,7 +87,8 @@ int64_t graph_sets(const Recipe& r, const TrainLimits& limits, const PipelineSta
 
 int64_t StageMemory::total() const {
   int64_t t = 0;
-  for (const MemoryItem& i : items) t += i.bytes;
+  for (const MemoryItem& i : items)
+    if (!i.on_host) t += i.bytes;
   return t;
 }
 
@@ -249,7 +250,19 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
         str_cat(gib(int64_t(arena.activation_bytes)), " per micro-batch (train.recompute ",
                 r.train.recompute, ", ", limits.max_seq_len, " tokens, ", limits.max_patches,
                 " patches)", models > 1 ? str_cat(" x ", models, " micro-batches in flight") : ""));
-    add("offloaded to host", 0, "activation offload is not available yet (this memory is host's)");
+    const std::vector<std::string> offloaded = recipe_offloaded_activations(r);
+    std::string offloaded_names;
+    for (const std::string& n : offloaded)
+      offloaded_names += (offloaded_names.empty() ? "" : ", ") + n;
+    sm.items.push_back(
+        {"offloaded to host", static_cast<int64_t>(arena.offloaded_bytes) * models,
+         offloaded.empty()
+             ? std::string("none (train.offload_activations); pinned host memory, not the GPU's")
+             : str_cat("pinned host memory, not counted in the GPU's total: every layer's ",
+                       offloaded_names,
+                       " (train.offload_activations); the GPU keeps two "
+                       "layers' of each"),
+         true});
     int64_t workspace = static_cast<int64_t>(arena.arena_bytes - arena.activation_bytes) * models;
     std::string workspace_how =
         str_cat("inputs, loss chunk and backward scratch of the planned arena",
@@ -356,6 +369,21 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
        [](Recipe& x) {
          if (x.train.recompute == "full") return false;
          x.train.recompute = "full";
+         // Full recompute keeps each layer's input only: an offload list keeps that, if named.
+         std::vector<std::string>& o = x.train.offload_activations;
+         if (o != std::vector<std::string>{"all"}) {
+           const bool input = std::find(o.begin(), o.end(), "x_in") != o.end();
+           o = {input ? "x_in" : "none"};
+         }
+         return true;
+       }},
+      {"train.offload_activations=all",
+       [&cfg](Recipe& x) {
+         if (x.train.offload_activations == std::vector<std::string>{"all"} ||
+             x.parallel.pipeline_parallel_size > 1 ||
+             x.cuda_graph.language.impl == GraphImpl::full_iteration || cfg.text.any_sparse_layer())
+           return false;
+         x.train.offload_activations = {"all"};
          return true;
        }},
       {"parallel.sharding=optimizer",

@@ -20,6 +20,8 @@ struct MemoryItem {
   std::string name;
   int64_t bytes = 0;
   std::string how;
+  // Host memory (offloaded activations): shown, not counted in the GPU's total.
+  bool on_host = false;
 };
 
 // What one GPU of a pipeline stage holds (every data-parallel replica of a stage holds the same,

@@ -167,6 +167,12 @@ std::vector<Field> fields(Recipe& r) {
       {"train.max_vision_patches", &t.max_vision_patches,
        "vision patches of one sample the activation memory is planned for (samples above it are "
        "skipped); 0: mock data's exact count, else seq_length x 4 (the most a sample can hold)"},
+      {"train.offload_activations", &t.offload_activations,
+       "decoder-layer activations kept in pinned host memory between the forward and the "
+       "backward instead of the GPU's: none, all, or a list of names the recompute mode keeps "
+       "per layer (none: x_in, rms1, rstd1, qkv_lin, qk_rstd, qkv, attn, lse, x_mid, rms2, "
+       "rstd2, gate_up, act; selective: x_in, rstd1, qkv_lin, qk_rstd, attn, lse, x_mid, rstd2, "
+       "gate_up; full: x_in)"},
       {"train.recompute",
        &t.recompute,
        "what the backward recomputes instead of keeping: none, selective (norm outputs, "
@@ -1000,6 +1006,36 @@ int64_t positive(int64_t v, const char* key, int64_t min = 1) {
   return v;
 }
 
+// train.offload_activations: none or all alone, or names the recompute mode keeps per layer; the
+// copies run between per-layer graphs, on one stage.
+void validate_offload(Recipe& r) {
+  std::vector<std::string>& names = r.train.offload_activations;
+  if (names.empty()) names = {"none"};
+  const bool special = std::find_if(names.begin(), names.end(), [](const std::string& n) {
+                         return n == "none" || n == "all";
+                       }) != names.end();
+  IRIS_CHECK(!special || names.size() == 1,
+             "recipe: train.offload_activations takes none, all, or a list of activation names, "
+             "not none or all among names");
+  const std::vector<std::string> can = offloadable_activations(parse_recompute(r.train.recompute));
+  std::string listed;
+  for (const std::string& n : can) listed += (listed.empty() ? "" : ", ") + n;
+  for (size_t i = 0; i < names.size() && !special; ++i) {
+    IRIS_CHECK(std::find(can.begin(), can.end(), names[i]) != can.end(),
+               "recipe: train.offload_activations names '", names[i],
+               "', which is not an activation the decoder layers keep with train.recompute=",
+               r.train.recompute, "; those are: ", listed);
+    IRIS_CHECK(std::find(names.begin(), names.begin() + i, names[i]) == names.begin() + i,
+               "recipe: train.offload_activations names '", names[i], "' twice");
+  }
+  if (recipe_offloaded_activations(r).empty()) return;
+  IRIS_CHECK(r.parallel.pipeline_parallel_size == 1,
+             "recipe: train.offload_activations with parallel.pipeline_parallel_size=",
+             r.parallel.pipeline_parallel_size,
+             ": offload on pipeline stages is not implemented yet; set "
+             "train.offload_activations=none");
+}
+
 // peft.*: refused where set without peft.type=lora (a setting would be silently ignored); with
 // it, checked against the model, whose config then carries the adapters.
 void validate_peft(Recipe& r) {
@@ -1314,8 +1350,12 @@ void validate(Recipe& r) {
              t.max_vision_patches, " must be a multiple of ", unit, " (whole merge windows); use ",
              t.max_vision_patches / unit * unit + unit);
   validate_peft(r);
+  validate_offload(r);
   if (r.has_model_config) {
     const ModelConfig& mc = r.model_config;
+    IRIS_CHECK(recipe_offloaded_activations(r).empty() || !mc.text.any_sparse_layer(),
+               "recipe: train.offload_activations: offloading a mixture-of-experts model's "
+               "activations is not implemented yet; set train.offload_activations=none");
     IRIS_CHECK(t.seq_length <= mc.text.max_position_embeddings, "recipe: train.seq_length ",
                t.seq_length, " exceeds the model's max_position_embeddings ",
                mc.text.max_position_embeddings);
@@ -1361,6 +1401,11 @@ void validate(Recipe& r) {
              " exchanges each decoder layer's gradients (and weights) between the layers' "
              "graphs, which cuda_graph.cuda_graph_impl=full_iteration captures as one; use "
              "cuda_graph_impl=local (per-layer graphs) or parallel.sharding=optimizer");
+  IRIS_CHECK(
+      recipe_offloaded_activations(r).empty() || cg.language.impl != GraphImpl::full_iteration,
+      "recipe: train.offload_activations copies each layer's activations between the "
+      "layers' graphs, which cuda_graph.cuda_graph_impl=full_iteration captures as one; use "
+      "cuda_graph_impl=local (per-layer graphs) or train.offload_activations=none");
   IRIS_CHECK(cg.vision.modules.empty() || cg.vision.impl == VisionGraphImpl::local,
              "recipe: cuda_graph.vision_cuda_graph_modules selects parts of each vision block for "
              "cuda_graph.vision_cuda_graph_impl local; with vision_cuda_graph_impl none it would "
@@ -1630,6 +1675,14 @@ std::string describe_recipe_schema() {
         str_cat("  ", k.key, " (", k.type, ", default ", k.default_value, ")\n      ", k.doc, "\n");
   }
   return out;
+}
+
+std::vector<std::string> recipe_offloaded_activations(const Recipe& r) {
+  const std::vector<std::string>& names = r.train.offload_activations;
+  if (names.empty() || names == std::vector<std::string>{"none"}) return {};
+  if (names == std::vector<std::string>{"all"})
+    return offloadable_activations(parse_recompute(r.train.recompute));
+  return names;
 }
 
 }  // namespace iris

@@ -79,6 +79,10 @@ struct TrainRecipe {
   // The device memory per GPU the memory plan must fit (training/memory_plan.h); 0: the GPU's own
   // (a dry run without a GPU then prints the plan without a verdict).
   double device_memory_gib = 0;
+  // The decoder layers' saved activations that go to pinned host memory during the forward and
+  // come back one layer ahead in the backward: none, all (every one the recompute mode keeps per
+  // layer) or a list of their names (offloadable_activations in training/train_model.h).
+  std::vector<std::string> offload_activations = {"none"};
 };
 
 // LoRA fine-tuning, with Hugging Face PEFT's LoraConfig names and Megatron-Bridge's defaults: the
@@ -214,6 +218,9 @@ void check_same_model_geometry(const ModelConfig& a, const ModelConfig& b,
 // one mock sample; else seq_length x merge_size^2, the most a sample within seq_length can hold
 // (every token an image pad).
 int64_t recipe_max_vision_patches(const Recipe& r);
+// The decoder-layer activations train.offload_activations names (all: every one the recompute
+// mode keeps per layer; none: empty).
+std::vector<std::string> recipe_offloaded_activations(const Recipe& r);
 
 // "a.b=value" -> ("a.b", "value"). Throws naming the argument when there is no '=' or no key.
 std::pair<std::string, std::string> parse_override(const std::string& arg);

@@ -573,6 +573,9 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
                   ") and workspace ", mib(m.arena_bytes() - m.activation_bytes()), " x ",
                   replicas_.size(),
                   pipelined() ? " (this stage's parts, per micro-batch in flight)" : "");
+  if (m.offloaded_bytes() > 0)
+    plan += str_cat("; offloaded to host ", mib(m.offloaded_bytes()), " x ", replicas_.size(),
+                    " (pinned; the device keeps two layers' of each offloaded activation)");
   if (opt_->shards() > 1)
     plan +=
         str_cat("; the AdamW moments are this rank's 1/", opt_->shards(),

@@ -56,7 +56,46 @@ bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
 }
 
+// A decoder layer's saved activations by name, and the recompute modes that keep them per layer
+// (the allocation below): full keeps the input only, selective also what the recomputation
+// cannot rebuild cheaply, none everything.
+struct SavedActivation {
+  const char* name;
+  Tensor DecoderLayerBuffers::*field;
+  Recompute kept_up_to;  // kept per layer by this mode and the ones that recompute less
+};
+constexpr SavedActivation kSavedActivations[] = {
+    {"x_in", &DecoderLayerBuffers::x_in, Recompute::full},
+    {"rms1", &DecoderLayerBuffers::rms1, Recompute::none},
+    {"rstd1", &DecoderLayerBuffers::rstd1, Recompute::selective},
+    {"qkv_lin", &DecoderLayerBuffers::qkv_lin, Recompute::selective},
+    {"qk_rstd", &DecoderLayerBuffers::qk_rstd, Recompute::selective},
+    {"qkv", &DecoderLayerBuffers::qkv, Recompute::none},
+    {"attn", &DecoderLayerBuffers::attn, Recompute::selective},
+    {"lse", &DecoderLayerBuffers::lse, Recompute::selective},
+    {"x_mid", &DecoderLayerBuffers::x_mid, Recompute::selective},
+    {"rms2", &DecoderLayerBuffers::rms2, Recompute::none},
+    {"rstd2", &DecoderLayerBuffers::rstd2, Recompute::selective},
+    {"gate_up", &DecoderLayerBuffers::gate_up, Recompute::selective},
+    {"act", &DecoderLayerBuffers::act, Recompute::none},
+};
+
+// Whether `mode` keeps what `kept_up_to` says per layer (none keeps the most, full the least).
+bool keeps(Recompute mode, Recompute kept_up_to) {
+  auto rank = [](Recompute r) {
+    return r == Recompute::none ? 0 : r == Recompute::selective ? 1 : 2;
+  };
+  return rank(mode) <= rank(kept_up_to);
+}
+
 }  // namespace
+
+std::vector<std::string> offloadable_activations(Recompute recompute) {
+  std::vector<std::string> names;
+  for (const SavedActivation& a : kSavedActivations)
+    if (keeps(recompute, a.kept_up_to)) names.push_back(a.name);
+  return names;
+}
 
 int64_t labelled_positions(const std::vector<int32_t>& labels) {
   int64_t n = 0;
@@ -153,6 +192,9 @@ TrainableQwen3VL::TrainableQwen3VL(Backend& backend, const ModelConfig& cfg, Mod
   allocate(plan);
   arena_ = Arena(backend, plan.used());
   allocate(arena_);
+  if (offload_host_bytes_ > 0)
+    offload_host_ = std::unique_ptr<void, std::function<void(void*)>>(
+        be_.allocate_host(offload_host_bytes_), [be = &be_](void* p) { be->free_host(p); });
   // Rows a padded micro-batch gathers but never computes (the sink row of a bucket that a later,
   // larger bucket has not written) must hold finite values: an ignored row's zero gradient is
   // 0 * x, which a NaN left in memory would poison.
@@ -190,6 +232,26 @@ void TrainableQwen3VL::check_limits() {
   for (int tap : v.deepstack_visual_indexes)
     IRIS_CHECK(tap >= 0 && tap < v.depth, "DeepStack tap ", tap, " is not a vision block index");
   IRIS_CHECK(t.head_dim % 2 == 0 && v.head_dim() % 2 == 0, "head dims must be even");
+  if (!limits_.offload.empty()) {
+    const std::vector<std::string> can = offloadable_activations(limits_.recompute);
+    std::string listed;
+    for (const std::string& n : can) listed += (listed.empty() ? "" : ", ") + n;
+    for (size_t i = 0; i < limits_.offload.size(); ++i) {
+      const std::string& n = limits_.offload[i];
+      IRIS_CHECK(std::find(can.begin(), can.end(), n) != can.end(), "activation offload: '", n,
+                 "' is not an activation the decoder layers keep with train.recompute=",
+                 recompute_name(limits_.recompute), "; those are: ", listed);
+      IRIS_CHECK(std::find(limits_.offload.begin(), limits_.offload.begin() + i, n) ==
+                     limits_.offload.begin() + i,
+                 "activation offload: '", n, "' is named twice");
+    }
+    IRIS_CHECK(!t.any_sparse_layer(),
+               "activation offload of a mixture-of-experts model is not implemented yet; set "
+               "train.offload_activations=none");
+    IRIS_CHECK(limits_.stage.count == 1,
+               "activation offload on pipeline stages is not implemented yet; set "
+               "train.offload_activations=none or parallel.pipeline_parallel_size=1");
+  }
   auto check_buckets = [](const std::vector<int64_t>& b, int64_t max, int64_t unit,
                           const char* what) {
     for (size_t i = 0; i < b.size(); ++i)
@@ -225,7 +287,7 @@ TrainableQwen3VL::ArenaPlan TrainableQwen3VL::plan_arena(const ModelConfig& cfg,
   TrainableQwen3VL m(*host, cfg, no_params, limits, compute_dtype, loss_workspace);
   Arena plan;
   m.allocate(plan);
-  ArenaPlan out{plan.used(), m.activation_bytes_, 0};
+  ArenaPlan out{plan.used(), m.activation_bytes_, 0, m.offload_host_bytes_};
   // Planned tensors have no data, so an input is told from an absent one by its shape.
   for (Tensor TrainableQwen3VL::*member : input_members()) {
     const Tensor& t = m.*member;
@@ -351,29 +413,53 @@ void TrainableQwen3VL::allocate(Arena& a) {
                    ? a.alloc(DType::i64, {1})
                    : Tensor();
 
+  // Offloaded kinds take two slots each (layer l's in slot l % 2) instead of one tensor a layer.
+  offload_.clear();
+  auto offload_slot = [&](Tensor DecoderLayerBuffers::*field, DType dt,
+                          const std::vector<int64_t>& shape, size_t l) {
+    auto it = std::find_if(offload_.begin(), offload_.end(),
+                           [field](const OffloadKind& k) { return k.field == field; });
+    if (it == offload_.end()) {
+      OffloadKind k;
+      k.field = field;
+      for (Tensor& slot : k.slots) slot = a.alloc(dt, shape);
+      offload_.push_back(k);
+      it = offload_.end() - 1;
+    }
+    return it->slots[l % 2];
+  };
+  DecoderLayerBuffers ts;  // the tensors the layers share
+  auto l_buf = [&](bool own, Tensor DecoderLayerBuffers::*field, DType dt,
+                   std::vector<int64_t> shape, size_t l) {
+    if (own && offloads(field)) return offload_slot(field, dt, shape, l);
+    return v_buf(own, ts.*field, dt, shape);
+  };
   tx_.assign(static_cast<size_t>(t.num_hidden_layers) + 1, Tensor());
-  for (int l = st.first_layer; l <= st.end_layer; ++l) tx_[l] = a.alloc(A, {Ls, H});
+  for (int l = st.first_layer; l <= st.end_layer; ++l)
+    tx_[l] = offloads(&DecoderLayerBuffers::x_in)
+                 ? offload_slot(&DecoderLayerBuffers::x_in, A, {Ls, H}, static_cast<size_t>(l))
+                 : a.alloc(A, {Ls, H});
   tl_.assign(static_cast<size_t>(t.num_hidden_layers), {});
   const int nqk = t.num_attention_heads + t.num_key_value_heads;
   const bool t_keep_all = rc == Recompute::none, t_keep_layer = rc != Recompute::full;
-  DecoderLayerBuffers ts;
+  using B = DecoderLayerBuffers;
   for (auto l = static_cast<size_t>(st.first_layer); l < static_cast<size_t>(st.end_layer); ++l) {
     DecoderLayerBuffers& x = tl_[l];
     x.x_in = tx_[l];
     x.x_out = tx_[l + 1];
-    x.rms1 = v_buf(t_keep_all, ts.rms1, A, {L, H});
-    x.rstd1 = v_buf(t_keep_layer, ts.rstd1, F, {L});
-    x.qkv_lin = v_buf(t_keep_layer, ts.qkv_lin, A, {L, t.qkv_width()});
-    x.qk_rstd = v_buf(t_keep_layer, ts.qk_rstd, F, {L, nqk});
-    x.qkv = v_buf(t_keep_all, ts.qkv, A, {L, t.qkv_width()});
-    x.attn = v_buf(t_keep_layer, ts.attn, A, {L, t.q_width()});
-    x.lse = v_buf(t_keep_layer, ts.lse, F, {L, t.num_attention_heads});
-    x.x_mid = v_buf(t_keep_layer, ts.x_mid, A, {L, H});
-    x.rms2 = v_buf(t_keep_all, ts.rms2, A, {L, H});
-    x.rstd2 = v_buf(t_keep_layer, ts.rstd2, F, {L});
+    x.rms1 = l_buf(t_keep_all, &B::rms1, A, {L, H}, l);
+    x.rstd1 = l_buf(t_keep_layer, &B::rstd1, F, {L}, l);
+    x.qkv_lin = l_buf(t_keep_layer, &B::qkv_lin, A, {L, t.qkv_width()}, l);
+    x.qk_rstd = l_buf(t_keep_layer, &B::qk_rstd, F, {L, nqk}, l);
+    x.qkv = l_buf(t_keep_all, &B::qkv, A, {L, t.qkv_width()}, l);
+    x.attn = l_buf(t_keep_layer, &B::attn, A, {L, t.q_width()}, l);
+    x.lse = l_buf(t_keep_layer, &B::lse, F, {L, t.num_attention_heads}, l);
+    x.x_mid = l_buf(t_keep_layer, &B::x_mid, A, {L, H}, l);
+    x.rms2 = l_buf(t_keep_all, &B::rms2, A, {L, H}, l);
+    x.rstd2 = l_buf(t_keep_layer, &B::rstd2, F, {L}, l);
     if (!t.sparse_layer(static_cast<int>(l))) {
-      x.gate_up = v_buf(t_keep_layer, ts.gate_up, A, {L, 2 * int64_t(t.intermediate_size)});
-      x.act = v_buf(t_keep_all, ts.act, A, {L, t.intermediate_size});
+      x.gate_up = l_buf(t_keep_layer, &B::gate_up, A, {L, 2 * int64_t(t.intermediate_size)}, l);
+      x.act = l_buf(t_keep_all, &B::act, A, {L, t.intermediate_size}, l);
       continue;
     }
     // A sparse layer's routing and expert rows, kept as the dense MLP's are; its logits are
@@ -397,6 +483,14 @@ void TrainableQwen3VL::allocate(Arena& a) {
   }
   t_recompute_out_ = rc == Recompute::full ? a.alloc(A, {L, H}) : Tensor();
   activation_bytes_ = a.used() - activations_start;
+  // The host keeps every layer's part of each offloaded kind (the x_in kind: the layers' inputs).
+  offload_host_bytes_ = 0;
+  for (OffloadKind& k : offload_) {
+    k.layer_bytes =
+        (static_cast<size_t>(k.slots[0].numel()) * dtype_size(k.slots[0].dtype) + 63) / 64 * 64;
+    k.host_offset = offload_host_bytes_;
+    offload_host_bytes_ += k.layer_bytes * static_cast<size_t>(st.end_layer - st.first_layer);
+  }
   if (st.has_head) {
     final_ = a.alloc(A, {Ls, H});
     final_rstd_ = a.alloc(F, {L});
@@ -1508,8 +1602,78 @@ DecoderAttention TrainableQwen3VL::text_attention() const {
   return at;
 }
 
+bool TrainableQwen3VL::offloads(Tensor DecoderLayerBuffers::*field) const {
+  for (const std::string& n : limits_.offload)
+    for (const SavedActivation& a : kSavedActivations)
+      if (a.field == field && n == a.name) return true;
+  return false;
+}
+
+void* TrainableQwen3VL::offload_host(const OffloadKind& k, int layer) const {
+  return static_cast<char*>(offload_host_.get()) + k.host_offset +
+         k.layer_bytes * static_cast<size_t>(layer - limits_.stage.first_layer);
+}
+
+// Copy points: 0 and 1 the x_in slots', 2 and 3 the other kinds' (by slot).
+void TrainableQwen3VL::offload_forward(int l, bool begin) {
+  if (offload_.empty()) return;
+  const int slot = l % 2, next = (l + 1) % 2;
+  auto copy_out = [&](bool x_kind) {
+    for (const OffloadKind& k : offload_)
+      if ((k.field == &DecoderLayerBuffers::x_in) == x_kind)
+        be_.copy_to_host_async(offload_host(k, l),
+                               (tl_[static_cast<size_t>(l)].*k.field).slice(0, L_));
+  };
+  const bool x_kind = offloads(&DecoderLayerBuffers::x_in);
+  const bool other_kinds = offload_.size() > (x_kind ? 1u : 0u);
+  if (begin) {
+    // Layer l's input is final (the DeepStack rows added): it goes out while the layer computes.
+    offload_resident_[0][slot] = l;
+    if (offload_copies_ && x_kind) {
+      copy_out(true);
+      be_.mark_copies(slot);
+    }
+    // The layer writes the x slot its input's predecessor (layer l - 1's input) took and the
+    // other kinds' slot of layer l - 2: their copies to the host must be done.
+    be_.wait_copies(next);
+    be_.wait_copies(2 + slot);
+    offload_resident_[1][slot] = l;
+    return;
+  }
+  if (offload_copies_ && other_kinds) {
+    copy_out(false);
+    be_.mark_copies(2 + slot);
+  }
+  if (l + 1 == limits_.stage.end_layer) offload_resident_[0][next] = l + 1;
+}
+
+void TrainableQwen3VL::offload_reload(int l, int group) {
+  for (const OffloadKind& k : offload_)
+    if ((k.field == &DecoderLayerBuffers::x_in) == (group == 0))
+      be_.copy_from_host_async((tl_[static_cast<size_t>(l)].*k.field).slice(0, L_),
+                               offload_host(k, l));
+  be_.mark_copies(2 * group + l % 2);
+  offload_resident_[group][l % 2] = l;
+}
+
+void TrainableQwen3VL::offload_backward(int l) {
+  if (offload_.empty()) return;
+  const bool x_kind = offloads(&DecoderLayerBuffers::x_in);
+  const bool other_kinds = offload_.size() > (x_kind ? 1u : 0u);
+  for (int group = 0; group < 2; ++group) {
+    if (!(group == 0 ? x_kind : other_kinds)) continue;
+    if (offload_resident_[group][l % 2] != l) offload_reload(l, group);
+    // The next layer back goes into the other slot, whose last reader (layer l + 1's backward)
+    // is queued: the copy runs while this layer computes.
+    if (l - 1 >= limits_.stage.first_layer && offload_resident_[group][(l - 1) % 2] != l - 1)
+      offload_reload(l - 1, group);
+    be_.wait_copies(2 * group + l % 2);
+  }
+}
+
 void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tensor& loss_out) {
   const int64_t L = L_;
+  offload_copies_ = backward;
   // The tables every layer's attention (and its backward) rotates with.
   be_.text_rope_tables(cos_.slice(0, L), sin_.slice(0, L), positions_.slice(0, L), rope_inv_freq_,
                        rope_axes_);
@@ -1543,7 +1707,9 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
     }
     void layer(int l) override {
       m_.layer_event(l, LayerPass::forward, true);
+      m_.offload_forward(l, true);
       layer_body(l);
+      m_.offload_forward(l, false);
       m_.layer_event(l, LayerPass::forward, false);
     }
     void layer_body(int l) {
@@ -1727,6 +1893,7 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
       const DecoderLayerWeights& w = m.params_.text.layers[l];
       DecoderLayerWeights* gl = lm_ ? &m.grads_->text.layers[l] : nullptr;
       if (lm_) m.layer_event(l, LayerPass::backward, true);
+      m.offload_backward(l);
       const DecoderLayerBuffers b = m.text_layer(l);
       const DecoderAttention at = m.text_attention();
       const DecoderGradScratch scratch = scratch_;

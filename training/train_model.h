@@ -124,12 +124,22 @@ struct TrainLimits {
   // capacity follows each micro-batch's rows (the bucket's, when padded, as Megatron counts a
   // padded sequence's pad tokens), so with a capacity, padding can change which slots drop.
   MoeCapacity moe_capacity;
+  // Activation offload: the names of the decoder layers' saved activations (DecoderLayerBuffers'
+  // fields that the recompute mode keeps per layer: offloadable_activations) that go to host
+  // memory. Each named tensor lives on the device in two slots that the layers take turns in
+  // (layer l in slot l % 2): the forward copies a layer's to the host while the next layer
+  // computes, and the backward copies them back one layer ahead. Empty: none.
+  std::vector<std::string> offload;
   // The pipeline stage this model is (bridge/pipeline_stage.h): it plans activations for, and
   // runs, only its decoder layers, plus the vision encoder, its mergers and the embedding on
   // stage 0 and the final norm, lm_head and loss on the last stage. count 1: the whole model
   // (the layer range is filled in).
   PipelineStage stage;
 };
+
+// The decoder layers' saved activations that train.offload_activations may name under a recompute
+// mode (those the forward keeps per layer), in layer order: x_in (the layer's input) first.
+std::vector<std::string> offloadable_activations(Recompute recompute);
 
 // Which parts of queue_forward_backward replay captured graphs (core/graph_capture.h). Graphs run
 // only on padded micro-batches (TrainLimits' buckets), one set per bucket shape; a shape's first
@@ -314,7 +324,11 @@ class TrainableQwen3VL {
     // One micro-batch's inputs (write_bytes_per_micro_batch): what each further input slot of a
     // full_iteration step graph holds.
     size_t input_bytes = 0;
+    // Host memory of the offloaded activations (TrainLimits::offload).
+    size_t offloaded_bytes = 0;
   };
+  // Host bytes the offloaded activations take (TrainLimits::offload).
+  size_t offloaded_bytes() const { return offload_host_bytes_; }
   static ArenaPlan plan_arena(const ModelConfig& cfg, const TrainLimits& limits,
                               DType compute_dtype, const LossWorkspaceBytes& loss_workspace);
 
@@ -400,6 +414,28 @@ class TrainableQwen3VL {
   FreezeSpec frozen_;
   Arena arena_;
   size_t activation_bytes_ = 0;
+
+  // Activation offload (TrainLimits::offload): each offloaded kind's two device slots and its
+  // host region, one block of per-layer parts; the layer whose tensors each slot holds now.
+  struct OffloadKind {
+    Tensor DecoderLayerBuffers::*field = nullptr;
+    Tensor slots[2];
+    size_t host_offset = 0, layer_bytes = 0;
+  };
+  std::vector<OffloadKind> offload_;
+  size_t offload_host_bytes_ = 0;
+  std::unique_ptr<void, std::function<void(void*)>> offload_host_;
+  // [0]: x_in (the residual stream, layer l's input written by layer l - 1); [1]: the others.
+  int offload_resident_[2][2] = {{-1, -1}, {-1, -1}};
+  bool offload_copies_ = false;  // the micro-batch's forward saves for a backward
+  bool offloads(Tensor DecoderLayerBuffers::*field) const;
+  void* offload_host(const OffloadKind& k, int layer) const;
+  // Around layer l's forward and before its backward (outside any graph).
+  void offload_forward(int l, bool begin);
+  void offload_backward(int l);
+  // Layer l's tensors of group g (0: x_in, 1: the others) into their slots from the host, marked
+  // on the group's copy point for the slot.
+  void offload_reload(int l, int group);
 
   // Graphs: by key (which names every host value the body uses), with their warm-up count.
   struct GraphSet {

@@ -63,6 +63,7 @@ TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu) {
   // that pass is most of a small model's step, so the chunk covers a micro-batch's labels.
   limits.loss_chunk_rows = on_gpu ? 1024 : 256;
   limits.recompute = parse_recompute(r.train.recompute);
+  limits.offload = recipe_offloaded_activations(r);
   limits.moe_capacity.factor = r.model.moe_expert_capacity_factor;
   limits.moe_capacity.pad = r.model.moe_pad_expert_input_to_capacity;
   limits.moe_capacity.policy =

@@ -157,11 +157,32 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     // Queued work may still use the buffers that the members below release.
+    if (copy_stream_) cudaStreamSynchronize(copy_stream_->get());
     if (side_stream_) cudaStreamSynchronize(side_stream_->get());
     if (stream_) cudaStreamSynchronize(stream_->get());
   }
 
   cudaStream_t stream() const { return on_side_ ? side_stream_->get() : stream_->get(); }
+  // The offload copies' stream, made on first use.
+  cudaStream_t copy_stream() {
+    if (!copy_stream_) {
+      copy_stream_ = std::make_unique<cuda::Stream>();
+      copy_fork_ = std::make_unique<cuda::Event>();
+    }
+    return copy_stream_->get();
+  }
+  void queue_copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    bind();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    IRIS_CUDA_CHECK(cudaStreamIsCapturing(stream(), &capturing));
+    IRIS_CHECK(capturing == cudaStreamCaptureStatusNone,
+               "offload copies run between graphs, not inside a capture");
+    if (bytes == 0) return;
+    const cudaStream_t copies = copy_stream();
+    IRIS_CUDA_CHECK(cudaEventRecord(copy_fork_->get(), stream()));
+    IRIS_CUDA_CHECK(cudaStreamWaitEvent(copies, copy_fork_->get(), 0));
+    IRIS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copies));
+  }
   void finish_background_startup() override { heuristics_warmup_.reset(); }
   cuda::LtGemm& gemm() const { return on_side_ ? *side_gemm_ : *gemm_; }
 
@@ -187,6 +208,42 @@ class CudaBackend final : public Backend {
     if (!side_pending_) return;
     IRIS_CUDA_CHECK(cudaStreamWaitEvent(stream_->get(), side_done_->get(), 0));
     side_pending_ = false;
+  }
+
+  void* allocate_host(size_t bytes) override {
+    bind();
+    if (bytes == 0) return nullptr;
+    void* p = nullptr;
+    const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      IRIS_FAIL("could not pin ", bytes, " bytes of host memory for offloaded activations (",
+                cudaGetErrorString(err),
+                "); offload fewer of them (train.offload_activations) or free host memory");
+    }
+    return p;
+  }
+  void free_host(void* ptr) override {
+    if (ptr != nullptr) cudaFreeHost(ptr);  // from destructors: errors are not thrown
+  }
+  void copy_to_host_async(void* host_dst, const Tensor& src) override {
+    check_device(src, "copy_to_host_async");
+    queue_copy(host_dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost);
+  }
+  void copy_from_host_async(const Tensor& dst, const void* host_src) override {
+    check_device(dst, "copy_from_host_async");
+    queue_copy(dst.data, host_src, dst.nbytes(), cudaMemcpyHostToDevice);
+  }
+  void mark_copies(int k) override {
+    bind();
+    IRIS_CHECK(k >= 0 && k < kCopyPoints, "mark_copies: point ", k, " of ", kCopyPoints);
+    if (!copy_points_[k]) copy_points_[k] = std::make_unique<cuda::Event>();
+    IRIS_CUDA_CHECK(cudaEventRecord(copy_points_[k]->get(), copy_stream()));
+  }
+  void wait_copies(int k) override {
+    bind();
+    IRIS_CHECK(k >= 0 && k < kCopyPoints, "wait_copies: point ", k, " of ", kCopyPoints);
+    if (copy_points_[k]) IRIS_CUDA_CHECK(cudaStreamWaitEvent(stream(), copy_points_[k]->get(), 0));
   }
 
   Device device() const override { return Device::cuda; }
@@ -312,6 +369,7 @@ class CudaBackend final : public Backend {
 
   void synchronize() override {
     bind();
+    if (copy_stream_) IRIS_CUDA_CHECK(cudaStreamSynchronize(copy_stream_->get()));
     IRIS_CUDA_CHECK(cudaStreamSynchronize(side_stream_->get()));
     IRIS_CUDA_CHECK(cudaStreamSynchronize(stream_->get()));
   }
@@ -1578,6 +1636,9 @@ class CudaBackend final : public Backend {
   DeviceBuffer argmax_keys_;
   cuda::DecodeScratch scratch_;
   std::unique_ptr<cuda::Stream> side_stream_;
+  std::unique_ptr<cuda::Stream> copy_stream_;
+  std::unique_ptr<cuda::Event> copy_fork_;
+  std::array<std::unique_ptr<cuda::Event>, kCopyPoints> copy_points_;
   std::unique_ptr<cuda::Event> side_fork_, side_done_;
   bool on_side_ = false, side_pending_ = false;
   std::unique_ptr<cuda::Event> timing_marks_[kTimingMarks];
