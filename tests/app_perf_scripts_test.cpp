@@ -205,6 +205,8 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
                                        "1",
                                        "--sharding",
                                        "optimizer_grads_params",
+                                       "--offload-activations",
+                                       "rstd1,attn",
                                        "--cuda-graph-impl",
                                        "local",
                                        "--cuda-graph-modules",
@@ -239,7 +241,7 @@ TEST_F(PerfScriptsTest, EveryOverrideFlagSetsARecipeKeyIrisKnows) {
         "vision_cuda_graph_impl: local", "vision_cuda_graph_modules: [attn]",
         "max_vision_cuda_graph_seq_length: 512", "vision_cuda_graph_buckets: [256, 512]",
         "cuda_graph_warmup_steps: 2", "save_final: false", "eval_interval: 0",
-        "sharding: optimizer_grads_params"})
+        "sharding: optimizer_grads_params", "offload_activations: [rstd1, attn]"})
     EXPECT_NE(dry.output.find(resolved), std::string::npos) << resolved << " in\n" << dry.output;
   // The step profile runs eagerly, so it is given apart from the graph flags.
   std::vector<std::string> profiled = tiny;

@@ -33,6 +33,8 @@
 #   --global-batch-size N          train.global_batch_size
 #   --seq-length N                 train.seq_length
 #   --recompute none|selective|full train.recompute
+#   --offload-activations LIST     train.offload_activations: none, all or a comma list of the
+#                                  decoder layers' activations (act,x_in; docs/training.md)
 #   --data-parallel-size N         parallel.data_parallel_size (default GPUS*NODES/PP when > 1)
 #   --pipeline-parallel-size N     parallel.pipeline_parallel_size
 #   --sharding MODE                parallel.sharding: none|optimizer|optimizer_grads|
@@ -80,6 +82,7 @@ declare -A key_of=(
   [--global-batch-size]=train.global_batch_size
   [--seq-length]=train.seq_length
   [--recompute]=train.recompute
+  [--offload-activations]=train.offload_activations
   [--pipeline-parallel-size]=parallel.pipeline_parallel_size
   [--data-parallel-size]=parallel.data_parallel_size
   [--sharding]=parallel.sharding
@@ -94,10 +97,11 @@ declare -A key_of=(
   [--moe-pad-expert-input-to-capacity]=model.moe_pad_expert_input_to_capacity
   [--moe-token-drop-policy]=model.moe_token_drop_policy
 )
-declare -A is_list=([--cuda-graph-modules]=1 [--vision-cuda-graph-modules]=1 [--vision-buckets]=1)
+declare -A is_list=([--cuda-graph-modules]=1 [--vision-cuda-graph-modules]=1 [--vision-buckets]=1
+  [--offload-activations]=1)
 # The order overrides are written in, so that the command reads like the table above.
 key_flags=(--iters --log-interval --host-probe-steps --op-profile-step --device --micro-batch-size --global-batch-size --seq-length
-  --recompute --data-parallel-size --pipeline-parallel-size --sharding --cuda-graph-impl --cuda-graph-modules
+  --recompute --offload-activations --data-parallel-size --pipeline-parallel-size --sharding --cuda-graph-impl --cuda-graph-modules
   --vision-cuda-graph-impl --vision-cuda-graph-modules --max-vision-graph-seq-len --vision-buckets
   --graph-warmup-steps --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity
   --moe-token-drop-policy)
