@@ -57,8 +57,6 @@ void ShardedWeights::connect(Communicator& comm, std::vector<std::pair<int64_t, 
   planning.alloc(dtype_, {longest});
   shard_arena_ = Arena(*be_, planning.used());
   staging_ = shard_arena_.alloc(dtype_, {longest});
-  // The alignment gaps between tensors are gathered too: zero, not whatever the memory held.
-  be_->fill_zero(staging_);
   shard_ = staging_.slice(0, shard_end_ - shard_begin_);
   // The whole tensors' pieces of every rank's range, before the layers and after them, in the
   // weights the model reads.
@@ -128,6 +126,8 @@ void ShardedWeights::fill_shards(const ModelWeights& source) {
     const int64_t b = std::clamp(ranges_[static_cast<size_t>(q)].first, lb, le);
     const int64_t e = std::clamp(ranges_[static_cast<size_t>(q)].second, b, le);
     const Tensor into = staging_.slice(0, e - b);
+    // The alignment gaps between tensors travel too: zero, not the previous rank's values.
+    be_->fill_zero(into);
     for (size_t i = 0; i < source.bindings.size(); ++i) {
       if (decoder_layer(source.bindings[i].hf_name) < 0) continue;
       const int64_t o = layout_offset(i), n = source.bindings[i].tensor().numel();
