@@ -535,8 +535,7 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
   EXPECT_EQ(recipe_offloaded_activations(load_recipe_text(
                 tiny_recipe(), "r.yaml", {"train.offload_activations=[act, x_in]"})),
             (std::vector<std::string>{"act", "x_in"}));
-  for (const auto& [overrides, want] :
-       std::vector<std::pair<std::vector<std::string>, std::string>>{
+  for (const auto& refused : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"train.offload_activations=[all, act]"}, "none, all, or a list"},
            {{"train.offload_activations=[act, act]"}, "names 'act' twice"},
            {{"train.recompute=selective", "train.offload_activations=[act]"},
@@ -545,8 +544,8 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
             "not implemented yet; set train.offload_activations=none"},
            {{"train.offload_activations=all", "cuda_graph.cuda_graph_impl=full_iteration"},
             "use cuda_graph_impl=local (per-layer graphs) or train.offload_activations=none"}}) {
-    msg = error_of([&] { load_recipe_text(tiny_recipe(), "r.yaml", overrides); });
-    EXPECT_HAS(msg, want);
+    msg = error_of([&refused] { load_recipe_text(tiny_recipe(), "r.yaml", refused.first); });
+    EXPECT_HAS(msg, refused.second);
   }
   msg = error_of([] { load_recipe_text(tiny_recipe(), "r.yaml", {"parallel.sharding=zero3"}); });
   EXPECT_HAS(msg, "parallel.sharding");
