@@ -181,27 +181,13 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     const int64_t moment_elements = sharded ? span / replicas + span % replicas : span;
     const int64_t layers = layer_elements, slot = slot_elements;
     if (sharded_weights) {
-      // training/sharded_weights.h: the tensors outside the decoder layers whole, two layers'
-      // slots and this rank's shard of the layers (its part of the optimizer's shard).
-      // The optimizer's shards tile the trainable tensors in layout order; a rank keeps the
-      // layers' part of its own, and the largest such part is every rank's plan.
-      int64_t shard = 0;
-      for (int q = 0; q < replicas; ++q) {
-        const int64_t b = span / replicas * q, e = q + 1 == replicas ? span : b + span / replicas;
-        int64_t at = 0, in_layers = 0;
-        for (const ParamSpec& p : specs.all()) {
-          if (!p.trainable) continue;
-          if (decoder_layer(p.hf_name) >= 0)
-            in_layers += std::max<int64_t>(0, std::min(e, at + p.numel()) - std::max(b, at));
-          at += p.numel();
-        }
-        shard = std::max(shard, in_layers);
-      }
-      add("weights", (all - layers + 2 * slot + shard) * weight_bytes,
+      // training/sharded_weights.h: the tensors outside the decoder layers whole and two layers'
+      // slots; a rank's part of the layers is its f32 master weights, rounded at each gather.
+      add("weights", (all - layers + 2 * slot) * weight_bytes,
           str_cat(count(all - layers), " outside the decoder layers + 2 layer slots of ",
-                  count(slot), " + this rank's shard of the layers ", count(shard), ", x ",
-                  weight_bytes, " B (", on_gpu ? "bf16" : "f32",
-                  "; parallel.sharding=optimizer_grads_params)"));
+                  count(slot), ", x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",
+                  "; parallel.sharding=optimizer_grads_params: the layers' shard is the master "
+                  "weights)"));
     } else {
       add("weights", all * weight_bytes,
           str_cat(count(all), " parameters x ", weight_bytes, " B (", on_gpu ? "bf16" : "f32",

@@ -240,6 +240,7 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weig
   tables_ = Arena(backend, planning.used());
   plan(tables_);
   std::vector<int64_t> spans(static_cast<size_t>(3 * nt), 0);
+  std::vector<ShardedWeights::MasterPiece> master_pieces;
   for (size_t k = 0; k < mine.size(); ++k) {
     const Row& row = mine[k];
     const auto i = static_cast<size_t>(row.tensor);
@@ -250,14 +251,18 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weig
         working ? offset_in(*working, working->bindings[i].tensor()) + into_tensor : 0;
     if (weight_shard_ != nullptr) {
       const ShardedWeights::Place p = weight_shard_->place(spans[3 * k + 2]);
+      if (p.in_layers)
+        master_pieces.push_back(
+            {spans[3 * k + 2], flat_master_.slice(spans[3 * k], spans[3 * k] + row.length)});
       spans[3 * k + 2] = p.offset;
-      const auto row = static_cast<int64_t>(k);
-      if (working_groups_.empty() || working_groups_.back().buffer != p.buffer)
-        working_groups_.push_back({row, row + 1, p.buffer});
+      const auto at = static_cast<int64_t>(k);
+      if (working_groups_.empty() || working_groups_.back().writes_working == p.in_layers)
+        working_groups_.push_back({at, at + 1, !p.in_layers});
       else
-        working_groups_.back().end = row + 1;
+        working_groups_.back().end = at + 1;
     }
   }
+  if (weight_shard_ != nullptr) weight_shard_->connect_master(std::move(master_pieces));
   be_.write(spans_, spans.data(), DType::i64);
   const std::vector<int64_t> zeros(static_cast<size_t>(nt), 0);
   be_.write(steps_dev_, zeros.data(), DType::i64);
@@ -665,7 +670,8 @@ void AdamW::step(float scheduled_lr, const FreezeSpec& frozen) {
     be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, flat_working_, spans_, hyper_,
                    steps_dev_, lr_, grad_stats_, config_.beta1, config_.beta2, config_.eps);
   for (const WorkingGroup& g : working_groups_)
-    be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_, weight_shard_->buffer(g.buffer),
+    be_.adamw_step(flat_master_, flat_grads_, flat_m_, flat_v_,
+                   g.writes_working ? weight_shard_->whole_weights() : Tensor(),
                    spans_.slice(g.begin, g.end), hyper_.slice(g.begin, g.end),
                    steps_dev_.slice(g.begin, g.end), lr_, grad_stats_, config_.beta1, config_.beta2,
                    config_.eps);

@@ -90,8 +90,8 @@ class AdamW {
   // and `grads` is their layout only, which no rank holds whole; the step exchanges no gradients.
   // weight_shard (sharded, no pipeline; parallel.sharding=optimizer_grads_params,
   // training/sharded_weights.h): `working` is its layout, which no rank holds whole; the update
-  // writes each element of this rank's working range where weight_shard places it, and
-  // weight_shard gathers what the model reads.
+  // writes the working copy of this rank's range outside the decoder layers, the layers' gathers
+  // round this rank's master weights of them, and weight_shard gathers what the model reads.
   AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master, ModelWeights& grads,
         const AdamWConfig& config, ModelWeights* working = nullptr,
         Communicator* shard_over = nullptr, int64_t bucket_elements = int64_t(1) << 25,
@@ -228,10 +228,11 @@ class AdamW {
   ShardSum* grad_shard_ = nullptr;
   ShardedWeights* weight_shard_ = nullptr;
   // With weight_shard_: the update's calls, each over rows [begin, end) of the tables, writing
-  // into weight_shard_->buffer(buffer).
+  // the working copy into weight_shard_->whole_weights(), or (the layers' rows) none: the layers'
+  // gathers round the master weights themselves.
   struct WorkingGroup {
     int64_t begin = 0, end = 0;
-    int buffer = 0;
+    bool writes_working = true;
   };
   std::vector<WorkingGroup> working_groups_;
   // Device memory of at least the longest shard, free between steps, through which init_master

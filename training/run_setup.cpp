@@ -507,7 +507,6 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
       sharded_ ? dp.data_parallel_communicator() : nullptr, int64_t(1) << 25,
       pipelined() ? &stage_tensors_ : nullptr, sharded_grads_ ? &sharded_grads_->shard() : nullptr,
       sharded_weights_.get());
-  if (sharded_weights_) sharded_weights_->fill_shards(*params_);
   if (sharded_) {
     opt_->init_master(*params_);
     // On the CPU the host copy is the weights the model reads (unless they are sharded); on the
@@ -558,9 +557,7 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   else if (opt_->master_bytes() > 0)
     plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
                     opt_->shards(), ")");
-  if (sharded_weights_)
-    plan += str_cat(" (outside the decoder layers, and 2 layer slots) + ",
-                    mib(sharded_weights_->shard_bytes()), " (this rank's shard of the layers)");
+  if (sharded_weights_) plan += " (outside the decoder layers, and 2 layer slots)";
   if (sharded_grads_)
     plan += str_cat(", gradients ", mib(sharded_grads_->local_bytes()),
                     " (outside the decoder layers, and 2 layer slots) + ",

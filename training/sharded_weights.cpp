@@ -50,17 +50,9 @@ void ShardedWeights::connect(Communicator& comm, std::vector<std::pair<int64_t, 
     return std::pair{b, std::clamp(ranges_[static_cast<size_t>(q)].second, b, le)};
   };
   std::tie(shard_begin_, shard_end_) = shard_of(me);
-  int64_t longest = 1;
-  for (int q = 0; q < comm.size(); ++q)
-    longest = std::max(longest, shard_of(q).second - shard_of(q).first);
-  Arena planning;
-  planning.alloc(dtype_, {longest});
-  shard_arena_ = Arena(*be_, planning.used());
-  staging_ = shard_arena_.alloc(dtype_, {longest});
-  shard_ = staging_.slice(0, shard_end_ - shard_begin_);
   // The whole tensors' pieces of every rank's range, before the layers and after them, in the
   // weights the model reads.
-  const Tensor flat = buffer(0);
+  const Tensor flat = whole_weights();
   auto pieces = [&](int q, std::vector<Communicator::Transfer>& out) {
     const auto [b, e] = ranges_[static_cast<size_t>(q)];
     for (const auto& [lo, hi] : {std::pair{int64_t{0}, lb}, std::pair{le, slots_->elements()}}) {
@@ -79,15 +71,29 @@ void ShardedWeights::connect(Communicator& comm, std::vector<std::pair<int64_t, 
 
 ShardedWeights::Place ShardedWeights::place(int64_t o) const {
   IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() first");
-  if (o < slots_->block_begin() || o >= slots_->block_end()) return {0, slots_->local(o)};
+  if (o < slots_->block_begin() || o >= slots_->block_end()) return {false, slots_->local(o)};
   IRIS_CHECK(o >= shard_begin_ && o < shard_end_, "sharded weights: layout element ", o,
              " is not in this rank's shard [", shard_begin_, ", ", shard_end_, ")");
-  return {1, o - shard_begin_};
+  return {true, o - shard_begin_};
 }
 
-Tensor ShardedWeights::buffer(int k) const {
-  if (k == 1) return shard_;
+Tensor ShardedWeights::whole_weights() const {
   return Tensor(weights_->arena.base(), dtype_, be_->device(), {slots_->local_elements()});
+}
+
+void ShardedWeights::connect_master(std::vector<MasterPiece> pieces) {
+  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before connect_master()");
+  std::sort(pieces.begin(), pieces.end(), [](const MasterPiece& a, const MasterPiece& b) {
+    return a.layout_begin < b.layout_begin;
+  });
+  for (const MasterPiece& p : pieces)
+    IRIS_CHECK(p.master.dtype == DType::f32 && p.layout_begin >= shard_begin_ &&
+                   p.layout_begin + p.master.numel() <= shard_end_,
+               "sharded weights: a master piece [", p.layout_begin, ", ",
+               p.layout_begin + p.master.numel(), ") outside this rank's shard [", shard_begin_,
+               ", ", shard_end_, ")");
+  master_ = std::move(pieces);
+  in_slot_[0] = in_slot_[1] = -1;
 }
 
 int64_t ShardedWeights::layout_offset(size_t tensor) const {
@@ -111,63 +117,33 @@ void ShardedWeights::fill_whole(const ModelWeights& source) {
       be_->write(weights_->bindings[i].tensor(), source.bindings[i].tensor().data, DType::f32);
 }
 
-void ShardedWeights::fill_shards(const ModelWeights& source) {
-  IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before fill_shards()");
-  check_source(source, *layout_);
-  in_slot_[0] = in_slot_[1] = -1;
-  const int me = comm_->rank();
-  if (me != 0) {
-    comm_->recv(shard_, 0);
-    be_->synchronize();
-    return;
-  }
-  const int64_t lb = slots_->block_begin(), le = slots_->block_end();
-  for (int q = comm_->size() - 1; q >= 0; --q) {
-    const int64_t b = std::clamp(ranges_[static_cast<size_t>(q)].first, lb, le);
-    const int64_t e = std::clamp(ranges_[static_cast<size_t>(q)].second, b, le);
-    const Tensor into = staging_.slice(0, e - b);
-    // The alignment gaps between tensors travel too: zero, not the previous rank's values.
-    be_->fill_zero(into);
-    for (size_t i = 0; i < source.bindings.size(); ++i) {
-      if (decoder_layer(source.bindings[i].hf_name) < 0) continue;
-      const int64_t o = layout_offset(i), n = source.bindings[i].tensor().numel();
-      const int64_t p0 = std::max(o, b), p1 = std::min(o + n, e);
-      if (p0 < p1)
-        be_->write(into.slice(p0 - b, p1 - b),
-                   static_cast<const float*>(source.bindings[i].tensor().data) + (p0 - o),
-                   DType::f32);
-    }
-    if (q != 0) {
-      comm_->send(into, q);
-      // The next rank's shard reuses the memory.
-      be_->synchronize();
-    }
-  }
-  be_->synchronize();
-}
-
 void ShardedWeights::gather(int l) {
   const LayerSlots::Range& r = slots_->layer(l);
   const Tensor slot =
-      buffer(0).slice(slots_->slot_begin(l), slots_->slot_begin(l) + r.end - r.begin);
+      whole_weights().slice(slots_->slot_begin(l), slots_->slot_begin(l) + r.end - r.begin);
   const int me = comm_->rank();
   sends_.clear();
   recvs_.clear();
   for (int q = 0; q < comm_->size(); ++q) {
+    if (q == me) continue;
     const auto [b, e] = ranges_[static_cast<size_t>(q)];
     const int64_t p0 = std::max(b, r.begin), p1 = std::min(e, r.end);
-    if (p0 >= p1) continue;
-    const Tensor into = slot.slice(p0 - r.begin, p1 - r.begin);
-    if (q == me) {
-      be_->copy(into, shard_.slice(p0 - shard_begin_, p1 - shard_begin_));
-      continue;
-    }
-    recvs_.push_back({into, q});
+    if (p0 < p1) recvs_.push_back({slot.slice(p0 - r.begin, p1 - r.begin), q});
   }
+  // This rank's part, rounded on the backend's stream (the slot's last reader is queued before
+  // it), then sent from the slot. The alignment gaps between its tensors travel unwritten; no
+  // reader looks at them.
   const int64_t m0 = std::max(shard_begin_, r.begin), m1 = std::min(shard_end_, r.end);
+  for (const MasterPiece& p : master_) {
+    const int64_t p0 = std::max(m0, p.layout_begin);
+    const int64_t p1 = std::min(m1, p.layout_begin + p.master.numel());
+    if (p0 < p1)
+      be_->convert(slot.slice(p0 - r.begin, p1 - r.begin),
+                   p.master.slice(p0 - p.layout_begin, p1 - p.layout_begin));
+  }
   if (m0 < m1)
     for (int q = 0; q < comm_->size(); ++q)
-      if (q != me) sends_.push_back({shard_.slice(m0 - shard_begin_, m1 - shard_begin_), q});
+      if (q != me) sends_.push_back({slot.slice(m0 - r.begin, m1 - r.begin), q});
   comm_->begin_detached();
   comm_->exchange(sends_, recvs_, "the sharded weights' gather of a decoder layer");
   comm_->mark_point(kFirstPoint + l % LayerSlots::kSlots);

@@ -13,12 +13,16 @@
 // per-layer graphs keep working, and the gathers overlap the previous layer's compute. A
 // full_iteration graph would hold the collectives inside it; it is refused with this sharding.
 //
-// The shards are the optimizer's (AdamW::connect_weights): rank r's update writes the working
-// copy of one range of the whole layout (layout(), addresses only), and of that range it keeps
-// the part inside the layers' block in a buffer of its own (its shard) and the rest in the
-// weights the model reads, which are gathered whole after every update as the sharded optimizer
-// gathers them. A gathered layer holds the bits each owner's update wrote, so a run gives the
-// losses and gradients of parallel.sharding=optimizer_grads bit for bit.
+// The shards are the optimizer's: rank r's update owns one range of the whole layout (layout(),
+// addresses only). Of that range, the part outside the layers' block is written into the weights
+// the model reads, which are gathered whole after every update as the sharded optimizer gathers
+// them. The part inside the layers' block has no compute-dtype copy at all: a gather rounds the
+// owner's f32 master weights into the slot and sends them from there (FSDP2's sharded f32
+// parameters cast before the all-gather), which saves a bf16 shard, 2 B per layer parameter
+// over N, on every rank (7.3 GiB for Qwen3-VL-8B on 2 GPUs). The rounding is the one the
+// update's own write of a working copy makes, so a gathered layer holds the bits an unsharded
+// update would have written: a run gives the losses and gradients of
+// parallel.sharding=optimizer_grads bit for bit.
 //
 // Every rank must run the same hooks in the same order (the gathers are exchanges): forwards
 // and backwards are the same on every rank, and a training micro-batch whose backward did not run
@@ -51,26 +55,30 @@ class ShardedWeights {
   ModelWeights& weights() { return *weights_; }
   // The whole layout the optimizer's working ranges refer to (addresses only, no memory).
   ModelWeights& layout() { return *layout_; }
-  // Bytes the weights take on this rank: the whole tensors and the two slots; and its shard.
+  // Bytes the weights take on this rank: the whole tensors and the two slots.
   size_t local_bytes() const { return weights_->arena.capacity(); }
-  size_t shard_bytes() const { return shard_arena_.capacity(); }
 
   // From the optimizer, once it has sharded its state (before the first step): rank r's update
   // writes the working copy of elements ranges[r] of layout(); the ranges tile it in rank order.
   void connect(Communicator& comm, std::vector<std::pair<int64_t, int64_t>> ranges);
-  // Where the update writes layout element o of this rank's range: buffer(k), element offset.
+  // Where the update writes layout element o of this rank's range: at element `offset` of
+  // whole_weights(), or (in_layers) nowhere, the gathers reading the master weights instead.
   struct Place {
-    int buffer = 0;
+    bool in_layers = false;
     int64_t offset = 0;
   };
   Place place(int64_t o) const;
-  // 0: the weights the model reads, flat; 1: this rank's shard of the layers.
-  Tensor buffer(int k) const;
-  // From `source` (f32 on the host, the whole model's bindings): the whole tensors, and (every
-  // rank calls it, after connect) every rank's shard from rank 0's source, which is the truth as
-  // the weights' broadcast makes it (training/data_parallel.h).
+  // The weights the model reads, flat.
+  Tensor whole_weights() const;
+  // From the optimizer, after connect(): where this rank's master weights of the layers are,
+  // each piece the f32 values of layout elements [layout_begin, layout_begin + numel).
+  struct MasterPiece {
+    int64_t layout_begin = 0;
+    Tensor master;
+  };
+  void connect_master(std::vector<MasterPiece> pieces);
+  // The whole tensors from `source` (f32 on the host, the whole model's bindings).
   void fill_whole(const ModelWeights& source);
-  void fill_shards(const ModelWeights& source);
 
   // The model's hook (TrainableQwen3VL::on_layer): layer l's forward or backward begins (its
   // weights must be in its slot) or has been queued.
@@ -82,7 +90,8 @@ class ShardedWeights {
  private:
   // Where tensor i starts in layout(), elements.
   int64_t layout_offset(size_t tensor) const;
-  // Layer l into its slot: this rank's piece copied, every other rank's received, detached.
+  // Layer l into its slot: this rank's piece rounded from its master weights, every other
+  // rank's received, detached.
   void gather(int l);
   // Layer l is in its slot (gathered now if not), and the backend's later work waits for it.
   void ensure(int l);
@@ -97,9 +106,7 @@ class ShardedWeights {
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // by rank, of the layout
   // This rank's shard: elements [shard_begin_, shard_end_) of the layout, inside the layers'.
   int64_t shard_begin_ = 0, shard_end_ = 0;
-  Arena shard_arena_;
-  Tensor shard_;
-  Tensor staging_;  // the shard's memory, as long as the longest rank's (fill_shards)
+  std::vector<MasterPiece> master_;  // in layout order
   int in_slot_[LayerSlots::kSlots] = {-1, -1};
   // The whole tensors' gather after an update: this rank's pieces to every other rank, theirs in.
   std::vector<Communicator::Transfer> whole_sends_, whole_recvs_;
