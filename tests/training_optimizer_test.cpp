@@ -1,5 +1,6 @@
 // AdamW against torch.optim.AdamW on the tiny fixture (3 steps, golden.json "adamw"), the backward
 // ops against finite differences, freezing, learning-rate schedules and optimizer state resume.
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -578,6 +579,51 @@ TEST(AdamW, NonFiniteGradientChangesNothingOnCuda) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   auto be = make_cuda_backend(0);
   expect_non_finite_step_changes_nothing(*be);
+}
+
+// parallel.sharding=optimizer_grads_params keeps no working copy of the decoder layers: each
+// gather rounds the master weights with `convert` (training/sharded_weights.h). That gives the
+// bits of the unsharded run only where convert rounds as the update's own write does, ties and
+// subnormals included.
+TEST(AdamW, TheWorkingCopyIsTheMasterWeightsConvertedOnCuda) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto be = make_cuda_backend(0);
+  const ModelConfig cfg = ModelConfig::from_file(test::fixture_dir() + "/config.json");
+  auto params = allocate_weights(*be, cfg, DType::f32);
+  auto grads = allocate_weights(*be, cfg, DType::f32);
+  auto working = allocate_weights(*be, cfg);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (size_t i = 0; i < params->bindings.size(); ++i) {
+    const Tensor p = params->bindings[i].tensor();
+    std::vector<float> v(static_cast<size_t>(p.numel()));
+    for (float& x : v) x = nd(rng);
+    // Exact bf16 ties and subnormals, which a rounding that differs would split.
+    if (v.size() >= 4) {
+      v[0] = std::bit_cast<float>(uint32_t{0x3f808000});
+      v[1] = std::bit_cast<float>(uint32_t{0x3f818000});
+      v[2] = std::bit_cast<float>(uint32_t{0x00012345});
+      v[3] = -std::bit_cast<float>(uint32_t{0x0000ffff});
+    }
+    be->write(p, v.data(), DType::f32);
+    for (float& x : v) x = nd(rng) * 1e-2f;
+    be->write(grads->bindings[i].tensor(), v.data(), DType::f32);
+  }
+  AdamW opt(*be, cfg, params.get(), *grads, AdamWConfig{}, working.get());
+  auto bits = [&](const Tensor& t) {
+    std::vector<uint16_t> v(static_cast<size_t>(t.numel()));
+    be->read(v.data(), DType::bf16, t);
+    return v;
+  };
+  auto converted = allocate_weights(*be, cfg);
+  for (int step = 0; step < 3; ++step) {
+    opt.step(1e-2f);
+    for (size_t i = 0; i < params->bindings.size(); ++i) {
+      be->convert(converted->bindings[i].tensor(), params->bindings[i].tensor());
+      ASSERT_EQ(bits(converted->bindings[i].tensor()), bits(working->bindings[i].tensor()))
+          << params->bindings[i].hf_name << " after step " << step;
+    }
+  }
 }
 
 // ---- Schedules ---------------------------------------------------------------------------------
