@@ -242,6 +242,46 @@ TEST_F(AppParallelTrainTest, ShardingByLayerGivesTheUnshardedRunBitForBitWithOne
                           /*with_optimizer=*/true);
 }
 
+// An untied embedding and lm_head take turns in one gradient slot (training/sharded_gradients.h):
+// the lm_head's sum runs during the backward and the embedding's after it, so a rank holds one
+// vocabulary-sized gradient instead of two, with the unsharded run's bits (one micro-batch per
+// rank) and gradient sharding's with weight sharding (two).
+TEST_F(AppParallelTrainTest, UntiedEmbeddingAndLmHeadShareOneGradientSlotBitForBit) {
+  const std::string recipe = write_recipe();
+  nlohmann::json config =
+      nlohmann::json::parse(read_text_file(test::fixture_dir() + "/config.json"));
+  config["tie_word_embeddings"] = false;
+  config["text_config"]["tie_word_embeddings"] = false;
+  const std::string untied = (root_ / "untied_config.json").string();
+  write_file_atomic(untied, config.dump(2));
+  for (const int np : {2, 4}) {
+    SCOPED_TRACE("mpirun -np " + std::to_string(np));
+    for (const int per_rank : {1, 2}) {
+      if (np == 4 && per_rank == 2) continue;  // CI's time; 2 ranks cover it
+      SCOPED_TRACE(std::to_string(per_rank) + " micro-batches per rank");
+      const std::string tag = std::to_string(np) + "_" + std::to_string(per_rank);
+      auto run = [&](const std::string& name, const std::string& sharding) {
+        const fs::path dir = root_ / (name + "_" + tag);
+        const Exit e =
+            mpirun(np, {"train", "--recipe", recipe, "model.config=" + untied,
+                        "parallel.data_parallel_size=" + std::to_string(np),
+                        "train.global_batch_size=" + std::to_string(np * per_rank),
+                        "optimizer.weight_decay=0.1", "optimizer.clip_grad=1.0",
+                        "parallel.grad_bucket_elements=5003", "checkpoint.dir=" + dir.string(),
+                        "parallel.sharding=" + sharding});
+        EXPECT_EQ(e.code, 0) << e.output;
+        return std::pair{dir, e.output};
+      };
+      const auto [grads_dir, grads_log] = run("grads", "optimizer_grads");
+      const auto [params_dir, params_log] = run("params", "optimizer_grads_params");
+      expect_same_three_steps(grads_dir, params_dir, params_log, /*with_optimizer=*/true);
+      if (per_rank != 1) continue;
+      const auto [plain_dir, plain_log] = run("plain", "optimizer");
+      expect_same_three_steps(plain_dir, grads_dir, grads_log, /*with_optimizer=*/true);
+    }
+  }
+}
+
 // Weight sharding with per-layer decoder graphs and vision graphs (through the recording stand-in
 // on the CPU): each layer's graphs are captured against its slot and replayed while the layers
 // take turns in it, with eager's losses and checkpoints bit for bit (Megatron-LM PR #4232's test:

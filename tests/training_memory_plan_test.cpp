@@ -213,6 +213,27 @@ TEST(MemoryPlan, WeightShardingHoldsTwoLayerSlotsAndNoComputeDtypeCopyOfTheLayer
   EXPECT_EQ(item(s, "AdamW moments").bytes, shard * 8);
 }
 
+// Gradient sharding holds an untied embedding's and lm_head's gradients in one slot: the untied
+// model's plan holds no more of them than the tied one's, beside its larger shard of the sums.
+TEST(MemoryPlan, GradientShardingHoldsOneVocabularySlotForAnUntiedEmbeddingAndLmHead) {
+  const Recipe r =
+      tiny_recipe({"parallel.data_parallel_size=4", "parallel.sharding=optimizer_grads"});
+  ModelConfig untied = r.model_config;
+  ASSERT_TRUE(untied.tie_word_embeddings);
+  untied.tie_word_embeddings = false;
+  const int64_t vocab = int64_t(untied.text.vocab_size) * untied.text.hidden_size;
+  const Counts c = count_parameters(r.model_config);
+  const int64_t tied_shard = c.all() / 4 + c.all() % 4;
+  const int64_t untied_shard = (c.all() + vocab) / 4 + (c.all() + vocab) % 4;
+  const StageMemory tied = plan_training_memory(r, r.model_config, true, 0).per_stage[0];
+  const StageMemory plan = plan_training_memory(r, untied, true, 0).per_stage[0];
+  EXPECT_EQ(item(plan, "gradients").bytes - item(tied, "gradients").bytes,
+            (untied_shard - tied_shard) * 4);
+  EXPECT_NE(item(plan, "gradients").how.find("the embedding and lm_head in one slot"),
+            std::string::npos);
+  EXPECT_EQ(item(tied, "gradients").how.find("in one slot"), std::string::npos);
+}
+
 TEST(MemoryPlan, PipelineStagesHoldTheirOwnMomentsAndActivationsInFlight) {
   const Recipe r = tiny_recipe({"parallel.pipeline_parallel_size=2"});
   const Counts c = count_parameters(r.model_config);

@@ -4,6 +4,7 @@
 // agree element for element.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 #include <vector>
@@ -74,6 +75,36 @@ TEST(ShardedGradients, LayersTakeTurnsInTwoSlotsAndTheLayoutIsTheOptimizers) {
       static_cast<double>(sg.local_bytes()),
       static_cast<double>(full->arena.capacity() - (cfg.text.num_hidden_layers - 2) * layer_bytes),
       Arena::kAlignment);
+}
+
+// Untied, the embedding's and lm_head's gradients share one slot (the loss writes the lm_head's
+// and the backward's end the embedding's), apart from the layers' slots and the other tensors;
+// tied, the one tensor keeps memory of its own.
+TEST(ShardedGradients, AnUntiedEmbeddingAndLmHeadShareOneSlot) {
+  Recipe r = tiny_recipe();
+  ModelConfig cfg = r.model_config;
+  ASSERT_TRUE(cfg.tie_word_embeddings) << "the fixture's tied case is the test above";
+  auto be = make_cpu_backend();
+  const ParamSpecs tied_specs(cfg, FreezeSpec{}, DType::f32);
+  ShardedGradients tied(*be, cfg, tied_specs);
+  cfg.tie_word_embeddings = false;
+  const ParamSpecs specs(cfg, FreezeSpec{}, DType::f32);
+  ShardedGradients sg(*be, cfg, specs);
+  const ModelWeights& g = sg.grads();
+  ASSERT_TRUE(g.text.embed.defined() && g.text.lm_head.defined());
+  EXPECT_EQ(g.text.embed.data, g.text.lm_head.data);
+  const char* vocab = static_cast<const char*>(g.text.embed.data);
+  const size_t vocab_bytes = std::max(g.text.embed.nbytes(), g.text.lm_head.nbytes());
+  for (const WeightBinding& b : g.bindings) {
+    if (!b.allocated() || b.tensor().data == g.text.embed.data) continue;
+    const char* p = static_cast<const char*>(b.tensor().data);
+    EXPECT_TRUE(p + b.tensor().nbytes() <= vocab || p >= vocab + vocab_bytes) << b.hf_name;
+  }
+  // As much as the tied model's, whose one vocabulary-sized gradient the slot replaces.
+  EXPECT_NEAR(static_cast<double>(sg.local_bytes()), static_cast<double>(tied.local_bytes()),
+              2.0 * Arena::kAlignment);
+  // The layout the optimizer follows still gives each its own elements.
+  EXPECT_NE(sg.layout().text.embed.data, sg.layout().text.lm_head.data);
 }
 
 // A frozen language model leaves no layer with gradients: nothing takes turns.

@@ -196,13 +196,24 @@ MemoryPlan plan_training_memory(const Recipe& r, const ModelConfig& cfg, bool on
     }
     if (sharded_grads) {
       // training/sharded_gradients.h: the tensors outside the decoder layers whole, two layers'
-      // slots and this rank's shard of the sums.
-      const int64_t held = trainable - layers + 2 * slot + moment_elements;
+      // slots and this rank's shard of the sums; an untied embedding and lm_head, both trained,
+      // share one slot.
+      int64_t embed = 0, head = 0;
+      for (const ParamSpec& p : specs.all()) {
+        if (!p.trainable) continue;
+        if (p.hf_name == "lm_head.weight") head = p.numel();
+        if (p.hf_name.ends_with("embed_tokens.weight")) embed = p.numel();
+      }
+      const int64_t shared = cfg.tie_word_embeddings || embed == 0 || head == 0
+                                 ? 0
+                                 : embed + head - std::max(embed, head);
+      const int64_t held = trainable - layers - shared + 2 * slot + moment_elements;
       add("gradients", held * 4,
-          str_cat(count(trainable - layers), " outside the decoder layers + 2 layer slots of ",
-                  count(slot), " + this rank's 1/", replicas, " shard of the sums ",
-                  count(moment_elements), ", x 4 B (f32; parallel.sharding=", r.parallel.sharding,
-                  ")"));
+          str_cat(count(trainable - layers - shared), " outside the decoder layers",
+                  shared > 0 ? " (the embedding and lm_head in one slot)" : "",
+                  " + 2 layer slots of ", count(slot), " + this rank's 1/", replicas,
+                  " shard of the sums ", count(moment_elements),
+                  ", x 4 B (f32; parallel.sharding=", r.parallel.sharding, ")"));
     } else {
       add("gradients", trainable * 4,
           str_cat(count(trainable), " trainable parameters x 4 B (f32)",

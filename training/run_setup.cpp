@@ -489,6 +489,14 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
       m->on_layer([sg = sharded_grads_.get(), sw = sharded_weights_.get()](int layer, Pass pass,
                                                                            bool begin) {
         const bool backward = pass == Pass::backward;
+        if (layer == TrainableQwen3VL::kLmHeadGradient ||
+            layer == TrainableQwen3VL::kEmbeddingGradient) {
+          sg->vocab(layer == TrainableQwen3VL::kLmHeadGradient
+                        ? ShardedGradients::VocabUnit::lm_head
+                        : ShardedGradients::VocabUnit::embedding,
+                    begin);
+          return;
+        }
         if (layer < 0) {
           if (sw == nullptr) {
             sg->micro_batch_done();

@@ -1,8 +1,24 @@
 #include "training/sharded_gradients.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "core/error.h"
 
 namespace iris {
+
+namespace {
+
+constexpr int64_t kAlign = static_cast<int64_t>(Arena::kAlignment / sizeof(float));
+int64_t aligned(int64_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+// The communicator's points 0 and 1 are the layer slots', 2 and 3 the weight slots'
+// (training/sharded_weights.cpp).
+constexpr int kVocabPoint = 4;
+static_assert(kVocabPoint < Communicator::kPoints);
+
+}  // namespace
 
 ShardedGradients::ShardedGradients(Backend& be, const ModelConfig& cfg, const ParamSpecs& specs)
     : be_(&be) {
@@ -10,15 +26,57 @@ ShardedGradients::ShardedGradients(Backend& be, const ModelConfig& cfg, const Pa
   n_ = static_cast<int64_t>(layout_->arena.capacity() / sizeof(float));
   slots_ = std::make_unique<LayerSlots>(*layout_, cfg.text.num_hidden_layers, sizeof(float));
   summed_.assign(static_cast<size_t>(slots_->layers()), false);
-  const int64_t local = slots_->local_elements();
+  // An untied embedding and lm_head, both trained: the embedding lies before the layers' block
+  // and the lm_head after it (training/layer_slots.h), each starting on the arena's alignment.
+  const Tensor& embed = layout_->text.embed;
+  const Tensor& head = layout_->text.lm_head;
+  if (embed.defined() && head.defined() && embed.data != head.data) {
+    auto at = [&](const Tensor& t) {
+      return (static_cast<const char*>(t.data) - static_cast<const char*>(layout_->arena.base())) /
+             static_cast<int64_t>(sizeof(float));
+    };
+    // With the alignment gap after each, as a layer's range has (a zero sum).
+    auto unit = [&](const Tensor& t) {
+      return Unit{at(t), std::min(aligned(t.numel()), n_ - at(t))};
+    };
+    units_[int(VocabUnit::embedding)] = unit(embed);
+    units_[int(VocabUnit::lm_head)] = unit(head);
+    IRIS_CHECK(units_[int(VocabUnit::embedding)].begin + units_[int(VocabUnit::embedding)].length <=
+                       slots_->block_begin() &&
+                   units_[int(VocabUnit::lm_head)].begin >= slots_->block_end(),
+               "sharded gradients: the embedding must lie before the decoder layers and the "
+               "lm_head after them");
+  }
+  const int64_t removed =
+      units_[int(VocabUnit::embedding)].length + units_[int(VocabUnit::lm_head)].length;
+  vocab_local_ = aligned(slots_->local_elements() - removed);
+  const int64_t local_elements = vocab_local_ + std::max(units_[int(VocabUnit::embedding)].length,
+                                                         units_[int(VocabUnit::lm_head)].length);
   grads_ = allocate_weights_placed(
-      be, cfg, DType::f32, specs.trainable_filter(), static_cast<size_t>(local) * sizeof(float),
-      [this](size_t offset) {
-        return static_cast<size_t>(slots_->local(static_cast<int64_t>(offset / sizeof(float)))) *
+      be, cfg, DType::f32, specs.trainable_filter(),
+      static_cast<size_t>(local_elements) * sizeof(float), [this](size_t offset) {
+        return static_cast<size_t>(local(static_cast<int64_t>(offset / sizeof(float)))) *
                sizeof(float);
       });
   if (grads_->arena.capacity() > 0)
-    be.fill_zero(Tensor(grads_->arena.base(), DType::f32, be.device(), {local}));
+    be.fill_zero(Tensor(grads_->arena.base(), DType::f32, be.device(), {local_elements}));
+}
+
+int64_t ShardedGradients::local(int64_t o) const {
+  const Unit& e = units_[int(VocabUnit::embedding)];
+  const Unit& h = units_[int(VocabUnit::lm_head)];
+  if (e.length > 0 && o >= e.begin && o < e.begin + e.length) return vocab_local_ + (o - e.begin);
+  if (h.length > 0 && o >= h.begin && o < h.begin + h.length) return vocab_local_ + (o - h.begin);
+  // The other tensors close up over the units' ranges.
+  int64_t shift = 0;
+  if (e.length > 0 && o >= e.begin + e.length) shift += e.length;
+  if (h.length > 0 && o >= h.begin + h.length) shift += h.length;
+  return slots_->local(o) - shift;
+}
+
+Tensor ShardedGradients::vocab_view(VocabUnit unit) const {
+  return Tensor(static_cast<float*>(grads_->arena.base()) + vocab_local_, DType::f32, be_->device(),
+                {units_[int(unit)].length});
 }
 
 void ShardedGradients::connect(Backend& be, Communicator& comm, int64_t bucket_elements) {
@@ -28,8 +86,23 @@ void ShardedGradients::connect(Backend& be, Communicator& comm, int64_t bucket_e
 
 Tensor ShardedGradients::slot_view(int l) const {
   const LayerSlots::Range& r = slots_->layer(l);
-  return Tensor(static_cast<float*>(grads_->arena.base()) + slots_->slot_begin(l), DType::f32,
+  return Tensor(static_cast<float*>(grads_->arena.base()) + local(r.begin), DType::f32,
                 be_->device(), {r.end - r.begin});
+}
+
+void ShardedGradients::vocab(VocabUnit unit, bool begin) {
+  IRIS_CHECK(comm_ != nullptr, "sharded gradients: connect() before the first step");
+  Unit& u = units_[int(unit)];
+  if (u.length == 0) return;
+  if (begin) {
+    comm_->wait_point(kVocabPoint);
+    be_->fill_zero(vocab_view(unit));
+    return;
+  }
+  comm_->begin_detached();
+  sum_->add(vocab_view(unit), u.begin, micro_batches_ > 0);
+  comm_->mark_point(kVocabPoint);
+  u.summed = true;
 }
 
 void ShardedGradients::layer(int l, bool begin) {
@@ -49,6 +122,12 @@ void ShardedGradients::layer(int l, bool begin) {
 }
 
 void ShardedGradients::micro_batch_done(const std::function<void(int layer, bool begin)>& around) {
+  auto zeros_of = [this](VocabUnit unit) {
+    if (units_[int(unit)].summed) return;
+    vocab(unit, true);
+    vocab(unit, false);
+  };
+  zeros_of(VocabUnit::lm_head);
   for (int l = slots_->layers() - 1; l >= 0; --l) {
     if (!slots_->holds(l) || summed_[static_cast<size_t>(l)]) continue;
     layer(l, true);
@@ -56,7 +135,9 @@ void ShardedGradients::micro_batch_done(const std::function<void(int layer, bool
     layer(l, false);
     if (around) around(l, false);
   }
+  zeros_of(VocabUnit::embedding);
   summed_.assign(summed_.size(), false);
+  for (Unit& u : units_) u.summed = false;
   ++micro_batches_;
 }
 
@@ -66,12 +147,21 @@ void ShardedGradients::step_done() {
   const float* base = static_cast<const float*>(grads_->arena.base());
   auto others = [&](int64_t layout_begin, int64_t layout_end) {
     if (layout_end > layout_begin)
-      sum_->add(Tensor(const_cast<float*>(base) + slots_->local(layout_begin), DType::f32,
-                       be_->device(), {layout_end - layout_begin}),
+      sum_->add(Tensor(const_cast<float*>(base) + local(layout_begin), DType::f32, be_->device(),
+                       {layout_end - layout_begin}),
                 layout_begin, false);
   };
-  others(0, slots_->block_begin());
-  others(slots_->block_end(), n_);
+  // Everything outside the layers' block and the vocabulary units, in layout order.
+  std::vector<std::pair<int64_t, int64_t>> skip{{slots_->block_begin(), slots_->block_end()}};
+  for (const Unit& u : units_)
+    if (u.length > 0) skip.push_back({u.begin, u.begin + u.length});
+  std::sort(skip.begin(), skip.end());
+  int64_t at = 0;
+  for (const auto& [b, e] : skip) {
+    others(at, b);
+    at = e;
+  }
+  others(at, n_);
   comm_->end_detached();
   micro_batches_ = 0;
 }

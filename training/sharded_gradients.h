@@ -4,19 +4,24 @@
 // The gradients the model writes are laid out as the optimizer's flat buffers are, except that
 // the decoder layers take turns in two slots (layer l in slot l % 2): the backward finishes layer
 // l + 1, then layer l, so by the time layer l - 2 writes its slot, layer l's gradients have long
-// been sent to their owners. Every other tensor (the vision tower, the mergers, the embedding,
-// the final norm, the lm_head) keeps its gradients for the whole step, and they are summed once
-// after the last micro-batch, as the unsharded reduction sums them. For Qwen3-VL-8B the layers
-// are 90% of the gradients, so a rank holds the other 10%, two layers and its 1/N shard instead
-// of all of them.
+// been sent to their owners. An untied embedding and lm_head take turns in one slot of their own
+// the same way: the loss writes the lm_head's gradient at the end of the forward, which is summed
+// into the owners' shards while the backward runs, and the embedding's backward, the backward's
+// last, writes the slot again. Every other tensor (the vision tower, the mergers, the final norm,
+// a tied embedding) keeps its gradients for the whole step, and they are summed once after the
+// last micro-batch, as the unsharded reduction sums them. For Qwen3-VL-8B the layers are 80% of
+// the gradients and the embedding and lm_head 17%: a rank holds the rest, two layers, one
+// vocabulary-sized slot and its 1/N shard instead of all of them (for Qwen3-VL-32B on 8 GPUs the
+// vocabulary slot saves 2.9 GiB a rank).
 //
 // Per micro-batch, around each layer's backward (TrainableQwen3VL::on_layer): before
 // it writes, the backend waits for the exchange that last read the slot (Communicator::
 // wait_point) and zeroes the slot; after it, the layer's range is summed into the owners'
 // shards while the backward goes on (on CUDA the exchanges run on the communicator's stream,
-// detached). A micro-batch whose backward did not run (no labelled token) sums zeros for every
-// layer in the same order, so every rank posts the same exchanges. The layers' sums of the step's
-// first micro-batch replace the accumulator's contents and later ones add to it; the other
+// detached); the lm_head and the embedding likewise around their writes. A micro-batch whose
+// backward did not run (no labelled token) sums zeros for the lm_head, every layer and the
+// embedding in the same order, so every rank posts the same exchanges. The layers' sums of the
+// step's first micro-batch replace the accumulator's contents and later ones add to it; the other
 // tensors' are summed once: with one micro-batch per rank the accumulator holds the unsharded
 // run's gradients bit for bit (shard_sum.h says what more micro-batches change).
 #pragma once
@@ -57,10 +62,15 @@ class ShardedGradients {
 
   // The model's hook: layer l's backward begins (it will write the slot) or has ended.
   void layer(int l, bool begin);
-  // After each training micro-batch's backward (or in its place). The layers a skipped backward
-  // did not reach are summed as zeros, in the backward's order, each between around(l, true)
-  // and around(l, false) as a backward calls the hooks of everything else that runs by layer
-  // (sharded weights), so that every rank posts the same exchanges in the same order.
+  // The model's hook: the loss is about to write the lm_head's gradient, or the embedding's
+  // backward its, or that write is queued. Nothing where they are not in the vocabulary slot.
+  enum class VocabUnit { lm_head, embedding };
+  void vocab(VocabUnit unit, bool begin);
+  // After each training micro-batch's backward (or in its place). What a skipped backward did not
+  // write is summed as zeros, in its order (the lm_head, the layers, the embedding), each layer
+  // between around(l, true) and around(l, false) as a backward calls the hooks of everything else
+  // that runs by layer (sharded weights), so that every rank posts the same exchanges in the
+  // same order.
   void micro_batch_done(const std::function<void(int layer, bool begin)>& around = {});
   // After the step's last micro-batch: sums the other tensors and orders the backend's later
   // work (the optimizer) after every exchange of the step.
@@ -68,6 +78,10 @@ class ShardedGradients {
 
  private:
   Tensor slot_view(int l) const;
+  // Where layout element o lives in the local buffer: the layers by their slots, the vocabulary
+  // units by theirs, the other tensors in layout order.
+  int64_t local(int64_t o) const;
+  Tensor vocab_view(VocabUnit unit) const;
 
   Backend* be_ = nullptr;
   Communicator* comm_ = nullptr;
@@ -75,7 +89,16 @@ class ShardedGradients {
   int64_t n_ = 0;
   std::unique_ptr<LayerSlots> slots_;
   std::vector<bool> summed_;  // by layer, in the current micro-batch
-  int micro_batches_ = 0;     // of this step, done
+  // The vocabulary units, by VocabUnit: their elements [begin, begin + length) of the layout
+  // (length rounded up to the arena's alignment; 0: not in the slot), and the slot's start in the
+  // local buffer.
+  struct Unit {
+    int64_t begin = 0, length = 0;
+    bool summed = false;  // in the current micro-batch
+  };
+  Unit units_[2];
+  int64_t vocab_local_ = 0;
+  int micro_batches_ = 0;  // of this step, done
   std::unique_ptr<ShardSum> sum_;
 };
 

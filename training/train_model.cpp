@@ -1789,7 +1789,11 @@ void TrainableQwen3VL::text_forward(bool layer_graphs, bool backward, const Tens
                             m_.text_real_rows_, m_.moe_layers_,
                             coef / static_cast<float>(m_.micro_batches_in_step_));
       }
+      // Training writes the lm_head's gradient (the embedding's, tied).
+      const bool writes_head = backward_ && m_.trains_lm_;
+      if (writes_head) m_.layer_event(kLmHeadGradient, LayerPass::forward, true);
       m_.loss(backward_, loss_out_);
+      if (writes_head) m_.layer_event(kLmHeadGradient, LayerPass::forward, false);
     }
 
    private:
@@ -1964,9 +1968,12 @@ void TrainableQwen3VL::text_backward(bool layer_graphs) {
     void embed() override {
       TrainableQwen3VL& m = m_;
       DecoderWeights& g = m.grads_->text;
-      if (lm_ && g.embed.defined())
+      if (lm_ && g.embed.defined()) {
+        m.layer_event(kEmbeddingGradient, LayerPass::backward, true);
         m.be_.embedding_backward(g.embed, scratch_.dres, m.ids_.slice(0, m.L_),
                                  m.cfg_.image_token_id);
+        m.layer_event(kEmbeddingGradient, LayerPass::backward, false);
+      }
       m.gradient_final(g.embed);
       if (m.n_pad_ > 0)
         m.be_.gather_rows(m.d_embeds_.slice(0, m.n_pad_), dres_sink_,

@@ -279,8 +279,12 @@ class TrainableQwen3VL {
   // once it is queued, in every forward (training and evaluation); with (l, backward, true)
   // before layer l's backward reads its weights and writes its gradients and (l, backward,
   // false) once it is queued, where the language model trains; and with (-1, backward, false)
-  // after each training micro-batch, whether or not its backward ran. Always outside any graph
-  // (refused with full_iteration graphs). Empty: none.
+  // after each training micro-batch, whether or not its backward ran. Where the language model
+  // trains, also with (kLmHeadGradient, forward, true / false) around a training forward's loss,
+  // which writes the lm_head's gradient, and (kEmbeddingGradient, backward, true / false) around
+  // the embedding's backward. Always outside any graph (refused with full_iteration graphs).
+  // Empty: none.
+  static constexpr int kLmHeadGradient = -2, kEmbeddingGradient = -3;
   enum class LayerPass { forward, backward };
   using LayerHook = std::function<void(int layer, LayerPass pass, bool begin)>;
   void on_layer(LayerHook hook) { layer_hook_ = std::move(hook); }
