@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <sstream>
 
 #include "core/backend.h"
 #include "core/error.h"
@@ -477,10 +478,14 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
           x.optimizer.distributed = true;
           x.parallel.sharding = sharding;
           const int64_t p = peak_with(x);
-          if (p <= plan.device_bytes)
-            more_gpus =
-                str_cat(*settings, settings->empty() ? "" : " ", "parallel.data_parallel_size=", n,
-                        " parallel.sharding=", sharding, " (", gib(p), " per GPU)");
+          if (p > plan.device_bytes) continue;
+          // The other changes, without the sharding this one replaces.
+          std::string others;
+          std::istringstream words(*settings);
+          for (std::string w; words >> w;)
+            if (!w.starts_with("parallel.sharding=")) others += w + " ";
+          more_gpus = str_cat(others, "parallel.data_parallel_size=", n,
+                              " parallel.sharding=", sharding, " (", gib(p), " per GPU)");
         }
       }
     // What every GPU holds whole today whatever the layout: the weights and gradients of the
