@@ -7,14 +7,15 @@
 
 namespace iris {
 
-ShardSum::ShardSum(Backend& be, Communicator& comm, int64_t n, int64_t bucket_elements)
-    : be_(be), comm_(comm), n_(n) {
+ShardSum::ShardSum(Backend& be, Communicator& comm, int64_t base, int64_t n,
+                   int64_t bucket_elements)
+    : be_(be), comm_(comm), base_(base), n_(n) {
   IRIS_CHECK(comm.device() == be.device(), "ShardSum: the communicator (", comm.name(),
              ") is not on the backend's device");
   IRIS_CHECK(bucket_elements > 0, "ShardSum: bucket_elements must be > 0");
   const int world = comm.size();
-  begin_ = ShardExchange::begin(n, world, comm.rank());
-  end_ = ShardExchange::end(n, world, comm.rank());
+  begin_ = base + ShardExchange::begin(n, world, comm.rank());
+  end_ = base + ShardExchange::end(n, world, comm.rank());
   // The last rank's shard is the longest.
   const int64_t longest =
       ShardExchange::end(n, world, world - 1) - ShardExchange::begin(n, world, world - 1);
@@ -32,10 +33,11 @@ ShardSum::ShardSum(Backend& be, Communicator& comm, int64_t n, int64_t bucket_el
 }
 
 void ShardSum::add(const Tensor& local, int64_t at, bool accumulate) {
-  IRIS_CHECK(local.dtype == DType::f32 && local.device == comm_.device() && at >= 0 &&
-                 at + local.numel() <= n_,
+  IRIS_CHECK(local.dtype == DType::f32 && local.device == comm_.device() && at >= base_ &&
+                 at + local.numel() <= base_ + n_,
              "ShardSum::add: f32 elements [", at, ", ", at + local.numel(),
-             ") on the communicator's device, inside a layout of ", n_);
+             ") on the communicator's device, inside the tiled range [", base_, ", ", base_ + n_,
+             ")");
   const int world = comm_.size(), me = comm_.rank();
   const int64_t len = local.numel();
   const Tensor flat = local.view({len});
@@ -45,8 +47,8 @@ void ShardSum::add(const Tensor& local, int64_t at, bool accumulate) {
     sends_.clear();
     recvs_.clear();
     for (int r = 0; r < world; ++r) {
-      const int64_t p0 = std::max(g0, ShardExchange::begin(n_, world, r));
-      const int64_t p1 = std::min(g1, ShardExchange::end(n_, world, r));
+      const int64_t p0 = std::max(g0, base_ + ShardExchange::begin(n_, world, r));
+      const int64_t p1 = std::min(g1, base_ + ShardExchange::end(n_, world, r));
       if (p0 < p1) sends_.push_back({flat.slice(p0 - at, p1 - at), r});
     }
     const int64_t m0 = std::max(g0, begin_), m1 = std::min(g1, end_);

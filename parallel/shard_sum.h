@@ -26,8 +26,9 @@ namespace iris {
 
 class ShardSum {
  public:
-  // n: elements of the flat layout the shards tile.
-  ShardSum(Backend& be, Communicator& comm, int64_t n, int64_t bucket_elements);
+  // The shards tile elements [base, base + n) of the flat layout (all of it, or a pipeline
+  // stage's span); begin(), end() and add()'s `at` are elements of the layout.
+  ShardSum(Backend& be, Communicator& comm, int64_t base, int64_t n, int64_t bucket_elements);
 
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
@@ -35,15 +36,15 @@ class ShardSum {
   Tensor sums() const { return acc_.slice(0, end_ - begin_); }
   // The accumulator, as long as the longest shard of any rank (for staging a shard between steps).
   const Tensor& accumulator() const { return acc_; }
-  // Sums every rank's `local` (elements [at, at + local.numel()) of the layout, f32) into the
-  // owners' accumulators.
+  // Sums every rank's `local` (elements [at, at + local.numel()) of the layout, inside the
+  // tiled range, f32) into the owners' accumulators.
   void add(const Tensor& local, int64_t at, bool accumulate);
   size_t bytes() const { return arena_.capacity(); }
 
  private:
   Backend& be_;
   Communicator& comm_;
-  int64_t n_ = 0, begin_ = 0, end_ = 0, chunk_ = 0;
+  int64_t base_ = 0, n_ = 0, begin_ = 0, end_ = 0, chunk_ = 0;
   Arena arena_;
   Tensor acc_, scratch_;
   std::vector<Communicator::Transfer> sends_, recvs_;

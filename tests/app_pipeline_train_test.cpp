@@ -4,7 +4,8 @@
 // of a pipelined run resume in one process and the reverse; and a stage that stops responding
 // ends every rank with a non-zero status within parallel.timeout_seconds. The sharded optimizer
 // (optimizer.distributed) over 2 stages x 2 replicas gives the unsharded grid bit for bit and
-// its checkpoints resume in one process and the reverse.
+// its checkpoints resume in one process and the reverse; so does sharding by layer
+// (optimizer_grads, optimizer_grads_params) with one micro-batch per replica.
 //
 // Why a tolerance and not bit equality: the tiny fixture ties its embeddings, so the embedding's
 // gradient has two parts, the lookup's (stage 0) and the lm_head's (the last stage). One process
@@ -209,6 +210,84 @@ TEST_F(AppPipelineTrainTest, ShardedOptimizerOverStagesTimesReplicasGivesTheUnsh
     EXPECT_TRUE(read_text_file((plain / "step_0000003" / file).string()) ==
                 read_text_file((sharded / "step_0000003" / file).string()))
         << file << " differs";
+}
+
+// Sharding by layer (parallel.sharding=optimizer_grads and optimizer_grads_params) over 2 stages x
+// 2 replicas: each stage's replicas sum its layers' gradients into their shards of the stage's
+// span as its backwards write them, and with weight sharding gather its layers into two slots.
+// With one micro-batch per replica the sums are the unsharded grid's, so the losses, gradient
+// norms and checkpoint files equal it bit for bit, tied (the embedding's sum over the replicas
+// and across the stages first, as unsharded) and untied (the lm_head's gradient on the last
+// stage and the embedding's on the first, each in its stage's vocabulary slot); with two, 1F1B
+// interleaves the micro-batches' forwards and backwards and weight sharding gives gradient
+// sharding's bits, eager and with per-layer graphs.
+TEST_F(AppPipelineTrainTest, ShardingByLayerOverStagesTimesReplicasGivesTheUnshardedGrid) {
+  const std::string recipe = write_recipe();
+  nlohmann::json config =
+      nlohmann::json::parse(read_text_file(test::fixture_dir() + "/config.json"));
+  config["tie_word_embeddings"] = false;
+  config["text_config"]["tie_word_embeddings"] = false;
+  const std::string untied = (root_ / "untied_config.json").string();
+  write_file_atomic(untied, config.dump(2));
+  const std::vector<std::string> files{
+      "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+      "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"};
+  auto expect_same = [&](const fs::path& want, const fs::path& got, const std::string& log) {
+    for (const char* key : {"loss", "grad_norm"}) {
+      const std::vector<double> a = losses(want, key), b = losses(got, key);
+      ASSERT_EQ(a.size(), 3u) << key;
+      EXPECT_EQ(b, a) << key << "\n" << log;
+    }
+    for (const std::string& file : files)
+      EXPECT_TRUE(read_text_file((want / "step_0000003" / file).string()) ==
+                  read_text_file((got / "step_0000003" / file).string()))
+          << file << " differs";
+  };
+  for (const bool tied : {true, false}) {
+    for (const int per_replica : {1, 2}) {
+      if (!tied && per_replica == 2) continue;  // CI's time; the tied grid covers 1F1B
+      const std::string tag =
+          std::string(tied ? "tied" : "untied") + "_" + std::to_string(per_replica);
+      SCOPED_TRACE(tag);
+      auto run = [&](const std::string& sharding, bool graphs = false) {
+        const fs::path dir = root_ / (sharding + (graphs ? "_graphs_" : "_") + tag);
+        std::vector<std::string> args{
+            "train", "--recipe", recipe, "parallel.pipeline_parallel_size=2",
+            "parallel.data_parallel_size=2",
+            "train.global_batch_size=" + std::to_string(2 * per_replica),
+            // Several chunks per layer.
+            "parallel.grad_bucket_elements=5003", "checkpoint.dir=" + dir.string(),
+            "parallel.sharding=" + sharding};
+        if (!tied) args.push_back("model.config=" + untied);
+        if (graphs)
+          for (const char* g :
+               {"cuda_graph.cuda_graph_impl=local", "cuda_graph.vision_cuda_graph_impl=local",
+                "cuda_graph.cuda_graph_warmup_steps=1"})
+            args.push_back(g);
+        const Exit e = mpirun(4, args);
+        EXPECT_EQ(e.code, 0) << e.output;
+        return std::pair{dir, e.output};
+      };
+      const auto [grads_dir, grads_log] = run("optimizer_grads");
+      const auto [params_dir, params_log] = run("optimizer_grads_params");
+      EXPECT_NE(grads_log.find("(this rank's shard of the sums"), std::string::npos) << grads_log;
+      expect_same(grads_dir, params_dir, params_log);
+      if (per_replica != 1) {
+        // Per-layer graphs (the recording stand-in), captured against the slots: eager's bits.
+        const auto [graphs_dir, graphs_log] = run("optimizer_grads_params", true);
+        EXPECT_NE(graphs_log.find("graphs: decoder local (layers 0-1)"), std::string::npos)
+            << graphs_log;
+        const size_t captured = graphs_log.find(" captured in ");
+        ASSERT_NE(captured, std::string::npos) << graphs_log;
+        EXPECT_EQ(graphs_log.rfind("graphs: 0 captured", captured), std::string::npos)
+            << graphs_log;
+        expect_same(params_dir, graphs_dir, graphs_log);
+        continue;
+      }
+      const auto [plain_dir, plain_log] = run("optimizer");
+      expect_same(plain_dir, grads_dir, grads_log);
+    }
+  }
 }
 
 // A checkpoint written by two stages (each its own shard of the weights and of the optimizer

@@ -393,9 +393,8 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
        }},
       {"parallel.sharding=optimizer_grads",
        [](Recipe& x) {
-         // Gradient sharding runs without pipeline stages and full_iteration graphs only.
+         // Gradient sharding runs without full_iteration graphs only.
          if (x.parallel.sharding == "optimizer_grads" || x.parallel.data_parallel_size < 2 ||
-             x.parallel.pipeline_parallel_size > 1 ||
              x.cuda_graph.language.impl == GraphImpl::full_iteration)
            return false;
          x.optimizer.distributed = true;
@@ -406,7 +405,6 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
        [](Recipe& x) {
          // Weight sharding also needs the layers' weights trainable.
          if (x.parallel.sharding == "optimizer_grads_params" || x.parallel.data_parallel_size < 2 ||
-             x.parallel.pipeline_parallel_size > 1 ||
              x.cuda_graph.language.impl == GraphImpl::full_iteration ||
              x.train.freeze_language_model || x.peft.lora())
            return false;
@@ -463,9 +461,8 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
          {std::pair{&same_training, &same_training_settings}, {&together, &together_settings}})
       for (int64_t n = std::max<int64_t>(2, r.parallel.data_parallel_size * 2);
            n <= 64 && more_gpus.empty(); n *= 2) {
-        // Gradient sharding runs without pipeline stages and full_iteration graphs only.
-        const bool grads_too = r.parallel.pipeline_parallel_size == 1 &&
-                               r.cuda_graph.language.impl != GraphImpl::full_iteration;
+        // Gradient sharding runs without full_iteration graphs only.
+        const bool grads_too = r.cuda_graph.language.impl != GraphImpl::full_iteration;
         const bool params_too =
             grads_too && !base->train.freeze_language_model && !base->peft.lora();
         for (const char* sharding : {"optimizer", "optimizer_grads", "optimizer_grads_params"}) {

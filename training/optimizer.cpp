@@ -94,7 +94,13 @@ int64_t offset_in(const ModelWeights& w, const Tensor& t) {
       static_cast<ptrdiff_t>(dtype_size(t.dtype)));
 }
 
-// A pipeline stage's span of the flat buffers: from its first held tensor to the end of its last.
+Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
+  return Tensor(w.arena.base(), dtype, be.device(),
+                {static_cast<int64_t>(w.arena.capacity() / dtype_size(dtype))});
+}
+
+}  // namespace
+
 std::pair<int64_t, int64_t> stage_span(const ModelWeights& w, const std::vector<bool>& held) {
   int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
   for (size_t i = 0; i < w.bindings.size(); ++i) {
@@ -108,13 +114,6 @@ std::pair<int64_t, int64_t> stage_span(const ModelWeights& w, const std::vector<
   return {begin, end};
 }
 
-Tensor flat(Backend& be, const ModelWeights& w, DType dtype) {
-  return Tensor(w.arena.base(), dtype, be.device(),
-                {static_cast<int64_t>(w.arena.capacity() / dtype_size(dtype))});
-}
-
-}  // namespace
-
 AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weights,
              ModelWeights& grads, const AdamWConfig& config, ModelWeights* working,
              Communicator* shard_over, int64_t bucket_elements, const StageTensors* pipeline,
@@ -127,12 +126,12 @@ AdamW::AdamW(Backend& backend, const ModelConfig& cfg, ModelWeights* master_weig
       working_(working),
       grad_shard_(grad_shard),
       weight_shard_(weight_shard) {
-  IRIS_CHECK(weight_shard == nullptr || (shard_over != nullptr && pipeline == nullptr &&
+  IRIS_CHECK(weight_shard == nullptr || (shard_over != nullptr && grad_shard != nullptr &&
                                          working == &weight_shard->layout()),
-             "AdamW: sharded weights need a sharded optimizer without a pipeline, their layout "
+             "AdamW: sharded weights need a sharded optimizer, sharded gradients and their layout "
              "as the working weights");
-  IRIS_CHECK(grad_shard == nullptr || (shard_over != nullptr && pipeline == nullptr),
-             "AdamW: gradients summed into shards need a sharded optimizer without a pipeline");
+  IRIS_CHECK(grad_shard == nullptr || shard_over != nullptr,
+             "AdamW: gradients summed into shards need a sharded optimizer");
   // Sharded, the optimizer keeps the master weights of its shard itself and writes the working
   // weights through; unsharded, they are the caller's.
   IRIS_CHECK((master_weights == nullptr) == (shard_over != nullptr) &&
@@ -447,8 +446,8 @@ void AdamW::setup_shard(Communicator& comm, int64_t bucket_elements, const Stage
   full_grads_ = flat_grads_.slice(span_begin, span_end);
   if (grad_shard_ != nullptr) {
     // Summed as the backward wrote them; full_grads_ spans addresses with no memory behind them.
-    shard_begin_ = ShardExchange::begin(full_grads_.numel(), world, comm.rank());
-    shard_end_ = ShardExchange::end(full_grads_.numel(), world, comm.rank());
+    shard_begin_ = span_begin + ShardExchange::begin(full_grads_.numel(), world, comm.rank());
+    shard_end_ = span_begin + ShardExchange::end(full_grads_.numel(), world, comm.rank());
     IRIS_CHECK(grad_shard_->begin() == shard_begin_ && grad_shard_->end() == shard_end_,
                "AdamW: the gradients' shard [", grad_shard_->begin(), ", ", grad_shard_->end(),
                ") is not the optimizer's [", shard_begin_, ", ", shard_end_, ")");

@@ -46,6 +46,10 @@ struct StageTensors {
   int owner(size_t tensor) const;
 };
 
+// A pipeline stage's span of a flat layout: from its first held tensor (held: by binding, and
+// with storage in w) to the end of its last; {0, 0} where it holds none.
+std::pair<int64_t, int64_t> stage_span(const ModelWeights& w, const std::vector<bool>& held);
+
 // L2 norm over the gradients of every parameter that is not frozen (summed in f64; CPU tensors).
 double grad_norm(const ModelWeights& grads, const FreezeSpec& frozen = {});
 

@@ -89,6 +89,7 @@ int64_t run_pipeline_step(const std::vector<std::unique_ptr<TrainableQwen3VL>>& 
   // gradients the data-parallel reduction may start on (TrainableQwen3VL::on_gradients_final).
   auto backward = [&](int j) {
     if (model(j).stage_backward_needed()) model(j).stage_backward(j == m - 1);
+    model(j).stage_micro_batch_done();
   };
   // What crosses a boundary for micro-batch i; nothing for a micro-batch without a backward.
   auto grads_in = [&](int j) {

@@ -1155,11 +1155,6 @@ void validate(Recipe& r) {
   // optimizer.distributed is Megatron-LM's switch for what Megatron-FSDP calls optimizer
   // sharding: either key turns it on, and the resolved config shows both.
   if (r.optimizer.distributed && p.sharding == "none") p.sharding = "optimizer";
-  const bool by_layer = p.sharding == "optimizer_grads" || p.sharding == "optimizer_grads_params";
-  IRIS_CHECK(!by_layer || p.pipeline_parallel_size == 1, "recipe: parallel.sharding=", p.sharding,
-             " with parallel.pipeline_parallel_size=", p.pipeline_parallel_size,
-             ": sharding by layer does not run on pipeline stages yet; use "
-             "parallel.sharding=optimizer there");
   IRIS_CHECK(p.sharding != "optimizer_grads_params" || (!t.freeze_language_model && !r.peft.lora()),
              "recipe: parallel.sharding=optimizer_grads_params shards the decoder layers' "
              "trainable weights, but ",

@@ -367,8 +367,6 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
   // its shard of them (training/sharded_weights.h).
   const bool shard_weights = sharded_ && r.parallel.sharding == "optimizer_grads_params";
   if (sharded_ && (r.parallel.sharding == "optimizer_grads" || shard_weights)) {
-    IRIS_CHECK(!pipelined(), "parallel.sharding=", r.parallel.sharding,
-               " does not run on pipeline stages");
     const ParamSpecs specs(*params_, frozen_, compute().compute_dtype());
     sharded_grads_ = std::make_unique<ShardedGradients>(compute(), cfg_, specs);
     if (shard_weights) sharded_weights_ = std::make_unique<ShardedWeights>(compute(), cfg_, specs);
@@ -379,8 +377,11 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
     // copy is released after that.
     weights_ = &sharded_weights_->weights();
     sharded_weights_->fill_whole(*params_);
-    replicas_.push_back(
-        std::make_unique<TrainableQwen3VL>(compute(), cfg_, *weights_, limits_, shared_grads));
+    sharded_weights_->stage_layers(limits_.stage.first_layer, limits_.stage.end_layer);
+    // A pipeline stage's slots read the one set of weights and write the one set of gradients.
+    for (int k = 0; k < slots; ++k)
+      replicas_.push_back(
+          std::make_unique<TrainableQwen3VL>(compute(), cfg_, *weights_, limits_, shared_grads));
   } else if (on_gpu()) {
     if (!sharded_) {
       const ParamSpecs specs(*params_, frozen_, gpu_->compute_dtype());
@@ -418,7 +419,8 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
                       ? static_cast<int>(std::min<int64_t>(omp_get_max_threads(), n_micro))
                       : 1;
     if (pipelined()) {
-      replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_));
+      replicas_.push_back(
+          std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_, shared_grads));
       for (int k = 1; k < slots; ++k)
         replicas_.push_back(std::make_unique<TrainableQwen3VL>(compute(), cfg_, *params_, limits_,
                                                                &replicas_[0]->grads()));
@@ -481,7 +483,13 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
     }
   }
   if (sharded_grads_) {
-    sharded_grads_->connect(be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements);
+    // A pipeline stage's replicas shard its span (as the optimizer's) and sum its layers.
+    const std::pair<int64_t, int64_t> span =
+        pipelined() ? stage_span(sharded_grads_->layout(),
+                                 stage_tensors_.held[static_cast<size_t>(dp.stage())])
+                    : std::pair<int64_t, int64_t>{0, -1};
+    sharded_grads_->connect(be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements,
+                            span, {limits_.stage.first_layer, limits_.stage.end_layer});
     // One hook for both, in one order on every rank: the gradients' sum, then the weights'
     // gather, around each layer.
     using Pass = TrainableQwen3VL::LayerPass;
@@ -537,9 +545,12 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
 void RankTraining::sum_gradients(DataParallel& dp) {
   for (int k = 1; k < n_replicas_; ++k) replicas_[static_cast<size_t>(k)]->move_grads_into(model());
   dp.reduce_gradients();
-  if (sharded_grads_) sharded_grads_->step_done();
+  // Sharded, the tied embedding's sum over the replicas and the stages lands whole on replica
+  // 0 and zero on the others (DataParallel::sum_tied_gradient), so the shards' sum after it
+  // leaves it as is.
   if (tied_across_)
     dp.sum_tied_gradient(backend(), model().grads().text.embed, tied_scratch_, sharded_);
+  if (sharded_grads_) sharded_grads_->step_done();
 }
 
 size_t RankTraining::graph_count() const {
@@ -560,12 +571,12 @@ std::string RankTraining::memory_report(const Recipe& r, DataParallel& dp) const
   TrainableQwen3VL& m = model();
   std::string plan =
       str_cat("memory on ", backend().name(), ": weights ", mib(weights_->arena.capacity()));
+  if (sharded_weights_) plan += " (outside the decoder layers, and 2 layer slots)";
   if (master_)
     plan += str_cat(", f32 master weights ", mib(master_->arena.capacity()));
   else if (opt_->master_bytes() > 0)
     plan += str_cat(", f32 master weights ", mib(opt_->master_bytes()), " (this rank's 1/",
                     opt_->shards(), ")");
-  if (sharded_weights_) plan += " (outside the decoder layers, and 2 layer slots)";
   if (sharded_grads_)
     plan += str_cat(", gradients ", mib(sharded_grads_->local_bytes()),
                     " (outside the decoder layers, and 2 layer slots) + ",

@@ -79,9 +79,26 @@ Tensor ShardedGradients::vocab_view(VocabUnit unit) const {
                 {units_[int(unit)].length});
 }
 
-void ShardedGradients::connect(Backend& be, Communicator& comm, int64_t bucket_elements) {
+void ShardedGradients::connect(Backend& be, Communicator& comm, int64_t bucket_elements,
+                               std::pair<int64_t, int64_t> span, std::pair<int, int> layers) {
   comm_ = &comm;
-  sum_ = std::make_unique<ShardSum>(be, comm, n_, bucket_elements);
+  span_begin_ = span.first;
+  span_end_ = span.second < 0 ? n_ : span.second;
+  first_layer_ = layers.first;
+  end_layer_ = layers.second < 0 ? slots_->layers() : layers.second;
+  IRIS_CHECK(0 <= span_begin_ && span_begin_ <= span_end_ && span_end_ <= n_ && 0 <= first_layer_ &&
+                 first_layer_ <= end_layer_ && end_layer_ <= slots_->layers(),
+             "sharded gradients: span [", span_begin_, ", ", span_end_, ") and layers [",
+             first_layer_, ", ", end_layer_, ") outside the layout's ", n_, " and ",
+             slots_->layers());
+  sum_ =
+      std::make_unique<ShardSum>(be, comm, span_begin_, span_end_ - span_begin_, bucket_elements);
+}
+
+void ShardedGradients::add_clamped(float* at, int64_t begin, int64_t end, bool accumulate) {
+  // A stage's last layer, or a unit, runs to the next tensor's start, which may lie past the span.
+  const int64_t b = std::max(begin, span_begin_), e = std::min(end, span_end_);
+  if (b < e) sum_->add(Tensor(at + (b - begin), DType::f32, be_->device(), {e - b}), b, accumulate);
 }
 
 Tensor ShardedGradients::slot_view(int l) const {
@@ -93,21 +110,24 @@ Tensor ShardedGradients::slot_view(int l) const {
 void ShardedGradients::vocab(VocabUnit unit, bool begin) {
   IRIS_CHECK(comm_ != nullptr, "sharded gradients: connect() before the first step");
   Unit& u = units_[int(unit)];
-  if (u.length == 0) return;
+  // Not in the slot, or (a pipeline stage) not this stage's.
+  if (u.length == 0 || u.begin + u.length <= span_begin_ || u.begin >= span_end_) return;
   if (begin) {
     comm_->wait_point(kVocabPoint);
     be_->fill_zero(vocab_view(unit));
     return;
   }
   comm_->begin_detached();
-  sum_->add(vocab_view(unit), u.begin, micro_batches_ > 0);
+  add_clamped(static_cast<float*>(vocab_view(unit).data), u.begin, u.begin + u.length,
+              micro_batches_ > 0);
   comm_->mark_point(kVocabPoint);
   u.summed = true;
 }
 
 void ShardedGradients::layer(int l, bool begin) {
   IRIS_CHECK(comm_ != nullptr, "sharded gradients: connect() before the first step");
-  IRIS_CHECK(l >= 0 && l < slots_->layers(), "sharded gradients: layer ", l);
+  IRIS_CHECK(l >= first_layer_ && l < end_layer_, "sharded gradients: layer ", l,
+             " is not one of this stage's [", first_layer_, ", ", end_layer_, ")");
   if (!slots_->holds(l)) return;
   const int slot = l % LayerSlots::kSlots;
   if (begin) {
@@ -116,7 +136,8 @@ void ShardedGradients::layer(int l, bool begin) {
     return;
   }
   comm_->begin_detached();
-  sum_->add(slot_view(l), slots_->layer(l).begin, micro_batches_ > 0);
+  add_clamped(static_cast<float*>(slot_view(l).data), slots_->layer(l).begin, slots_->layer(l).end,
+              micro_batches_ > 0);
   comm_->mark_point(slot);
   summed_[static_cast<size_t>(l)] = true;
 }
@@ -128,7 +149,7 @@ void ShardedGradients::micro_batch_done(const std::function<void(int layer, bool
     vocab(unit, false);
   };
   zeros_of(VocabUnit::lm_head);
-  for (int l = slots_->layers() - 1; l >= 0; --l) {
+  for (int l = end_layer_ - 1; l >= first_layer_; --l) {
     if (!slots_->holds(l) || summed_[static_cast<size_t>(l)]) continue;
     layer(l, true);
     if (around) around(l, true);
@@ -146,10 +167,9 @@ void ShardedGradients::step_done() {
   comm_->begin_detached();
   const float* base = static_cast<const float*>(grads_->arena.base());
   auto others = [&](int64_t layout_begin, int64_t layout_end) {
-    if (layout_end > layout_begin)
-      sum_->add(Tensor(const_cast<float*>(base) + local(layout_begin), DType::f32, be_->device(),
-                       {layout_end - layout_begin}),
-                layout_begin, false);
+    // The stage's part of the range, which local() keeps contiguous.
+    const int64_t b = std::max(layout_begin, span_begin_), e = std::min(layout_end, span_end_);
+    if (b < e) add_clamped(const_cast<float*>(base) + local(b), b, e, false);
   };
   // Everything outside the layers' block and the vocabulary units, in layout order.
   std::vector<std::pair<int64_t, int64_t>> skip{{slots_->block_begin(), slots_->block_end()}};

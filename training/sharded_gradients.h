@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "bridge/hf_weights.h"
@@ -54,8 +55,11 @@ class ShardedGradients {
   // Elements of the flat layout.
   int64_t elements() const { return n_; }
 
-  // Makes the exchange over the data-parallel ranks (after the communicator exists).
-  void connect(Backend& be, Communicator& comm, int64_t bucket_elements);
+  // Makes the exchange over the data-parallel ranks (after the communicator exists). A pipeline
+  // stage's ranks shard its span of the layout, [span.first, span.second), and sum the layers
+  // [layers.first, layers.second) it computes; by default the whole layout and every layer.
+  void connect(Backend& be, Communicator& comm, int64_t bucket_elements,
+               std::pair<int64_t, int64_t> span = {0, -1}, std::pair<int, int> layers = {0, -1});
   // This rank's summed gradients, elements [shard().begin(), shard().end()) of the layout.
   ShardSum& shard() { return *sum_; }
   size_t shard_bytes() const { return sum_ ? sum_->bytes() : 0; }
@@ -100,6 +104,10 @@ class ShardedGradients {
   int64_t vocab_local_ = 0;
   int micro_batches_ = 0;  // of this step, done
   std::unique_ptr<ShardSum> sum_;
+  int64_t span_begin_ = 0, span_end_ = 0;
+  int first_layer_ = 0, end_layer_ = 0;
+  // Sums layout elements [begin, end) of the local buffer's `at`, clamped to the span.
+  void add_clamped(float* at, int64_t begin, int64_t end, bool accumulate);
 };
 
 }  // namespace iris

@@ -31,11 +31,20 @@ ShardedWeights::ShardedWeights(Backend& be, const ModelConfig& cfg, const ParamS
   const size_t element = dtype_size(dtype_);
   layout_ = reserve_weights(be.device(), cfg, dtype_, keep_all());
   slots_ = std::make_unique<LayerSlots>(*layout_, cfg.text.num_hidden_layers, element);
+  end_layer_ = slots_->layers();
   weights_ = allocate_weights_placed(
       be, cfg, dtype_, keep_all(), static_cast<size_t>(slots_->local_elements()) * element,
       [this, element](size_t offset) {
         return static_cast<size_t>(slots_->local(static_cast<int64_t>(offset / element))) * element;
       });
+}
+
+void ShardedWeights::stage_layers(int first, int end) {
+  IRIS_CHECK(comm_ == nullptr && 0 <= first && first <= end && end <= slots_->layers(),
+             "sharded weights: stage layers [", first, ", ", end, ") before connect(), of ",
+             slots_->layers());
+  first_layer_ = first;
+  end_layer_ = end;
 }
 
 void ShardedWeights::connect(Communicator& comm, std::vector<std::pair<int64_t, int64_t>> ranges) {
@@ -161,13 +170,14 @@ void ShardedWeights::prefetch(int l) {
 
 void ShardedWeights::layer(int l, bool backward, bool begin) {
   IRIS_CHECK(comm_ != nullptr, "sharded weights: connect() before the first step");
-  IRIS_CHECK(l >= 0 && l < slots_->layers(), "sharded weights: layer ", l);
+  IRIS_CHECK(l >= first_layer_ && l < end_layer_, "sharded weights: layer ", l,
+             " is not one of this stage's [", first_layer_, ", ", end_layer_, ")");
   if (!begin || !slots_->holds(l)) return;
   ensure(l);
   // The next layer goes into the other slot, whose last reader (the layer before this one) is
   // queued: the gather starts once it is done, while this layer computes.
   const int next = backward ? l - 1 : l + 1;
-  if (next >= 0 && next < slots_->layers() && slots_->holds(next)) {
+  if (computes(next)) {
     prefetch(next);
   } else if (!backward) {
     // The forward's last gather is waited for: an evaluation leaves nothing detached behind it

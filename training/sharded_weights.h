@@ -58,6 +58,9 @@ class ShardedWeights {
   // Bytes the weights take on this rank: the whole tensors and the two slots.
   size_t local_bytes() const { return weights_->arena.capacity(); }
 
+  // A pipeline stage computes layers [first, end) only: no other layer is gathered (before
+  // connect(); by default every layer).
+  void stage_layers(int first, int end);
   // From the optimizer, once it has sharded its state (before the first step): rank r's update
   // writes the working copy of elements ranges[r] of layout(); the ranges tile it in rank order.
   void connect(Communicator& comm, std::vector<std::pair<int64_t, int64_t>> ranges);
@@ -108,6 +111,8 @@ class ShardedWeights {
   int64_t shard_begin_ = 0, shard_end_ = 0;
   std::vector<MasterPiece> master_;  // in layout order
   int in_slot_[LayerSlots::kSlots] = {-1, -1};
+  int first_layer_ = 0, end_layer_ = 0;  // this stage's
+  bool computes(int l) const { return l >= first_layer_ && l < end_layer_ && slots_->holds(l); }
   // The whole tensors' gather after an update: this rank's pieces to every other rank, theirs in.
   std::vector<Communicator::Transfer> whole_sends_, whole_recvs_;
   std::vector<Communicator::Transfer> sends_, recvs_;

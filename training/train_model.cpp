@@ -1200,6 +1200,10 @@ void TrainableQwen3VL::stage_backward(bool last_of_step) {
   backward_part(stage_vision_grads_, graphs && graphs_.decoder == GraphImpl::local);
 }
 
+void TrainableQwen3VL::stage_micro_batch_done() {
+  if (layer_hook_) layer_hook_(-1, LayerPass::backward, false);
+}
+
 std::vector<Tensor> TrainableQwen3VL::boundary(int layer, bool gradients) const {
   std::vector<Tensor> out;
   // The hidden state, or the f32 residual gradient (what a single model hands from layer to

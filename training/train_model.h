@@ -223,6 +223,9 @@ class TrainableQwen3VL {
   bool stage_backward_needed() const { return stage_backward_; }
   // last_of_step: this is the step's last backward into these gradients (on_gradients_final).
   void stage_backward(bool last_of_step = false);
+  // After each training micro-batch of a stage, whether or not its backward ran: the layer
+  // hook's (-1, backward, false) (on_layer).
+  void stage_micro_batch_done();
   std::vector<Tensor> forward_inputs() const;
   std::vector<Tensor> forward_outputs() const;
   std::vector<Tensor> backward_inputs() const;
