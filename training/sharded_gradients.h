@@ -9,8 +9,8 @@
 // into the owners' shards while the backward runs, and the embedding's backward, the backward's
 // last, writes the slot again. Every other tensor (the vision tower, the mergers, the final norm,
 // a tied embedding) keeps its gradients for the whole step, and they are summed once after the
-// last micro-batch, as the unsharded reduction sums them. For Qwen3-VL-8B the layers are 80% of
-// the gradients and the embedding and lm_head 17%: a rank holds the rest, two layers, one
+// last micro-batch, as the unsharded reduction sums them. For Qwen3-VL-8B the layers are 83% of
+// the gradients and the embedding and lm_head 15%: a rank holds the rest, two layers, one
 // vocabulary-sized slot and its 1/N shard instead of all of them (for Qwen3-VL-32B on 8 GPUs the
 // vocabulary slot saves 2.9 GiB a rank).
 //

@@ -19,7 +19,7 @@
 // them. The part inside the layers' block has no compute-dtype copy at all: a gather rounds the
 // owner's f32 master weights into the slot and sends them from there (FSDP2's sharded f32
 // parameters cast before the all-gather), which saves a bf16 shard, 2 B per layer parameter
-// over N, on every rank (7.3 GiB for Qwen3-VL-8B on 2 GPUs). The rounding is the one the
+// over N, on every rank (6.6 GiB for Qwen3-VL-8B on 2 GPUs). The rounding is the one the
 // update's own write of a working copy makes, so a gathered layer holds the bits an unsharded
 // update would have written: a run gives the losses and gradients of
 // parallel.sharding=optimizer_grads bit for bit.
