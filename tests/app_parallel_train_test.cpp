@@ -248,12 +248,7 @@ TEST_F(AppParallelTrainTest, ShardingByLayerGivesTheUnshardedRunBitForBitWithOne
 // rank) and gradient sharding's with weight sharding (two).
 TEST_F(AppParallelTrainTest, UntiedEmbeddingAndLmHeadShareOneGradientSlotBitForBit) {
   const std::string recipe = write_recipe();
-  nlohmann::json config =
-      nlohmann::json::parse(read_text_file(test::fixture_dir() + "/config.json"));
-  config["tie_word_embeddings"] = false;
-  config["text_config"]["tie_word_embeddings"] = false;
-  const std::string untied = (root_ / "untied_config.json").string();
-  write_file_atomic(untied, config.dump(2));
+  const std::string untied = write_untied_config();
   for (const int np : {2, 4}) {
     SCOPED_TRACE("mpirun -np " + std::to_string(np));
     for (const int per_rank : {1, 2}) {

@@ -223,12 +223,7 @@ TEST_F(AppPipelineTrainTest, ShardedOptimizerOverStagesTimesReplicasGivesTheUnsh
 // sharding's bits, eager and with per-layer graphs.
 TEST_F(AppPipelineTrainTest, ShardingByLayerOverStagesTimesReplicasGivesTheUnshardedGrid) {
   const std::string recipe = write_recipe();
-  nlohmann::json config =
-      nlohmann::json::parse(read_text_file(test::fixture_dir() + "/config.json"));
-  config["tie_word_embeddings"] = false;
-  config["text_config"]["tie_word_embeddings"] = false;
-  const std::string untied = (root_ / "untied_config.json").string();
-  write_file_atomic(untied, config.dump(2));
+  const std::string untied = write_untied_config();
   const std::vector<std::string> files{
       "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
       "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"};

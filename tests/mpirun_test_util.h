@@ -84,6 +84,17 @@ class MpirunTest : public ::testing::Test {
     return path;
   }
 
+  // The tiny model's config with untied embeddings (an lm_head of its own, as the 8B and 32B
+  // models have), for a recipe's model.config.
+  std::string write_untied_config() {
+    nlohmann::json config = nlohmann::json::parse(read_text_file(fixture_dir() + "/config.json"));
+    config["tie_word_embeddings"] = false;
+    config["text_config"]["tie_word_embeddings"] = false;
+    const std::string path = (root_ / "untied_config.json").string();
+    write_file_atomic(path, config.dump(2));
+    return path;
+  }
+
   // The training ("loss") or evaluation ("eval_loss") records of a run, in order.
   static std::vector<double> losses(const std::filesystem::path& run, const char* key = "loss") {
     std::ifstream f(run / "metrics.jsonl");

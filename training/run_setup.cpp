@@ -377,7 +377,8 @@ void RankTraining::make_models(const Recipe& r, DataParallel& dp) {
     // copy is released after that.
     weights_ = &sharded_weights_->weights();
     sharded_weights_->fill_whole(*params_);
-    sharded_weights_->stage_layers(limits_.stage.first_layer, limits_.stage.end_layer);
+    if (pipelined())
+      sharded_weights_->stage_layers(limits_.stage.first_layer, limits_.stage.end_layer);
     // A pipeline stage's slots read the one set of weights and write the one set of gradients.
     for (int k = 0; k < slots; ++k)
       replicas_.push_back(
@@ -488,8 +489,10 @@ void RankTraining::connect(const Recipe& r, DataParallel& dp, const std::string&
         pipelined() ? stage_span(sharded_grads_->layout(),
                                  stage_tensors_.held[static_cast<size_t>(dp.stage())])
                     : std::pair<int64_t, int64_t>{0, -1};
-    sharded_grads_->connect(be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements,
-                            span, {limits_.stage.first_layer, limits_.stage.end_layer});
+    sharded_grads_->connect(
+        be, *dp.data_parallel_communicator(), r.parallel.grad_bucket_elements, span,
+        pipelined() ? std::pair{limits_.stage.first_layer, limits_.stage.end_layer}
+                    : std::pair{0, -1});
     // One hook for both, in one order on every rank: the gradients' sum, then the weights'
     // gather, around each layer.
     using Pass = TrainableQwen3VL::LayerPass;
