@@ -17,7 +17,8 @@
 #   pp2 [1,3] / [2,2] vs 1   2 stages split before / after the second DeepStack injection layer
 #   graphs: 1 GPU, dp2, pp2  cuda_graph local (decoder and vision) on; pp2 and dp2 against 1 GPU
 #   pp2 x dp2 vs 1 GPU       4 GPUs only; also with optimizer.distributed (each stage's state
-#                            sharded over its 2 replicas) against the unsharded pp2 x dp2
+#                            sharded over its 2 replicas) against the unsharded pp2 x dp2, and
+#                            with sharding by layer (one micro-batch per replica) against it
 #   resume                   half the steps, a checkpoint, the rest under another layout (1 GPU,
 #                            zero1 dp2, pp2) against the uninterrupted 1-GPU run
 #   stall / kill             a rank stopped (SIGSTOP) or killed (SIGKILL) mid-run: every rank
@@ -248,9 +249,18 @@ if [ "$ngpu" -ge 4 ]; then
   run pp2_dp2_zero1 4 parallel.pipeline_parallel_size=2 parallel.data_parallel_size=2 \
     "parallel.pipeline_layers=[1,3]" optimizer.distributed=true
   run dp4 4 parallel.data_parallel_size=4
+  # Sharding by layer per stage, one micro-batch per replica: the unsharded grid's bits.
+  pp2_dp2_one=(parallel.pipeline_parallel_size=2 parallel.data_parallel_size=2
+    "parallel.pipeline_layers=[1,3]" train.micro_batch_size=1 train.global_batch_size=2
+    parallel.grad_bucket_elements=65536)
+  run pp2_dp2_one 4 "${pp2_dp2_one[@]}"
+  run pp2_dp2_zero2_one 4 "${pp2_dp2_one[@]}" parallel.sharding=optimizer_grads
+  run pp2_dp2_zero3_one 4 "${pp2_dp2_one[@]}" parallel.sharding=optimizer_grads_params
   compare "pp2 x dp2 vs 1 GPU" pp2_dp2 gpu1 no
   compare "pp2 x dp2 vs dp2" pp2_dp2 dp2 yes
   compare "pp2 x dp2 zero1 vs pp2 x dp2" pp2_dp2_zero1 pp2_dp2 yes exact
+  compare "pp2 x dp2 zero2 vs unsharded" pp2_dp2_zero2_one pp2_dp2_one yes exact
+  compare "pp2 x dp2 zero3 vs unsharded" pp2_dp2_zero3_one pp2_dp2_one yes exact
   compare "dp4 vs 1 GPU" dp4 gpu1 no
 fi
 
