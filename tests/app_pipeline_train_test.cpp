@@ -285,6 +285,37 @@ TEST_F(AppPipelineTrainTest, ShardingByLayerOverStagesTimesReplicasGivesTheUnsha
   }
 }
 
+// Activation offload on pipeline stages: each stage's micro-batches in flight keep their own host
+// arenas and device slots, and the losses and checkpoint files are those of the run that keeps
+// its activations, bit for bit (the CPU copies synchronously: the plumbing, not the overlap).
+TEST_F(AppPipelineTrainTest, OffloadedActivationsOnStagesGiveTheKeptOnesBitForBit) {
+  const std::string recipe = write_recipe();
+  for (const auto& [recompute, offload] :
+       std::vector<std::pair<std::string, std::string>>{{"full", "all"}, {"none", "[act, x_in]"}}) {
+    SCOPED_TRACE("train.recompute=" + recompute + " train.offload_activations=" + offload);
+    auto run = [&](const std::string& o) {
+      const fs::path dir = root_ / (recompute + "_" + (o == "none" ? "kept" : "offloaded"));
+      const Exit e =
+          mpirun(2, {"train", "--recipe", recipe, "checkpoint.dir=" + dir.string(),
+                     "parallel.pipeline_parallel_size=2", "parallel.pipeline_layers=[1, 2]",
+                     "train.recompute=" + recompute, "train.offload_activations=" + o});
+      EXPECT_EQ(e.code, 0) << e.output;
+      return std::pair{dir, e.output};
+    };
+    const auto [kept, kept_log] = run("none");
+    const auto [offloaded, offloaded_log] = run(offload);
+    EXPECT_NE(offloaded_log.find("offloaded to host"), std::string::npos) << offloaded_log;
+    const std::vector<double> want = losses(kept), got = losses(offloaded);
+    ASSERT_EQ(want.size(), 3u);
+    EXPECT_EQ(got, want);
+    for (const char* file :
+         {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
+      EXPECT_TRUE(read_text_file((kept / "step_0000003" / file).string()) ==
+                  read_text_file((offloaded / "step_0000003" / file).string()))
+          << file << " differs";
+  }
+}
+
 // A checkpoint written by two stages (each its own shard of the weights and of the optimizer
 // state, found by name) resumes in one process, and one process's checkpoint resumes in two
 // stages, to the losses of a run never stopped.

@@ -539,8 +539,6 @@ TEST_F(RecipeTest, TensorParallelIsNotSupportedYetAndPipelineKeysAreChecked) {
            {{"train.offload_activations=[act, act]"}, "names 'act' twice"},
            {{"train.recompute=selective", "train.offload_activations=[act]"},
             "keep with train.recompute=selective; those are: x_in, rstd1"},
-           {{"train.offload_activations=all", "parallel.pipeline_parallel_size=2"},
-            "not implemented yet; set train.offload_activations=none"},
            {{"train.offload_activations=all", "cuda_graph.cuda_graph_impl=full_iteration"},
             "use cuda_graph_impl=local (per-layer graphs) or train.offload_activations=none"}}) {
     msg = error_of([&refused] { load_recipe_text(tiny_recipe(), "r.yaml", refused.first); });

@@ -378,7 +378,6 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
       {"train.offload_activations=all",
        [&cfg](Recipe& x) {
          if (x.train.offload_activations == std::vector<std::string>{"all"} ||
-             x.parallel.pipeline_parallel_size > 1 ||
              x.cuda_graph.language.impl == GraphImpl::full_iteration || cfg.text.any_sparse_layer())
            return false;
          x.train.offload_activations = {"all"};

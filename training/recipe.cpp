@@ -1028,12 +1028,6 @@ void validate_offload(Recipe& r) {
     IRIS_CHECK(std::find(names.begin(), names.begin() + i, names[i]) == names.begin() + i,
                "recipe: train.offload_activations names '", names[i], "' twice");
   }
-  if (recipe_offloaded_activations(r).empty()) return;
-  IRIS_CHECK(r.parallel.pipeline_parallel_size == 1,
-             "recipe: train.offload_activations with parallel.pipeline_parallel_size=",
-             r.parallel.pipeline_parallel_size,
-             ": offload on pipeline stages is not implemented yet; set "
-             "train.offload_activations=none");
 }
 
 // peft.*: refused where set without peft.type=lora (a setting would be silently ignored); with

@@ -248,9 +248,6 @@ void TrainableQwen3VL::check_limits() {
     IRIS_CHECK(!t.any_sparse_layer(),
                "activation offload of a mixture-of-experts model is not implemented yet; set "
                "train.offload_activations=none");
-    IRIS_CHECK(limits_.stage.count == 1,
-               "activation offload on pipeline stages is not implemented yet; set "
-               "train.offload_activations=none or parallel.pipeline_parallel_size=1");
   }
   auto check_buckets = [](const std::vector<int64_t>& b, int64_t max, int64_t unit,
                           const char* what) {
