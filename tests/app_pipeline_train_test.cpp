@@ -290,8 +290,10 @@ TEST_F(AppPipelineTrainTest, ShardingByLayerOverStagesTimesReplicasGivesTheUnsha
 // its activations, bit for bit (the CPU copies synchronously: the plumbing, not the overlap).
 TEST_F(AppPipelineTrainTest, OffloadedActivationsOnStagesGiveTheKeptOnesBitForBit) {
   const std::string recipe = write_recipe();
-  for (const auto& [recompute, offload] :
+  for (const auto& setting :
        std::vector<std::pair<std::string, std::string>>{{"full", "all"}, {"none", "[act, x_in]"}}) {
+    // Named copies: clang 14 (CI's sanitizer build) lets no lambda capture a structured binding.
+    const std::string recompute = setting.first, offload = setting.second;
     SCOPED_TRACE("train.recompute=" + recompute + " train.offload_activations=" + offload);
     auto run = [&](const std::string& o) {
       const fs::path dir = root_ / (recompute + "_" + (o == "none" ? "kept" : "offloaded"));
