@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
-#include <sstream>
 
 #include "core/backend.h"
 #include "core/error.h"
@@ -433,15 +432,24 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
   // Every change together; and those that leave what trains as it is (with more GPUs, these are
   // offered first).
   Recipe together = r, same_training = r;
-  std::string together_settings, same_training_settings;
+  std::vector<std::string> together_settings, same_training_settings;
+  // The settings, space-separated; but_sharding: without a parallel.sharding one, which the
+  // caller replaces.
+  auto joined = [](const std::vector<std::string>& settings, bool but_sharding = false) {
+    std::string out;
+    for (const std::string& s : settings)
+      if (!but_sharding || !s.starts_with("parallel.sharding="))
+        out += str_cat(out.empty() ? "" : " ", s);
+    return out;
+  };
   for (const Change& c : changes) {
     Recipe x = r;
     if (!c.apply(x)) continue;
     c.apply(together);
-    together_settings += str_cat(together_settings.empty() ? "" : " ", c.setting);
+    together_settings.push_back(c.setting);
     if (!c.changes_what_trains) {
       c.apply(same_training);
-      same_training_settings += str_cat(same_training_settings.empty() ? "" : " ", c.setting);
+      same_training_settings.push_back(c.setting);
     }
     const int64_t p = peak_with(x);
     if (p <= plan.device_bytes) alone.push_back(str_cat(c.setting, " (", gib(p), ")"));
@@ -451,7 +459,8 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
     advice = "any of these fits: ";
     for (size_t i = 0; i < alone.size(); ++i) advice += str_cat(i ? "; " : "", alone[i]);
   } else if (!together_settings.empty() && peak_with(together) <= plan.device_bytes) {
-    advice = str_cat("together these fit (", gib(peak_with(together)), "): ", together_settings);
+    advice =
+        str_cat("together these fit (", gib(peak_with(together)), "): ", joined(together_settings));
   } else {
     // More GPUs: data-parallel ranks with the moments sharded over them, with the changes above;
     // the smallest count that fits.
@@ -475,12 +484,8 @@ std::string memory_refusal(const Recipe& r, const ModelConfig& cfg, const Memory
           x.parallel.sharding = sharding;
           const int64_t p = peak_with(x);
           if (p > plan.device_bytes) continue;
-          // The other changes, without the sharding this one replaces.
-          std::string others;
-          std::istringstream words(*settings);
-          for (std::string w; words >> w;)
-            if (!w.starts_with("parallel.sharding=")) others += w + " ";
-          more_gpus = str_cat(others, "parallel.data_parallel_size=", n,
+          const std::string others = joined(*settings, /*but_sharding=*/true);
+          more_gpus = str_cat(others, others.empty() ? "" : " ", "parallel.data_parallel_size=", n,
                               " parallel.sharding=", sharding, " (", gib(p), " per GPU)");
         }
       }

@@ -89,10 +89,10 @@ class AdamW {
   // shard_over: shard the state over this communicator's ranks (null: every rank holds it all);
   // its exchanges move at most bucket_elements elements at a time. Sharded, master is null and
   // working given: the optimizer keeps the f32 master weights of its shard only, 1/world of them,
-  // which init_master() fills. grad_shard (sharded, no pipeline): the gradients arrive summed in
+  // which init_master() fills. grad_shard (sharded): the gradients arrive summed in
   // this rank's shard of them (parallel.sharding=optimizer_grads, training/sharded_gradients.h)
   // and `grads` is their layout only, which no rank holds whole; the step exchanges no gradients.
-  // weight_shard (sharded, no pipeline; parallel.sharding=optimizer_grads_params,
+  // weight_shard (sharded, with grad_shard; parallel.sharding=optimizer_grads_params,
   // training/sharded_weights.h): `working` is its layout, which no rank holds whole; the update
   // writes the working copy of this rank's range outside the decoder layers, the layers' gathers
   // round this rank's master weights of them, and weight_shard gathers what the model reads.

@@ -105,12 +105,6 @@ void ShardedWeights::connect_master(std::vector<MasterPiece> pieces) {
   in_slot_[0] = in_slot_[1] = -1;
 }
 
-int64_t ShardedWeights::layout_offset(size_t tensor) const {
-  const Tensor at = layout_->bindings[tensor].tensor();
-  return (static_cast<const char*>(at.data) - static_cast<const char*>(layout_->arena.base())) /
-         static_cast<int64_t>(dtype_size(dtype_));
-}
-
 static void check_source(const ModelWeights& source, const ModelWeights& layout) {
   IRIS_CHECK(source.bindings.size() == layout.bindings.size(), "sharded weights: the source holds ",
              source.bindings.size(), " tensors, the model ", layout.bindings.size());

@@ -1,11 +1,12 @@
 // parallel.sharding=optimizer_grads_params (ZeRO-3, FSDP): the weights the model reads are
 // sharded too. The decoder layers' weights live whole only in two slots (training/layer_slots.h:
-// layer l in slot l % 2), each rank keeps its shard of them, and a layer is gathered from every
-// rank's shard into its slot before its forward and again before its backward, one layer ahead
-// of the compute on the communicator's stream. The tensors outside the layers (the vision tower,
-// the mergers, the embedding, the final norm, the lm_head) stay whole on every rank, as they
-// are with parallel.sharding=optimizer: they are units of other sizes, used once per micro-batch
-// at its two ends, and for Qwen3-VL-8B the layers are 80% of the weights.
+// layer l in slot l % 2), each rank keeps its shard of them (as the optimizer's f32 master
+// weights, below), and a layer is gathered from every rank's shard into its slot before its
+// forward and again before its backward, one layer ahead of the compute on the communicator's
+// stream. A pipeline stage gathers its own layers only (stage_layers). The tensors outside the
+// layers (the vision tower, the mergers, the embedding, the final norm, the lm_head) stay whole on
+// every rank, as they are with parallel.sharding=optimizer: they are units of other sizes, used
+// once per micro-batch at its two ends, and for Qwen3-VL-8B the layers are 80% of the weights.
 //
 // Why slots at fixed addresses (Megatron-FSDP's double buffers, Megatron-LM PR #4232): a layer's
 // graphs, forward and backward, are captured against its slot, and the gathers run between the
@@ -91,8 +92,6 @@ class ShardedWeights {
   void step_done();
 
  private:
-  // Where tensor i starts in layout(), elements.
-  int64_t layout_offset(size_t tensor) const;
   // Layer l into its slot: this rank's piece rounded from its master weights, every other
   // rank's received, detached.
   void gather(int l);
