@@ -6,7 +6,7 @@
 //
 // Build (from the repository root), then run on a Hopper GPU:
 // clang-format off
-//   /usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. tools/attention_train_check.cu core/cuda/attention/attention_train.cu core/error.cpp -o /tmp/attention_train_check
+//   /usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I. -DIRIS_CUDA_SM90A=1 tools/attention_train_check.cu core/cuda/attention/attention_train.cu core/cuda/attention/attention_train_wgmma.cu core/cuda/attention/attention.cu core/error.cpp -o /tmp/attention_train_check
 //   /tmp/attention_train_check [--bench | --only-bench[=K]]
 // clang-format on
 #include <cuda_runtime.h>
@@ -360,6 +360,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   try {
+    iris::cuda::attention_init();
     iris::cuda::attention_train_init();
     bool all = true;
     if (!only_bench) {
@@ -373,6 +374,10 @@ int main(int argc, char** argv) {
           {"vision_sharp", 64, 2, 2, false, {400, 129}, {}, 0, false, 3.f},
           {"decoder_hd128", 128, 16, 8, true, {700, 333, 250}, {}, 17, false},
           {"decoder_hd16", 16, 4, 2, true, {400, 130, 77}, {}, 9, false},
+          {"decoder_hd128_pad", 128, 8, 2, true, {300, 65, 1, 64}, {50}, 7, true},
+          {"decoder_hd128_sharp", 128, 4, 4, true, {257}, {}, 0, false, 3.f},
+          {"vision_hd64_gqa", 64, 4, 2, false, {130, 64, 1, 0, 129}, {}, 3, false},
+          {"vision_hd72_long", 72, 2, 2, false, {2100, 70}, {30}, 0, true},
           {"causal_hd64_pad", 64, 8, 2, true, {300, 200}, {50}, 0, true},
           {"causal_hd72", 72, 4, 1, true, {190, 67}, {}, 4, false},
           {"generic_hd40", 40, 4, 2, true, {150, 90}, {}, 3, false},

@@ -22,6 +22,7 @@ namespace iris::cuda {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // ----------------------------------------------------------------------------------------------
 // Flash attention (prefill / vision)
@@ -55,6 +56,11 @@ struct FlashParams {
   int64_t tokens;
   int64_t max_len;   // cache rows: keys beyond are never read, whatever past_len says
   float scale_log2;  // softmax scale times log2(e): the kernel works with exp2
+  // Training (flash_wgmma_kernel's train modes): the log-sum-exp out, [rows, lse_stride] f32,
+  // and the rows of the whole tensor (those past the last segment get zeros).
+  float* lse;
+  int64_t lse_stride;
+  int64_t total_rows;
 };
 
 // 2^x as one MUFU.EX2. exp2f wraps it in a range test and two multiplies per call to keep
@@ -928,6 +934,45 @@ struct WgShape {
   }
 };
 
+// Inference: vision segments and the causal prefill against the KV cache (past_len). Training
+// (Backend::attention_train): segments, non-causal or causal within each segment, with the
+// log-sum-exp written beside the output for the backward.
+enum class WgMode { segments, cache_causal, train_segments, train_causal };
+
+// Training modes: the block's query rows and keys by segment_tiles.cuh's numbering (a causal
+// segment's last tile, which has the most keys, first). A block of a padding segment (one that
+// starts at or past *real_rows) or past the last segment writes zero output and lse to its rows
+// instead; false when the block has nothing to attend.
+template <int HD, bool kCausal>
+__device__ __forceinline__ bool train_range(const FlashParams& p, int head, int64_t& q0,
+                                            int64_t& q_end, int64_t& kv_begin, int64_t& kv_end) {
+  const SegmentTile t = find_segment_tile(p.cu_seqlens, p.n_segments, kWgBr, blockIdx.y);
+  bool zero;
+  if (t.segment < p.n_segments) {
+    const int64_t seg_b = p.cu_seqlens[t.segment], seg_e = p.cu_seqlens[t.segment + 1];
+    const int64_t n_tiles = (seg_e - seg_b + kWgBr - 1) / kWgBr;
+    if (t.tile >= n_tiles) return false;
+    q0 = seg_b + (kCausal ? n_tiles - 1 - t.tile : t.tile) * kWgBr;
+    q_end = seg_e;
+    kv_begin = seg_b;
+    kv_end = kCausal ? min(q0 + kWgBr, seg_e) : seg_e;
+    zero = p.real_rows != nullptr && seg_b >= *p.real_rows;
+  } else {
+    q0 = p.cu_seqlens[p.n_segments] + t.tile * kWgBr;
+    q_end = p.total_rows;
+    if (q0 >= q_end) return false;
+    zero = true;
+  }
+  if (!zero) return true;
+  const int64_t q_stop = min(q0 + kWgBr, q_end);
+  uint16_t* out_head = p.out + static_cast<int64_t>(head) * HD;
+  for (int64_t i = threadIdx.x; i < (q_stop - q0) * HD; i += kWgThreads)
+    out_head[(q0 + i / HD) * p.out_stride + i % HD] = 0;
+  for (int64_t r = q0 + threadIdx.x; r < q_stop; r += kWgThreads)
+    p.lse[r * p.lse_stride + head] = 0.f;
+  return false;
+}
+
 // kTma (head_dim 64 segments, head_dim 128 causal): K and V tiles arrive by TMA (k_map, v_map:
 // boxes of 64 columns x 64 keys of the K and V columns, in the 128-byte swizzle), each stage on
 // its own mbarrier, so that two tiles are in flight while one is multiplied; with cp.async a wait
@@ -938,10 +983,12 @@ struct WgShape {
 // 97 -> 87. The causal head_dim-128 prefill loads K and V (two 64-column boxes per tile) from
 // the KV cache the same way: there the keys past the limit are cache rows that may hold anything,
 // which the masked scores and zeroed V rows keep out as well.
-template <int HD, bool kCausal, bool kTma>
+template <int HD, WgMode M, bool kTma>
 __global__ void __launch_bounds__(kWgThreads, WgShape<HD>::kBlocksPerSm)
     flash_wgmma_kernel(const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, FlashParams p) {
+  constexpr bool kCausal = M == WgMode::cache_causal || M == WgMode::train_causal;
+  constexpr bool kTrain = M == WgMode::train_segments || M == WgMode::train_causal;
   static_assert(!kTma || (HD == 64 && !kCausal) || (HD == 128 && kCausal),
                 "TMA tiles: head_dim 64 segments and the head_dim 128 causal prefill");
   using S = WgShape<HD>;
@@ -967,8 +1014,13 @@ __global__ void __launch_bounds__(kWgThreads, WgShape<HD>::kBlocksPerSm)
   const int g = lane / 4, t4 = lane % 4;
   int64_t q0, q_end, kv_begin, kv_end;
   int past = 0;
-  if (!attended_range<HD, kCausal, kWgBr>(p, head, kWgThreads, q0, q_end, kv_begin, kv_end, past))
-    return;
+  if constexpr (kTrain) {
+    if (!train_range<HD, kCausal>(p, head, q0, q_end, kv_begin, kv_end)) return;
+  } else {
+    if (!attended_range<HD, M == WgMode::cache_causal, kWgBr>(p, head, kWgThreads, q0, q_end,
+                                                              kv_begin, kv_end, past))
+      return;
+  }
   const int n_tiles = static_cast<int>((kv_end - kv_begin + BC - 1) / BC);
 
   {
@@ -1228,6 +1280,17 @@ __global__ void __launch_bounds__(kWgThreads, WgShape<HD>::kBlocksPerSm)
       *reinterpret_cast<uint32_t*>(out_head + row_b * p.out_stride + col) =
           pack_bf16x2(o_tail[2] * inv_b, o_tail[3] * inv_b);
   }
+  if constexpr (kTrain) {
+    // Natural-log log-sum-exp of the scaled scores; m_run is the raw (unscaled) maximum.
+    if (t4 == 0) {
+      if (row_a < q_end)
+        p.lse[row_a * p.lse_stride + head] =
+            l_run[0] > 0.f ? (m_run[0] * c + __log2f(l_run[0])) * kLn2 : 0.f;
+      if (row_b < q_end)
+        p.lse[row_b * p.lse_stride + head] =
+            l_run[1] > 0.f ? (m_run[1] * c + __log2f(l_run[1])) * kLn2 : 0.f;
+    }
+  }
 }
 
 // Set once by attention_init (sm_90a builds on a compute capability 9.0 device).
@@ -1257,7 +1320,7 @@ bool tma_tiles_possible(const FlashParams& p) {
   return g_encode_tiled != nullptr && aligned16(p.k) && aligned16(p.v) && p.kv_stride % 8 == 0;
 }
 
-template <int HD, bool kCausal, bool kTma = false>
+template <int HD, WgMode M, bool kTma = false>
 void launch_wgmma(const FlashParams& p, dim3 grid, cudaStream_t s, int64_t kv_rows = 0,
                   int kv_cols = 0) {
   CUtensorMap k_map{}, v_map{};
@@ -1265,14 +1328,14 @@ void launch_wgmma(const FlashParams& p, dim3 grid, cudaStream_t s, int64_t kv_ro
     k_map = tile_map(p.k, kv_rows, kv_cols, p.kv_stride, WgShape<HD>::kBc);
     v_map = tile_map(p.v, kv_rows, kv_cols, p.kv_stride, WgShape<HD>::kBc);
   }
-  launch_programmatic(flash_wgmma_kernel<HD, kCausal, kTma>, grid, dim3(kWgThreads),
+  launch_programmatic(flash_wgmma_kernel<HD, M, kTma>, grid, dim3(kWgThreads),
                       WgShape<HD>::kSmemBytes, s, k_map, v_map, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
-template <int HD, bool kCausal, bool kTma = false>
+template <int HD, WgMode M, bool kTma = false>
 void set_wgmma_smem() {
-  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_wgmma_kernel<HD, kCausal, kTma>,
+  IRIS_CUDA_CHECK(cudaFuncSetAttribute(flash_wgmma_kernel<HD, M, kTma>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(WgShape<HD>::kSmemBytes)));
 }
@@ -1667,11 +1730,16 @@ void attention_init() {
   IRIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   g_wgmma_attention = prop.major == 9 && prop.minor == 0;
   if (g_wgmma_attention) {
-    set_wgmma_smem<64, false>();
-    set_wgmma_smem<64, false, true>();
-    set_wgmma_smem<72, false>();
-    set_wgmma_smem<128, true>();
-    set_wgmma_smem<128, true, true>();
+    set_wgmma_smem<64, WgMode::segments>();
+    set_wgmma_smem<64, WgMode::segments, true>();
+    set_wgmma_smem<72, WgMode::segments>();
+    set_wgmma_smem<128, WgMode::cache_causal>();
+    set_wgmma_smem<128, WgMode::cache_causal, true>();
+    set_wgmma_smem<64, WgMode::train_segments>();
+    set_wgmma_smem<64, WgMode::train_segments, true>();
+    set_wgmma_smem<72, WgMode::train_segments>();
+    set_wgmma_smem<128, WgMode::train_causal>();
+    set_wgmma_smem<128, WgMode::train_causal, true>();
     // The tensor-map encoder is a driver entry point that the runtime hands out, so Iris needs
     // no link against libcuda.
     void* fn = nullptr;
@@ -1721,10 +1789,10 @@ void launch_attention_segments(uint16_t* out, const uint16_t* qkv, const int32_t
           head_dim, p, segment_grid(total_rows, Rows64::kRows, n_segments, n_heads), s);
     case SegmentKernel::wgmma: {
       const dim3 grid = segment_grid(total_rows, kWgBr, n_segments, n_heads);
-      if (head_dim != 64) return launch_wgmma<72, false>(p, grid, s);
+      if (head_dim != 64) return launch_wgmma<72, WgMode::segments>(p, grid, s);
       if (tma_tiles_possible(p))
-        return launch_wgmma<64, false, true>(p, grid, s, total_rows, hidden);
-      return launch_wgmma<64, false>(p, grid, s);
+        return launch_wgmma<64, WgMode::segments, true>(p, grid, s, total_rows, hidden);
+      return launch_wgmma<64, WgMode::segments>(p, grid, s);
     }
   }
 }
@@ -1808,8 +1876,8 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
     const int64_t q_tiles = (tokens + kWgBr - 1) / kWgBr;
     const dim3 grid(n_q_heads, static_cast<unsigned>(q_tiles));
     if (tma_tiles_possible(p))
-      return launch_wgmma<128, true, true>(p, grid, s, max_len, p.kv_stride);
-    return launch_wgmma<128, true>(p, grid, s);
+      return launch_wgmma<128, WgMode::cache_causal, true>(p, grid, s, max_len, p.kv_stride);
+    return launch_wgmma<128, WgMode::cache_causal>(p, grid, s);
   }
   const int64_t wide_tiles = (tokens + kWideBr - 1) / kWideBr;
   if (use_wide(wide_tiles * n_q_heads, tokens, scale, num_sms))
@@ -1817,6 +1885,52 @@ void launch_attention_causal(uint16_t* out, const uint16_t* qkv, const uint16_t*
   const int64_t q_tiles = (tokens + Rows64::kRows - 1) / Rows64::kRows;
   dispatch_group<FlashHeadDims, Rows64, true>(head_dim, p,
                                               dim3(n_q_heads, static_cast<unsigned>(q_tiles)), s);
+}
+
+bool launch_attention_train_forward_wgmma(uint16_t* out, float* lse, const uint16_t* qkv,
+                                          const int32_t* cu_seqlens, const int32_t* real_rows,
+                                          int n_segments, int64_t total_rows, int n_q_heads,
+                                          int n_kv_heads, int head_dim, float scale, bool causal,
+                                          cudaStream_t s) {
+  const bool served = causal ? head_dim == 128 : head_dim == 64 || head_dim == 72;
+  if (!g_wgmma_attention || !served || scale <= 0.f || n_kv_heads <= 0 ||
+      n_q_heads % n_kv_heads != 0)
+    return false;
+  const int64_t hidden = static_cast<int64_t>(n_q_heads) * head_dim;
+  const int64_t kv_width = static_cast<int64_t>(n_kv_heads) * head_dim;
+  FlashParams p{};
+  p.q = qkv;
+  p.k = qkv + hidden;
+  p.v = qkv + hidden + kv_width;
+  p.out = out;
+  p.q_stride = p.kv_stride = hidden + 2 * kv_width;
+  p.out_stride = hidden;
+  p.kv_group = n_q_heads / n_kv_heads;
+  p.cu_seqlens = cu_seqlens;
+  p.real_rows = real_rows;
+  p.n_segments = n_segments;
+  p.scale_log2 = scale * kLog2e;
+  p.lse = lse;
+  p.lse_stride = n_q_heads;
+  p.total_rows = total_rows;
+  // One spare tile per segment, and one for the rows past the last (segment_tiles.cuh).
+  const dim3 grid(n_q_heads,
+                  static_cast<unsigned>((total_rows + kWgBr - 1) / kWgBr + n_segments + 1));
+  const bool tma = tma_tiles_possible(p);
+  if (head_dim == 128) {
+    if (tma)
+      launch_wgmma<128, WgMode::train_causal, true>(p, grid, s, total_rows, kv_width);
+    else
+      launch_wgmma<128, WgMode::train_causal>(p, grid, s);
+  } else if (head_dim == 64) {
+    if (tma)
+      launch_wgmma<64, WgMode::train_segments, true>(p, grid, s, total_rows, kv_width);
+    else
+      launch_wgmma<64, WgMode::train_segments>(p, grid, s);
+  } else {
+    launch_wgmma<72, WgMode::train_segments>(p, grid, s);
+  }
+  return true;
 }
 
 }  // namespace iris::cuda

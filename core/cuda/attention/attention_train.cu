@@ -1102,6 +1102,7 @@ bool attention_train_fast_head_dim(int head_dim) {
 }
 
 void attention_train_init() {
+  attention_train_wgmma_init();
   FastHeadDims::each([](auto hd) {
     constexpr int HD = decltype(hd)::value;
     set_smem(attn_fwd_kernel<FwdFor<HD>, false>, FwdFor<HD>::kSmem);
@@ -1124,6 +1125,11 @@ void launch_attention_train_forward(uint16_t* out, float* lse, const uint16_t* q
                               n_kv_heads, head_dim, scale);
   p.out = out;
   p.lse = lse;
+  if (aligned16(qkv) && aligned16(out) &&
+      launch_attention_train_forward_wgmma(out, lse, qkv, cu_seqlens, real_rows, n_segments,
+                                           total_rows, n_q_heads, n_kv_heads, head_dim, scale,
+                                           causal, s))
+    return;
   const bool fast = FastHeadDims::contains(head_dim) && aligned16(qkv) && aligned16(out);
   if (fast) {
     FastHeadDims::with(head_dim, [&](auto hd) {
@@ -1164,6 +1170,10 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
   launch_programmatic(vec ? attn_bwd_pre_kernel<true> : attn_bwd_pre_kernel<false>,
                       dim3(static_cast<unsigned>(total_rows)), dim3(128), pre_smem, s, p, head_dim);
   IRIS_CUDA_LAUNCH_CHECK();
+  if (launch_attention_train_backward_wgmma(dqkv, dsum, dout, lse, qkv, cu_seqlens, real_rows,
+                                            n_segments, total_rows, n_q_heads, n_kv_heads, head_dim,
+                                            scale, causal, s))
+    return;
 
   const bool fast =
       FastHeadDims::contains(head_dim) && aligned16(qkv) && aligned16(dout) && aligned16(dqkv);
