@@ -151,8 +151,13 @@ __device__ __forceinline__ bool live_tile(const BwdParams& p, int64_t& seg_b, in
   return p.real_rows == nullptr || seg_b < *p.real_rows;
 }
 
+// Head_dim 64 at three blocks per SM (168 registers, where it took 176 at two): vision 16 x 1024
+// rows 200 -> 225 TFLOP/s, 4 x 4096 214 -> 248 (H200, tools/attention_train_check.cu --bench).
+// Overlapping the elementwise steps with the next product (four commit groups instead of two)
+// measured 2-4% slower at both head dims.
 template <int HD, bool kCausal>
-__global__ void __launch_bounds__(kBwdThreads) attn_bwd_dkv_wgmma_kernel(BwdParams p) {
+__global__ void __launch_bounds__(kBwdThreads, HD == 64 ? 3 : 1)
+    attn_bwd_dkv_wgmma_kernel(BwdParams p) {
   using T = BwdTile<HD>;
   extern __shared__ __align__(16) unsigned char dkv_wg_raw[];
   unsigned char* smem = aligned_smem(dkv_wg_raw);
