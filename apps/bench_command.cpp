@@ -132,44 +132,86 @@ double text_weight_bytes(const TextConfig& t, size_t elem) {
 // graph): vision segments of one image per side and `n_multi` images of side_small, and the
 // decoder's causal prefill of `prefill` tokens. Inputs are zeros: the kernels' work does not
 // depend on the values. FLOPs count QK^T and PV (causal: the keys each query sees).
+// One attention case: the inference op, and the training forward (which also writes the
+// log-sum-exp) and backward at the same shape.
 struct AttentionFigure {
   std::string name;
   double us, tflops;
+  double train_forward_us, train_forward_tflops;
+  double train_backward_us, train_backward_tflops;
 };
 // Calls per timed sample: one call is short beside the synchronisation that ends a sample.
 constexpr int kAttentionReps = 10;
+// FLOPs of the QK^T and PV products (4 L^2 D per head and segment, half of it causal); the
+// backward counts 2.5 times the forward, as FlashAttention's reports do.
+constexpr double kAttentionBackwardFlops = 2.5;
 std::vector<AttentionFigure> measure_attention(Backend& be, const ModelConfig& cfg,
                                                const std::vector<std::vector<int32_t>>& images,
                                                const std::vector<std::string>& names,
                                                int64_t prefill, int iters) {
   const VisionConfig& v = cfg.vision;
   const TextConfig& t = cfg.text;
-  int64_t max_rows = 0, max_offsets = 0;
+  int64_t max_rows = 0, max_offsets = 2;
   for (const auto& lens : images) {
     max_rows = std::max<int64_t>(max_rows, std::accumulate(lens.begin(), lens.end(), int64_t{0}));
     max_offsets = std::max<int64_t>(max_offsets, static_cast<int64_t>(lens.size()) + 1);
   }
   const int64_t vis_width = int64_t{v.num_heads} * v.head_dim();
+  const int64_t rows = std::max(max_rows, prefill);
+  const int64_t qkv_cols = std::max<int64_t>(3 * vis_width, t.qkv_width());
+  const int64_t out_cols = std::max<int64_t>(vis_width, t.q_width());
+  const int64_t heads = std::max<int64_t>(v.num_heads, t.num_attention_heads);
+  const DType dt = be.compute_dtype();
+  // qkv, out, dout, dqkv, lse and dsum as flat buffers for the larger of the two shapes (take()
+  // views their first rows x cols), the offsets, and the decoder's caches and past length.
+  const std::vector<std::pair<DType, std::vector<int64_t>>> shapes = {
+      {dt, {rows * qkv_cols}},       {dt, {rows * out_cols}},
+      {dt, {rows * out_cols}},       {dt, {rows * qkv_cols}},
+      {DType::f32, {rows * heads}},  {DType::f32, {rows * heads}},
+      {DType::i32, {max_offsets}},   {dt, {prefill, t.kv_width()}},
+      {dt, {prefill, t.kv_width()}}, {DType::i32, {1}}};
   Arena plan;
-  plan.alloc(be.compute_dtype(), {max_rows, 3 * vis_width});
-  plan.alloc(be.compute_dtype(), {max_rows, vis_width});
-  plan.alloc(DType::i32, {max_offsets});
-  plan.alloc(be.compute_dtype(), {prefill, t.qkv_width()});
-  plan.alloc(be.compute_dtype(), {prefill, t.q_width()});
-  plan.alloc(be.compute_dtype(), {prefill, t.kv_width()});
-  plan.alloc(be.compute_dtype(), {prefill, t.kv_width()});
-  plan.alloc(DType::i32, {1});
+  for (const auto& [dtype, shape] : shapes) plan.alloc(dtype, shape);
   Arena a(be, plan.used());
-  const Tensor vqkv = a.alloc(be.compute_dtype(), {max_rows, 3 * vis_width}),
-               vout = a.alloc(be.compute_dtype(), {max_rows, vis_width}),
-               cu = a.alloc(DType::i32, {max_offsets});
-  const Tensor tqkv = a.alloc(be.compute_dtype(), {prefill, t.qkv_width()}),
-               tout = a.alloc(be.compute_dtype(), {prefill, t.q_width()}),
-               kc = a.alloc(be.compute_dtype(), {prefill, t.kv_width()}),
-               vc = a.alloc(be.compute_dtype(), {prefill, t.kv_width()}),
-               past = a.alloc(DType::i32, {1});
-  for (const Tensor& x : {vqkv, tqkv, kc, vc, past}) be.fill_zero(x);
-  std::vector<AttentionFigure> out;
+  std::vector<Tensor> buf;
+  for (const auto& [dtype, shape] : shapes) buf.push_back(a.alloc(dtype, shape));
+  const Tensor &qkv = buf[0], &out = buf[1], &dout = buf[2], &dqkv = buf[3], &lse = buf[4],
+               &dsum = buf[5], &cu = buf[6], &kc = buf[7], &vc = buf[8], &past = buf[9];
+  for (const Tensor& x : {qkv, dout, kc, vc, past}) be.fill_zero(x);
+  auto take = [](const Tensor& flat, int64_t r, int64_t c) {
+    return flat.slice(0, r * c).view({r, c});
+  };
+  auto timed = [&](auto&& call) {
+    return time_median(be, iters,
+                       [&] {
+                         for (int r = 0; r < kAttentionReps; ++r) call();
+                       }) /
+           kAttentionReps;
+  };
+  // The training pair on rows [0, n) of a layout of `width` columns: seconds forward, backward.
+  auto time_training = [&](const Tensor& cu_i, int n_segments, int64_t n, int64_t width, int nq,
+                           int nkv, int hd, bool causal) {
+    const int64_t hidden = int64_t{nq} * hd;
+    const Tensor q = take(qkv, n, width), o = take(out, n, hidden), g = take(dout, n, hidden),
+                 dq = take(dqkv, n, width), l = take(lse, n, nq), ds = take(dsum, n, nq);
+    const float scale = 1.f / std::sqrt(float(hd));
+    auto forward = [&] {
+      be.attention_train(o, l, q, cu_i, n_segments, nq, nkv, hd, scale, causal, Tensor());
+    };
+    const double fwd = timed(forward);
+    forward();
+    const double bwd = timed([&] {
+      be.attention_backward(dq, ds, g, o, l, q, cu_i, n_segments, nq, nkv, hd, scale, causal,
+                            Tensor());
+    });
+    return std::pair{fwd, bwd};
+  };
+  std::vector<AttentionFigure> figures;
+  auto add = [&](std::string name, double flops, double s, std::pair<double, double> train) {
+    figures.push_back({std::move(name), s * 1e6, flops / s / 1e12, train.first * 1e6,
+                       flops / train.first / 1e12, train.second * 1e6,
+                       kAttentionBackwardFlops * flops / train.second / 1e12});
+  };
   for (size_t i = 0; i < images.size(); ++i) {
     const auto& lens = images[i];
     std::vector<int32_t> offsets = {0};
@@ -178,33 +220,32 @@ std::vector<AttentionFigure> measure_attention(Backend& be, const ModelConfig& c
       offsets.push_back(offsets.back() + len);
       flops += 4.0 * double(len) * len * vis_width;
     }
-    const int64_t rows = offsets.back();
+    const int64_t n = offsets.back();
+    const int n_segments = static_cast<int>(lens.size());
     const Tensor cu_i = cu.slice(0, static_cast<int64_t>(offsets.size()));
     be.write(cu_i, offsets.data(), DType::i32);
-    const Tensor q = vqkv.slice(0, rows), o = vout.slice(0, rows);
-    const double s =
-        time_median(be, iters,
-                    [&] {
-                      for (int r = 0; r < kAttentionReps; ++r)
-                        be.attention_segments(o, q, cu_i, static_cast<int>(lens.size()),
-                                              v.num_heads, v.head_dim(),
-                                              1.f / std::sqrt(float(v.head_dim())), Tensor());
-                    }) /
-        kAttentionReps;
-    out.push_back({"vision " + names[i], s * 1e6, flops / s / 1e12});
+    const Tensor q = take(qkv, n, 3 * vis_width), o = take(out, n, vis_width);
+    const double s = timed([&] {
+      be.attention_segments(o, q, cu_i, n_segments, v.num_heads, v.head_dim(),
+                            1.f / std::sqrt(float(v.head_dim())), Tensor());
+    });
+    add("vision " + names[i], flops, s,
+        time_training(cu_i, n_segments, n, 3 * vis_width, v.num_heads, v.num_heads, v.head_dim(),
+                      false));
   }
-  const double s =
-      time_median(be, iters,
-                  [&] {
-                    for (int r = 0; r < kAttentionReps; ++r)
-                      be.attention_causal(tout, tqkv, kc, vc, past, t.num_attention_heads,
-                                          t.num_key_value_heads, t.head_dim,
-                                          1.f / std::sqrt(float(t.head_dim)));
-                  }) /
-      kAttentionReps;
-  const double causal_flops = 4.0 * t.q_width() * double(prefill) * (prefill + 1) / 2;
-  out.push_back({"prefill " + std::to_string(prefill), s * 1e6, causal_flops / s / 1e12});
-  return out;
+  const Tensor tqkv = take(qkv, prefill, t.qkv_width()), tout = take(out, prefill, t.q_width());
+  const double s = timed([&] {
+    be.attention_causal(tout, tqkv, kc, vc, past, t.num_attention_heads, t.num_key_value_heads,
+                        t.head_dim, 1.f / std::sqrt(float(t.head_dim)));
+  });
+  const std::vector<int32_t> one = {0, static_cast<int32_t>(prefill)};
+  const Tensor cu_1 = cu.slice(0, 2);
+  be.write(cu_1, one.data(), DType::i32);
+  add("prefill " + std::to_string(prefill), 4.0 * t.q_width() * double(prefill) * (prefill + 1) / 2,
+      s,
+      time_training(cu_1, 1, prefill, t.qkv_width(), t.num_attention_heads, t.num_key_value_heads,
+                    t.head_dim, true));
+  return figures;
 }
 
 // The vision tower's GEMMs alone for each patch count, in the encoder's order and number, replayed
@@ -577,7 +618,16 @@ int run_bench_command(int argc, char** argv) {
     for (const auto& f : figures) {
       rows.push_back(
           {"attention " + f.name + " time", f.us, "us", f.tflops / hw.gemm_tflops, "GEMM"});
-      results["attention"][f.name] = {{"us", f.us}, {"tflops", f.tflops}};
+      rows.push_back({"attention " + f.name + " train forward", f.train_forward_us, "us",
+                      f.train_forward_tflops / hw.gemm_tflops, "GEMM"});
+      rows.push_back({"attention " + f.name + " train backward", f.train_backward_us, "us",
+                      f.train_backward_tflops / hw.gemm_tflops, "GEMM"});
+      results["attention"][f.name] = {{"us", f.us},
+                                      {"tflops", f.tflops},
+                                      {"train_forward_us", f.train_forward_us},
+                                      {"train_forward_tflops", f.train_forward_tflops},
+                                      {"train_backward_us", f.train_backward_us},
+                                      {"train_backward_tflops", f.train_backward_tflops}};
     }
   }
   const std::string multi_name = std::to_string(n_multi) + "x" + s1;
@@ -717,9 +767,11 @@ int run_bench_command(int argc, char** argv) {
       std::printf("; iris bench --tune times them and fills the cache");
     std::printf("\n");
   }
-  std::printf("%-34s %14s %-6s %12s\n", "figure", "value", "unit", "of limit");
+  int name_width = 34;
+  for (const Row& r : rows) name_width = std::max(name_width, static_cast<int>(r.name.size()));
+  std::printf("%-*s %14s %-6s %12s\n", name_width, "figure", "value", "unit", "of limit");
   for (const Row& r : rows) {
-    std::printf("%-34s %14.2f %-6s", r.name.c_str(), r.value, r.unit.c_str());
+    std::printf("%-*s %14.2f %-6s", name_width, r.name.c_str(), r.value, r.unit.c_str());
     if (r.limit_ratio >= 0) std::printf(" %6.1f%% %s", 100 * r.limit_ratio, r.limit_name.c_str());
     std::printf("\n");
   }

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/fs.h"
 #include "test_util.h"
 
@@ -172,6 +174,27 @@ TEST(AppCli, TheLastOfARepeatedFlagWinsInEveryCommand) {
                recipe() + " --dry-run --dry-run");
   EXPECT_EQ(train.exit_code, 0) << train.err;
   EXPECT_NE(train.out.find("recipe is valid"), std::string::npos) << train.out;
+}
+
+// The attention figures of `iris bench` time the training forward and backward beside the
+// inference op, for every case, with rates against the GEMM rate of the same run.
+TEST(AppCli, BenchAttentionTimesTheTrainingForwardAndBackwardOfEveryCase) {
+  const fs::path json_path = test::scratch_dir() / "bench_attention.json";
+  const RunResult r =
+      run_iris("bench --quick --device cpu --iters 1 --only attention --config " +
+               q(test::fixture_dir() + "/config.json") + " --json " + q(json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json results = nlohmann::json::parse(slurp(json_path.string()));
+  ASSERT_TRUE(results.contains("attention")) << results.dump();
+  const auto& cases = results["attention"];
+  EXPECT_EQ(cases.size(), 4u) << cases.dump();  // three vision cases and the causal prefill
+  for (const auto& [name, c] : cases.items()) {
+    SCOPED_TRACE(name);
+    for (const char* key : {"tflops", "train_forward_tflops", "train_backward_tflops"})
+      EXPECT_GT(c.at(key).get<double>(), 0.0) << key;
+    EXPECT_NE(r.out.find("attention " + name + " train forward"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("attention " + name + " train backward"), std::string::npos) << r.out;
+  }
 }
 
 }  // namespace
