@@ -8,6 +8,10 @@
 //   dK += dS^T Q with the probabilities as register A operands.
 // - dQ: a block owns 64 query rows of one query head, Q and dO in shared memory, and streams the
 //   K/V tiles of its keys: S = Q K^T, dP = dO V^T, dQ += dS K.
+// Both kinds of block run in one grid (attn_bwd_wgmma_kernel).
+// On an H200 (tools/attention_train_check.cu --bench, FLOPs as FlashAttention counts them), against
+// the mma.sync kernels: decoder causal 16/8 heads of 128, 4096 rows 194 -> 260 TFLOP/s, 8192 rows
+// 206 -> 274; vision 16 heads of 64, 16 x 1024 rows 190 -> 229, 4 x 4096 208 -> 252.
 // Each gradient element is summed by one thread in a fixed order: no atomics.
 // Tiles are 128-byte rows in the 128-byte swizzle, as the inference kernel (attention.cu) keeps
 // them: one layout serves as the K-major operand of a score product and as the MN-major B
@@ -39,7 +43,7 @@ struct BwdParams {
   const int32_t* cu;
   const int32_t* real_rows;
   int n_segments;
-  int nq, group;
+  int nq, nkv, group;
   int64_t width;   // qkv / dqkv row stride
   int64_t hidden;  // dout row stride, and the column of the first k head
   int64_t v_col;   // column of the first v head
@@ -151,25 +155,15 @@ __device__ __forceinline__ bool live_tile(const BwdParams& p, int64_t& seg_b, in
   return p.real_rows == nullptr || seg_b < *p.real_rows;
 }
 
-// Head_dim 64 at three blocks per SM (168 registers, where it took 176 at two): vision 16 x 1024
-// rows 200 -> 225 TFLOP/s, 4 x 4096 214 -> 248 (H200, tools/attention_train_check.cu --bench).
-// Overlapping the elementwise steps with the next product (four commit groups instead of two)
-// measured 2-4% slower at both head dims.
 template <int HD, bool kCausal>
-__global__ void __launch_bounds__(kBwdThreads, HD == 64 ? 3 : 1)
-    attn_bwd_dkv_wgmma_kernel(BwdParams p) {
+__device__ __forceinline__ void dkv_block(const BwdParams& p, unsigned char* smem, int kv_head) {
   using T = BwdTile<HD>;
-  extern __shared__ __align__(16) unsigned char dkv_wg_raw[];
-  unsigned char* smem = aligned_smem(dkv_wg_raw);
   unsigned char* k_tile = smem;
   unsigned char* v_tile = smem + T::kBytes;
   unsigned char* q_tiles = smem + 2 * T::kBytes;                  // [2 stages]
   unsigned char* do_tiles = smem + 4 * T::kBytes;                 // [2 stages]
   float* lse_s = reinterpret_cast<float*>(smem + 6 * T::kBytes);  // [2][64], times log2(e)
   float* dsum_s = lse_s + 2 * kBwdRows;                           // [2][64]
-  pdl_launch_dependents();
-  pdl_wait();
-  const int kv_head = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t4 = lane % 4;
   int64_t seg_b, seg_e, tile, n_tiles;
@@ -262,17 +256,13 @@ __global__ void __launch_bounds__(kBwdThreads, HD == 64 ? 3 : 1)
 }
 
 template <int HD, bool kCausal>
-__global__ void __launch_bounds__(kBwdThreads) attn_bwd_dq_wgmma_kernel(BwdParams p) {
+__device__ __forceinline__ void dq_block(const BwdParams& p, unsigned char* smem, int head) {
   using T = BwdTile<HD>;
-  extern __shared__ __align__(16) unsigned char dq_wg_raw[];
-  unsigned char* smem = aligned_smem(dq_wg_raw);
   unsigned char* q_tile = smem;
   unsigned char* do_tile = smem + T::kBytes;
   unsigned char* k_tiles = smem + 2 * T::kBytes;  // [2 stages]
   unsigned char* v_tiles = smem + 4 * T::kBytes;  // [2 stages]
-  pdl_launch_dependents();
-  pdl_wait();
-  const int head = blockIdx.x, kv_head = head / p.group;
+  const int kv_head = head / p.group;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, t4 = lane % 4;
   int64_t seg_b, seg_e, tile, n_tiles;
@@ -352,6 +342,25 @@ __global__ void __launch_bounds__(kBwdThreads) attn_bwd_dq_wgmma_kernel(BwdParam
   store_rows<HD>(p.dqkv + static_cast<int64_t>(head) * HD, p.width, dq, p.scale, row_a, q_end, t4);
 }
 
+// One grid for both: blocks x < nkv compute dK/dV of kv head x, the others dQ of query head
+// x - nkv. As two kernels, the first one's last wave ran with idle SMs beside it.
+// Head_dim 64 at three blocks per SM (168 registers, where dK/dV took 176 at two): vision
+// 16 x 1024 rows 200 -> 225 TFLOP/s, 4 x 4096 214 -> 248 (H200, tools/attention_train_check.cu
+// --bench). Overlapping the elementwise steps with the next product (four commit groups instead
+// of two) measured 2-4% slower at both head dims.
+template <int HD, bool kCausal>
+__global__ void __launch_bounds__(kBwdThreads, HD == 64 ? 3 : 1)
+    attn_bwd_wgmma_kernel(BwdParams p) {
+  extern __shared__ __align__(16) unsigned char bwd_wg_raw[];
+  unsigned char* smem = aligned_smem(bwd_wg_raw);
+  pdl_launch_dependents();
+  pdl_wait();
+  if (static_cast<int>(blockIdx.x) < p.nkv)
+    dkv_block<HD, kCausal>(p, smem, blockIdx.x);
+  else
+    dq_block<HD, kCausal>(p, smem, blockIdx.x - p.nkv);
+}
+
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
   IRIS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -359,15 +368,12 @@ void set_smem(K kernel, size_t bytes) {
 }
 
 template <int HD, bool kCausal>
-void launch_pair(const BwdParams& p, int n_kv_heads, int64_t total_rows, cudaStream_t s) {
+void launch_backward(const BwdParams& p, int64_t total_rows, cudaStream_t s) {
   // One spare tile per segment, and one for the rows past the last (segment_tiles.cuh).
   const unsigned tiles =
       static_cast<unsigned>((total_rows + kBwdRows - 1) / kBwdRows + p.n_segments + 1);
-  launch_programmatic(attn_bwd_dkv_wgmma_kernel<HD, kCausal>, dim3(n_kv_heads, tiles),
+  launch_programmatic(attn_bwd_wgmma_kernel<HD, kCausal>, dim3(p.nkv + p.nq, tiles),
                       dim3(kBwdThreads), BwdTile<HD>::kSmem, s, p);
-  IRIS_CUDA_LAUNCH_CHECK();
-  launch_programmatic(attn_bwd_dq_wgmma_kernel<HD, kCausal>, dim3(p.nq, tiles), dim3(kBwdThreads),
-                      BwdTile<HD>::kSmem, s, p);
   IRIS_CUDA_LAUNCH_CHECK();
 }
 
@@ -384,10 +390,8 @@ void attention_train_wgmma_init() {
   IRIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   g_wgmma_backward = prop.major == 9 && prop.minor == 0;
   if (!g_wgmma_backward) return;
-  set_smem(attn_bwd_dkv_wgmma_kernel<64, false>, BwdTile<64>::kSmem);
-  set_smem(attn_bwd_dq_wgmma_kernel<64, false>, BwdTile<64>::kSmem);
-  set_smem(attn_bwd_dkv_wgmma_kernel<128, true>, BwdTile<128>::kSmem);
-  set_smem(attn_bwd_dq_wgmma_kernel<128, true>, BwdTile<128>::kSmem);
+  set_smem(attn_bwd_wgmma_kernel<64, false>, BwdTile<64>::kSmem);
+  set_smem(attn_bwd_wgmma_kernel<128, true>, BwdTile<128>::kSmem);
 #endif
 }
 
@@ -411,6 +415,7 @@ bool launch_attention_train_backward_wgmma(uint16_t* dqkv, const float* dsum, co
   p.real_rows = real_rows;
   p.n_segments = n_segments;
   p.nq = n_q_heads;
+  p.nkv = n_kv_heads;
   p.group = n_q_heads / n_kv_heads;
   p.hidden = static_cast<int64_t>(n_q_heads) * head_dim;
   p.v_col = static_cast<int64_t>(n_q_heads + n_kv_heads) * head_dim;
@@ -418,9 +423,9 @@ bool launch_attention_train_backward_wgmma(uint16_t* dqkv, const float* dsum, co
   p.scale = scale;
   p.scale_log2 = scale * kBwdLog2e;
   if (head_dim == 128)
-    launch_pair<128, true>(p, n_kv_heads, total_rows, s);
+    launch_backward<128, true>(p, total_rows, s);
   else
-    launch_pair<64, false>(p, n_kv_heads, total_rows, s);
+    launch_backward<64, false>(p, total_rows, s);
   return true;
 }
 
