@@ -18,6 +18,10 @@
 // Both backward kernels work through their tiles 16 rows (one mma k-step) at a time, so the score
 // and dP fragments never take more than 16 registers per m-tile.
 // Head dims without a tensor-core instantiation (any up to 256) take simple warp-per-row kernels.
+// On Hopper (sm_90a builds on compute capability 9.0) the forward at head_dim 64 and 72 (segments)
+// and 128 (causal) runs on the inference path's warpgroup-MMA kernel (attention.cu, its train
+// modes), and the backward at head_dim 64 (segments) and 128 (causal) on the wgmma kernels of
+// attention_train_wgmma.cu; the kernels here serve every other shape and device.
 //
 // On an H100 (tools/attention_train_check.cu --bench; FLOPs as FlashAttention counts them: 4 hd
 // per (query, key) pair for the forward, 2.5 times that for the backward): decoder, causal, 16/8
