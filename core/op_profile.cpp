@@ -183,6 +183,7 @@ void ProfilingBackend::start() {
   // The work queued before the start is not the profiled stretch's.
   in_.synchronize();
   records_.clear();
+  part_.clear();
   recording_ = true;
 }
 
@@ -236,6 +237,7 @@ void ProfilingBackend::record(const char* op, const std::vector<const Tensor*>& 
   for (const Tensor* t : tensors)
     if (t->defined()) r.bytes += static_cast<double>(t->nbytes());
   r.ms = in_.device_span_ms(run);
+  r.part = part_;
   records_.push_back(std::move(r));
 }
 

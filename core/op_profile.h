@@ -24,6 +24,7 @@ struct OpRecord {
   double ms = 0;     // its device time
   double flops = 0;  // 0 unless a GEMM
   double bytes = 0;  // of the tensors it names
+  std::string part;  // the label set_part() held when it ran
 };
 
 // What an op is for, in the families a step's time is reported by: "GEMM forward", "GEMM input
@@ -66,6 +67,9 @@ class ProfilingBackend final : public Backend {
   // Ends the recording and returns its records in the order the ops ran.
   std::vector<OpRecord> stop();
   bool recording() const { return recording_; }
+  // Labels the ops recorded from here on (start() resets it to ""): the caller's name for the
+  // part of the work they belong to, e.g. a model part a pipeline split balances.
+  void set_part(std::string part) { part_ = std::move(part); }
 
   Device device() const override { return in_.device(); }
   std::string name() const override { return in_.name(); }
@@ -169,6 +173,7 @@ class ProfilingBackend final : public Backend {
   Backend& in_;
   bool recording_ = false;
   std::vector<OpRecord> records_;
+  std::string part_;
 };
 
 }  // namespace iris

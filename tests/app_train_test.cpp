@@ -878,6 +878,33 @@ TEST_F(AppTrainTest, OpProfileStepLogsWhereTheStepsDeviceTimeGoes) {
     if (j.value("op_profiled_steps", int64_t{0}) > 0) profiled.push_back(j["iteration"]);
   }
   EXPECT_EQ(profiled, std::vector<int64_t>{3});
+  // The profiled step's time by model part, which a pipelined run can split its stages by.
+  EXPECT_NE(e.output.find("pipeline costs of iteration 3: "), std::string::npos) << e.output;
+  std::ifstream costs_file(run / "pipeline_costs.json");
+  const auto costs = nlohmann::json::parse(costs_file);
+  EXPECT_EQ(costs.at("layers").get<int>(), 3);
+  for (const char* key : {"layer_ms", "first_ms", "last_ms"})
+    EXPECT_GT(costs.at(key).get<double>(), 0.0) << key;
+  const std::vector<std::string> two_stages = {"train", "--recipe", recipe, "--dry-run",
+                                               "parallel.pipeline_parallel_size=2"};
+  auto with = [&](const std::string& override) {
+    std::vector<std::string> args = two_stages;
+    args.push_back(override);
+    return iris(args);
+  };
+  const Exit by_run = with("parallel.pipeline_costs=" + (run / "pipeline_costs.json").string());
+  EXPECT_EQ(by_run.code, 0) << by_run.output;
+  // A vision encoder that costs five layers takes a layer off stage 0 (by FLOPs it holds two).
+  const fs::path heavy = root_ / "heavy_vision.json";
+  write_file_atomic(heavy.string(), R"({"layer_ms": 1, "first_ms": 5, "last_ms": 0})");
+  const Exit by_flops = iris(two_stages),
+             by_costs = with("parallel.pipeline_costs=" + heavy.string());
+  ASSERT_EQ(by_flops.code, 0) << by_flops.output;
+  ASSERT_EQ(by_costs.code, 0) << by_costs.output;
+  EXPECT_NE(by_flops.output.find("stage 0/2 (vision, embed, layers 0-1)"), std::string::npos)
+      << by_flops.output;
+  EXPECT_NE(by_costs.output.find("stage 0/2 (vision, embed, layers 0-0)"), std::string::npos)
+      << by_costs.output;
   const Exit graphs = iris({"train", "--recipe", recipe, "--dry-run", "logging.op_profile_step=2",
                             "cuda_graph.cuda_graph_impl=local"});
   EXPECT_NE(graphs.code, 0);

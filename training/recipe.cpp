@@ -24,6 +24,7 @@
 #include "core/json_read.h"
 #include "training/checkpoint.h"
 #include "training/lr_schedule.h"
+#include "training/pipeline_costs.h"
 #include "training/pipeline_parallel.h"
 #include "training/train_model.h"
 
@@ -269,6 +270,13 @@ std::vector<Field> fields(Recipe& r) {
       {"parallel.pipeline_layers", &p.pipeline_layers,
        "decoder layers per pipeline stage, e.g. [10, 18]; empty: balanced by training FLOPs "
        "(the vision encoder on stage 0, the lm_head on the last)"},
+      {"parallel.pipeline_costs",
+       &p.pipeline_costs,
+       "pipeline_costs.json of a run with logging.op_profile_step (written in its run "
+       "directory): the automatic split balances its measured times instead of training FLOPs; "
+       "empty: FLOPs",
+       {},
+       true},
       {"parallel.data_parallel_size", &p.data_parallel_size,
        "data-parallel processes: the launcher's process count (mpirun -np N, srun) divided by "
        "pipeline_parallel_size"},
@@ -1169,6 +1177,12 @@ void validate(Recipe& r) {
     IRIS_CHECK(n >= 1 && n == std::floor(n) && n < 1e6,
                "recipe: parallel.pipeline_layers entries are layer counts, positive integers; got ",
                n);
+  IRIS_CHECK(p.pipeline_costs.empty() || p.pipeline_parallel_size > 1,
+             "recipe: parallel.pipeline_costs balances pipeline stages, but "
+             "parallel.pipeline_parallel_size is 1; drop the key or set more stages");
+  IRIS_CHECK(p.pipeline_costs.empty() || p.pipeline_layers.empty(),
+             "recipe: parallel.pipeline_costs and parallel.pipeline_layers both split the stages; "
+             "give one of them");
 
   // --- optimizer and schedule
   OptimizerRecipe& o = r.optimizer;
@@ -1352,6 +1366,7 @@ void validate(Recipe& r) {
     try {
       pipeline_split(mc, static_cast<int>(std::min<int64_t>(p.pipeline_parallel_size, 1 << 20)),
                      r.parallel.pipeline_layers, {});
+      if (!p.pipeline_costs.empty()) read_pipeline_costs(p.pipeline_costs);
     } catch (const Error& e) {
       IRIS_FAIL("recipe: ", e.what());
     }

@@ -156,6 +156,9 @@ struct ParallelRecipe {
   // encoder counted on stage 0 and the lm_head on the last stage. Numbers, for the recipe's
   // list type; each must be a positive integer.
   std::vector<double> pipeline_layers;
+  // The pipeline_costs.json a run with logging.op_profile_step wrote (training/pipeline_costs.h):
+  // the automatic split balances those measured times instead of FLOP estimates. Empty: FLOPs.
+  std::string pipeline_costs;
   // Processes that each train on their share of every global batch; must equal the launcher's
   // process count (mpirun -np N, srun) divided by pipeline_parallel_size.
   int64_t data_parallel_size = 1;

@@ -119,7 +119,20 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   }
   // The profiled step runs op by op (each op timed alone on the device) from an idle device.
   ProfilingBackend* const profile = it == r_.logging.op_profile_step ? rank_.op_profile() : nullptr;
-  if (profile != nullptr) profile->start();
+  // The profiled step also labels its ops by model part, for parallel.pipeline_costs: possible
+  // where the rank holds every decoder layer.
+  const int layers = rank_.config().text.num_hidden_layers;
+  int64_t backward_layers = 0;
+  std::vector<TrainableQwen3VL::LayerHook> saved_hooks;
+  if (profile != nullptr) {
+    profile->start();
+    profile->set_part(kPartFirst);
+    if (!rank_.pipelined())
+      for (auto& m : models) {
+        saved_hooks.push_back(m->layer_hook());
+        m->on_layer(pipeline_part_hook(*profile, layers, &backward_layers, saved_hooks.back()));
+      }
+  }
   const auto step_start = std::chrono::steady_clock::now();
   // Waits and host times outside the step (an evaluation, a checkpoint) are not the step's.
   be.take_write_wait_seconds();
@@ -158,6 +171,7 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   const int64_t counted = rank_.pipelined()
                               ? run_pipeline_step(models, micro_batches_, grad_scale, dp_)
                               : run_on_replicas(models, micro_batches_, grad_scale);
+  if (profile != nullptr) profile->set_part("");  // the gradient sums and the optimizer
   rank_.sum_gradients(dp_);
   for (const TrainSample& s : batch_) {
     interval.tokens += static_cast<int64_t>(s.ids.size());
@@ -188,8 +202,22 @@ int64_t StepRunner::run(int64_t it, float lr, bool probed, StepMetrics& interval
   ++interval.steps;
   if (profile != nullptr) {
     be.synchronize();
-    op_profile_ = step_profile(profile->stop(), 1e3 * seconds_since(step_start));
+    const std::vector<OpRecord> records = profile->stop();
+    op_profile_ = step_profile(records, 1e3 * seconds_since(step_start));
     ++interval.op_profiled_steps;
+    MeasuredPipelineCosts measured;
+    measured.layers = layers;
+    if (rank_.pipelined()) {
+      measured.not_measured = "this rank is one pipeline stage; profile a run without stages";
+    } else {
+      for (size_t k = 0; k < models.size(); ++k) models[k]->on_layer(saved_hooks[k]);
+      if (backward_layers == 0)
+        measured.not_measured =
+            "the decoder layers' backward did not run apart (the language model is frozen)";
+      else
+        measured.costs = measured_pipeline_costs(records, layers);
+    }
+    pipeline_costs_ = std::move(measured);
   }
   if (probed) {
     ++interval.probed_steps;

@@ -18,6 +18,7 @@
 #include "training/data_parallel.h"
 #include "training/dataset.h"
 #include "training/metrics_log.h"
+#include "training/pipeline_costs.h"
 #include "training/recipe.h"
 #include "training/run_setup.h"
 #include "training/train_model.h"
@@ -47,6 +48,16 @@ class StepRunner {
   double take_device_seconds() { return step_timer_.take_seconds(); }
   // The step profile of the step logging.op_profile_step names, once it has run (then empty).
   std::optional<StepProfile> take_op_profile() { return std::exchange(op_profile_, std::nullopt); }
+  // What the profiled step measured for parallel.pipeline_costs (training/pipeline_costs.h), once
+  // it has run (then empty): the costs, or why there are none.
+  struct MeasuredPipelineCosts {
+    std::optional<PipelineCosts> costs;
+    int layers = 0;
+    std::string not_measured;
+  };
+  std::optional<MeasuredPipelineCosts> take_pipeline_costs() {
+    return std::exchange(pipeline_costs_, std::nullopt);
+  }
 
  private:
   const Recipe& r_;
@@ -60,6 +71,7 @@ class StepRunner {
   std::vector<TrainSample> batch_;
   std::vector<std::vector<const TrainSample*>> micro_batches_;
   std::optional<StepProfile> op_profile_;
+  std::optional<MeasuredPipelineCosts> pipeline_costs_;
 };
 
 // Runs `work` once the device has finished what was queued before it, and returns its wall time:

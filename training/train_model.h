@@ -291,6 +291,7 @@ class TrainableQwen3VL {
   enum class LayerPass { forward, backward };
   using LayerHook = std::function<void(int layer, LayerPass pass, bool begin)>;
   void on_layer(LayerHook hook) { layer_hook_ = std::move(hook); }
+  const LayerHook& layer_hook() const { return layer_hook_; }
 
   ModelWeights& grads() { return *grads_; }
   ModelWeights& params() { return params_; }

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "training/metrics_log.h"
 #include "training/param_spec.h"
+#include "training/pipeline_costs.h"
 #include "training/pipeline_parallel.h"
 
 namespace iris {
@@ -109,6 +110,7 @@ std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelCo
   costs.layer = text / cfg.text.num_hidden_layers;
   costs.first = training_flops(cfg, {T, 0, image}, trained) - text;
   costs.last = training_flops(cfg, {T, T, {}}, trained) - text;
+  if (!r.parallel.pipeline_costs.empty()) costs = read_pipeline_costs(r.parallel.pipeline_costs);
   return pipeline_split(cfg, n_stages, r.parallel.pipeline_layers, costs);
 }
 

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -17,12 +18,14 @@
 #include "bridge/chat_prompt.h"
 #include "bridge/random_weights.h"
 #include "core/error.h"
+#include "core/fs.h"
 #include "language/tokenizer.h"
 #include "training/chat_format.h"
 #include "training/checkpoint.h"
 #include "training/data_parallel.h"
 #include "training/dataset.h"
 #include "training/lr_schedule.h"
+#include "training/pipeline_costs.h"
 #include "training/run_checkpoints.h"
 #include "training/run_setup.h"
 #include "training/step_runner.h"
@@ -268,6 +271,23 @@ TrainResult train(const Recipe& r, const TrainerOptions& options, DataParallel& 
       for (const std::string& line :
            step_profile_table(*p, rank.floors().gemm_tflops, rank.floors().copy_gbps))
         log.message("  " + line);
+    }
+    if (const auto measured = steps.take_pipeline_costs()) {
+      if (!measured->costs) {
+        log.message("pipeline costs not measured: " + measured->not_measured);
+      } else {
+        const PipelineCosts& c = *measured->costs;
+        const std::string path =
+            (std::filesystem::path(start.run_dir) / "pipeline_costs.json").string();
+        if (dp.rank() == 0)
+          write_file_atomic(path, pipeline_costs_json(c, measured->layers).dump(2) + "\n");
+        log.message(str_cat("pipeline costs of iteration ", it, ": ", c.layer,
+                            " ms per decoder layer, ", c.first, " ms of vision and embedding, ",
+                            c.last, " ms of norm, lm_head and loss; written to ", path,
+                            " (a pipelined run balances its stages by them with "
+                            "parallel.pipeline_costs=",
+                            path, ")"));
+      }
     }
     state.iteration = it;
     state.consumed_samples += r.train.global_batch_size;
