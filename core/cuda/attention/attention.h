@@ -91,16 +91,4 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
                                      int n_kv_heads, int head_dim, float scale, bool causal,
                                      int num_sms, cudaStream_t s);
 
-// The backward's dK/dV and dQ kernels on Hopper's warpgroup MMA (attention_train_wgmma.cu), after
-// launch_attention_train_backward's dsum kernel has filled dsum and zeroed the rows outside every
-// live segment; same contract. False, with nothing launched, where they do not serve the call (no
-// sm_90a code for this device, or not head_dim 64 non-causal or 128 causal, or unaligned).
-void attention_train_wgmma_init();  // called by attention_train_init
-bool launch_attention_train_backward_wgmma(uint16_t* dqkv, const float* dsum, const uint16_t* dout,
-                                           const float* lse, const uint16_t* qkv,
-                                           const int32_t* cu_seqlens, const int32_t* real_rows,
-                                           int n_segments, int64_t total_rows, int n_q_heads,
-                                           int n_kv_heads, int head_dim, float scale, bool causal,
-                                           cudaStream_t s);
-
 }  // namespace iris::cuda

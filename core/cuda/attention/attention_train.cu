@@ -36,6 +36,7 @@
 #include <type_traits>
 
 #include "core/cuda/attention/segment_tiles.cuh"
+#include "core/cuda/attention/train_params.cuh"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
 #include "core/cuda/launch.cuh"
@@ -43,7 +44,6 @@
 namespace iris::cuda {
 namespace {
 
-constexpr float kTrainLog2e = 1.4426950408889634f;
 constexpr float kTrainLn2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------------------------------------
@@ -111,24 +111,6 @@ __device__ __forceinline__ uint32_t tr_load_pair(const uint16_t* p) {
 // ---------------------------------------------------------------------------------------------
 // Shared set-up
 // ---------------------------------------------------------------------------------------------
-
-struct TrainParams {
-  const uint16_t* qkv;
-  uint16_t* out;  // forward
-  float* lse;     // forward output, backward input
-  const uint16_t* dout;
-  float* dsum;
-  uint16_t* dqkv;
-  const int32_t* cu;
-  const int32_t* real_rows;  // segments from *real_rows on are padding (or null)
-  int n_segments;
-  int64_t total_rows;
-  int nq, nkv, group;
-  int64_t width;   // qkv / dqkv row stride, elements
-  int64_t hidden;  // nq * hd: out / dout row stride, and the column of the first k head
-  int64_t v_col;   // column of the first v head: (nq + nkv) * hd
-  float scale, scale_log2;
-};
 
 // Tile b of `rows` rows by segment_tiles.cuh's numbering: its segment and the tile's index in it
 // (b is updated; a segment's spare block gets b >= n_tiles and leaves at once); false past the
@@ -1072,33 +1054,6 @@ unsigned tile_bound(int64_t total_rows, int rows, int n_segments) {
   return static_cast<unsigned>(n);
 }
 
-TrainParams make_params(const uint16_t* qkv, const int32_t* cu, const int32_t* real_rows,
-                        int n_segments, int64_t total_rows, int nq, int nkv, int hd, float scale) {
-  IRIS_CHECK(nq > 0 && nkv > 0 && nq % nkv == 0, "attention_train: ", nq,
-             " query heads are not a multiple of ", nkv, " kv heads");
-  IRIS_CHECK(hd > 0 && hd <= kAttentionTrainMaxHeadDim, "attention_train: head_dim ", hd,
-             " outside [1, ", kAttentionTrainMaxHeadDim, "]");
-  IRIS_CHECK(n_segments >= 0, "attention_train: negative segment count");
-  // Row positions and lse / dsum indices are 32-bit in the kernels.
-  IRIS_CHECK(total_rows * std::max(nq, 8) < (int64_t{1} << 31), "attention_train: ", total_rows,
-             " rows of ", nq, " heads are too many");
-  TrainParams p{};
-  p.qkv = qkv;
-  p.cu = cu;
-  p.real_rows = real_rows;
-  p.n_segments = n_segments;
-  p.total_rows = total_rows;
-  p.nq = nq;
-  p.nkv = nkv;
-  p.group = nq / nkv;
-  p.hidden = static_cast<int64_t>(nq) * hd;
-  p.v_col = static_cast<int64_t>(nq + nkv) * hd;
-  p.width = static_cast<int64_t>(nq + 2 * nkv) * hd;
-  p.scale = scale;
-  p.scale_log2 = scale * kTrainLog2e;
-  return p;
-}
-
 }  // namespace
 
 bool attention_train_fast_head_dim(int head_dim) {
@@ -1174,10 +1129,7 @@ void launch_attention_train_backward(uint16_t* dqkv, float* dsum, const uint16_t
   launch_programmatic(vec ? attn_bwd_pre_kernel<true> : attn_bwd_pre_kernel<false>,
                       dim3(static_cast<unsigned>(total_rows)), dim3(128), pre_smem, s, p, head_dim);
   IRIS_CUDA_LAUNCH_CHECK();
-  if (launch_attention_train_backward_wgmma(dqkv, dsum, dout, lse, qkv, cu_seqlens, real_rows,
-                                            n_segments, total_rows, n_q_heads, n_kv_heads, head_dim,
-                                            scale, causal, s))
-    return;
+  if (launch_train_backward_wgmma(p, head_dim, causal, s)) return;
 
   const bool fast =
       FastHeadDims::contains(head_dim) && aligned16(qkv) && aligned16(dout) && aligned16(dqkv);

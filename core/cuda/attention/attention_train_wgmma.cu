@@ -22,6 +22,7 @@
 
 #include "core/cuda/attention/attention.h"
 #include "core/cuda/attention/segment_tiles.cuh"
+#include "core/cuda/attention/train_params.cuh"
 #include "core/cuda/attention/wgmma.cuh"
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/device_utils.cuh"
@@ -30,25 +31,8 @@
 namespace iris::cuda {
 namespace {
 
-constexpr float kBwdLog2e = 1.4426950408889634f;
 constexpr int kBwdRows = 64;  // query rows or keys per block: the wgmma M of one warpgroup
 constexpr int kBwdThreads = 128;
-
-struct BwdParams {
-  const uint16_t* qkv;
-  const uint16_t* dout;
-  const float* lse;
-  const float* dsum;
-  uint16_t* dqkv;
-  const int32_t* cu;
-  const int32_t* real_rows;
-  int n_segments;
-  int nq, nkv, group;
-  int64_t width;   // qkv / dqkv row stride
-  int64_t hidden;  // dout row stride, and the column of the first k head
-  int64_t v_col;   // column of the first v head
-  float scale, scale_log2;
-};
 
 __device__ __forceinline__ float ex2_approx(float x) {
   float y;
@@ -143,7 +127,7 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
 // The live segment [seg_b, seg_e) of tile blockIdx.y of 64 rows and the tile's index in it;
 // false for spare blocks, padding segments and rows past the last segment (the dsum kernel
 // zeroed those rows of dqkv).
-__device__ __forceinline__ bool live_tile(const BwdParams& p, int64_t& seg_b, int64_t& seg_e,
+__device__ __forceinline__ bool live_tile(const TrainParams& p, int64_t& seg_b, int64_t& seg_e,
                                           int64_t& tile, int64_t& n_tiles) {
   const SegmentTile t = find_segment_tile(p.cu, p.n_segments, kBwdRows, blockIdx.y);
   if (t.segment >= p.n_segments) return false;
@@ -156,7 +140,7 @@ __device__ __forceinline__ bool live_tile(const BwdParams& p, int64_t& seg_b, in
 }
 
 template <int HD, bool kCausal>
-__device__ __forceinline__ void dkv_block(const BwdParams& p, unsigned char* smem, int kv_head) {
+__device__ __forceinline__ void dkv_block(const TrainParams& p, unsigned char* smem, int kv_head) {
   using T = BwdTile<HD>;
   unsigned char* k_tile = smem;
   unsigned char* v_tile = smem + T::kBytes;
@@ -192,7 +176,7 @@ __device__ __forceinline__ void dkv_block(const BwdParams& p, unsigned char* sme
     const int64_t row = q0 + r;
     const bool ok = row < q_end;
     if (tid < kBwdRows)
-      lse_s[stage * kBwdRows + r] = ok ? p.lse[row * p.nq + head] * kBwdLog2e : 0.f;
+      lse_s[stage * kBwdRows + r] = ok ? p.lse[row * p.nq + head] * kTrainLog2e : 0.f;
     else
       dsum_s[stage * kBwdRows + r] = ok ? p.dsum[row * p.nq + head] : 0.f;
   };
@@ -256,7 +240,7 @@ __device__ __forceinline__ void dkv_block(const BwdParams& p, unsigned char* sme
 }
 
 template <int HD, bool kCausal>
-__device__ __forceinline__ void dq_block(const BwdParams& p, unsigned char* smem, int head) {
+__device__ __forceinline__ void dq_block(const TrainParams& p, unsigned char* smem, int head) {
   using T = BwdTile<HD>;
   unsigned char* q_tile = smem;
   unsigned char* do_tile = smem + T::kBytes;
@@ -291,7 +275,7 @@ __device__ __forceinline__ void dq_block(const BwdParams& p, unsigned char* smem
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool ok = rows[r] < q_end;
-    lse2[r] = ok ? p.lse[rows[r] * p.nq + head] * kBwdLog2e : 0.f;
+    lse2[r] = ok ? p.lse[rows[r] * p.nq + head] * kTrainLog2e : 0.f;
     dsum[r] = ok ? p.dsum[rows[r] * p.nq + head] : 0.f;
   }
   float dq[T::kSub][32];
@@ -350,7 +334,7 @@ __device__ __forceinline__ void dq_block(const BwdParams& p, unsigned char* smem
 // of two) measured 2-4% slower at both head dims.
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kBwdThreads, HD == 64 ? 3 : 1)
-    attn_bwd_wgmma_kernel(BwdParams p) {
+    attn_bwd_wgmma_kernel(TrainParams p) {
   extern __shared__ __align__(16) unsigned char bwd_wg_raw[];
   unsigned char* smem = aligned_smem(bwd_wg_raw);
   pdl_launch_dependents();
@@ -368,10 +352,10 @@ void set_smem(K kernel, size_t bytes) {
 }
 
 template <int HD, bool kCausal>
-void launch_backward(const BwdParams& p, int64_t total_rows, cudaStream_t s) {
+void launch_backward(const TrainParams& p, cudaStream_t s) {
   // One spare tile per segment, and one for the rows past the last (segment_tiles.cuh).
   const unsigned tiles =
-      static_cast<unsigned>((total_rows + kBwdRows - 1) / kBwdRows + p.n_segments + 1);
+      static_cast<unsigned>((p.total_rows + kBwdRows - 1) / kBwdRows + p.n_segments + 1);
   launch_programmatic(attn_bwd_wgmma_kernel<HD, kCausal>, dim3(p.nkv + p.nq, tiles),
                       dim3(kBwdThreads), BwdTile<HD>::kSmem, s, p);
   IRIS_CUDA_LAUNCH_CHECK();
@@ -395,37 +379,14 @@ void attention_train_wgmma_init() {
 #endif
 }
 
-bool launch_attention_train_backward_wgmma(uint16_t* dqkv, const float* dsum, const uint16_t* dout,
-                                           const float* lse, const uint16_t* qkv,
-                                           const int32_t* cu_seqlens, const int32_t* real_rows,
-                                           int n_segments, int64_t total_rows, int n_q_heads,
-                                           int n_kv_heads, int head_dim, float scale, bool causal,
-                                           cudaStream_t s) {
+bool launch_train_backward_wgmma(const TrainParams& p, int head_dim, bool causal, cudaStream_t s) {
   const bool served = causal ? head_dim == 128 : head_dim == 64;
-  if (!g_wgmma_backward || !served || n_kv_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
-      !aligned16(qkv) || !aligned16(dout) || !aligned16(dqkv))
+  if (!g_wgmma_backward || !served || !aligned16(p.qkv) || !aligned16(p.dout) || !aligned16(p.dqkv))
     return false;
-  BwdParams p{};
-  p.qkv = qkv;
-  p.dout = dout;
-  p.lse = lse;
-  p.dsum = dsum;
-  p.dqkv = dqkv;
-  p.cu = cu_seqlens;
-  p.real_rows = real_rows;
-  p.n_segments = n_segments;
-  p.nq = n_q_heads;
-  p.nkv = n_kv_heads;
-  p.group = n_q_heads / n_kv_heads;
-  p.hidden = static_cast<int64_t>(n_q_heads) * head_dim;
-  p.v_col = static_cast<int64_t>(n_q_heads + n_kv_heads) * head_dim;
-  p.width = static_cast<int64_t>(n_q_heads + 2 * n_kv_heads) * head_dim;
-  p.scale = scale;
-  p.scale_log2 = scale * kBwdLog2e;
   if (head_dim == 128)
-    launch_backward<128, true>(p, total_rows, s);
+    launch_backward<128, true>(p, s);
   else
-    launch_backward<64, false>(p, total_rows, s);
+    launch_backward<64, false>(p, s);
   return true;
 }
 
