@@ -152,9 +152,9 @@ struct ParallelRecipe {
   int64_t tensor_parallel_size = 1;
   int64_t pipeline_parallel_size = 1;
   // Decoder layers per pipeline stage, in stage order (they sum to the model's layers); empty:
-  // split automatically, balancing the training FLOPs of a full micro-batch with the vision
-  // encoder counted on stage 0 and the lm_head on the last stage. Numbers, for the recipe's
-  // list type; each must be a positive integer.
+  // split automatically, balancing the training FLOPs of a full micro-batch (or the times of
+  // pipeline_costs) with the vision encoder counted on stage 0 and the lm_head on the last stage.
+  // Numbers, for the recipe's list type; each must be a positive integer.
   std::vector<double> pipeline_layers;
   // The pipeline_costs.json a run with logging.op_profile_step wrote (training/pipeline_costs.h):
   // the automatic split balances those measured times instead of FLOP estimates. Empty: FLOPs.

@@ -101,6 +101,9 @@ std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelCo
     whole.end_layer = cfg.text.num_hidden_layers;
     return {whole};
   }
+  if (!r.parallel.pipeline_costs.empty())
+    return pipeline_split(cfg, n_stages, r.parallel.pipeline_layers,
+                          read_pipeline_costs(r.parallel.pipeline_costs));
   const TrainedParts trained = recipe_trained_parts(r);
   const int64_t T = limits.max_seq_len;
   std::vector<GridTHW> image;
@@ -110,7 +113,6 @@ std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelCo
   costs.layer = text / cfg.text.num_hidden_layers;
   costs.first = training_flops(cfg, {T, 0, image}, trained) - text;
   costs.last = training_flops(cfg, {T, T, {}}, trained) - text;
-  if (!r.parallel.pipeline_costs.empty()) costs = read_pipeline_costs(r.parallel.pipeline_costs);
   return pipeline_split(cfg, n_stages, r.parallel.pipeline_layers, costs);
 }
 

@@ -17,8 +17,9 @@ namespace iris {
 // graphs) its bucket padding. on_gpu: the loss streams larger chunks of labelled rows.
 TrainLimits recipe_train_limits(const Recipe& r, bool on_gpu);
 
-// The stages of parallel.pipeline_parallel_size (split by training FLOPs of a full micro-batch
-// unless parallel.pipeline_layers says otherwise); one stage: the whole model.
+// The stages of parallel.pipeline_parallel_size (split by training FLOPs of a full micro-batch,
+// or by the measured times of parallel.pipeline_costs, unless parallel.pipeline_layers says
+// otherwise); one stage: the whole model.
 std::vector<PipelineStage> recipe_pipeline_stages(const Recipe& r, const ModelConfig& cfg,
                                                   const TrainLimits& limits);
 
