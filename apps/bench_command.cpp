@@ -4,6 +4,7 @@
 // (HF transformers) run on the same config.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "apps/bench_common.h"
 #include "apps/cli.h"
@@ -25,6 +27,7 @@
 #include "core/fs.h"
 #include "core/graph_capture.h"
 #include "core/graph_config.h"
+#include "core/usable_cores.h"
 
 namespace iris {
 namespace {
@@ -316,6 +319,37 @@ std::vector<GemmFigure> measure_vision_gemms(Backend& be, const VisionConfig& v,
   return out;
 }
 
+// One thread per core spinning on arithmetic until destroyed: a host as busy as a training job's
+// data workers or a loaded server make it, for --busy-host.
+class HostLoad {
+ public:
+  explicit HostLoad(int threads) {
+    for (int i = 0; i < threads; ++i)
+      workers_.emplace_back([this] {
+        volatile double sink = 0;
+        double x = 1;
+        while (!stop_.load(std::memory_order_relaxed)) {
+          for (int k = 0; k < 4096; ++k) x = x * 1.0000001 + 1e-9;
+          sink = x;
+        }
+        (void)sink;
+      });
+  }
+  ~HostLoad() {
+    stop_.store(true);
+    for (std::thread& t : workers_) t.join();
+  }
+  HostLoad(const HostLoad&) = delete;
+  HostLoad& operator=(const HostLoad&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> workers_;
+};
+
+// The bar for a figure measured beside a busy host: at most this factor of its quiet time.
+constexpr double kBusyHostBar = 1.3;
+
 struct Row {
   std::string name;
   double value;
@@ -335,7 +369,7 @@ int run_bench_command(int argc, char** argv) {
       "iris bench"};
   std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
   int iters = 5;
-  bool quick = false, tune = false;
+  bool quick = false, tune = false, busy_host = false;
   std::vector<std::string> only;
   std::string profile_case;
   app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
@@ -351,6 +385,9 @@ int run_bench_command(int argc, char** argv) {
                "time the cuBLASLt candidates of every GEMM shape the benchmark runs and save the "
                "fastest to the GEMM tuning cache, which later commands on this GPU then use "
                "(without it, shapes missing from the cache take cuBLASLt's first choice)");
+  app.add_flag("--busy-host", busy_host,
+               "measure the vision, prefill, decode and TTFT figures with graphs again beside one "
+               "spinning thread per core the process may use, and print each one's slowdown");
   app.add_option("--only", only, "figures to measure (default: all)")
       ->delimiter(',')
       ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention", "gemm"}));
@@ -716,6 +753,36 @@ int run_bench_command(int argc, char** argv) {
   }
   model.attach_graphs(&helper);
   graphs = &helper;
+
+  if (busy_host) {
+    const int threads = usable_cores();
+    json busy;
+    {
+      HostLoad load(threads);
+      busy = measure("graphs, busy host");
+    }
+    results["graphs_busy_host"] = busy;
+    results["busy_host_threads"] = threads;
+    // Times grow and rates shrink under load: either way, the factor is busy over quiet time.
+    const json& quiet = results["graphs"];
+    for (const auto& [key, q] : quiet.items()) {
+      if (!busy.contains(key)) continue;
+      const json& b = busy[key];
+      double slowdown = 0;
+      if (q.is_object() && q.contains("ms"))
+        slowdown = b["ms"].get<double>() / q["ms"].get<double>();
+      else if (q.is_object() && q.contains("tokens_per_s"))
+        slowdown = q["tokens_per_s"].get<double>() / b["tokens_per_s"].get<double>();
+      else if (q.is_number() && key.ends_with("_ms"))
+        slowdown = b.get<double>() / q.get<double>();
+      else
+        continue;
+      results["busy_host_slowdown"][key] = slowdown;
+      rows.push_back(
+          {"busy host (" + std::to_string(threads) + " threads): graphs " + key + " slowdown",
+           slowdown, "x", slowdown / kBusyHostBar, "of 1.3x"});
+    }
+  }
 
   const double mem = double(model.weights().arena.capacity() + model.vision().arena().capacity() +
                             model.decoder().arena().capacity());

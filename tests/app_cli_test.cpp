@@ -197,5 +197,25 @@ TEST(AppCli, BenchAttentionTimesTheTrainingForwardAndBackwardOfEveryCase) {
   }
 }
 
+// --busy-host measures the figures again beside one spinning thread per core and prints each
+// one's slowdown against its quiet time.
+TEST(AppCli, BenchBusyHostPrintsEachFiguresSlowdown) {
+  const fs::path json_path = test::scratch_dir() / "bench_busy.json";
+  const RunResult r =
+      run_iris("bench --quick --device cpu --iters 1 --only prefill,decode --busy-host --config " +
+               q(test::fixture_dir() + "/config.json") + " --json " + q(json_path.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json results = nlohmann::json::parse(slurp(json_path.string()));
+  ASSERT_TRUE(results.contains("busy_host_slowdown")) << results.dump();
+  const auto& slowdown = results["busy_host_slowdown"];
+  for (const char* key : {"prefill_32", "prefill_128", "decode"}) {
+    ASSERT_TRUE(slowdown.contains(key)) << key << ": " << slowdown.dump();
+    EXPECT_GT(slowdown[key].get<double>(), 0.0) << key;
+    EXPECT_NE(r.out.find("graphs " + std::string(key) + " slowdown"), std::string::npos) << r.out;
+  }
+  EXPECT_GE(results.at("busy_host_threads").get<int>(), 1);
+  EXPECT_TRUE(results.contains("graphs_busy_host"));
+}
+
 }  // namespace
 }  // namespace iris
