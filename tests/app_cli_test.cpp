@@ -176,15 +176,23 @@ TEST(AppCli, TheLastOfARepeatedFlagWinsInEveryCommand) {
   EXPECT_NE(train.out.find("recipe is valid"), std::string::npos) << train.out;
 }
 
+// `iris bench --quick` on the CPU with the tiny fixture's geometry and `flags`: its JSON results
+// (null when it wrote none), with the run in `r`.
+nlohmann::json quick_cpu_bench(const std::string& flags, RunResult& r) {
+  const fs::path json_path = test::scratch_dir() / "bench.json";
+  fs::remove(json_path);
+  r = run_iris("bench --quick --device cpu --iters 1 " + flags + " --config " +
+               q(test::fixture_dir() + "/config.json") + " --json " + q(json_path.string()));
+  return fs::exists(json_path) ? nlohmann::json::parse(slurp(json_path.string()))
+                               : nlohmann::json();
+}
+
 // The attention figures of `iris bench` time the training forward and backward beside the
 // inference op, for every case, with rates against the GEMM rate of the same run.
 TEST(AppCli, BenchAttentionTimesTheTrainingForwardAndBackwardOfEveryCase) {
-  const fs::path json_path = test::scratch_dir() / "bench_attention.json";
-  const RunResult r =
-      run_iris("bench --quick --device cpu --iters 1 --only attention --config " +
-               q(test::fixture_dir() + "/config.json") + " --json " + q(json_path.string()));
+  RunResult r;
+  const nlohmann::json results = quick_cpu_bench("--only attention", r);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const nlohmann::json results = nlohmann::json::parse(slurp(json_path.string()));
   ASSERT_TRUE(results.contains("attention")) << results.dump();
   const auto& cases = results["attention"];
   EXPECT_EQ(cases.size(), 4u) << cases.dump();  // three vision cases and the causal prefill
@@ -200,12 +208,9 @@ TEST(AppCli, BenchAttentionTimesTheTrainingForwardAndBackwardOfEveryCase) {
 // --busy-host measures the figures again beside one spinning thread per core and prints each
 // one's slowdown against its quiet time.
 TEST(AppCli, BenchBusyHostPrintsEachFiguresSlowdown) {
-  const fs::path json_path = test::scratch_dir() / "bench_busy.json";
-  const RunResult r =
-      run_iris("bench --quick --device cpu --iters 1 --only prefill,decode --busy-host --config " +
-               q(test::fixture_dir() + "/config.json") + " --json " + q(json_path.string()));
+  RunResult r;
+  const nlohmann::json results = quick_cpu_bench("--only prefill,decode --busy-host", r);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const nlohmann::json results = nlohmann::json::parse(slurp(json_path.string()));
   ASSERT_TRUE(results.contains("busy_host_slowdown")) << results.dump();
   const auto& slowdown = results["busy_host_slowdown"];
   for (const char* key : {"prefill_32", "prefill_128", "decode"}) {
