@@ -223,6 +223,7 @@ nlohmann::json generation_json(const GenerationResult& res, const GenerationRequ
   j["threads"] = omp_get_max_threads();
   j["cuda_graphs"] = cuda_graphs;
   j["timings"] = {{"load_ms", 0.0},
+                  {"read_media_ms", 0.0},
                   {"preprocess_ms", 0.0},
                   {"vision_encode_ms", t.vision_ms},
                   {"image_patches", t.image_patches},
@@ -251,24 +252,33 @@ void add_load_json(nlohmann::json& timings, const LoadTimes& load) {
   timings["weights_upload_ms"] = load.weights.upload_ms;
 }
 
-void print_timings(const LoadTimes& load, double preprocess_ms, size_t n_images,
+// Media times on the host: the files read and decoded (a video's frames also sampled, resized and
+// patchified, which its decoder does frame by frame), then the images' preprocessing: the resize
+// where an image needs one, and for host rows (a chat, videos) the normalising and patchifying
+// that the vision encode otherwise does on the backend.
+struct MediaTimes {
+  double read_ms = 0, preprocess_ms = 0;
+};
+
+void print_timings(const LoadTimes& load, const MediaTimes& media, size_t n_images,
                    const GenerationTimings& t, double decode_tokens_per_s,
                    const std::string& device, uint64_t seed) {
   std::fprintf(stderr,
                "\n%-16s %10.2f ms (device init %.2f ms; weights: read %.2f ms, upload %.2f ms; "
                "tokenizer %.2f ms beside them)\n"
-               "%-16s %10.2f ms (%zu images)\n"
+               "%-16s %10.2f ms (%zu files)\n"
+               "%-16s %10.2f ms\n"
                "%-16s %10.2f ms (%lld patches)\n"
                "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
                "%-16s %10.2f ms / %lld tokens (%.2f tok/s)\n"
                "%-16s %s, seed %llu\n",
                "load", load.total_ms, load.device_init_ms, load.weights.read_ms,
-               load.weights.upload_ms, load.tokenizer_ms, "preprocess", preprocess_ms, n_images,
-               "vision encode", t.vision_ms, static_cast<long long>(t.image_patches), "prefill",
-               t.prefill_ms, static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(),
-               "decode", t.decode_ms, static_cast<long long>(t.generated_tokens),
-               decode_tokens_per_s, "device", device.c_str(),
-               static_cast<unsigned long long>(seed));
+               load.weights.upload_ms, load.tokenizer_ms, "read media", media.read_ms, n_images,
+               "preprocess", media.preprocess_ms, "vision encode", t.vision_ms,
+               static_cast<long long>(t.image_patches), "prefill", t.prefill_ms,
+               static_cast<long long>(t.prompt_tokens), t.prefill_tokens_per_s(), "decode",
+               t.decode_ms, static_cast<long long>(t.generated_tokens), decode_tokens_per_s,
+               "device", device.c_str(), static_cast<unsigned long long>(seed));
 }
 
 // The flags that set the image token bounds, for errors about them.
@@ -456,7 +466,7 @@ struct ChatRun {
   const Backend& backend;
   bool cuda_graphs = false;
   LoadTimes load;
-  double preprocess_ms = 0;  // of the --image and --video files, counted with the first turn
+  MediaTimes media;  // of the --image and --video files, counted with the first turn
   std::optional<std::string> first_message;  // -cnv with -p or -f: sent before stdin is read
 };
 
@@ -571,7 +581,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     media.clear();
   };
   // This turn's (for --json) and the whole chat's.
-  double preprocess_ms = run.preprocess_ms, preprocess_total = run.preprocess_ms;
+  MediaTimes media_times = run.media, media_total = run.media;
   bool failed = false;
   GenerationTimings total;
   int64_t decode_steps = 0;
@@ -633,6 +643,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
       try {
         const auto t_pre = std::chrono::steady_clock::now();
         const ImageRGB8 decoded = load_image(path, o.max_image_pixels);
+        const double read_ms = ms_since(t_pre);
         const int64_t room =
             o.ctx_size - static_cast<int64_t>(session.conversation().size()) - attached_tokens();
         check_images_fit({path}, {image_tokens_of(decoded, path, run.preprocessor)}, room,
@@ -653,8 +664,10 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
                    " the vision encoder was planned for; send the message with the media "
                    "attached so far first");
         const PreprocessedImage image = preprocess_image(decoded, run.preprocessor);
-        preprocess_ms += ms_since(t_pre);
-        preprocess_total += ms_since(t_pre);
+        for (MediaTimes* m : {&media_times, &media_total}) {
+          m->read_ms += read_ms;
+          m->preprocess_ms += ms_since(t_pre) - read_ms;
+        }
         pixels.insert(pixels.end(), image.pixel_values.data<float>(),
                       image.pixel_values.data<float>() + image.pixel_values.numel());
         grids.push_back(image.grid_thw);
@@ -687,8 +700,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         room.segments = model.limits().max_images - attached_segments();
         room.patches = model.limits().max_vision_patches - count_patches(attached_grids());
         VideoClip clip = load_video(path, o, cfg, video_processor(o, cfg), room);
-        preprocess_ms += ms_since(t_pre);
-        preprocess_total += ms_since(t_pre);
+        for (MediaTimes* m : {&media_times, &media_total}) m->read_ms += ms_since(t_pre);
         videos.push_back(std::move(clip));
         media.push_back(ChatPart::Kind::video);
         std::fprintf(stderr, "(%s attached to the next message)\n", path.c_str());
@@ -735,7 +747,8 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
         j["interrupted"] = interrupted;
         j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
         add_load_json(j["timings"], session.turns() == 1 ? run.load : LoadTimes{});
-        j["timings"]["preprocess_ms"] = preprocess_ms;
+        j["timings"]["read_media_ms"] = media_times.read_ms;
+        j["timings"]["preprocess_ms"] = media_times.preprocess_ms;
         std::cout << j.dump() << std::endl;
       } else {
         std::fputs(stream.flush().c_str(), stdout);
@@ -767,11 +780,11 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     }
     // The media went with this message, whether or not it was answered.
     clear_attached();
-    preprocess_ms = 0;
+    media_times = MediaTimes{};
     if (o.single_turn) break;
   }
   if (!o.json && total.prompt_tokens > 0)
-    print_timings(run.load, preprocess_total, images_sent, total,
+    print_timings(run.load, media_total, images_sent, total,
                   total.decode_ms > 0 ? 1000.0 * double(decode_steps) / total.decode_ms : 0.0,
                   run.backend.name(), settings.sampling.seed);
   if (quit_by_interrupt) return kExitInterrupted;
@@ -1240,9 +1253,13 @@ int run_generate_command(int argc, char** argv) {
   if (!o.images.empty() || (chat && image_bounds_given)) check_image_budget_can_fit(o, pre);
 
   // Images are decoded before the model is sized so that the vision buffers fit them exactly.
-  const auto t_pre = std::chrono::steady_clock::now();
+  MediaTimes media_times;
+  auto t_media = std::chrono::steady_clock::now();
   std::vector<ImageRGB8> images;
   for (const std::string& path : o.images) images.push_back(load_image(path, o.max_image_pixels));
+  const size_t n_images = images.size();
+  media_times.read_ms = ms_since(t_media);
+  t_media = std::chrono::steady_clock::now();
   {
     std::vector<int64_t> tokens;
     for (size_t i = 0; i < images.size(); ++i)
@@ -1250,18 +1267,24 @@ int run_generate_command(int argc, char** argv) {
     check_images_fit(o.images, tokens, o.ctx_size,
                      str_cat("tokens of the context (-c/--ctx-size ", o.ctx_size, ")"));
   }
-  PreprocessedBatch batch;
-  if (!images.empty()) batch = preprocess_images(images, pre);
-  std::vector<GridTHW> grids(batch.grid_thw.begin(), batch.grid_thw.end());
+  // The images are brought to their grids' sizes here; the backend normalises and patchifies them
+  // in the vision encode (VisionPixels), unless a chat or videos need host rows.
+  SizedImages sized;
+  if (!images.empty()) sized = size_images(std::move(images), pre);
+  const PixelTable table = pixel_table(pre);
+  std::vector<GridTHW> grids(sized.grid_thw.begin(), sized.grid_thw.end());
+  media_times.preprocess_ms = ms_since(t_media);
+  t_media = std::chrono::steady_clock::now();
   std::vector<VideoClip> clips = load_videos(o, cfg, count_patches(grids));
-  const double preprocess_ms = ms_since(t_pre);
+  media_times.read_ms += ms_since(t_media);
+  const double media_ms = media_times.read_ms + media_times.preprocess_ms;
   int64_t patches = count_patches(grids);
   for (const VideoClip& c : clips) patches += c.grid_thw[0] * c.grid_thw[1] * c.grid_thw[2];
   ModelLimits limits;
   limits.max_context = o.ctx_size;
   limits.max_step_tokens = std::min<int64_t>(o.ctx_size, 2048);
   // Each frame pair of a video is an attention segment of its own, as an image is.
-  int64_t segments = static_cast<int64_t>(images.size());
+  int64_t segments = static_cast<int64_t>(n_images);
   for (const VideoClip& c : clips) segments += c.grid_thw[0];
   limits.max_images = static_cast<int>(std::max<int64_t>(1, segments));
   limits.max_vision_patches = std::max<int64_t>(cfg.vision.merge_unit(), patches);
@@ -1339,7 +1362,7 @@ int run_generate_command(int argc, char** argv) {
   check_vision_token_ids(tokenizer, tok_path.string(), cfg.image_token_id, cfg.video_token_id,
                          cfg.vision_start_token_id, cfg.vision_end_token_id,
                          (fs::path(o.model_dir) / "config.json").string());
-  load.total_ms = ms_since(t_load) - preprocess_ms;
+  load.total_ms = ms_since(t_load) - media_ms;
   load.weights = o.lora_dir.empty() ? model.weight_load_times() : adapter_load;
 
   GenerationRequest req;
@@ -1358,9 +1381,12 @@ int run_generate_command(int argc, char** argv) {
   req.sampleable = sampleable_ids(tokenizer, cfg.text.vocab_size);
   req.sampling.seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : std::random_device{}();
   if (chat) {
-    ChatRun run{o,    tokenizer,    chat_format, pre, cfg, *backend, graph_helper != nullptr,
-                load, preprocess_ms};
+    ChatRun run{o,    tokenizer,  chat_format, pre, cfg, *backend, graph_helper != nullptr,
+                load, media_times};
     if (first_message_given) run.first_message = o.prompt;
+    const auto t_rows = std::chrono::steady_clock::now();
+    const PreprocessedBatch batch = patchify_images(sized, pre);
+    run.media.preprocess_ms += ms_since(t_rows);
     const int rc = run_chat(run, model, req, batch, std::move(clips));
     save_tuning();
     return rc;
@@ -1369,8 +1395,8 @@ int run_generate_command(int argc, char** argv) {
   std::vector<ChatMessage> messages;
   if (!o.system.empty()) messages.push_back({"system", {ChatPart::make_text(o.system)}});
   std::vector<ChatPart::Kind> media = o.media_order;
-  if (media.size() != images.size() + clips.size()) {
-    media.assign(images.size(), ChatPart::Kind::image);
+  if (media.size() != n_images + clips.size()) {
+    media.assign(n_images, ChatPart::Kind::image);
     media.insert(media.end(), clips.size(), ChatPart::Kind::video);
   }
   messages.push_back(user_message(o.prompt, media));
@@ -1379,11 +1405,14 @@ int run_generate_command(int argc, char** argv) {
   std::vector<float> media_pixels;  // images and videos in prompt order, where there are videos
   if (clips.empty()) {
     req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
-    req.pixel_values = patches > 0 ? batch.pixel_values.data<float>() : nullptr;
+    if (patches > 0) req.pixel_values = VisionPixels(sized.images, table);
     req.grids = grids;
   } else {
     std::vector<const VideoClip*> videos;
     for (const VideoClip& c : clips) videos.push_back(&c);
+    const auto t_rows = std::chrono::steady_clock::now();
+    const PreprocessedBatch batch = patchify_images(sized, pre);
+    media_times.preprocess_ms += ms_since(t_rows);
     MediaPrompt mp = encode_media_prompt(tokenizer, prompt_text, cfg, grids, videos);
     // Each image's rows start where the rows of the images before it end.
     std::vector<int64_t> image_row(grids.size() + 1, 0);
@@ -1433,13 +1462,14 @@ int run_generate_command(int argc, char** argv) {
     nlohmann::json j = generation_json(res, req, tokenizer, *backend, graph_helper != nullptr);
     j["reverse_prompt"] = reverse.seen() ? nlohmann::json(reverse.found()) : nullptr;
     add_load_json(j["timings"], load);
-    j["timings"]["preprocess_ms"] = preprocess_ms;
+    j["timings"]["read_media_ms"] = media_times.read_ms;
+    j["timings"]["preprocess_ms"] = media_times.preprocess_ms;
     std::cout << j.dump() << std::endl;
   } else {
     std::fputs(stream.flush().c_str(), stdout);
     std::fputs("\n", stdout);
     std::fflush(stdout);
-    print_timings(load, preprocess_ms, images.size() + clips.size(), t, t.decode_tokens_per_s(),
+    print_timings(load, media_times, n_images + clips.size(), t, t.decode_tokens_per_s(),
                   backend->name(), req.sampling.seed);
   }
   save_tuning();

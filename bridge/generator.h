@@ -33,7 +33,8 @@ struct GenerationRequest {
   // them as part of the prompt, as a one-shot run of the whole conversation would. Empty: a new
   // conversation.
   std::vector<int32_t> cached_ids;
-  const float* pixel_values = nullptr;  // [patches, patch_dim] for all images, or null
+  // The grids' pixels: host rows [patches, patch_dim] or images at their grids' sizes.
+  VisionPixels pixel_values;
   std::vector<GridTHW> grids;
   // With videos: the prompt's pad runs (MediaPrompt::runs), pixel rows and grids in their order.
   // Empty: every grid is an image, in order.

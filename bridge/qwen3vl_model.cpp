@@ -121,12 +121,12 @@ void Qwen3VLModel::build() {
   index_host_.reserve(static_cast<size_t>(limits_.max_step_tokens));
 }
 
-void Qwen3VLModel::encode_images(const float* pixel_values, const std::vector<GridTHW>& grids) {
-  encode_vision(pixel_values, grids,
+void Qwen3VLModel::encode_images(const VisionPixels& pixels, const std::vector<GridTHW>& grids) {
+  encode_vision(pixels, grids,
                 image_runs(grids, cfg_.image_token_id, cfg_.vision.spatial_merge_size));
 }
 
-void Qwen3VLModel::encode_vision(const float* pixel_values, const std::vector<GridTHW>& grids,
+void Qwen3VLModel::encode_vision(const VisionPixels& pixels, const std::vector<GridTHW>& grids,
                                  std::vector<VisionRun> runs) {
   int64_t segments = 0;
   for (const GridTHW& g : grids) segments += g[0];
@@ -143,8 +143,8 @@ void Qwen3VLModel::encode_vision(const float* pixel_values, const std::vector<Gr
     vision_rows_ = 0;
     return;
   }
-  vision_out_ = graphs_.empty() ? vision_->encode(pixel_values, grids)
-                                : encode_with_graph_helpers(graphs_, *vision_, pixel_values, grids);
+  vision_out_ = graphs_.empty() ? vision_->encode(pixels, grids)
+                                : encode_with_graph_helpers(graphs_, *vision_, pixels, grids);
   vision_rows_ = vision_out_.embeds.dim(0);
 }
 

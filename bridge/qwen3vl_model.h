@@ -52,12 +52,12 @@ class Qwen3VLModel {
 
   // Encodes every image of the next prompt in one vision call (pixel rows of all images
   // concatenated, merge-window order, grids in prompt order).
-  void encode_images(const float* pixel_values, const std::vector<GridTHW>& grids);
+  void encode_images(const VisionPixels& pixels, const std::vector<GridTHW>& grids);
   // Images and videos together, in prompt order: their pixel rows concatenated, one grid per
   // image or video, and the runs of pad tokens the prompt holds for them (image_runs, an
   // architecture's video_runs), which place them in M-RoPE. The tower attends within each
   // frame, so one call gives every item the embeddings of an encoding of its own.
-  void encode_vision(const float* pixel_values, const std::vector<GridTHW>& grids,
+  void encode_vision(const VisionPixels& pixels, const std::vector<GridTHW>& grids,
                      std::vector<VisionRun> runs);
   // Runs the prompt through the decoder from an empty cache. When the prompt holds image pads,
   // encode_images() must have been called with the matching grids.

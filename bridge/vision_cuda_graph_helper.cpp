@@ -154,14 +154,14 @@ void VisionCudaGraphHelper::run_bucket(BucketGraph& b) {
   b.out = encoder_->output(b.rows);
 }
 
-VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
+VisionEncoder::Output VisionCudaGraphHelper::encode(const VisionPixels& pixels,
                                                     const std::vector<GridTHW>& grids) {
   require_model();
   IRIS_CHECK(encoder_ != nullptr, "encode() on pipeline ", stage_.describe(),
              ", which holds no vision encoder; the stage with the encoder encodes images");
   last_bucket_ = 0;
   last_launch_ms_ = 0;
-  if (!vision_active_ || vision_deleted_) return encoder_->encode(pixel_values, grids);
+  if (!vision_active_ || vision_deleted_) return encoder_->encode(pixels, grids);
   const PaddedVisionCall call =
       plan_padded_vision_call(encoder_->config(), cfg_.vision, grids, encoder_->max_segments());
   if (!call.bucket) {
@@ -180,9 +180,9 @@ VisionEncoder::Output VisionCudaGraphHelper::encode(const float* pixel_values,
                    "max_vision_cuda_graph_seq_length to graph them)\n",
                    static_cast<long long>(call.n_patches),
                    static_cast<long long>(cfg_.vision.buckets.back()));
-    return encoder_->encode(pixel_values, grids);
+    return encoder_->encode(pixels, grids);
   }
-  encoder_->upload(pixel_values, grids, *call.bucket);
+  encoder_->upload(pixels, grids, *call.bucket);
   BucketGraph& b = bucket_graph(*call.bucket);
   const bool replay = b.captured();
   const auto launch_start = std::chrono::steady_clock::now();
@@ -360,7 +360,7 @@ void VisionCudaGraphHelper::model_destroyed() noexcept {
 // ---- routing for Qwen3VLModel ----
 
 VisionEncoder::Output encode_with_graph_helpers(const std::vector<VisionCudaGraphHelper*>& helpers,
-                                                VisionEncoder& eager, const float* pixel_values,
+                                                VisionEncoder& eager, const VisionPixels& pixels,
                                                 const std::vector<GridTHW>& grids) {
   VisionCudaGraphHelper* owner = nullptr;
   for (VisionCudaGraphHelper* h : helpers) {
@@ -369,7 +369,7 @@ VisionEncoder::Output encode_with_graph_helpers(const std::vector<VisionCudaGrap
                owner->stage().describe(), " and ", h->stage().describe(), ")");
     owner = h;
   }
-  return owner != nullptr ? owner->encode(pixel_values, grids) : eager.encode(pixel_values, grids);
+  return owner != nullptr ? owner->encode(pixels, grids) : eager.encode(pixels, grids);
 }
 
 void decode_step_with_graph_helpers(const std::vector<VisionCudaGraphHelper*>& helpers) {

@@ -73,7 +73,7 @@ class VisionCudaGraphHelper {
   // during warmup, or captured), or the unpadded eager encoder when vision graphs are off,
   // deleted, or the call overflows with overflow: eager. The outputs hold the real merged rows
   // only (views into the encoder's buffers, valid until the next call).
-  VisionEncoder::Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
+  VisionEncoder::Output encode(const VisionPixels& pixels, const std::vector<GridTHW>& grids);
 
   // This stage's part of a decode step (batch 1) whose inputs TextDecoder::upload_step() wrote:
   // the embedding on stage 0, the stage's layers, and on the last stage the final norm, the LM
@@ -161,7 +161,7 @@ class VisionCudaGraphHelper {
 // the stage that owns the encoder (eagerly on `eager` when none does); a decode step runs every
 // stage's part in order, and the helpers must form one complete split of the model.
 VisionEncoder::Output encode_with_graph_helpers(const std::vector<VisionCudaGraphHelper*>& helpers,
-                                                VisionEncoder& eager, const float* pixel_values,
+                                                VisionEncoder& eager, const VisionPixels& pixels,
                                                 const std::vector<GridTHW>& grids);
 void decode_step_with_graph_helpers(const std::vector<VisionCudaGraphHelper*>& helpers);
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/dropout_draw.h"
+#include "core/image_patches.h"
 #include "core/tensor.h"
 #include "core/tuning_cache.h"
 

@@ -21,6 +21,8 @@ size_t dtype_size(DType t) {
       return 4;
     case DType::i64:
       return 8;
+    case DType::u8:
+      return 1;
   }
   return 0;
 }
@@ -37,6 +39,8 @@ const char* dtype_name(DType t) {
       return "i32";
     case DType::i64:
       return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
@@ -90,6 +94,8 @@ float load_as_f32(const void* p, DType t, int64_t i) {
       return static_cast<float>(static_cast<const int32_t*>(p)[i]);
     case DType::i64:
       return static_cast<float>(static_cast<const int64_t*>(p)[i]);
+    case DType::u8:
+      break;
   }
   return 0.0f;
 }
@@ -104,6 +110,8 @@ void convert_elements(void* dst, DType dt, const void* src, DType st, int64_t n)
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(dt));
     return;
   }
+  IRIS_CHECK(dt != DType::u8 && st != DType::u8, "u8 data converts only to u8, not ",
+             dtype_name(dt == DType::u8 ? st : dt));
   const bool src_int = st == DType::i32 || st == DType::i64;
   const bool dst_int = dt == DType::i32 || dt == DType::i64;
   for (int64_t i = 0; i < n; ++i) {
@@ -136,6 +144,8 @@ void convert_elements(void* dst, DType dt, const void* src, DType st, int64_t n)
         break;
       case DType::i64:
         static_cast<int64_t*>(dst)[i] = static_cast<int64_t>(v);
+        break;
+      case DType::u8:
         break;
     }
   }

@@ -7,7 +7,8 @@
 
 namespace iris {
 
-enum class DType : uint8_t { f32, bf16, f16, i32, i64 };
+// u8: raw bytes (an image's RGB pixels), never converted to or from another type.
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

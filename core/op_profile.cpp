@@ -77,6 +77,7 @@ std::string op_family(const std::string& op) {
       {"qkv_norm_rope_backward", "norms and RoPE"},
       {"vision_tables", "norms and RoPE"},
       {"text_rope_tables", "norms and RoPE"},
+      {"image_patches", "copies and gathers"},
       {"add", "activations"},
       {"add_column_block", "copies and gathers"},
       {"dropout", "activations"},

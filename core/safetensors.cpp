@@ -41,6 +41,8 @@ const char* dtype_tag(DType t) {
       return "I32";
     case DType::i64:
       return "I64";
+    case DType::u8:
+      return "U8";
   }
   return "?";
 }

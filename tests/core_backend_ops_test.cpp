@@ -957,6 +957,60 @@ TEST_F(BackendOps, Embedding) {
   }
 }
 
+// The rows of image bytes the CUDA kernel writes equal the CPU op's: exactly in f32, and in the
+// compute dtype as the host's round to nearest even of the same values (what a write of host rows
+// gave before images went up as bytes). Sizes: a 448 image (Qwen3-VL), a 14-pixel-patch image
+// with CLIP statistics (Qwen2.5-VL), and a two-frame temporal slice; rows scattered backwards.
+TEST_F(BackendOps, ImagePatches) {
+  struct Case {
+    int height, width, patch, frames;
+    float mean, stdv;
+  };
+  const Case cases[] = {{448, 448, 16, 1, 127.5f, 127.5f},
+                        {84, 140, 14, 1, 0.48145466f * 255.f, 0.26862954f * 255.f},
+                        {64, 96, 16, 2, 127.5f, 127.5f}};
+  for (const Case& c : cases) {
+    ImagePatchGeometry g;
+    g.height = c.height;
+    g.width = c.width;
+    g.patch_size = c.patch;
+    const int64_t n = g.patches(), cols = g.row_values();
+    std::mt19937 gen(7);
+    std::vector<uint8_t> bytes(static_cast<size_t>(c.frames) * c.height * c.width * 3);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(gen() & 0xff);
+    std::vector<float> table(768);
+    for (int i = 0; i < 768; ++i) table[i] = (float(i % 256) - c.mean) / c.stdv;
+    std::vector<int32_t> where(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) where[static_cast<size_t>(i)] = static_cast<int32_t>(n - 1 - i);
+    auto run = [&](Backend& be, DType out_dtype) {
+      Arena a(be, size_t{64} << 20);
+      const Tensor frames = a.alloc(DType::u8, {static_cast<int64_t>(bytes.size())});
+      be.write(frames, bytes.data(), DType::u8);
+      const Tensor table_t = a.alloc(DType::f32, {768});
+      be.write(table_t, table.data(), DType::f32);
+      const Tensor where_t = a.alloc(DType::i32, {n});
+      be.write(where_t, where.data(), DType::i32);
+      const Tensor dst = a.alloc(out_dtype, {n, cols});
+      be.image_patches(dst, frames, table_t, where_t, g);
+      std::vector<uint32_t> raw(static_cast<size_t>(n * cols));
+      be.read(raw.data(), out_dtype, dst);  // the device's own bits
+      raw.resize(static_cast<size_t>(n * cols * dtype_size(out_dtype) / 4));
+      return raw;
+    };
+    SCOPED_TRACE(std::to_string(c.height) + "x" + std::to_string(c.width));
+    const std::vector<uint32_t> want = run(*cpu_, DType::f32);
+    EXPECT_EQ(run(*gpu_, DType::f32), want);
+    std::vector<uint16_t> want_bf16(want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      float f;
+      std::memcpy(&f, &want[i], 4);
+      want_bf16[i] = f32_to_bf16(f);
+    }
+    const std::vector<uint32_t> got = run(*gpu_, DType::bf16);
+    EXPECT_EQ(0, std::memcmp(got.data(), want_bf16.data(), want_bf16.size() * 2));
+  }
+}
+
 TEST_F(BackendOps, ScatterRows) {
   const std::tuple<int64_t, int64_t, int64_t> cases[] = {
       {50, 64, 10}, {300, 2048, 64}, {20, 36, 7}, {16, 32, 16}};

@@ -834,7 +834,7 @@ TEST(VisionImage, PnmSamplesScaleAsPilScalesThem) {
   };
   auto grey = [](std::initializer_list<int> v) {
     std::vector<uint8_t> out;
-    for (int x : v) out.insert(out.end(), {uint8_t(x), uint8_t(x), uint8_t(x)});
+    for (int x : v) out.resize(out.size() + 3, uint8_t(x));
     return out;
   };
   // 16-bit PGM (stb 2.27 over-reads if asked to convert channels, so this also guards that path).

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/image_patches.h"
 #include "core/json_read.h"
 
 namespace iris {
@@ -380,14 +381,11 @@ ImageRGB8 resize_bicubic_antialias(const ImageRGB8& src, int out_height, int out
 // ---------------------------------------------------------------------------------------------
 // Normalise + patchify
 
-namespace {
-
-// Every output value is a function of one uint8 and its channel, so a 256-entry table per channel
-// computes each exactly once, with the same float32 operations transformers performs.
-std::array<std::array<float, 256>, 3> normalisation_table(const PreprocessorConfig& cfg) {
-  std::array<std::array<float, 256>, 3> lut{};
-  // Fused as in transformers' torchvision backend: mean and std are float32 tensors multiplied by
-  // the python float 1/rescale_factor, then (x - mean') / std'.
+PixelTable pixel_table(const PreprocessorConfig& cfg) {
+  // Each output value is a function of one byte and its channel, computed once per byte with the
+  // float32 operations transformers performs, fused as in its torchvision backend: mean and std
+  // are float32 tensors multiplied by the python float 1/rescale_factor, then (x - mean') / std'.
+  PixelTable table{};
   const float inv_rescale = static_cast<float>(1.0 / cfg.rescale_factor);
   const float rescale = static_cast<float>(cfg.rescale_factor);
   for (int c = 0; c < 3; ++c) {
@@ -395,16 +393,19 @@ std::array<std::array<float, 256>, 3> normalisation_table(const PreprocessorConf
     const float stdv = cfg.do_rescale ? cfg.image_std[c] * inv_rescale : cfg.image_std[c];
     for (int v = 0; v < 256; ++v) {
       const float x = static_cast<float>(v);
+      float& out = table[static_cast<size_t>(c) * 256 + v];
       if (cfg.do_normalize)
-        lut[c][v] = (x - mean) / stdv;
+        out = (x - mean) / stdv;
       else if (cfg.do_rescale)
-        lut[c][v] = x * rescale;
+        out = x * rescale;
       else
-        lut[c][v] = x;
+        out = x;
     }
   }
-  return lut;
+  return table;
 }
+
+namespace {
 
 struct Plan {
   ImageRGB8 resized;  // empty when the input is used as is
@@ -434,93 +435,61 @@ Plan plan_image(const ImageRGB8& image, const PreprocessorConfig& cfg, size_t in
                ", not a multiple of patch_size*merge_size = ", factor,
                "; resize it first or enable do_resize");
   }
-  // One frame padded to temporal_patch_size by repetition makes a single temporal slice.
   p.grid = {1, p.height / cfg.patch_size, p.width / cfg.patch_size};
   p.rows = p.grid[0] * p.grid[1] * p.grid[2];
   return p;
 }
 
-// Writes rows in merge-window order (spec 2.5): merged blocks row-major, the m x m patches of a
-// block row-major inside it; within a row channel, frame, pixel row, pixel column (a Conv3d
-// kernel's flattening). `slice` holds the temporal_patch_size frames of one temporal slice (an
-// image's are copies of it: the same pointer, copied rather than looked up again).
-void patchify(const ImageRGB8* const* slice, const PreprocessorConfig& cfg,
-              const std::array<std::array<float, 256>, 3>& lut, float* dst) {
-  const int P = cfg.patch_size, Tp = cfg.temporal_patch_size, m = cfg.merge_size;
-  const ImageRGB8& img = *slice[0];
-  const int gh = img.height / P, gw = img.width / P;
-  const int bw = gw / m;
-  const size_t cols = static_cast<size_t>(3) * Tp * P * P;
-  const size_t frame = static_cast<size_t>(P) * P;
-  const int64_t n_patches = static_cast<int64_t>(gh) * gw;
-#pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < n_patches; ++row) {
-    const int64_t block = row / (m * m);
-    const int in_block = static_cast<int>(row % (m * m));
-    const int r = static_cast<int>(block / bw) * m + in_block / m;
-    const int c = static_cast<int>(block % bw) * m + in_block % m;
-    float* out = dst + static_cast<size_t>(row) * cols;
-    for (int ch = 0; ch < 3; ++ch) {
-      float* plane = out + static_cast<size_t>(ch) * Tp * frame;
-      const float* table = lut[ch].data();
-      for (int f = 0; f < Tp; ++f) {
-        float* d0 = plane + static_cast<size_t>(f) * frame;
-        if (f > 0 && slice[f] == slice[f - 1]) {
-          std::memcpy(d0, d0 - frame, frame * sizeof(float));
-          continue;
-        }
-        const uint8_t* px = slice[f]->pixels.data();
-        for (int py = 0; py < P; ++py) {
-          const uint8_t* s =
-              px +
-              ((static_cast<size_t>(r) * P + py) * img.width + static_cast<size_t>(c) * P) * 3 + ch;
-          float* d = d0 + static_cast<size_t>(py) * P;
-          for (int x = 0; x < P; ++x) d[x] = table[s[3 * x]];
-        }
-      }
-    }
-  }
+void patchify(const ImageRGB8* const* slice, const PreprocessorConfig& cfg, const PixelTable& table,
+              float* dst) {
+  ImagePatchGeometry g;
+  g.height = slice[0]->height;
+  g.width = slice[0]->width;
+  g.patch_size = cfg.patch_size;
+  g.temporal_patch_size = cfg.temporal_patch_size;
+  g.merge_size = cfg.merge_size;
+  std::vector<const uint8_t*> frames;
+  for (int f = 0; f < cfg.temporal_patch_size; ++f) frames.push_back(slice[f]->pixels.data());
+  image_patches_host(dst, g.row_values(), frames.data(), g, table.data(), nullptr);
 }
 
 }  // namespace
 
-namespace {
-
-PreprocessedBatch preprocess_all(const std::vector<const ImageRGB8*>& images,
-                                 const PreprocessorConfig& cfg) {
+SizedImages size_images(std::vector<ImageRGB8> images, const PreprocessorConfig& cfg) {
   cfg.validate();
-  std::vector<Plan> plans;
-  plans.reserve(images.size());
-  int64_t total_rows = 0;
+  SizedImages out;
+  out.images.reserve(images.size());
   for (size_t i = 0; i < images.size(); ++i) {
-    plans.push_back(plan_image(*images[i], cfg, i));
-    total_rows += plans.back().rows;
-  }
-  const int64_t cols = int64_t{3} * cfg.temporal_patch_size * cfg.patch_size * cfg.patch_size;
-  PreprocessedBatch out;
-  out.pixel_values = HostTensor(DType::f32, {total_rows, cols});
-  const auto lut = normalisation_table(cfg);
-  float* dst = out.pixel_values.data<float>();
-  for (size_t i = 0; i < images.size(); ++i) {
-    Plan& p = plans[i];
-    const ImageRGB8* img = p.resized.pixels.empty() ? images[i] : &p.resized;
-    const std::vector<const ImageRGB8*> slice(static_cast<size_t>(cfg.temporal_patch_size), img);
-    patchify(slice.data(), cfg, lut, dst);
-    dst += p.rows * cols;
+    Plan p = plan_image(images[i], cfg, i);
+    out.images.push_back(p.resized.pixels.empty() ? std::move(images[i]) : std::move(p.resized));
     out.grid_thw.push_back(p.grid);
-    p.resized = ImageRGB8();  // free early: a batch of large images holds a lot of pixels
   }
   return out;
 }
 
-}  // namespace
+PreprocessedBatch patchify_images(const SizedImages& sized, const PreprocessorConfig& cfg) {
+  cfg.validate();
+  int64_t total_rows = 0;
+  for (const auto& g : sized.grid_thw) total_rows += g[0] * g[1] * g[2];
+  const int64_t cols = int64_t{3} * cfg.temporal_patch_size * cfg.patch_size * cfg.patch_size;
+  PreprocessedBatch out;
+  out.pixel_values = HostTensor(DType::f32, {total_rows, cols});
+  const PixelTable table = pixel_table(cfg);
+  float* dst = out.pixel_values.data<float>();
+  for (size_t i = 0; i < sized.images.size(); ++i) {
+    // One frame repeated to temporal_patch_size makes an image's single temporal slice.
+    const std::vector<const ImageRGB8*> slice(static_cast<size_t>(cfg.temporal_patch_size),
+                                              &sized.images[i]);
+    patchify(slice.data(), cfg, table, dst);
+    dst += sized.grid_thw[i][1] * sized.grid_thw[i][2] * cols;
+  }
+  out.grid_thw = sized.grid_thw;
+  return out;
+}
 
 PreprocessedBatch preprocess_images(const std::vector<ImageRGB8>& images,
                                     const PreprocessorConfig& cfg) {
-  std::vector<const ImageRGB8*> ptrs;
-  ptrs.reserve(images.size());
-  for (const ImageRGB8& im : images) ptrs.push_back(&im);
-  return preprocess_all(ptrs, cfg);
+  return patchify_images(size_images(images, cfg), cfg);
 }
 
 HostTensor patchify_frames(const std::vector<const ImageRGB8*>& frames,
@@ -543,14 +512,14 @@ HostTensor patchify_frames(const std::vector<const ImageRGB8*>& frames,
   const int64_t per_slice = int64_t{first.height / cfg.patch_size} * (first.width / cfg.patch_size);
   const int64_t cols = int64_t{3} * Tp * cfg.patch_size * cfg.patch_size;
   HostTensor out(DType::f32, {slices * per_slice, cols});
-  const auto lut = normalisation_table(cfg);
+  const PixelTable table = pixel_table(cfg);
   for (int64_t k = 0; k < slices; ++k)
-    patchify(frames.data() + k * Tp, cfg, lut, out.data<float>() + k * per_slice * cols);
+    patchify(frames.data() + k * Tp, cfg, table, out.data<float>() + k * per_slice * cols);
   return out;
 }
 
 PreprocessedImage preprocess_image(const ImageRGB8& image, const PreprocessorConfig& cfg) {
-  PreprocessedBatch b = preprocess_all({&image}, cfg);
+  PreprocessedBatch b = preprocess_images({image}, cfg);
   return {std::move(b.pixel_values), b.grid_thw[0]};
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/image_patches.h"
 #include "core/tensor.h"
 #include "vision/image.h"
 
@@ -57,6 +58,19 @@ int64_t fewest_image_tokens(const PreprocessorConfig& cfg);
 // weights, uint8 intermediate, clamp. A dimension whose size does not change is not filtered.
 ImageRGB8 resize_bicubic_antialias(const ImageRGB8& src, int out_height, int out_width);
 
+// The value of each byte per channel after do_rescale and do_normalize, with transformers' float32
+// arithmetic.
+PixelTable pixel_table(const PreprocessorConfig& cfg);
+
+// Preprocessing's first part: each image checked and brought to its grid's size (smart_resize
+// and resize_bicubic_antialias when do_resize is on). Normalising and patchifying the result,
+// on the host (patchify_images) or by the backend (VisionPixels), is the rest.
+struct SizedImages {
+  std::vector<ImageRGB8> images;  // each at its grid's size
+  std::vector<std::array<int64_t, 3>> grid_thw;
+};
+SizedImages size_images(std::vector<ImageRGB8> images, const PreprocessorConfig& cfg);
+
 struct PreprocessedImage {
   HostTensor pixel_values;  // f32 [grid_t*gh*gw, 3*Tp*P*P], merge-window row order
   std::array<int64_t, 3> grid_thw;
@@ -76,5 +90,7 @@ struct PreprocessedBatch {
 };
 PreprocessedBatch preprocess_images(const std::vector<ImageRGB8>& images,
                                     const PreprocessorConfig& cfg);
+// The rows of images already sized: preprocess_images is patchify_images(size_images(...)).
+PreprocessedBatch patchify_images(const SizedImages& sized, const PreprocessorConfig& cfg);
 
 }  // namespace iris

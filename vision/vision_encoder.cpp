@@ -307,6 +307,9 @@ void VisionEncoder::allocate(Arena& a) {
   const int64_t S = max_rows_, D = cfg_.hidden_size, M = cfg_.merged_dim();
   const int64_t Sm = S / cfg_.merge_unit();
   pixels_ = a.alloc(dt, {S, cfg_.patch_dim()});
+  image_bytes_ = a.alloc(DType::u8, {S * cfg_.patch_size * cfg_.patch_size * 3});
+  pixel_table_ = a.alloc(DType::f32, {3 * 256});
+  patch_rows_ = a.alloc(DType::i32, {S});
   grids_ = a.alloc(DType::i32, {vision_grids_numel(max_segments_)});
   cos_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
   sin_ = a.alloc(DType::f32, {S, cfg_.head_dim()});
@@ -341,35 +344,88 @@ void VisionEncoder::allocate(Arena& a) {
   merger_lora_ = allocate_lora_scratch(a, dt, Sm, merger_lora);
 }
 
-VisionCall VisionEncoder::upload(const float* pixel_values, const std::vector<GridTHW>& grids,
+VisionCall VisionEncoder::upload(const VisionPixels& pixels, const std::vector<GridTHW>& grids,
                                  int64_t padded_rows) {
   const VisionCall call = plan_vision_call(cfg_, grids, padded_rows, max_segments_);
   n_windows_ = padded_rows > 0 ? vision_window_capacity(cfg_, call.rows) : call.n_windows;
   IRIS_CHECK(call.rows <= max_rows_, "vision call of ", call.rows,
              " patch rows exceeds the planned ", max_rows_,
              " (raise the maximum vision sequence length)");
+  IRIS_CHECK(call.n_patches == 0 || pixels.rows != nullptr || pixels.images != nullptr,
+             "a vision call of ", call.n_patches, " patches came without pixels");
   // The grids first: a few ints that rarely wait, while the pixel write below may wait for the
   // staging buffer it shares with them.
   pack_vision_grids(grids, max_segments_, grids_host_);
   backend_.write(grids_, grids_host_.data(), DType::i32);
   const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> order;
   if (cfg_.window_units() > 0) {
     // The tower computes in window order (VisionConfig::window_size): the pixel rows go up in
     // it, and unit_order_ writes the outputs back in raster order.
-    const std::vector<int32_t> order = vision_unit_order(cfg_, grids, call.rows);
+    order = vision_unit_order(cfg_, grids, call.rows);
     backend_.write(unit_order_.slice(0, static_cast<int64_t>(order.size())), order.data(),
                    DType::i32);
-    window_pixels_.resize(static_cast<size_t>(call.n_patches * cfg_.patch_dim()));
-    const size_t real_units = static_cast<size_t>(call.n_patches / cfg_.merge_unit());
-    to_window_order(cfg_, std::vector<int32_t>(order.begin(), order.begin() + real_units),
-                    pixel_values, window_pixels_.data());
-    pixel_values = window_pixels_.data();
+    order.resize(static_cast<size_t>(call.n_patches / cfg_.merge_unit()));
   }
-  backend_.write(pixels_.slice(0, call.n_patches), pixel_values, DType::f32);
+  if (pixels.images != nullptr) {
+    upload_images(*pixels.images, *pixels.table, grids, order, call.n_patches);
+  } else {
+    const float* rows = pixels.rows;
+    if (!order.empty()) {
+      window_pixels_.resize(static_cast<size_t>(call.n_patches * cfg_.patch_dim()));
+      to_window_order(cfg_, order, rows, window_pixels_.data());
+      rows = window_pixels_.data();
+    }
+    backend_.write(pixels_.slice(0, call.n_patches), rows, DType::f32);
+  }
   last_pixel_upload_ms_ =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (call.rows > call.n_patches) backend_.fill_zero(pixels_.slice(call.n_patches, call.rows));
   return call;
+}
+
+void VisionEncoder::upload_images(const std::vector<ImageRGB8>& images, const PixelTable& table,
+                                  const std::vector<GridTHW>& grids,
+                                  const std::vector<int32_t>& unit_order, int64_t n_patches) {
+  IRIS_CHECK(cfg_.in_channels == 3, "images of RGB pixels cannot feed a vision tower of ",
+             cfg_.in_channels, " input channels");
+  IRIS_CHECK(images.size() == grids.size(), "a vision call of ", grids.size(), " grids came with ",
+             images.size(), " images");
+  for (size_t i = 0; i < images.size(); ++i)
+    IRIS_CHECK(grids[i][0] == 1 && int64_t{images[i].height} == grids[i][1] * cfg_.patch_size &&
+                   int64_t{images[i].width} == grids[i][2] * cfg_.patch_size &&
+                   images[i].pixels.size() == size_t(images[i].height) * images[i].width * 3,
+               "image ", i, " of a vision call is ", images[i].width, "x", images[i].height,
+               " but its grid is [", grids[i][0], ", ", grids[i][1], ", ", grids[i][2],
+               "] (size the images with size_images first)");
+  // Patch r of the call (raster order) goes to row r, or in window order to its unit's place.
+  const int64_t unit = cfg_.merge_unit();
+  patch_rows_host_.resize(static_cast<size_t>(n_patches));
+  std::vector<int32_t> place(unit_order.size());
+  for (size_t i = 0; i < unit_order.size(); ++i)
+    place[static_cast<size_t>(unit_order[i])] = int32_t(i);
+  for (int64_t r = 0; r < n_patches; ++r)
+    patch_rows_host_[static_cast<size_t>(r)] = static_cast<int32_t>(
+        place.empty() ? r : place[static_cast<size_t>(r / unit)] * unit + r % unit);
+  backend_.write(patch_rows_.slice(0, n_patches), patch_rows_host_.data(), DType::i32);
+  backend_.write(pixel_table_, table.data(), DType::f32);
+  int64_t row = 0, byte = 0;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const ImageRGB8& im = images[i];
+    ImagePatchGeometry g;
+    g.height = im.height;
+    g.width = im.width;
+    g.patch_size = cfg_.patch_size;
+    g.temporal_patch_size = cfg_.temporal_patch_size;
+    g.merge_size = cfg_.spatial_merge_size;
+    const int64_t bytes = int64_t{im.height} * im.width * 3;
+    const Tensor frames = image_bytes_.slice(byte, byte + bytes);
+    backend_.write(frames, im.pixels.data(), DType::u8);
+    backend_.image_patches(pixels_, frames, pixel_table_, patch_rows_.slice(row, row + g.patches()),
+                           g);
+    row += g.patches();
+    byte += bytes;
+  }
 }
 
 void VisionEncoder::run_merger(const PatchMergerWeights& m, const Tensor& x, int64_t rows,
@@ -462,9 +518,9 @@ VisionEncoder::Output VisionEncoder::output(int64_t S) const {
   return out;
 }
 
-VisionEncoder::Output VisionEncoder::encode(const float* pixel_values,
+VisionEncoder::Output VisionEncoder::encode(const VisionPixels& pixels,
                                             const std::vector<GridTHW>& grids) {
-  const VisionCall call = upload(pixel_values, grids);
+  const VisionCall call = upload(pixels, grids);
   Output out = run(call.rows, call.n_segments);
   const int64_t real = call.n_patches / cfg_.merge_unit();
   out.embeds = out.embeds.slice(0, real);

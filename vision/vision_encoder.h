@@ -14,14 +14,32 @@
 
 #include "core/arena.h"
 #include "core/backend.h"
+#include "core/image_patches.h"
 #include "core/lora.h"
 #include "core/recompute.h"
+#include "vision/image.h"
 #include "vision/vision_config.h"
 #include "vision/vision_tower.h"
 
 namespace iris {
 
 using GridTHW = std::array<int64_t, 3>;
+
+// The pixels of one vision call, in its grids' order: rows the host normalised and patchified
+// (f32 [patches, patch_dim], preprocess_images), or images already at their grids' sizes
+// (size_images) that the backend normalises and patchifies with `table` (Backend::image_patches):
+// then one byte a pixel crosses to the device and the host does no per-pixel work.
+struct VisionPixels {
+  const float* rows = nullptr;
+  const std::vector<ImageRGB8>* images = nullptr;
+  const PixelTable* table = nullptr;
+
+  VisionPixels() = default;
+  // Host rows convert implicitly: they are what most callers (training, tests, video) hold.
+  VisionPixels(const float* host_rows) : rows(host_rows) {}  // NOLINT(google-explicit-constructor)
+  VisionPixels(const std::vector<ImageRGB8>& sized_images, const PixelTable& pixel_table)
+      : images(&sized_images), table(&pixel_table) {}
+};
 
 // Tensors a family's tower does not have (a norm's bias under RMSNorm) stay undefined.
 struct VisionBlockWeights {
@@ -193,7 +211,7 @@ class VisionEncoder {
   // Checks the call (plan_vision_call with this encoder's segment capacity), writes the grids
   // and pixel_values (host f32 [patches, patch_dim]) and zeroes the padding up to padded_rows
   // (0: no padding). Returns what run() takes.
-  VisionCall upload(const float* pixel_values, const std::vector<GridTHW>& grids,
+  VisionCall upload(const VisionPixels& pixels, const std::vector<GridTHW>& grids,
                     int64_t padded_rows = 0);
   // Host milliseconds the last upload() spent writing pixel rows, which is the part of a call's
   // host time that grows with the images (and can wait for the staging buffer): benchmarks
@@ -214,7 +232,7 @@ class VisionEncoder {
   void run_merger(int64_t rows);
   Output output(int64_t rows) const;
   // Convenience: upload + run; the outputs are trimmed to the real merged rows.
-  Output encode(const float* pixel_values, const std::vector<GridTHW>& grids);
+  Output encode(const VisionPixels& pixels, const std::vector<GridTHW>& grids);
 
   int64_t max_rows() const { return max_rows_; }
   int max_segments() const { return max_segments_; }
@@ -223,6 +241,9 @@ class VisionEncoder {
 
  private:
   void allocate(Arena& arena);
+  void upload_images(const std::vector<ImageRGB8>& images, const PixelTable& table,
+                     const std::vector<GridTHW>& grids, const std::vector<int32_t>& unit_order,
+                     int64_t n_patches);
   void run_deepstack_merger(int tap, int64_t rows, bool beside_layers);
   // beside_layers: the merger's GEMMs run as side work (Backend::begin_side_work), joined by the
   // next merger's start.
@@ -239,6 +260,9 @@ class VisionEncoder {
   // attention the pixel rows go up in window order, and unit_order_ (i32 [rows / merge unit])
   // gives each merged row's place in raster order, so the outputs are written in raster order.
   Tensor pixels_, grids_, unit_order_;
+  // Images patchified on the backend: their bytes (u8, one frame of every planned patch), the
+  // pixel table and the row of pixels_ each patch goes to (window order where there is one).
+  Tensor image_bytes_, pixel_table_, patch_rows_;
   // The tables run() computes from grids_ before the first block.
   Tensor cos_, sin_, pos_index_, pos_weight_, cu_seqlens_, window_cu_;
   Tensor real_rows_;  // i32 [1]: the real patch count; rows past it are padding
@@ -250,6 +274,7 @@ class VisionEncoder {
   std::vector<float> inv_freq_;       // the 2D RoPE frequencies, a kernel argument of the tables
   std::vector<int32_t> grids_host_;   // staging for grids_, sized once
   std::vector<float> window_pixels_;  // staging for window-ordered pixel rows, sized once
+  std::vector<int32_t> patch_rows_host_;
   // The window segments windowed blocks attend over (a host value): an unpadded call's own
   // count; a call padded to a graph bucket the most that bucket can hold (zero-length segments
   // after the real ones), so that one graph serves every image mix of the bucket. The attention

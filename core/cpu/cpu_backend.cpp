@@ -13,6 +13,7 @@
 #include "core/cpu/cpu_gemm.h"
 #include "core/cpu/cpu_moe_ops.h"
 #include "core/cpu/cpu_train_ops.h"
+#include "core/image_patches.h"
 #include "core/moe_ops.h"
 #include "core/taping_backend.h"
 #include "core/text_rope_tables.h"
@@ -515,6 +516,26 @@ class CpuBackend final : public Backend {
     vision_tables_host(out, grids.as<int32_t>(), static_cast<int>(capacity), R,
                        static_cast<int>(hd), inv_freq, merge_size, grid_side, window_units,
                        window_capacity);
+  }
+
+  void image_patches(const Tensor& dst, const Tensor& frames, const Tensor& table,
+                     const Tensor& dst_rows, const ImagePatchGeometry& g) override {
+    check_f32(dst, "image_patches dst");
+    check_cpu(frames, "image_patches frames");
+    check_cpu(table, "image_patches table");
+    check_cpu(dst_rows, "image_patches dst_rows");
+    check_image_patches(dst, frames, table, dst_rows, g, "image_patches");
+    const int32_t* rows = dst_rows.as<int32_t>();
+    for (int64_t i = 0; i < g.patches(); ++i)
+      IRIS_CHECK(rows[i] >= 0 && rows[i] < dst.rows(), "image_patches: patch ", i, " goes to row ",
+                 rows[i], " of a destination of ", dst.rows());
+    const auto* bytes = static_cast<const uint8_t*>(frames.data);
+    const int64_t frame_bytes = int64_t{g.height} * g.width * 3;
+    const bool one_frame = frames.numel() == frame_bytes;
+    std::vector<const uint8_t*> slice;
+    for (int f = 0; f < g.temporal_patch_size; ++f)
+      slice.push_back(bytes + (one_frame ? 0 : f * frame_bytes));
+    image_patches_host(dst.as<float>(), dst.cols(), slice.data(), g, table.as<float>(), rows);
   }
 
   void argmax_rows(const Tensor& out, const Tensor& x) override {

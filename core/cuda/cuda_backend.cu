@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -27,6 +28,7 @@
 #include "core/cuda/moe/moe_batched_gemm.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
+#include "core/cuda/pixels/pixels.h"
 #include "core/cuda/rows/rows.h"
 #include "core/cuda/tables/tables.h"
 #include "core/cuda/train_scratch.h"
@@ -59,6 +61,19 @@ __global__ void hold_device_kernel(const volatile int* release, int* expired, ui
     __nanosleep(1000);
   }
   *expired = 0;
+}
+
+// How the host thread waits for the device (synchronize, reads, staging reuse). IRIS_CUDA_HOST_WAIT
+// = spin | yield | block; unset: CUDA's own choice (spin while there are fewer contexts than
+// cores).
+unsigned host_wait_flags() {
+  const char* v = std::getenv("IRIS_CUDA_HOST_WAIT");
+  if (v == nullptr || *v == 0) return cudaDeviceScheduleAuto;
+  const std::string s = v;
+  if (s == "spin") return cudaDeviceScheduleSpin;
+  if (s == "yield") return cudaDeviceScheduleYield;
+  if (s == "block") return cudaDeviceScheduleBlockingSync;
+  IRIS_FAIL("IRIS_CUDA_HOST_WAIT=", s, " is not one of spin, yield, block");
 }
 
 // ---- host-side dtype conversion for write()/read() ----
@@ -100,6 +115,7 @@ class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
     IRIS_CUDA_CHECK(cudaSetDevice(device_));
+    IRIS_CUDA_CHECK(cudaSetDeviceFlags(host_wait_flags()));
     cudaDeviceProp prop{};
     IRIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
     IRIS_CHECK(prop.major >= 8, "CUDA device ", device_, " (", prop.name,
@@ -1027,6 +1043,23 @@ class CudaBackend final : public Backend {
         static_cast<int>(capacity), R, static_cast<int>(hd), inv_freq.data(), merge_size, grid_side,
         window_units > 0 ? static_cast<int32_t*>(window_cu.data) : nullptr, window_units,
         window_capacity, stream());
+  }
+
+  void image_patches(const Tensor& dst, const Tensor& frames, const Tensor& table,
+                     const Tensor& dst_rows, const ImagePatchGeometry& g) override {
+    bind();
+    check_act_or_f32(dst, "image_patches", "dst");
+    check_device(frames, "image_patches");
+    check_device(table, "image_patches");
+    check_index(dst_rows, "image_patches", "dst_rows");
+    check_image_patches(dst, frames, table, dst_rows, g, "image_patches");
+    IRIS_CHECK(g.patches() <= std::numeric_limits<int32_t>::max(), "image_patches: ", g.patches(),
+               " patches in one image");
+    const int64_t frame_bytes = int64_t{g.height} * g.width * 3;
+    cuda::launch_image_patches(dst.data, dst.dtype == DType::f32,
+                               static_cast<const uint8_t*>(frames.data),
+                               frames.numel() == frame_bytes ? 1 : g.temporal_patch_size,
+                               static_cast<const float*>(table.data), ci32(dst_rows), g, stream());
   }
 
   // ---- Training ops (core/backend.h). They run on the main stream only.
