@@ -434,28 +434,32 @@ int run_bench_command(int argc, char** argv) {
   Qwen3VLModel model(*be, cfg, random_weights(*be, cfg, 1234), limits);
 
   std::mt19937 rng(7);
-  std::uniform_real_distribution<float> pix(-1.0f, 1.0f);
-  std::vector<float> pixels(
-      static_cast<size_t>(limits.max_vision_patches * cfg.vision.patch_dim()));
-  for (float& v : pixels) v = pix(rng);
-  // Images go up as a user's do: bytes at their grids' sizes, normalised and patchified by the
-  // backend (VisionPixels); a video's grids take the host rows above.
-  std::map<std::vector<GridTHW>, std::vector<ImageRGB8>> image_sets;
+  // Images and videos go up as a user's do: frames of bytes at their grids' sizes, normalised and
+  // patchified by the backend (VisionPixels).
+  std::map<std::vector<GridTHW>, std::vector<ImageRGB8>> frame_sets;
   const PixelTable table = pixel_table(PreprocessorConfig{});
   auto pixels_of = [&](const std::vector<GridTHW>& grids) {
-    for (const GridTHW& g : grids)
-      if (g[0] != 1) return VisionPixels(pixels.data());
-    std::vector<ImageRGB8>& images = image_sets[grids];
-    if (images.empty())
-      for (const GridTHW& g : grids) {
-        ImageRGB8 im;
-        im.height = static_cast<int>(g[1]) * cfg.vision.patch_size;
-        im.width = static_cast<int>(g[2]) * cfg.vision.patch_size;
-        im.pixels.resize(static_cast<size_t>(im.height) * im.width * 3);
-        for (uint8_t& v : im.pixels) v = static_cast<uint8_t>(rng() & 0xff);
-        images.push_back(std::move(im));
-      }
-    return VisionPixels(images, table);
+    std::vector<ImageRGB8>& frames = frame_sets[grids];
+    if (frames.empty())
+      for (const GridTHW& g : grids)
+        for (int64_t f = 0; f < (g[0] == 1 ? 1 : g[0] * cfg.vision.temporal_patch_size); ++f) {
+          ImageRGB8 im;
+          im.height = static_cast<int>(g[1]) * cfg.vision.patch_size;
+          im.width = static_cast<int>(g[2]) * cfg.vision.patch_size;
+          im.pixels.resize(static_cast<size_t>(im.height) * im.width * 3);
+          for (uint8_t& v : im.pixels) v = static_cast<uint8_t>(rng() & 0xff);
+          frames.push_back(std::move(im));
+        }
+    VisionPixels p;
+    size_t next = 0;
+    for (const GridTHW& g : grids) {
+      VisionMedia m;
+      m.table = &table;
+      for (int64_t f = 0; f < (g[0] == 1 ? 1 : g[0] * cfg.vision.temporal_patch_size); ++f)
+        m.frames.push_back(&frames[next++]);
+      p.media.push_back(std::move(m));
+    }
+    return p;
   };
   std::uniform_int_distribution<int32_t> tok(0, 151000);
   auto random_ids = [&](int64_t n) {

@@ -1402,7 +1402,9 @@ int run_generate_command(int argc, char** argv) {
   messages.push_back(user_message(o.prompt, media));
   const std::string prompt_text = chat_format.render(messages, true);
   if (o.verbose) std::fprintf(stderr, "prompt:\n%s\n", prompt_text.c_str());
-  std::vector<float> media_pixels;  // images and videos in prompt order, where there are videos
+  // A video's bytes normalise with its own processor's statistics. Both tables outlive req.
+  const PixelTable video_table =
+      clips.empty() ? PixelTable{} : pixel_table(video_processor(o, cfg).frame);
   if (clips.empty()) {
     req.prompt_ids = encode_chat_text(tokenizer, prompt_text, grids, cfg.vision.spatial_merge_size);
     if (patches > 0) req.pixel_values = VisionPixels(sized.images, table);
@@ -1410,32 +1412,25 @@ int run_generate_command(int argc, char** argv) {
   } else {
     std::vector<const VideoClip*> videos;
     for (const VideoClip& c : clips) videos.push_back(&c);
-    const auto t_rows = std::chrono::steady_clock::now();
-    const PreprocessedBatch batch = patchify_images(sized, pre);
-    media_times.preprocess_ms += ms_since(t_rows);
     MediaPrompt mp = encode_media_prompt(tokenizer, prompt_text, cfg, grids, videos);
-    // Each image's rows start where the rows of the images before it end.
-    std::vector<int64_t> image_row(grids.size() + 1, 0);
-    for (size_t i = 0; i < grids.size(); ++i)
-      image_row[i + 1] = image_row[i] + grids[i][0] * grids[i][1] * grids[i][2];
-    const int64_t cols = cfg.vision.patch_dim();
-    media_pixels.reserve(static_cast<size_t>(patches * cols));
+    VisionPixels pixels;
     for (const MediaPrompt::Item& item : mp.media_order) {
+      VisionMedia m;
       if (item.video) {
         const VideoClip& c = clips[item.index];
-        media_pixels.insert(media_pixels.end(), c.pixel_values.data<float>(),
-                            c.pixel_values.data<float>() + c.pixel_values.numel());
+        for (const ImageRGB8& f : c.frames) m.frames.push_back(&f);
+        m.table = &video_table;
         req.grids.push_back(c.grid_thw);
       } else {
-        const float* rows = batch.pixel_values.data<float>();
-        media_pixels.insert(media_pixels.end(), rows + image_row[item.index] * cols,
-                            rows + image_row[item.index + 1] * cols);
+        m.frames = {&sized.images[item.index]};
+        m.table = &table;
         req.grids.push_back(grids[item.index]);
       }
+      pixels.media.push_back(std::move(m));
     }
     req.prompt_ids = std::move(mp.ids);
     req.runs = std::move(mp.runs);
-    req.pixel_values = media_pixels.data();
+    req.pixel_values = std::move(pixels);
   }
   req.keep_prompt_logits = !o.logits_out.empty();
   StreamingDecoder stream(tokenizer);

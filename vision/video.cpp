@@ -195,6 +195,8 @@ VideoClip preprocess_video(const std::vector<ImageRGB8>& frames, ResizedSize siz
   while (kept.size() % tp != 0) kept.push_back(kept.back());
   VideoClip clip;
   clip.pixel_values = patchify_frames(kept, cfg.frame);
+  clip.frames.reserve(kept.size());
+  for (const ImageRGB8* f : kept) clip.frames.push_back(*f);
   clip.grid_thw = {static_cast<int64_t>(kept.size() / tp), kept[0]->height / cfg.frame.patch_size,
                    kept[0]->width / cfg.frame.patch_size};
   return clip;

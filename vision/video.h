@@ -57,6 +57,9 @@ ResizedSize smart_resize_video(int64_t n_frames, int height, int width, int temp
 // One preprocessed video: the pixel rows of its kept frames and what the prompt needs of it.
 struct VideoClip {
   HostTensor pixel_values;  // f32 [grid_t * gh * gw, 3 * Tp * P * P], merge-window row order
+  // The same frames as bytes at the grid's size, grid_t * temporal_patch_size of them (the last
+  // repeated to fill the last slice): what VisionPixels sends for the backend to patchify.
+  std::vector<ImageRGB8> frames;
   std::array<int64_t, 3> grid_thw{};
   std::vector<int64_t> frame_indices;  // the kept frames of the source, in order
   int64_t total_frames = 0;            // the source's frames

@@ -307,7 +307,8 @@ void VisionEncoder::allocate(Arena& a) {
   const int64_t S = max_rows_, D = cfg_.hidden_size, M = cfg_.merged_dim();
   const int64_t Sm = S / cfg_.merge_unit();
   pixels_ = a.alloc(dt, {S, cfg_.patch_dim()});
-  image_bytes_ = a.alloc(DType::u8, {S * cfg_.patch_size * cfg_.patch_size * 3});
+  image_bytes_ =
+      a.alloc(DType::u8, {S * cfg_.temporal_patch_size * cfg_.patch_size * cfg_.patch_size * 3});
   pixel_table_ = a.alloc(DType::f32, {3 * 256});
   patch_rows_ = a.alloc(DType::i32, {S});
   grids_ = a.alloc(DType::i32, {vision_grids_numel(max_segments_)});
@@ -351,7 +352,7 @@ VisionCall VisionEncoder::upload(const VisionPixels& pixels, const std::vector<G
   IRIS_CHECK(call.rows <= max_rows_, "vision call of ", call.rows,
              " patch rows exceeds the planned ", max_rows_,
              " (raise the maximum vision sequence length)");
-  IRIS_CHECK(call.n_patches == 0 || pixels.rows != nullptr || pixels.images != nullptr,
+  IRIS_CHECK(call.n_patches == 0 || pixels.rows != nullptr || pixels.from_frames(),
              "a vision call of ", call.n_patches, " patches came without pixels");
   // The grids first: a few ints that rarely wait, while the pixel write below may wait for the
   // staging buffer it shares with them.
@@ -367,8 +368,8 @@ VisionCall VisionEncoder::upload(const VisionPixels& pixels, const std::vector<G
                    DType::i32);
     order.resize(static_cast<size_t>(call.n_patches / cfg_.merge_unit()));
   }
-  if (pixels.images != nullptr) {
-    upload_images(*pixels.images, *pixels.table, grids, order, call.n_patches);
+  if (pixels.from_frames()) {
+    upload_media(pixels.media, grids, order, call.n_patches);
   } else {
     const float* rows = pixels.rows;
     if (!order.empty()) {
@@ -384,20 +385,32 @@ VisionCall VisionEncoder::upload(const VisionPixels& pixels, const std::vector<G
   return call;
 }
 
-void VisionEncoder::upload_images(const std::vector<ImageRGB8>& images, const PixelTable& table,
-                                  const std::vector<GridTHW>& grids,
-                                  const std::vector<int32_t>& unit_order, int64_t n_patches) {
-  IRIS_CHECK(cfg_.in_channels == 3, "images of RGB pixels cannot feed a vision tower of ",
-             cfg_.in_channels, " input channels");
-  IRIS_CHECK(images.size() == grids.size(), "a vision call of ", grids.size(), " grids came with ",
-             images.size(), " images");
-  for (size_t i = 0; i < images.size(); ++i)
-    IRIS_CHECK(grids[i][0] == 1 && int64_t{images[i].height} == grids[i][1] * cfg_.patch_size &&
-                   int64_t{images[i].width} == grids[i][2] * cfg_.patch_size &&
-                   images[i].pixels.size() == size_t(images[i].height) * images[i].width * 3,
-               "image ", i, " of a vision call is ", images[i].width, "x", images[i].height,
-               " but its grid is [", grids[i][0], ", ", grids[i][1], ", ", grids[i][2],
-               "] (size the images with size_images first)");
+VisionPixels::VisionPixels(const std::vector<ImageRGB8>& sized_images, const PixelTable& table) {
+  for (const ImageRGB8& im : sized_images) media.push_back({{&im}, &table});
+}
+
+void VisionEncoder::upload_media(const std::vector<VisionMedia>& media,
+                                 const std::vector<GridTHW>& grids,
+                                 const std::vector<int32_t>& unit_order, int64_t n_patches) {
+  IRIS_CHECK(cfg_.in_channels == 3, "RGB frames cannot feed a vision tower of ", cfg_.in_channels,
+             " input channels");
+  IRIS_CHECK(media.size() == grids.size(), "a vision call of ", grids.size(), " grids came with ",
+             media.size(), " images and videos");
+  const int P = cfg_.patch_size, Tp = cfg_.temporal_patch_size;
+  for (size_t i = 0; i < media.size(); ++i) {
+    const GridTHW& g = grids[i];
+    const std::vector<const ImageRGB8*>& frames = media[i].frames;
+    const bool image = frames.size() == 1 && g[0] == 1;
+    IRIS_CHECK(media[i].table != nullptr && (image || int64_t(frames.size()) == g[0] * Tp), "grid ",
+               i, " [", g[0], ", ", g[1], ", ", g[2], "] of a vision call came with ",
+               frames.size(), " frames (an image brings 1, a video grid_t * ", Tp, ")");
+    for (const ImageRGB8* f : frames)
+      IRIS_CHECK(int64_t{f->height} == g[1] * P && int64_t{f->width} == g[2] * P &&
+                     f->pixels.size() == size_t(f->height) * f->width * 3,
+                 "a frame of grid ", i, " of a vision call is ", f->width, "x", f->height,
+                 " but its grid is [", g[0], ", ", g[1], ", ", g[2],
+                 "] (size images with size_images first)");
+  }
   // Patch r of the call (raster order) goes to row r, or in window order to its unit's place.
   const int64_t unit = cfg_.merge_unit();
   patch_rows_host_.resize(static_cast<size_t>(n_patches));
@@ -408,23 +421,30 @@ void VisionEncoder::upload_images(const std::vector<ImageRGB8>& images, const Pi
     patch_rows_host_[static_cast<size_t>(r)] = static_cast<int32_t>(
         place.empty() ? r : place[static_cast<size_t>(r / unit)] * unit + r % unit);
   backend_.write(patch_rows_.slice(0, n_patches), patch_rows_host_.data(), DType::i32);
-  backend_.write(pixel_table_, table.data(), DType::f32);
+  // One table buffer serves every grid: each write is ordered before the op that reads it and
+  // after the op before, on the backend's one stream.
   int64_t row = 0, byte = 0;
-  for (size_t i = 0; i < images.size(); ++i) {
-    const ImageRGB8& im = images[i];
-    ImagePatchGeometry g;
-    g.height = im.height;
-    g.width = im.width;
-    g.patch_size = cfg_.patch_size;
-    g.temporal_patch_size = cfg_.temporal_patch_size;
-    g.merge_size = cfg_.spatial_merge_size;
-    const int64_t bytes = int64_t{im.height} * im.width * 3;
-    const Tensor frames = image_bytes_.slice(byte, byte + bytes);
-    backend_.write(frames, im.pixels.data(), DType::u8);
-    backend_.image_patches(pixels_, frames, pixel_table_, patch_rows_.slice(row, row + g.patches()),
-                           g);
-    row += g.patches();
-    byte += bytes;
+  for (size_t i = 0; i < media.size(); ++i) {
+    backend_.write(pixel_table_, media[i].table->data(), DType::f32);
+    const std::vector<const ImageRGB8*>& frames = media[i].frames;
+    ImagePatchGeometry geometry;
+    geometry.height = frames[0]->height;
+    geometry.width = frames[0]->width;
+    geometry.patch_size = P;
+    geometry.temporal_patch_size = Tp;
+    geometry.merge_size = cfg_.spatial_merge_size;
+    const int64_t frame_bytes = int64_t{geometry.height} * geometry.width * 3;
+    const size_t per_slice = frames.size() == 1 ? 1 : static_cast<size_t>(Tp);
+    for (size_t first = 0; first < frames.size(); first += per_slice) {
+      const Tensor bytes = image_bytes_.slice(byte, byte + frame_bytes * int64_t(per_slice));
+      for (size_t f = 0; f < per_slice; ++f)
+        backend_.write(bytes.slice(int64_t(f) * frame_bytes, int64_t(f + 1) * frame_bytes),
+                       frames[first + f]->pixels.data(), DType::u8);
+      backend_.image_patches(pixels_, bytes, pixel_table_,
+                             patch_rows_.slice(row, row + geometry.patches()), geometry);
+      row += geometry.patches();
+      byte += frame_bytes * int64_t(per_slice);
+    }
   }
 }
 

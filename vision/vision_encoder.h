@@ -25,20 +25,28 @@ namespace iris {
 
 using GridTHW = std::array<int64_t, 3>;
 
+// One grid's pixels for the backend to normalise and patchify (Backend::image_patches): its
+// frames at the grid's size, an image's one or a video's grid_t * temporal_patch_size (temporal
+// slice k of frames k * Tp .. k * Tp + Tp - 1), and the byte values of its processor.
+struct VisionMedia {
+  std::vector<const ImageRGB8*> frames;
+  const PixelTable* table = nullptr;
+};
+
 // The pixels of one vision call, in its grids' order: rows the host normalised and patchified
-// (f32 [patches, patch_dim], preprocess_images), or images already at their grids' sizes
-// (size_images) that the backend normalises and patchifies with `table` (Backend::image_patches):
-// then one byte a pixel crosses to the device and the host does no per-pixel work.
+// (f32 [patches, patch_dim], preprocess_images), or each grid's frames already at its size
+// (size_images, a VideoClip's frames), which the backend normalises and patchifies: then one byte
+// a pixel crosses to the device and the host does no per-pixel work.
 struct VisionPixels {
   const float* rows = nullptr;
-  const std::vector<ImageRGB8>* images = nullptr;
-  const PixelTable* table = nullptr;
+  std::vector<VisionMedia> media;
 
   VisionPixels() = default;
-  // Host rows convert implicitly: they are what most callers (training, tests, video) hold.
+  // Host rows convert implicitly: they are what most callers (training, tests, a chat) hold.
   VisionPixels(const float* host_rows) : rows(host_rows) {}  // NOLINT(google-explicit-constructor)
-  VisionPixels(const std::vector<ImageRGB8>& sized_images, const PixelTable& pixel_table)
-      : images(&sized_images), table(&pixel_table) {}
+  // Images sized by size_images, all with one table.
+  VisionPixels(const std::vector<ImageRGB8>& sized_images, const PixelTable& table);
+  bool from_frames() const { return rows == nullptr && !media.empty(); }
 };
 
 // Tensors a family's tower does not have (a norm's bias under RMSNorm) stay undefined.
@@ -241,9 +249,8 @@ class VisionEncoder {
 
  private:
   void allocate(Arena& arena);
-  void upload_images(const std::vector<ImageRGB8>& images, const PixelTable& table,
-                     const std::vector<GridTHW>& grids, const std::vector<int32_t>& unit_order,
-                     int64_t n_patches);
+  void upload_media(const std::vector<VisionMedia>& media, const std::vector<GridTHW>& grids,
+                    const std::vector<int32_t>& unit_order, int64_t n_patches);
   void run_deepstack_merger(int tap, int64_t rows, bool beside_layers);
   // beside_layers: the merger's GEMMs run as side work (Backend::begin_side_work), joined by the
   // next merger's start.
@@ -260,8 +267,9 @@ class VisionEncoder {
   // attention the pixel rows go up in window order, and unit_order_ (i32 [rows / merge unit])
   // gives each merged row's place in raster order, so the outputs are written in raster order.
   Tensor pixels_, grids_, unit_order_;
-  // Images patchified on the backend: their bytes (u8, one frame of every planned patch), the
-  // pixel table and the row of pixels_ each patch goes to (window order where there is one).
+  // Frames patchified on the backend: their bytes (u8, temporal_patch_size frames of every
+  // planned patch), the pixel table and the row of pixels_ each patch goes to (window order where
+  // there is one).
   Tensor image_bytes_, pixel_table_, patch_rows_;
   // The tables run() computes from grids_ before the first block.
   Tensor cos_, sin_, pos_index_, pos_weight_, cu_seqlens_, window_cu_;
