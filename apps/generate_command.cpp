@@ -252,10 +252,9 @@ void add_load_json(nlohmann::json& timings, const LoadTimes& load) {
   timings["weights_upload_ms"] = load.weights.upload_ms;
 }
 
-// Media times on the host: the files read and decoded (a video's frames also sampled, resized and
-// patchified, which its decoder does frame by frame), then the images' preprocessing: the resize
-// where an image needs one, and for host rows (a chat, videos) the normalising and patchifying
-// that the vision encode otherwise does on the backend.
+// Media times on the host: the files read and decoded (a video's frames also sampled and resized,
+// which its decoder does frame by frame), then the images' preprocessing: the resize where an
+// image needs one (the vision encode normalises and patchifies on the backend).
 struct MediaTimes {
   double read_ms = 0, preprocess_ms = 0;
 };
@@ -529,10 +528,13 @@ constexpr int kExitInterrupted = 128 + SIGINT;
 // through TerminalLineReader (libedit's editing and history where the build has it), while piped
 // input is read as it always was, with Ctrl-C left to end the process.
 int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& settings,
-             const PreprocessedBatch& first_images, std::vector<VideoClip> first_videos) {
+             SizedImages first_images, std::vector<VideoClip> first_videos) {
   const GenerateOptions& o = run.options;
   const ModelConfig& cfg = run.config;
   ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
+  // Each message's images and videos go to the backend as bytes.
+  session.send_pixels_as_bytes(pixel_table(run.preprocessor),
+                               pixel_table(video_processor(o, cfg).frame));
   const bool tty = ::isatty(STDIN_FILENO) != 0;
   std::optional<ChatInterrupts> interrupts;
   std::optional<TerminalLineReader> terminal;
@@ -544,12 +546,9 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
                tty ? kChatTerminalHelp : "");
   // The media of the next message: the --image and --video files for the first, then each
   // /image and /video, decoded and preprocessed when given so that a bad file is reported at
-  // once. Images' pixel rows in order, the videos, and both kinds in the order attached.
-  std::vector<float> pixels;
+  // once. The images at their grids' sizes, the videos, and both kinds in the order attached.
+  std::vector<ImageRGB8> images = std::move(first_images.images);
   std::vector<GridTHW> grids(first_images.grid_thw.begin(), first_images.grid_thw.end());
-  if (!grids.empty())
-    pixels.assign(first_images.pixel_values.data<float>(),
-                  first_images.pixel_values.data<float>() + first_images.pixel_values.numel());
   std::vector<VideoClip> videos = std::move(first_videos);
   std::vector<ChatPart::Kind> media = o.media_order;
   if (media.size() != grids.size() + videos.size()) {
@@ -575,7 +574,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
     return n;
   };
   auto clear_attached = [&] {
-    pixels.clear();
+    images.clear();
     grids.clear();
     videos.clear();
     media.clear();
@@ -663,14 +662,13 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
                    attached_segments() + 1, ", more than the ", model.limits().max_images,
                    " the vision encoder was planned for; send the message with the media "
                    "attached so far first");
-        const PreprocessedImage image = preprocess_image(decoded, run.preprocessor);
+        SizedImages sized = size_images({decoded}, run.preprocessor);
         for (MediaTimes* m : {&media_times, &media_total}) {
           m->read_ms += read_ms;
           m->preprocess_ms += ms_since(t_pre) - read_ms;
         }
-        pixels.insert(pixels.end(), image.pixel_values.data<float>(),
-                      image.pixel_values.data<float>() + image.pixel_values.numel());
-        grids.push_back(image.grid_thw);
+        images.push_back(std::move(sized.images[0]));
+        grids.push_back(sized.grid_thw[0]);
         media.push_back(ChatPart::Kind::image);
         std::fprintf(stderr, "(%s attached to the next message)\n", path.c_str());
       } catch (const Error& e) {
@@ -716,7 +714,7 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
 
     UserMessage message;
     message.text = line;
-    message.pixel_values = grids.empty() ? nullptr : pixels.data();
+    for (const ImageRGB8& im : images) message.images.push_back(&im);
     message.grids = grids;
     for (const VideoClip& v : videos) message.videos.push_back(&v);
     message.media = media;
@@ -1268,7 +1266,7 @@ int run_generate_command(int argc, char** argv) {
                      str_cat("tokens of the context (-c/--ctx-size ", o.ctx_size, ")"));
   }
   // The images are brought to their grids' sizes here; the backend normalises and patchifies them
-  // in the vision encode (VisionPixels), unless a chat or videos need host rows.
+  // in the vision encode (VisionPixels).
   SizedImages sized;
   if (!images.empty()) sized = size_images(std::move(images), pre);
   const PixelTable table = pixel_table(pre);
@@ -1384,10 +1382,7 @@ int run_generate_command(int argc, char** argv) {
     ChatRun run{o,    tokenizer,  chat_format, pre, cfg, *backend, graph_helper != nullptr,
                 load, media_times};
     if (first_message_given) run.first_message = o.prompt;
-    const auto t_rows = std::chrono::steady_clock::now();
-    const PreprocessedBatch batch = patchify_images(sized, pre);
-    run.media.preprocess_ms += ms_since(t_rows);
-    const int rc = run_chat(run, model, req, batch, std::move(clips));
+    const int rc = run_chat(run, model, req, std::move(sized), std::move(clips));
     save_tuning();
     return rc;
   }

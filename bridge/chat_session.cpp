@@ -78,7 +78,7 @@ ChatSession::ChatSession(Qwen3VLModel& model, const Tokenizer& tokenizer, ChatFo
   IRIS_CHECK(settings_.max_new_tokens >= 0, "the number of tokens to predict must be >= 0");
   settings_.prompt_ids.clear();
   settings_.cached_ids.clear();
-  settings_.pixel_values = nullptr;
+  settings_.pixel_values = VisionPixels();
   settings_.grids.clear();
   image_pad_ = tokenizer_.token_id(std::string(kImagePad));
   video_pad_ = tokenizer_.token_id("<|video_pad|>");
@@ -90,6 +90,7 @@ void ChatSession::clear() {
   messages_.clear();
   if (!system_.empty()) messages_.push_back({"system", {ChatPart::make_text(system_)}});
   pixels_.clear();
+  images_.clear();
   grids_.clear();
   videos_.clear();
   conv_ = Ids{};
@@ -98,6 +99,14 @@ void ChatSession::clear() {
   cached_ = 0;
   turns_ = 0;
   model_.clear_cache();
+}
+
+void ChatSession::send_pixels_as_bytes(const PixelTable& image_table,
+                                       const PixelTable& video_table) {
+  IRIS_CHECK(grids_.empty() && videos_.empty(),
+             "send_pixels_as_bytes: the conversation already holds images or videos as rows");
+  image_table_ = image_table;
+  video_table_ = video_table;
 }
 
 size_t ChatSession::Ids::count(bool video) const {
@@ -220,12 +229,27 @@ ChatReply ChatSession::send(const UserMessage& message,
   const ModelLimits& limits = model_.limits();
   const bool videos = !message.videos.empty();
   std::vector<GridTHW> message_grids = message.grids;
+  const bool bytes = image_table_.has_value();
+  IRIS_CHECK(bytes
+                 ? message.pixel_values == nullptr && message.images.size() == message.grids.size()
+                 : message.images.empty(),
+             bytes ? "a message to a session that sends pixels as bytes carries its images in "
+                     "`images`, one per grid"
+                   : "a message carries images as bytes but the session was not given pixel tables "
+                     "(send_pixels_as_bytes)");
+  const int64_t tp = model_.config().vision.temporal_patch_size;
   for (const VideoClip* v : message.videos) {
     IRIS_CHECK(v != nullptr, "a message's video is missing");
     const auto& g = v->grid_thw;
-    IRIS_CHECK(v->pixel_values.numel() == g[0] * g[1] * g[2] * patch_values_,
-               "a message's video holds ", v->pixel_values.numel(), " pixel values for its grid [",
-               g[0], ", ", g[1], ", ", g[2], "]; videos come from preprocess_video");
+    if (bytes)
+      IRIS_CHECK(static_cast<int64_t>(v->frames.size()) == g[0] * tp, "a message's video holds ",
+                 v->frames.size(), " frames for its grid [", g[0], ", ", g[1], ", ", g[2],
+                 "]; videos come from preprocess_video");
+    else
+      IRIS_CHECK(v->pixel_values.numel() == g[0] * g[1] * g[2] * patch_values_,
+                 "a message's video holds ", v->pixel_values.numel(),
+                 " pixel values for its grid [", g[0], ", ", g[1], ", ", g[2],
+                 "]; videos come from preprocess_video");
     message_grids.push_back(g);
   }
   const int64_t message_segments = segments_of(message_grids);
@@ -279,16 +303,33 @@ ChatReply ChatSession::send(const UserMessage& message,
   req.max_new_tokens = static_cast<int>(std::min<int64_t>(settings_.max_new_tokens, room - need));
   req.cached_ids.assign(ids.begin(), ids.begin() + p.reuse);
   // This message's images join the conversation's (their pixels are kept, as the videos'); the
-  // turn encodes the media after the cache, pixel rows in prompt order.
+  // turn encodes the media after the cache, in prompt order: as bytes, or as pixel rows.
+  std::vector<ImageRGB8> new_images;
+  for (const ImageRGB8* im : message.images) new_images.push_back(*im);
+  VisionPixels turn_media;
+  if (bytes)
+    for (size_t i = p.first_media; i < p.conv.media.size(); ++i) {
+      const Media& m = p.conv.media[i];
+      VisionMedia media;
+      if (m.video) {
+        for (const ImageRGB8& f : p.videos[m.index]->frames) media.frames.push_back(&f);
+        media.table = &*video_table_;
+      } else {
+        media.frames = {m.index < images_.size() ? &images_[m.index]
+                                                 : &new_images[m.index - images_.size()]};
+        media.table = &*image_table_;
+      }
+      turn_media.media.push_back(std::move(media));
+    }
   std::vector<std::vector<float>> new_pixels;
   size_t offset = 0;
-  for (const GridTHW& g : message.grids) {
+  for (const GridTHW& g : bytes ? std::vector<GridTHW>{} : message.grids) {
     const auto n = static_cast<size_t>(g[0] * g[1] * g[2] * patch_values_);
     new_pixels.emplace_back(message.pixel_values + offset, message.pixel_values + offset + n);
     offset += n;
   }
   std::vector<float> turn_pixels;
-  for (size_t i = p.first_media; i < p.conv.media.size(); ++i) {
+  for (size_t i = p.first_media; i < p.conv.media.size() && !bytes; ++i) {
     const Media& m = p.conv.media[i];
     if (m.video) {
       const HostTensor& px = p.videos[m.index]->pixel_values;
@@ -299,7 +340,10 @@ ChatReply ChatSession::send(const UserMessage& message,
       turn_pixels.insert(turn_pixels.end(), px.begin(), px.end());
     }
   }
-  req.pixel_values = turn_pixels.empty() ? nullptr : turn_pixels.data();
+  if (bytes)
+    req.pixel_values = std::move(turn_media);
+  else
+    req.pixel_values = turn_pixels.empty() ? nullptr : turn_pixels.data();
   req.grids = turn_grids;
   req.runs = turn_runs;
   std::vector<VideoClip> new_videos;
@@ -341,6 +385,7 @@ ChatReply ChatSession::send(const UserMessage& message,
     if (cached < model_.n_past()) model_.truncate_cache(cached);
     messages_ = std::move(messages);
     for (std::vector<float>& px : new_pixels) pixels_.push_back(std::move(px));
+    for (ImageRGB8& im : new_images) images_.push_back(std::move(im));
     grids_ = std::move(p.grids);
     for (VideoClip& v : new_videos) videos_.push_back(std::move(v));
     conv_ = std::move(conv);

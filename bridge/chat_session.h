@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ namespace iris {
 struct UserMessage {
   std::string text;  // may place the media with <__media__> markers, as a one-shot prompt
   const float* pixel_values = nullptr;  // the message's images, preprocessed, or null
+  // Or, in a session given pixel tables (send_pixels_as_bytes), the images at their grids' sizes
+  // (size_images), which the backend normalises and patchifies.
+  std::vector<const ImageRGB8*> images;
   std::vector<GridTHW> grids;
   // The message's videos, preprocessed (preprocess_video, with their frame indices, frame count
   // and frame rate); the session copies what it keeps.
@@ -76,6 +80,11 @@ class ChatSession {
 
   // Forgets the conversation and the model's cached rows; the system prompt stays.
   void clear();
+
+  // From now on the media go to the backend as bytes (VisionPixels): messages carry their images
+  // in `images`, and videos send their frames (VideoClip::frames), normalised with these tables
+  // (the image and the video processor's, pixel_table). Call it before the first message.
+  void send_pixels_as_bytes(const PixelTable& image_table, const PixelTable& video_table);
 
   // Every id of the conversation so far, one-shot prompt order: the template's rendering of the
   // messages, each reply as the ids generated (without the stop id it ended with) followed by what
@@ -141,6 +150,9 @@ class ChatSession {
   int64_t patch_values_ = 0;  // floats per patch row
   std::vector<ChatMessage> messages_;
   std::vector<std::vector<float>> pixels_;  // every image of the conversation, in order
+  // With pixels sent as bytes: every image of the conversation at its size, and the tables.
+  std::vector<ImageRGB8> images_;
+  std::optional<PixelTable> image_table_, video_table_;
   std::vector<GridTHW> grids_;
   std::vector<VideoClip> videos_;  // every video of the conversation, in order, with its pixels
   Ids conv_;                       // conversation_ with its marks and images

@@ -209,6 +209,72 @@ TEST_F(ChatFixture, TurnsGiveTheTokensOfOneShotRunsOverTheWholeConversation) {
   expect_turns_equal_one_shot(chat_model, one_shot_model);
 }
 
+// A session that sends its media as bytes (what iris generate -cnv does) gives the turns of one
+// that sends the host's pixel rows bit for bit: the same tokens and prompt logits, through an image
+// turn, a text turn after it and an image after a /clear. A message of the other kind is refused.
+TEST_F(ChatFixture, ImagesSentAsBytesGiveTheTurnsOfHostRowsBitForBit) {
+  auto be = make_cpu_backend();
+  Qwen3VLModel rows_model(*be, test::fixture_dir(), chat_limits());
+  Qwen3VLModel bytes_model(*be, test::fixture_dir(), chat_limits());
+  const PreprocessorConfig pre =
+      PreprocessorConfig::from_file(test::fixture_dir() + "/preprocessor_config.json");
+  const std::vector<ImageRGB8> decoded = {load_image(test::fixture_dir() + "/images/image0.png"),
+                                          load_image(test::fixture_dir() + "/images/image1.png")};
+  const PreprocessedBatch rows = preprocess_images(decoded, pre);
+  const SizedImages sized = size_images(decoded, pre);
+  ASSERT_EQ(rows.grid_thw, sized.grid_thw);
+  const int64_t cols = rows.pixel_values.dim(1);
+  const float* first_rows = rows.pixel_values.data<float>();
+  const float* second_rows = first_rows + count_patches({rows.grid_thw[0]}) * cols;
+
+  GenerationRequest settings = settings_;
+  settings.keep_prompt_logits = true;
+  ChatSession with_rows(rows_model, *tokenizer_, format_, kSystem, settings);
+  ChatSession with_bytes(bytes_model, *tokenizer_, format_, kSystem, settings);
+  const PixelTable table = pixel_table(pre);
+  with_bytes.send_pixels_as_bytes(table, table);
+
+  struct Turn {
+    std::string text;
+    int image;  // -1: none
+    bool clear_first;
+  };
+  for (const Turn& turn : {Turn{kText1, -1, false}, Turn{kText2, 1, false}, Turn{kText3, -1, false},
+                           Turn{kText3, 0, true}}) {
+    SCOPED_TRACE(turn.text + " image " + std::to_string(turn.image));
+    if (turn.clear_first) {
+      with_rows.clear();
+      with_bytes.clear();
+    }
+    UserMessage as_rows, as_bytes;
+    as_rows.text = as_bytes.text = turn.text;
+    if (turn.image >= 0) {
+      as_rows.pixel_values = turn.image == 0 ? first_rows : second_rows;
+      as_rows.grids = as_bytes.grids = {sized.grid_thw[static_cast<size_t>(turn.image)]};
+      as_bytes.images = {&sized.images[static_cast<size_t>(turn.image)]};
+    }
+    const ChatReply a = with_rows.send(as_rows);
+    const ChatReply b = with_bytes.send(as_bytes);
+    ASSERT_FALSE(a.result.tokens.empty());
+    EXPECT_EQ(b.result.tokens, a.result.tokens);
+    ASSERT_FALSE(a.result.prompt_logits.empty());
+    EXPECT_EQ(b.result.prompt_logits, a.result.prompt_logits);
+  }
+
+  UserMessage bytes_to_rows;
+  bytes_to_rows.text = kText2;
+  bytes_to_rows.grids = {sized.grid_thw[0]};
+  bytes_to_rows.images = {&sized.images[0]};
+  EXPECT_NE(test::error_of([&] { with_rows.send(bytes_to_rows); }).find("send_pixels_as_bytes"),
+            std::string::npos);
+  UserMessage rows_to_bytes;
+  rows_to_bytes.text = kText2;
+  rows_to_bytes.grids = {sized.grid_thw[0]};
+  rows_to_bytes.pixel_values = first_rows;
+  EXPECT_NE(test::error_of([&] { with_bytes.send(rows_to_bytes); }).find("one per grid"),
+            std::string::npos);
+}
+
 // The repetition penalty sees the whole conversation, as the one-shot run's prompt.
 TEST_F(ChatFixture, RepetitionPenaltyCountsTheEarlierTurns) {
   settings_.sampling.repetition_penalty = 1.5f;
@@ -418,7 +484,8 @@ class ChatVideo : public ::testing::TestWithParam<const char*> {
     constexpr int kFrames = test::kFormulaFrames, kHeight = test::kFormulaHeight,
                   kWidth = test::kFormulaWidth;
     const VideoProcessorConfig vpre = model_video_preprocessor(dir_, cfg_);
-    const std::vector<int64_t> keep = cfg_.arch->sample_video_frames(kFrames, test::kFormulaFps, vpre);
+    const std::vector<int64_t> keep =
+        cfg_.arch->sample_video_frames(kFrames, test::kFormulaFps, vpre);
     std::vector<ImageRGB8> frames;
     for (int64_t f : keep) frames.push_back(test::formula_frame(f));
     const ResizedSize size =
