@@ -348,34 +348,38 @@ struct VideoRoom {
   int64_t patches = std::numeric_limits<int64_t>::max();
 };
 
-// One video file decoded (only the frames its family's sampling keeps), resized and patchified as
-// the checkpoint's video processor does. Its tokens are known from the container's metadata, so
-// a video that cannot fit `room` is refused before any frame is decoded. Errors name the file.
+// One video file decoded (only the frames its family's sampling keeps) and resized as the
+// checkpoint's video processor does, kept as bytes for the backend to patchify. Its tokens are
+// known from the container's metadata, so a video that cannot fit `room` is refused before any
+// frame is decoded. Errors name the file.
 VideoClip load_video(const std::string& path, const GenerateOptions& o, const ModelConfig& cfg,
                      const VideoProcessorConfig& vpre, const VideoRoom& room) {
   const int64_t unit = cfg.vision.merge_unit();
   try {
-    return load_model_video(path, cfg, vpre, [&](const VideoPlan& plan) {
-      const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
-      const int64_t slices = (static_cast<int64_t>(plan.keep.size()) + tp - 1) / tp;
-      const int64_t patches = slices * (plan.size.height / p) * (plan.size.width / p);
-      const int64_t tokens = patches / unit;
-      const std::string shape = str_cat("the video's ", plan.keep.size(), " kept frames at ",
-                                        plan.size.width, "x", plan.size.height);
-      const char* lower = "; lower --video-fps or --video-max-frames, or raise -c/--ctx-size";
-      IRIS_CHECK(tokens <= room.tokens, shape, " need ", tokens, " tokens, more than the ",
-                 std::max<int64_t>(room.tokens, 0), " left of the context (-c/--ctx-size ",
-                 o.ctx_size, room.context_note, ")", lower);
-      IRIS_CHECK(slices <= room.segments, shape, " make ", slices,
-                 " frame pairs, each encoded as an image is, more than the ",
-                 std::max<int64_t>(room.segments, 0),
-                 " the vision encoder was planned for beside the media attached", lower,
-                 " (with vision CUDA graphs a chat plans for videos only when started with "
-                 "--video or --video-max-frames)");
-      IRIS_CHECK(patches <= room.patches, shape, " have ", patches, " patches, more than the ",
-                 std::max<int64_t>(room.patches, 0),
-                 " the vision encoder was planned for beside the media attached", lower);
-    });
+    return load_model_video(
+        path, cfg, vpre,
+        [&](const VideoPlan& plan) {
+          const int64_t tp = vpre.frame.temporal_patch_size, p = vpre.frame.patch_size;
+          const int64_t slices = (static_cast<int64_t>(plan.keep.size()) + tp - 1) / tp;
+          const int64_t patches = slices * (plan.size.height / p) * (plan.size.width / p);
+          const int64_t tokens = patches / unit;
+          const std::string shape = str_cat("the video's ", plan.keep.size(), " kept frames at ",
+                                            plan.size.width, "x", plan.size.height);
+          const char* lower = "; lower --video-fps or --video-max-frames, or raise -c/--ctx-size";
+          IRIS_CHECK(tokens <= room.tokens, shape, " need ", tokens, " tokens, more than the ",
+                     std::max<int64_t>(room.tokens, 0), " left of the context (-c/--ctx-size ",
+                     o.ctx_size, room.context_note, ")", lower);
+          IRIS_CHECK(slices <= room.segments, shape, " make ", slices,
+                     " frame pairs, each encoded as an image is, more than the ",
+                     std::max<int64_t>(room.segments, 0),
+                     " the vision encoder was planned for beside the media attached", lower,
+                     " (with vision CUDA graphs a chat plans for videos only when started with "
+                     "--video or --video-max-frames)");
+          IRIS_CHECK(patches <= room.patches, shape, " have ", patches, " patches, more than the ",
+                     std::max<int64_t>(room.patches, 0),
+                     " the vision encoder was planned for beside the media attached", lower);
+        },
+        VideoOutput::frames);
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.find(path) != std::string::npos) throw;

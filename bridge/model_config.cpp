@@ -92,7 +92,7 @@ VideoProcessorConfig model_video_preprocessor(const std::string& model_dir,
 
 VideoClip load_model_video(const std::string& path, const ModelConfig& cfg,
                            const VideoProcessorConfig& vpre,
-                           const std::function<void(const VideoPlan&)>& check) {
+                           const std::function<void(const VideoPlan&)>& check, VideoOutput output) {
   ResizedSize size{};
   const DecodedVideo d = decode_video(path, [&](const VideoInfo& info) {
     std::vector<int64_t> keep = cfg.arch->sample_video_frames(info.total_frames, info.fps, vpre);
@@ -101,7 +101,7 @@ VideoClip load_model_video(const std::string& path, const ModelConfig& cfg,
     if (check) check(VideoPlan{info, keep, size});
     return keep;
   });
-  VideoClip clip = preprocess_video(d.frames, size, vpre);
+  VideoClip clip = preprocess_video(d.frames, size, vpre, output);
   clip.frame_indices = d.indices;
   clip.total_frames = d.info.total_frames;
   clip.video_fps = d.info.fps;

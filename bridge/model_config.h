@@ -76,7 +76,8 @@ struct VideoPlan {
 // throwing. Errors say what was wrong; callers add the file where it is not named.
 VideoClip load_model_video(const std::string& path, const ModelConfig& cfg,
                            const VideoProcessorConfig& vpre,
-                           const std::function<void(const VideoPlan&)>& check = nullptr);
+                           const std::function<void(const VideoPlan&)>& check = nullptr,
+                           VideoOutput output = VideoOutput::host_rows);
 void check_preprocessor_matches(const ModelConfig& cfg, const PreprocessorConfig& pp,
                                 const std::string& config_name,
                                 const std::string& preprocessor_name);

@@ -176,7 +176,7 @@ ResizedSize smart_resize_video(int64_t n_frames, int height, int width, int temp
 }
 
 VideoClip preprocess_video(const std::vector<ImageRGB8>& frames, ResizedSize size,
-                           const VideoProcessorConfig& cfg) {
+                           const VideoProcessorConfig& cfg, VideoOutput output) {
   cfg.validate("video processor config");
   IRIS_CHECK(!frames.empty(), "a video needs at least one frame");
   std::vector<ImageRGB8> resized;
@@ -194,9 +194,12 @@ VideoClip preprocess_video(const std::vector<ImageRGB8>& frames, ResizedSize siz
   const size_t tp = static_cast<size_t>(cfg.frame.temporal_patch_size);
   while (kept.size() % tp != 0) kept.push_back(kept.back());
   VideoClip clip;
-  clip.pixel_values = patchify_frames(kept, cfg.frame);
-  clip.frames.reserve(kept.size());
-  for (const ImageRGB8* f : kept) clip.frames.push_back(*f);
+  if (output == VideoOutput::host_rows) {
+    clip.pixel_values = patchify_frames(kept, cfg.frame);
+  } else {
+    clip.frames.reserve(kept.size());
+    for (const ImageRGB8* f : kept) clip.frames.push_back(*f);
+  }
   clip.grid_thw = {static_cast<int64_t>(kept.size() / tp), kept[0]->height / cfg.frame.patch_size,
                    kept[0]->width / cfg.frame.patch_size};
   return clip;

@@ -55,10 +55,15 @@ ResizedSize smart_resize_video(int64_t n_frames, int height, int width, int temp
                                int factor, int64_t min_pixels, int64_t max_pixels);
 
 // One preprocessed video: the pixel rows of its kept frames and what the prompt needs of it.
+// What preprocess_video makes of the frames: the host's patch rows (training, a session of rows)
+// or the frames as bytes, for the backend to patchify (iris generate).
+enum class VideoOutput { host_rows, frames };
+
 struct VideoClip {
-  HostTensor pixel_values;  // f32 [grid_t * gh * gw, 3 * Tp * P * P], merge-window row order
-  // The same frames as bytes at the grid's size, grid_t * temporal_patch_size of them (the last
-  // repeated to fill the last slice): what VisionPixels sends for the backend to patchify.
+  // VideoOutput::host_rows: f32 [grid_t * gh * gw, 3 * Tp * P * P], merge-window row order.
+  HostTensor pixel_values;
+  // VideoOutput::frames: the frames at the grid's size, grid_t * temporal_patch_size of them (the
+  // last repeated to fill the last slice), what VisionPixels sends.
   std::vector<ImageRGB8> frames;
   std::array<int64_t, 3> grid_thw{};
   std::vector<int64_t> frame_indices;  // the kept frames of the source, in order
@@ -77,8 +82,10 @@ struct VideoClip {
 
 // Resizes every frame (all of one size) to `size` (bicubic, antialiased, as images) unless
 // cfg.frame.do_resize is off, normalises, pads the frame count to a multiple of
-// temporal_patch_size with copies of the last frame and patchifies. `frames` are the kept frames.
+// temporal_patch_size with copies of the last frame and patchifies (VideoOutput::host_rows), or
+// keeps the padded frames as they are (VideoOutput::frames). `frames` are the kept frames.
 VideoClip preprocess_video(const std::vector<ImageRGB8>& frames, ResizedSize size,
-                           const VideoProcessorConfig& cfg);
+                           const VideoProcessorConfig& cfg,
+                           VideoOutput output = VideoOutput::host_rows);
 
 }  // namespace iris
