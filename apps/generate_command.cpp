@@ -536,9 +536,14 @@ int run_chat(const ChatRun& run, Qwen3VLModel& model, const GenerationRequest& s
   const GenerateOptions& o = run.options;
   const ModelConfig& cfg = run.config;
   ChatSession session(model, run.tokenizer, run.chat_format, o.system, settings);
-  // Each message's images and videos go to the backend as bytes.
-  session.send_pixels_as_bytes(pixel_table(run.preprocessor),
-                               pixel_table(video_processor(o, cfg).frame));
+  // Each message's images and videos go to the backend as bytes. A video processor config that
+  // does not load leaves the chat to images: /video reports it.
+  std::optional<PixelTable> video_table;
+  try {
+    video_table = pixel_table(video_processor(o, cfg).frame);
+  } catch (const Error&) {
+  }
+  session.send_pixels_as_bytes(pixel_table(run.preprocessor), video_table);
   const bool tty = ::isatty(STDIN_FILENO) != 0;
   std::optional<ChatInterrupts> interrupts;
   std::optional<TerminalLineReader> terminal;

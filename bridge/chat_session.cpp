@@ -102,7 +102,7 @@ void ChatSession::clear() {
 }
 
 void ChatSession::send_pixels_as_bytes(const PixelTable& image_table,
-                                       const PixelTable& video_table) {
+                                       const std::optional<PixelTable>& video_table) {
   IRIS_CHECK(grids_.empty() && videos_.empty(),
              "send_pixels_as_bytes: the conversation already holds images or videos as rows");
   image_table_ = image_table;
@@ -241,6 +241,9 @@ ChatReply ChatSession::send(const UserMessage& message,
   for (const VideoClip* v : message.videos) {
     IRIS_CHECK(v != nullptr, "a message's video is missing");
     const auto& g = v->grid_thw;
+    if (bytes)
+      IRIS_CHECK(video_table_.has_value(),
+                 "a message carries a video but the session was given no video pixel table");
     if (bytes)
       IRIS_CHECK(static_cast<int64_t>(v->frames.size()) == g[0] * tp, "a message's video holds ",
                  v->frames.size(), " frames for its grid [", g[0], ", ", g[1], ", ", g[2],

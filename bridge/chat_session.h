@@ -83,8 +83,10 @@ class ChatSession {
 
   // From now on the media go to the backend as bytes (VisionPixels): messages carry their images
   // in `images`, and videos send their frames (VideoClip::frames), normalised with these tables
-  // (the image and the video processor's, pixel_table). Call it before the first message.
-  void send_pixels_as_bytes(const PixelTable& image_table, const PixelTable& video_table);
+  // (the image and the video processor's, pixel_table; without a video table, a message with a
+  // video is refused). Call it before the first message.
+  void send_pixels_as_bytes(const PixelTable& image_table,
+                            const std::optional<PixelTable>& video_table);
 
   // Every id of the conversation so far, one-shot prompt order: the template's rendering of the
   // messages, each reply as the ids generated (without the stop id it ended with) followed by what
