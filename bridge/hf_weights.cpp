@@ -293,39 +293,36 @@ std::unique_ptr<ModelWeights> load_weights(Backend& backend, const ModelConfig& 
   using Clock = std::chrono::steady_clock;
   auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
   WeightLoadTimes t;
-  std::vector<float> host;
+  const auto t0 = Clock::now();
+  // Every tensor in one call, so that a backend with host staging reads the file on several
+  // threads. A NaN or Inf weight otherwise surfaces only as NaN logits, far from its cause: the
+  // backend checks each block as it stages it, so the file is read once.
+  std::vector<Backend::HostWrite> writes;
+  std::vector<const SafetensorsEntry*> written;
   for (size_t i = 0; i < w->bindings.size(); ++i) {
     const WeightBinding& b = w->bindings[i];
     if (sources[i] == nullptr) {
       backend.fill_zero(b.tensor());
       continue;
     }
-    const SafetensorsEntry& e = *sources[i];
-    const auto t0 = Clock::now();
-    // A NaN or Inf weight otherwise surfaces only as NaN logits, far from its cause. The backend
-    // checks each block as it stages it, so the file is read once.
-    const void* src = e.data;
-    DType src_dtype = e.dtype;
-    if (e.dtype == DType::f16 && b.target->dtype != DType::f16) {
-      host.resize(e.nbytes / dtype_size(e.dtype));
-      convert_to_f32(e, host.data());  // f16's Inf and NaN stay so in f32
-      src = host.data();
-      src_dtype = DType::f32;
-    }
     const int64_t rows = b.hf_shape[0];
-    const int64_t bad =
-        backend.write_finite(b.target->slice(b.row_offset, b.row_offset + rows), src, src_dtype);
-    if (bad >= 0) {
-      SafetensorsEntry one = e;
-      one.data = static_cast<const char*>(e.data) + bad * int64_t(dtype_size(e.dtype));
-      one.nbytes = dtype_size(e.dtype);
-      float value = 0;
-      convert_to_f32(one, &value);
-      IRIS_FAIL(e.file, ": tensor '", e.name, "' holds a non-finite value (", value, " at element ",
-                bad, "); the checkpoint is corrupt");
-    }
-    t.read_ms += ms(Clock::now() - t0);
+    writes.push_back(
+        {b.target->slice(b.row_offset, b.row_offset + rows), sources[i]->data, sources[i]->dtype});
+    written.push_back(sources[i]);
   }
+  const std::vector<int64_t> bad = backend.write_all_finite(writes);
+  for (size_t i = 0; i < written.size(); ++i) {
+    if (bad[i] < 0) continue;
+    const SafetensorsEntry& e = *written[i];
+    SafetensorsEntry one = e;
+    one.data = static_cast<const char*>(e.data) + bad[i] * int64_t(dtype_size(e.dtype));
+    one.nbytes = dtype_size(e.dtype);
+    float value = 0;
+    convert_to_f32(one, &value);
+    IRIS_FAIL(e.file, ": tensor '", e.name, "' holds a non-finite value (", value, " at element ",
+              bad[i], "); the checkpoint is corrupt");
+  }
+  t.read_ms = ms(Clock::now() - t0);
   const auto t2 = Clock::now();
   backend.synchronize();
   t.upload_ms += ms(Clock::now() - t2);

@@ -74,8 +74,8 @@ std::unique_ptr<ModelWeights> allocate_weights_placed(
     const std::function<size_t(size_t offset)>& place);
 
 // Where a load's time went: reading the files through the page cache into the backend (with the
-// finiteness check and any dtype conversion; on CUDA the staging copy, whose uploads overlap it),
-// and the wait for the last uploads after that.
+// finiteness check and any dtype conversion; on CUDA the staging copies and their uploads, on
+// several threads), and the wait for whatever was still queued after that.
 struct WeightLoadTimes {
   double read_ms = 0, upload_ms = 0;
 };

@@ -52,6 +52,22 @@ class Backend {
     if (bad < 0) write(dst, host_src, src_dtype);
     return bad;
   }
+  // write_finite() of many sources at once (a checkpoint's weights): returns, per write, the
+  // index of its source's first NaN or Inf element, or -1. A backend that stages its writes may
+  // run them concurrently (CUDA: a few host threads, each copying whole blocks into pinned memory
+  // of its own and uploading them), so that the host reads at the rate of its memory rather than
+  // of one copy loop. Every write has landed (or its failure is known) when it returns.
+  struct HostWrite {
+    Tensor dst;
+    const void* src = nullptr;
+    DType src_dtype = DType::f32;
+  };
+  virtual std::vector<int64_t> write_all_finite(const std::vector<HostWrite>& writes) {
+    std::vector<int64_t> bad;
+    bad.reserve(writes.size());
+    for (const HostWrite& w : writes) bad.push_back(write_finite(w.dst, w.src, w.src_dtype));
+    return bad;
+  }
   // A backend whose writes go through host staging (CUDA: pinned memory, reused once the copies
   // it fed are done) makes a write wait for the device when the staging is full. A caller that
   // writes up to `bytes` between two points where it waits anyway (a training step, which ends

@@ -337,6 +337,53 @@ TEST_F(BackendOps, WriteFiniteFindsTheFirstNonFiniteElementInAnyChunk) {
   EXPECT_TRUE(gpu.guards_intact());
 }
 
+// A checkpoint's load writes every tensor through write_all_finite, which on CUDA spreads the
+// blocks over host threads: each write must land whole whichever thread took its blocks, and each
+// must report its own first NaN or Inf, not another write's.
+TEST_F(BackendOps, WriteAllFiniteLandsEveryWriteAndFindsEachOnesFirstNonFinite) {
+  Side gpu(*gpu_);
+  Rng rng(5);
+  const int64_t big = 9'000'001, small = 1'000;  // big spans three 8 MiB blocks
+  const std::vector<float> v_big = rng.normal(big), v_f32 = rng.normal(small),
+                           v_f16 = rng.normal(small), v_small = rng.normal(small);
+  auto bf16_bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16(v[i]);
+    return b;
+  };
+  std::vector<uint16_t> big_bits = bf16_bits(v_big), small_bits = bf16_bits(v_small);
+  std::vector<uint16_t> half_bits(v_f16.size()), f16_as_bf16(v_f16.size());
+  for (size_t i = 0; i < v_f16.size(); ++i) {
+    half_bits[i] = f32_to_f16(v_f16[i]);
+    f16_as_bf16[i] = f32_to_bf16(f16_to_f32(half_bits[i]));
+  }
+  std::vector<Tensor> dst;
+  for (int64_t n : {big, small, small, small})
+    dst.push_back(gpu.make(Kind::act, {n}, std::vector<float>(size_t(n), 0.f)));
+  auto writes = [&] {
+    return std::vector<Backend::HostWrite>{{dst[0], big_bits.data(), DType::bf16},
+                                           {dst[1], v_f32.data(), DType::f32},
+                                           {dst[2], half_bits.data(), DType::f16},
+                                           {dst[3], small_bits.data(), DType::bf16}};
+  };
+  EXPECT_EQ(gpu_->write_all_finite(writes()), std::vector<int64_t>(4, -1));
+  const std::vector<std::vector<uint16_t>> expected = {big_bits, bf16_bits(v_f32), f16_as_bf16,
+                                                       small_bits};
+  for (size_t i = 0; i < dst.size(); ++i) {
+    std::vector<uint16_t> back(static_cast<size_t>(dst[i].numel()));
+    gpu_->read(back.data(), DType::bf16, dst[i]);
+    EXPECT_EQ(back, expected[i]) << "write " << i;
+  }
+
+  // In the third block, whose later Inf is not the one reported.
+  const int64_t at_big = 8'400'000;
+  big_bits[size_t(at_big)] = f32_to_bf16(std::nanf(""));
+  big_bits[size_t(big - 1)] = f32_to_bf16(std::numeric_limits<float>::infinity());
+  half_bits[17] = f32_to_f16(std::numeric_limits<float>::infinity());
+  EXPECT_EQ(gpu_->write_all_finite(writes()), (std::vector<int64_t>{at_big, -1, 17, -1}));
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
 TEST_F(BackendOps, CopyAndFillZero) {
   for (Kind kind : {Kind::act, Kind::f32, Kind::i32}) {
     for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4096}, int64_t{100003}}) {

@@ -28,6 +28,7 @@
 #include "core/cuda/moe/moe_batched_gemm.h"
 #include "core/cuda/norm_rope/norm_rope.h"
 #include "core/cuda/optimizer/optimizer.h"
+#include "core/cuda/parallel_upload.h"
 #include "core/cuda/pixels/pixels.h"
 #include "core/cuda/rows/rows.h"
 #include "core/cuda/tables/tables.h"
@@ -35,6 +36,7 @@
 #include "core/loss_workspace.h"
 #include "core/moe_ops.h"
 #include "core/text_rope_tables.h"
+#include "core/usable_cores.h"
 #include "core/vision_tables.h"
 
 namespace iris {
@@ -294,6 +296,12 @@ class CudaBackend final : public Backend {
 
   int64_t write_finite(const Tensor& dst, const void* host_src, DType src_dtype) override {
     return stage_write(dst, host_src, src_dtype, true);
+  }
+
+  std::vector<int64_t> write_all_finite(const std::vector<HostWrite>& writes) override {
+    bind();
+    for (const HostWrite& w : writes) check_device(w.dst, "write");
+    return cuda::upload_all_finite(writes, stream(), std::min(usable_cores(), kUploadThreads));
   }
 
   void reserve_write_staging(size_t bytes) override {
@@ -1551,6 +1559,9 @@ class CudaBackend final : public Backend {
   }
 
   static constexpr size_t kStagingChunk = size_t{8} << 20;
+  // A checkpoint's upload: 16 threads read a page-cached file at 42 GB/s on an H200 host, 4 at
+  // 32 GB/s.
+  static constexpr int kUploadThreads = 16;
   static constexpr size_t kMaxStagingHalf = size_t{1} << 30;
   // cuBLASLt's recommendation for Hopper.
   static constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;

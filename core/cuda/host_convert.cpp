@@ -43,21 +43,55 @@ void copy_bytes_parallel(void* dst, const void* src, size_t bytes) {
   }
 }
 
+namespace {
+
+// Elements per block of a checked copy: the block is checked while it is still in the cache.
+int64_t finite_block(DType dtype) {
+  return static_cast<int64_t>((size_t{256} << 10) / dtype_size(dtype));
+}
+
+int64_t copy_finite_block(void* dst, const void* src, DType dtype, int64_t begin, int64_t len) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+  char* out = static_cast<char*>(dst) + begin * elem;
+  std::memcpy(out, static_cast<const char*>(src) + begin * elem, static_cast<size_t>(len * elem));
+  return first_non_finite(out, dtype, len);
+}
+
+}  // namespace
+
 int64_t copy_finite_parallel(void* dst, const void* src, DType dtype, int64_t n) {
-  const size_t elem = dtype_size(dtype);
-  const int64_t per_block = static_cast<int64_t>((size_t{256} << 10) / elem);
+  const int64_t per_block = finite_block(dtype);
   const int64_t blocks = (n + per_block - 1) / per_block;
   int64_t first = n;
 #pragma omp parallel for schedule(static) reduction(min : first) if (blocks >= 4)
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * per_block, len = std::min(per_block, n - begin);
-    char* out = static_cast<char*>(dst) + begin * static_cast<int64_t>(elem);
-    std::memcpy(out, static_cast<const char*>(src) + begin * static_cast<int64_t>(elem),
-                static_cast<size_t>(len) * elem);
-    const int64_t bad = first_non_finite(out, dtype, len);
+    const int64_t begin = b * per_block;
+    const int64_t bad = copy_finite_block(dst, src, dtype, begin, std::min(per_block, n - begin));
     if (bad >= 0) first = std::min(first, begin + bad);
   }
   return first == n ? -1 : first;
+}
+
+int64_t copy_finite(void* dst, const void* src, DType dtype, int64_t n) {
+  const int64_t per_block = finite_block(dtype);
+  for (int64_t begin = 0; begin < n; begin += per_block) {
+    const int64_t bad = copy_finite_block(dst, src, dtype, begin, std::min(per_block, n - begin));
+    if (bad >= 0) return begin + bad;
+  }
+  return -1;
+}
+
+int64_t convert_finite(void* dst, DType to, const void* src, DType from, int64_t n) {
+  const int64_t bad = first_non_finite(src, from, n);
+  if (bad >= 0) return bad;
+  if (from == DType::f32 && to == DType::bf16) {
+    auto* d = static_cast<uint16_t*>(dst);
+    const auto* s = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(s[i]);
+  } else {
+    convert_elements(dst, to, src, from, n);
+  }
+  return -1;
 }
 
 void convert_f32_to_bf16(uint16_t* dst, const float* src, int64_t n) {
