@@ -227,6 +227,7 @@ int run_bench_train(int argc, char** argv) {
              ") or gradient norm (", norms.back(), ") is not finite");
 
   StepProfile step_prof;
+  std::vector<OpFamilyTotal> step_ops;
   if (profile) {
     be->profiler_collect(true);
     ops.start();  // waits for the work before it
@@ -234,7 +235,9 @@ int run_bench_train(int argc, char** argv) {
     step();
     be->synchronize();
     const double wall_ms = 1e3 * seconds_since(p0);
-    step_prof = step_profile(ops.stop(), wall_ms);
+    const std::vector<OpRecord> records = ops.stop();
+    step_prof = step_profile(records, wall_ms);
+    step_ops = totals_by_op(records);
     be->profiler_collect(false);
   }
 
@@ -329,6 +332,11 @@ int run_bench_train(int argc, char** argv) {
         "between them (the timed step: %.1f ms)\n",
         step_prof.ops_ms, step_prof.idle_ms, 1e3 * step_s);
     for (const std::string& line : step_profile_table(step_prof, hw.gemm_tflops, hw.copy_gbps))
+      std::printf("    %s\n", line.c_str());
+    // Which ops of a family take its time: the first place to look for a kernel to improve.
+    std::printf("  the profiled step's slowest ops:\n");
+    for (const std::string& line :
+         op_totals_table(step_ops, 16, step_prof.step_ms(), hw.gemm_tflops, hw.copy_gbps))
       std::printf("    %s\n", line.c_str());
     results["profile"] = step_profile_json(step_prof);
   }

@@ -108,13 +108,16 @@ std::string op_family(const std::string& op) {
   return it == kFamilies.end() ? "other" : it->second;
 }
 
-std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records) {
+namespace {
+
+template <class Key>
+std::vector<OpFamilyTotal> totals_by(const std::vector<OpRecord>& records, Key key) {
   std::vector<OpFamilyTotal> out;
   for (const OpRecord& r : records) {
-    const std::string family = op_family(r.op);
+    const std::string name = key(r);
     auto it = std::find_if(out.begin(), out.end(),
-                           [&](const OpFamilyTotal& f) { return f.family == family; });
-    if (it == out.end()) it = out.insert(out.end(), OpFamilyTotal{family});
+                           [&](const OpFamilyTotal& f) { return f.family == name; });
+    if (it == out.end()) it = out.insert(out.end(), OpFamilyTotal{name});
     it->ms += r.ms;
     it->flops += r.flops;
     it->bytes += r.bytes;
@@ -125,6 +128,16 @@ std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records
   return out;
 }
 
+}  // namespace
+
+std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records) {
+  return totals_by(records, [](const OpRecord& r) { return op_family(r.op); });
+}
+
+std::vector<OpFamilyTotal> totals_by_op(const std::vector<OpRecord>& records) {
+  return totals_by(records, [](const OpRecord& r) { return r.op; });
+}
+
 StepProfile step_profile(const std::vector<OpRecord>& records, double wall_ms) {
   StepProfile p;
   p.families = totals_by_family(records);
@@ -133,38 +146,62 @@ StepProfile step_profile(const std::vector<OpRecord>& records, double wall_ms) {
   return p;
 }
 
-std::vector<std::string> step_profile_table(const StepProfile& p, double gemm_tflops,
-                                            double copy_gbps) {
+namespace {
+
+std::string rate_text(const OpFamilyTotal& f, double gemm_tflops, double copy_gbps) {
+  const double s = f.ms / 1e3;
+  char rate[64] = "";
+  if (f.flops > 0 && s > 0) {
+    const double t = f.flops / s / 1e12;
+    if (gemm_tflops > 0)
+      std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s (%.0f%%)", t, 100 * t / gemm_tflops);
+    else
+      std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s", t);
+  } else if (f.bytes > 0 && s > 0) {
+    const double g = f.bytes / s / 1e9;
+    if (copy_gbps > 0)
+      std::snprintf(rate, sizeof(rate), "%.0f GB/s (%.0f%%)", g, 100 * g / copy_gbps);
+    else
+      std::snprintf(rate, sizeof(rate), "%.0f GB/s", g);
+  }
+  return rate;
+}
+
+std::vector<std::string> totals_table(const char* heading, const std::vector<OpFamilyTotal>& rows,
+                                      size_t max_rows, double total_ms, double gemm_tflops,
+                                      double copy_gbps) {
   std::vector<std::string> lines;
-  char line[160];
-  const double total = std::max(p.step_ms(), 1e-12);
-  std::snprintf(line, sizeof(line), "%-22s %10s %7s %8s %26s", "family", "ms", "share", "calls",
+  char line[192];
+  const double total = std::max(total_ms, 1e-12);
+  std::snprintf(line, sizeof(line), "%-30s %10s %7s %8s %26s", heading, "ms", "share", "calls",
                 "rate (of its floor)");
   lines.emplace_back(line);
-  for (const OpFamilyTotal& f : p.families) {
-    const double s = f.ms / 1e3;
-    char rate[64] = "";
-    if (f.flops > 0 && s > 0) {
-      const double t = f.flops / s / 1e12;
-      if (gemm_tflops > 0)
-        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s (%.0f%%)", t, 100 * t / gemm_tflops);
-      else
-        std::snprintf(rate, sizeof(rate), "%.1f TFLOP/s", t);
-    } else if (f.bytes > 0 && s > 0) {
-      const double g = f.bytes / s / 1e9;
-      if (copy_gbps > 0)
-        std::snprintf(rate, sizeof(rate), "%.0f GB/s (%.0f%%)", g, 100 * g / copy_gbps);
-      else
-        std::snprintf(rate, sizeof(rate), "%.0f GB/s", g);
-    }
-    std::snprintf(line, sizeof(line), "%-22s %10.2f %6.1f%% %8lld %26s", f.family.c_str(), f.ms,
-                  100 * f.ms / total, static_cast<long long>(f.calls), rate);
+  for (size_t i = 0; i < rows.size() && i < max_rows; ++i) {
+    const OpFamilyTotal& f = rows[i];
+    std::snprintf(line, sizeof(line), "%-30s %10.2f %6.1f%% %8lld %26s", f.family.c_str(), f.ms,
+                  100 * f.ms / total, static_cast<long long>(f.calls),
+                  rate_text(f, gemm_tflops, copy_gbps).c_str());
     lines.emplace_back(line);
   }
-  std::snprintf(line, sizeof(line), "%-22s %10.2f %6.1f%%", "idle", p.idle_ms,
-                100 * p.idle_ms / total);
+  return lines;
+}
+
+}  // namespace
+
+std::vector<std::string> step_profile_table(const StepProfile& p, double gemm_tflops,
+                                            double copy_gbps) {
+  std::vector<std::string> lines =
+      totals_table("family", p.families, p.families.size(), p.step_ms(), gemm_tflops, copy_gbps);
+  char line[192];
+  std::snprintf(line, sizeof(line), "%-30s %10.2f %6.1f%%", "idle", p.idle_ms,
+                100 * p.idle_ms / std::max(p.step_ms(), 1e-12));
   lines.emplace_back(line);
   return lines;
+}
+
+std::vector<std::string> op_totals_table(const std::vector<OpFamilyTotal>& ops, size_t max_rows,
+                                         double step_ms, double gemm_tflops, double copy_gbps) {
+  return totals_table("op", ops, max_rows, step_ms, gemm_tflops, copy_gbps);
 }
 
 nlohmann::json step_profile_json(const StepProfile& p) {

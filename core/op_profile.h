@@ -40,6 +40,8 @@ struct OpFamilyTotal {
   int64_t calls = 0;
 };
 std::vector<OpFamilyTotal> totals_by_family(const std::vector<OpRecord>& records);
+// The same per op name (held in `family`): which op of a family takes its time.
+std::vector<OpFamilyTotal> totals_by_op(const std::vector<OpRecord>& records);
 
 // One step through the profile: its families, the ops' own time, and the idle time between them
 // (the step's wall time less the ops'), which add up to the profiled step's time.
@@ -54,6 +56,9 @@ StepProfile step_profile(const std::vector<OpRecord>& records, double wall_ms);
 // copy_gbps; a rate of 0 leaves that floor out), then the idle line.
 std::vector<std::string> step_profile_table(const StepProfile& p, double gemm_tflops,
                                             double copy_gbps);
+// The first max_rows of totals_by_op as a table like step_profile_table's, shares of step_ms.
+std::vector<std::string> op_totals_table(const std::vector<OpFamilyTotal>& ops, size_t max_rows,
+                                         double step_ms, double gemm_tflops, double copy_gbps);
 // {"ops_ms", "idle_ms", "step_ms", "families": [{"family", "ms", "calls", "flops", "bytes"}]}.
 nlohmann::json step_profile_json(const StepProfile& p);
 
@@ -81,6 +86,9 @@ class ProfilingBackend final : public Backend {
   }
   int64_t write_finite(const Tensor& dst, const void* host_src, DType src_dtype) override {
     return in_.write_finite(dst, host_src, src_dtype);
+  }
+  std::vector<int64_t> write_all_finite(const std::vector<HostWrite>& writes) override {
+    return in_.write_all_finite(writes);
   }
   void reserve_write_staging(size_t bytes) override { in_.reserve_write_staging(bytes); }
   double take_write_wait_seconds() override { return in_.take_write_wait_seconds(); }
