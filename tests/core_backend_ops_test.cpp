@@ -343,7 +343,7 @@ TEST_F(BackendOps, WriteFiniteFindsTheFirstNonFiniteElementInAnyChunk) {
 TEST_F(BackendOps, WriteAllFiniteLandsEveryWriteAndFindsEachOnesFirstNonFinite) {
   Side gpu(*gpu_);
   Rng rng(5);
-  const int64_t big = 9'000'001, small = 1'000;  // big spans three 8 MiB blocks
+  const int64_t big = 9'000'001, small = 1'000;  // big spans several upload blocks
   const std::vector<float> v_big = rng.normal(big), v_f32 = rng.normal(small),
                            v_f16 = rng.normal(small), v_small = rng.normal(small);
   auto bf16_bits = [](const std::vector<float>& v) {
@@ -375,7 +375,7 @@ TEST_F(BackendOps, WriteAllFiniteLandsEveryWriteAndFindsEachOnesFirstNonFinite) 
     EXPECT_EQ(back, expected[i]) << "write " << i;
   }
 
-  // In the third block, whose later Inf is not the one reported.
+  // In the last block, whose later Inf is not the one reported.
   const int64_t at_big = 8'400'000;
   big_bits[size_t(at_big)] = f32_to_bf16(std::nanf(""));
   big_bits[size_t(big - 1)] = f32_to_bf16(std::numeric_limits<float>::infinity());

@@ -106,7 +106,7 @@ TEST(Safetensors, FirstNonFiniteElementIsFoundInEveryDtypeAtAnyAlignment) {
   const int64_t n = (int64_t(1) << 20) + 37;
   for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
     for (size_t misalign : {0u, 1u, 3u}) {
-      for (int64_t bad_at : {int64_t(-1), int64_t(0), int64_t(4097), n - 1}) {
+      for (int64_t bad_at : {int64_t(-1), int64_t(0), int64_t(4095), int64_t(4096), n - 1}) {
         SCOPED_TRACE(std::string(dtype_name(dt)) + " misaligned by " + std::to_string(misalign) +
                      ", bad at " + std::to_string(bad_at));
         const size_t elem = dtype_size(dt);

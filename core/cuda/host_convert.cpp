@@ -82,8 +82,14 @@ int64_t copy_finite(void* dst, const void* src, DType dtype, int64_t n) {
 }
 
 int64_t convert_finite(void* dst, DType to, const void* src, DType from, int64_t n) {
-  const int64_t bad = first_non_finite(src, from, n);
-  if (bad >= 0) return bad;
+  // In blocks, each below first_non_finite's threshold for a thread team of its own.
+  const int64_t per_block = finite_block(from);
+  for (int64_t begin = 0; begin < n; begin += per_block) {
+    const int64_t bad =
+        first_non_finite(static_cast<const char*>(src) + begin * int64_t(dtype_size(from)), from,
+                         std::min(per_block, n - begin));
+    if (bad >= 0) return begin + bad;
+  }
   if (from == DType::f32 && to == DType::bf16) {
     auto* d = static_cast<uint16_t*>(dst);
     const auto* s = static_cast<const float*>(src);

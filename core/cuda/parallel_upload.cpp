@@ -15,9 +15,9 @@
 namespace iris::cuda {
 namespace {
 
-// Large enough that a copy's fixed costs vanish, small enough that the last blocks do not leave
-// the other threads idle for long.
-constexpr size_t kBlockBytes = size_t{8} << 20;
+// Large enough that a copy's fixed costs vanish, small enough that the pinned buffers (two per
+// thread) cost little to allocate and the last blocks leave the other threads idle only briefly.
+constexpr size_t kBlockBytes = size_t{2} << 20;
 
 struct Job {
   size_t write;
