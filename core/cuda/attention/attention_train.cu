@@ -35,6 +35,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "core/cuda/attention/mma_sync.cuh"
 #include "core/cuda/attention/segment_tiles.cuh"
 #include "core/cuda/attention/train_params.cuh"
 #include "core/cuda/cuda_check.h"
@@ -45,68 +46,6 @@ namespace iris::cuda {
 namespace {
 
 constexpr float kTrainLn2 = 0.6931471805599453f;
-
-// ---------------------------------------------------------------------------------------------
-// PTX helpers
-// ---------------------------------------------------------------------------------------------
-
-// 2^x as one MUFU.EX2 (flushes results below 2^-126 to 0; -inf gives 0).
-__device__ __forceinline__ float tr_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ void tr_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned tr_smem(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// ldmatrix: lanes 8i..8i+7 address the 8 rows (16 bytes each) of matrix i; lane l receives row
-// l/4, columns 2(l%4)..+1 of each matrix, or with .trans rows 2(l%4)..+1 of column l/4.
-__device__ __forceinline__ void tr_ldsm_x4(uint32_t (&r)[4], const uint16_t* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(tr_smem(row)));
-}
-__device__ __forceinline__ void tr_ldsm_x4_t(uint32_t (&r)[4], const uint16_t* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(tr_smem(row)));
-}
-__device__ __forceinline__ void tr_ldsm_x2_t(uint32_t (&r)[2], const uint16_t* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(tr_smem(row)));
-}
-
-// cp.async: src_bytes 0 zero-fills the destination without reading the source.
-__device__ __forceinline__ void tr_cp16(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tr_smem(smem)), "l"(gmem),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void tr_cp4(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tr_smem(smem)), "l"(gmem),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void tr_cp_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void tr_cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ uint32_t tr_load_pair(const uint16_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Shared set-up
@@ -167,7 +106,7 @@ __device__ __forceinline__ void load_rows(uint16_t* tile, const uint16_t* base, 
     const int r = i / D::kChunks, c = (i % D::kChunks) * 8;
     const int row = row0 + r;
     const bool ok = row < row_end;
-    tr_cp16(tile + r * D::kLd + c, base + (ok ? row : 0) * stride + c, ok ? 16 : 0);
+    cp_async16(tile + r * D::kLd + c, base + (ok ? row : 0) * stride + c, ok ? 16 : 0);
   }
 }
 
@@ -193,10 +132,10 @@ __device__ __forceinline__ void load_a_fragments(uint32_t (&f)[Dims<HD>::kSteps]
 #pragma unroll
   for (int ks = 0; ks < Dims<HD>::kSteps; ++ks) {
     const int c0 = ks * 16 + 2 * t4, c1 = c0 + 8;
-    f[ks][0] = row_a < row_end && c0 < HD ? tr_load_pair(base + row_a * stride + c0) : 0u;
-    f[ks][1] = row_b < row_end && c0 < HD ? tr_load_pair(base + row_b * stride + c0) : 0u;
-    f[ks][2] = row_a < row_end && c1 < HD ? tr_load_pair(base + row_a * stride + c1) : 0u;
-    f[ks][3] = row_b < row_end && c1 < HD ? tr_load_pair(base + row_b * stride + c1) : 0u;
+    f[ks][0] = row_a < row_end && c0 < HD ? load_pair(base + row_a * stride + c0) : 0u;
+    f[ks][1] = row_b < row_end && c0 < HD ? load_pair(base + row_b * stride + c0) : 0u;
+    f[ks][2] = row_a < row_end && c1 < HD ? load_pair(base + row_a * stride + c1) : 0u;
+    f[ks][3] = row_b < row_end && c1 < HD ? load_pair(base + row_b * stride + c1) : 0u;
   }
 }
 
@@ -210,14 +149,14 @@ __device__ __forceinline__ void mma_rows_t(float (&acc)[Dims<HD>::kNt][4], const
 #pragma unroll
   for (int d = 0; d + 1 < D::kNt; d += 2) {
     uint32_t b[4];
-    tr_ldsm_x4_t(b, r + d * 8 + (lane / 16) * 8);
-    tr_mma(acc[d], a, b[0], b[1]);
-    tr_mma(acc[d + 1], a, b[2], b[3]);
+    ldmatrix_x4_trans(b, r + d * 8 + (lane / 16) * 8);
+    mma_bf16_16816(acc[d], a, b[0], b[1]);
+    mma_bf16_16816(acc[d + 1], a, b[2], b[3]);
   }
   if constexpr (D::kNt % 2 == 1) {
     uint32_t b[2];
-    tr_ldsm_x2_t(b, r + (D::kNt - 1) * 8);
-    tr_mma(acc[D::kNt - 1], a, b[0], b[1]);
+    ldmatrix_x2_trans(b, r + (D::kNt - 1) * 8);
+    mma_bf16_16816(acc[D::kNt - 1], a, b[0], b[1]);
   }
 }
 
@@ -226,8 +165,8 @@ __device__ __forceinline__ void mma_rows_t(float (&acc)[Dims<HD>::kNt][4], const
 template <int HD>
 __device__ __forceinline__ void ldsm_b_pair(uint32_t (&b)[4], const uint16_t* rows, int kk,
                                             int lane) {
-  tr_ldsm_x4(b,
-             rows + ((lane / 16) * 8 + lane % 8) * Dims<HD>::kLd + kk * 16 + ((lane / 8) % 2) * 8);
+  ldmatrix_x4(b,
+              rows + ((lane / 16) * 8 + lane % 8) * Dims<HD>::kLd + kk * 16 + ((lane / 8) % 2) * 8);
 }
 
 __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c)[2][4]) {
@@ -300,7 +239,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
                       C::kThreads);
     load_rows<HD, BC>(v_tiles + stage * C::kTileElems, v_base, p.width, key0, kv_end, tid,
                       C::kThreads);
-    tr_cp_commit();
+    cp_async_commit();
   };
   if (n_kv > 0) load_tile(0, 0);
 
@@ -326,9 +265,9 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
     // The other stage was last read in iteration it - 1, which ended with a barrier.
     if (it + 1 < n_kv) {
       load_tile(stage ^ 1, it + 1);
-      tr_cp_wait<1>();
+      cp_async_wait<1>();
     } else {
-      tr_cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     const int key0 = kv_begin + it * BC;
@@ -354,8 +293,8 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
           ldsm_b_pair<HD>(bk, ks + np * 16 * D::kLd, kk, lane);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            tr_mma(s[mt][2 * np], qf[mt][kk], bk[0], bk[1]);
-            tr_mma(s[mt][2 * np + 1], qf[mt][kk], bk[2], bk[3]);
+            mma_bf16_16816(s[mt][2 * np], qf[mt][kk], bk[0], bk[1]);
+            mma_bf16_16816(s[mt][2 * np + 1], qf[mt][kk], bk[2], bk[3]);
           }
         }
       }
@@ -391,12 +330,12 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
           const float m_new = fmaxf(m_run[mt][r], mx);
           // A row that has seen only masked keys keeps m = -inf: exponentiate against 0.
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = tr_exp2(m_run[mt][r] - m_use);
+          const float alpha = exp2_ftz(m_run[mt][r] - m_use);
           float sum = 0.f;
 #pragma unroll
           for (int nt = 0; nt < BC / 8; ++nt) {
-            s[mt][nt][2 * r] = tr_exp2(s[mt][nt][2 * r] - m_use);
-            s[mt][nt][2 * r + 1] = tr_exp2(s[mt][nt][2 * r + 1] - m_use);
+            s[mt][nt][2 * r] = exp2_ftz(s[mt][nt][2 * r] - m_use);
+            s[mt][nt][2 * r + 1] = exp2_ftz(s[mt][nt][2 * r + 1] - m_use);
             sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
           }
           sum += __shfl_xor_sync(0xffffffffu, sum, 1);
@@ -425,18 +364,18 @@ __global__ void __launch_bounds__(C::kThreads) attn_fwd_kernel(TrainParams p) {
 #pragma unroll
         for (int d = 0; d + 1 < D::kNt; d += 2) {
           uint32_t bv[4];
-          tr_ldsm_x4_t(bv, vrow + d * 8 + (lane / 16) * 8);
+          ldmatrix_x4_trans(bv, vrow + d * 8 + (lane / 16) * 8);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            tr_mma(o[mt][d], pa[mt], bv[0], bv[1]);
-            tr_mma(o[mt][d + 1], pa[mt], bv[2], bv[3]);
+            mma_bf16_16816(o[mt][d], pa[mt], bv[0], bv[1]);
+            mma_bf16_16816(o[mt][d + 1], pa[mt], bv[2], bv[3]);
           }
         }
         if constexpr (D::kNt % 2 == 1) {
           uint32_t bv[2];
-          tr_ldsm_x2_t(bv, vrow + (D::kNt - 1) * 8);
+          ldmatrix_x2_trans(bv, vrow + (D::kNt - 1) * 8);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) tr_mma(o[mt][D::kNt - 1], pa[mt], bv[0], bv[1]);
+          for (int mt = 0; mt < MT; ++mt) mma_bf16_16816(o[mt][D::kNt - 1], pa[mt], bv[0], bv[1]);
         }
       }
     }
@@ -566,7 +505,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
                     tid, C::kThreads);
   load_rows<HD, BK>(v_s, p.qkv + p.v_col + static_cast<int64_t>(kv_head) * HD, p.width, k0, k_stop,
                     tid, C::kThreads);
-  tr_cp_commit();
+  cp_async_commit();
   // Iteration it: query head kv_head * group + it / n_qt, query tile it % n_qt.
   auto load_stage = [&](int stage, int it) {
     const int head = kv_head * p.group + it / n_qt;
@@ -582,15 +521,15 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
       const int row = q0 + r;
       const bool ok = row < q_end;
       const float* src = (i < BQ ? p.lse : p.dsum) + (ok ? row * p.nq + head : 0);
-      tr_cp4((i < BQ ? lse_s : dsum_s) + stage * BQ + r, src, ok ? 4 : 0);
+      cp_async4((i < BQ ? lse_s : dsum_s) + stage * BQ + r, src, ok ? 4 : 0);
     }
-    tr_cp_commit();
+    cp_async_commit();
   };
   if (n_it > 0) load_stage(0, 0);
   if (n_it > 0) {
-    tr_cp_wait<1>();
+    cp_async_wait<1>();
   } else {
-    tr_cp_wait<0>();
+    cp_async_wait<0>();
   }
   __syncthreads();
 
@@ -600,8 +539,8 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
   uint32_t kf[D::kSteps][4], vf[D::kSteps][4];
 #pragma unroll
   for (int kk = 0; kk < D::kSteps; ++kk) {
-    tr_ldsm_x4(kf[kk], k_s + (warp * 16 + lane % 16) * D::kLd + kk * 16 + (lane / 16) * 8);
-    tr_ldsm_x4(vf[kk], v_s + (warp * 16 + lane % 16) * D::kLd + kk * 16 + (lane / 16) * 8);
+    ldmatrix_x4(kf[kk], k_s + (warp * 16 + lane % 16) * D::kLd + kk * 16 + (lane / 16) * 8);
+    ldmatrix_x4(vf[kk], v_s + (warp * 16 + lane % 16) * D::kLd + kk * 16 + (lane / 16) * 8);
   }
   float dk[D::kNt][4], dv[D::kNt][4];
 #pragma unroll
@@ -613,9 +552,9 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
     const int stage = it & 1;
     if (it + 1 < n_it) {
       load_stage(stage ^ 1, it + 1);
-      tr_cp_wait<1>();
+      cp_async_wait<1>();
     } else {
-      tr_cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     const int q0 = q_begin + (it % n_qt) * BQ;
@@ -636,10 +575,10 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
           uint32_t bq[4], bd[4];
           ldsm_b_pair<HD>(bq, qt + c * 16 * D::kLd, kk, lane);
           ldsm_b_pair<HD>(bd, dot + c * 16 * D::kLd, kk, lane);
-          tr_mma(s[0], kf[kk], bq[0], bq[1]);
-          tr_mma(s[1], kf[kk], bq[2], bq[3]);
-          tr_mma(dp[0], vf[kk], bd[0], bd[1]);
-          tr_mma(dp[1], vf[kk], bd[2], bd[3]);
+          mma_bf16_16816(s[0], kf[kk], bq[0], bq[1]);
+          mma_bf16_16816(s[1], kf[kk], bq[2], bq[3]);
+          mma_bf16_16816(dp[0], vf[kk], bd[0], bd[1]);
+          mma_bf16_16816(dp[1], vf[kk], bd[2], bd[3]);
         }
         bool need_mask = c0 + 16 > q_end;
         if constexpr (kCausal) need_mask = need_mask || c0 < wk0 + 15;
@@ -656,7 +595,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dkv_kernel(TrainParams p
           const float ds0[2] = {d2.x, d2.y};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float pr = tr_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e & 1]));
+            float pr = exp2_ftz(fmaf(s[nt][e], p.scale_log2, -lse2[e & 1]));
             if (need_mask) {
               const int j = nt * 8 + (e & 1);
               bool ok = j < j_end;
@@ -740,7 +679,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dq_kernel(TrainParams p)
                        C::kThreads);
     load_rows<HD, BKV>(v_tiles + stage * C::kTileElems, v_base, p.width, key0, kv_end, tid,
                        C::kThreads);
-    tr_cp_commit();
+    cp_async_commit();
   };
   if (n_kv > 0) load_tile(0, 0);
 
@@ -773,9 +712,9 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dq_kernel(TrainParams p)
     const int stage = it & 1;
     if (it + 1 < n_kv) {
       load_tile(stage ^ 1, it + 1);
-      tr_cp_wait<1>();
+      cp_async_wait<1>();
     } else {
-      tr_cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     if (!warp_idle) {
@@ -795,10 +734,10 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dq_kernel(TrainParams p)
           ldsm_b_pair<HD>(bv, vs + c * 16 * D::kLd, kk, lane);
 #pragma unroll
           for (int mt = 0; mt < MQ; ++mt) {
-            tr_mma(s[mt][0], qf[mt][kk], bk[0], bk[1]);
-            tr_mma(s[mt][1], qf[mt][kk], bk[2], bk[3]);
-            tr_mma(dp[mt][0], of[mt][kk], bv[0], bv[1]);
-            tr_mma(dp[mt][1], of[mt][kk], bv[2], bv[3]);
+            mma_bf16_16816(s[mt][0], qf[mt][kk], bk[0], bk[1]);
+            mma_bf16_16816(s[mt][1], qf[mt][kk], bk[2], bk[3]);
+            mma_bf16_16816(dp[mt][0], of[mt][kk], bv[0], bv[1]);
+            mma_bf16_16816(dp[mt][1], of[mt][kk], bv[2], bv[3]);
           }
         }
         bool need_mask = c0 + 16 > kv_end;
@@ -818,7 +757,7 @@ __global__ void __launch_bounds__(C::kThreads) attn_bwd_dq_kernel(TrainParams p)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int r = e / 2;
-              float pr = tr_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
+              float pr = exp2_ftz(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
               if (need_mask && nt * 8 + (e & 1) > lim[r]) pr = 0.f;
               dp[mt][nt][e] = pr * (dp[mt][nt][e] - ds0[mt][r]);
             }
@@ -900,7 +839,7 @@ __global__ void __launch_bounds__(kSimpleWarps* kWarpSize)
   for (int j = seg_b; j < kv_end; ++j) {
     const float s = dot_dims(q, k_base + j * p.width, hd, lane) * p.scale_log2;
     const float m_new = fmaxf(m, s);
-    const float alpha = tr_exp2(m - m_new), pr = tr_exp2(s - m_new);
+    const float alpha = exp2_ftz(m - m_new), pr = exp2_ftz(s - m_new);
     l = l * alpha + pr;
     m = m_new;
 #pragma unroll
@@ -939,7 +878,7 @@ __global__ void __launch_bounds__(kSimpleWarps* kWarpSize)
   const uint16_t* v_base = p.qkv + p.v_col + static_cast<int64_t>(kv_head) * hd;
   for (int j = seg_b; j < kv_end; ++j) {
     const float s = dot_dims(q, k_base + j * p.width, hd, lane);
-    const float pr = tr_exp2(fmaf(s, p.scale_log2, -lse2));
+    const float pr = exp2_ftz(fmaf(s, p.scale_log2, -lse2));
     const float ds = pr * (dot_dims(go, v_base + j * p.width, hd, lane) - ds0);
 #pragma unroll
     for (int jj = 0; jj < kSimpleDims; ++jj) {
@@ -976,7 +915,7 @@ __global__ void __launch_bounds__(kSimpleWarps* kWarpSize)
       const uint16_t* q = p.qkv + i * p.width + static_cast<int64_t>(h) * hd;
       const uint16_t* go = p.dout + i * p.hidden + static_cast<int64_t>(h) * hd;
       const float s = dot_dims(k, q, hd, lane);
-      const float pr = tr_exp2(fmaf(s, p.scale_log2, -p.lse[i * p.nq + h] * kTrainLog2e));
+      const float pr = exp2_ftz(fmaf(s, p.scale_log2, -p.lse[i * p.nq + h] * kTrainLog2e));
       const float ds = pr * (dot_dims(v, go, hd, lane) - p.dsum[i * p.nq + h]);
 #pragma unroll
       for (int jj = 0; jj < kSimpleDims; ++jj) {

@@ -34,12 +34,6 @@ namespace {
 constexpr int kBwdRows = 64;  // query rows or keys per block: the wgmma M of one warpgroup
 constexpr int kBwdThreads = 128;
 
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // A tile of 64 rows x HD columns: HD / 64 sub-tiles of [64 rows][128 bytes], 128-byte swizzled.
 template <int HD>
 struct BwdTile {
@@ -215,7 +209,7 @@ __device__ __forceinline__ void dkv_block(const TrainParams& p, unsigned char* s
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * j + 2 * t4 + (e & 1);
-        float pr = ex2_approx(fmaf(st[4 * j + e], c, -lt[col]));
+        float pr = exp2_ftz(fmaf(st[4 * j + e], c, -lt[col]));
         if (need_mask) {
           bool ok = q0 + col < q_end;
           if constexpr (kCausal) ok = ok && q0 + col >= (e < 2 ? key_a : key_b);
@@ -307,7 +301,7 @@ __device__ __forceinline__ void dq_block(const TrainParams& p, unsigned char* sm
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        float pr = ex2_approx(fmaf(s[4 * j + e], c, -lse2[r]));
+        float pr = exp2_ftz(fmaf(s[4 * j + e], c, -lse2[r]));
         if (need_mask) {
           const int64_t key = key0 + 8 * j + 2 * t4 + (e & 1);
           bool ok = key < kv_end;

@@ -1,25 +1,13 @@
-// Hopper (sm_90a) building blocks of the attention kernels: cp.async copies into shared memory,
-// warpgroup MMAs (wgmma) on bf16 with f32 accumulation, the descriptors of the tiles that wgmma
-// reads, and TMA tile copies that complete on mbarriers.
+// Hopper (sm_90a) building blocks of the attention kernels (beside mma_sync.cuh's): warpgroup MMAs
+// (wgmma) on bf16 with f32 accumulation, the descriptors of the tiles that wgmma reads, and TMA
+// tile copies that complete on mbarriers.
 #pragma once
 
 #include <cstdint>
 
-namespace iris::cuda {
+#include "core/cuda/attention/mma_sync.cuh"
 
-// 16-byte global->shared copy; src_bytes 0 zero-fills the destination without reading.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+namespace iris::cuda {
 
 // wgmma exists only in sm_90a code; elsewhere (the host pass, plain sm_90 or other archs) these
 // trap, and the kernels that call them are never launched: their dispatchers check for a
