@@ -28,6 +28,7 @@
 #include "core/fs.h"
 #include "core/graph_capture.h"
 #include "core/graph_config.h"
+#include "core/op_profile.h"
 #include "core/usable_cores.h"
 #include "vision/preprocess.h"
 
@@ -371,7 +372,7 @@ int run_bench_command(int argc, char** argv) {
       "iris bench"};
   std::string config_path = "bench/configs/qwen3vl_2b.json", device = "auto", json_out, peer;
   int iters = 5;
-  bool quick = false, tune = false, busy_host = false;
+  bool quick = false, tune = false, busy_host = false, op_profile = false;
   std::vector<std::string> only;
   std::string profile_case;
   app.add_option("--config", config_path, "HF config.json of the geometry")->capture_default_str();
@@ -390,6 +391,9 @@ int run_bench_command(int argc, char** argv) {
   app.add_flag("--busy-host", busy_host,
                "measure the vision, prefill, decode and TTFT figures with graphs again beside one "
                "spinning thread per core the process may use, and print each one's slowdown");
+  app.add_flag("--op-profile", op_profile,
+               "also run one eager decode step op by op, each op timed alone, and print where its "
+               "device time goes by op family and by op, each against its floor");
   app.add_option("--only", only, "figures to measure (default: all)")
       ->delimiter(',')
       ->check(CLI::IsMember({"vision", "prefill", "decode", "ttft", "attention", "gemm"}));
@@ -399,7 +403,12 @@ int run_bench_command(int argc, char** argv) {
                  "decode' / 'graphs decode' for one decode step");
   if (!parse_command_line(app, {argv + 1, argv + argc}, "iris bench")) return 0;
   const std::string dev = device == "auto" ? (cuda_available() ? "cuda" : "cpu") : device;
-  auto be = make_backend(dev);
+  const std::unique_ptr<Backend> device_backend = make_backend(dev);
+  // With --op-profile every op passes through a recorder, which times them only between its
+  // start() and stop(): the model must be built on it to be profiled at all.
+  const std::unique_ptr<ProfilingBackend> recorder =
+      op_profile ? std::make_unique<ProfilingBackend>(*device_backend) : nullptr;
+  Backend* const be = recorder ? recorder.get() : device_backend.get();
   const bool on_gpu = be->device() == Device::cuda;
   if (tune) {
     if (on_gpu)
@@ -470,6 +479,8 @@ int run_bench_command(int argc, char** argv) {
 
   std::vector<Row> rows;
   json results;
+  std::vector<OpRecord> decode_records;  // --op-profile: one eager decode step's ops
+  double eager_decode_ms = 0;
   std::vector<std::string> graphed_vision_cases;  // in the order measured
   VisionCudaGraphHelper* graphs = nullptr;
   // The next greedy token after a decode step: on the device by the decode graph when graphs
@@ -632,6 +643,13 @@ int run_bench_command(int argc, char** argv) {
         be->profiler_collect(true);
         step();
         be->profiler_collect(false);
+      }
+      if (recorder && mode == "eager") {
+        recorder->start();
+        model.decode(next);
+        decode_records = recorder->stop();
+        next = greedy_after_decode();
+        eager_decode_ms = t * 1e3;
       }
       const double enqueue_ms = enqueue_s / double(decode_steps) * 1e3;
       const double ctx = double(decode_context) + 5 + double(decode_steps) / 2;
@@ -948,6 +966,27 @@ int run_bench_command(int argc, char** argv) {
           "arenas, peer: torch peak allocated)\n",
           "memory_mib", ours, theirs, ours / theirs);
     }
+  }
+  if (!decode_records.empty()) {
+    // Each op ran alone, so their sum is the device's busy time for the step without the gaps
+    // between kernels; set against the timed steps, it says how much of a step is launches and
+    // gaps, and each op's rate says how far its kernel is from the copy bandwidth.
+    // At one token a GEMM reads its weights once and does two FLOPs per weight: its floor is its
+    // bytes, as every other op's is. (Rates count the whole of each tensor an op names, so the
+    // embedding lookup and the attention's cache, which read only some rows, show too high and
+    // too low.)
+    for (OpRecord& r : decode_records) r.flops = 0;
+    const StepProfile p = step_profile(decode_records, eager_decode_ms);
+    std::printf(
+        "\neager decode step, op by op: %.3f ms in its ops (each timed alone) against %.3f ms a "
+        "timed eager step\n",
+        p.ops_ms, eager_decode_ms);
+    for (const std::string& line : step_profile_table(p, hw.gemm_tflops, hw.copy_gbps))
+      std::printf("  %s\n", line.c_str());
+    for (const std::string& line : op_totals_table(totals_by_op(decode_records), 16, p.step_ms(),
+                                                   hw.gemm_tflops, hw.copy_gbps))
+      std::printf("  %s\n", line.c_str());
+    results["decode_profile"] = step_profile_json(p);
   }
   if (!json_out.empty()) write_file_atomic(json_out, results.dump(2) + "\n");
   return 0;
