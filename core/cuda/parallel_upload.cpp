@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -42,7 +41,8 @@ std::vector<int64_t> upload_all_finite(const std::vector<Backend::HostWrite>& wr
 
   int device = 0;
   IRIS_CUDA_CHECK(cudaGetDevice(&device));
-  const int n_workers = static_cast<int>(std::clamp<size_t>(workers, 1, jobs.size()));
+  const int n_workers =
+      static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(workers, 1)), jobs.size()));
   PinnedBuffer pinned(static_cast<size_t>(n_workers) * 2 * kBlockBytes);
   std::vector<std::unique_ptr<Stream>> streams;
   std::vector<std::unique_ptr<Event>> buffer_free;  // per worker and half: its last copy
