@@ -75,6 +75,36 @@ TEST(OpProfile, RecordsEachOpsTimeFlopsAndBytes) {
   EXPECT_EQ(t[1].family, "norms and RoPE");
 }
 
+// totals_by_op keeps a family's ops apart, the slowest first, each summing its calls; the table
+// lists at most max_rows of them under its heading, each with its share of the step.
+TEST(OpProfile, TotalsByOpSplitAFamilyIntoItsOps) {
+  const std::vector<OpRecord> r = {{"linear", 2.0, 10, 1},
+                                   {"rms_norm_linear", 4.0, 8, 2},
+                                   {"linear", 3.0, 20, 2},
+                                   {"rms_norm", 0.5, 0, 4}};
+  const std::vector<OpFamilyTotal> ops = totals_by_op(r);
+  ASSERT_EQ(ops.size(), 3u);
+  EXPECT_EQ(ops[0].family, "linear");
+  EXPECT_EQ(ops[0].ms, 5.0);
+  EXPECT_EQ(ops[0].flops, 30.0);
+  EXPECT_EQ(ops[0].bytes, 3.0);
+  EXPECT_EQ(ops[0].calls, 2);
+  EXPECT_EQ(ops[1].family, "rms_norm_linear");
+  EXPECT_EQ(ops[2].family, "rms_norm");
+  const std::vector<OpFamilyTotal> families = totals_by_family(r);
+  ASSERT_EQ(families.size(), 2u);
+  EXPECT_EQ(families[0].family, "GEMM forward");
+  EXPECT_EQ(families[0].ms, ops[0].ms + ops[1].ms);
+
+  const std::vector<std::string> lines = op_totals_table(ops, 2, 19.0, 0, 0);
+  ASSERT_EQ(lines.size(), 3u);  // the heading and two ops
+  EXPECT_EQ(lines[0].rfind("op", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1].rfind("linear ", 0), 0u) << lines[1];
+  EXPECT_NE(lines[1].find("26.3%"), std::string::npos) << lines[1];  // 5 of 19 ms
+  EXPECT_EQ(lines[2].rfind("rms_norm_linear ", 0), 0u) << lines[2];
+  EXPECT_NE(lines[2].find("21.1%"), std::string::npos) << lines[2];
+}
+
 // A training attention op counts the QK^T and PV products of its real segments: 4 L^2 D per head
 // and segment of L rows, half of it causal, the backward 2.5 times its forward; segments that
 // start at or past real_rows are padding and count nothing.
